@@ -1,0 +1,36 @@
+"""HloModule -> HLO text that ``parse_hlo`` reads back to an equal module."""
+from __future__ import annotations
+
+from .ir import Computation, HloModule, Instruction
+
+
+def _attrs(attrs: dict[str, str]) -> str:
+    return "".join(f", {k}={v}" for k, v in attrs.items())
+
+
+def print_instruction(inst: Instruction) -> str:
+    if inst.opcode == "parameter":
+        inside = str(inst.parameter_number)
+    elif inst.opcode == "constant":
+        inside = inst.literal or ""
+    else:
+        inside = ", ".join(f"%{op}" for op in inst.operands)
+    root = "ROOT " if inst.is_root else ""
+    return f"{root}%{inst.name} = {inst.shape} {inst.opcode}({inside}){_attrs(inst.attrs)}"
+
+
+def print_computation(comp: Computation) -> str:
+    head = ("ENTRY " if comp.is_entry else "") + f"%{comp.name}"
+    if comp.signature is not None:
+        params = ", ".join(f"{name}: {shape}" for name, shape in comp.signature.params)
+        head += f" ({params}) -> {comp.signature.result}"
+    body = "\n".join("  " + print_instruction(i) for i in comp.instructions)
+    return f"{head} {{\n{body}\n}}{_attrs(comp.attrs)}"
+
+
+def print_hlo(module: HloModule) -> str:
+    parts = [f"HloModule {module.name}{_attrs(module.attrs)}"]
+    for section, entries in module.tables:
+        parts.append("\n".join([section, *entries]))
+    parts.extend(print_computation(c) for c in module.computations)
+    return "\n\n".join(parts) + "\n"

@@ -1,0 +1,4 @@
+"""stitch's error hierarchy (defined in hlo_passes, which may not import stitch)."""
+from hlo_passes.errors import HloEvaluationError, HloParseError, StitchError, UnsupportedOpcodeError
+
+__all__ = ["HloEvaluationError", "HloParseError", "StitchError", "UnsupportedOpcodeError"]
