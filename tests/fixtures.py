@@ -1,0 +1,29 @@
+"""Where the committed HLO fixtures live and how tests enumerate them."""
+from __future__ import annotations
+
+import pathlib
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+GPU_TARGETS = ("v100", "a100", "h100")
+
+
+def zoo_fixture_files() -> list[pathlib.Path]:
+    """Every jax zoo fixture: tests/data/<model>/<config>.<stage>.hlo."""
+    return sorted(p for p in DATA.glob("*/*.hlo") if p.parent.name != "tf")
+
+
+def tf_fixture_files() -> list[pathlib.Path]:
+    return sorted((DATA / "tf").glob("*.hlo")) + sorted((DATA / "tf").glob("*.optimized_hlo"))
+
+
+def all_fixture_files() -> list[pathlib.Path]:
+    return zoo_fixture_files() + tf_fixture_files()
+
+
+def fixture_id(path: pathlib.Path) -> str:
+    return f"{path.parent.name}/{path.name}"
+
+
+def zoo_fixture(model: str, config: str, stage: str) -> pathlib.Path:
+    """``stage`` is 'pre' or 'gpu-<target>'."""
+    return DATA / model / f"{config}.{stage}.hlo"
