@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 UNARY_ELEMENTWISE = frozenset({
-    "abs", "cbrt", "ceil", "clz", "cos", "count-leading-zeros", "erf", "exponential",
+    "abs", "cbrt", "ceil", "cosine", "count-leading-zeros", "erf", "exponential",
     "exponential-minus-one", "floor", "imag", "is-finite", "log", "log-plus-one", "logistic",
     "negate", "not", "popcnt", "real", "reduce-precision", "round-nearest-afz",
-    "round-nearest-even", "rsqrt", "sign", "sin", "sqrt", "tan", "tanh", "convert",
+    "round-nearest-even", "rsqrt", "sign", "sine", "sqrt", "tan", "tanh", "convert",
     "bitcast-convert", "stochastic-convert",
 })
 

@@ -51,7 +51,7 @@ def test_fixture_round_trips(path):
 
 # XLA's enum names for opcodes whose text form is not the enum's CamelCase.
 _XLA_OPCODE_ALIASES = {"exponential": "exp", "exponential-minus-one": "expm1",
-                       "log-plus-one": "log1p", "popcnt": "popcnt",
+                       "log-plus-one": "log1p", "sine": "sin", "cosine": "cos", "popcnt": "population-count",
                        "count-leading-zeros": "clz"}
 
 
