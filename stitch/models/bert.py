@@ -28,18 +28,27 @@ CONFIG_TABLE = {
 }
 
 
-def add_encoder_params(t: ArgTable, prefix: str, hidden: int, ffn: int) -> None:
-    """Parameters of one post-LN encoder layer (shared with the Transformer encoder)."""
+def add_attention_params(t: ArgTable, prefix: str, hidden: int) -> None:
+    """Q/K/V/output projections of one attention block (weights then biases per blocks.ATTN_PARAMS)."""
     for name in blocks.ATTN_PARAMS:
         if name.startswith("w"):
-            t.weight(f"{prefix}attn_{name}", (hidden, hidden))
+            t.weight(f"{prefix}{name}", (hidden, hidden))
         else:
-            t.bias(f"{prefix}attn_{name}", (hidden,))
-    t.norm(f"{prefix}ln1", hidden)
+            t.bias(f"{prefix}{name}", (hidden,))
+
+
+def add_ffn_params(t: ArgTable, prefix: str, hidden: int, ffn: int) -> None:
     t.weight(f"{prefix}ffn0_w", (hidden, ffn))
     t.bias(f"{prefix}ffn0_b", (ffn,))
     t.weight(f"{prefix}ffn1_w", (ffn, hidden))
     t.bias(f"{prefix}ffn1_b", (hidden,))
+
+
+def add_encoder_params(t: ArgTable, prefix: str, hidden: int, ffn: int) -> None:
+    """Parameters of one post-LN encoder layer (shared with the Transformer encoder)."""
+    add_attention_params(t, f"{prefix}attn_", hidden)
+    t.norm(f"{prefix}ln1", hidden)
+    add_ffn_params(t, prefix, hidden, ffn)
     t.norm(f"{prefix}ln2", hidden)
 
 

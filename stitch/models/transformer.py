@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import blocks
-from .bert import add_encoder_params, encoder_layer
+from .bert import add_attention_params, add_encoder_params, add_ffn_params, encoder_layer
 from .spec import CONFIGS, ArgTable, ModelInstance, ModelSpec, pick_config
 
 
@@ -39,17 +39,10 @@ CONFIG_TABLE = {
 
 def _add_decoder_params(t: ArgTable, prefix: str, d: int, ffn: int) -> None:
     for attn in ("self", "cross"):
-        for name in blocks.ATTN_PARAMS:
-            if name.startswith("w"):
-                t.weight(f"{prefix}{attn}_{name}", (d, d))
-            else:
-                t.bias(f"{prefix}{attn}_{name}", (d,))
+        add_attention_params(t, f"{prefix}{attn}_", d)
     t.norm(f"{prefix}ln1", d)
     t.norm(f"{prefix}ln2", d)
-    t.weight(f"{prefix}ffn0_w", (d, ffn))
-    t.bias(f"{prefix}ffn0_b", (ffn,))
-    t.weight(f"{prefix}ffn1_w", (ffn, d))
-    t.bias(f"{prefix}ffn1_b", (d,))
+    add_ffn_params(t, prefix, d, ffn)
     t.norm(f"{prefix}ln3", d)
 
 
