@@ -29,8 +29,8 @@ _DIM = re.compile(r"\s*(<=)?\s*(\d+|\?)\s*")
 _INT = re.compile(r"-?\d+")
 _STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
 _VALUE_STOP = re.compile(r'["{}\[\]()\n, \t]')
-_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
-_TABLE_ENTRY = re.compile(r"[ \t]*(\d+[ \t]+(?:\"(?:[^\"\\\n]|\\.)*\"|\{[^\n]*\}))[ \t]*(?:\n|$)")
+_TABLE_HEAD = re.compile(r"(FileNames|FunctionNames|FileLocations|StackFrames)[ \t]*\r?\n")
+_TABLE_ENTRY = re.compile(r"[ \t]*(\d+[ \t]+(?:\"(?:[^\"\\\n]|\\.)*\"|\{[^\n]*\}))[ \t\r]*(?:\n|$)")
 _ENTRY = re.compile(r"ENTRY(?=[\s%])")
 _HEADER_COMMA = re.compile(r"[ \t]*,")
 _CLOSERS = {"{": "}", "[": "]", "(": ")"}
@@ -273,10 +273,10 @@ class _Parser:
         computations: list[Computation] = []
         self.skip()
         while self.pos < self.n:
-            word = _NAME.match(self.text, self.pos)
-            if word and word.group(0) in _TABLES and self.text[word.end():word.end() + 1] in ("\n", "\r"):
-                self.pos = word.end() + 1
-                tables.append((word.group(0), self.table_entries()))
+            head = _TABLE_HEAD.match(self.text, self.pos)
+            if head:
+                self.pos = head.end()
+                tables.append((head.group(1), self.table_entries()))
             else:
                 computations.append(self.computation())
             self.skip()

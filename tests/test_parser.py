@@ -144,6 +144,12 @@ ENTRY %e (a: f32[2]) -> f32[2] {
     assert parse_hlo(print_hlo(m)) == m
 
 
+def test_windows_line_endings():
+    path = next(p for p in FIXTURES if p.name == "tiny.gpu-h100.hlo")
+    text = path.read_text()
+    assert parse_hlo(text.replace("\n", "\r\n")) == parse_hlo(text)
+
+
 def test_unknown_opcode_is_generic_and_flagged():
     text = SMALL.replace("ROOT %s = f32[2,3]{1,0} select(%lt, %m, %c)",
                          "ROOT %s = f32[2,3]{1,0} frobnicate(%lt, %m, %c), weird_attr={a b}")
