@@ -80,22 +80,23 @@ def classify(inst: Instruction, module: HloModule | None = None) -> OpClass:
     return classify_with(inst, lookup)
 
 
+# Opcodes whose class does not depend on attributes or called computations.
+_CLASS_OF_OPCODE: dict[str, OpClass] = {
+    op: cls
+    for cls, ops in ((OpClass.LIGHT, LIGHT_OPS), (OpClass.EXPENSIVE, EXPENSIVE_OPS),
+                     (OpClass.REDUCTION, REDUCTION_OPS), (OpClass.LAYOUT, LAYOUT_OPS),
+                     (OpClass.COMPUTE, COMPUTE_OPS), (OpClass.SOURCE, SOURCE_OPS))
+    for op in ops
+}
+
+
 def classify_with(inst: Instruction, lookup: Lookup | None,
                   cache: dict[str, OpClass] | None = None) -> OpClass:
     """``classify`` with a computation lookup (and an optional per-computation cache)."""
     op = inst.opcode
-    if op in LIGHT_OPS:
-        return OpClass.LIGHT
-    if op in EXPENSIVE_OPS:
-        return OpClass.EXPENSIVE
-    if op in REDUCTION_OPS:
-        return OpClass.REDUCTION
-    if op in LAYOUT_OPS:
-        return OpClass.LAYOUT
-    if op in COMPUTE_OPS:
-        return OpClass.COMPUTE
-    if op in SOURCE_OPS:
-        return OpClass.SOURCE
+    fixed = _CLASS_OF_OPCODE.get(op)
+    if fixed is not None:
+        return fixed
     if op == "custom-call":
         target = inst.string("custom_call_target", "")
         return OpClass.COMPUTE if target.startswith(COMPUTE_CALL_PREFIXES) else OpClass.OPAQUE
