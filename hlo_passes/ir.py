@@ -207,37 +207,39 @@ class WindowDim:
     reversal: bool = False
 
 
+_WINDOW_FIELDS = ("size", "stride", "pad", "lhs_dilate", "rhs_dilate", "rhs_reversal")
+
+
 def parse_window(text: str, rank: int | None = None) -> tuple[WindowDim, ...]:
-    """``{size=3x3 stride=2x2 pad=1_1x1_1 lhs_dilate=.. rhs_dilate=.. rhs_reversal=0x1}``."""
+    """``{size=3x3 stride=2x2 pad=1_1x1_1 lhs_dilate=.. rhs_dilate=.. rhs_reversal=0x1}``.
+
+    Dimensions come from ``size`` (or ``rank`` when size is absent); every field present must
+    give one value per dimension.
+    """
     text = text.strip()
     if not (text.startswith("{") and text.endswith("}")):
         raise ValueError(f"expected a window {{size=... stride=...}}, got {text!r}")
     fields: dict[str, list[str]] = {}
     for item in text[1:-1].split():
         key, sep, value = item.partition("=")
-        if not sep or key not in ("size", "stride", "pad", "lhs_dilate", "rhs_dilate", "rhs_reversal"):
+        if not sep or key not in _WINDOW_FIELDS:
             raise ValueError(f"unknown window field {item!r}")
         fields[key] = value.split("x")
-    n = len(fields.get("size", [])) if "size" in fields else (rank or 0)
-    if rank is not None and "size" not in fields:
-        n = rank
-    dims = []
-    for i in range(n):
-        def get(key: str, default: int) -> int:
-            vals = fields.get(key)
-            if vals is None:
-                return default
-            if len(vals) != n:
-                raise ValueError(f"window field {key!r} has {len(vals)} dims, expected {n}")
-            return int(vals[i])
-        pad = fields.get("pad")
-        if pad is not None and len(pad) != n:
-            raise ValueError(f"window pad has {len(pad)} dims, expected {n}")
-        lo, hi = (pad[i].split("_") if pad else ("0", "0"))
-        dims.append(WindowDim(get("size", 1), get("stride", 1), int(lo), int(hi),
-                              get("lhs_dilate", 1), get("rhs_dilate", 1),
-                              bool(get("rhs_reversal", 0))))
-    return tuple(dims)
+    n = len(fields["size"]) if "size" in fields else (rank or 0)
+    for key, values in fields.items():
+        if len(values) != n:
+            raise ValueError(f"window field {key!r} has {len(values)} dims, expected {n}")
+
+    def ints(key: str, default: int) -> list[int]:
+        return [int(v) for v in fields[key]] if key in fields else [default] * n
+
+    pads = [p.split("_") for p in fields.get("pad", ["0_0"] * n)]
+    if any(len(p) != 2 for p in pads):
+        raise ValueError(f"window pad must be low_high per dimension, got {fields['pad']}")
+    return tuple(WindowDim(size, stride, int(lo), int(hi), lhs, rhs, bool(rev))
+                 for size, stride, (lo, hi), lhs, rhs, rev in zip(
+                     ints("size", 1), ints("stride", 1), pads, ints("lhs_dilate", 1),
+                     ints("rhs_dilate", 1), ints("rhs_reversal", 0)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ _FIXED = {
     "bitcast": 1, "broadcast": 1, "copy": 1, "reshape": 1, "transpose": 1, "reverse": 1,
     "slice": 1, "get-tuple-element": 1, "pad": 2, "dot": 2, "convolution": 2,
     "reduce-precision": 1, "iota": 0, "parameter": 0, "constant": 0, "while": 1,
-    "select-and-scatter": 3, "gather": 2, "dynamic-update-slice": None,
+    "select-and-scatter": 3, "gather": 2,
 }
 
 
