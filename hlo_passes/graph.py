@@ -30,6 +30,11 @@ from .op_classes import OpClass, classify_with
 
 log = logging.getLogger(__name__)
 
+# Ops that launch no kernel: they name, alias or sequence buffers, or (while/conditional)
+# hand over to graphs of their own. A reshape is one of them when it is a bitcast.
+FREE_OPCODES = frozenset({"bitcast", "get-tuple-element", "tuple", "add-dependency", "domain",
+                          "optimization-barrier", "after-all", "while", "conditional"})
+
 # A value during construction: a node id, or a tuple of values (a tuple not materialized).
 Val = Union[int, tuple]
 
@@ -71,6 +76,16 @@ class OpGraph:
             return self.nodes[self._names[name]]
         except KeyError:
             raise KeyError(f"graph {self.name!r} has no node {name!r}") from None
+
+    def is_free(self, nid: int) -> bool:
+        """True when the op launches no kernel and moves no bytes by itself (sources,
+        bitcasts, tuple plumbing, control flow, reshapes that are bitcasts)."""
+        node = self.nodes[nid]
+        if node.op_class is OpClass.SOURCE or node.opcode in FREE_OPCODES:
+            return True
+        if node.opcode == "reshape" and node.operands:
+            return _is_bitcast_reshape(self.nodes[node.operands[0]].shape, node.shape)
+        return False
 
     def topological_order(self) -> list[int]:
         return [n.id for n in self.nodes]
@@ -132,6 +147,15 @@ class OpGraph:
             if m in outputs or any(u not in members for u in node.users):
                 written += node.shape.byte_size
         return sum(reads.values()) + written
+
+
+def _is_bitcast_reshape(src: Shape, dst: Shape) -> bool:
+    """A reshape between row-major layouts only relabels the bytes (XLA makes it a
+    bitcast); with other layouts we assume data moves."""
+    def row_major(shape: Shape) -> bool:
+        return shape.minor_to_major() == tuple(range(shape.rank - 1, -1, -1))
+    return (src.is_array and dst.is_array and row_major(src) and row_major(dst)
+            and src.element_type == dst.element_type)
 
 
 class GraphBuildError(StitchError):

@@ -1,0 +1,269 @@
+"""The delta-evaluator (FusionStitching §5.4): f = T_reduced_mem + T_reduced_calls - T_penalty.
+
+f(P) is what forming pattern P saves against running each of its ops as its own kernel, so
+a plan's modeled time is sum(singletons) - sum(f). Every term comes from one kernel time
+model, cheap enough to call thousands of times:
+
+    T(K) = launch + C + M - 0.95 * min(C, M)          (XLA's GpuPerformanceModel overlap)
+
+- M, memory: HBM bytes of K (each outside value read once, each value used outside written
+  once; ``OpGraph.hbm_bytes``) over the bandwidth K can draw. A kernel draws full bandwidth
+  only with enough threads in flight: we take one SM saturated at 1024 resident threads (half
+  of its 2048; Little's law with ~16 B in flight per thread and ~600-cycle DRAM latency), so
+  bandwidth scales with min(1, threads / (SMs * 1024)). Values that stay inside K live in
+  registers (free) or, when shared by a block, in shared memory at its documented 128 B/clk/SM
+  (``GpuSpec.shared_memory_bandwidth``).
+- C, compute: thread instructions over the FP32 lanes of the SMs K engages, counting
+  recomputation (thread composition recomputes a light producer for every consumer element;
+  reductions and expanded expensive ops are sub-roots computed once and shared, §4.2).
+  Instruction costs per op class are in ``INSTRUCTIONS_PER_ELEMENT``.
+- Parallelism, the simplified latency-evaluator's occupancy (§5.4: 16 registers, so registers
+  never limit): a pattern with a shared reduction runs one row per warp (rows of <= 256) or
+  per block, or, for reductions over non-minor dimensions, 32 columns per block of 1024
+  threads; a pattern without one runs one thread per output element.
+
+T_reduced_mem = sum M(op) - M(P); T_reduced_calls = (launches(ops) - 1) * launch;
+T_penalty is the rest of the difference (recomputation, lost parallelism, overlap).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+from hlo_passes.graph import OpGraph, OpNode
+from hlo_passes.op_classes import OpClass
+
+from ..explorer.feasibility import Infeasible, PatternAnalysis, analyze_pattern
+from .gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
+
+# Thread instructions per element (FP32 pipeline issue slots). Light ops are one
+# instruction; layout ops cost their index arithmetic. Expensive ops: libdevice expansions
+# (expf ~ 8 instructions incl. range reduction, logf ~ 14, tanhf/erff ~ 20, IEEE divide ~ 10
+# with its Newton step; rsqrt/sqrt issue on the quarter-rate SFU, 4 slots).
+INSTRUCTIONS_PER_ELEMENT = {
+    OpClass.LIGHT: 1.0, OpClass.LAYOUT: 2.0, OpClass.REDUCTION: 2.0, OpClass.EXPENSIVE: 10.0,
+}
+EXPENSIVE_INSTRUCTIONS = {
+    "rsqrt": 4.0, "sqrt": 4.0, "exponential": 8.0, "exponential-minus-one": 10.0,
+    "logistic": 12.0, "log": 14.0, "log-plus-one": 16.0, "tanh": 20.0, "erf": 20.0,
+    "divide": 10.0, "power": 30.0, "sine": 16.0, "cosine": 16.0, "tan": 24.0,
+    "atan2": 30.0, "remainder": 20.0, "cbrt": 20.0,
+}
+SATURATING_THREADS_PER_SM = 1024
+WARP_ROW_LIMIT = 256         # rows up to this length are reduced by one warp each
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    hbm_bytes: int
+    launches: int            # 0 for a kernel of free ops, else 1
+    memory_s: float
+    compute_s: float
+    threads: int
+    total_s: float
+
+
+@dataclass(frozen=True)
+class Delta:
+    f: float
+    reduced_mem_s: float
+    reduced_calls_s: float
+    penalty_s: float
+
+
+class CostModel:
+    """Kernel times of op sets of one graph on one GPU, cached by member set."""
+
+    def __init__(self, graph: OpGraph, spec: GpuSpec):
+        self.graph = graph
+        self.spec = spec
+        self._cache: dict[frozenset[int], KernelCost] = {}
+        self.elements = [_elements(n) for n in graph.nodes]
+        self.free = [graph.is_free(n.id) for n in graph.nodes]
+        self.saturation = spec.sm_count * SATURATING_THREADS_PER_SM
+
+    # --- kernel time -------------------------------------------------------------------
+    def kernel(self, members: Iterable[int], analysis: PatternAnalysis | None = None
+               ) -> KernelCost:
+        key = frozenset(members)
+        cost = self._cache.get(key)
+        if cost is None:
+            cost = self._kernel(key, analysis)
+            self._cache[key] = cost
+        return cost
+
+    def singleton(self, nid: int) -> KernelCost:
+        return self.kernel((nid,))
+
+    def _kernel(self, members: frozenset[int], analysis: PatternAnalysis | None) -> KernelCost:
+        graph, spec = self.graph, self.spec
+        work = [v for v in members if not self.free[v]]
+        if not work:
+            return KernelCost(0, 0, 0.0, 0.0, 0, 0.0)
+        nbytes = graph.hbm_bytes(members)
+        launch = spec.kernel_launch_overhead_s
+        if len(members) == 1:
+            node = graph.nodes[work[0]]
+            if node.op_class is OpClass.COMPUTE:
+                return self._compute_kernel(node, nbytes)
+            if node.op_class is OpClass.OPAQUE:
+                memory_s = nbytes / spec.hbm_bandwidth
+                return KernelCost(nbytes, 1, memory_s, 0.0, 0, launch + memory_s)
+        if analysis is None:
+            try:
+                analysis = analyze_pattern(graph, members)
+            except Infeasible:
+                analysis = None
+        threads, smem_bytes = self._parallelism(members, analysis)
+        fraction = min(1.0, threads / self.saturation)
+        memory_s = nbytes / (spec.hbm_bandwidth * fraction)
+        memory_s += smem_bytes / spec.shared_memory_bandwidth
+        lanes = spec.fp32_cores_per_sm * spec.sm_count * min(1.0, threads / (
+            spec.sm_count * spec.fp32_cores_per_sm))
+        compute_s = self._instructions(members, analysis) / (lanes * spec.clock_hz)
+        total = launch + compute_s + memory_s - XLA_MEMORY_COMPUTE_PARALLELISM * min(
+            compute_s, memory_s)
+        return KernelCost(nbytes, 1, memory_s, compute_s, threads, total)
+
+    def _compute_kernel(self, node: OpNode, nbytes: int) -> KernelCost:
+        """GEMM/conv: a roofline at peak FP32 (the same on both sides of any comparison)."""
+        spec = self.spec
+        memory_s = nbytes / spec.hbm_bandwidth
+        compute_s = _flops(self.graph, node) / spec.fp32_flops
+        total = spec.kernel_launch_overhead_s + compute_s + memory_s - \
+            XLA_MEMORY_COMPUTE_PARALLELISM * min(compute_s, memory_s)
+        return KernelCost(nbytes, 1, memory_s, compute_s, 0, total)
+
+    def _parallelism(self, members: frozenset[int], analysis: PatternAnalysis | None
+                     ) -> tuple[int, int]:
+        """Threads the kernel can run at once, and shared-memory bytes it moves."""
+        graph = self.graph
+        if analysis is None:     # not stitchable: assume it is one plain loop kernel
+            return max(self.elements[v] for v in members), 0
+        threads = 0
+        smem = 0
+        by_component: dict[int, list] = {}
+        for red in analysis.shared:
+            by_component.setdefault(analysis.component_of[red.node], []).append(red)
+        for index, comp in enumerate(analysis.components):
+            reds = by_component.get(index)
+            if not reds:
+                threads += max(self._loop_threads(v) for v in comp)
+                continue
+            comp_threads = None
+            for red in reds:
+                if red.minor:
+                    t = red.rows * (32 if red.row_length <= WARP_ROW_LIMIT
+                                    else min(1024, red.row_length))
+                else:
+                    t = math.ceil(red.rows / 32) * 1024
+                t = min(t, red.rows * red.row_length)
+                comp_threads = t if comp_threads is None else min(comp_threads, t)
+                smem += red.rows * 4 * 2       # partials written and read back
+            threads += comp_threads or 1
+        del graph
+        return max(threads, 1), smem
+
+    def _loop_threads(self, v: int) -> int:
+        node = self.graph.nodes[v]
+        if node.op_class is OpClass.REDUCTION and node.operands:
+            # A reduction kernel reads its input with many threads per output.
+            return max(self.elements[node.operands[0]] // 8, self.elements[v])
+        return self.elements[v]
+
+    def _instructions(self, members: frozenset[int], analysis: PatternAnalysis | None) -> float:
+        """Thread instructions, with thread composition's recomputation."""
+        graph = self.graph
+        shared = {r.node for r in analysis.shared} if analysis else set()
+        factor: dict[int, float] = {}
+        total = 0.0
+        for v in sorted(members, reverse=True):
+            node = graph.nodes[v]
+            if self.free[v]:
+                # Free ops pass their consumers' demand through.
+                need = max((factor.get(u, 0.0) * self.elements[u] / max(self.elements[v], 1)
+                            for u in node.users if u in members), default=1.0)
+                factor[v] = max(need, 1.0)
+                continue
+            if node.op_class is OpClass.REDUCTION or v in shared:
+                r = 1.0
+            else:
+                r = 1.0 if (v in graph.outputs or any(u not in members for u in node.users)) \
+                    else 0.0
+                for u in node.users:
+                    if u not in members:
+                        continue
+                    un = graph.nodes[u]
+                    demand = factor.get(u, 1.0)
+                    if un.op_class is OpClass.REDUCTION:
+                        demand = 1.0
+                    else:
+                        demand *= self.elements[u] / max(self.elements[v], 1)
+                    r = max(r, demand)
+                if node.op_class is OpClass.EXPENSIVE and r > 1.0:
+                    r = 1.0            # expanded expensive op: a sub-root, computed once
+                r = max(r, 1.0)
+            factor[v] = r
+            per_element = (EXPENSIVE_INSTRUCTIONS.get(node.opcode, 10.0)
+                           if node.op_class is OpClass.EXPENSIVE
+                           else INSTRUCTIONS_PER_ELEMENT.get(node.op_class, 2.0))
+            count = self.elements[v]
+            if node.op_class is OpClass.REDUCTION and node.operands:
+                count = self.elements[node.operands[0]]
+            total += count * r * per_element
+        return total
+
+    # --- the delta-evaluator -----------------------------------------------------------
+    def delta(self, members: Iterable[int], analysis: PatternAnalysis | None = None) -> Delta:
+        members = frozenset(members)
+        fused = self.kernel(members, analysis)
+        singles = [self.singleton(v) for v in members]
+        reduced_mem = sum(s.memory_s for s in singles) - fused.memory_s
+        reduced_calls = (sum(s.launches for s in singles) - fused.launches) * \
+            self.spec.kernel_launch_overhead_s
+        f = sum(s.total_s for s in singles) - fused.total_s
+        return Delta(f, reduced_mem, reduced_calls, reduced_mem + reduced_calls - f)
+
+    def gain(self, members: frozenset[int], analysis: PatternAnalysis | None = None) -> float:
+        """f alone (the score the explorer ranks by)."""
+        fused = self.kernel(members, analysis)
+        return sum(self.singleton(v).total_s for v in members) - fused.total_s
+
+
+def _elements(node: OpNode) -> int:
+    shape = node.shape
+    if shape.is_tuple:
+        leaves = list(shape.leaves())
+        return max((s.num_elements for s in leaves), default=1)
+    return max(shape.num_elements, 1) if shape.is_array else 1
+
+
+def _flops(graph: OpGraph, node: OpNode) -> float:
+    """2 * output elements * contracted size for dots/GEMM calls; convolutions: 2 * output
+    elements * kernel elements / output features. Best effort: 0 when unknown."""
+    out = _elements(node)
+    operands = [graph.nodes[o].shape for o in node.operands]
+    if len(operands) < 2 or not operands[0].is_array or not operands[1].is_array:
+        return 0.0
+    lhs, rhs = operands[0], operands[1]
+    inst = node.instruction
+    contracting: tuple[int, ...] = ()
+    if "lhs_contracting_dims" in inst.attrs:
+        contracting = inst.ints("lhs_contracting_dims")
+    else:
+        config = inst.backend_config.get("gemm_backend_config", {})
+        dims = config.get("dot_dimension_numbers", {}) if isinstance(config, dict) else {}
+        contracting = tuple(int(d) for d in dims.get("lhs_contracting_dimensions", ()))
+    if contracting:
+        return 2.0 * out * math.prod(lhs.dims[d] for d in contracting)
+    if node.opcode == "convolution" or "cudnn" in inst.attrs.get("custom_call_target", ""):
+        features = max(_leaf_dims(node)[-1:] or [1])
+        return 2.0 * out * rhs.num_elements / max(features, 1)
+    # Unknown GEMM form: assume the lhs's last dim is contracted.
+    return 2.0 * out * (lhs.dims[-1] if lhs.dims else 1)
+
+
+def _leaf_dims(node: OpNode) -> list[int]:
+    shape = next(node.shape.leaves()) if node.shape.is_tuple else node.shape
+    return list(shape.dims)

@@ -1,0 +1,1 @@
+"""The fusion explorer: PatternReduction, remote fusion, beam search and the BLP planner."""

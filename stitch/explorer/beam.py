@@ -1,0 +1,366 @@
+"""Plan selection by beam search (FusionStitching §5.3), and kernel packing of a plan.
+
+Beam search keeps ``width`` partial plans ("buffer sets"). It visits vertices from producers
+to consumers; at each vertex every buffer may take one of the candidate patterns whose first
+op is that vertex, when the pattern overlaps nothing the buffer already holds and keeps the
+kernel graph acyclic. The ``width`` buffers with the highest accumulated f survive.
+
+Packing merges kernels of a finished plan that no path connects (remote fusion's kernel
+packing): kernels on the same level of the kernel DAG (longest path from the inputs) are
+independent, so each level's stitchable kernels can become one launch without a cycle.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from hlo_passes.graph import OpGraph
+
+from ..cost.delta import CostModel
+from .feasibility import Infeasible, analyze_pattern
+from .patterns import Pattern
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Buffer:
+    patterns: tuple[Pattern, ...]
+    covered: int                  # bitmask of covered op ids
+    gain: float
+    owner: list[int] | None       # op id -> index into patterns, -1 when uncovered
+
+    def key(self) -> int:
+        return self.covered
+
+
+def _mask(members) -> int:
+    m = 0
+    for v in members:
+        m |= 1 << v
+    return m
+
+
+def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern) -> bool:
+    """Would adding ``pattern`` to the buffer's kernels close a cycle? A search forward from
+    the pattern's outside users, jumping across kernels (reaching one member of a kernel
+    reaches all its users). Nodes past the bound B* can never lead back: B* starts at the
+    pattern's last op and grows to the last op of every kernel starting at or before it."""
+    members = pattern.members
+    bound = max(members)
+    spans = [(min(p.members), max(p.members)) for p in buffer.patterns]
+    changed = True
+    while changed:
+        changed = False
+        for lo, hi in spans:
+            if lo <= bound < hi:
+                bound = hi
+                changed = True
+    owner = buffer.owner
+    pats = buffer.patterns
+    stack = [u for m in members for u in graph.nodes[m].users if u not in members]
+    seen: set[int] = set()
+    seen_kernels: set[int] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n > bound:
+            continue
+        seen.add(n)
+        k = owner[n] if owner is not None else -1
+        frontier = [n]
+        if k >= 0 and k not in seen_kernels:
+            seen_kernels.add(k)
+            frontier = list(pats[k].members)
+            seen.update(frontier)
+        for x in frontier:
+            for u in graph.nodes[x].users:
+                if u in members:
+                    return True
+                if u not in seen and u <= bound:
+                    stack.append(u)
+    return False
+
+
+def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
+                trim: Callable[[frozenset[int]], Pattern | None] | None = None,
+                lookahead: bool = True) -> list[Buffer]:
+    """The ``width`` best sets of disjoint patterns, best first. ``trim`` scores what is
+    left of a pattern that overlaps a buffer's earlier picks (None when that is no pattern:
+    not convex or not stitchable).
+
+    Buffers are ranked by accumulated f plus an optimistic estimate of what the ops not yet
+    decided can still gain (each op's best share, gain per op, over the patterns holding
+    it). Accumulated f alone favours a pattern that starts early and swallows ops a better
+    pattern further on would have used; the estimate charges each pick for the ops it takes.
+    """
+    if width < 1:
+        raise ValueError(f"beam width must be at least 1, got {width}")
+    n = len(graph.nodes)
+    share = [0.0] * n
+    by_first: dict[int, list[Pattern]] = {}
+    for p in patterns:
+        if len(p.members) > 1 and p.gain > 0:
+            by_first.setdefault(p.first, []).append(p)
+            per_op = p.gain / len(p.members)
+            for m in p.members:
+                share[m] = max(share[m], per_op)
+    for pats in by_first.values():
+        pats.sort(key=lambda p: -p.gain)
+    masks = {p.members: _mask(p.members) for pats in by_first.values() for p in pats}
+    suffix = [0.0] * (n + 1)
+    for v in range(n - 1, -1, -1):
+        suffix[v] = suffix[v + 1] + share[v]
+    # Per buffer: f so far, and the shares of the ops it has taken (all / before v).
+    beams = [Buffer((), 0, 0.0, None)]
+    taken: dict[int, float] = {0: 0.0}
+    passed: dict[int, float] = {0: 0.0}
+    for v in graph.topological_order():
+        for buf in beams:
+            if buf.covered >> v & 1:
+                passed[buf.covered] += share[v]
+        options = by_first.get(v)
+        if not options:
+            continue
+
+        def score(buf: Buffer, gain: float, extra_share: float) -> float:
+            if not lookahead:
+                return gain
+            future = suffix[v] - (taken[buf.covered] - passed[buf.covered]) - extra_share
+            return gain + future
+
+        proposals: list[tuple[float, float, int, Pattern | None]] = []
+        for bi, buf in enumerate(beams):
+            proposals.append((score(buf, buf.gain, share[v]), buf.gain, bi, None))
+            if buf.covered >> v & 1:
+                continue
+            for p in options:
+                cand: Pattern | None = p
+                if buf.covered & masks[p.members]:
+                    cand = None
+                    if trim is not None:
+                        # The pattern overlaps earlier picks: offer what is left of it.
+                        rest = frozenset(m for m in p.members if not buf.covered >> m & 1)
+                        cand = trim(rest) if len(rest) > 1 else None
+                        if cand is not None and cand.gain <= 0:
+                            cand = None
+                        if cand is not None:
+                            masks.setdefault(cand.members, _mask(cand.members))
+                if cand is not None:
+                    extra = sum(share[m] for m in cand.members)
+                    proposals.append((score(buf, buf.gain + cand.gain, extra),
+                                      buf.gain + cand.gain, bi, cand))
+        proposals.sort(key=lambda t: -t[0])
+        next_beams: list[Buffer] = []
+        next_taken: dict[int, float] = {}
+        next_passed: dict[int, float] = {}
+        for _, gain, bi, p in proposals:
+            if len(next_beams) == width:
+                break
+            buf = beams[bi]
+            if p is None:
+                if buf.covered in next_taken:
+                    continue
+                next_taken[buf.covered] = taken[buf.covered]
+                next_passed[buf.covered] = passed[buf.covered]
+                next_beams.append(buf)
+                continue
+            covered = buf.covered | masks[p.members]
+            if covered in next_taken or creates_cycle(graph, buf, p):
+                continue
+            owner = list(buf.owner) if buf.owner is not None else [-1] * n
+            index = len(buf.patterns)
+            for m in p.members:
+                owner[m] = index
+            next_taken[covered] = taken[buf.covered] + sum(share[m] for m in p.members)
+            next_passed[covered] = passed[buf.covered] + share[v]
+            next_beams.append(Buffer(buf.patterns + (p,), covered, gain, owner))
+        beams, taken, passed = next_beams, next_taken, next_passed
+    return sorted(beams, key=lambda b: -b.gain)
+
+
+def kernel_levels(graph: OpGraph, groups: list[frozenset[int]],
+                  weights: list[int] | None = None) -> list[int]:
+    """Longest-path level of each group in the DAG of kernels. Ops in no group are units of
+    their own with weight 0 (free ops: they pass dependencies on without adding a level),
+    groups weigh 1 (or ``weights``), so two groups on one level have no path between them.
+    Raises ValueError when the groups form a cycle."""
+    unit = list(range(len(groups), len(groups) + len(graph.nodes)))
+    for gi, g in enumerate(groups):
+        for v in g:
+            unit[v] = gi
+    n_units = len(groups) + len(graph.nodes)
+    weight = [1] * len(groups) + [0] * len(graph.nodes)
+    if weights is not None:
+        weight[:len(groups)] = weights
+    succ: list[set[int]] = [set() for _ in range(n_units)]
+    indegree = [0] * n_units
+    for node in graph.nodes:
+        a = unit[node.id]
+        for u in node.users:
+            b = unit[u]
+            if a != b and b not in succ[a]:
+                succ[a].add(b)
+                indegree[b] += 1
+    level = [0] * n_units
+    ready = [x for x in range(n_units) if indegree[x] == 0]
+    seen = 0
+    while ready:
+        x = ready.pop()
+        seen += 1
+        for y in succ[x]:
+            level[y] = max(level[y], level[x] + weight[x])
+            indegree[y] -= 1
+            if indegree[y] == 0:
+                ready.append(y)
+    if seen != n_units:
+        raise ValueError(f"graph {graph.name}: the kernels form a cycle")
+    return level[:len(groups)]
+
+
+def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
+                packable: list[bool]) -> list[tuple[frozenset[int], bool]]:
+    """Merge packable groups that sit on the same level when the merge saves time.
+
+    Returns (members, merged?) per resulting kernel."""
+    levels = kernel_levels(graph, groups)
+    by_level: dict[int, list[int]] = {}
+    for gi, level in enumerate(levels):
+        if packable[gi]:
+            by_level.setdefault(level, []).append(gi)
+    merged_into: dict[int, frozenset[int]] = {}
+    result: list[tuple[frozenset[int], bool]] = []
+    for level, members in by_level.items():
+        current: frozenset[int] | None = None
+        parts = 0
+        for gi in sorted(members, key=lambda g: min(groups[g])):
+            g = groups[gi]
+            if current is None:
+                current, parts = g, 1
+                continue
+            union = current | g
+            try:
+                analysis = analyze_pattern(graph, union)
+            except Infeasible:
+                result.append((current, parts > 1))
+                current, parts = g, 1
+                continue
+            saved = cost.kernel(current).total_s + cost.kernel(g).total_s - \
+                cost.kernel(union, analysis).total_s
+            if saved > 0:
+                current, parts = union, parts + 1
+            else:
+                result.append((current, parts > 1))
+                current, parts = g, 1
+        if current is not None:
+            result.append((current, parts > 1))
+        for gi in members:
+            merged_into[gi] = frozenset()
+    for gi, g in enumerate(groups):
+        if gi not in merged_into:
+            result.append((g, False))
+    return result
+
+
+def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
+                   mergeable: list[bool]) -> list[frozenset[int]]:
+    """Greedy refinement of a plan: merge two kernels joined by an edge while the merge saves
+    modeled time, best saving first. A merge must be stitchable and must not close a cycle
+    (no other path between the two kernels). Beam search decides pattern by pattern in
+    graph order; this pass repairs the splits its early decisions leave."""
+    import heapq
+
+    kernels: dict[int, frozenset[int]] = dict(enumerate(groups))
+    ok = dict(enumerate(mergeable))
+    owner = [-1] * len(graph.nodes)
+    for ki, g in kernels.items():
+        for v in g:
+            owner[v] = ki
+
+    def neighbours(ki: int) -> set[int]:
+        out: set[int] = set()
+        for v in kernels[ki]:
+            node = graph.nodes[v]
+            for w in list(node.users) + node.operands:
+                k = owner[w]
+                if k >= 0 and k != ki and ok.get(k):
+                    out.add(k)
+        return out
+
+    def successors(ki: int) -> set[int]:
+        out: set[int] = set()
+        for v in kernels[ki]:
+            for u in graph.nodes[v].users:
+                k = owner[u] if owner[u] >= 0 else -1 - u
+                if k != ki:
+                    out.add(k)
+        return out
+
+    def succ_of(k: int) -> set[int]:
+        if k >= 0:
+            return successors(k)
+        node = graph.nodes[-1 - k]
+        return {owner[u] if owner[u] >= 0 else -1 - u for u in node.users}
+
+    def other_path(a: int, b: int) -> bool:
+        """Is b reachable from a other than through a direct edge? (bounded by b's last op)"""
+        limit = max(kernels[b])
+        stack = [k for k in successors(a) if k != b]
+        seen = set(stack)
+        while stack:
+            k = stack.pop()
+            if k == b:
+                return True
+            lo = min(kernels[k]) if k >= 0 else -1 - k
+            if lo > limit:
+                continue
+            for nxt in succ_of(k):
+                if nxt == b:
+                    return True
+                if nxt not in seen and nxt != a:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return False
+
+    def saving(a: int, b: int) -> tuple[float, frozenset[int]] | None:
+        union = kernels[a] | kernels[b]
+        try:
+            analysis = analyze_pattern(graph, union)
+        except Infeasible:
+            return None
+        s = cost.kernel(kernels[a]).total_s + cost.kernel(kernels[b]).total_s - \
+            cost.kernel(union, analysis).total_s
+        return (s, union) if s > 0 else None
+
+    heap: list[tuple[float, int, int]] = []
+    for a in list(kernels):
+        if not ok[a]:
+            continue
+        for b in neighbours(a):
+            if a < b:
+                got = saving(a, b)
+                if got:
+                    heapq.heappush(heap, (-got[0], a, b))
+    next_id = len(groups)
+    while heap:
+        _, a, b = heapq.heappop(heap)
+        if a not in kernels or b not in kernels:
+            continue
+        first, second = (a, b) if min(kernels[a]) <= min(kernels[b]) else (b, a)
+        if other_path(first, second) or other_path(second, first):
+            continue
+        got = saving(a, b)
+        if not got:
+            continue
+        union = got[1]
+        del kernels[a], kernels[b]
+        kernels[next_id] = union
+        ok[next_id] = True
+        for v in union:
+            owner[v] = next_id
+        for c in neighbours(next_id):
+            got = saving(next_id, c)
+            if got:
+                heapq.heappush(heap, (-got[0], min(next_id, c), max(next_id, c)))
+        next_id += 1
+    return list(kernels.values())

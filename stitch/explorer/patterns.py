@@ -1,0 +1,236 @@
+"""PatternReduction (FusionStitching §5.2): candidate patterns per vertex by approximate DP,
+and remote fusion through a virtual producer of all vertices.
+
+Vertices are visited in post-order (consumers first). The candidates of vertex v are
+patterns whose producer is v: v alone, or v joined with one candidate pattern of each of
+some of its consumers. Enumerating every combination is exponential in the number of
+consumers, so consumers are split in halves recursively (divide and conquer): a group of at
+most ``group_size`` consumers enumerates its combinations, and two halves are combined by
+pairing their top-k lists. Each step keeps the top k patterns by the delta-evaluator's f;
+every kept pattern is convex (fusing it creates no cycle) and accepted by the feasibility
+predicate. The work per vertex is O(deg * k^2) pattern evaluations.
+
+Remote fusion adds a virtual vertex h whose consumers are all vertices (in topological
+order) and runs the same reduction on it; since h itself is not an op, its patterns are
+unions of candidate patterns of different vertices — patterns sharing producers, and
+non-adjacent patterns that become one kernel by packing. Every intermediate result of that
+reduction is kept as a candidate too.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from hlo_passes.graph import OpGraph
+from hlo_passes.op_classes import OpClass
+
+from ..cost.delta import CostModel
+from .feasibility import Infeasible, analyze_pattern
+
+log = logging.getLogger(__name__)
+
+PLANNABLE_CLASSES = (OpClass.LIGHT, OpClass.EXPENSIVE, OpClass.REDUCTION, OpClass.LAYOUT)
+CONTROL_OPCODES = frozenset({"while", "conditional"})
+
+
+@dataclass(frozen=True)
+class Pattern:
+    members: frozenset[int]
+    gain: float            # f: modeled seconds saved against running each op alone
+    origin: str = "dp"     # "dp" | "remote" | "baseline" | "packing"
+
+    @property
+    def first(self) -> int:
+        return min(self.members)
+
+
+@dataclass
+class ExplorerStats:
+    evaluations: int = 0
+    rejected_cycle: int = 0
+    rejected_infeasible: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Candidates:
+    per_vertex: dict[int, list[Pattern]]
+    remote: list[Pattern]
+    # (producer, consumer) -> why no kept pattern of the producer includes the consumer.
+    reasons: dict[tuple[int, int], str] = field(default_factory=dict)
+    stats: ExplorerStats = field(default_factory=ExplorerStats)
+
+    def all_patterns(self) -> list[Pattern]:
+        seen: dict[frozenset[int], Pattern] = {}
+        for pats in self.per_vertex.values():
+            for p in pats:
+                seen.setdefault(p.members, p)
+        for p in self.remote:
+            seen.setdefault(p.members, p)
+        return list(seen.values())
+
+
+def is_plannable(graph: OpGraph, nid: int) -> bool:
+    """Ops a stitched kernel may contain: memory-intensive ones and free aliases."""
+    node = graph.nodes[nid]
+    return node.op_class in PLANNABLE_CLASSES and node.opcode not in CONTROL_OPCODES
+
+
+class PatternExplorer:
+    def __init__(self, graph: OpGraph, cost: CostModel, top_k: int = 3, group_size: int = 2,
+                 remote_fusion: bool = True,
+                 check: Callable[[OpGraph, Iterable[int]], object] = analyze_pattern):
+        if top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {top_k}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be at least 1, got {group_size}")
+        self.graph = graph
+        self.cost = cost
+        self.top_k = top_k
+        self.group_size = group_size
+        self.remote_fusion = remote_fusion
+        self.check = check
+        self.stats = ExplorerStats()
+        self.reasons: dict[tuple[int, int], str] = {}
+        self._valid: dict[frozenset[int], Pattern | str] = {}
+
+    # --- evaluation --------------------------------------------------------------------
+    def evaluate(self, members: frozenset[int], origin: str = "dp") -> Pattern | str:
+        """A scored pattern, or the reason it is rejected (cached)."""
+        hit = self._valid.get(members)
+        if hit is not None:
+            return hit
+        self.stats.evaluations += 1
+        result: Pattern | str
+        if len(members) > 1 and not self.graph.is_convex(members):
+            self.stats.rejected_cycle += 1
+            result = "fusing would create a cycle (a path leaves the pattern and re-enters)"
+        else:
+            try:
+                analysis = self.check(self.graph, members)
+            except Infeasible as exc:
+                self.stats.rejected_infeasible += 1
+                result = f"not stitchable: {exc}"
+            else:
+                result = Pattern(members, self.cost.gain(members, analysis), origin)
+        self._valid[members] = result
+        return result
+
+    def _top(self, patterns: Iterable[Pattern]) -> list[Pattern]:
+        unique: dict[frozenset[int], Pattern] = {}
+        for p in patterns:
+            unique.setdefault(p.members, p)
+        # Ties broken by size then by members, so results do not depend on set order.
+        ranked = sorted(unique.values(),
+                        key=lambda p: (-p.gain, -len(p.members), sorted(p.members)))
+        return ranked[:self.top_k]
+
+    # --- PatternReduction --------------------------------------------------------------
+    def explore(self) -> Candidates:
+        import time
+        start = time.perf_counter()
+        graph = self.graph
+        down = self._propagate(consumers_first=True)
+        up = self._propagate(consumers_first=False)
+        per_vertex: dict[int, list[Pattern]] = {
+            v: self._top(down.get(v, []) + up.get(v, []))
+            for v in set(down) | set(up)}
+        remote: list[Pattern] = []
+        if self.remote_fusion:
+            order = [v for v in graph.topological_order() if v in per_vertex]
+            pool: list[Pattern] = []
+            self._reduce(frozenset(), [per_vertex[v] for v in order], order, origin="remote",
+                         pool=pool)
+            singles = {p.members for pats in per_vertex.values() for p in pats}
+            remote = [p for p in self._top_all(pool) if p.members not in singles]
+        per_vertex = {v: self._top(down.get(v, [])) + self._top(up.get(v, []))
+                      for v in per_vertex}
+        self.stats.seconds = time.perf_counter() - start
+        log.debug("explored %s: %d vertices, %d evaluations, %d remote patterns in %.3f s",
+                  graph.name, len(per_vertex), self.stats.evaluations, len(remote),
+                  self.stats.seconds)
+        return Candidates(per_vertex, remote, self.reasons, self.stats)
+
+    def _propagate(self, consumers_first: bool) -> dict[int, list[Pattern]]:
+        """PatternReduction over the graph. ``consumers_first`` is the paper's direction:
+        post-order, each vertex joined with its consumers' patterns (the vertex is the
+        pattern's producer). The mirror image (producers first, each vertex joined with its
+        producers' patterns) finds what XLA's consumer-rooted fusion finds: a reduction with
+        every elementwise chain feeding it, which no single producer reaches."""
+        graph = self.graph
+        order = graph.topological_order()
+        found: dict[int, list[Pattern]] = {}
+        for v in (reversed(order) if consumers_first else order):
+            if not is_plannable(graph, v):
+                continue
+            node = graph.nodes[v]
+            neighbours = node.users if consumers_first else list(dict.fromkeys(node.operands))
+            joined = [u for u in neighbours if u in found]
+            if consumers_first:
+                for u in neighbours:
+                    if u not in found:
+                        self.reasons.setdefault((v, u), _boundary_reason(graph, u))
+            kept = self._reduce(frozenset((v,)), [found[u] for u in joined], joined,
+                                origin="dp", consumers_first=consumers_first)
+            found[v] = kept
+            if consumers_first:
+                for u in joined:
+                    if not any(u in p.members for p in kept):
+                        self.reasons.setdefault(
+                            (v, u), "kept patterns of the producer score higher without it")
+        return found
+
+    def _reduce(self, base: frozenset[int], lists: list[list[Pattern]], consumers: list[int],
+                origin: str, pool: list[Pattern] | None = None,
+                consumers_first: bool = True) -> list[Pattern]:
+        """Top-k patterns made of ``base`` plus at most one pattern from each list."""
+        if len(lists) <= self.group_size:
+            results: list[Pattern] = []
+            for combo in itertools.product(*[[None] + lst for lst in lists]):
+                members = base.union(*(p.members for p in combo if p is not None))
+                if not members:
+                    continue
+                got = self.evaluate(members, origin)
+                if isinstance(got, Pattern):
+                    results.append(got)
+                else:
+                    for p, u in zip(combo, consumers):
+                        if p is not None and base:
+                            pair = (min(base), u) if consumers_first else (u, min(base))
+                            self.reasons.setdefault(pair, got)
+            top = self._top(results)
+        else:
+            mid = len(lists) // 2
+            left = self._reduce(base, lists[:mid], consumers[:mid], origin, pool,
+                                consumers_first)
+            right = self._reduce(base, lists[mid:], consumers[mid:], origin, pool,
+                                 consumers_first)
+            results = list(left) + list(right)
+            for a, b in itertools.product(left, right):
+                members = a.members | b.members
+                got = self.evaluate(members, origin)
+                if isinstance(got, Pattern):
+                    results.append(got)
+            top = self._top(results)
+        if pool is not None:
+            pool.extend(top)
+        return top
+
+    @staticmethod
+    def _top_all(pool: list[Pattern]) -> list[Pattern]:
+        unique: dict[frozenset[int], Pattern] = {}
+        for p in pool:
+            if len(p.members) > 1 and p.gain > 0:
+                unique.setdefault(p.members, p)
+        return list(unique.values())
+
+
+def _boundary_reason(graph: OpGraph, consumer: int) -> str:
+    node = graph.nodes[consumer]
+    if node.opcode in CONTROL_OPCODES:
+        return f"consumer {node.name} is control flow ({node.opcode}): a kernel boundary"
+    if node.op_class is OpClass.COMPUTE:
+        return f"consumer {node.name} is a GEMM/convolution: a kernel boundary"
+    return f"consumer {node.name} ({node.opcode}) is opaque: a kernel boundary"

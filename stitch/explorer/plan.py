@@ -1,0 +1,230 @@
+"""Fusion plans: kernels per op graph in launch order, their costs, checks and summaries.
+
+A plan covers each op graph of a module (ENTRY, loop bodies, branches) with kernels. A
+kernel is a set of op ids; kernels may overlap (recomputation: the BLP planner and XLA's own
+fusions duplicate cheap producers). Free ops (bitcasts, tuple plumbing, sources) need no
+kernel. Control flow (while/conditional) is a kernel of its own that launches nothing: its
+body and condition are graphs of their own, weighted by the loop's trip count.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from hlo_passes.graph import OpGraph
+from hlo_passes.op_classes import OpClass
+
+from ..cost.delta import CostModel, KernelCost
+from ..errors import StitchError
+from .patterns import CONTROL_OPCODES
+
+log = logging.getLogger(__name__)
+
+
+class PlanValidationError(StitchError):
+    """A plan does not cover its graph, misses an output, or has no valid launch order."""
+
+
+@dataclass
+class PlannedKernel:
+    members: tuple[int, ...]        # node ids, ascending
+    kind: str                       # "fused" | "gemm" | "opaque" | "control"
+    cost: KernelCost
+    origin: str = ""                # "dp" | "remote" | "packing" | "baseline" | "single" | "blp"
+    name: str = ""
+
+    @property
+    def is_memory(self) -> bool:
+        """Memory-intensive launches: everything but GEMM/conv (and control, which launches
+        nothing)."""
+        return self.kind in ("fused", "opaque") and self.cost.launches > 0
+
+
+@dataclass
+class GraphPlan:
+    graph: OpGraph
+    kernels: list[PlannedKernel]    # launch order
+    weight: int = 1                 # executions per module run (loop trip counts)
+
+    @property
+    def objective_s(self) -> float:
+        return sum(k.cost.total_s for k in self.kernels)
+
+    def ops(self, kernel: PlannedKernel) -> list[str]:
+        return [self.graph.nodes[v].name for v in kernel.members]
+
+
+def kernel_kind(graph: OpGraph, members: tuple[int, ...]) -> str:
+    if len(members) == 1:
+        node = graph.nodes[members[0]]
+        if node.opcode in CONTROL_OPCODES:
+            return "control"
+        if node.op_class is OpClass.COMPUTE:
+            return "gemm"
+        if node.op_class is OpClass.OPAQUE:
+            return "opaque"
+    return "fused"
+
+
+def needs_kernel(graph: OpGraph, nid: int) -> bool:
+    """Ops a plan must compute: everything except sources and free aliases (control flow
+    included: it is placed in the launch order)."""
+    node = graph.nodes[nid]
+    return node.opcode in CONTROL_OPCODES or not graph.is_free(nid)
+
+
+def make_kernel(graph: OpGraph, cost: CostModel, members, origin: str) -> PlannedKernel:
+    members = tuple(sorted(members))
+    return PlannedKernel(members, kernel_kind(graph, members), cost.kernel(members), origin)
+
+
+def _written(graph: OpGraph, members: set[int]) -> set[int]:
+    """The values a kernel writes: members used outside it or leaving the graph. A free
+    alias member (a bitcast of a member) stands for the member it aliases, so what is
+    recorded as written is always an op that needs a kernel."""
+    outputs = set(graph.outputs)
+    written: set[int] = set()
+    stack = [m for m in members
+             if m in outputs or any(u not in members for u in graph.nodes[m].users)]
+    seen: set[int] = set()
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if needs_kernel(graph, m):
+            written.add(m)
+        else:
+            stack.extend(o for o in graph.nodes[m].operands if o in members)
+    return written
+
+
+def producers_needed(graph: OpGraph, members: set[int]) -> set[int]:
+    """Ops outside ``members`` whose results the kernel reads, seen through free aliases."""
+    needed: set[int] = set()
+    stack = [o for m in members for o in graph.nodes[m].operands if o not in members]
+    seen: set[int] = set()
+    while stack:
+        o = stack.pop()
+        if o in seen:
+            continue
+        seen.add(o)
+        if needs_kernel(graph, o):
+            needed.add(o)
+        elif graph.nodes[o].op_class is not OpClass.SOURCE:
+            stack.extend(graph.nodes[o].operands)
+    return needed
+
+
+def launch_order(graph: OpGraph, kernels: list[PlannedKernel]) -> list[PlannedKernel]:
+    """Kernels reordered so every kernel runs after the kernels producing its inputs (for
+    each needed value, the first kernel that writes it). Raises PlanValidationError on a cycle."""
+    writers: dict[int, list[int]] = {}
+    written_by = [_written(graph, set(k.members)) for k in kernels]
+    for index, written in enumerate(written_by):
+        for v in written:
+            writers.setdefault(v, []).append(index)
+    needs = [producers_needed(graph, set(k.members)) for k in kernels]
+    for index, need in enumerate(needs):
+        for v in need:
+            if v not in writers:
+                raise PlanValidationError(
+                    f"graph {graph.name}: kernel {index} reads {graph.nodes[v].name}, "
+                    "which no kernel writes")
+    done: set[int] = set()
+    available: set[int] = set()
+    order: list[int] = []
+    pending = list(range(len(kernels)))
+    # Repeatedly launch every kernel whose inputs are available (stable: plan order).
+    while pending:
+        ready = [i for i in pending if needs[i] <= available]
+        if not ready:
+            names = ", ".join(graph.nodes[kernels[i].members[0]].name for i in pending[:5])
+            raise PlanValidationError(
+                f"graph {graph.name}: kernels form a cycle (stuck at {names}...)")
+        for i in ready:
+            order.append(i)
+            done.add(i)
+            available |= written_by[i]
+        pending = [i for i in pending if i not in done]
+    return [kernels[i] for i in order]
+
+
+def validate(graph: OpGraph, kernels: list[PlannedKernel]) -> None:
+    """Prove a plan: every op computed, outputs produced, kernels convex, boundaries alone,
+    and the given order a valid launch order. Raises PlanValidationError."""
+    covered: set[int] = set()
+    for k in kernels:
+        members = set(k.members)
+        covered |= members
+        if len(members) > 1:
+            boundary = [v for v in members if kernel_kind(graph, (v,)) != "fused"]
+            # XLA's own fusions may hold a scatter or a GEMM epilogue: kept whole, they run
+            # as XLA compiled them.
+            if boundary and k.origin != "baseline":
+                raise PlanValidationError(
+                    f"graph {graph.name}: kernel with {graph.nodes[boundary[0]].name} "
+                    "fuses a GEMM/conv, opaque or control op with other ops")
+            if not graph.is_convex(members):
+                raise PlanValidationError(
+                    f"graph {graph.name}: kernel starting at "
+                    f"{graph.nodes[min(members)].name} is not convex (fusing it is a cycle)")
+    missing = [v for v in range(len(graph.nodes)) if needs_kernel(graph, v) and v not in covered]
+    if missing:
+        raise PlanValidationError(
+            f"graph {graph.name}: {len(missing)} ops are in no kernel, e.g. "
+            f"{graph.nodes[missing[0]].name}")
+    available: set[int] = set()
+    for index, k in enumerate(kernels):
+        members = set(k.members)
+        for v in producers_needed(graph, members):
+            if v not in available:
+                raise PlanValidationError(
+                    f"graph {graph.name}: kernel {index} ({graph.nodes[k.members[0]].name}...) "
+                    f"runs before {graph.nodes[v].name} is written")
+        available |= _written(graph, members)
+    for o in graph.outputs:
+        if needs_kernel(graph, o) and o not in available:
+            raise PlanValidationError(f"graph {graph.name}: output "
+                                      f"{graph.nodes[o].name} is never written")
+
+
+@dataclass
+class SideSummary:
+    kernels: int = 0           # static kernel count (each planned launch once)
+    mem_kernels: int = 0       # of those, not GEMM/conv
+    launches: int = 0          # per module execution (loop trip counts)
+    hbm_bytes: int = 0         # per module execution
+    mem_hbm_bytes: int = 0     # of memory-intensive kernels
+    modeled_us: float = 0.0    # per module execution
+    mem_modeled_us: float = 0.0
+
+    def add(self, plan: GraphPlan) -> None:
+        for k in plan.kernels:
+            if k.cost.launches == 0:
+                continue
+            self.kernels += 1
+            self.launches += plan.weight
+            self.hbm_bytes += k.cost.hbm_bytes * plan.weight
+            self.modeled_us += k.cost.total_s * 1e6 * plan.weight
+            if k.is_memory:
+                self.mem_kernels += 1
+                self.mem_hbm_bytes += k.cost.hbm_bytes * plan.weight
+                self.mem_modeled_us += k.cost.total_s * 1e6 * plan.weight
+
+    def as_dict(self) -> dict:
+        return {"kernels": self.kernels, "mem_kernels": self.mem_kernels,
+                "launches": self.launches, "hbm_bytes": self.hbm_bytes,
+                "mem_hbm_bytes": self.mem_hbm_bytes,
+                "modeled_us": round(self.modeled_us, 3),
+                "mem_modeled_us": round(self.mem_modeled_us, 3)}
+
+
+@dataclass
+class PlannerReport:
+    planner: str
+    objective_s: float
+    seconds: float
+    status: str = "ok"
+    gap: float | None = None
+    detail: dict = field(default_factory=dict)

@@ -1,0 +1,283 @@
+"""The explorer's front door: ``plan(hlo, target, planner) -> FusionPlan``.
+
+Per op graph of the module: the baseline partition (XLA's own fusions when the input is
+XLA-optimized HLO, else the base fusion pass), PatternReduction candidates (with remote
+fusion), then one of two planners behind one interface:
+
+- ``beam``: beam search (width 3) over the candidates, kernel packing of each beam's plan,
+  final choice by modeled time (the latency-evaluator's job once the schedules issue lands);
+- ``blp``: the exact BLP over the same candidates plus singletons (and the beam's kernels,
+  so it is a true yardstick for beam search).
+
+A stitched plan is never allowed to be worse than the baseline on memory-intensive kernels
+or HBM bytes: the baseline (packed) is itself a candidate plan, and plans worse on either
+count are set aside with a logged reason.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from hlo_passes.graph import OpGraph, build_op_graphs
+from hlo_passes.ir import HloModule
+from hlo_passes.parser import parse_hlo
+
+from ..cost.delta import CostModel
+from ..cost.gpu_specs import GpuSpec, get_spec
+from ..errors import StitchError
+from .beam import beam_search, merge_adjacent, pack_levels
+from .blp import BlpError, solve_blp
+from .feasibility import Infeasible, analyze_pattern
+from .patterns import Candidates, Pattern, PatternExplorer, is_plannable
+from .plan import (GraphPlan, PlannedKernel, PlannerReport, SideSummary, kernel_kind,
+                   launch_order, make_kernel, needs_kernel, validate)
+
+log = logging.getLogger(__name__)
+
+PLANNERS = ("beam", "blp")
+
+
+@dataclass
+class ExplorerOptions:
+    top_k: int = 3
+    beam_width: int = 3
+    group_size: int = 2
+    remote_fusion: bool = True
+    packing: bool = True
+    lookahead_beam: bool = True
+    blp_time_limit_s: float = 30.0
+
+
+@dataclass
+class GraphResult:
+    graph: OpGraph
+    baseline: GraphPlan
+    stitched: GraphPlan
+    report: PlannerReport
+    reasons: dict[tuple[int, int], str] = field(default_factory=dict)
+
+
+class PlanError(StitchError):
+    """Planning failed for a reason the caller can act on (bad planner name, bad input)."""
+
+
+def _graph_weights(graphs: list[OpGraph]) -> list[int]:
+    """Executions of each graph per module run: loop bodies run trip-count times, loop
+    conditions once more (unknown trip counts count once)."""
+    weights = [0] * len(graphs)
+    if graphs:
+        weights[0] = 1
+    for gi, graph in enumerate(graphs):
+        for node in graph.nodes:
+            if not node.subgraphs:
+                continue
+            base = max(weights[gi], 1)
+            if node.opcode == "while":
+                trips = graphs[node.subgraphs[0]].trip_count
+                body, cond = node.subgraphs[0], node.subgraphs[1]
+                weights[body] = max(weights[body], base * (trips or 1))
+                weights[cond] = max(weights[cond], base * ((trips + 1) if trips else 1))
+            else:
+                for sub in node.subgraphs:
+                    weights[sub] = max(weights[sub], base)
+    return [max(w, 1) for w in weights]
+
+
+def has_xla_fusions(graphs: list[OpGraph]) -> bool:
+    return any(n.xla_group is not None for g in graphs for n in g.nodes)
+
+
+def baseline_groups(graph: OpGraph, source: str) -> list[frozenset[int]]:
+    if source == "xla":
+        groups = [frozenset(ids) for ids in graph.baseline_groups().values()]
+    else:
+        from hlo_passes.base_fusion import base_fusion
+        groups = [frozenset(ids) for ids in base_fusion(graph)]
+    groups = [g for g in groups if any(needs_kernel(graph, v) for v in g)]
+    covered = {v for g in groups for v in g}
+    groups.extend(frozenset((v,)) for v in range(len(graph.nodes))
+                  if needs_kernel(graph, v) and v not in covered)
+    return groups
+
+
+def _packable(graph: OpGraph, members: frozenset[int]) -> bool:
+    if not all(is_plannable(graph, v) for v in members):
+        return False
+    try:
+        analyze_pattern(graph, members)
+    except Infeasible:
+        return False
+    return True
+
+
+def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origins: list[str],
+            packing: bool, weight: int) -> GraphPlan:
+    """Kernels from groups: optional packing, launch order, validation."""
+    if packing:
+        mergeable = [_packable(graph, g) for g in groups]
+        origin_of = {g: o for g, o in zip(groups, origins)}
+        groups = merge_adjacent(graph, cost, groups, mergeable)
+        origins = [origin_of.get(g, "merged") for g in groups]
+        packable = [_packable(graph, g) for g in groups]
+        origin_of = {g: o for g, o in zip(groups, origins)}
+        packed = pack_levels(graph, cost, groups, packable)
+        groups = [g for g, _ in packed]
+        origins = ["packing" if merged else origin_of.get(g, "single") for g, merged in packed]
+    kernels = [make_kernel(graph, cost, g, o) for g, o in zip(groups, origins)]
+    kernels = launch_order(graph, kernels)
+    validate(graph, kernels)
+    for i, k in enumerate(kernels):
+        k.name = f"{graph.name}.k{i}"
+    return GraphPlan(graph, kernels, weight)
+
+
+def _complete(graph: OpGraph, patterns: list[Pattern]) -> tuple[list[frozenset[int]], list[str]]:
+    covered = {v for p in patterns for v in p.members}
+    groups = [p.members for p in patterns]
+    origins = [p.origin for p in patterns]
+    for v in range(len(graph.nodes)):
+        if needs_kernel(graph, v) and v not in covered:
+            groups.append(frozenset((v,)))
+            origins.append("single")
+    return groups, origins
+
+
+def _memory_counts(plan: GraphPlan) -> tuple[int, int]:
+    kernels = [k for k in plan.kernels if k.is_memory]
+    return len(kernels), sum(k.cost.hbm_bytes for k in kernels)
+
+
+def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str,
+               options: ExplorerOptions, weight: int = 1) -> GraphResult:
+    cost = CostModel(graph, spec)
+    base_groups = baseline_groups(graph, baseline_source)
+    baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight)
+    start = time.perf_counter()
+    explorer = PatternExplorer(graph, cost, options.top_k, options.group_size,
+                               options.remote_fusion)
+    candidates = explorer.explore()
+    patterns = candidates.all_patterns()
+    for g in base_groups:
+        if len(g) > 1 and graph.is_convex(g):
+            patterns.append(Pattern(g, cost.gain(g), "baseline"))
+    plans: list[tuple[str, GraphPlan]] = []
+    def trim(members: frozenset[int]) -> Pattern | None:
+        got = explorer.evaluate(members, "trimmed")
+        return got if isinstance(got, Pattern) else None
+
+    # The paper ranks buffers by accumulated f; ranking by f plus an optimistic estimate of
+    # what the undecided ops can still gain avoids a different set of early mistakes. Both
+    # run; the final choice is by modeled time.
+    beams = beam_search(graph, patterns, options.beam_width, trim, lookahead=False)
+    if options.lookahead_beam:
+        beams += beam_search(graph, patterns, options.beam_width, trim, lookahead=True)
+    for i, buf in enumerate(beams):
+        groups, origins = _complete(graph, list(buf.patterns))
+        plans.append((f"beam {i}", _finish(graph, cost, groups, origins, options.packing,
+                                           weight)))
+    plans.append(("baseline packed", _finish(graph, cost, base_groups,
+                                             ["baseline"] * len(base_groups),
+                                             options.packing, weight)))
+    base_kernels, base_bytes = _memory_counts(baseline)
+    allowed = []
+    for label, p in plans:
+        kernels, nbytes = _memory_counts(p)
+        if kernels <= base_kernels and nbytes <= base_bytes:
+            allowed.append((label, p))
+        else:
+            log.info("graph %s: %s set aside: %d memory kernels / %d bytes vs baseline %d / %d",
+                     graph.name, label, kernels, nbytes, base_kernels, base_bytes)
+    label, best = min(allowed or plans, key=lambda lp: lp[1].objective_s)
+    report = PlannerReport("beam", best.objective_s, time.perf_counter() - start,
+                           detail={"choice": label, "evaluations": candidates.stats.evaluations,
+                                   "candidates": len(patterns),
+                                   "beam_objectives_s": [p.objective_s for _, p in plans]})
+    if planner == "blp":
+        pool = [p.members for p in patterns] + [frozenset(k.members) for _, p in plans
+                                                for k in p.kernels]
+        try:
+            result = solve_blp(graph, cost, pool, options.blp_time_limit_s)
+        except BlpError as exc:
+            log.warning("%s; keeping the beam plan", exc)
+            report = PlannerReport("blp", best.objective_s, time.perf_counter() - start,
+                                   status=f"failed: {exc}")
+        else:
+            kernels = [make_kernel(graph, cost, c, "blp") for c in result.chosen]
+            kernels = launch_order(graph, kernels)
+            validate(graph, kernels)
+            for i, k in enumerate(kernels):
+                k.name = f"{graph.name}.k{i}"
+            best = GraphPlan(graph, kernels, weight)
+            report = PlannerReport("blp", result.objective_s, time.perf_counter() - start,
+                                   result.status, result.gap,
+                                   {"variables": result.variables,
+                                    "constraints": result.constraints,
+                                    "cycle_cuts": result.cuts,
+                                    "solve_seconds": result.seconds,
+                                    "beam_objective_s": report.objective_s})
+    return GraphResult(graph, baseline, best, report, candidates.reasons)
+
+
+@dataclass
+class FusionPlan:
+    module_name: str
+    target: str
+    planner: str
+    baseline_source: str            # "xla" | "base-fusion"
+    graphs: list[GraphResult]
+    seconds: float = 0.0
+
+    @property
+    def kernels(self) -> list[PlannedKernel]:
+        """The stitched plan's kernels, graph by graph, each graph in launch order."""
+        return [k for g in self.graphs for k in g.stitched.kernels]
+
+    def summary(self) -> dict:
+        base, stitched = SideSummary(), SideSummary()
+        for g in self.graphs:
+            base.add(g.baseline)
+            stitched.add(g.stitched)
+        return {"baseline": base.as_dict(), "stitched": stitched.as_dict(),
+                "baseline_source": self.baseline_source, "target": self.target,
+                "planner": self.planner, "plan_seconds": round(self.seconds, 3)}
+
+    def reasons(self) -> list[str]:
+        """Why producers were not fused with their consumers in the stitched plan."""
+        lines = []
+        for g in self.graphs:
+            graph = g.graph
+            where: dict[int, int] = {}
+            for ki, k in enumerate(g.stitched.kernels):
+                for v in k.members:
+                    where.setdefault(v, ki)
+            for node in graph.nodes:
+                if not needs_kernel(graph, node.id) or kernel_kind(graph, (node.id,)) != "fused":
+                    continue
+                for u in node.users:
+                    if u not in where or where.get(u) == where.get(node.id):
+                        continue
+                    reason = g.reasons.get((node.id, u), "another pattern scored higher "
+                                           "in beam search")
+                    lines.append(f"{graph.name}: {node.name} -> {graph.nodes[u].name}: {reason}")
+        return lines
+
+
+def plan(hlo: str | HloModule, target: str = "h100", planner: str = "beam",
+         options: ExplorerOptions | None = None) -> FusionPlan:
+    """Plan the fusion of ``hlo`` (HLO text or a parsed module) for ``target``."""
+    if planner not in PLANNERS:
+        raise PlanError(f"unknown planner {planner!r}: choose one of {', '.join(PLANNERS)}")
+    spec = get_spec(target)
+    options = options or ExplorerOptions()
+    start = time.perf_counter()
+    module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
+    graphs = build_op_graphs(module)
+    source = "xla" if has_xla_fusions(graphs) else "base-fusion"
+    weights = _graph_weights(graphs)
+    results = [plan_graph(g, spec, planner, source, options, w) for g, w in zip(graphs, weights)]
+    fusion_plan = FusionPlan(module.name, spec.name, planner, source, results,
+                             time.perf_counter() - start)
+    log.info("planned %s for %s with %s in %.2f s: %s", module.name, spec.name, planner,
+             fusion_plan.seconds, fusion_plan.summary())
+    return fusion_plan
