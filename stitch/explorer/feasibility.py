@@ -69,17 +69,35 @@ def _reduced_dims_are_minor(shape: Shape, reduced: Iterable[int]) -> bool:
     return set(tail[len(tail) - k:]) == {d for d in reduced if shape.dims[d] != 1}
 
 
-def _reshape_row_map(src: Shape, dst: Shape, om: RowMap) -> RowMap:
-    """Carry a row map through a reshape/bitcast by matching blocks of physical dims with
-    equal products. Row dims must form whole blocks, in physical major-to-minor order."""
+# A row map entry: (dimension of this tensor, the shared-reduction row coordinates it carries
+# as (reduction op id, position among that reduction's row dims)).
+Label = frozenset[tuple[int, int]]
+Entry = tuple[int, Label]
+# What an op does to the entries of one operand: (output dim, positions of operand entries).
+Mapping = list[tuple[int, tuple[int, ...]]]
+
+# A shared reduction whose block partition collapses to one block is only accepted when one
+# block can reduce it quickly: 1024 threads x 32 elements each.
+SINGLE_BLOCK_ELEMENTS = 32 * 1024
+
+
+class RowConflict(Exception):
+    """An op cannot keep the given row-map entries apart (positions into the entries)."""
+
+    def __init__(self, positions: tuple[int, ...] | None, reason: str):
+        super().__init__(reason)
+        self.positions = positions
+        self.reason = reason
+
+
+def _reshape_row_map(src: Shape, dst: Shape, dims: tuple[int, ...]) -> Mapping:
+    """Carry row dims through a reshape/bitcast by matching blocks of physical dims with equal
+    products. A block that mixes row and non-row dims is a conflict on its row dims."""
     src_order, dst_order = _physical_order(src), _physical_order(dst)
     src_sizes = [src.dims[d] for d in src_order]
     dst_sizes = [dst.dims[d] for d in dst_order]
-    rows = [src_order.index(d) for d in om if src.dims[d] != 1]
-    if rows != sorted(rows):
-        raise Infeasible("reshape of rows that are not in physical order")
-    row_set = set(rows)
-    out: list[int] = []
+    position_of = {src_order.index(d): k for k, d in enumerate(dims)}
+    out: Mapping = []
     i = j = 0
     while i < len(src_sizes) or j < len(dst_sizes):
         if i < len(src_sizes) and src_sizes[i] == 1:
@@ -88,161 +106,229 @@ def _reshape_row_map(src: Shape, dst: Shape, om: RowMap) -> RowMap:
         if j < len(dst_sizes) and dst_sizes[j] == 1:
             j += 1
             continue
-        si, dj = [i], [j]
         if i >= len(src_sizes) or j >= len(dst_sizes):
-            raise Infeasible("reshape sizes do not match")
+            raise RowConflict(None, "reshape sizes do not match")
+        si, dj = [i], [j]
         ps, pd = src_sizes[i], dst_sizes[j]
         i, j = i + 1, j + 1
         while ps != pd:
-            if ps < pd:
-                if i >= len(src_sizes):
-                    raise Infeasible("reshape sizes do not match")
+            if ps < pd and i < len(src_sizes):
                 ps *= src_sizes[i]
                 si.append(i)
                 i += 1
-            else:
-                if j >= len(dst_sizes):
-                    raise Infeasible("reshape sizes do not match")
+            elif ps > pd and j < len(dst_sizes):
                 pd *= dst_sizes[j]
                 dj.append(j)
                 j += 1
-        inside = [s in row_set for s in si if src_sizes[s] != 1]
-        if any(inside) and not all(inside):
-            raise Infeasible("reshape splits a row dimension from a non-row one")
-        if any(inside):
-            out.extend(dst_order[d] for d in dj)
-    return tuple(out)
+            else:
+                raise RowConflict(None, "reshape sizes do not match")
+        rows = tuple(position_of[x] for x in si if x in position_of)
+        if rows and len(rows) != len([x for x in si if src_sizes[x] != 1]):
+            raise RowConflict(rows, "reshape merges a row dimension with a non-row one")
+        if rows:
+            out.extend((dst_order[d], rows) for d in dj)
+    return out
 
 
-def _transfer(graph: OpGraph, node: OpNode, position: int, om: RowMap) -> RowMap:
-    """The row map of ``node``'s output given the row map of its operand at ``position``."""
+def _same(dims: tuple[int, ...], new: list[int] | tuple[int, ...]) -> Mapping:
+    return [(d, (k,)) for k, d in enumerate(new)]
+
+
+def _transfer(graph: OpGraph, node: OpNode, position: int, dims: tuple[int, ...]) -> Mapping:
+    """Where the row dims ``dims`` of operand ``position`` go in ``node``'s output."""
     op = node.opcode
     inst = node.instruction
     src = _leaf(graph.nodes[node.operands[position]].shape)
     out_shape = _leaf(node.shape)
+
+    def forbid(bad: Iterable[int], what: str) -> None:
+        hit = tuple(k for k, d in enumerate(dims) if d in set(bad))
+        if hit:
+            raise RowConflict(hit, f"{node.name} {what} row dimension(s) "
+                              f"{[dims[k] for k in hit]}")
+
     if op == "reduce":
-        n_inputs = len(node.operands) // 2
-        if position >= n_inputs:
-            if om:
-                raise Infeasible("reduce init value carries rows")
-            return om
+        if position >= len(node.operands) // 2:
+            forbid(dims, "feeds a reduce init value with")
+            return []
         reduced = set(inst.ints("dimensions"))
-        if reduced & set(om):
-            raise Infeasible(f"{node.name} reduces over the rows of a shared reduction "
-                             "(needs cross-block data)")
+        forbid(reduced, "reduces over")
         kept = [d for d in range(src.rank) if d not in reduced]
-        return tuple(kept.index(d) for d in om)
+        return _same(dims, [kept.index(d) for d in dims])
     if op == "reduce-window":
         if position >= len(node.operands) // 2:
-            return om
+            forbid(dims, "feeds a window init value with")
+            return []
         from hlo_passes.ir import parse_window
         window = parse_window(inst.attrs.get("window", "{}"), src.rank)
-        for d in om:
-            w = window[d]
-            if (w.size, w.stride, w.pad_low, w.pad_high, w.lhs_dilate) != (1, 1, 0, 0, 1):
-                raise Infeasible(f"{node.name} windows over row dimension {d}")
-        return om
+        forbid([d for d in dims if (window[d].size, window[d].stride, window[d].pad_low,
+                                    window[d].pad_high, window[d].lhs_dilate) != (1, 1, 0, 0, 1)],
+               "windows over")
+        return _same(dims, dims)
     if op == "broadcast":
-        dims = inst.ints("dimensions", ())
-        return tuple(dims[i] for i in om)
+        table = inst.ints("dimensions", ())
+        return _same(dims, [table[d] for d in dims])
     if op == "transpose":
         perm = list(inst.ints("dimensions"))
-        return tuple(perm.index(i) for i in om)
+        return _same(dims, [perm.index(d) for d in dims])
     if op in ("reshape", "bitcast"):
-        return _reshape_row_map(src, out_shape, om)
+        return _reshape_row_map(src, out_shape, dims)
     if op == "slice":
         spec = parse_slice(inst.attrs["slice"])
-        for d in om:
-            s = spec[d]
-            if (s.start, s.limit, s.stride) != (0, src.dims[d], 1):
-                raise Infeasible(f"{node.name} slices row dimension {d}")
-        return om
+        forbid([d for d in dims if (spec[d].start, spec[d].limit, spec[d].stride)
+                != (0, src.dims[d], 1)], "slices")
+        return _same(dims, dims)
     if op in ("dynamic-slice", "dynamic-update-slice"):
         data_operands = 1 if op == "dynamic-slice" else 2
         if position >= data_operands:
-            if om:
-                raise Infeasible(f"{node.name}: slice offsets depend on rows")
-            return ()
+            forbid(dims, "computes slice offsets from")
+            return []
         # The slice (or update) must span every row dimension entirely.
         if op == "dynamic-slice":
             sizes, full = inst.ints("dynamic_slice_sizes"), src.dims
         else:
             sizes, full = _leaf(graph.nodes[node.operands[1]].shape).dims, out_shape.dims
-        for d in om:
-            if sizes[d] != full[d]:
-                raise Infeasible(f"{node.name} slices row dimension {d}")
-        return om
+        forbid([d for d in dims if sizes[d] != full[d]], "slices")
+        return _same(dims, dims)
     if op == "pad":
         if position == 1:
-            if om:
-                raise Infeasible("pad value carries rows")
-            return om
+            forbid(dims, "pads with a value carrying")
+            return []
         pads = parse_padding(inst.attrs.get("padding", "{}"))
-        for d in om:
-            p = pads[d]
-            if (p.low, p.high, p.interior) != (0, 0, 0):
-                raise Infeasible(f"{node.name} pads row dimension {d}")
-        return om
+        forbid([d for d in dims if (pads[d].low, pads[d].high, pads[d].interior) != (0, 0, 0)],
+               "pads")
+        return _same(dims, dims)
     if op == "concatenate":
-        if inst.ints("dimensions")[0] in om:
-            raise Infeasible(f"{node.name} concatenates along a row dimension")
-        return om
+        forbid([inst.ints("dimensions")[0]], "concatenates along")
+        return _same(dims, dims)
     if op == "reverse":
-        if set(inst.ints("dimensions")) & set(om):
-            raise Infeasible(f"{node.name} reverses a row dimension")
-        return om
+        forbid(inst.ints("dimensions"), "reverses")
+        return _same(dims, dims)
     if op == "get-tuple-element":
-        return om
+        return _same(dims, dims)
     if node.op_class in (OpClass.LIGHT, OpClass.EXPENSIVE) or op in ("copy", "convert"):
         if src.rank == out_shape.rank:
-            return om
-        if src.rank == 0 and not om:   # scalar operand of clamp/select
-            return om
-        raise Infeasible(f"{node.name}: operand rank differs from its output")
-    raise Infeasible(f"{node.name} ({op}) cannot carry reduction rows")
+            return _same(dims, dims)
+        forbid(dims, "broadcasts a scalar carrying")
+        return []
+    forbid(dims, f"({op}) indexes data-dependently along")
+    return []
 
 
 def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
-    """The analysis of a stitchable pattern; raises Infeasible(reason) otherwise."""
+    """The analysis of a stitchable pattern; raises Infeasible(reason) otherwise.
+
+    Each shared reduction starts with every kept dimension as a row dimension. When an op
+    downstream cannot keep some rows apart (it reduces over them, slices them, joins two
+    different partitions...), those row coordinates are dropped from the reductions they
+    came from — a block then owns several rows, which is always legal — and the analysis
+    runs again. It fails only when a large reduction would collapse into a single block:
+    its consumers need data from every block.
+    """
     members = sorted(set(members))
     member_set = set(members)
-    row_maps: dict[int, RowMap] = {}
-    shared: list[SharedReduction] = []
     for v in members:
         node = graph.nodes[v]
         if node.op_class in (OpClass.COMPUTE, OpClass.OPAQUE, OpClass.SOURCE):
             raise Infeasible(f"{node.name} ({node.opcode}) is a kernel boundary")
-        result: RowMap | None = None
-        for position, o in enumerate(node.operands):
-            om = row_maps.get(o)
-            if om is None:
-                continue
-            mapped = _transfer(graph, node, position, om)
-            if result is not None and mapped != result:
-                raise Infeasible(f"{node.name} joins values partitioned by different rows "
-                                 f"(dims {result} vs {mapped})")
-            result = mapped
-        is_shared = (node.op_class is OpClass.REDUCTION
-                     and any(u in member_set for u in node.users))
-        if is_shared:
-            if node.opcode != "reduce":
-                raise Infeasible(f"{node.name} ({node.opcode}) result cannot be shared "
-                                 "inside a kernel")
-            src = _leaf(graph.nodes[node.operands[0]].shape)
-            out = _leaf(node.shape)
-            reduced = node.instruction.ints("dimensions")
-            shared.append(SharedReduction(
-                v, max(out.num_elements, 1), max(src.num_elements // max(out.num_elements, 1), 1),
-                _reduced_dims_are_minor(src, reduced)))
-            if result is None:
-                result = tuple(range(out.rank))
-        if result is not None:
-            row_maps[v] = result
+    shared_ids = [v for v in members if graph.nodes[v].op_class is OpClass.REDUCTION
+                  and any(u in member_set for u in graph.nodes[v].users)]
+    for v in shared_ids:
+        if graph.nodes[v].opcode != "reduce":
+            raise Infeasible(f"{graph.nodes[v].name} ({graph.nodes[v].opcode}) result cannot "
+                             "be shared inside a kernel")
+    dropped: set[tuple[int, int]] = set()
+    last_reason = ""
+    for _ in range(4 * len(members) + 8):
+        try:
+            row_maps = _propagate(graph, members, member_set, set(shared_ids), dropped)
+        except _Drop as drop:
+            if drop.labels <= dropped:
+                raise Infeasible(drop.reason) from None
+            dropped |= drop.labels
+            last_reason = drop.reason
+            continue
+        break
+    else:
+        raise Infeasible(last_reason or "row partition does not settle")
+    shared: list[SharedReduction] = []
+    for v in shared_ids:
+        node = graph.nodes[v]
+        src = _leaf(graph.nodes[node.operands[0]].shape)
+        out = _leaf(node.shape)
+        kept_rows = [k for k in range(out.rank) if (v, k) not in dropped]
+        rows = 1
+        for k in kept_rows:
+            rows *= out.dims[k]
+        if rows == 1 and src.num_elements > SINGLE_BLOCK_ELEMENTS:
+            raise Infeasible(f"consumers of {node.name} need data from every block "
+                             f"(cross-block): {last_reason or 'it reduces to one row'}")
+        reduced = node.instruction.ints("dimensions")
+        kept = [d for d in range(src.rank) if d not in set(reduced)]
+        row_dims_in = [kept[k] for k in kept_rows]
+        shared.append(SharedReduction(v, rows, max(src.num_elements // rows, 1),
+                                      _rows_are_major(src, row_dims_in)))
+    del row_maps
     analysis = PatternAnalysis(components=_components(graph, members, member_set), shared=shared)
     for index, comp in enumerate(analysis.components):
         for v in comp:
             analysis.component_of[v] = index
     return analysis
+
+
+class _Drop(Exception):
+    def __init__(self, labels: set[tuple[int, int]], reason: str):
+        super().__init__(reason)
+        self.labels = labels
+        self.reason = reason
+
+
+def _rows_are_major(shape: Shape, row_dims: list[int]) -> bool:
+    """A block's rows are contiguous when the row dims lead the physical order."""
+    order = [d for d in _physical_order(shape) if shape.dims[d] != 1]
+    rows = [d for d in row_dims if shape.dims[d] != 1]
+    return order[:len(rows)] == rows
+
+
+def _propagate(graph: OpGraph, members: list[int], member_set: set[int], shared: set[int],
+               dropped: set[tuple[int, int]]) -> dict[int, tuple[Entry, ...]]:
+    row_maps: dict[int, tuple[Entry, ...]] = {}
+    for v in members:
+        node = graph.nodes[v]
+        result: tuple[Entry, ...] | None = None
+        for position, o in enumerate(node.operands):
+            entries = row_maps.get(o)
+            if entries is None:
+                continue
+            dims = tuple(d for d, _ in entries)
+            try:
+                mapping = _transfer(graph, node, position, dims)
+            except RowConflict as conflict:
+                positions = conflict.positions
+                if positions is None:
+                    positions = tuple(range(len(entries)))
+                raise _Drop({lab for k in positions for lab in entries[k][1]},
+                            conflict.reason) from None
+            mapped = tuple(sorted(
+                ((d, frozenset().union(*(entries[k][1] for k in ks))) for d, ks in mapping),
+                key=lambda e: e[0]))
+            if result is None:
+                result = mapped
+            elif [d for d, _ in mapped] != [d for d, _ in result]:
+                common = {d for d, _ in mapped} & {d for d, _ in result}
+                odd = {lab for d, labels in mapped + result if d not in common for lab in labels}
+                raise _Drop(odd, f"{node.name} joins values partitioned by different rows")
+            else:
+                result = tuple((d, a | b) for (d, a), (_, b) in zip(result, mapped))
+        if v in shared and result is None:
+            out = _leaf(node.shape)
+            result = tuple((k, frozenset({(v, k)})) for k in range(out.rank)
+                           if (v, k) not in dropped)
+        if result is not None:
+            # Entries whose every coordinate was dropped no longer partition anything.
+            result = tuple((d, labels) for d, labels in result if labels - dropped)
+            row_maps[v] = result
+    return row_maps
 
 
 def infeasible_reason(graph: OpGraph, members: Iterable[int]) -> str | None:

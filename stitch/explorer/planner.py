@@ -161,6 +161,13 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     for g in base_groups:
         if len(g) > 1 and graph.is_convex(g):
             patterns.append(Pattern(g, cost.gain(g), "baseline"))
+    # XLA fusions around ops we cannot stitch (a scatter with its index computation) stay
+    # as XLA made them: every plan keeps them whole, and no pattern may take their ops.
+    locked = [Pattern(g, cost.gain(g), "baseline") for g in base_groups
+              if len(g) > 1 and any(kernel_kind(graph, (v,)) != "fused" for v in g)]
+    if locked:
+        taken = frozenset().union(*(p.members for p in locked))
+        patterns = [p for p in patterns if not p.members & taken]
     plans: list[tuple[str, GraphPlan]] = []
     def trim(members: frozenset[int]) -> Pattern | None:
         got = explorer.evaluate(members, "trimmed")
@@ -173,7 +180,7 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     if options.lookahead_beam:
         beams += beam_search(graph, patterns, options.beam_width, trim, lookahead=True)
     for i, buf in enumerate(beams):
-        groups, origins = _complete(graph, list(buf.patterns))
+        groups, origins = _complete(graph, locked + list(buf.patterns))
         plans.append((f"beam {i}", _finish(graph, cost, groups, origins, options.packing,
                                            weight)))
     plans.append(("baseline packed", _finish(graph, cost, base_groups,
