@@ -19,7 +19,7 @@ from hlo_passes.graph import OpGraph
 
 from ..cost.delta import CostModel
 from .feasibility import Infeasible, analyze_pattern
-from .patterns import Pattern
+from .patterns import MAX_PATTERN_OPS, Pattern
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +29,34 @@ class Buffer:
     patterns: tuple[Pattern, ...]
     covered: int                  # bitmask of covered op ids
     gain: float
-    owner: list[int] | None       # op id -> index into patterns, -1 when uncovered
+    owner: "Owners | None"        # op id -> index into patterns
+    reach: int = -1               # the last op of any held pattern
 
     def key(self) -> int:
         return self.covered
+
+
+class Owners:
+    """op id -> pattern index, shared between buffers: a frozen base map plus the few
+    entries added since, flattened once they grow (extending a buffer stays cheap)."""
+
+    FLATTEN_AT = 512
+
+    def __init__(self, base: dict[int, int] | None = None, delta: dict[int, int] | None = None):
+        self.base = base or {}
+        self.delta = delta or {}
+
+    def get(self, nid: int) -> int:
+        k = self.delta.get(nid)
+        return self.base.get(nid, -1) if k is None else k
+
+    def extended(self, members, index: int) -> "Owners":
+        delta = dict(self.delta)
+        for m in members:
+            delta[m] = index
+        if len(delta) > self.FLATTEN_AT:
+            return Owners({**self.base, **delta}, {})
+        return Owners(self.base, delta)
 
 
 def _mask(members) -> int:
@@ -48,15 +72,9 @@ def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern) -> bool:
     reaches all its users). Nodes past the bound B* can never lead back: B* starts at the
     pattern's last op and grows to the last op of every kernel starting at or before it."""
     members = pattern.members
-    bound = max(members)
-    spans = [(min(p.members), max(p.members)) for p in buffer.patterns]
-    changed = True
-    while changed:
-        changed = False
-        for lo, hi in spans:
-            if lo <= bound < hi:
-                bound = hi
-                changed = True
+    # Buffers take patterns in order of their first op, so every held pattern starts before
+    # this one and the fixed point is simply the furthest op any of them reaches.
+    bound = max(max(members), buffer.reach)
     owner = buffer.owner
     pats = buffer.patterns
     stack = [u for m in members for u in graph.nodes[m].users if u not in members]
@@ -67,7 +85,7 @@ def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern) -> bool:
         if n in seen or n > bound:
             continue
         seen.add(n)
-        k = owner[n] if owner is not None else -1
+        k = owner.get(n) if owner is not None else -1
         frontier = [n]
         if k >= 0 and k not in seen_kernels:
             seen_kernels.add(k)
@@ -168,13 +186,11 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
             covered = buf.covered | masks[p.members]
             if covered in next_taken or creates_cycle(graph, buf, p):
                 continue
-            owner = list(buf.owner) if buf.owner is not None else [-1] * n
-            index = len(buf.patterns)
-            for m in p.members:
-                owner[m] = index
+            owner = (buf.owner or Owners()).extended(p.members, len(buf.patterns))
             next_taken[covered] = taken[buf.covered] + sum(share[m] for m in p.members)
             next_passed[covered] = passed[buf.covered] + share[v]
-            next_beams.append(Buffer(buf.patterns + (p,), covered, gain, owner))
+            next_beams.append(Buffer(buf.patterns + (p,), covered, gain, owner,
+                                     max(buf.reach, max(p.members))))
         beams, taken, passed = next_beams, next_taken, next_passed
     return sorted(beams, key=lambda b: -b.gain)
 
@@ -219,7 +235,8 @@ def kernel_levels(graph: OpGraph, groups: list[frozenset[int]],
 
 
 def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
-                packable: list[bool]) -> list[tuple[frozenset[int], bool]]:
+                packable: list[bool], max_ops: int = MAX_PATTERN_OPS
+                ) -> list[tuple[frozenset[int], bool]]:
     """Merge packable groups that sit on the same level when the merge saves time.
 
     Returns (members, merged?) per resulting kernel."""
@@ -239,6 +256,10 @@ def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
                 current, parts = g, 1
                 continue
             union = current | g
+            if len(union) > max_ops:
+                result.append((current, parts > 1))
+                current, parts = g, 1
+                continue
             try:
                 analysis = analyze_pattern(graph, union)
             except Infeasible:
@@ -263,7 +284,8 @@ def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
 
 
 def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
-                   mergeable: list[bool]) -> list[frozenset[int]]:
+                   mergeable: list[bool], max_ops: int = MAX_PATTERN_OPS
+                   ) -> list[frozenset[int]]:
     """Greedy refinement of a plan: merge two kernels joined by an edge while the merge saves
     modeled time, best saving first. A merge must be stitchable and must not close a cycle
     (no other path between the two kernels). Beam search decides pattern by pattern in
@@ -324,6 +346,8 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
 
     def saving(a: int, b: int) -> tuple[float, frozenset[int]] | None:
         union = kernels[a] | kernels[b]
+        if len(union) > max_ops:
+            return None
         try:
             analysis = analyze_pattern(graph, union)
         except Infeasible:

@@ -28,9 +28,6 @@ from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import Shape, parse_padding, parse_slice
 from hlo_passes.op_classes import OpClass
 
-RowMap = tuple[int, ...]
-
-
 class Infeasible(Exception):
     """Internal: raised with the reason a pattern cannot be stitched."""
 
@@ -40,7 +37,7 @@ class SharedReduction:
     node: int
     rows: int            # kept elements (rows of the block partition)
     row_length: int      # reduced elements per row
-    minor: bool          # reduced dims are the physically minor-most ones (coalesced rows)
+    minor: bool          # row dims lead the physical order: a block's data is contiguous
 
 
 @dataclass
@@ -59,14 +56,6 @@ def _leaf(shape: Shape) -> Shape:
 def _physical_order(shape: Shape) -> list[int]:
     """Logical dims from major to minor."""
     return list(reversed(shape.minor_to_major()))
-
-
-def _reduced_dims_are_minor(shape: Shape, reduced: Iterable[int]) -> bool:
-    reduced = set(reduced)
-    order = _physical_order(shape)
-    tail = [d for d in order if shape.dims[d] != 1]
-    k = len([d for d in reduced if shape.dims[d] != 1])
-    return set(tail[len(tail) - k:]) == {d for d in reduced if shape.dims[d] != 1}
 
 
 # A row map entry: (dimension of this tensor, the shared-reduction row coordinates it carries

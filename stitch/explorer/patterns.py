@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 
 PLANNABLE_CLASSES = (OpClass.LIGHT, OpClass.EXPENSIVE, OpClass.REDUCTION, OpClass.LAYOUT)
 CONTROL_OPCODES = frozenset({"while", "conditional"})
+# Ops per stitched kernel. Kernels this large already strain registers and compile time;
+# the cap also keeps high fan-out vertices (a broadcast constant used by every layer) from
+# producing graph-wide unions whose checks would cost O(V) each.
+MAX_PATTERN_OPS = 256
+MAX_JOINED_NEIGHBOURS = 16
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,8 @@ def is_plannable(graph: OpGraph, nid: int) -> bool:
 class PatternExplorer:
     def __init__(self, graph: OpGraph, cost: CostModel, top_k: int = 3, group_size: int = 2,
                  remote_fusion: bool = True,
-                 check: Callable[[OpGraph, Iterable[int]], object] = analyze_pattern):
+                 check: Callable[[OpGraph, Iterable[int]], object] = analyze_pattern,
+                 max_pattern_ops: int = MAX_PATTERN_OPS):
         if top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {top_k}")
         if group_size < 1:
@@ -92,6 +98,7 @@ class PatternExplorer:
         self.group_size = group_size
         self.remote_fusion = remote_fusion
         self.check = check
+        self.max_pattern_ops = max_pattern_ops
         self.stats = ExplorerStats()
         self.reasons: dict[tuple[int, int], str] = {}
         self._valid: dict[frozenset[int], Pattern | str] = {}
@@ -104,7 +111,10 @@ class PatternExplorer:
             return hit
         self.stats.evaluations += 1
         result: Pattern | str
-        if len(members) > 1 and not self.graph.is_convex(members):
+        if len(members) > self.max_pattern_ops:
+            result = (f"pattern of {len(members)} ops exceeds the limit of "
+                      f"{self.max_pattern_ops} ops per kernel")
+        elif len(members) > 1 and not self.graph.is_convex(members):
             self.stats.rejected_cycle += 1
             result = "fusing would create a cycle (a path leaves the pattern and re-enters)"
         else:
@@ -168,6 +178,11 @@ class PatternExplorer:
             node = graph.nodes[v]
             neighbours = node.users if consumers_first else list(dict.fromkeys(node.operands))
             joined = [u for u in neighbours if u in found]
+            if len(joined) > MAX_JOINED_NEIGHBOURS:
+                # A broadcast constant read by every layer: joining all its consumers can
+                # only give graph-wide unions (non-convex across the layers' GEMMs), each
+                # costing O(V) to reject. Join its first neighbours only.
+                joined = joined[:MAX_JOINED_NEIGHBOURS]
             if consumers_first:
                 for u in neighbours:
                     if u not in found:
