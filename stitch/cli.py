@@ -3,13 +3,16 @@
   stitch models                          list the model zoo (needs jax)
   stitch hlo MODEL [--config] [--stage]  print a zoo model's HLO (pre-optimization or XLA CPU)
   stitch explain MODEL|FILE [--gpu]      parse HLO and report its structure and XLA's kernels
+  stitch plan FILE | --model NAME        plan the fusion: baseline vs stitched kernels
 
 This module is the user interface, so it writes to stdout; library code logs instead.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import pathlib
 import sys
 import time
@@ -103,6 +106,178 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+PLAN_TARGETS = ("v100", "a100", "h100", "h200")
+PLAN_PLANNERS = ("beam", "blp")
+_OPS_SHOWN = 4
+
+
+def _plan_input(args: argparse.Namespace) -> tuple[str, str, list[str]]:
+    """(HLO text, where it came from, notes) for ``stitch plan``'s FILE or --model."""
+    notes: list[str] = []
+    if (args.file is None) == (args.model is None):
+        raise StitchError("plan needs exactly one input: an HLO file or --model NAME")
+    if args.model is None:
+        if args.pre:
+            raise StitchError("--pre selects a zoo fixture: use it with --model NAME")
+        path = pathlib.Path(args.file)
+        if not path.is_file():
+            hint = (f" (a zoo model? use --model {args.file})"
+                    if (_FIXTURES / args.file).is_dir() else "")
+            raise StitchError(f"no such HLO file: {args.file!r}{hint}")
+        try:
+            return path.read_text(), str(path), notes
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StitchError(f"cannot read HLO file {args.file!r}: {exc}") from exc
+    model_dir = _FIXTURES / args.model
+    if not args.model or args.model == "tf" or not model_dir.is_dir():
+        known = sorted(p.name for p in _FIXTURES.glob("*") if p.is_dir() and p.name != "tf")
+        raise StitchError(f"unknown model {args.model!r} (no fixtures under tests/data); "
+                          f"models with fixtures: {', '.join(known) or 'none'}")
+    if args.pre:
+        stage = "pre"
+    else:
+        gpu = args.target
+        if gpu not in GPU_TARGETS:
+            # XLA has no H200 target description; H200 is an H100 SM with faster HBM, so
+            # XLA's H100 fusion decisions are the nearest baseline.
+            notes.append(f"no XLA fixture for {gpu}: using the h100 XLA-optimized HLO, "
+                         f"planned with the {gpu} cost model")
+            gpu = "h100"
+        stage = f"gpu-{gpu}"
+    fixture = model_dir / f"{args.config}.{stage}.hlo"
+    if not fixture.is_file():
+        raise StitchError(f"model {args.model!r} has no fixture {fixture.name} "
+                          f"(config {args.config})")
+    return fixture.read_text(), f"fixture {fixture.relative_to(_FIXTURES.parent.parent)}", notes
+
+
+def _json_safe(value):
+    """Plain JSON: non-finite floats (an unbounded MIP gap) become null, tuples lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _kernel_json(gplan, kernel) -> dict:
+    return {"name": kernel.name, "kind": kernel.kind, "origin": kernel.origin,
+            "ops": gplan.ops(kernel), "hbm_bytes": kernel.cost.hbm_bytes,
+            "launches": kernel.cost.launches,
+            "modeled_us": round(kernel.cost.total_s * 1e6, 3)}
+
+
+def _plan_json(fusion_plan, origin: str, notes: list[str], with_reasons: bool) -> dict:
+    graphs = []
+    for result in fusion_plan.graphs:
+        report = result.report
+        graphs.append({
+            "name": result.graph.name, "kind": result.graph.kind,
+            "ops": len(result.graph.nodes), "weight": result.stitched.weight,
+            "report": {"planner": report.planner, "status": report.status, "gap": report.gap,
+                       "seconds": round(report.seconds, 3),
+                       "objective_us": round(report.objective_s * 1e6, 3),
+                       "detail": report.detail},
+            "baseline": [_kernel_json(result.baseline, k) for k in result.baseline.kernels],
+            "stitched": [_kernel_json(result.stitched, k) for k in result.stitched.kernels],
+        })
+    out = {"module": fusion_plan.module_name, "input": origin, "notes": notes,
+           "summary": fusion_plan.summary(), "graphs": graphs}
+    if with_reasons:
+        out["reasons"] = fusion_plan.reasons()
+    return _json_safe(out)
+
+
+def _plan_table(fusion_plan, origin: str, notes: list[str]) -> str:
+    from .explorer.render import human_bytes, kernel_us, report_line, summary_rows
+
+    summary = fusion_plan.summary()
+    source = ("XLA's fusions in the input" if fusion_plan.baseline_source == "xla"
+              else "the base fusion pass on unfused HLO")
+    lines = [f"plan {fusion_plan.module_name}  ({origin})"]
+    lines += [f"  note: {n}" for n in notes]
+    lines += [f"  target {fusion_plan.target}, planner {fusion_plan.planner}, "
+              f"baseline: {source} ({fusion_plan.baseline_source}), "
+              f"planned in {fusion_plan.seconds:.2f} s", "",
+              f"  {'':28s} {'baseline':>12s} {'stitched':>12s} {'ratio':>7s}"]
+    for label, base, stitched, ratio in summary_rows(summary):
+        lines.append(f"  {label:28s} {base:>12s} {stitched:>12s} {ratio:>7s}")
+    lines += ["", "  planner status per graph:"]
+    for result in fusion_plan.graphs:
+        lines.append(f"    {result.graph.name}: {report_line(result)}")
+    for result in fusion_plan.graphs:
+        graph, stitched = result.graph, result.stitched
+        lines += ["", f"graph {graph.name} ({graph.kind}, {len(graph.nodes)} ops, runs "
+                      f"x{stitched.weight}): {len(stitched.kernels)} stitched kernels "
+                      f"(baseline {len(result.baseline.kernels)}), launch order",
+                  f"  {'#':>4s}  {'name':24s} {'kind':7s} {'origin':9s} {'ops':>4s} "
+                  f"{'bytes':>10s} {'µs':>9s}  ops"]
+        for ki, kernel in enumerate(stitched.kernels):
+            # Free ops (bitcasts, tuple plumbing) say little: list the computing ops first.
+            names = sorted(kernel.members, key=lambda v: (graph.is_free(v), v))
+            shown = ", ".join(graph.nodes[v].name for v in names[:_OPS_SHOWN])
+            if len(names) > _OPS_SHOWN:
+                shown += f", ... (+{len(names) - _OPS_SHOWN})"
+            lines.append(f"  {ki:4d}  {kernel.name:24s} {kernel.kind:7s} {kernel.origin:9s} "
+                         f"{len(kernel.members):4d} {human_bytes(kernel.cost.hbm_bytes):>10s} "
+                         f"{kernel_us(kernel):9.2f}  {shown}")
+    return "\n".join(lines)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .cost.gpu_specs import get_spec
+    from .explorer.planner import plan
+
+    # Target and planner are checked before any file is read, with the library's messages.
+    args.target = get_spec(args.target).name     # canonical spelling: "H100" -> "h100"
+    if args.planner not in PLAN_PLANNERS:
+        raise StitchError(f"unknown planner {args.planner!r}: choose one of "
+                          f"{', '.join(PLAN_PLANNERS)}")
+    text, origin, notes = _plan_input(args)
+    try:
+        module = parse_hlo(text)
+    except StitchError as exc:
+        raise StitchError(f"cannot parse {origin}: {exc}") from exc
+    try:
+        fusion_plan = plan(module, target=args.target, planner=args.planner)
+    except ImportError as exc:
+        # Unfused input needs the base fusion pass for its baseline; it may be missing.
+        raise StitchError(f"planning {origin} needs the base fusion pass "
+                          f"(hlo_passes.base_fusion), which cannot be imported: {exc}") from exc
+    except StitchError as exc:
+        raise StitchError(f"planning {origin} failed: {exc}") from exc
+    # Files first, so a reader closing stdout early (| head) cannot lose them.
+    written = []
+    if args.html or args.dot:
+        from .explorer.render import to_dot, to_html
+
+        for out, render, what in ((args.html, to_html, "HTML"), (args.dot, to_dot, "DOT")):
+            if not out:
+                continue
+            try:
+                pathlib.Path(out).write_text(render(fusion_plan), encoding="utf-8")
+            except OSError as exc:
+                raise StitchError(f"cannot write {what} to {out!r}: {exc}") from exc
+            written.append(f"wrote {what} to {out}")
+    if args.json:
+        print(json.dumps(_plan_json(fusion_plan, origin, notes, args.reasons), indent=1))
+    else:
+        print(_plan_table(fusion_plan, origin, notes))
+        if args.reasons:
+            reasons = fusion_plan.reasons()
+            print(f"\nwhy producers were not fused with their consumers ({len(reasons)}):")
+            for line in reasons:
+                print(f"  {line}")
+    # With --json, stdout carries the JSON document only: notices go to stderr.
+    for line in written:
+        print(line, file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stitch", description="FusionStitching for XLA.")
     parser.add_argument("--log", default=None, help="logging level (default: STITCH_LOG or warning)")
@@ -123,6 +298,24 @@ def build_parser() -> argparse.ArgumentParser:
                          help="use the committed XLA GPU fixture for this target")
     explain.add_argument("--kernels", action="store_true", help="list every kernel")
     explain.set_defaults(func=_cmd_explain)
+
+    plan = sub.add_parser("plan", help="plan the fusion of HLO: baseline vs stitched kernels")
+    plan.add_argument("file", nargs="?", help="an HLO file (or use --model)")
+    plan.add_argument("--model", help="a zoo model: plan its committed fixture")
+    plan.add_argument("--config", default="full", choices=("tiny", "full"))
+    plan.add_argument("--pre", action="store_true",
+                      help="with --model: plan the pre-optimization HLO (baseline from the "
+                           "base fusion pass) instead of XLA's optimized HLO")
+    # Target and planner are validated by the command, so errors name the bad value the
+    # same way the library does.
+    plan.add_argument("--target", default="h100", help=f"one of {', '.join(PLAN_TARGETS)}")
+    plan.add_argument("--planner", default="beam", help=f"one of {', '.join(PLAN_PLANNERS)}")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--html", metavar="OUT", help="write a self-contained HTML view")
+    plan.add_argument("--dot", metavar="OUT", help="write a Graphviz DOT view")
+    plan.add_argument("--reasons", action="store_true",
+                      help="say why producers were not fused with their consumers")
+    plan.set_defaults(func=_cmd_plan)
     return parser
 
 
@@ -138,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     except (StitchError, KeyError, ValueError) as exc:
         print(f"stitch: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader (| head) stopped early: not an error. Point stdout at /dev/null so the
+        # interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

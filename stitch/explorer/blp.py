@@ -89,7 +89,10 @@ def solve_blp(graph: OpGraph, cost: CostModel, candidates: list[frozenset[int]],
             containing.setdefault(v, []).append(i)
 
     prob = pulp.LpProblem("kernel_orchestration", pulp.LpMinimize)
-    x = [pulp.LpVariable(f"k{i}", cat="Binary") for i in range(len(unique))]
+    if hasattr(prob, "add_variable"):       # PuLP >= 3.3 attaches variables to the model
+        x = [prob.add_variable(f"k{i}", cat="Binary") for i in range(len(unique))]
+    else:
+        x = [pulp.LpVariable(f"k{i}", cat="Binary") for i in range(len(unique))]
     prob += pulp.lpSum(t * xi for t, xi in zip(times, x))
     for v in required:
         prob += pulp.lpSum(x[i] for i in containing.get(v, [])) >= 1, f"cover_{v}"
@@ -135,7 +138,7 @@ def solve_blp(graph: OpGraph, cost: CostModel, candidates: list[frozenset[int]],
         raise BlpError(f"graph {graph.name}: BLP plans kept a kernel cycle after {cuts} cuts")
     objective = sum(times[i] for i in chosen_idx) * 1e-6
     return BlpResult([unique[i] for i in chosen_idx], objective, status, gap,
-                     time.perf_counter() - start, len(x), len(prob.constraints), cuts)
+                     time.perf_counter() - start, len(x), prob.numConstraints(), cuts)
 
 
 def _stuck(chosen: list[int], written: list[set[int]], needed: list[set[int]]) -> list[int]:

@@ -30,7 +30,9 @@ class PlannedKernel:
     members: tuple[int, ...]        # node ids, ascending
     kind: str                       # "fused" | "gemm" | "opaque" | "control"
     cost: KernelCost
-    origin: str = ""                # "dp" | "remote" | "packing" | "baseline" | "single" | "blp"
+    # Where the kernel came from: "dp" / "remote" / "trimmed" (explorer patterns), "merged"
+    # (refinement), "packing", "baseline" (an XLA or base-fusion group), "single", "blp".
+    origin: str = ""
     name: str = ""
 
     @property

@@ -92,7 +92,10 @@ def baseline_groups(graph: OpGraph, source: str) -> list[frozenset[int]]:
     if source == "xla":
         groups = [frozenset(ids) for ids in graph.baseline_groups().values()]
     else:
-        from hlo_passes.base_fusion import base_fusion
+        try:
+            from hlo_passes.base_fusion import base_fusion
+        except ImportError as exc:
+            raise PlanError(f"pre-optimization HLO needs the base fusion pass: {exc}") from exc
         groups = [frozenset(ids) for ids in base_fusion(graph)]
     groups = [g for g in groups if any(needs_kernel(graph, v) for v in g)]
     covered = {v for g in groups for v in g}
@@ -112,7 +115,7 @@ def _packable(graph: OpGraph, members: frozenset[int]) -> bool:
 
 
 def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origins: list[str],
-            packing: bool, weight: int) -> GraphPlan:
+            packing: bool, weight: int, prefix: str = "k") -> GraphPlan:
     """Kernels from groups: optional packing, launch order, validation."""
     if packing:
         mergeable = [_packable(graph, g) for g in groups]
@@ -128,7 +131,7 @@ def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origi
     kernels = launch_order(graph, kernels)
     validate(graph, kernels)
     for i, k in enumerate(kernels):
-        k.name = f"{graph.name}.k{i}"
+        k.name = f"{graph.name}.{prefix}{i}"
     return GraphPlan(graph, kernels, weight)
 
 
@@ -152,7 +155,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                options: ExplorerOptions, weight: int = 1) -> GraphResult:
     cost = CostModel(graph, spec)
     base_groups = baseline_groups(graph, baseline_source)
-    baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight)
+    baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight,
+                       prefix="b")
     start = time.perf_counter()
     explorer = PatternExplorer(graph, cost, options.top_k, options.group_size,
                                options.remote_fusion)

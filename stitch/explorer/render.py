@@ -133,10 +133,13 @@ def to_dot(plan: FusionPlan) -> str:
              '  rankdir=TB; newrank=true; node [fontsize=10, shape=ellipse];']
     for gi, result in enumerate(plan.graphs):
         graph = result.graph
-        label = f"{graph.name} ({graph.kind}, {len(graph.nodes)} ops, runs x{result.stitched.weight})"
+        label = (f"{graph.name} ({graph.kind}, {len(graph.nodes)} ops, "
+                 f"runs x{result.stitched.weight})")
         lines += [f"  subgraph {_dot_str(f'cluster_g{gi}')} {{",
                   f"    label={_dot_str(label)}; style=\"solid\"; color=\"#444444\";"]
-        for side in SIDES:
+        # Graphviz (2.43 at least) lays unconnected sibling clusters out right to left in
+        # definition order: defining stitched first puts the baseline on the left.
+        for side in reversed(SIDES):
             lines += _dot_side(result, gi, side)
         lines.append("  }")
     lines.append("}")
