@@ -84,7 +84,11 @@ def _graph_weights(graphs: list[OpGraph]) -> list[int]:
     return [max(w, 1) for w in weights]
 
 
-def has_xla_fusions(graphs: list[OpGraph]) -> bool:
+def is_xla_optimized(module: HloModule, graphs: list[OpGraph]) -> bool:
+    """XLA's optimized modules are scheduled (``is_scheduled=true`` in the header); an
+    unscheduled dump with fusions in it has been through XLA's fusion passes too."""
+    if module.attrs.get("is_scheduled", "").strip().lower() == "true":
+        return True
     return any(n.xla_group is not None for g in graphs for n in g.nodes)
 
 
@@ -284,7 +288,7 @@ def plan(hlo: str | HloModule, target: str = "h100", planner: str = "beam",
     start = time.perf_counter()
     module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
     graphs = build_op_graphs(module)
-    source = "xla" if has_xla_fusions(graphs) else "base-fusion"
+    source = "xla" if is_xla_optimized(module, graphs) else "base-fusion"
     weights = _graph_weights(graphs)
     results = [plan_graph(g, spec, planner, source, options, w) for g, w in zip(graphs, weights)]
     fusion_plan = FusionPlan(module.name, spec.name, planner, source, results,
