@@ -218,7 +218,9 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
             report = PlannerReport("blp", best.objective_s, time.perf_counter() - start,
                                    status=f"failed: {exc}")
         else:
-            kernels = [make_kernel(graph, cost, c, "blp") for c in result.chosen]
+            base_set = set(base_groups)
+            kernels = [make_kernel(graph, cost, c, "baseline" if c in base_set else "blp")
+                       for c in result.chosen]
             kernels = launch_order(graph, kernels)
             validate(graph, kernels)
             for i, k in enumerate(kernels):
