@@ -136,6 +136,7 @@ def scaling_table(lines: list[str], sizes: list[int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--skip-table", action="store_true")
     parser.add_argument("--skip-blp", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--sizes", default="1000,2000,4000,8000,16000")
@@ -146,7 +147,8 @@ def main() -> None:
              f"`{command}` — {datetime.date.today()}, "
              f"{platform.processor() or platform.machine()}, Python {platform.python_version()}.",
              ""]
-    plan_table(lines)
+    if not args.skip_table:
+        plan_table(lines)
     if not args.skip_blp:
         blp_table(lines, time_limit=args.blp_time_limit)
     if not args.skip_scaling:
