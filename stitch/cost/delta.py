@@ -138,7 +138,6 @@ class CostModel:
     def _parallelism(self, members: frozenset[int], analysis: PatternAnalysis | None
                      ) -> tuple[int, int]:
         """Threads the kernel can run at once, and shared-memory bytes it moves."""
-        graph = self.graph
         if analysis is None:     # not stitchable: assume it is one plain loop kernel
             return max(self.elements[v] for v in members), 0
         threads = 0
@@ -162,7 +161,6 @@ class CostModel:
                 comp_threads = t if comp_threads is None else min(comp_threads, t)
                 smem += red.rows * 4 * 2       # partials written and read back
             threads += comp_threads or 1
-        del graph
         return max(threads, 1), smem
 
     def _loop_threads(self, v: int) -> int:

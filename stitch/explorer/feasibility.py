@@ -230,7 +230,7 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
     last_reason = ""
     for _ in range(4 * len(members) + 8):
         try:
-            row_maps = _propagate(graph, members, member_set, set(shared_ids), dropped)
+            _propagate(graph, members, member_set, set(shared_ids), dropped)
         except _Drop as drop:
             if drop.labels <= dropped:
                 raise Infeasible(drop.reason) from None
@@ -257,7 +257,6 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
         row_dims_in = [kept[k] for k in kept_rows]
         shared.append(SharedReduction(v, rows, max(src.num_elements // rows, 1),
                                       _rows_are_major(src, row_dims_in)))
-    del row_maps
     analysis = PatternAnalysis(components=_components(graph, members, member_set), shared=shared)
     for index, comp in enumerate(analysis.components):
         for v in comp:
