@@ -26,7 +26,7 @@ from hlo_passes.graph import OpGraph
 
 from ..cost.delta import CostModel
 from ..errors import StitchError
-from .plan import _written, needs_kernel, producers_needed
+from .plan import _written, needs_kernel, producers_needed, resolve_aliases
 
 log = logging.getLogger(__name__)
 
@@ -47,23 +47,6 @@ class BlpResult:
     variables: int
     constraints: int
     cuts: int
-
-
-def _output_producers(graph: OpGraph) -> set[int]:
-    """Graph outputs seen through free aliases."""
-    result: set[int] = set()
-    stack = list(graph.outputs)
-    seen: set[int] = set()
-    while stack:
-        o = stack.pop()
-        if o in seen:
-            continue
-        seen.add(o)
-        if needs_kernel(graph, o):
-            result.add(o)
-        else:
-            stack.extend(graph.nodes[o].operands)
-    return result
 
 
 def solve_blp(graph: OpGraph, cost: CostModel, candidates: list[frozenset[int]],
@@ -96,7 +79,7 @@ def solve_blp(graph: OpGraph, cost: CostModel, candidates: list[frozenset[int]],
     prob += pulp.lpSum(t * xi for t, xi in zip(times, x))
     for v in required:
         prob += pulp.lpSum(x[i] for i in containing.get(v, [])) >= 1, f"cover_{v}"
-    for v in _output_producers(graph):
+    for v in resolve_aliases(graph, graph.outputs):
         prob += pulp.lpSum(x[i] for i in writers.get(v, [])) >= 1, f"out_{v}"
     infeasible = []
     for i, need in enumerate(needed):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -139,7 +140,6 @@ class PatternExplorer:
 
     # --- PatternReduction --------------------------------------------------------------
     def explore(self) -> Candidates:
-        import time
         start = time.perf_counter()
         graph = self.graph
         down = self._propagate(consumers_first=True)

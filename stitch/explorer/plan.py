@@ -80,42 +80,39 @@ def make_kernel(graph: OpGraph, cost: CostModel, members, origin: str) -> Planne
     return PlannedKernel(members, kernel_kind(graph, members), cost.kernel(members), origin)
 
 
+def resolve_aliases(graph: OpGraph, starts, within: set[int] | None = None) -> set[int]:
+    """The ops needing a kernel that ``starts`` stand for: each start itself, or, for a free
+    alias (bitcast, tuple plumbing), what it aliases, walking back through operands (only
+    those in ``within`` when given). Sources resolve to nothing."""
+    found: set[int] = set()
+    stack = list(starts)
+    seen: set[int] = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if needs_kernel(graph, v):
+            found.add(v)
+        else:
+            stack.extend(o for o in graph.nodes[v].operands if within is None or o in within)
+    return found
+
+
 def _written(graph: OpGraph, members: set[int]) -> set[int]:
     """The values a kernel writes: members used outside it or leaving the graph. A free
     alias member (a bitcast of a member) stands for the member it aliases, so what is
     recorded as written is always an op that needs a kernel."""
     outputs = set(graph.outputs)
-    written: set[int] = set()
-    stack = [m for m in members
-             if m in outputs or any(u not in members for u in graph.nodes[m].users)]
-    seen: set[int] = set()
-    while stack:
-        m = stack.pop()
-        if m in seen:
-            continue
-        seen.add(m)
-        if needs_kernel(graph, m):
-            written.add(m)
-        else:
-            stack.extend(o for o in graph.nodes[m].operands if o in members)
-    return written
+    used_outside = [m for m in members
+                    if m in outputs or any(u not in members for u in graph.nodes[m].users)]
+    return resolve_aliases(graph, used_outside, within=members)
 
 
 def producers_needed(graph: OpGraph, members: set[int]) -> set[int]:
     """Ops outside ``members`` whose results the kernel reads, seen through free aliases."""
-    needed: set[int] = set()
-    stack = [o for m in members for o in graph.nodes[m].operands if o not in members]
-    seen: set[int] = set()
-    while stack:
-        o = stack.pop()
-        if o in seen:
-            continue
-        seen.add(o)
-        if needs_kernel(graph, o):
-            needed.add(o)
-        elif graph.nodes[o].op_class is not OpClass.SOURCE:
-            stack.extend(graph.nodes[o].operands)
-    return needed
+    return resolve_aliases(graph, (o for m in members for o in graph.nodes[m].operands
+                                   if o not in members))
 
 
 def launch_order(graph: OpGraph, kernels: list[PlannedKernel]) -> list[PlannedKernel]:
