@@ -115,16 +115,32 @@ class CostModel:
                 analysis = analyze_pattern(graph, members)
             except Infeasible:
                 analysis = None
-        threads, smem_bytes = self._parallelism(members, analysis)
-        fraction = min(1.0, threads / self.saturation)
-        memory_s = nbytes / (spec.hbm_bandwidth * fraction)
+        per_component, smem_bytes = self._parallelism(members, analysis)
+        threads = max(sum(per_component), 1)
+        memory_s = self._memory_s(nbytes, threads)
+        compute_s = self._compute_s(self._instructions(members, analysis), threads)
+        if analysis is not None and len(analysis.components) > 1:
+            # Packed parts run side by side on different blocks: the kernel cannot end
+            # before its slowest part, which draws only the bandwidth and lanes its own
+            # threads can (a small part gains nothing from a big neighbour's threads).
+            for comp, comp_threads in zip(analysis.components, per_component):
+                comp = frozenset(comp)
+                memory_s = max(memory_s, self._memory_s(graph.hbm_bytes(comp), comp_threads))
+                compute_s = max(compute_s, self._compute_s(
+                    self._instructions(comp, analysis), comp_threads))
         memory_s += smem_bytes / spec.shared_memory_bandwidth
-        lanes = spec.fp32_cores_per_sm * spec.sm_count * min(1.0, threads / (
-            spec.sm_count * spec.fp32_cores_per_sm))
-        compute_s = self._instructions(members, analysis) / (lanes * spec.clock_hz)
         total = launch + compute_s + memory_s - XLA_MEMORY_COMPUTE_PARALLELISM * min(
             compute_s, memory_s)
         return KernelCost(nbytes, 1, memory_s, compute_s, threads, total)
+
+    def _memory_s(self, nbytes: int, threads: int) -> float:
+        return nbytes / (self.spec.hbm_bandwidth * min(1.0, max(threads, 1) / self.saturation))
+
+    def _compute_s(self, instructions: float, threads: int) -> float:
+        spec = self.spec
+        lanes = spec.fp32_cores_per_sm * spec.sm_count * min(1.0, max(threads, 1) / (
+            spec.sm_count * spec.fp32_cores_per_sm))
+        return instructions / (lanes * spec.clock_hz)
 
     def _compute_kernel(self, node: OpNode, nbytes: int) -> KernelCost:
         """GEMM/conv: a roofline at peak FP32 (the same on both sides of any comparison)."""
@@ -136,11 +152,12 @@ class CostModel:
         return KernelCost(nbytes, 1, memory_s, compute_s, 0, total)
 
     def _parallelism(self, members: frozenset[int], analysis: PatternAnalysis | None
-                     ) -> tuple[int, int]:
-        """Threads the kernel can run at once, and shared-memory bytes it moves."""
+                     ) -> tuple[list[int], int]:
+        """Threads each independent part of the kernel can run at once, and the
+        shared-memory bytes the kernel moves."""
         if analysis is None:     # not stitchable: assume it is one plain loop kernel
-            return max(self.elements[v] for v in members), 0
-        threads = 0
+            return [max(self.elements[v] for v in members)], 0
+        threads: list[int] = []
         smem = 0
         by_component: dict[int, list] = {}
         for red in analysis.shared:
@@ -148,7 +165,7 @@ class CostModel:
         for index, comp in enumerate(analysis.components):
             reds = by_component.get(index)
             if not reds:
-                threads += max(self._loop_threads(v) for v in comp)
+                threads.append(max(self._loop_threads(v) for v in comp))
                 continue
             comp_threads = None
             for red in reds:
@@ -160,8 +177,8 @@ class CostModel:
                 t = min(t, red.rows * red.row_length)
                 comp_threads = t if comp_threads is None else min(comp_threads, t)
                 smem += red.rows * 4 * 2       # partials written and read back
-            threads += comp_threads or 1
-        return max(threads, 1), smem
+            threads.append(comp_threads or 1)
+        return threads, smem
 
     def _loop_threads(self, v: int) -> int:
         node = self.graph.nodes[v]

@@ -14,7 +14,9 @@ These constraints do not exclude a cycle between two chosen kernels (each writin
 other reads), so after each solve the launch order is built; if it gets stuck, a cut is
 added saying "not all of these stuck kernels unless another writer of their missing inputs
 is chosen", and the problem is solved again. Solved with PuLP on HiGHS (highspy) under a
-time limit; the report carries the solver status and the relative MIP gap.
+time limit, started from the beam's plan (so a time-limited answer is never worse than the
+beam's); the report carries the solver status, the relative MIP gap and a proven lower
+bound on the optimum.
 """
 from __future__ import annotations
 
@@ -47,13 +49,43 @@ class BlpResult:
     variables: int
     constraints: int
     cuts: int
+    # A proven lower bound on the optimum (s): the best of HiGHS's dual bound and the
+    # optimum of any solve whose answer was then cut for a cycle (each solve relaxes the
+    # final problem). Equals objective_s when the status is optimal.
+    lower_bound_s: float = 0.0
+
+
+def _warm_highs(pulp):
+    """PuLP's HiGHS interface with a MIP start: the variables' initial values are handed
+    to HiGHS before it runs, so it starts from a known plan (the beam's) and never returns
+    anything worse within its time limit."""
+
+    class WarmHiGHS(pulp.HiGHS):
+        def callSolver(self, lp):
+            import highspy
+            variables = lp.variables()
+            if any(v.varValue is not None for v in variables):
+                start = highspy.HighsSolution()
+                values = [0.0] * len(variables)
+                for v in variables:
+                    values[v.index] = float(v.varValue or 0.0)
+                start.col_value = values
+                start.value_valid = True
+                lp.solverModel.setSolution(start)
+            super().callSolver(lp)
+
+    return WarmHiGHS
 
 
 def solve_blp(graph: OpGraph, cost: CostModel, candidates: list[frozenset[int]],
-              time_limit_s: float = 30.0) -> BlpResult:
+              time_limit_s: float = 30.0,
+              initial: list[frozenset[int]] | None = None) -> BlpResult:
+    """Solve the BLP over ``candidates`` (plus singletons). ``initial``, a valid plan made
+    of candidates, is the solver's MIP start."""
     import pulp
 
     start = time.perf_counter()
+    candidates = list(candidates) + list(initial or [])
     unique = list(dict.fromkeys(frozenset(c) for c in candidates if c))
     required = [v for v in range(len(graph.nodes)) if needs_kernel(graph, v)]
     present = {v for c in unique for v in c}
@@ -91,37 +123,99 @@ def solve_blp(graph: OpGraph, cost: CostModel, candidates: list[frozenset[int]],
             prob += pulp.lpSum(x[j] for j in ws) >= x[i], f"dep_{i}_{v}"
     for i in infeasible:
         prob += x[i] == 0, f"unusable_{i}"
+    chosen_start = {frozenset(c) for c in initial or []}
+    warm_solver = _warm_highs(pulp)
 
     cuts = 0
     status = "unknown"
     gap: float | None = None
     chosen_idx: list[int] = []
+    bound = 0.0
     while True:
         remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
-        solver = pulp.HiGHS(msg=False, timeLimit=remaining)
+        if chosen_start:
+            # Start every solve from the given plan: it satisfies every cycle cut, unlike
+            # the previous solve's answer.
+            for c, xi in zip(unique, x):
+                xi.setInitialValue(1 if c in chosen_start else 0)
+        solver = warm_solver(msg=False, timeLimit=remaining)
         code = prob.solve(solver)
         status = pulp.LpStatus.get(code, str(code)).lower()
         model = getattr(prob, "solverModel", None)
         if model is not None:
             status = model.modelStatusToString(model.getModelStatus()).lower()
             gap = float(model.getInfo().mip_gap)
+            info = model.getInfo()
+            if status == "optimal":
+                bound = max(bound, float(info.objective_function_value))
+            else:
+                bound = max(bound, float(getattr(info, "mip_dual_bound", 0.0) or 0.0))
         chosen_idx = [i for i, xi in enumerate(x) if (xi.value() or 0) > 0.5]
         if not chosen_idx:
             raise BlpError(f"graph {graph.name}: BLP found no plan (status {status})")
         stuck = _stuck(chosen_idx, written, needed)
         if not stuck or cuts >= MAX_CYCLE_CUTS:
             break
-        missing = {v for i in stuck for v in needed[i]} - {
-            v for i in chosen_idx if i not in stuck for v in written[i]}
-        others = {j for v in missing for j in writers.get(v, []) if j not in chosen_idx}
-        prob += (pulp.lpSum(x[i] for i in stuck) - pulp.lpSum(x[j] for j in others)
-                 <= len(stuck) - 1), f"cycle_{cuts}"
-        cuts += 1
+        chosen_set = set(chosen_idx)
+        for cycle in _cycles(stuck, chosen_idx, written, needed):
+            # Not all kernels of this cycle, unless another writer of what they wait for
+            # is chosen too.
+            missing = {v for i in cycle for v in needed[i]} - {
+                v for i in chosen_idx if i not in cycle for v in written[i]}
+            others = {j for v in missing for j in writers.get(v, []) if j not in chosen_set}
+            prob += (pulp.lpSum(x[i] for i in cycle) - pulp.lpSum(x[j] for j in others)
+                     <= len(cycle) - 1), f"cycle_{cuts}"
+            cuts += 1
     if _stuck(chosen_idx, written, needed):
         raise BlpError(f"graph {graph.name}: BLP plans kept a kernel cycle after {cuts} cuts")
     objective = sum(times[i] for i in chosen_idx) * 1e-6
     return BlpResult([unique[i] for i in chosen_idx], objective, status, gap,
-                     time.perf_counter() - start, len(x), prob.numConstraints(), cuts)
+                     time.perf_counter() - start, len(x), prob.numConstraints(), cuts,
+                     min(bound * 1e-6, objective))
+
+
+def _cycles(stuck: list[int], chosen: list[int], written: list[set[int]],
+            needed: list[set[int]]) -> list[list[int]]:
+    """Disjoint cycles among stuck kernels: i waits on j when i needs a value that only
+    stuck kernels write and j is one of them. Short cycles make strong cuts; the whole
+    stuck set is the fallback."""
+    stuck_set = set(stuck)
+    free_values = {v for i in chosen if i not in stuck_set for v in written[i]}
+    waits = {i: [j for j in stuck if j != i and any(v in written[j] for v in needed[i]
+                                                     if v not in free_values)]
+             for i in stuck}
+    cycles: list[list[int]] = []
+    used: set[int] = set()
+    for root in stuck:
+        if root in used:
+            continue
+        # Breadth-first search for the shortest way back to root.
+        parent = {root: -1}
+        frontier = [root]
+        found = -1
+        while frontier and found < 0:
+            nxt = []
+            for i in frontier:
+                for j in waits[i]:
+                    if j == root:
+                        found = i
+                        break
+                    if j not in parent and j not in used:
+                        parent[j] = i
+                        nxt.append(j)
+                if found >= 0:
+                    break
+            frontier = nxt
+        if found < 0:
+            continue
+        cycle = []
+        node = found
+        while node != -1:
+            cycle.append(node)
+            node = parent[node]
+        cycles.append(cycle)
+        used.update(cycle)
+    return cycles or [list(stuck)]
 
 
 def _stuck(chosen: list[int], written: list[set[int]], needed: list[set[int]]) -> list[int]:

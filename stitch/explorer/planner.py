@@ -30,6 +30,7 @@ from .beam import beam_search, merge_adjacent, pack_levels
 from .blp import BlpError, solve_blp
 from .feasibility import Infeasible, analyze_pattern
 from .patterns import Candidates, Pattern, PatternExplorer, is_plannable
+from .refine import refine_plan
 from .plan import (GraphPlan, PlannedKernel, PlannerReport, SideSummary, kernel_kind,
                    launch_order, make_kernel, needs_kernel, validate)
 
@@ -46,6 +47,7 @@ class ExplorerOptions:
     remote_fusion: bool = True
     packing: bool = True
     lookahead_beam: bool = True
+    recompute: bool = True          # refine each plan by split/recomputation moves
     blp_time_limit_s: float = 30.0
 
 
@@ -132,7 +134,12 @@ def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origi
         groups = [g for g, _ in packed]
         origins = ["packing" if merged else origin_of.get(g, "single") for g, merged in packed]
     kernels = [make_kernel(graph, cost, g, o) for g, o in zip(groups, origins)]
-    kernels = launch_order(graph, kernels)
+    return _named(graph, launch_order(graph, kernels), weight, prefix)
+
+
+def _named(graph: OpGraph, kernels: list[PlannedKernel], weight: int,
+           prefix: str = "k") -> GraphPlan:
+    """A validated plan from kernels in launch order, kernels named <graph>.<prefix><i>."""
     validate(graph, kernels)
     for i, k in enumerate(kernels):
         k.name = f"{graph.name}.{prefix}{i}"
@@ -194,6 +201,17 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     plans.append(("baseline packed", _finish(graph, cost, base_groups,
                                              ["baseline"] * len(base_groups),
                                              options.packing, weight)))
+    if options.recompute:
+        refined_from: set[frozenset[frozenset[int]]] = set()
+        for label, p in list(plans):
+            key = frozenset(frozenset(k.members) for k in p.kernels)
+            if key in refined_from:
+                continue
+            refined_from.add(key)
+            kernels, moves = refine_plan(graph, cost, p.kernels)
+            if moves:
+                plans.append((f"{label} + {moves} refinement moves",
+                              _named(graph, kernels, weight)))
     base_kernels, base_bytes = _memory_counts(baseline)
     allowed = []
     for label, p in plans:
@@ -212,7 +230,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
         pool = [p.members for p in patterns] + [frozenset(k.members) for _, p in plans
                                                 for k in p.kernels]
         try:
-            result = solve_blp(graph, cost, pool, options.blp_time_limit_s)
+            result = solve_blp(graph, cost, pool, options.blp_time_limit_s,
+                               initial=[frozenset(k.members) for k in best.kernels])
         except BlpError as exc:
             log.warning("%s; keeping the beam plan", exc)
             report = PlannerReport("blp", best.objective_s, time.perf_counter() - start,
@@ -221,17 +240,14 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
             base_set = set(base_groups)
             kernels = [make_kernel(graph, cost, c, "baseline" if c in base_set else "blp")
                        for c in result.chosen]
-            kernels = launch_order(graph, kernels)
-            validate(graph, kernels)
-            for i, k in enumerate(kernels):
-                k.name = f"{graph.name}.k{i}"
-            best = GraphPlan(graph, kernels, weight)
+            best = _named(graph, launch_order(graph, kernels), weight)
             report = PlannerReport("blp", result.objective_s, time.perf_counter() - start,
                                    result.status, result.gap,
                                    {"variables": result.variables,
                                     "constraints": result.constraints,
                                     "cycle_cuts": result.cuts,
                                     "solve_seconds": result.seconds,
+                                    "lower_bound_s": result.lower_bound_s,
                                     "beam_objective_s": report.objective_s})
     return GraphResult(graph, baseline, best, report, candidates.reasons)
 
