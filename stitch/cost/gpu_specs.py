@@ -48,6 +48,9 @@ class _Arch:
     max_blocks_per_sm: int = 32
     max_warps_per_sm: int = 64
     max_threads_per_sm: int = 2048
+    # Shared memory is allocated to a block in units of this many bytes (CUDA Occupancy
+    # Calculator, "shared memory allocation unit size").
+    shared_memory_allocation_unit: int = 256
 
 
 _ARCHS: dict[tuple[int, int], _Arch] = {
@@ -56,10 +59,11 @@ _ARCHS: dict[tuple[int, int], _Arch] = {
     (7, 0): _Arch((0, 8, 16, 32, 64, 96), 0),
     # A100 (8.0): 192 KB unified, "0, 8, 16, 32, 64, 100, 132 or 164 KB"; 1 KB per block is
     # reserved for system use (per-block opt-in 163 KB).
-    (8, 0): _Arch((0, 8, 16, 32, 64, 100, 132, 164), KIB),
+    (8, 0): _Arch((0, 8, 16, 32, 64, 100, 132, 164), KIB, shared_memory_allocation_unit=128),
     # Hopper (9.0): 256 KB unified, "0, 8, 16, 32, 64, 100, 132, 164, 196 or 228 KB";
     # 1 KB reserved per block (opt-in 227 KB).
-    (9, 0): _Arch((0, 8, 16, 32, 64, 100, 132, 164, 196, 228), KIB),
+    (9, 0): _Arch((0, 8, 16, 32, 64, 100, 132, 164, 196, 228), KIB,
+                  shared_memory_allocation_unit=128),
 }
 
 
@@ -78,10 +82,14 @@ class GpuSpec:
     shared_memory_carveouts: tuple[int, ...]   # bytes, ascending
     reserved_shared_memory_per_block: int
     shared_memory_per_block: int = 48 * KIB    # without opt-in
+    shared_memory_allocation_unit: int = 256   # bytes; 256 on sm_70, 128 on sm_80/sm_90
     registers_per_sm: int = 65536
     registers_per_block: int = 65536
     max_registers_per_thread: int = 255
     register_allocation_unit: int = 256        # registers, allocated per warp
+    # The register file is split among 4 SM sub-partitions (one warp scheduler each), so
+    # the warps registers allow are rounded down to a multiple of 4.
+    warp_allocation_granularity: int = 4
     max_threads_per_sm: int = 2048
     max_warps_per_sm: int = 64
     max_blocks_per_sm: int = 32
@@ -149,7 +157,8 @@ def _spec(name: str, cc: tuple[int, int], **fields) -> GpuSpec:
         shared_memory_carveouts=tuple(k * KIB for k in arch.carveouts_kib),
         reserved_shared_memory_per_block=arch.reserved_shared_per_block,
         max_blocks_per_sm=arch.max_blocks_per_sm, max_warps_per_sm=arch.max_warps_per_sm,
-        max_threads_per_sm=arch.max_threads_per_sm, **fields)
+        max_threads_per_sm=arch.max_threads_per_sm,
+        shared_memory_allocation_unit=arch.shared_memory_allocation_unit, **fields)
 
 
 SPECS: dict[str, GpuSpec] = {
