@@ -165,10 +165,30 @@ def _json_safe(value):
 
 
 def _kernel_json(gplan, kernel) -> dict:
-    return {"name": kernel.name, "kind": kernel.kind, "origin": kernel.origin,
-            "ops": gplan.ops(kernel), "hbm_bytes": kernel.cost.hbm_bytes,
-            "launches": kernel.cost.launches,
-            "modeled_us": round(kernel.cost.total_s * 1e6, 3)}
+    out = {"name": kernel.name, "kind": kernel.kind, "origin": kernel.origin,
+           "ops": gplan.ops(kernel), "hbm_bytes": kernel.cost.hbm_bytes,
+           "launches": kernel.cost.launches,
+           "cost_model_us": round(kernel.cost.total_s * 1e6, 3),
+           "modeled_us": round(kernel.modeled_us, 3)}
+    if kernel.schedule is not None:
+        occ = kernel.occupancy
+        out.update({"schemes": kernel.schemes, "grid": kernel.grid, "block": kernel.block,
+                    "smem_bytes": kernel.smem_bytes, "regs_estimate": kernel.regs_estimate,
+                    "occupancy": round(occ.occupancy, 3), "occupancy_limiter": occ.limiter,
+                    "bound": kernel.schedule.bound})
+    elif kernel.schedule_note:
+        out["schedule_note"] = kernel.schedule_note
+    return out
+
+
+def _schedule_cell(kernel) -> str:
+    """schemes, launch and resources of a scheduled kernel in a few characters."""
+    if kernel.schedule is None:
+        return ""
+    schemes = "+".join(dict.fromkeys(kernel.schemes))
+    return (f"{schemes} <<<{kernel.grid},{kernel.block}>>> smem {kernel.smem_bytes} "
+            f"regs {kernel.regs_estimate} occ {kernel.occupancy.occupancy:.2f} "
+            f"L {kernel.modeled_us:.2f} µs")
 
 
 def _plan_json(fusion_plan, origin: str, notes: list[str], with_reasons: bool) -> dict:
@@ -215,7 +235,7 @@ def _plan_table(fusion_plan, origin: str, notes: list[str]) -> str:
                       f"x{stitched.weight}): {len(stitched.kernels)} stitched kernels "
                       f"(baseline {len(result.baseline.kernels)}), launch order",
                   f"  {'#':>4s}  {'name':24s} {'kind':7s} {'origin':9s} {'ops':>4s} "
-                  f"{'bytes':>10s} {'µs':>9s}  ops"]
+                  f"{'bytes':>10s} {'µs':>9s}  schedule / ops"]
         for ki, kernel in enumerate(stitched.kernels):
             # Free ops (bitcasts, tuple plumbing) say little: list the computing ops first.
             names = sorted(kernel.members, key=lambda v: (graph.is_free(v), v))
@@ -224,7 +244,8 @@ def _plan_table(fusion_plan, origin: str, notes: list[str]) -> str:
                 shown += f", ... (+{len(names) - _OPS_SHOWN})"
             lines.append(f"  {ki:4d}  {kernel.name:24s} {kernel.kind:7s} {kernel.origin:9s} "
                          f"{len(kernel.members):4d} {human_bytes(kernel.cost.hbm_bytes):>10s} "
-                         f"{kernel_us(kernel):9.2f}  {shown}")
+                         f"{kernel_us(kernel):9.2f}  {_schedule_cell(kernel)}")
+            lines.append(f"  {'':4s}  {'':24s} ops: {shown}")
     return "\n".join(lines)
 
 

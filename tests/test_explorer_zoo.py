@@ -1,10 +1,12 @@
 """Every zoo model on every GPU target: the stitched plan is valid (plan() validates each
-graph's kernels) and never worse than XLA's own fusion decisions."""
+graph's kernels), never worse than XLA's own fusion decisions, and every stitched kernel
+has a legal schedule."""
 from __future__ import annotations
 
 import pytest
 
 import stitch
+from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.plan import validate
 from tests.fixtures import DATA
 
@@ -27,6 +29,19 @@ def test_plan_is_valid_and_never_worse_than_xla(model, target):
     for g in p.graphs:
         validate(g.graph, g.stitched.kernels)
         validate(g.graph, g.baseline.kernels)
+    # Every kernel stitch generates has a legal schedule (locality checked, launchable).
+    from stitch.explorer.patterns import is_plannable
+    for g in p.graphs:
+        for k in g.stitched.kernels:
+            if k.kind != "fused" or not k.cost.launches:
+                continue
+            if not all(is_plannable(g.graph, v) for v in k.members):
+                continue                      # XLA's fusion around a scatter, kept whole
+            assert k.schedule is not None, (k.name, k.schedule_note)
+            assert k.occupancy.blocks_per_sm >= 1 and k.regs_estimate <= 255
+            assert k.smem_bytes <= get_spec(target).shared_memory_per_block_optin
+            assert k.grid == sum(part.blocks for part in k.schedule.parts)
+            assert set(k.schemes) <= {"packing", "thread", "warp", "block"}
 
 
 def test_training_graphs_meet_the_kernel_targets():

@@ -220,12 +220,16 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
         node = graph.nodes[v]
         if node.op_class in (OpClass.COMPUTE, OpClass.OPAQUE, OpClass.SOURCE):
             raise Infeasible(f"{node.name} ({node.opcode}) is a kernel boundary")
-    shared_ids = [v for v in members if graph.nodes[v].op_class is OpClass.REDUCTION
+    # A reduce-window is computed per output element by the thread that needs it (thread
+    # composition, as XLA's loop fusions do): only reduce results are shared.
+    shared_ids = [v for v in members if graph.nodes[v].opcode == "reduce"
                   and any(u in member_set for u in graph.nodes[v].users)]
-    for v in shared_ids:
-        if graph.nodes[v].opcode != "reduce":
-            raise Infeasible(f"{graph.nodes[v].name} ({graph.nodes[v].opcode}) result cannot "
-                             "be shared inside a kernel")
+    for v in members:
+        node = graph.nodes[v]
+        if node.op_class is OpClass.REDUCTION and node.opcode not in ("reduce", "reduce-window") \
+                and any(u in member_set for u in node.users):
+            raise Infeasible(f"{node.name} ({node.opcode}) result cannot be shared inside a "
+                             "kernel")
     dropped: set[tuple[int, int]] = set()
     last_reason = ""
     for _ in range(4 * len(members) + 8):
@@ -261,7 +265,44 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
     for index, comp in enumerate(analysis.components):
         for v in comp:
             analysis.component_of[v] = index
+    _check_one_partition(graph, analysis)
     return analysis
+
+
+def _reduction_rows(graph: OpGraph, v: int, analysis: PatternAnalysis) -> tuple[int, bool]:
+    """(rows, contiguous?) of the block partition a reduction needs: a shared one's from
+    the row maps, a root's from its own kept dimensions."""
+    known = next((r for r in analysis.shared if r.node == v), None)
+    if known is not None:
+        return known.rows, known.minor
+    node = graph.nodes[v]
+    src = _leaf(graph.nodes[node.operands[0]].shape)
+    reduced = set(node.instruction.ints("dimensions"))
+    order = [d for d in _physical_order(src) if src.dims[d] != 1]
+    kept = [d for d in order if d not in reduced]
+    return _leaf(node.shape).num_elements, order[:len(kept)] == kept
+
+
+def _check_one_partition(graph: OpGraph, analysis: PatternAnalysis) -> None:
+    """The locality rule of the schedules: one unit (warp or block) owns a row of every
+    reduction of a connected part, so all of them must agree on the partition. Two
+    reductions partitioning differently (rows vs columns of the same input, or different
+    row counts) would need another block's data."""
+    for comp in analysis.components:
+        # reduce-window roots are loops (a thread per output window), not row reductions.
+        reductions = [v for v in comp if graph.nodes[v].opcode == "reduce"]
+        if len(reductions) < 2:
+            continue
+        parts = {v: _reduction_rows(graph, v, analysis)[0] for v in reductions}
+        first = reductions[0]
+        for v in reductions[1:]:
+            # Equal row counts are one partition (unit r owns row r of each), even when one
+            # reduction reads its rows contiguously and another strided.
+            if parts[v] != parts[first]:
+                raise Infeasible(
+                    f"{graph.nodes[v].name} and {graph.nodes[first].name} need different "
+                    f"block partitions ({parts[v]} vs {parts[first]} rows): no block "
+                    "can own a row of both")
 
 
 class _Drop(Exception):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hlo_passes.graph import OpGraph
 from hlo_passes.op_classes import OpClass
@@ -17,6 +18,10 @@ from hlo_passes.op_classes import OpClass
 from ..cost.delta import CostModel, KernelCost
 from ..errors import StitchError
 from .patterns import CONTROL_OPCODES
+
+if TYPE_CHECKING:
+    from ..cost.occupancy import Occupancy
+    from ..schedule.kernel_schedule import KernelSchedule
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,40 @@ class PlannedKernel:
     # (refinement), "packing", "baseline" (an XLA or base-fusion group), "single", "blp".
     origin: str = ""
     name: str = ""
+    ops: tuple[str, ...] = ()       # instruction names, filled when the plan is named
+    # The stitching schedule (stitched kernels of the final plan); why there is none.
+    schedule: "KernelSchedule | None" = None
+    schedule_note: str = ""
+
+    @property
+    def schemes(self) -> list[str]:
+        return self.schedule.schemes if self.schedule else []
+
+    @property
+    def grid(self) -> int | None:
+        return self.schedule.grid if self.schedule else None
+
+    @property
+    def block(self) -> int | None:
+        return self.schedule.block if self.schedule else None
+
+    @property
+    def smem_bytes(self) -> int | None:
+        return self.schedule.smem_bytes if self.schedule else None
+
+    @property
+    def regs_estimate(self) -> int | None:
+        return self.schedule.regs_estimate if self.schedule else None
+
+    @property
+    def occupancy(self) -> "Occupancy | None":
+        return self.schedule.occupancy if self.schedule else None
+
+    @property
+    def modeled_us(self) -> float:
+        """The latency-evaluator's time for a scheduled kernel, else the kernel time model's
+        (GEMM/conv, opaque ops, XLA's own kept fusions)."""
+        return self.schedule.modeled_us if self.schedule else self.cost.total_s * 1e6
 
     @property
     def is_memory(self) -> bool:

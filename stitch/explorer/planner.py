@@ -30,6 +30,7 @@ from .beam import beam_search, merge_adjacent, pack_levels
 from .blp import BlpError, solve_blp
 from .feasibility import Infeasible, analyze_pattern
 from .patterns import Candidates, Pattern, PatternExplorer, is_plannable
+from ..schedule.tuner import ScheduleError, schedule_kernel
 from .refine import refine_plan
 from .plan import (GraphPlan, PlannedKernel, PlannerReport, SideSummary, kernel_kind,
                    launch_order, make_kernel, needs_kernel, validate)
@@ -47,6 +48,7 @@ class ExplorerOptions:
     remote_fusion: bool = True
     packing: bool = True
     lookahead_beam: bool = True
+    schedules: bool = True          # tune a stitching schedule for every stitched kernel
     recompute: bool = True          # refine each plan by split/recomputation moves
     blp_time_limit_s: float = 30.0
 
@@ -143,7 +145,25 @@ def _named(graph: OpGraph, kernels: list[PlannedKernel], weight: int,
     validate(graph, kernels)
     for i, k in enumerate(kernels):
         k.name = f"{graph.name}.{prefix}{i}"
+        k.ops = tuple(graph.nodes[v].name for v in k.members)
     return GraphPlan(graph, kernels, weight)
+
+
+def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan) -> None:
+    """Attach the tuned stitching schedule to every stitched kernel of ``plan``. GEMM/conv,
+    opaque ops, control flow and XLA's kept fusions around opaque ops run as XLA compiles
+    them and get none."""
+    for k in plan.kernels:
+        if k.kind != "fused" or not k.cost.launches:
+            continue
+        if not all(is_plannable(graph, v) for v in k.members):
+            k.schedule_note = "XLA fusion around an op stitch does not generate; kept as is"
+            continue
+        try:
+            k.schedule = schedule_kernel(graph, k.members, spec)
+        except ScheduleError as exc:
+            k.schedule_note = str(exc)
+            log.warning("graph %s: %s has no schedule: %s", graph.name, k.name, exc)
 
 
 def _complete(graph: OpGraph, patterns: list[Pattern]) -> tuple[list[frozenset[int]], list[str]]:
@@ -249,6 +269,10 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                                     "solve_seconds": result.seconds,
                                     "lower_bound_s": result.lower_bound_s,
                                     "beam_objective_s": report.objective_s})
+    if options.schedules:
+        start_schedules = time.perf_counter()
+        schedule_plan(graph, spec, best)
+        report.detail["schedule_seconds"] = time.perf_counter() - start_schedules
     return GraphResult(graph, baseline, best, report, candidates.reasons)
 
 

@@ -1,0 +1,206 @@
+"""What a kernel part computes, pass by pass: the facts every schedule of it shares.
+
+A row part walks each row in *passes*: pass 0 computes what the first reductions read and
+reduces it; pass k computes the consumers of stage-(k-1) reductions, and so on (an op's
+stage is the number of reductions on the longest path to it inside the part). Ops whose
+value is one per row (``rows`` elements, e.g. mean, rsqrt(var)) are *per-row* ops: as
+sub-roots each thread computes them once per pass, otherwise once per element. Full-size
+ops a later pass needs are recomputed there (thread composition) unless cached in
+registers.
+
+The locality check lives here too: warp/block sharing is legal only when every consumer
+element of a shared value is computed by the unit owning the row. Within a part the row
+partition comes from the feasibility analysis (row maps), so the check reduces to every
+reduction of the part agreeing on that partition.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hlo_passes.graph import OpGraph
+from hlo_passes.op_classes import OpClass
+
+from ..cost.delta import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT
+from ..explorer.feasibility import PatternAnalysis, _leaf, _physical_order
+
+
+@dataclass(frozen=True)
+class Reduction:
+    node: int
+    rows: int                   # rows of the block partition
+    row_length: int             # input elements per row
+    outputs_per_row: int        # reduction outputs inside one row (> 1 after coarsening)
+    minor: bool
+    shared: bool                # consumed inside the part (else a root)
+
+
+@dataclass
+class PassWork:
+    """Per-element and per-row work of one pass over a row (or of a loop part)."""
+
+    full_ops: list[int] = field(default_factory=list)       # computed per element
+    row_ops: list[int] = field(default_factory=list)        # computed per row
+    loads: int = 0              # distinct full-size inputs read per element
+    row_loads: int = 0          # per-row inputs read once per row
+    stores: int = 0             # full-size values written per element
+    row_stores: int = 0         # per-row values written once per row
+    alu: float = 0.0            # per element
+    sfu: float = 0.0            # per element
+    reductions: list[int] = field(default_factory=list)     # reductions finishing this pass
+
+
+@dataclass
+class PartFacts:
+    members: tuple[int, ...]
+    reductions: list[Reduction]
+    rows: int
+    row_length: int
+    minor: bool
+    elements: int               # loop parts: elements of the largest root
+    passes: list[PassWork]
+    per_row_expensive: list[int]     # sub-root candidates (expensive ops, one per row)
+    multi_pass_expensive: list[int]  # full-size expensive ops more than one pass needs
+    hbm_bytes: int
+    locality_error: str | None = None
+    # Reductions of the part read their rows in different layouts (some contiguous, some
+    # strided): a unit then owns exactly one row of each, and loads are not vectorized.
+    mixed_layout: bool = False
+
+
+def op_instructions(graph: OpGraph, v: int) -> tuple[float, float]:
+    """(ALU, SFU) instructions per element of op v."""
+    node = graph.nodes[v]
+    if graph.is_free(v):
+        return 0.0, 0.0
+    if node.op_class is OpClass.EXPENSIVE:
+        total = EXPENSIVE_INSTRUCTIONS.get(node.opcode, 10.0)
+        # The libdevice expansion issues about a quarter of its instructions on the SFU
+        # (ex2/lg2/rsqrt approximations), the rest on the FP32 pipe.
+        return total * 0.75, total * 0.25
+    if node.opcode == "reduce-window" and node.operands:
+        # One accumulate per window element, computed per output element.
+        window = _elements(graph, node.operands[0]) / max(_elements(graph, v), 1)
+        return INSTRUCTIONS_PER_ELEMENT[OpClass.REDUCTION] * max(window, 1.0), 0.0
+    return INSTRUCTIONS_PER_ELEMENT.get(node.op_class, 2.0), 0.0
+
+
+def _elements(graph: OpGraph, v: int) -> int:
+    return _leaf(graph.nodes[v].shape).num_elements
+
+
+def _reduction_facts(graph: OpGraph, v: int, members: set[int],
+                     analysis: PatternAnalysis) -> Reduction:
+    node = graph.nodes[v]
+    src = _leaf(graph.nodes[node.operands[0]].shape)
+    out_elements = max(_elements(graph, v), 1)
+    shared = any(u in members for u in node.users)
+    known = next((r for r in analysis.shared if r.node == v), None)
+    if known is not None:
+        return Reduction(v, known.rows, known.row_length,
+                         max(out_elements // max(known.rows, 1), 1), known.minor, True)
+    reduced = set(node.instruction.ints("dimensions"))
+    order = [d for d in _physical_order(src) if src.dims[d] != 1]
+    kept = [d for d in order if d not in reduced]
+    minor = order[:len(kept)] == kept
+    return Reduction(v, out_elements, max(src.num_elements // out_elements, 1), 1, minor,
+                     shared)
+
+
+def part_facts(graph: OpGraph, members: list[int], analysis: PatternAnalysis) -> PartFacts:
+    member_set = set(members)
+    order = sorted(members)
+    # Only reduce partitions rows; a reduce-window is a loop op (a thread per window).
+    reductions = [_reduction_facts(graph, v, member_set, analysis) for v in order
+                  if graph.nodes[v].opcode == "reduce"]
+    hbm = graph.hbm_bytes(member_set)
+    outputs = set(graph.outputs)
+    written = {v for v in order if not graph.is_free(v) and
+               (v in outputs or any(u not in member_set for u in graph.nodes[v].users))}
+    if not reductions:
+        elements = max((_elements(graph, v) for v in written), default=1)
+        work = _pass_work(graph, order, member_set, [v for v in order if not graph.is_free(v)],
+                          [], written, [])
+        return PartFacts(tuple(order), [], elements, 1, True, elements, [work], [], [], hbm)
+    primary = max(reductions, key=lambda r: r.rows * r.row_length)
+    error = None
+    mixed = any(r.minor != primary.minor for r in reductions)
+    for r in reductions:
+        if r.rows != primary.rows:
+            error = (f"{graph.nodes[r.node].name} partitions rows differently from "
+                     f"{graph.nodes[primary.node].name} ({r.rows} vs {primary.rows} rows): "
+                     "no unit can own both rows")
+    rows = primary.rows
+    row_length = primary.row_length
+    reduction_ids = {r.node for r in reductions}
+    stage: dict[int, int] = {}
+    for v in order:
+        s = 0
+        for o in graph.nodes[v].operands:
+            if o in member_set:
+                s = max(s, stage[o] + (o in reduction_ids))
+        stage[v] = s
+    per_row = {v for v in order if v not in reduction_ids and stage[v] > 0
+               and _elements(graph, v) <= rows and not graph.is_free(v)}
+    n_passes = max(stage[r] for r in reduction_ids) + 1
+    last_full = max((stage[v] for v in order if v not in per_row and v not in reduction_ids
+                     and not graph.is_free(v)), default=0)
+    n_passes = max(n_passes, last_full + 1)
+    passes = []
+    needed_in: dict[int, set[int]] = {}
+    for p in range(n_passes):
+        targets = [v for v in order if stage[v] == p and not graph.is_free(v)]
+        full = _closure(graph, [v for v in targets if v not in per_row], member_set,
+                        reduction_ids | per_row)
+        for v in full:
+            needed_in.setdefault(v, set()).add(p)
+        rows_here = [v for v in targets if v in per_row]
+        finishing = [v for v in targets if v in reduction_ids]
+        passes.append(_pass_work(graph, order, member_set, full, rows_here, written,
+                                 finishing, per_row | reduction_ids))
+    expensive = [v for v in order if graph.nodes[v].op_class is OpClass.EXPENSIVE]
+    return PartFacts(tuple(order), reductions, rows, row_length, primary.minor or mixed,
+                     rows * row_length, passes,
+                     [v for v in expensive if v in per_row],
+                     [v for v in expensive if len(needed_in.get(v, ())) > 1], hbm, error,
+                     mixed)
+
+
+def _closure(graph: OpGraph, targets: list[int], members: set[int], stop: set[int]
+             ) -> list[int]:
+    """Targets and their in-part ancestors, not walking past ``stop`` (values available
+    per row)."""
+    seen = set()
+    stack = list(targets)
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        stack.extend(o for o in graph.nodes[v].operands
+                     if o in members and o not in seen and o not in stop)
+    return sorted(seen)
+
+
+def _pass_work(graph: OpGraph, order: list[int], members: set[int], full: list[int],
+               rows_here: list[int], written: set[int], finishing: list[int],
+               per_row_values: set[int] = frozenset()) -> PassWork:
+    work = PassWork(full_ops=[v for v in full if not graph.is_free(v)], row_ops=rows_here,
+                    reductions=finishing)
+    full_set = set(full)
+    inputs: set[int] = set()
+    row_inputs: set[int] = set()
+    for v in list(full) + rows_here:
+        for o in graph.nodes[v].operands:
+            if o in members:
+                continue
+            (row_inputs if v in rows_here else inputs).add(o)
+    work.loads = len(inputs)
+    work.row_loads = len(row_inputs)
+    work.stores = sum(1 for v in full_set if v in written)
+    work.row_stores = sum(1 for v in rows_here if v in written) + sum(
+        1 for v in finishing if v in written)
+    for v in work.full_ops:
+        alu, sfu = op_instructions(graph, v)
+        work.alu += alu
+        work.sfu += sfu
+    return work

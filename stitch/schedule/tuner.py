@@ -1,0 +1,387 @@
+"""Schedule tuning: enumerate the schedule space of a kernel and keep the fastest by the
+latency-evaluator (FusionStitching §4.2-4.4).
+
+Per part the space is: the unit owning a row (thread = recompute per consumer element,
+warp = shuffles, block = shared memory), threads per block 32...1024, vector width 1/2/4
+(where rows divide), per-row expensive ops as sub-roots or recomputed per element, and
+full-size expensive ops needed by several passes cached in registers or recomputed. Packed
+parts share one block size; the tuner tries each and keeps the fastest kernel. Illegal
+combinations are discarded with a reason (``KernelSchedule.rejected``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+from hlo_passes.graph import OpGraph
+
+from ..cost.gpu_specs import GpuSpec
+from ..cost.latency import UNROLL, LaunchShape, WarpWork, evaluate, part_cycles
+from ..cost.occupancy import occupancy
+from ..errors import StitchError
+from ..explorer.feasibility import Infeasible, analyze_pattern
+from .kernel_schedule import GroupSchedule, KernelSchedule, PartSchedule, SharedBuffer
+from .space import PartFacts, op_instructions, part_facts
+
+log = logging.getLogger(__name__)
+
+THREADS_PER_BLOCK = (32, 64, 128, 256, 512, 1024)
+VECTOR_WIDTHS = (1, 2, 4)
+BASE_REGISTERS = 16          # indices, loop counters, parameter pointers
+MAX_REGISTERS = 255
+# Thread composition recomputes a whole row per consumer element: only rows up to this
+# long are worth enumerating (longer ones are always far slower).
+MAX_RECOMPUTED_ROW = 4096
+
+
+class ScheduleError(StitchError):
+    """No legal schedule exists for a kernel (the reasons are listed)."""
+
+
+@dataclass
+class _Choice:
+    part: PartSchedule
+    work: WarpWork
+    launch: LaunchShape
+    seconds: float
+
+
+def _log2(n: int) -> int:
+    return max(int(math.ceil(math.log2(max(n, 1)))), 0)
+
+
+def _registers(facts: PartFacts, vw: int, cached_values: int) -> int:
+    """Liveness estimate: the widest pass keeps about one value per op of its longest
+    dependency front live per vector lane, plus per-row values and cached elements."""
+    widest = max((min(len(p.full_ops), 2 + p.loads) for p in facts.passes), default=1)
+    per_row = sum(len(p.row_ops) + len(p.reductions) for p in facts.passes)
+    return BASE_REGISTERS + widest * vw + per_row + cached_values
+
+
+def _allocate_shared(graph: OpGraph, facts: PartFacts, unit: str, warps: int,
+                     rows_per_block: int, members: set[int]) -> list[SharedBuffer]:
+    """Shared buffers for block-level sharing, reused by dominance (§4.4): one scratch
+    area for warp partials (each reduction finishes with a barrier before the next starts),
+    and a result buffer per shared reduction whose space is handed to a later reduction
+    once every consumer of the earlier one is an ancestor of it (all its reads are done)."""
+    if unit != "block":
+        return []
+    shared = [r for r in facts.reductions if r.shared]
+    if not facts.reductions:
+        return []
+    partial_slots = warps if facts.minor else warps * 32
+    buffers = [SharedBuffer(facts.reductions[0].node, partial_slots * 4, 0, "partials")]
+    offset = partial_slots * 4
+    ancestors: dict[int, set[int]] = {}
+
+    def ancestors_of(v: int) -> set[int]:
+        if v not in ancestors:
+            seen, stack = set(), [v]
+            while stack:
+                for o in graph.nodes[stack.pop()].operands:
+                    if o in members and o not in seen:
+                        seen.add(o)
+                        stack.append(o)
+            ancestors[v] = seen
+        return ancestors[v]
+
+    live: list[tuple[int, int, int]] = []        # (offset, bytes, reduction)
+    free: list[tuple[int, int]] = []
+    for r in sorted(shared, key=lambda r: r.node):
+        size = r.outputs_per_row * rows_per_block * (1 if facts.minor else 32) * 4
+        before = ancestors_of(r.node)
+        still = []
+        for off, nbytes, owner in live:
+            consumers = [u for u in graph.nodes[owner].users if u in members]
+            if all(u in before for u in consumers):
+                free.append((off, nbytes))
+            else:
+                still.append((off, nbytes, owner))
+        live = still
+        slot = next((f for f in free if f[1] >= size), None)
+        if slot is not None:
+            free.remove(slot)
+            at = slot[0]
+        else:
+            at = offset
+            offset += size
+        live.append((at, size, r.node))
+        buffers.append(SharedBuffer(r.node, size, at, "result"))
+    return buffers
+
+
+def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
+              sub_roots: bool, cache: bool) -> tuple[WarpWork, int, int, int] | str:
+    """Per-warp work, blocks, rows per block and cached registers of a row-part schedule,
+    or why it is illegal."""
+    R, L = facts.rows, facts.row_length
+    if facts.locality_error and unit != "thread":
+        return facts.locality_error
+    if (not facts.minor or facts.mixed_layout) and vw > 1:
+        return "vector loads need contiguous rows"
+    if facts.minor and L % vw:
+        return f"row length {L} is not a multiple of vector width {vw}"
+    if unit == "thread":
+        if L > MAX_RECOMPUTED_ROW:
+            return f"recomputing a {L}-element row per thread is never worth it"
+        consumers = max(R * L // vw, R) if len(facts.passes) > 1 else R
+        threads_per_row = 1
+        blocks = math.ceil(consumers / tpb)
+        rows_per_block = max(tpb // max(L // vw, 1), 1)
+        iters_recompute = L                  # each thread reduces its whole row itself
+    elif unit == "warp":
+        threads_per_row = 32 if facts.minor else 1
+        rows_per_block = tpb // threads_per_row
+        blocks = math.ceil(R / rows_per_block)
+    else:
+        if facts.minor:
+            threads_per_row, rows_per_block = tpb, 1
+            blocks = R
+        else:
+            if tpb < 64:
+                return "block tiling of columns needs at least two warps"
+            threads_per_row, rows_per_block = tpb // 32, 32
+            blocks = math.ceil(R / 32)
+    warps_per_block = max(tpb // 32, 1)
+    alu = sfu = instr = shuffles = barriers = shared = chain = rounds = 0.0
+    cached_regs = 0
+    for index, p in enumerate(facts.passes):
+        if unit == "thread":
+            # The consumer element's thread recomputes each earlier pass over the row.
+            iters = iters_recompute if index < len(facts.passes) - 1 else vw
+            lanes = 1
+        else:
+            iters = math.ceil(L / (threads_per_row * vw))
+            lanes = vw
+        elem_alu, elem_sfu = p.alu, p.sfu
+        if cache and index > 0 and unit != "thread":
+            # Cached expensive values are read from registers instead of recomputed.
+            for v in facts.multi_pass_expensive:
+                if v in p.full_ops and index > 0:
+                    a, s = op_instructions(graph, v)
+                    elem_alu -= a
+                    elem_sfu -= s
+        alu += elem_alu * lanes * iters
+        sfu += elem_sfu * lanes * iters
+        instr += (p.loads + p.stores) * iters
+        rounds += math.ceil(iters / UNROLL) if p.loads else 0
+        for v in p.row_ops:
+            a, s = op_instructions(graph, v)
+            times = 1 if sub_roots or unit == "thread" else lanes * iters
+            alu += a * times
+            sfu += s * times
+        instr += p.row_loads + p.row_stores
+        for r in (x for x in facts.reductions if x.node in p.reductions):
+            if unit == "thread":
+                continue
+            per_output = max(threads_per_row // max(r.outputs_per_row, 1), 1)
+            steps = _log2(min(per_output, 32))
+            shuffles += steps
+            chain += steps
+            if unit == "block" and per_output > 32:
+                barriers += 2
+                shared += 3
+                shuffles += _log2(warps_per_block)
+                chain += _log2(warps_per_block)
+            elif unit == "block" and not facts.minor:
+                barriers += 2
+                shared += 2 + threads_per_row / warps_per_block
+                chain += _log2(threads_per_row)
+    if cache and unit != "thread" and facts.multi_pass_expensive:
+        cached_regs = len(facts.multi_pass_expensive) * math.ceil(L / (threads_per_row * vw)) * vw
+        if cached_regs > 64:
+            return f"caching {len(facts.multi_pass_expensive)} values per element needs " \
+                   f"{cached_regs} registers per thread"
+    total_warps = blocks * warps_per_block
+    work = WarpWork(alu=alu * 1.0, sfu=sfu, global_bytes=facts.hbm_bytes / max(total_warps, 1),
+                    global_instr=instr, memory_rounds=max(rounds, 1.0), shared_instr=shared,
+                    shuffles=shuffles, barriers=barriers, chain_alu=chain)
+    return work, blocks, rows_per_block, cached_regs
+
+
+def _loop_work(facts: PartFacts, tpb: int, vw: int) -> tuple[WarpWork, int] | str:
+    if facts.elements % vw:
+        return f"{facts.elements} elements are not a multiple of vector width {vw}"
+    threads = math.ceil(facts.elements / vw)
+    blocks = math.ceil(threads / tpb)
+    p = facts.passes[0]
+    warps = blocks * max(tpb // 32, 1)
+    work = WarpWork(alu=p.alu * vw, sfu=p.sfu * vw,
+                    global_bytes=facts.hbm_bytes / max(warps, 1),
+                    global_instr=p.loads + p.stores, memory_rounds=1.0)
+    return work, blocks
+
+
+def _groups(graph: OpGraph, facts: PartFacts, unit: str, sub_roots: bool
+            ) -> list[GroupSchedule]:
+    """Groups rooted at sub-roots (reductions, per-row expensive ops when they are
+    sub-roots) and at the part's roots; every other op joins the first group downstream
+    that needs it (index propagation)."""
+    members = set(facts.members)
+    reduction_scheme = unit
+    roots = [r.node for r in facts.reductions]
+    if sub_roots:
+        roots += facts.per_row_expensive
+    outputs = set(graph.outputs)
+    roots += [v for v in facts.members if v not in roots and not graph.is_free(v) and
+              (v in outputs or any(u not in members for u in graph.nodes[v].users))]
+    assigned: set[int] = set()
+    groups = []
+    for root in sorted(set(roots)):
+        seen, stack = [root], [root]
+        while stack:
+            for o in graph.nodes[stack.pop()].operands:
+                if o in members and o not in assigned and o not in seen and o not in roots:
+                    seen.append(o)
+                    stack.append(o)
+        assigned.update(seen)
+        is_sub_root = root in {r.node for r in facts.reductions} or (
+            sub_roots and root in facts.per_row_expensive)
+        scheme = reduction_scheme if is_sub_root and facts.reductions else "thread"
+        groups.append(GroupSchedule(root, tuple(sorted(seen)), scheme, is_sub_root))
+    return groups
+
+
+def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
+                  rejected: list[str]) -> list[_Choice]:
+    members = set(facts.members)
+    choices: list[_Choice] = []
+    if not facts.reductions:
+        for vw in VECTOR_WIDTHS:
+            got = _loop_work(facts, tpb, vw)
+            if isinstance(got, str):
+                rejected.append(f"loop vw={vw}: {got}")
+                continue
+            work, blocks = got
+            regs = _registers(facts, vw, 0)
+            launch = LaunchShape(blocks, tpb, min(regs, MAX_REGISTERS), 0)
+            lat = evaluate(spec, launch, work)
+            if lat.occupancy.blocks_per_sm == 0:
+                rejected.append(f"loop tpb={tpb} vw={vw}: cannot launch ({lat.occupancy.reason})")
+                continue
+            part = PartSchedule(facts.members, "loop", "thread", facts.elements, 1, True, tpb,
+                                tpb * vw, vw, blocks, _groups(graph, facts, "thread", False),
+                                registers=regs, modeled_cycles=lat.cycles)
+            choices.append(_Choice(part, work, launch, lat.seconds))
+        return choices
+    sub_root_options = (True, False) if facts.per_row_expensive else (True,)
+    cache_options = (False, True) if facts.multi_pass_expensive else (False,)
+    for unit in ("warp", "block", "thread"):
+        for vw in VECTOR_WIDTHS:
+            for sub_roots in sub_root_options:
+                for cache in cache_options:
+                    label = f"{unit} tpb={tpb} vw={vw} sub_roots={sub_roots} cache={cache}"
+                    got = _row_work(graph, facts, unit, tpb, vw, sub_roots, cache)
+                    if isinstance(got, str):
+                        rejected.append(f"{label}: {got}")
+                        continue
+                    work, blocks, rows_per_block, cached = got
+                    regs = _registers(facts, vw, cached)
+                    if regs > MAX_REGISTERS:
+                        rejected.append(f"{label}: needs about {regs} registers per thread")
+                        continue
+                    buffers = _allocate_shared(graph, facts, unit, max(tpb // 32, 1),
+                                               rows_per_block, members)
+                    smem = max((b.offset + b.bytes for b in buffers), default=0)
+                    if smem > spec.shared_memory_per_block_optin:
+                        rejected.append(f"{label}: needs {smem} bytes of shared memory")
+                        continue
+                    launch = LaunchShape(blocks, tpb, regs, smem)
+                    lat = evaluate(spec, launch, work)
+                    if lat.occupancy.blocks_per_sm == 0:
+                        rejected.append(f"{label}: cannot launch ({lat.occupancy.reason})")
+                        continue
+                    part = PartSchedule(
+                        facts.members, "row", unit, facts.rows, facts.row_length, facts.minor,
+                        tpb, rows_per_block, vw, blocks, _groups(graph, facts, unit, sub_roots),
+                        buffers, tuple(facts.multi_pass_expensive) if cache else (),
+                        registers=regs, modeled_cycles=lat.cycles)
+                    choices.append(_Choice(part, work, launch, lat.seconds))
+    return choices
+
+
+TIE = 0.01
+
+
+def _preference(choice: _Choice) -> tuple[float, float, int]:
+    """Fastest first; modeled times within 1% count as equal, then wider vectors win
+    (fewer instructions than the model's issue bound shows)."""
+    bucket = round(math.log(choice.seconds) / math.log1p(TIE)) if choice.seconds > 0 else 0
+    return (bucket, -choice.part.vector_width, choice.part.threads_per_block)
+
+
+def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
+                    force: dict[str, str] | None = None) -> KernelSchedule:
+    """The fastest legal schedule of the stitched kernel ``members`` on ``spec``.
+
+    ``force`` = {"unit": "warp"} (or "block"/"thread") keeps only schedules whose row parts
+    use that unit (tests, and forcing schemes in codegen checks). Raises ScheduleError when
+    nothing is legal, listing why."""
+    members = sorted(set(members))
+    try:
+        analysis = analyze_pattern(graph, members)
+    except Infeasible as exc:
+        raise ScheduleError(f"kernel at {graph.nodes[members[0]].name}: {exc}") from None
+    facts = [part_facts(graph, comp, analysis) for comp in analysis.components
+             if any(not graph.is_free(v) for v in comp)]
+    if not facts:
+        raise ScheduleError(f"kernel at {graph.nodes[members[0]].name} computes nothing")
+    rejected: list[str] = []
+    best: KernelSchedule | None = None
+    for tpb in THREADS_PER_BLOCK:
+        picked: list[_Choice] = []
+        for f in facts:
+            options = _part_choices(graph, spec, f, tpb, rejected)
+            if force and f.reductions:
+                options = [c for c in options if c.part.unit == force.get("unit", c.part.unit)]
+            if not options:
+                break
+            picked.append(min(options, key=_preference))
+        if len(picked) != len(facts):
+            continue
+        schedule = _combine(spec, members, picked, rejected)
+        if schedule is None:
+            continue
+        # Within 1% the model cannot tell schedules apart: prefer the higher occupancy
+        # (more latency hiding than the model credits).
+        if best is None or schedule.modeled_us < best.modeled_us * (1 - TIE) or (
+                schedule.modeled_us <= best.modeled_us * (1 + TIE)
+                and schedule.occupancy.occupancy > best.occupancy.occupancy):
+            best = schedule
+    if best is None:
+        reasons = "; ".join(dict.fromkeys(rejected))[:2000]
+        raise ScheduleError(f"no legal schedule for the kernel at "
+                            f"{graph.nodes[members[0]].name}: {reasons}")
+    best.rejected = list(dict.fromkeys(rejected))
+    return best
+
+
+def _combine(spec: GpuSpec, members: list[int], picked: list[_Choice], rejected: list[str]
+             ) -> KernelSchedule | None:
+    """Pack the parts into one grid: blocks in consecutive ranges, one block size, the
+    largest register and shared-memory need. Parts share the machine: their issue cycles
+    add up, and the kernel lasts at least as long as its slowest part's chain."""
+    tpb = picked[0].launch.threads_per_block
+    regs = max(c.launch.registers_per_thread for c in picked)
+    smem = max(c.launch.shared_bytes_per_block for c in picked)
+    occ = occupancy(spec, tpb, regs, smem)
+    if occ.blocks_per_sm == 0:
+        rejected.append(f"packed tpb={tpb}: cannot launch ({occ.reason})")
+        return None
+    shared_machine = slowest = latency = 0.0
+    offset = 0
+    for c in picked:
+        t, l, _ = part_cycles(spec, LaunchShape(c.launch.blocks, tpb, regs, smem), c.work, occ)
+        shared_machine += t * min(spec.sm_count, c.launch.blocks) / spec.sm_count
+        slowest = max(slowest, t)
+        latency = max(latency, l)
+        c.part.block_offset = offset
+        offset += c.launch.blocks
+    throughput = max(shared_machine, slowest)
+    cycles = max(throughput, latency)
+    seconds = spec.kernel_launch_overhead_s + cycles / spec.clock_hz
+    return KernelSchedule(tuple(members), [c.part for c in picked], offset, tpb, smem, regs,
+                          occ, seconds * 1e6,
+                          "throughput" if throughput >= latency else "latency")

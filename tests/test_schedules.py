@@ -1,0 +1,218 @@
+"""Stitching schedules: scheme choice across families of shapes, locality, sub-roots, shared
+memory reuse, packing, and the latency-evaluator's basic responses."""
+from __future__ import annotations
+
+import pytest
+
+from hlo_passes import parse_hlo
+from hlo_passes.graph import build_op_graphs
+from stitch.cost.gpu_specs import get_spec
+from stitch.cost.latency import LaunchShape, WarpWork, evaluate
+from stitch.explorer.feasibility import infeasible_reason
+from stitch.schedule import ScheduleError, schedule_kernel
+
+HEAD = """HloModule m
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+max {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] maximum(a, b)
+}
+"""
+
+
+def _graph(body: str):
+    return build_op_graphs(parse_hlo(f"{HEAD}ENTRY main {{\n{body}\n}}\n"))[0]
+
+
+def _computing(graph) -> list[int]:
+    return [n.id for n in graph.nodes if n.opcode not in ("parameter", "constant")]
+
+
+def softmax(rows: int, length: int):
+    return _graph(f"""
+  x = f32[{rows},{length}] parameter(0)
+  ninf = f32[] constant(-inf)
+  zero = f32[] constant(0)
+  m = f32[{rows}] reduce(x, ninf), dimensions={{1}}, to_apply=max
+  mb = f32[{rows},{length}] broadcast(m), dimensions={{0}}
+  d = f32[{rows},{length}] subtract(x, mb)
+  e = f32[{rows},{length}] exponential(d)
+  s = f32[{rows}] reduce(e, zero), dimensions={{1}}, to_apply=add
+  sb = f32[{rows},{length}] broadcast(s), dimensions={{0}}
+  ROOT y = f32[{rows},{length}] divide(e, sb)""")
+
+
+def layer_norm(rows: int, length: int):
+    return _graph(f"""
+  x = f32[{rows},{length}] parameter(0)
+  zero = f32[] constant(0)
+  n = f32[] constant({length})
+  sum = f32[{rows}] reduce(x, zero), dimensions={{1}}, to_apply=add
+  nb = f32[{rows}] broadcast(n), dimensions={{}}
+  mean = f32[{rows}] divide(sum, nb)
+  meanb = f32[{rows},{length}] broadcast(mean), dimensions={{0}}
+  c = f32[{rows},{length}] subtract(x, meanb)
+  sq = f32[{rows},{length}] multiply(c, c)
+  vsum = f32[{rows}] reduce(sq, zero), dimensions={{1}}, to_apply=add
+  var = f32[{rows}] divide(vsum, nb)
+  r = f32[{rows}] rsqrt(var)
+  rb = f32[{rows},{length}] broadcast(r), dimensions={{0}}
+  ROOT y = f32[{rows},{length}] multiply(c, rb)""")
+
+
+def _unit(graph, target: str) -> str:
+    return schedule_kernel(graph, _computing(graph), get_spec(target)).parts[0].unit
+
+
+# --- scheme choice follows the shapes --------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["v100", "a100", "h100"])
+@pytest.mark.parametrize("length", [32, 64, 128, 256])
+def test_short_rows_get_a_warp_per_row(target, length):
+    assert _unit(softmax(2 ** 22 // length, length), target) == "warp"
+
+
+@pytest.mark.parametrize("target", ["v100", "a100", "h100"])
+@pytest.mark.parametrize("rows,length", [(64, 32000), (512, 32000), (128, 16384),
+                                         (256, 8192)])
+def test_long_rows_get_a_block_per_row(target, rows, length):
+    ks = schedule_kernel(softmax(rows, length), _computing(softmax(rows, length)),
+                         get_spec(target))
+    part = ks.parts[0]
+    assert part.unit == "block" and part.rows_per_block == 1 and ks.grid == rows
+    assert ks.smem_bytes > 0                      # partials and results in shared memory
+    assert "block" in ks.schemes
+
+
+@pytest.mark.parametrize("target", ["v100", "h100"])
+@pytest.mark.parametrize("length", [2, 4])
+def test_tiny_rows_are_recomputed_per_thread(target, length):
+    graph = softmax(2 ** 20, length)
+    ks = schedule_kernel(graph, _computing(graph), get_spec(target))
+    assert ks.parts[0].unit == "thread" and "warp" not in ks.schemes
+    warp = schedule_kernel(graph, _computing(graph), get_spec(target), force={"unit": "warp"})
+    assert warp.modeled_us > ks.modeled_us
+
+
+def test_forcing_a_unit_changes_the_schedule_and_costs_time():
+    graph = softmax(512, 32000)
+    best = schedule_kernel(graph, _computing(graph), get_spec("h100"))
+    warp = schedule_kernel(graph, _computing(graph), get_spec("h100"), force={"unit": "warp"})
+    assert warp.parts[0].unit == "warp" and warp.modeled_us > best.modeled_us
+
+
+# --- sub-roots, shared memory, registers -------------------------------------------------------
+
+def test_rsqrt_per_row_is_a_sub_root_computed_once():
+    graph = layer_norm(4096, 768)
+    ks = schedule_kernel(graph, _computing(graph), get_spec("v100"))
+    groups = {graph.nodes[g.root].name: g for g in ks.parts[0].groups}
+    assert groups["r"].sub_root and groups["sum"].sub_root and groups["vsum"].sub_root
+    assert not groups["y"].sub_root and groups["y"].scheme == "thread"
+    # Every computing op belongs to exactly one group.
+    covered = [v for g in ks.parts[0].groups for v in g.members]
+    assert sorted(covered) == sorted(set(covered))
+    assert set(covered) >= {v for v in _computing(graph) if not graph.is_free(v)}
+
+
+def test_block_result_buffers_are_reused_by_dominance():
+    """vsum is computed after every consumer of sum (mean) has run: it takes sum's slot."""
+    graph = layer_norm(256, 8192)
+    ks = schedule_kernel(graph, _computing(graph), get_spec("a100"), force={"unit": "block"})
+    results = {graph.nodes[b.node].name: b for b in ks.parts[0].shared_buffers
+               if b.purpose == "result"}
+    assert results["sum"].offset == results["vsum"].offset
+    partials = [b for b in ks.parts[0].shared_buffers if b.purpose == "partials"]
+    assert len(partials) == 1 and partials[0].bytes == 4 * ks.block // 32
+    assert ks.smem_bytes == partials[0].bytes + results["sum"].bytes
+
+
+def test_caching_too_many_values_in_registers_is_rejected_with_a_reason():
+    graph = softmax(64, 32000)
+    ks = schedule_kernel(graph, _computing(graph), get_spec("h100"))
+    assert any("registers" in r for r in ks.rejected)
+    assert ks.regs_estimate <= 255 and ks.occupancy.blocks_per_sm >= 1
+
+
+# --- columns, locality, packing ----------------------------------------------------------------
+
+COLUMN = """
+  x = f32[8192,1024] parameter(0)
+  zero = f32[] constant(0)
+  s = f32[1024] reduce(x, zero), dimensions={0}, to_apply=add
+  sb = f32[8192,1024] broadcast(s), dimensions={1}
+  ROOT y = f32[8192,1024] subtract(x, sb)"""
+
+
+def test_column_reduction_is_tiled_by_columns():
+    graph = _graph(COLUMN)
+    ks = schedule_kernel(graph, _computing(graph), get_spec("v100"))
+    part = ks.parts[0]
+    assert not part.minor and part.vector_width == 1 and part.unit in ("warp", "block")
+    block = schedule_kernel(graph, _computing(graph), get_spec("v100"), force={"unit": "block"})
+    assert block.parts[0].rows_per_block == 32 and block.grid == 1024 // 32
+    assert any(b.purpose == "partials" for b in block.parts[0].shared_buffers)
+
+
+def test_two_reductions_needing_different_partitions_fail_the_locality_check():
+    graph = _graph("""
+  x = f32[4096,512] parameter(0)
+  zero = f32[] constant(0)
+  e = f32[4096,512] exponential(x)
+  rows = f32[4096] reduce(e, zero), dimensions={1}, to_apply=add
+  cols = f32[512] reduce(e, zero), dimensions={0}, to_apply=add
+  rb = f32[4096,512] broadcast(rows), dimensions={0}
+  cb = f32[4096,512] broadcast(cols), dimensions={1}
+  y1 = f32[4096,512] divide(e, rb)
+  y2 = f32[4096,512] divide(e, cb)
+  ROOT out = (f32[4096,512], f32[4096,512]) tuple(y1, y2)""")
+    members = [v for v in _computing(graph) if graph.nodes[v].opcode != "tuple"]
+    reason = infeasible_reason(graph, members)
+    assert reason is not None and "different block partitions" in reason
+    with pytest.raises(ScheduleError, match="different block partitions"):
+        schedule_kernel(graph, members, get_spec("h100"))
+    # Each reduction with its own consumers is fine.
+    assert infeasible_reason(graph, [graph.node(n).id for n in ("e", "rows", "rb", "y1")]) \
+        is None
+
+
+def test_independent_parts_are_packed_into_block_ranges():
+    graph = _graph("""
+  a = f32[4096,256] parameter(0)
+  b = f32[1048576] parameter(1)
+  zero = f32[] constant(0)
+  s = f32[4096] reduce(a, zero), dimensions={1}, to_apply=add
+  sb = f32[4096,256] broadcast(s), dimensions={0}
+  y = f32[4096,256] subtract(a, sb)
+  t = f32[1048576] tanh(b)
+  ROOT out = (f32[4096,256], f32[1048576]) tuple(y, t)""")
+    members = [v for v in _computing(graph) if graph.nodes[v].opcode != "tuple"]
+    ks = schedule_kernel(graph, members, get_spec("h100"))
+    assert ks.schemes[0] == "packing" and len(ks.parts) == 2
+    ranges = sorted((p.block_offset, p.block_offset + p.blocks) for p in ks.parts)
+    assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == ks.grid
+    assert {p.kind for p in ks.parts} == {"row", "loop"}
+
+
+# --- the latency-evaluator --------------------------------------------------------------------
+
+def test_latency_grows_with_waves_and_shrinks_with_occupancy():
+    spec = get_spec("v100")
+    work = WarpWork(alu=40, global_bytes=4096, global_instr=8, memory_rounds=2)
+    one = evaluate(spec, LaunchShape(80, 256, 32), work)
+    many = evaluate(spec, LaunchShape(80 * 64, 256, 32), work)
+    assert many.waves > one.waves and many.seconds > one.seconds
+    # Registers that halve occupancy make a latency-bound grid take more waves.
+    starved = evaluate(spec, LaunchShape(80 * 64, 256, 128), work)
+    assert starved.occupancy.occupancy < many.occupancy.occupancy
+    assert starved.waves > many.waves and starved.seconds >= many.seconds
+
+
+def test_unlaunchable_shape_has_infinite_latency():
+    lat = evaluate(get_spec("h100"), LaunchShape(10, 1024, 255), WarpWork(alu=1))
+    assert lat.bound == "cannot launch" and lat.seconds == float("inf")
