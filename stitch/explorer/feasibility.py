@@ -269,7 +269,7 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
     return analysis
 
 
-def _reduction_rows(graph: OpGraph, v: int, analysis: PatternAnalysis) -> tuple[int, bool]:
+def reduction_rows(graph: OpGraph, v: int, analysis: PatternAnalysis) -> tuple[int, bool]:
     """(rows, contiguous?) of the block partition a reduction needs: a shared one's from
     the row maps, a root's from its own kept dimensions."""
     known = next((r for r in analysis.shared if r.node == v), None)
@@ -293,7 +293,7 @@ def _check_one_partition(graph: OpGraph, analysis: PatternAnalysis) -> None:
         reductions = [v for v in comp if graph.nodes[v].opcode == "reduce"]
         if len(reductions) < 2:
             continue
-        parts = {v: _reduction_rows(graph, v, analysis)[0] for v in reductions}
+        parts = {v: reduction_rows(graph, v, analysis)[0] for v in reductions}
         first = reductions[0]
         for v in reductions[1:]:
             # Equal row counts are one partition (unit r owns row r of each), even when one

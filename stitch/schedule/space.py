@@ -21,7 +21,7 @@ from hlo_passes.graph import OpGraph
 from hlo_passes.op_classes import OpClass
 
 from ..cost.delta import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT
-from ..explorer.feasibility import PatternAnalysis, _leaf, _physical_order
+from ..explorer.feasibility import PatternAnalysis, _leaf, reduction_rows
 
 
 @dataclass(frozen=True)
@@ -91,19 +91,13 @@ def _elements(graph: OpGraph, v: int) -> int:
 def _reduction_facts(graph: OpGraph, v: int, members: set[int],
                      analysis: PatternAnalysis) -> Reduction:
     node = graph.nodes[v]
-    src = _leaf(graph.nodes[node.operands[0]].shape)
+    src_elements = _elements(graph, node.operands[0])
     out_elements = max(_elements(graph, v), 1)
-    shared = any(u in members for u in node.users)
-    known = next((r for r in analysis.shared if r.node == v), None)
-    if known is not None:
-        return Reduction(v, known.rows, known.row_length,
-                         max(out_elements // max(known.rows, 1), 1), known.minor, True)
-    reduced = set(node.instruction.ints("dimensions"))
-    order = [d for d in _physical_order(src) if src.dims[d] != 1]
-    kept = [d for d in order if d not in reduced]
-    minor = order[:len(kept)] == kept
-    return Reduction(v, out_elements, max(src.num_elements // out_elements, 1), 1, minor,
-                     shared)
+    # The same partition the feasibility predicate checked (row maps for shared ones).
+    rows, minor = reduction_rows(graph, v, analysis)
+    return Reduction(v, rows, max(src_elements // max(rows, 1), 1),
+                     max(out_elements // max(rows, 1), 1), minor,
+                     any(u in members for u in node.users))
 
 
 def part_facts(graph: OpGraph, members: list[int], analysis: PatternAnalysis) -> PartFacts:
@@ -118,7 +112,7 @@ def part_facts(graph: OpGraph, members: list[int], analysis: PatternAnalysis) ->
                (v in outputs or any(u not in member_set for u in graph.nodes[v].users))}
     if not reductions:
         elements = max((_elements(graph, v) for v in written), default=1)
-        work = _pass_work(graph, order, member_set, [v for v in order if not graph.is_free(v)],
+        work = _pass_work(graph, member_set, [v for v in order if not graph.is_free(v)],
                           [], written, [])
         return PartFacts(tuple(order), [], elements, 1, True, elements, [work], [], [], hbm)
     primary = max(reductions, key=lambda r: r.rows * r.row_length)
@@ -155,8 +149,7 @@ def part_facts(graph: OpGraph, members: list[int], analysis: PatternAnalysis) ->
             needed_in.setdefault(v, set()).add(p)
         rows_here = [v for v in targets if v in per_row]
         finishing = [v for v in targets if v in reduction_ids]
-        passes.append(_pass_work(graph, order, member_set, full, rows_here, written,
-                                 finishing, per_row | reduction_ids))
+        passes.append(_pass_work(graph, member_set, full, rows_here, written, finishing))
     expensive = [v for v in order if graph.nodes[v].op_class is OpClass.EXPENSIVE]
     return PartFacts(tuple(order), reductions, rows, row_length, primary.minor or mixed,
                      rows * row_length, passes,
@@ -181,9 +174,8 @@ def _closure(graph: OpGraph, targets: list[int], members: set[int], stop: set[in
     return sorted(seen)
 
 
-def _pass_work(graph: OpGraph, order: list[int], members: set[int], full: list[int],
-               rows_here: list[int], written: set[int], finishing: list[int],
-               per_row_values: set[int] = frozenset()) -> PassWork:
+def _pass_work(graph: OpGraph, members: set[int], full: list[int], rows_here: list[int],
+               written: set[int], finishing: list[int]) -> PassWork:
     work = PassWork(full_ops=[v for v in full if not graph.is_free(v)], row_ops=rows_here,
                     reductions=finishing)
     full_set = set(full)

@@ -69,8 +69,6 @@ def _allocate_shared(graph: OpGraph, facts: PartFacts, unit: str, warps: int,
     if unit != "block":
         return []
     shared = [r for r in facts.reductions if r.shared]
-    if not facts.reductions:
-        return []
     partial_slots = warps if facts.minor else warps * 32
     buffers = [SharedBuffer(facts.reductions[0].node, partial_slots * 4, 0, "partials")]
     offset = partial_slots * 4
@@ -159,7 +157,7 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
         if cache and index > 0 and unit != "thread":
             # Cached expensive values are read from registers instead of recomputed.
             for v in facts.multi_pass_expensive:
-                if v in p.full_ops and index > 0:
+                if v in p.full_ops:
                     a, s = op_instructions(graph, v)
                     elem_alu -= a
                     elem_sfu -= s
@@ -195,7 +193,7 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
             return f"caching {len(facts.multi_pass_expensive)} values per element needs " \
                    f"{cached_regs} registers per thread"
     total_warps = blocks * warps_per_block
-    work = WarpWork(alu=alu * 1.0, sfu=sfu, global_bytes=facts.hbm_bytes / max(total_warps, 1),
+    work = WarpWork(alu=alu, sfu=sfu, global_bytes=facts.hbm_bytes / max(total_warps, 1),
                     global_instr=instr, memory_rounds=max(rounds, 1.0), shared_instr=shared,
                     shuffles=shuffles, barriers=barriers, chain_alu=chain)
     return work, blocks, rows_per_block, cached_regs
@@ -220,7 +218,6 @@ def _groups(graph: OpGraph, facts: PartFacts, unit: str, sub_roots: bool
     sub-roots) and at the part's roots; every other op joins the first group downstream
     that needs it (index propagation)."""
     members = set(facts.members)
-    reduction_scheme = unit
     roots = [r.node for r in facts.reductions]
     if sub_roots:
         roots += facts.per_row_expensive
@@ -239,7 +236,7 @@ def _groups(graph: OpGraph, facts: PartFacts, unit: str, sub_roots: bool
         assigned.update(seen)
         is_sub_root = root in {r.node for r in facts.reductions} or (
             sub_roots and root in facts.per_row_expensive)
-        scheme = reduction_scheme if is_sub_root and facts.reductions else "thread"
+        scheme = unit if is_sub_root and facts.reductions else "thread"
         groups.append(GroupSchedule(root, tuple(sorted(seen)), scheme, is_sub_root))
     return groups
 
