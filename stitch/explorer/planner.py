@@ -232,6 +232,16 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
             if moves:
                 plans.append((f"{label} + {moves} refinement moves",
                               _named(graph, kernels, weight)))
+                # Splits and recomputation open merges and packs that were not there
+                # before: merge and pack again, then refine once more. Merging and
+                # packing assume disjoint kernels (one owner per op).
+                groups = [frozenset(k.members) for k in kernels]
+                if sum(map(len, groups)) == len(frozenset().union(*groups)):
+                    again = _finish(graph, cost, groups, [k.origin for k in kernels],
+                                    options.packing, weight)
+                    kernels, more = refine_plan(graph, cost, again.kernels)
+                    plans.append((f"{label} + {moves} refinement moves, merged, {more} more",
+                                  _named(graph, kernels, weight)))
     base_kernels, base_bytes = _memory_counts(baseline)
     allowed = []
     for label, p in plans:
