@@ -216,3 +216,39 @@ def test_latency_grows_with_waves_and_shrinks_with_occupancy():
 def test_unlaunchable_shape_has_infinite_latency():
     lat = evaluate(get_spec("h100"), LaunchShape(10, 1024, 255), WarpWork(alu=1))
     assert lat.bound == "cannot launch" and lat.seconds == float("inf")
+
+
+def test_final_pick_by_latency_evaluator_takes_the_lowest_latency_plan():
+    import stitch
+    from stitch.explorer.planner import ExplorerOptions, PlanError
+
+    text = (__import__("pathlib").Path(__file__).parent / "data" / "bert_layer_train" /
+            "full.gpu-h100.hlo").read_text()
+    p = stitch.plan(text, "h100", options=ExplorerOptions(final_pick="latency"))
+    detail = p.graphs[0].report.detail
+    options = [t for t in detail["latency_objectives_s"] if t is not None]
+    assert detail["latency_objective_s"] == pytest.approx(min(options))
+    # The chosen plan's latency objective is its stitched kernels' tuned times plus the
+    # delta model's time of the rest.
+    total = sum(k.schedule.modeled_us * 1e-6 if k.schedule else k.cost.total_s
+                for k in p.graphs[0].stitched.kernels)
+    assert total == pytest.approx(detail["latency_objective_s"], rel=1e-9)
+    with pytest.raises(PlanError, match="final_pick"):
+        stitch.plan(text, "h100", options=ExplorerOptions(final_pick="fastest"))
+
+
+def test_column_reduction_with_many_outputs_per_row_fits_shared_memory():
+    """A reduction over a non-minor axis whose rows hold many outputs (the row partition
+    coarsened by a consumer) gets block tiling: the result buffer holds one value per output
+    of the block's 32 column rows, not 32 times that."""
+    g = _graph("""
+  x = f32[4,256,200] parameter(0)
+  zero = f32[] constant(0)
+  s = f32[256,200] reduce(x, zero), dimensions={0}, to_apply=add
+  e = f32[256,200] exponential(s)
+  ROOT t = f32[200] reduce(e, zero), dimensions={0}, to_apply=add""")
+    sched = schedule_kernel(g, _computing(g), get_spec("h100"), force={"unit": "block"})
+    part = sched.parts[0]
+    assert (part.rows, part.minor) == (200, False)
+    assert sched.smem_bytes <= get_spec("h100").shared_memory_per_block_optin
+    assert part.unit == "block"

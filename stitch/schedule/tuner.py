@@ -88,7 +88,9 @@ def _allocate_shared(graph: OpGraph, facts: PartFacts, unit: str, warps: int,
     live: list[tuple[int, int, int]] = []        # (offset, bytes, reduction)
     free: list[tuple[int, int]] = []
     for r in sorted(shared, key=lambda r: r.node):
-        size = r.outputs_per_row * rows_per_block * (1 if facts.minor else 32) * 4
+        # One f32 per reduction output of every row the block owns (column tiling owns
+        # 32 column rows; rows_per_block already counts them).
+        size = r.outputs_per_row * rows_per_block * 4
         before = ancestors_of(r.node)
         still = []
         for off, nbytes, owner in live:
