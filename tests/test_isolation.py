@@ -1,0 +1,178 @@
+"""Child-process isolation: results, crashes (abort), exceptions, timeouts, worker restarts."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from codegen import isolation
+from codegen.errors import CodegenError, IsolatedCrash
+from codegen.isolation import IsolatedWorker, run_isolated
+
+
+# Top-level so they pickle by reference into the child.
+def add(a: int, b: int = 0) -> int:
+    return a + b
+
+
+def child_pid() -> int:
+    return os.getpid()
+
+
+def abort_after_message(message: str) -> None:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    os.abort()
+
+
+def exit_with(code: int) -> None:
+    os._exit(code)
+
+
+def raise_value_error(text: str) -> None:
+    def inner() -> None:
+        raise ValueError(text)
+    inner()
+
+
+class NeedsTwoArgs(Exception):
+    def __init__(self, a: str, b: str) -> None:  # unpicklable: args=(message,) on reload
+        super().__init__(f"{a}/{b}")
+
+
+def raise_unpicklable() -> None:
+    raise NeedsTwoArgs("left", "right")
+
+
+def sleep_for(seconds: float) -> str:
+    time.sleep(seconds)
+    return "woke"
+
+
+def env_value(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def return_unpicklable():
+    return lambda: None
+
+
+@pytest.fixture(autouse=True)
+def _isolation_on(monkeypatch):
+    monkeypatch.delenv("STITCH_ISOLATE", raising=False)
+
+
+def test_result_returned_from_child():
+    assert run_isolated(add, 2, b=3) == 5
+    assert run_isolated(child_pid) != os.getpid()
+
+
+def test_abort_raises_isolated_crash_and_parent_survives():
+    with pytest.raises(IsolatedCrash) as info:
+        run_isolated(abort_after_message, "LLVM ERROR: unsupported libcall")
+    message = str(info.value)
+    assert "abort_after_message" in message
+    assert "SIGABRT" in message
+    assert "LLVM ERROR: unsupported libcall" in message  # stderr tail captured
+    assert run_isolated(add, 1, b=1) == 2  # parent fine, next child fine
+
+
+def test_nonzero_exit_reported():
+    with pytest.raises(IsolatedCrash, match="exited with code 3"):
+        run_isolated(exit_with, 3)
+
+
+def test_exception_keeps_type_and_child_traceback():
+    with pytest.raises(ValueError, match="bad input") as info:
+        run_isolated(raise_value_error, "bad input")
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "child traceback" in notes and "in inner" in notes
+
+
+def test_unpicklable_exception_becomes_codegen_error():
+    with pytest.raises(CodegenError) as info:
+        run_isolated(raise_unpicklable)
+    assert not isinstance(info.value, IsolatedCrash)
+    message = str(info.value)
+    assert "NeedsTwoArgs" in message and "left/right" in message
+    assert "raise_unpicklable" in message and "Traceback" in message
+
+
+def test_unpicklable_function_or_result():
+    with pytest.raises(CodegenError, match="picklable"):
+        run_isolated(lambda: 1)
+    with pytest.raises(CodegenError, match="could not be sent"):
+        run_isolated(return_unpicklable)
+
+
+def test_timeout_kills_child():
+    started = time.monotonic()
+    with pytest.raises(IsolatedCrash, match="timed out"):
+        run_isolated(sleep_for, 30, timeout=1.0)
+    assert time.monotonic() - started < 10
+
+
+def test_child_sees_callers_current_environment(monkeypatch):
+    run_isolated(add, 0)  # the fork server exists by now, with the old environment
+    monkeypatch.setenv("STITCH_TEST_MARKER", "set-after-start")
+    assert run_isolated(env_value, "STITCH_TEST_MARKER") == "set-after-start"
+    with IsolatedWorker() as worker:
+        assert worker.call(env_value, "STITCH_TEST_MARKER") == "set-after-start"
+        monkeypatch.delenv("STITCH_TEST_MARKER")
+        assert worker.call(env_value, "STITCH_TEST_MARKER") is None
+
+
+def test_in_process_switch(monkeypatch):
+    monkeypatch.setenv("STITCH_ISOLATE", "0")
+    assert run_isolated(child_pid) == os.getpid()
+    assert run_isolated(lambda: 7) == 7  # no pickling in-process
+    with IsolatedWorker() as worker:
+        assert worker.call(child_pid) == os.getpid()
+        assert worker.starts == 0
+
+
+def test_worker_reuses_child_and_restarts_after_crash():
+    with IsolatedWorker() as worker:
+        first = worker.call(child_pid)
+        assert first != os.getpid()
+        assert [worker.call(add, i, b=1) for i in range(20)] == list(range(1, 21))
+        assert worker.call(child_pid) == first and worker.starts == 1
+
+        with pytest.raises(IsolatedCrash, match="SIGABRT") as info:
+            worker.call(abort_after_message, "boom from worker")
+        assert "boom from worker" in str(info.value)
+
+        second = worker.call(child_pid)
+        assert second != first and worker.starts == 2
+        with pytest.raises(ValueError):
+            worker.call(raise_value_error, "still alive")
+        assert worker.call(child_pid) == second  # an exception does not cost the child
+
+        with pytest.raises(IsolatedCrash, match="timed out"):
+            worker.call(sleep_for, 30, timeout=0.5)
+        assert worker.call(add, 40, b=2) == 42 and worker.starts == 3
+        assert worker.call(child_pid) not in (first, second)
+    assert worker.pid is None
+
+
+def test_worker_max_calls_recycles_child():
+    with IsolatedWorker(max_calls=2) as worker:
+        pids = [worker.call(child_pid) for _ in range(4)]
+    assert pids[0] == pids[1] and pids[2] == pids[3] and pids[0] != pids[2]
+    assert worker.starts == 2
+
+
+def test_worker_call_is_cheap():
+    with IsolatedWorker() as worker:
+        worker.call(add, 0)
+        started = time.perf_counter()
+        for i in range(50):
+            worker.call(add, i)
+        per_call = (time.perf_counter() - started) / 50
+    assert per_call < 0.02, f"{per_call * 1000:.1f} ms per warm call"
+
+
+def test_start_method_avoids_plain_fork():
+    assert isolation.START_METHOD in ("forkserver", "spawn")
