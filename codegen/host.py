@@ -1,0 +1,360 @@
+"""Host target: a Kernel IR kernel run on the CPU as a SIMT program (MCJIT via llvmlite).
+
+The compiled function runs blocks [begin, end). A block's body is split at barriers and warp
+collectives into regions; each region is a loop over the block's threads. Variables defined
+in the block-level statement lists live in per-thread slots (arrays of `block` elements in a
+scratch buffer), so they survive from one region to the next; variables of nested scopes stay
+in registers. A For / If that contains a collective runs once per block (validation makes its
+bounds / condition uniform; they are evaluated as thread 0) with its body split the same way.
+A warp collective is a region that computes each thread's result from the other lanes' slots.
+
+Out-of-bounds loads/stores are caught (bounds_check=True, the default): the access is
+redirected to element 0, the first one is recorded, and the call raises CodegenError.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import llvmlite.binding as llvm
+import ml_dtypes
+import numpy as np
+from llvmlite import ir
+
+from codegen import kir
+from codegen.errors import CodegenError
+from codegen.llvm_emit import (I8, I32, I64, STORAGE_BYTES, Binding, Ctx, KernelEmitter, Scope,
+                               Target, float_suffix, value_type)
+
+LOG = logging.getLogger(__name__)
+
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "f32": np.dtype(np.float32), "f64": np.dtype(np.float64), "f16": np.dtype(np.float16),
+    "bf16": np.dtype(ml_dtypes.bfloat16), "i1": np.dtype(np.bool_), "i8": np.dtype(np.int8),
+    "i32": np.dtype(np.int32), "i64": np.dtype(np.int64), "u8": np.dtype(np.uint8),
+    "u32": np.dtype(np.uint32),
+}
+_ALIGN = 64
+_ERROR_BYTES = 64  # scratch header: first out-of-bounds access (buffer+1, index, block, thread)
+_LIBM = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "sin", "cos", "tan", "erf", "cbrt",
+         "pow", "atan2", "fmod"}
+_INTRINSICS = {"sqrt": "llvm.sqrt", "floor": "llvm.floor", "ceil": "llvm.ceil",
+               "rint": "llvm.roundeven", "round": "llvm.round"}
+
+
+@functools.lru_cache(maxsize=None)
+def _init_llvm() -> None:
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    # MCJIT resolves libm (expf...) and libgcc (half conversions) from the process.
+    for lib in ("m", "gcc_s"):
+        name = ctypes.util.find_library(lib)
+        if name:
+            llvm.load_library_permanently(name)
+
+
+def _host_machine() -> llvm.TargetMachine:
+    """A fresh target machine: an MCJIT engine takes ownership of (and frees) its own."""
+    _init_llvm()
+    target = llvm.Target.from_default_triple()
+    return target.create_target_machine(cpu=llvm.get_host_cpu_name(),
+                                        features=llvm.get_host_cpu_features().flatten(),
+                                        opt=2, jit=True)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class HostTarget(Target):
+    """Serialising hooks: threads are loop iterations, blocks are loop iterations."""
+
+    name = "host"
+
+    def __init__(self, bounds_check: bool = True) -> None:
+        self.bounds_check = bounds_check
+        self.scratch_bytes = _ERROR_BYTES
+        self.buffers: dict[str, ir.Value] = {}
+        self.buffer_ids: dict[str, int] = {}
+        self.block: ir.Value | None = None
+        self.scratch: ir.Value | None = None
+
+    # ------------------------------------------------------------ layout
+
+    def _carve(self, em: KernelEmitter, nbytes: int) -> ir.Value:
+        offset = self.scratch_bytes
+        self.scratch_bytes = _aligned(offset + nbytes)
+        return em.entry.gep(self.scratch, [ir.Constant(I64, offset)], inbounds=True,
+                            source_etype=I8)
+
+    def begin(self, em: KernelEmitter) -> None:
+        k = em.kernel
+        ptr = ir.PointerType()
+        fnty = ir.FunctionType(ir.VoidType(), [ptr, I32, I32, ptr])
+        fn = ir.Function(em.module, fnty, k.name)
+        for arg, name in zip(fn.args, ("params", "begin", "end", "scratch")):
+            arg.name = name
+        em.start_function(fn)
+        self.scratch = fn.args[3]
+        for i, p in enumerate(k.params):
+            slot = em.entry.gep(fn.args[0], [ir.Constant(I64, i)], inbounds=True,
+                                source_etype=ptr)
+            self.buffers[p.name] = em.entry.load(slot, typ=ptr)
+        for s in k.shared:
+            self.buffers[s.name] = self._carve(em, s.size * STORAGE_BYTES[s.dtype])
+        for i, b in enumerate((*k.params, *k.shared)):
+            self.buffer_ids[b.name] = i
+
+    def slots(self, em: KernelEmitter, dtype: str) -> ir.Value:
+        return self._carve(em, em.kernel.block * 8)
+
+    def var_kind(self, top: bool, mutable: bool) -> str:
+        if top:
+            return "slots"
+        return "ptr" if mutable else "ssa"
+
+    # ------------------------------------------------------------ simple hooks
+
+    def thread_idx(self, em: KernelEmitter, ctx: Ctx) -> ir.Value:
+        if ctx.tid is None:
+            raise CodegenError("host: threadIdx outside a thread loop")
+        return ctx.tid
+
+    def block_idx(self, em: KernelEmitter, ctx: Ctx) -> ir.Value:
+        return self.block
+
+    def buffer_ptr(self, em: KernelEmitter, name: str) -> ir.Value:
+        return self.buffers[name]
+
+    def math(self, em: KernelEmitter, fname: str, dtype: str,
+             args: list[ir.Value]) -> ir.Value:
+        ty = args[0].type
+        if fname in _INTRINSICS:
+            return em.call(f"{_INTRINSICS[fname]}.{float_suffix(dtype)}", ty, args)
+        if fname == "rsqrt":
+            root = em.call(f"llvm.sqrt.{float_suffix(dtype)}", ty, args)
+            return em.builder.fdiv(ir.Constant(ty, 1.0), root)
+        if fname in _LIBM:
+            return em.call(fname + ("f" if dtype == "f32" else ""), ty, args)
+        raise CodegenError(f"host: no math function {fname}")
+
+    def guard_index(self, em: KernelEmitter, buffer: kir.Buffer, index: ir.Value,
+                    ctx: Ctx) -> ir.Value:
+        if not self.bounds_check:
+            return index
+        b = em.builder
+        wide = b.sext(index, I64) if index.type != I64 else index
+        bad = b.icmp_unsigned(">=", wide, ir.Constant(I64, buffer.size))
+        with b.if_then(bad, likely=False):
+            first = b.icmp_unsigned("==", b.load(self.scratch, typ=I64), ir.Constant(I64, 0))
+            with b.if_then(first):
+                tid = ctx.tid if ctx.tid is not None else ir.Constant(I32, 0)
+                record = (ir.Constant(I64, self.buffer_ids[buffer.name] + 1), wide,
+                          b.sext(self.block, I64), b.sext(tid, I64))
+                for i, v in enumerate(record):
+                    b.store(v, b.gep(self.scratch, [ir.Constant(I64, i)], source_etype=I64))
+        return b.select(bad, ir.Constant(index.type, 0), index)
+
+    # ------------------------------------------------------------ the SIMT driver
+
+    def emit_body(self, em: KernelEmitter) -> None:
+        begin, end = em.fn.args[1], em.fn.args[2]
+
+        def one_block(block: ir.Value) -> None:
+            self.block = block
+            self._regions(em, em.kernel.body, em.root.child())
+        em.loop(begin, end, ir.Constant(I32, 1), one_block, name="block")
+
+    def _regions(self, em: KernelEmitter, body: tuple[kir.Stmt, ...], scope: Scope) -> None:
+        run: list[kir.Stmt] = []
+        for s in body:
+            if kir.has_collective(s):
+                self._threads(em, run, scope)
+                run = []
+                self._collective(em, s, scope)
+            else:
+                run.append(s)
+        self._threads(em, run, scope)
+
+    def _threads(self, em: KernelEmitter, run: list[kir.Stmt], scope: Scope) -> None:
+        """One region: the statements for every thread of the block in turn."""
+        if run:
+            em.loop(ir.Constant(I32, 0), ir.Constant(I32, em.kernel.block), ir.Constant(I32, 1),
+                    lambda tid: em.stmts(tuple(run), scope, Ctx(tid), top=True), name="thread")
+
+    def _collective(self, em: KernelEmitter, s: kir.Stmt, scope: Scope) -> None:
+        uniform = Ctx(ir.Constant(I32, 0))  # validated uniform: thread 0 speaks for all
+        if isinstance(s, kir.Barrier):
+            return  # the region boundary is the barrier
+        if isinstance(s, kir.For):
+            start, stop, step = (em.expr(e, scope, uniform) for e in (s.start, s.stop, s.step))
+
+            def body(i: ir.Value) -> None:
+                inner = scope.child()
+                inner.vars[s.var] = Binding(s.start.dtype, "ssa", i)
+                self._regions(em, s.body, inner)
+            em.loop(start, stop, step, body, name=f"ufor.{s.var}")
+        elif isinstance(s, kir.If):
+            cond = em.expr(s.cond, scope, uniform)
+            em.branch(cond, lambda: self._regions(em, s.then, scope.child()),
+                      (lambda: self._regions(em, s.orelse, scope.child())) if s.orelse else None)
+        elif isinstance(s, kir.WarpShuffle):
+            self._shuffle(em, s, scope)
+        elif isinstance(s, kir.WarpReduce):
+            self._reduce(em, s, scope)
+        else:
+            raise CodegenError(f"host: unexpected collective {s!r}")
+
+    def _shuffle(self, em: KernelEmitter, s: kir.WarpShuffle, scope: Scope) -> None:
+        """dest[t] = value evaluated as the source lane of t (shfl.sync with clamp 31)."""
+        dest = Binding(s.value.dtype, "slots", self.slots(em, s.value.dtype))
+
+        def per_thread(tid: ir.Value) -> None:
+            b = em.builder
+            lane = b.and_(tid, ir.Constant(I32, 31))
+            arg = em.expr(s.lane, scope, Ctx(tid))
+            if s.mode == "idx":
+                src, valid = b.and_(arg, ir.Constant(I32, 31)), None
+            else:
+                src = b.xor(lane, arg) if s.mode == "xor" else b.add(lane, arg)
+                valid = b.icmp_unsigned("<=", src, ir.Constant(I32, 31))
+            if valid is not None:
+                src = b.select(valid, src, lane)  # out of the warp: own value
+            source = b.or_(b.and_(tid, ir.Constant(I32, ~31)), src)
+            em.write(dest, em.expr(s.value, scope, Ctx(source)), Ctx(tid))
+        em.loop(ir.Constant(I32, 0), ir.Constant(I32, em.kernel.block), ir.Constant(I32, 1),
+                per_thread, name="shuffle")
+        scope.vars[s.dest] = dest
+
+    def _reduce(self, em: KernelEmitter, s: kir.WarpReduce, scope: Scope) -> None:
+        """The GPU's xor butterfly, lane by lane, so rounding matches the NVPTX code."""
+        dtype = s.value.dtype
+        ty = value_type(dtype)
+        dest = Binding(dtype, "slots", self.slots(em, dtype))
+        bufs = [em.alloca(ty, 32), em.alloca(ty, 32)]
+        c32, one = ir.Constant(I32, 32), ir.Constant(I32, 1)
+
+        def lane_ptr(buf: ir.Value, lane: ir.Value) -> ir.Value:
+            return em.builder.gep(buf, [lane], source_etype=ty)
+
+        def per_warp(warp: ir.Value) -> None:
+            b = em.builder
+            base = b.mul(warp, c32)
+            em.loop(ir.Constant(I32, 0), c32, one, lambda lane: b.store(
+                em.expr(s.value, scope, Ctx(b.add(base, lane))), lane_ptr(bufs[0], lane)),
+                name="lanes")
+            for rnd, offset in enumerate((16, 8, 4, 2, 1)):
+                cur, nxt = bufs[rnd % 2], bufs[(rnd + 1) % 2]
+
+                def step(lane: ir.Value, cur: ir.Value = cur, nxt: ir.Value = nxt,
+                         offset: int = offset) -> None:
+                    own = b.load(lane_ptr(cur, lane), typ=ty)
+                    other = b.load(lane_ptr(cur, b.xor(lane, ir.Constant(I32, offset))), typ=ty)
+                    b.store(em.binary(s.op, dtype, own, other), lane_ptr(nxt, lane))
+                em.loop(ir.Constant(I32, 0), c32, one, step, name="butterfly")
+            final = bufs[1]  # after 5 rounds
+            em.loop(ir.Constant(I32, 0), c32, one, lambda lane: em.write(
+                dest, b.load(lane_ptr(final, lane), typ=ty), Ctx(b.add(base, lane))),
+                name="lanes")
+        em.loop(ir.Constant(I32, 0), ir.Constant(I32, em.kernel.block // 32), one, per_warp,
+                name="warp")
+        scope.vars[s.dest] = dest
+
+
+@dataclass
+class HostKernel:
+    """A compiled host kernel; call it with numpy arrays in param order (outputs written in
+    place). Blocks are split over `threads` worker threads (ctypes releases the GIL)."""
+    kernel: kir.Kernel
+    scratch_bytes: int
+    threads: int
+    llvm_ir: str
+    _engine: object = field(repr=False)
+    _cfunc: object = field(repr=False)
+
+    def __call__(self, *arrays: np.ndarray, threads: int | None = None) -> None:
+        k = self.kernel
+        if len(arrays) != len(k.params):
+            raise CodegenError(f"kernel {k.name!r}: {len(arrays)} arrays for "
+                               f"{len(k.params)} params")
+        for p, a in zip(k.params, arrays):
+            self._check_array(p, a)
+        pointers = (ctypes.c_void_p * max(1, len(arrays)))(*(a.ctypes.data for a in arrays))
+        workers = max(1, min(threads or self.threads, k.grid))
+        bounds = np.linspace(0, k.grid, workers + 1).astype(int)
+        scratches = [np.zeros(self.scratch_bytes + _ALIGN, np.uint8) for _ in range(workers)]
+        addrs = [s.ctypes.data + (-s.ctypes.data) % _ALIGN for s in scratches]
+
+        def run(w: int) -> None:
+            self._cfunc(pointers, int(bounds[w]), int(bounds[w + 1]), addrs[w])
+        if workers == 1:
+            run(0)
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(run, range(workers)))
+        for s, addr in zip(scratches, addrs):
+            self._check_errors(s[addr - s.ctypes.data:][:32].view(np.int64))
+
+    def _check_array(self, p: kir.Param, a: np.ndarray) -> None:
+        name = self.kernel.name
+        if not isinstance(a, np.ndarray):
+            raise CodegenError(f"kernel {name!r}: param {p.name!r} is {type(a).__name__}, "
+                               "not a numpy array")
+        if a.dtype != NUMPY_DTYPES[p.dtype]:
+            raise CodegenError(f"kernel {name!r}: param {p.name!r} wants {p.dtype} "
+                               f"({NUMPY_DTYPES[p.dtype]}), got {a.dtype}")
+        if a.size != p.size:
+            raise CodegenError(f"kernel {name!r}: param {p.name!r} wants {p.size} elements, "
+                               f"got {a.size}")
+        if not a.flags.c_contiguous or (p.is_output and not a.flags.writeable):
+            raise CodegenError(f"kernel {name!r}: param {p.name!r} must be a C-contiguous"
+                               f"{' writeable' if p.is_output else ''} array")
+
+    def _check_errors(self, record: np.ndarray) -> None:
+        if record[0]:
+            buffers = (*self.kernel.params, *self.kernel.shared)
+            buf = buffers[int(record[0]) - 1]
+            raise CodegenError(f"kernel {self.kernel.name!r}: out-of-bounds access "
+                               f"{buf.name}[{int(record[1])}] (size {buf.size}) in block "
+                               f"{int(record[2])} thread {int(record[3])}")
+
+
+def emit_host_ir(kernel: kir.Kernel, bounds_check: bool = True) -> tuple[str, int]:
+    """LLVM IR text of the host function and the scratch bytes it needs per worker."""
+    kernel.validate()
+    tm = _host_machine()
+    module = ir.Module(name=kernel.name)
+    module.triple = llvm.get_process_triple()
+    module.data_layout = str(tm.target_data)
+    target = HostTarget(bounds_check)
+    KernelEmitter(kernel, target, module).emit()
+    return str(module), target.scratch_bytes
+
+
+def compile_host(kernel: kir.Kernel, *, threads: int | None = None,
+                 bounds_check: bool = True, opt: int = 2) -> HostKernel:
+    """Compile `kernel` for the CPU. All llvmlite work happens on the calling thread."""
+    text, scratch = emit_host_ir(kernel, bounds_check)
+    tm = _host_machine()
+    try:
+        module = llvm.parse_assembly(text)
+        module.verify()
+    except RuntimeError as exc:
+        raise CodegenError(f"kernel {kernel.name!r}: LLVM rejected the host IR: {exc}") from exc
+    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=opt))
+    pb.getModulePassManager().run(module, pb)
+    engine = llvm.create_mcjit_compiler(module, tm)
+    engine.finalize_object()
+    address = engine.get_function_address(kernel.name)
+    if not address:
+        raise CodegenError(f"kernel {kernel.name!r}: MCJIT produced no function")
+    proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                             ctypes.c_void_p)
+    n = threads if threads is not None else min(os.cpu_count() or 1, 8)
+    LOG.debug("kernel %s: host build, %d scratch bytes", kernel.name, scratch)
+    return HostKernel(kernel, scratch, max(1, n), text, engine, proto(address))

@@ -1,0 +1,657 @@
+"""Kernel IR: a small structured SIMT language that both code generators (host, NVPTX) consume.
+
+A `Kernel` is the body one GPU thread runs, with a 1-D grid of 1-D blocks. Expressions are
+immutable and typed at construction (`dtype` on every node); statements are structured
+(no goto / break / return), so every Let dominates the rest of its scope. `Kernel.validate()`
+checks names, types, buffers and that block collectives sit in uniform control flow.
+
+Value dtypes (what expressions compute in): f32 f64 i1 i8 i32 i64 u8 u32. Storage dtypes
+add f16 and bf16, which only appear as buffer element types: a Load of an f16/bf16 buffer
+yields f32 and a Store into one takes f32 (converted at the edge, round to nearest even).
+"""
+from __future__ import annotations
+
+import numbers
+import re
+from dataclasses import dataclass, field
+from typing import Iterator, Union
+
+from codegen.errors import CodegenError
+
+FLOAT_DTYPES = frozenset({"f32", "f64"})
+SIGNED_DTYPES = frozenset({"i8", "i32", "i64"})
+UNSIGNED_DTYPES = frozenset({"u8", "u32"})
+INT_DTYPES = SIGNED_DTYPES | UNSIGNED_DTYPES
+VALUE_DTYPES = FLOAT_DTYPES | INT_DTYPES | {"i1"}
+STORAGE_DTYPES = VALUE_DTYPES | {"f16", "bf16"}
+INDEX_DTYPES = frozenset({"i32", "i64"})
+
+BINARY_OPS = frozenset({
+    "add", "sub", "mul", "div", "rem", "min", "max", "pow", "atan2",
+    "and", "or", "xor", "shl", "shr_logical", "shr_arith",
+})
+COMPARE_OPS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+UNARY_OPS = frozenset({
+    "neg", "abs", "exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sin",
+    "cos", "tan", "erf", "floor", "ceil", "round_half_even", "round_half_away", "sign", "not",
+    "is_finite", "logistic", "cbrt",
+})
+SHUFFLE_MODES = frozenset({"xor", "down", "idx"})
+REDUCE_OPS = frozenset({"add", "max", "min", "mul"})
+
+# Which value dtypes each op accepts (checked by validate()).
+_NUMERIC = FLOAT_DTYPES | INT_DTYPES
+_BINARY_DTYPES: dict[str, frozenset[str]] = {
+    **{op: _NUMERIC for op in ("add", "sub", "mul", "div", "rem", "min", "max")},
+    "pow": FLOAT_DTYPES, "atan2": FLOAT_DTYPES,
+    **{op: INT_DTYPES | {"i1"} for op in ("and", "or", "xor")},
+    **{op: INT_DTYPES for op in ("shl", "shr_logical", "shr_arith")},
+}
+_UNARY_DTYPES: dict[str, frozenset[str]] = {
+    **{op: FLOAT_DTYPES for op in UNARY_OPS},
+    "neg": _NUMERIC, "abs": _NUMERIC, "sign": _NUMERIC, "not": INT_DTYPES | {"i1"},
+}
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def value_dtype(storage: str) -> str:
+    """The dtype a Load of a `storage` buffer yields (f16/bf16 widen to f32)."""
+    if storage not in STORAGE_DTYPES:
+        raise CodegenError(f"unknown dtype {storage!r}")
+    return "f32" if storage in ("f16", "bf16") else storage
+
+
+def _check_dtype(dtype: str, allowed: frozenset[str], what: str) -> None:
+    if dtype not in allowed:
+        raise CodegenError(f"{what}: dtype {dtype!r} not one of {sorted(allowed)}")
+
+
+# ---------------------------------------------------------------- buffers
+
+
+@dataclass(frozen=True)
+class Param:
+    """A global-memory buffer of `size` elements passed to the kernel (a pointer)."""
+    name: str
+    dtype: str
+    size: int
+    is_output: bool = False
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A block-shared buffer (addrspace 3 on NVPTX, a per-block array on the host)."""
+    name: str
+    dtype: str
+    size: int
+
+
+Buffer = Union[Param, Shared]
+
+
+def _buffer_name(buffer: "str | Buffer") -> str:
+    return buffer.name if isinstance(buffer, (Param, Shared)) else buffer
+
+
+# ---------------------------------------------------------------- expressions
+
+
+class Expr:
+    """Base of all expressions; every subclass has a `dtype` (a value dtype)."""
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Const(Expr):
+    value: float | int | bool
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, VALUE_DTYPES, "Const")
+
+
+@dataclass(frozen=True)
+class Ref(Expr):
+    """Reads a Let / Local / loop / shuffle variable."""
+    name: str
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, VALUE_DTYPES, f"Ref({self.name})")
+
+
+@dataclass(frozen=True)
+class ThreadIdx(Expr):
+    dtype: str = field(default="i32", init=False)
+
+
+@dataclass(frozen=True)
+class BlockIdx(Expr):
+    dtype: str = field(default="i32", init=False)
+
+
+@dataclass(frozen=True)
+class BlockDim(Expr):
+    dtype: str = field(default="i32", init=False)
+
+
+@dataclass(frozen=True)
+class GridDim(Expr):
+    dtype: str = field(default="i32", init=False)
+
+
+@dataclass(frozen=True)
+class Load(Expr):
+    """buffer[index]. `buffer` may be given as the Param/Shared itself (dtype follows) or
+    as its name plus `dtype` (storage or value dtype; normalised to the value dtype)."""
+    buffer: str
+    index: Expr
+    dtype: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.buffer, (Param, Shared)):
+            object.__setattr__(self, "dtype", value_dtype(self.buffer.dtype))
+            object.__setattr__(self, "buffer", self.buffer.name)
+        elif not self.dtype:
+            raise CodegenError(f"Load({self.buffer!r}) needs the buffer object or a dtype")
+        else:
+            object.__setattr__(self, "dtype", value_dtype(self.dtype))
+
+
+@dataclass(frozen=True)
+class Binary(Expr):
+    op: str
+    a: Expr
+    b: Expr
+    dtype: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        if self.op not in BINARY_OPS:
+            raise CodegenError(f"unknown binary op {self.op!r}")
+        object.__setattr__(self, "dtype", self.a.dtype)
+
+
+@dataclass(frozen=True)
+class Compare(Expr):
+    """Floats: ordered compares except `ne`, which is unordered (NaN != NaN is true)."""
+    op: str
+    a: Expr
+    b: Expr
+    dtype: str = field(default="i1", init=False)
+
+    def __post_init__(self) -> None:
+        if self.op not in COMPARE_OPS:
+            raise CodegenError(f"unknown compare op {self.op!r}")
+
+
+@dataclass(frozen=True)
+class Unary(Expr):
+    op: str
+    a: Expr
+    dtype: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        if self.op not in UNARY_OPS:
+            raise CodegenError(f"unknown unary op {self.op!r}")
+        object.__setattr__(self, "dtype", "i1" if self.op == "is_finite" else self.a.dtype)
+
+
+@dataclass(frozen=True)
+class Select(Expr):
+    """cond ? a : b (both sides are evaluated: never guard a Load with it)."""
+    cond: Expr
+    a: Expr
+    b: Expr
+    dtype: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", self.a.dtype)
+
+
+@dataclass(frozen=True)
+class Convert(Expr):
+    """float->int truncates toward zero (saturating, NaN -> 0); x->i1 is x != 0."""
+    a: Expr
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, VALUE_DTYPES, "Convert")
+
+
+# ---------------------------------------------------------------- statements
+
+
+class Stmt:
+    """Base of all statements."""
+
+
+def _tuple(body: object) -> tuple:
+    return tuple(body)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Let(Stmt):
+    """Immutable variable, visible to the rest of its scope."""
+    name: str
+    expr: Expr
+
+
+@dataclass(frozen=True)
+class Local(Stmt):
+    """Mutable variable (zero-initialised when `init` is None)."""
+    name: str
+    dtype: str
+    init: Expr | None = None
+
+
+@dataclass(frozen=True)
+class Assign(Stmt):
+    name: str
+    expr: Expr
+
+
+@dataclass(frozen=True)
+class Store(Stmt):
+    buffer: str
+    index: Expr
+    value: Expr
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "buffer", _buffer_name(self.buffer))
+
+
+@dataclass(frozen=True)
+class For(Stmt):
+    """for (var = start; var < stop; var += step) body. start/stop/step are evaluated once
+    at loop entry; step must be positive. var's dtype is start's (i32 or i64)."""
+    var: str
+    start: Expr
+    stop: Expr
+    step: Expr
+    body: tuple[Stmt, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "body", _tuple(self.body))
+
+
+@dataclass(frozen=True)
+class If(Stmt):
+    cond: Expr
+    then: tuple[Stmt, ...]
+    orelse: tuple[Stmt, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "then", _tuple(self.then))
+        object.__setattr__(self, "orelse", _tuple(self.orelse))
+
+
+@dataclass(frozen=True)
+class Barrier(Stmt):
+    """Block barrier (__syncthreads)."""
+
+
+@dataclass(frozen=True)
+class WarpShuffle(Stmt):
+    """dest = value read from another lane of the warp (full mask). xor: lane ^ `lane`;
+    down: lane + `lane` (own value past lane 31); idx: lane `lane` & 31."""
+    dest: str
+    value: Expr
+    lane: Expr
+    mode: str
+
+    def __post_init__(self) -> None:
+        if self.mode not in SHUFFLE_MODES:
+            raise CodegenError(f"unknown shuffle mode {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class WarpReduce(Stmt):
+    """dest = op over `value` of all 32 lanes (xor butterfly); every lane gets the result."""
+    dest: str
+    value: Expr
+    op: str
+
+    def __post_init__(self) -> None:
+        if self.op not in REDUCE_OPS:
+            raise CodegenError(f"unknown warp reduce op {self.op!r}")
+
+
+COLLECTIVES = (Barrier, WarpShuffle, WarpReduce)
+
+
+def has_collective(stmt: Stmt) -> bool:
+    """True if `stmt` is or contains a Barrier / WarpShuffle / WarpReduce."""
+    if isinstance(stmt, COLLECTIVES):
+        return True
+    return any(has_collective(s) for body in child_bodies(stmt) for s in body)
+
+
+def child_bodies(stmt: Stmt) -> tuple[tuple[Stmt, ...], ...]:
+    if isinstance(stmt, For):
+        return (stmt.body,)
+    if isinstance(stmt, If):
+        return (stmt.then, stmt.orelse)
+    return ()
+
+
+def walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
+    """Every statement in `body`, nested ones included, in program order."""
+    for s in body:
+        yield s
+        for child in child_bodies(s):
+            yield from walk_stmts(child)
+
+
+def sub_exprs(e: Expr) -> tuple[Expr, ...]:
+    if isinstance(e, Load):
+        return (e.index,)
+    if isinstance(e, (Binary, Compare)):
+        return (e.a, e.b)
+    if isinstance(e, (Unary, Convert)):
+        return (e.a,)
+    if isinstance(e, Select):
+        return (e.cond, e.a, e.b)
+    return ()
+
+
+# ---------------------------------------------------------------- kernel
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    params: tuple[Param, ...]
+    shared: tuple[Shared, ...]
+    grid: int
+    block: int
+    body: tuple[Stmt, ...]
+
+    def __post_init__(self) -> None:
+        for attr in ("params", "shared", "body"):
+            object.__setattr__(self, attr, _tuple(getattr(self, attr)))
+
+    @property
+    def buffers(self) -> dict[str, Buffer]:
+        return {b.name: b for b in (*self.params, *self.shared)}
+
+    def validate(self) -> "Kernel":
+        """Raise CodegenError (naming the kernel and the statement) if the kernel is malformed."""
+        _Checker(self).run()
+        return self
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def const(value: float | int | bool, dtype: str = "f32") -> Const:
+    return Const(value, dtype)
+
+
+def i32(value: int) -> Const:
+    return Const(int(value), "i32")
+
+
+def i64(value: int) -> Const:
+    return Const(int(value), "i64")
+
+
+def f32(value: float) -> Const:
+    return Const(float(value), "f32")
+
+
+def load(buffer: Buffer, index: Expr) -> Load:
+    return Load(buffer, index)  # type: ignore[arg-type]
+
+
+def ref(stmt: "Let | Local", dtype: str | None = None) -> Ref:
+    """A Ref to the variable a Let / Local defines."""
+    if isinstance(stmt, Let):
+        return Ref(stmt.name, stmt.expr.dtype)
+    return Ref(stmt.name, dtype or stmt.dtype)
+
+
+def is_identifier(name: str) -> bool:
+    return bool(_IDENT.match(name))
+
+
+# ---------------------------------------------------------------- validation
+
+
+@dataclass
+class _Var:
+    dtype: str
+    kind: str        # "let" | "local" | "loop" | "lane" (shuffle / reduce result)
+    varying: bool    # may differ between threads of a block
+    key: int         # id() of the defining statement (Locals' varying-ness is a fixed point)
+
+
+_INT_RANGES = {"i8": (-2**7, 2**7 - 1), "i32": (-2**31, 2**31 - 1), "i64": (-2**63, 2**63 - 1),
+               "u8": (0, 2**8 - 1), "u32": (0, 2**32 - 1), "i1": (0, 1)}
+
+
+def _describe(stmt: Stmt) -> str:
+    key = getattr(stmt, "name", None) or getattr(stmt, "dest", None) or getattr(stmt, "var", None) \
+        or getattr(stmt, "buffer", None)
+    return f"{type(stmt).__name__}({key})" if key else type(stmt).__name__
+
+
+class _Checker:
+    """Walks a kernel with a scope stack. Locals assigned thread-dependent values (or under
+    thread-dependent control flow) are varying; that is a fixed point, so the walk repeats
+    until no Local changes, and only the last walk reports collectives in divergent code."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.k = kernel
+        self.buffers: dict[str, Buffer] = {}
+        self.varying_locals: set[int] = set()
+        self.changed = False
+        self.final = False
+
+    def fail(self, where: str, msg: str) -> None:
+        raise CodegenError(f"kernel {self.k.name!r}: {where}: {msg}")
+
+    def run(self) -> None:
+        self._header()
+        for _ in range(len(list(walk_stmts(self.k.body))) + 2):
+            self.changed = False
+            self._body(self.k.body, [], None, "body")
+            if not self.changed:
+                break
+        self.final = True
+        self._body(self.k.body, [], None, "body")
+
+    def _header(self) -> None:
+        k = self.k
+        if not isinstance(k.name, str) or not is_identifier(k.name):
+            raise CodegenError(f"kernel name {k.name!r} is not an identifier")
+        if not isinstance(k.grid, int) or k.grid < 1:
+            self.fail("launch", f"grid {k.grid!r} must be a positive int")
+        if not isinstance(k.block, int) or k.block % 32 or not 32 <= k.block <= 1024:
+            self.fail("launch", f"block {k.block!r} must be a multiple of 32 in [32, 1024]")
+        for kind, bufs in (("param", k.params), ("shared", k.shared)):
+            for b in bufs:
+                cls = Param if kind == "param" else Shared
+                if not isinstance(b, cls):
+                    self.fail(kind, f"{b!r} is not a {cls.__name__}")
+                if not is_identifier(b.name):
+                    self.fail(kind, f"buffer name {b.name!r} is not an identifier")
+                if b.name in self.buffers:
+                    self.fail(kind, f"buffer {b.name!r} defined twice")
+                if b.dtype not in STORAGE_DTYPES:
+                    self.fail(kind, f"buffer {b.name!r} has unknown dtype {b.dtype!r}")
+                if not isinstance(b.size, int) or b.size < 1:
+                    self.fail(kind, f"buffer {b.name!r} size {b.size!r} must be a positive int")
+                self.buffers[b.name] = b
+
+    # ------------------------------------------------------------ scopes
+
+    @staticmethod
+    def _lookup(scopes: list[dict[str, _Var]], name: str) -> _Var | None:
+        for frame in reversed(scopes):
+            if name in frame:
+                return frame[name]
+        return None
+
+    def _define(self, scopes: list[dict[str, _Var]], name: str, var: _Var, where: str) -> None:
+        if not isinstance(name, str) or not is_identifier(name):
+            self.fail(where, f"variable name {name!r} is not an identifier")
+        if name in scopes[-1]:
+            self.fail(where, f"{name!r} is already defined in this scope")
+        scopes[-1][name] = var
+
+    # ------------------------------------------------------------ expressions
+
+    def _expr(self, e: Expr, scopes: list[dict[str, _Var]], where: str) -> bool:
+        """Type-check `e`; return whether its value may differ between threads."""
+        if not isinstance(e, Expr):
+            self.fail(where, f"{e!r} is not an expression")
+        if e.dtype not in VALUE_DTYPES:
+            self.fail(where, f"{type(e).__name__} has non-value dtype {e.dtype!r}")
+        if isinstance(e, Const):
+            self._const(e, where)
+            return False
+        if isinstance(e, Ref):
+            var = self._lookup(scopes, e.name)
+            if var is None:
+                self.fail(where, f"undefined variable {e.name!r}")
+            if var.dtype != e.dtype:
+                self.fail(where, f"Ref({e.name}) has dtype {e.dtype}, variable is {var.dtype}")
+            return var.varying
+        if isinstance(e, ThreadIdx):
+            return True
+        if isinstance(e, (BlockIdx, BlockDim, GridDim)):
+            return False
+        varying = [self._expr(s, scopes, where) for s in sub_exprs(e)]
+        if isinstance(e, Load):
+            buf = self.buffers.get(e.buffer)
+            if buf is None:
+                self.fail(where, f"Load from unknown buffer {e.buffer!r}")
+            if e.dtype != value_dtype(buf.dtype):
+                self.fail(where, f"Load({e.buffer}) dtype {e.dtype} but buffer is {buf.dtype}")
+            if e.index.dtype not in INDEX_DTYPES:
+                self.fail(where, f"Load({e.buffer}) index has dtype {e.index.dtype}, need i32/i64")
+        elif isinstance(e, (Binary, Compare)):
+            if e.a.dtype != e.b.dtype:
+                self.fail(where, f"{type(e).__name__}({e.op}) operands {e.a.dtype} vs {e.b.dtype}")
+            if isinstance(e, Binary) and e.a.dtype not in _BINARY_DTYPES[e.op]:
+                self.fail(where, f"Binary({e.op}) does not take {e.a.dtype}")
+        elif isinstance(e, Unary):
+            if e.a.dtype not in _UNARY_DTYPES[e.op]:
+                self.fail(where, f"Unary({e.op}) does not take {e.a.dtype}")
+        elif isinstance(e, Select):
+            if e.cond.dtype != "i1":
+                self.fail(where, f"Select condition has dtype {e.cond.dtype}, need i1")
+            if e.a.dtype != e.b.dtype:
+                self.fail(where, f"Select branches {e.a.dtype} vs {e.b.dtype}")
+        elif not isinstance(e, Convert):
+            self.fail(where, f"unknown expression {type(e).__name__}")
+        return any(varying)
+
+    def _const(self, e: Const, where: str) -> None:
+        v = e.value
+        if e.dtype in FLOAT_DTYPES:
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+        else:
+            lo, hi = _INT_RANGES[e.dtype]
+            ok = isinstance(v, numbers.Integral) and lo <= int(v) <= hi
+        if not ok:
+            self.fail(where, f"Const {v!r} does not fit dtype {e.dtype}")
+
+    # ------------------------------------------------------------ statements
+
+    def _body(self, body: tuple[Stmt, ...], scopes: list[dict[str, _Var]],
+              divergent: str | None, path: str, frame: dict[str, _Var] | None = None) -> None:
+        scopes = [*scopes, dict(frame or {})]
+        for i, s in enumerate(body):
+            self._stmt(s, scopes, divergent, f"{path}[{i}]")
+
+    def _stmt(self, s: Stmt, scopes: list[dict[str, _Var]], divergent: str | None,
+              path: str) -> None:
+        if not isinstance(s, Stmt):
+            self.fail(path, f"{s!r} is not a statement")
+        where = f"{path} {_describe(s)}"
+        if isinstance(s, Let):
+            varying = self._expr(s.expr, scopes, where)
+            self._define(scopes, s.name, _Var(s.expr.dtype, "let", varying, id(s)), where)
+        elif isinstance(s, Local):
+            if s.dtype not in VALUE_DTYPES:
+                self.fail(where, f"Local dtype {s.dtype!r} is not a value dtype")
+            varying = id(s) in self.varying_locals
+            if s.init is not None:
+                varying |= self._expr(s.init, scopes, where)
+                if s.init.dtype != s.dtype:
+                    self.fail(where, f"init has dtype {s.init.dtype}, Local is {s.dtype}")
+            self._define(scopes, s.name, _Var(s.dtype, "local", varying, id(s)), where)
+        elif isinstance(s, Assign):
+            var = self._lookup(scopes, s.name)
+            if var is None:
+                self.fail(where, f"assignment to undefined variable {s.name!r}")
+            if var.kind != "local":
+                self.fail(where, f"{s.name!r} is a {var.kind} variable, only Locals are mutable")
+            varying = self._expr(s.expr, scopes, where)
+            if s.expr.dtype != var.dtype:
+                self.fail(where, f"value has dtype {s.expr.dtype}, {s.name!r} is {var.dtype}")
+            if (varying or divergent) and not var.varying:
+                var.varying = True
+                self.varying_locals.add(var.key)
+                self.changed = True
+        elif isinstance(s, Store):
+            self._store(s, scopes, where)
+        elif isinstance(s, For):
+            self._for(s, scopes, divergent, path, where)
+        elif isinstance(s, If):
+            if self._expr(s.cond, scopes, where):
+                divergent = divergent or f"{where} (condition depends on threadIdx)"
+            if s.cond.dtype != "i1":
+                self.fail(where, f"condition has dtype {s.cond.dtype}, need i1")
+            self._body(s.then, scopes, divergent, f"{path}.then")
+            self._body(s.orelse, scopes, divergent, f"{path}.orelse")
+        elif isinstance(s, COLLECTIVES):
+            self._collective(s, scopes, divergent, where)
+        else:
+            self.fail(where, "unknown statement")
+
+    def _store(self, s: Store, scopes: list[dict[str, _Var]], where: str) -> None:
+        buf = self.buffers.get(s.buffer)
+        if buf is None:
+            self.fail(where, f"Store to unknown buffer {s.buffer!r}")
+        if isinstance(buf, Param) and not buf.is_output:
+            self.fail(where, f"Store to param {s.buffer!r}, which is not marked is_output")
+        self._expr(s.index, scopes, where)
+        self._expr(s.value, scopes, where)
+        if s.index.dtype not in INDEX_DTYPES:
+            self.fail(where, f"index has dtype {s.index.dtype}, need i32/i64")
+        if s.value.dtype != value_dtype(buf.dtype):
+            self.fail(where, f"value has dtype {s.value.dtype}, buffer {buf.name!r} "
+                             f"({buf.dtype}) takes {value_dtype(buf.dtype)}")
+
+    def _for(self, s: For, scopes: list[dict[str, _Var]], divergent: str | None, path: str,
+             where: str) -> None:
+        varying = any([self._expr(e, scopes, where) for e in (s.start, s.stop, s.step)])
+        dtypes = {s.start.dtype, s.stop.dtype, s.step.dtype}
+        if len(dtypes) != 1 or s.start.dtype not in INDEX_DTYPES:
+            self.fail(where, f"start/stop/step dtypes {sorted(dtypes)} must all be i32 or i64")
+        if isinstance(s.step, Const) and s.step.value <= 0:
+            self.fail(where, f"step {s.step.value} must be positive")
+        if varying:
+            divergent = divergent or f"{where} (bounds depend on threadIdx)"
+        frame = {}
+        self._define([frame], s.var, _Var(s.start.dtype, "loop", varying, id(s)), where)
+        self._body(s.body, scopes, divergent, f"{path}.body", frame)
+
+    def _collective(self, s: Stmt, scopes: list[dict[str, _Var]], divergent: str | None,
+                    where: str) -> None:
+        if divergent and self.final:
+            self.fail(where, f"block/warp collective in thread-dependent control flow: {divergent}")
+        if isinstance(s, WarpShuffle):
+            self._expr(s.value, scopes, where)
+            self._expr(s.lane, scopes, where)
+            if s.lane.dtype != "i32":
+                self.fail(where, f"lane has dtype {s.lane.dtype}, need i32")
+            self._define(scopes, s.dest, _Var(s.value.dtype, "lane", True, id(s)), where)
+        elif isinstance(s, WarpReduce):
+            self._expr(s.value, scopes, where)
+            if s.value.dtype not in _NUMERIC:
+                self.fail(where, f"WarpReduce does not take {s.value.dtype}")
+            self._define(scopes, s.dest, _Var(s.value.dtype, "lane", True, id(s)), where)

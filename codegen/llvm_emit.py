@@ -1,0 +1,525 @@
+"""The one lowering of Kernel IR to llvmlite.ir, parameterised by a `Target` (hooks object).
+
+The emitter owns expression semantics (integer division, NaN-propagating min/max, storage
+conversions, ...) and structured control flow; a target decides how a kernel function is
+declared, where variables live, how thread/block ids, buffers, barriers, shuffles and math
+functions are reached. NVPTX runs the body as written (SIMT-native); the host target
+serialises threads and drives the body itself through the public methods here.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from llvmlite import ir
+
+from codegen import kir
+from codegen.errors import CodegenError
+
+LOG = logging.getLogger(__name__)
+
+I1, I8, I16, I32, I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
+F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
+
+VALUE_TYPES: dict[str, ir.Type] = {"f32": F32, "f64": F64, "i1": I1, "i8": I8, "u8": I8,
+                                   "i32": I32, "u32": I32, "i64": I64}
+# Buffers hold bool as a byte (numpy bool) and bf16 as its 16 bits.
+STORAGE_TYPES: dict[str, ir.Type] = {**VALUE_TYPES, "i1": I8, "f16": F16, "bf16": I16}
+STORAGE_BYTES = {"f32": 4, "f64": 8, "i1": 1, "i8": 1, "u8": 1, "i32": 4, "u32": 4, "i64": 8,
+                 "f16": 2, "bf16": 2}
+INT_BITS = {"i1": 1, "i8": 8, "u8": 8, "i32": 32, "u32": 32, "i64": 64}
+UNSIGNED = kir.UNSIGNED_DTYPES | {"i1"}
+
+# Math functions a target provides (generic names; f32 or f64 operands).
+MATH_FUNCTIONS = frozenset({"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh",
+                            "sin", "cos", "tan", "erf", "cbrt", "floor", "ceil", "rint",
+                            "round", "pow", "atan2", "fmod"})
+_UNARY_MATH = {"exp": "exp", "exp2": "exp2", "log": "log", "log1p": "log1p", "expm1": "expm1",
+               "sqrt": "sqrt", "rsqrt": "rsqrt", "tanh": "tanh", "sin": "sin", "cos": "cos",
+               "tan": "tan", "erf": "erf", "cbrt": "cbrt", "floor": "floor", "ceil": "ceil",
+               "round_half_even": "rint", "round_half_away": "round"}
+_FCMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+def value_type(dtype: str) -> ir.Type:
+    return VALUE_TYPES[dtype]
+
+
+def storage_type(dtype: str) -> ir.Type:
+    return STORAGE_TYPES[dtype]
+
+
+def float_suffix(dtype: str) -> str:
+    """Overload suffix of LLVM intrinsics (llvm.floor.f32)."""
+    return {"f32": "f32", "f64": "f64"}[dtype]
+
+
+@dataclass
+class Binding:
+    """Where a variable lives. ssa: `value` is the value; ptr: a scalar at `value`;
+    slots: a per-thread array at `value`, indexed by the context's thread (host)."""
+    dtype: str
+    kind: str
+    value: ir.Value
+
+
+class Scope:
+    """Lexical scope chain of variable bindings."""
+
+    def __init__(self, parent: "Scope | None" = None) -> None:
+        self.parent = parent
+        self.vars: dict[str, Binding] = {}
+
+    def lookup(self, name: str) -> Binding:
+        scope: Scope | None = self
+        while scope is not None:
+            if name in scope.vars:
+                return scope.vars[name]
+            scope = scope.parent
+        raise CodegenError(f"undefined variable {name!r} (kernel not validated?)")
+
+    def child(self) -> "Scope":
+        return Scope(self)
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """Emission context. tid: the simulated thread (host, i32); None: the target's own."""
+    tid: ir.Value | None = None
+
+
+class Target:
+    """Target hooks. Defaults suit a SIMT-native target that runs the body as written."""
+
+    name = "abstract"
+
+    def begin(self, em: "KernelEmitter") -> None:
+        """Create the kernel function (em.start_function) and anything module-level."""
+        raise NotImplementedError
+
+    def emit_body(self, em: "KernelEmitter") -> None:
+        em.stmts(em.kernel.body, em.root, Ctx(), top=True)
+
+    def thread_idx(self, em: "KernelEmitter", ctx: Ctx) -> ir.Value:
+        raise NotImplementedError
+
+    def block_idx(self, em: "KernelEmitter", ctx: Ctx) -> ir.Value:
+        raise NotImplementedError
+
+    def buffer_ptr(self, em: "KernelEmitter", name: str) -> ir.Value:
+        raise NotImplementedError
+
+    def guard_index(self, em: "KernelEmitter", buffer: kir.Buffer, index: ir.Value,
+                    ctx: Ctx) -> ir.Value:
+        """A hook for bounds checks; the index actually used."""
+        return index
+
+    def math(self, em: "KernelEmitter", fname: str, dtype: str,
+             args: list[ir.Value]) -> ir.Value:
+        raise NotImplementedError
+
+    def var_kind(self, top: bool, mutable: bool) -> str:
+        """Storage of a Let/Local defined in the kernel's top-level statement lists (`top`)."""
+        return "ptr" if mutable else "ssa"
+
+    def slots(self, em: "KernelEmitter", dtype: str) -> ir.Value:
+        raise CodegenError(f"target {self.name} has no per-thread slots")
+
+    def barrier(self, em: "KernelEmitter") -> None:
+        raise CodegenError(f"target {self.name} cannot emit a barrier inline")
+
+    def shuffle32(self, em: "KernelEmitter", value: ir.Value, lane: ir.Value,
+                  mode: str) -> ir.Value:
+        """Shuffle an i32 or float across the warp (full mask)."""
+        raise CodegenError(f"target {self.name} cannot emit a shuffle inline")
+
+
+class KernelEmitter:
+    """Lowers one validated kernel into a function of `module`."""
+
+    def __init__(self, kernel: kir.Kernel, target: Target, module: ir.Module) -> None:
+        self.kernel = kernel
+        self.target = target
+        self.module = module
+        self.root = Scope()
+        self.fn: ir.Function | None = None
+        self.builder: ir.IRBuilder = ir.IRBuilder()
+        self.entry: ir.IRBuilder = ir.IRBuilder()  # allocas and function-wide setup
+        self._start: ir.Block | None = None
+
+    # ------------------------------------------------------------ function frame
+
+    def emit(self) -> ir.Function:
+        LOG.debug("emitting kernel %s for %s", self.kernel.name, self.target.name)
+        self.target.begin(self)
+        if self.fn is None:
+            raise CodegenError(f"target {self.target.name} created no function")
+        self.target.emit_body(self)
+        self.builder.ret_void()
+        self.entry.branch(self._start)
+        return self.fn
+
+    def start_function(self, fn: ir.Function) -> None:
+        self.fn = fn
+        self.entry = ir.IRBuilder(fn.append_basic_block("entry"))
+        self._start = fn.append_basic_block("start")
+        self.builder = ir.IRBuilder(self._start)
+
+    def alloca(self, ty: ir.Type, count: int = 1) -> ir.Value:
+        size = ir.Constant(I32, count) if count != 1 else None
+        return self.entry.alloca(ty, size=size)
+
+    def declare(self, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
+        fn = self.module.globals.get(name)
+        if fn is None:
+            fn = ir.Function(self.module, ir.FunctionType(ret, args), name)
+        return fn
+
+    def call(self, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+        return self.builder.call(self.declare(name, ret, [a.type for a in args]), args)
+
+    # ------------------------------------------------------------ control flow
+
+    def loop(self, start: ir.Value, stop: ir.Value, step: ir.Value,
+             body: Callable[[ir.Value], None], name: str = "for") -> None:
+        """for (i = start; i < stop; i += step) body(i); signed compare."""
+        b = self.builder
+        counter = self.alloca(start.type)
+        b.store(start, counter)
+        cond = self.fn.append_basic_block(f"{name}.cond")
+        loop_body = self.fn.append_basic_block(f"{name}.body")
+        done = self.fn.append_basic_block(f"{name}.end")
+        b.branch(cond)
+        b.position_at_end(cond)
+        i = b.load(counter, typ=start.type)
+        b.cbranch(b.icmp_signed("<", i, stop), loop_body, done)
+        b.position_at_end(loop_body)
+        body(i)
+        b.store(b.add(i, step), counter)
+        b.branch(cond)
+        b.position_at_end(done)
+
+    def branch(self, cond: ir.Value, then: Callable[[], None],
+               orelse: Callable[[], None] | None = None) -> None:
+        if orelse is None:
+            with self.builder.if_then(cond):
+                then()
+            return
+        with self.builder.if_else(cond) as (on_true, on_false):
+            with on_true:
+                then()
+            with on_false:
+                orelse()
+
+    # ------------------------------------------------------------ variables
+
+    def thread(self, ctx: Ctx) -> ir.Value:
+        return ctx.tid if ctx.tid is not None else self.target.thread_idx(self, ctx)
+
+    def define(self, scope: Scope, name: str, dtype: str, value: ir.Value, *, mutable: bool,
+               top: bool, ctx: Ctx) -> Binding:
+        kind = self.target.var_kind(top, mutable)
+        if kind == "ssa":
+            binding = Binding(dtype, "ssa", value)
+        elif kind == "ptr":
+            binding = Binding(dtype, "ptr", self.alloca(value_type(dtype)))
+            self.write(binding, value, ctx)
+        elif kind == "slots":
+            binding = Binding(dtype, "slots", self.target.slots(self, dtype))
+            self.write(binding, value, ctx)
+        else:
+            raise CodegenError(f"unknown variable kind {kind!r}")
+        scope.vars[name] = binding
+        return binding
+
+    def _slot(self, binding: Binding, ctx: Ctx) -> ir.Value:
+        return self.builder.gep(binding.value, [self.thread(ctx)], inbounds=True,
+                                source_etype=value_type(binding.dtype))
+
+    def read(self, binding: Binding, ctx: Ctx) -> ir.Value:
+        ty = value_type(binding.dtype)
+        if binding.kind == "ssa":
+            return binding.value
+        if binding.kind == "ptr":
+            return self.builder.load(binding.value, typ=ty)
+        return self.builder.load(self._slot(binding, ctx), typ=ty)
+
+    def write(self, binding: Binding, value: ir.Value, ctx: Ctx) -> None:
+        if binding.kind == "ptr":
+            self.builder.store(value, binding.value)
+        elif binding.kind == "slots":
+            self.builder.store(value, self._slot(binding, ctx))
+        else:
+            raise CodegenError("assignment to an immutable binding")
+
+    # ------------------------------------------------------------ statements
+
+    def stmts(self, body: tuple[kir.Stmt, ...], scope: Scope, ctx: Ctx, top: bool) -> None:
+        for s in body:
+            self.stmt(s, scope, ctx, top)
+
+    def stmt(self, s: kir.Stmt, scope: Scope, ctx: Ctx, top: bool) -> None:
+        b = self.builder
+        if isinstance(s, kir.Let):
+            self.define(scope, s.name, s.expr.dtype, self.expr(s.expr, scope, ctx),
+                        mutable=False, top=top, ctx=ctx)
+        elif isinstance(s, kir.Local):
+            init = self.expr(s.init, scope, ctx) if s.init is not None else \
+                self.const(0, s.dtype)
+            self.define(scope, s.name, s.dtype, init, mutable=True, top=top, ctx=ctx)
+        elif isinstance(s, kir.Assign):
+            self.write(scope.lookup(s.name), self.expr(s.expr, scope, ctx), ctx)
+        elif isinstance(s, kir.Store):
+            buf = self.kernel.buffers[s.buffer]
+            index = self.expr(s.index, scope, ctx)
+            value = self.to_storage(self.expr(s.value, scope, ctx), buf.dtype)
+            b.store(value, self.element_ptr(buf, index, ctx))
+        elif isinstance(s, kir.For):
+            start, stop, step = (self.expr(e, scope, ctx) for e in (s.start, s.stop, s.step))
+
+            def body(i: ir.Value) -> None:
+                inner = scope.child()
+                inner.vars[s.var] = Binding(s.start.dtype, "ssa", i)  # the loop's i dominates
+                self.stmts(s.body, inner, ctx, top=False)
+            self.loop(start, stop, step, body, name=f"for.{s.var}")
+        elif isinstance(s, kir.If):
+            cond = self.expr(s.cond, scope, ctx)
+            self.branch(cond, lambda: self.stmts(s.then, scope.child(), ctx, top=False),
+                        (lambda: self.stmts(s.orelse, scope.child(), ctx, top=False))
+                        if s.orelse else None)
+        elif isinstance(s, kir.Barrier):
+            self.target.barrier(self)
+        elif isinstance(s, kir.WarpShuffle):
+            lane = self.expr(s.lane, scope, ctx)
+            value = self.shuffle(self.expr(s.value, scope, ctx), s.value.dtype, lane, s.mode)
+            self.define(scope, s.dest, s.value.dtype, value, mutable=False, top=top, ctx=ctx)
+        elif isinstance(s, kir.WarpReduce):
+            value = self.warp_reduce(self.expr(s.value, scope, ctx), s.value.dtype, s.op)
+            self.define(scope, s.dest, s.value.dtype, value, mutable=False, top=top, ctx=ctx)
+        else:
+            raise CodegenError(f"cannot emit statement {s!r}")
+
+    # ------------------------------------------------------------ warp collectives
+
+    def shuffle(self, value: ir.Value, dtype: str, lane: ir.Value, mode: str) -> ir.Value:
+        """Any value dtype through the target's 32-bit shuffle (64-bit: two halves)."""
+        b, shfl = self.builder, self.target.shuffle32
+        if dtype in ("f32", "i32", "u32"):
+            return shfl(self, value, lane, mode)
+        if dtype in ("i1", "i8", "u8"):
+            return b.trunc(shfl(self, b.zext(value, I32), lane, mode), value.type)
+        bits = b.bitcast(value, I64) if dtype == "f64" else value
+        lo = shfl(self, b.trunc(bits, I32), lane, mode)
+        hi = shfl(self, b.trunc(b.lshr(bits, ir.Constant(I64, 32)), I32), lane, mode)
+        joined = b.or_(b.zext(lo, I64), b.shl(b.zext(hi, I64), ir.Constant(I64, 32)))
+        return b.bitcast(joined, F64) if dtype == "f64" else joined
+
+    def warp_reduce(self, value: ir.Value, dtype: str, op: str) -> ir.Value:
+        """Butterfly: op(own, lane ^ offset) for offsets 16..1; every lane ends with the result."""
+        for offset in (16, 8, 4, 2, 1):
+            other = self.shuffle(value, dtype, ir.Constant(I32, offset), "xor")
+            value = self.binary(op, dtype, value, other)
+        return value
+
+    # ------------------------------------------------------------ buffers
+
+    def element_ptr(self, buf: kir.Buffer, index: ir.Value, ctx: Ctx) -> ir.Value:
+        index = self.target.guard_index(self, buf, index, ctx)
+        return self.builder.gep(self.target.buffer_ptr(self, buf.name), [index], inbounds=True,
+                                source_etype=storage_type(buf.dtype))
+
+    def from_storage(self, raw: ir.Value, dtype: str) -> ir.Value:
+        b = self.builder
+        if dtype == "f16":
+            return b.fpext(raw, F32)
+        if dtype == "bf16":  # bf16 is the top half of an f32: exact
+            return b.bitcast(b.shl(b.zext(raw, I32), ir.Constant(I32, 16)), F32)
+        if dtype == "i1":
+            return b.icmp_unsigned("!=", raw, ir.Constant(I8, 0))
+        return raw
+
+    def to_storage(self, value: ir.Value, dtype: str) -> ir.Value:
+        b = self.builder
+        if dtype == "f16":
+            return b.fptrunc(value, F16)
+        if dtype == "bf16":  # round to nearest even by hand: sm_70 and x86 lack a cvt
+            bits = b.bitcast(value, I32)
+            high = b.lshr(bits, ir.Constant(I32, 16))
+            bias = b.add(ir.Constant(I32, 0x7FFF), b.and_(high, ir.Constant(I32, 1)))
+            rounded = b.trunc(b.lshr(b.add(bits, bias), ir.Constant(I32, 16)), I16)
+            quiet_nan = b.or_(b.trunc(high, I16), ir.Constant(I16, 0x40))
+            return b.select(b.fcmp_unordered("uno", value, value), quiet_nan, rounded)
+        if dtype == "i1":
+            return b.zext(value, I8)
+        return value
+
+    # ------------------------------------------------------------ expressions
+
+    def const(self, value: float | int | bool, dtype: str) -> ir.Constant:
+        ty = value_type(dtype)
+        if dtype in kir.FLOAT_DTYPES:
+            return ir.Constant(ty, float(value))
+        bits = INT_BITS[dtype]
+        v = int(value) & ((1 << bits) - 1)
+        if bits > 1 and v >= 1 << (bits - 1):
+            v -= 1 << bits  # two's complement, so u32 0xffffffff prints as i32 -1
+        return ir.Constant(ty, v)
+
+    def expr(self, e: kir.Expr, scope: Scope, ctx: Ctx) -> ir.Value:
+        b = self.builder
+        if isinstance(e, kir.Const):
+            return self.const(e.value, e.dtype)
+        if isinstance(e, kir.Ref):
+            return self.read(scope.lookup(e.name), ctx)
+        if isinstance(e, kir.ThreadIdx):
+            return self.thread(ctx)
+        if isinstance(e, kir.BlockIdx):
+            return self.target.block_idx(self, ctx)
+        if isinstance(e, kir.BlockDim):  # launch dims are part of the kernel: constants
+            return ir.Constant(I32, self.kernel.block)
+        if isinstance(e, kir.GridDim):
+            return ir.Constant(I32, self.kernel.grid)
+        if isinstance(e, kir.Load):
+            buf = self.kernel.buffers[e.buffer]
+            ptr = self.element_ptr(buf, self.expr(e.index, scope, ctx), ctx)
+            raw = b.load(ptr, typ=storage_type(buf.dtype), align=STORAGE_BYTES[buf.dtype])
+            return self.from_storage(raw, buf.dtype)
+        if isinstance(e, kir.Binary):
+            return self.binary(e.op, e.a.dtype, self.expr(e.a, scope, ctx),
+                               self.expr(e.b, scope, ctx))
+        if isinstance(e, kir.Compare):
+            return self.compare(e.op, e.a.dtype, self.expr(e.a, scope, ctx),
+                                self.expr(e.b, scope, ctx))
+        if isinstance(e, kir.Unary):
+            return self.unary(e.op, e.a.dtype, self.expr(e.a, scope, ctx))
+        if isinstance(e, kir.Select):
+            return b.select(self.expr(e.cond, scope, ctx), self.expr(e.a, scope, ctx),
+                            self.expr(e.b, scope, ctx))
+        if isinstance(e, kir.Convert):
+            return self.convert(self.expr(e.a, scope, ctx), e.a.dtype, e.dtype)
+        raise CodegenError(f"cannot emit expression {e!r}")
+
+    def binary(self, op: str, dtype: str, a: ir.Value, c: ir.Value) -> ir.Value:
+        b = self.builder
+        if dtype in kir.FLOAT_DTYPES:
+            simple = {"add": b.fadd, "sub": b.fsub, "mul": b.fmul, "div": b.fdiv}
+            if op in simple:
+                return simple[op](a, c)
+            if op in ("max", "min"):  # NaN-propagating like XLA and np.maximum / np.minimum
+                pick = b.select(b.fcmp_ordered(">" if op == "max" else "<", a, c), a, c)
+                return b.select(b.fcmp_unordered("uno", a, a), a, pick)
+            return self.target.math(self, {"rem": "fmod"}.get(op, op), dtype, [a, c])
+        unsigned = dtype in UNSIGNED
+        simple = {"add": b.add, "sub": b.sub, "mul": b.mul, "and": b.and_, "or": b.or_,
+                  "xor": b.xor}
+        if op in simple:
+            return simple[op](a, c)
+        if op in ("max", "min"):
+            cmp = b.icmp_unsigned if unsigned else b.icmp_signed
+            return b.select(cmp(">" if op == "max" else "<", a, c), a, c)
+        if op in ("div", "rem"):
+            return self._int_divrem(op, dtype, a, c)
+        return self._shift(op, dtype, a, c)
+
+    def _int_divrem(self, op: str, dtype: str, a: ir.Value, c: ir.Value) -> ir.Value:
+        """XLA semantics, never trapping: x/0 = -1 (all ones), x%0 = x, MIN/-1 = MIN, MIN%-1 = 0."""
+        b, ty = self.builder, a.type
+        zero = b.icmp_unsigned("==", c, ir.Constant(ty, 0))
+        bad = zero
+        if dtype not in UNSIGNED:
+            overflow = b.and_(b.icmp_signed("==", a, self.const(-(1 << (INT_BITS[dtype] - 1)),
+                                                                  dtype)),
+                              b.icmp_signed("==", c, ir.Constant(ty, -1)))
+            bad = b.or_(zero, overflow)
+        safe = b.select(bad, ir.Constant(ty, 1), c)  # MIN/1 = MIN and MIN%1 = 0 as wanted
+        if op == "div":
+            q = (b.udiv if dtype in UNSIGNED else b.sdiv)(a, safe)
+            return b.select(zero, ir.Constant(ty, -1), q)
+        r = (b.urem if dtype in UNSIGNED else b.srem)(a, safe)
+        return b.select(zero, a, r)
+
+    def _shift(self, op: str, dtype: str, a: ir.Value, c: ir.Value) -> ir.Value:
+        """XLA semantics: a shift by >= the bit width gives 0 (arithmetic: the sign fill)."""
+        b, ty = self.builder, a.type
+        width = ir.Constant(ty, INT_BITS[dtype])
+        too_far = b.icmp_unsigned(">=", c, width)
+        safe = b.select(too_far, ir.Constant(ty, 0), c)
+        if op == "shl":
+            return b.select(too_far, ir.Constant(ty, 0), b.shl(a, safe))
+        if op == "shr_logical":
+            return b.select(too_far, ir.Constant(ty, 0), b.lshr(a, safe))
+        fill = b.ashr(a, ir.Constant(ty, INT_BITS[dtype] - 1))
+        return b.select(too_far, fill, b.ashr(a, safe))
+
+    def compare(self, op: str, dtype: str, a: ir.Value, c: ir.Value) -> ir.Value:
+        b = self.builder
+        if dtype in kir.FLOAT_DTYPES:  # numpy: NaN compares false except !=
+            fcmp = b.fcmp_unordered if op == "ne" else b.fcmp_ordered
+            return fcmp(_FCMP[op], a, c)
+        icmp = b.icmp_unsigned if dtype in UNSIGNED else b.icmp_signed
+        return icmp(_FCMP[op], a, c)
+
+    def unary(self, op: str, dtype: str, a: ir.Value) -> ir.Value:
+        b, ty = self.builder, a.type
+        if dtype in kir.FLOAT_DTYPES:
+            one = ir.Constant(ty, 1.0)
+            if op in _UNARY_MATH:
+                return self.target.math(self, _UNARY_MATH[op], dtype, [a])
+            if op == "neg":
+                return b.fneg(a)
+            if op == "abs":
+                return self.fabs(a, dtype)
+            if op == "sign":  # +-1, keeps +-0 and NaN like np.sign
+                neg = b.select(b.fcmp_ordered("<", a, ir.Constant(ty, 0.0)),
+                               ir.Constant(ty, -1.0), a)
+                return b.select(b.fcmp_ordered(">", a, ir.Constant(ty, 0.0)), one, neg)
+            if op == "is_finite":
+                return b.fcmp_ordered("!=", self.fabs(a, dtype), ir.Constant(ty, float("inf")))
+            if op == "logistic":
+                e = self.target.math(self, "exp", dtype, [b.fneg(a)])
+                return b.fdiv(one, b.fadd(one, e))
+        else:
+            zero = ir.Constant(ty, 0)
+            if op == "not":
+                return b.not_(a)
+            if op == "neg":
+                return b.sub(zero, a)
+            if dtype in UNSIGNED:
+                if op == "abs":
+                    return a
+                if op == "sign":
+                    return b.zext(b.icmp_unsigned("!=", a, zero), ty)
+            elif op == "abs":
+                return b.select(b.icmp_signed("<", a, zero), b.sub(zero, a), a)
+            elif op == "sign":
+                pos = b.zext(b.icmp_signed(">", a, zero), ty)
+                return b.sub(pos, b.zext(b.icmp_signed("<", a, zero), ty))
+        raise CodegenError(f"Unary({op}) cannot take {dtype}")
+
+    def fabs(self, a: ir.Value, dtype: str) -> ir.Value:
+        return self.call(f"llvm.fabs.{float_suffix(dtype)}", a.type, [a])
+
+    def convert(self, a: ir.Value, src: str, dst: str) -> ir.Value:
+        b = self.builder
+        if src == dst:
+            return a
+        ty = value_type(dst)
+        if src in kir.FLOAT_DTYPES:
+            if dst in kir.FLOAT_DTYPES:
+                return b.fpext(a, ty) if dst == "f64" else b.fptrunc(a, ty)
+            if dst == "i1":  # NaN is truthy, like bool(nan)
+                return b.fcmp_unordered("!=", a, ir.Constant(a.type, 0.0))
+            # Saturating (NaN -> 0): never poison, same answer on both targets.
+            kind = "fptoui" if dst in UNSIGNED else "fptosi"
+            return self.call(f"llvm.{kind}.sat.i{INT_BITS[dst]}.{float_suffix(src)}", ty, [a])
+        if dst in kir.FLOAT_DTYPES:
+            return (b.uitofp if src in UNSIGNED else b.sitofp)(a, ty)
+        if dst == "i1":
+            return b.icmp_unsigned("!=", a, ir.Constant(a.type, 0))
+        src_bits, dst_bits = INT_BITS[src], INT_BITS[dst]
+        if dst_bits < src_bits:
+            return b.trunc(a, ty)
+        if dst_bits > src_bits:
+            return (b.zext if src in UNSIGNED else b.sext)(a, ty)
+        return a  # same width, other signedness: same bits

@@ -1,0 +1,192 @@
+"""NVPTX target: Kernel IR -> PTX text through llvmlite (LLVM's NVPTX back end) and libdevice.
+
+`emit_ptx` is a pure function of (kernel, arch). An LLVM abort kills the process, so callers
+that cannot afford that run it in a child process. Every transcendental goes through libdevice
+(`__nv_*`), which is linked in, internalised and optimised away where unused: the back end has
+no libcalls for e.g. `fexp`, and ptxas cannot resolve external `__nv_` functions.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+
+from codegen import kir
+from codegen.errors import CodegenError, ToolchainError
+from codegen.llvm_emit import I32, STORAGE_BYTES, Ctx, KernelEmitter, Target, storage_type
+
+LOG = logging.getLogger(__name__)
+
+TRIPLE = "nvptx64-nvidia-cuda"
+ARCHS = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+DEFAULT_PTX_VERSION = 78  # PTX ISA 7.8: the first with sm_90; CUDA >= 11.8 drivers load it
+STATIC_SHARED_LIMIT = 48 * 1024  # bytes of static __shared__ per block
+GLOBAL, SHARED = 1, 3  # NVPTX address spaces
+
+_UNARY_LIBDEVICE = {"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sin", "cos",
+                    "tan", "erf", "cbrt", "floor", "ceil", "rint", "round", "pow", "atan2", "fmod"}
+_SHFL_KIND = {"xor": "bfly", "down": "down", "idx": "idx"}
+
+
+def default_libdevice_path() -> Path | None:
+    """libdevice.10.bc from CUDA_HOME, /usr/local/cuda or the nvidia-cuda-nvcc-cu12 wheel."""
+    candidates = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(Path(os.environ["CUDA_HOME"]) / "nvvm/libdevice/libdevice.10.bc")
+    candidates.append(Path("/usr/local/cuda/nvvm/libdevice/libdevice.10.bc"))
+    for entry in sys.path:
+        candidates.append(Path(entry) / "nvidia/cuda_nvcc/nvvm/libdevice/libdevice.10.bc")
+    return next((p for p in candidates if p.is_file()), None)
+
+
+@functools.lru_cache(maxsize=4)
+def _libdevice_bytes(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+@functools.lru_cache(maxsize=None)
+def _target_machine(arch: str, ptx_version: int) -> llvm.TargetMachine:
+    llvm.initialize_all_targets()
+    llvm.initialize_all_asmprinters()
+    target = llvm.Target.from_triple(TRIPLE)
+    return target.create_target_machine(cpu=arch, features=f"+ptx{ptx_version}", opt=3)
+
+
+class NvptxTarget(Target):
+    """SIMT-native hooks: special registers, bar.sync, shfl.sync, addrspace(3) shared, libdevice."""
+
+    name = "nvptx"
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, ir.Value] = {}
+
+    def begin(self, em: KernelEmitter) -> None:
+        k = em.kernel
+        fnty = ir.FunctionType(ir.VoidType(), [ir.PointerType(addrspace=GLOBAL)] * len(k.params))
+        fn = ir.Function(em.module, fnty, k.name)
+        fn.calling_convention = "ptx_kernel"  # LLVM >= 20 marks entries by this CC (-> .entry)
+        for arg, p in zip(fn.args, k.params):
+            arg.name = p.name
+            self.buffers[p.name] = arg
+        for s in k.shared:
+            arr = ir.ArrayType(storage_type(s.dtype), s.size)
+            gv = ir.GlobalVariable(em.module, arr, f"{k.name}__{s.name}", addrspace=SHARED)
+            gv.linkage = "internal"
+            gv.initializer = ir.Constant(arr, ir.Undefined)
+            gv.align = 16
+            zero = ir.Constant(I32, 0)
+            self.buffers[s.name] = gv.gep([zero, zero])  # element pointer into the array
+        # Upgraded by LLVM to the "nvvm.maxntid" attribute -> .maxntid in PTX.
+        ann = em.module.add_named_metadata("nvvm.annotations")
+        ann.add(em.module.add_metadata([fn, ir.MetaDataString(em.module, "maxntidx"),
+                                        ir.Constant(I32, k.block)]))
+        em.start_function(fn)
+
+    def _sreg(self, em: KernelEmitter, reg: str) -> ir.Value:
+        return em.call(f"llvm.nvvm.read.ptx.sreg.{reg}.x", I32, [])
+
+    def thread_idx(self, em: KernelEmitter, ctx: Ctx) -> ir.Value:
+        return self._sreg(em, "tid")
+
+    def block_idx(self, em: KernelEmitter, ctx: Ctx) -> ir.Value:
+        return self._sreg(em, "ctaid")
+
+    def buffer_ptr(self, em: KernelEmitter, name: str) -> ir.Value:
+        return self.buffers[name]
+
+    def math(self, em: KernelEmitter, fname: str, dtype: str,
+             args: list[ir.Value]) -> ir.Value:
+        if fname not in _UNARY_LIBDEVICE:
+            raise CodegenError(f"no libdevice function for {fname}")
+        suffix = "f" if dtype == "f32" else ""
+        return em.call(f"__nv_{fname}{suffix}", args[0].type, args)
+
+    def barrier(self, em: KernelEmitter) -> None:
+        # llvm.nvvm.barrier0 is gone in LLVM 22 (auto-upgraded from text only).
+        em.call("llvm.nvvm.barrier.cta.sync.aligned.all", ir.VoidType(), [ir.Constant(I32, 0)])
+
+    def shuffle32(self, em: KernelEmitter, value: ir.Value, lane: ir.Value,
+                  mode: str) -> ir.Value:
+        kind = "f32" if isinstance(value.type, ir.FloatType) else "i32"
+        args = [ir.Constant(I32, -1), value, lane, ir.Constant(I32, 31)]  # full mask, clamp 31
+        return em.call(f"llvm.nvvm.shfl.sync.{_SHFL_KIND[mode]}.{kind}", value.type, args)
+
+
+def emit_llvm_ir(kernel: kir.Kernel, arch: str = "sm_80",
+                 ptx_version: int = DEFAULT_PTX_VERSION) -> str:
+    """The kernel as NVPTX LLVM IR text, before libdevice linking and optimisation."""
+    kernel.validate()
+    shared_bytes = sum(s.size * STORAGE_BYTES[s.dtype] for s in kernel.shared)
+    if shared_bytes > STATIC_SHARED_LIMIT:
+        raise CodegenError(f"kernel {kernel.name!r}: {shared_bytes} bytes of shared memory "
+                           f"exceed the {STATIC_SHARED_LIMIT} static limit")
+    tm = _target_machine(arch, ptx_version)
+    module = ir.Module(name=kernel.name)
+    module.triple = TRIPLE
+    module.data_layout = str(tm.target_data)
+    KernelEmitter(kernel, NvptxTarget(), module).emit()
+    # libdevice asks through __nvvm_reflect whether to flush denormals: no (like numpy).
+    flags = module.add_named_metadata("llvm.module.flags")
+    flags.add(module.add_metadata([ir.Constant(I32, 4), "nvvm-reflect-ftz", ir.Constant(I32, 0)]))
+    return str(module)
+
+
+def emit_ptx(kernel: kir.Kernel, arch: str = "sm_80", *, libdevice: str | Path | None = None,
+             ptx_version: int = DEFAULT_PTX_VERSION) -> str:
+    """PTX text for `kernel` on `arch` (sm_70 / sm_80 / sm_90 ...), one `.entry` named
+    kernel.name, params in kernel.params order as global pointers, `.maxntid` = block."""
+    if arch not in ARCHS:
+        raise CodegenError(f"unsupported arch {arch!r}; known: {', '.join(ARCHS)}")
+    text = emit_llvm_ir(kernel, arch, ptx_version)
+    tm = _target_machine(arch, ptx_version)
+    try:
+        module = llvm.parse_assembly(text)
+        module.verify()
+    except RuntimeError as exc:
+        raise CodegenError(f"kernel {kernel.name!r}: LLVM rejected the IR: {exc}") from exc
+    if any(f.is_declaration and f.name.startswith("__nv_") for f in module.functions):
+        _link_libdevice(module, libdevice)
+    for fn in module.functions:  # only the entry stays visible; GlobalDCE drops the rest
+        if not fn.is_declaration and fn.name != kernel.name:
+            fn.linkage = llvm.Linkage.internal
+    for gv in module.global_variables:
+        if not gv.is_declaration:
+            gv.linkage = llvm.Linkage.internal
+    _optimize(module, tm)
+    ptx = tm.emit_assembly(module)
+    _check_ptx(kernel, ptx)
+    LOG.debug("kernel %s: %d lines of PTX for %s", kernel.name, ptx.count("\n"), arch)
+    return ptx
+
+
+def _link_libdevice(module: llvm.ModuleRef, path: str | Path | None) -> None:
+    path = Path(path) if path is not None else default_libdevice_path()
+    if path is None or not path.is_file():
+        raise ToolchainError("libdevice.10.bc not found (set CUDA_HOME or install "
+                             "nvidia-cuda-nvcc-cu12)")
+    lib = llvm.parse_bitcode(_libdevice_bytes(str(path)))
+    lib.triple = module.triple  # libdevice says nvptx64-nvidia-gpulibs
+    lib.data_layout = module.data_layout
+    module.link_in(lib)
+
+
+def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine) -> None:
+    pto = llvm.create_pipeline_tuning_options(speed_level=3)
+    pb = llvm.create_pass_builder(tm, pto)
+    pb.getModulePassManager().run(module, pb)  # NVPTX callbacks include NVVMReflect
+
+
+_UNRESOLVED = re.compile(r"\.extern\s+\.func|call[^;]*__nv_")
+
+
+def _check_ptx(kernel: kir.Kernel, ptx: str) -> None:
+    if f".entry {kernel.name}(" not in ptx:
+        raise CodegenError(f"kernel {kernel.name!r}: PTX has no .entry for it")
+    if _UNRESOLVED.search(ptx):
+        raise CodegenError(f"kernel {kernel.name!r}: PTX calls unresolved functions")

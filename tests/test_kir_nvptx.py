@@ -1,0 +1,221 @@
+"""Kernel IR on the NVPTX target: the host-tested kernels emit PTX that ptxas accepts for
+sm_70 / sm_80 / sm_90 without spills, with the expected entry, barriers, shuffles and shared
+memory, and no unresolved libdevice calls."""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from codegen import kir
+from codegen.errors import CodegenError
+from codegen.kir import (Binary, Compare, Const, Convert, Kernel, Let, Load, Param, Ref, Select,
+                         Store, ThreadIdx, Unary, WarpReduce, f32, i32)
+from codegen.nvptx import default_libdevice_path, emit_llvm_ir, emit_ptx
+from tests.test_kir_host import (UNARY_CASES, block_softmax_kernel, elementwise_kernel,
+                                 tiled_sum_kernel, warp_softmax_kernel)
+
+ARCHS = ("sm_70", "sm_80", "sm_90")
+
+pytestmark = pytest.mark.skipif(default_libdevice_path() is None, reason="no libdevice.10.bc")
+
+
+def _ptxas_candidates() -> list[str]:
+    found = [shutil.which("ptxas")]
+    if os.environ.get("CUDA_HOME"):
+        found.append(str(Path(os.environ["CUDA_HOME"]) / "bin/ptxas"))
+    found += [str(Path(p) / "nvidia/cuda_nvcc/bin/ptxas") for p in sys.path]
+    unique: list[str] = []
+    for c in found:
+        if c and Path(c).is_file() and c not in unique:
+            unique.append(c)
+    return unique
+
+
+@functools.lru_cache(maxsize=None)
+def ptxas_for(arch: str) -> str | None:
+    """A ptxas that knows `arch` (CUDA 13 dropped sm_70; a CUDA 12 wheel still has it)."""
+    probe = f".version 7.8\n.target {arch}\n.address_size 64\n.visible .entry t() {{ ret; }}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.ptx"
+        path.write_text(probe)
+        for exe in _ptxas_candidates():
+            run = subprocess.run([exe, f"-arch={arch}", str(path), "-o", os.devnull],
+                                 capture_output=True, text=True)
+            if run.returncode == 0:
+                return exe
+    return None
+
+
+def assemble(ptx: str, arch: str) -> dict[str, int]:
+    """ptxas -v; returns registers and spill bytes (skips if no ptxas knows `arch`)."""
+    exe = ptxas_for(arch)
+    if exe is None:
+        pytest.skip(f"no ptxas supports {arch}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.ptx"
+        path.write_text(ptx)
+        run = subprocess.run([exe, f"-arch={arch}", "-v", str(path), "-o", os.devnull],
+                             capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    regs = re.search(r"Used (\d+) registers", run.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+    assert regs and spills, run.stderr
+    return {"registers": int(regs.group(1)), "spill_stores": int(spills.group(1)),
+            "spill_loads": int(spills.group(2))}
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def _chain_kernel(name: str, in_dtypes: list[str], dtype: str, steps) -> Kernel:
+    """out[i] = the last of a chain of Lets; `steps(x, y, acc)` yields expressions, each
+    becoming the next `acc` (Lets keep shared values shared: expressions are trees)."""
+    n = 1000
+    params = [Param(f"x{j}", d, n) for j, d in enumerate(in_dtypes)]
+    out = Param("out", dtype, n, is_output=True)
+    idx = Ref("i", "i32")
+    body: list[kir.Stmt] = [Let(f"in{j}", Load(p, idx)) for j, p in enumerate(params)]
+    ins = [Ref(f"in{j}", value) for j, value in enumerate(kir.value_dtype(d) for d in in_dtypes)]
+    acc = ins[0]
+    for j, make in enumerate(steps):
+        body.append(Let(f"acc{j}", make(*ins, acc)))
+        acc = Ref(f"acc{j}", dtype)
+    body.append(Store(out, idx, acc))
+    grid = (n + 127) // 128
+    return Kernel(name, [*params, out], [], grid, 128,
+                  [Let("i", Binary("add", Binary("mul", kir.BlockIdx(), kir.BlockDim()),
+                                   ThreadIdx())),
+                   kir.If(Compare("lt", idx, i32(n)), body)])
+
+
+def all_float_ops_kernel(dtype: str) -> Kernel:
+    """Every float Unary / Binary op, converts and compares, chained into one output."""
+    steps = [lambda x, acc, op=op: Binary("add", acc, Unary(op, x)) for op in sorted(UNARY_CASES)]
+    steps += [lambda x, acc, op=op: Binary(op, x, acc)
+              for op in ("add", "sub", "mul", "div", "rem", "min", "max", "pow", "atan2")]
+    steps += [
+        lambda x, acc: Select(Binary("and", Unary("is_finite", x),
+                                     Compare("ne", x, Convert(Convert(x, "i32"), dtype))),
+                              Binary("add", acc, Convert(Convert(x, "u8"), dtype)), acc),
+    ]
+    return _chain_kernel(f"float_ops_{dtype}", [dtype], dtype, steps)
+
+
+def all_int_ops_kernel(dtype: str) -> Kernel:
+    ops = ("add", "sub", "mul", "div", "rem", "min", "max", "and", "or", "xor", "shl",
+           "shr_logical", "shr_arith")
+    # A different right operand per step, so no step folds away (x & c | c == c).
+    steps = [lambda a, b, acc, op=op, j=j: Binary(op, acc, Binary("xor", b if j % 2 else a,
+                                                                  Const(3 * j + 1, dtype)))
+             for j, op in enumerate(ops)]
+    steps += [lambda a, b, acc, op=op: Binary("add", a, Unary(op, acc))
+              for op in ("neg", "abs", "sign", "not")]
+    steps += [lambda a, b, acc: Select(Compare("lt", acc, b), acc,
+                                       Convert(Convert(acc, "f32"), dtype))]
+    return _chain_kernel(f"int_ops_{dtype}", [dtype, dtype], dtype, steps)
+
+
+def half_kernel(dtype: str) -> Kernel:
+    return elementwise_kernel(f"half_{dtype}", [dtype, "f32", "i1"], dtype, 1000,
+                              lambda a, b, c: Select(c, Unary("exp", Binary("mul", a, b)), a))
+
+
+def warp_reduce_dtypes_kernel() -> Kernel:
+    """64-bit and narrow shuffles (split / widened) through WarpReduce."""
+    params = [Param(f"x_{d}", d, 128) for d in ("f64", "i64", "u8", "i32")]
+    outs = [Param(f"o_{d}", d, 128, is_output=True) for d in ("f64", "i64", "u8", "i32")]
+    body: list[kir.Stmt] = [Let("i", ThreadIdx())]
+    for p, o, op in zip(params, outs, ("add", "max", "add", "min")):
+        body += [WarpReduce(f"r_{p.dtype}", Load(p, Ref("i", "i32")), op),
+                 Store(o, Ref("i", "i32"), Ref(f"r_{p.dtype}", p.dtype))]
+    return Kernel("warp_reduce_dtypes", [*params, *outs], [], 1, 128, body)
+
+
+KERNELS = {
+    "float_ops_f32": lambda: all_float_ops_kernel("f32"),
+    "float_ops_f64": lambda: all_float_ops_kernel("f64"),
+    "int_ops_i32": lambda: all_int_ops_kernel("i32"),
+    "int_ops_u8": lambda: all_int_ops_kernel("u8"),
+    "int_ops_i64": lambda: all_int_ops_kernel("i64"),
+    "half_f16": lambda: half_kernel("f16"),
+    "half_bf16": lambda: half_kernel("bf16"),
+    "softmax_warp_reduce": lambda: warp_softmax_kernel(10, 300, "reduce"),
+    "softmax_warp_xor": lambda: warp_softmax_kernel(10, 100, "xor"),
+    "softmax_warp_down": lambda: warp_softmax_kernel(10, 33, "down"),
+    "softmax_block": lambda: block_softmax_kernel(3, 32000),
+    "tiled_sum": lambda: tiled_sum_kernel(3, 4096),
+    "warp_reduce_dtypes": warp_reduce_dtypes_kernel,
+}
+
+
+def _uses(kernel: Kernel, kind: type | tuple[type, ...]) -> bool:
+    return any(isinstance(s, kind) for s in kir.walk_stmts(kernel.body))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_ptx_assembles(name: str, arch: str) -> None:
+    kernel = KERNELS[name]()
+    ptx = emit_ptx(kernel, arch)
+    assert f".target {arch}" in ptx
+    assert f".visible .entry {kernel.name}(" in ptx
+    assert f".maxntid {kernel.block}" in ptx
+    assert ".extern .func" not in ptx and "__nv_" not in ptx
+    assert ("bar.sync" in ptx or "barrier.sync" in ptx) == _uses(kernel, kir.Barrier)
+    assert ("shfl.sync" in ptx) == _uses(kernel, (kir.WarpShuffle, kir.WarpReduce))
+    assert (".shared" in ptx) == bool(kernel.shared)
+    assert ptx.count(".param .u64") == len(kernel.params)
+    info = assemble(ptx, arch)
+    assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info
+    assert 0 < info["registers"] <= 255
+
+
+def test_shuffle_flavours_in_ptx() -> None:
+    ptx = emit_ptx(warp_softmax_kernel(10, 33, "down"), "sm_80")
+    assert "shfl.sync.down.b32" in ptx and "shfl.sync.idx.b32" in ptx
+    assert "shfl.sync.bfly.b32" in ptx  # the WarpReduce max
+
+
+def test_libdevice_is_linked_and_pruned() -> None:
+    kernel = elementwise_kernel("one_exp", ["f32"], "f32", 100, lambda a: Unary("exp", a))
+    ir_text = emit_llvm_ir(kernel)
+    assert "declare float @\"__nv_expf\"" in ir_text and "ptx_kernel" in ir_text
+    ptx = emit_ptx(kernel, "sm_80")
+    assert "ex2.approx" in ptx and ".func" not in ptx  # inlined, nothing else kept
+
+
+def test_missing_libdevice_is_a_toolchain_error(tmp_path: Path) -> None:
+    kernel = elementwise_kernel("one_exp", ["f32"], "f32", 100, lambda a: Unary("exp", a))
+    with pytest.raises(CodegenError, match="libdevice"):
+        emit_ptx(kernel, "sm_80", libdevice=tmp_path / "missing.bc")
+    plain = elementwise_kernel("plain", ["f32"], "f32", 100, lambda a: Binary("add", a, f32(1)))
+    assert ".entry plain(" in emit_ptx(plain, "sm_80", libdevice=tmp_path / "missing.bc")
+
+
+def test_errors() -> None:
+    with pytest.raises(CodegenError, match="unsupported arch"):
+        emit_ptx(KERNELS["half_f16"](), "sm_10")
+    bad = Kernel("bad", [Param("o", "f32", 32, is_output=True)], [], 1, 32,
+                 [kir.If(Compare("lt", ThreadIdx(), i32(3)), [kir.Barrier()])])
+    with pytest.raises(CodegenError, match="kernel 'bad'.*thread-dependent"):
+        emit_ptx(bad)
+    big = Kernel("big", [], [kir.Shared("s", "f32", 20000)], 1, 32, [])
+    with pytest.raises(CodegenError, match="shared memory"):
+        emit_ptx(big)
+
+
+def test_kernels_pickle_and_emit_deterministically() -> None:
+    """emit_ptx runs in a child process for isolation: kernels must pickle, output be stable."""
+    import pickle
+    kernel = KERNELS["tiled_sum"]()
+    clone = pickle.loads(pickle.dumps(kernel))
+    assert clone == kernel
+    assert emit_ptx(clone, "sm_90") == emit_ptx(kernel, "sm_90")
