@@ -86,6 +86,20 @@ class Evaluator:
         """The shape (with layout) of an instruction of the computation being evaluated."""
         return self._frames[-1][operand].shape
 
+    def apply_instruction(self, comp: Computation | str, inst: Instruction,
+                          operands: Sequence[object]) -> object:
+        """Evaluate one instruction of ``comp`` on given operand values (one per operand;
+        code generators use it as the oracle for a single op)."""
+        comp = self.computation(comp)
+        handler = HANDLERS.get(inst.opcode)
+        if handler is None:
+            raise UnsupportedOpcodeError(inst.opcode, inst.name)
+        self._frames.append(self._table(comp))
+        try:
+            return self._conform(inst, inst.shape, handler(self, inst, list(operands)))
+        finally:
+            self._frames.pop()
+
     def run(self, comp: Computation | str, args: Sequence[object]) -> object:
         """Evaluate ``comp`` on ``args`` (one value per parameter number)."""
         comp = self.computation(comp)

@@ -1,0 +1,440 @@
+"""Index propagation: the Kernel IR expression of an op's element at a given index.
+
+``ValueEmitter.value(v, index)`` returns the expression of element ``index`` (one i32
+expression per logical dimension) of op ``v``. Producers inside the kernel are computed
+from their own operands at the propagated index (thread composition: every thread
+recomputes what it needs, §4.1); values from outside the kernel are loaded from their
+buffers (logical row-major). Statements the expression needs (Lets, loops of a reduction,
+guarded loads of concatenate/pad) are appended to the current statement list; results are
+memoized per (op, index) in the current scope, so an element is computed once per thread
+and scope. ``overrides`` lets a schedule substitute a shared value (a reduction a warp or a
+block finished) for its recomputation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hlo_passes.graph import OpGraph, OpNode
+from hlo_passes.ir import Shape, parse_padding, parse_slice, parse_window
+
+from . import kir
+from .errors import CodegenError
+
+Expr = kir.Expr
+
+# HLO element types -> Kernel IR storage dtypes.
+STORAGE = {"f32": "f32", "f64": "f64", "f16": "f16", "bf16": "bf16", "s32": "i32",
+           "s64": "i64", "s8": "i8", "u8": "u8", "u32": "u32", "pred": "i1"}
+
+_UNARY = {"negate": "neg", "abs": "abs", "exponential": "exp", "log": "log",
+          "log-plus-one": "log1p", "exponential-minus-one": "expm1", "sqrt": "sqrt",
+          "rsqrt": "rsqrt", "tanh": "tanh", "sine": "sin", "cosine": "cos", "tan": "tan",
+          "erf": "erf", "floor": "floor", "ceil": "ceil",
+          "round-nearest-even": "round_half_even", "round-nearest-afz": "round_half_away",
+          "sign": "sign", "not": "not", "logistic": "logistic", "cbrt": "cbrt",
+          "is-finite": "is_finite"}
+_BINARY = {"add": "add", "subtract": "sub", "multiply": "mul", "divide": "div",
+           "remainder": "rem", "maximum": "max", "minimum": "min", "power": "pow",
+           "atan2": "atan2", "and": "and", "or": "or", "xor": "xor",
+           "shift-left": "shl", "shift-right-logical": "shr_logical",
+           "shift-right-arithmetic": "shr_arith"}
+_COMPARE = {"EQ": "eq", "NE": "ne", "LT": "lt", "LE": "le", "GT": "gt", "GE": "ge"}
+# Reducer computations (by the evaluator's binary kind) -> combining op and identity use.
+REDUCER = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min",
+           "and": "and", "or": "or"}
+
+
+def storage_dtype(shape: Shape) -> str:
+    dtype = STORAGE.get(shape.element_type)
+    if dtype is None:
+        raise CodegenError(f"element type {shape.element_type} is not supported by codegen")
+    return dtype
+
+
+def leaf(shape: Shape) -> Shape:
+    return next(shape.leaves()) if shape.is_tuple else shape
+
+
+# ----------------------------------------------------------------- i32 index arithmetic
+def _c(value: int) -> kir.Const:
+    return kir.i32(value)
+
+
+def iadd(a: Expr, b: Expr) -> Expr:
+    if isinstance(b, kir.Const) and b.value == 0:
+        return a
+    if isinstance(a, kir.Const) and a.value == 0:
+        return b
+    if isinstance(a, kir.Const) and isinstance(b, kir.Const):
+        return _c(a.value + b.value)
+    return kir.Binary("add", a, b)
+
+
+def isub(a: Expr, b: Expr) -> Expr:
+    if isinstance(b, kir.Const) and b.value == 0:
+        return a
+    if isinstance(a, kir.Const) and isinstance(b, kir.Const):
+        return _c(a.value - b.value)
+    return kir.Binary("sub", a, b)
+
+
+def imul(a: Expr, k: int) -> Expr:
+    if k == 1:
+        return a
+    if k == 0:
+        return _c(0)
+    if isinstance(a, kir.Const):
+        return _c(a.value * k)
+    return kir.Binary("mul", a, _c(k))
+
+
+def idiv(a: Expr, k: int) -> Expr:
+    if k == 1:
+        return a
+    if isinstance(a, kir.Const):
+        return _c(a.value // k)
+    return kir.Binary("div", a, _c(k))
+
+
+def irem(a: Expr, k: int) -> Expr:
+    if k == 1:
+        return _c(0)
+    if isinstance(a, kir.Const):
+        return _c(a.value % k)
+    return kir.Binary("rem", a, _c(k))
+
+
+def linearize(index: tuple[Expr, ...], dims: tuple[int, ...]) -> Expr:
+    """Row-major linear offset of a logical index (non-negative i32 arithmetic)."""
+    out: Expr = _c(0)
+    stride = 1
+    for i, n in zip(reversed(index), reversed(dims)):
+        if n != 1:
+            out = iadd(out, imul(i, stride))
+        stride *= n
+    return out
+
+
+def delinearize(offset: Expr, dims: tuple[int, ...]) -> tuple[Expr, ...]:
+    """Logical index of a row-major linear offset."""
+    out: list[Expr] = []
+    stride = math.prod(dims)
+    for n in dims:
+        stride //= n
+        out.append(_c(0) if n == 1 else irem(idiv(offset, stride), n))
+    return tuple(out)
+
+
+def _physical_linear(index: tuple[Expr, ...], shape: Shape) -> Expr:
+    order = list(reversed(shape.minor_to_major()))
+    return linearize(tuple(index[d] for d in order), tuple(shape.dims[d] for d in order))
+
+
+def _from_physical(offset: Expr, shape: Shape) -> tuple[Expr, ...]:
+    order = list(reversed(shape.minor_to_major()))
+    parts = delinearize(offset, tuple(shape.dims[d] for d in order))
+    index: list[Expr] = [_c(0)] * shape.rank
+    for d, e in zip(order, parts):
+        index[d] = e
+    return tuple(index)
+
+
+def _key(e: Expr) -> object:
+    return e   # frozen dataclasses hash structurally
+
+
+@dataclass
+class _Scope:
+    stmts: list[kir.Stmt]
+    memo: dict[tuple, Expr] = field(default_factory=dict)
+
+
+class ValueEmitter:
+    """Builds element expressions of ops of ``members``; see the module docstring."""
+
+    def __init__(self, graph: OpGraph, members: frozenset[int],
+                 buffer_of: Callable[[int], kir.Param | None],
+                 reducer_kind: Callable[[OpNode], str | None],
+                 constant_of: Callable[[OpNode], object | None]):
+        self.graph = graph
+        self.members = members
+        self.buffer_of = buffer_of            # node -> input buffer (None: not an input)
+        self.reducer_kind = reducer_kind
+        self.constant_of = constant_of        # scalar constants -> python value, else None
+        self.scopes: list[_Scope] = []
+        self.overrides: dict[int, Callable[[tuple[Expr, ...]], Expr]] = {}
+        self._names = 0
+
+    # --- scopes ---------------------------------------------------------------------
+    def push(self) -> list[kir.Stmt]:
+        scope = _Scope([])
+        self.scopes.append(scope)
+        return scope.stmts
+
+    def pop(self) -> tuple[kir.Stmt, ...]:
+        return tuple(self.scopes.pop().stmts)
+
+    def emit(self, stmt: kir.Stmt) -> None:
+        self.scopes[-1].stmts.append(stmt)
+
+    def fresh(self, hint: str) -> str:
+        self._names += 1
+        clean = "".join(ch if ch.isalnum() else "_" for ch in hint)[:24]
+        return f"{clean}_{self._names}"
+
+    def let(self, hint: str, expr: Expr) -> Expr:
+        if isinstance(expr, (kir.Const, kir.Ref, kir.ThreadIdx, kir.BlockIdx)):
+            return expr
+        name = self.fresh(hint)
+        self.emit(kir.Let(name, expr))
+        return kir.Ref(name, expr.dtype)
+
+    # --- values -------------------------------------------------------------------------
+    def value(self, v: int, index: tuple[Expr, ...]) -> Expr:
+        key = (v, tuple(_key(e) for e in index))
+        for scope in reversed(self.scopes):
+            got = scope.memo.get(key)
+            if got is not None:
+                return got
+        node = self.graph.nodes[v]
+        if v in self.overrides:
+            got = self.overrides[v](index)
+        else:
+            got = self._compute(node, index)
+        got = self.let(node.opcode, got)
+        self.scopes[-1].memo[key] = got
+        return got
+
+    def _input(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
+        scalar = self.constant_of(node)
+        if scalar is not None:
+            return kir.Const(scalar, kir.value_dtype(storage_dtype(node.shape)))
+        param = self.buffer_of(node.id)
+        if param is None:
+            raise CodegenError(f"{node.name} ({node.opcode}) is neither computed in the kernel "
+                               "nor one of its inputs")
+        return kir.Load(param, linearize(index, leaf(node.shape).dims))
+
+    def _compute(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
+        if node.id not in self.members:
+            return self._input(node, index)
+        op = node.opcode
+        inst = node.instruction
+        ops = node.operands
+        shape = leaf(node.shape)
+        if op in _UNARY:
+            return kir.Unary(_UNARY[op], self.value(ops[0], index))
+        if op in _BINARY:
+            return kir.Binary(_BINARY[op], self.value(ops[0], index), self.value(ops[1], index))
+        if op == "compare":
+            direction = _COMPARE[inst.attrs.get("direction", "EQ")]
+            return kir.Compare(direction, self.value(ops[0], index), self.value(ops[1], index))
+        if op == "select":
+            return kir.Select(self.value(ops[0], index), self.value(ops[1], index),
+                              self.value(ops[2], index))
+        if op == "clamp":
+            lo, x, hi = (self.value(o, index) for o in ops)
+            return kir.Binary("min", kir.Binary("max", x, lo), hi)
+        if op == "convert":
+            return kir.Convert(self.value(ops[0], index),
+                               kir.value_dtype(storage_dtype(shape)))
+        if op in ("copy", "get-tuple-element") and len(ops) == 1:
+            return self.value(ops[0], index)
+        if op == "broadcast":
+            table = inst.ints("dimensions", ())
+            return self.value(ops[0], tuple(index[d] for d in table))
+        if op == "reshape":
+            src = leaf(self.graph.nodes[ops[0]].shape)
+            return self.value(ops[0], delinearize(linearize(index, shape.dims), src.dims))
+        if op == "bitcast":
+            src = leaf(self.graph.nodes[ops[0]].shape)
+            return self.value(ops[0], _from_physical(_physical_linear(index, shape), src))
+        if op == "transpose":
+            perm = inst.ints("dimensions")
+            src_index: list[Expr] = [_c(0)] * len(perm)
+            for i, p in enumerate(perm):
+                src_index[p] = index[i]
+            return self.value(ops[0], tuple(src_index))
+        if op == "slice":
+            spec = parse_slice(inst.attrs["slice"])
+            return self.value(ops[0], tuple(iadd(_c(s.start), imul(i, s.stride))
+                                            for i, s in zip(index, spec)))
+        if op == "reverse":
+            dims = set(inst.ints("dimensions"))
+            return self.value(ops[0], tuple(isub(_c(n - 1), i) if d in dims else i
+                                            for d, (i, n) in enumerate(zip(index, shape.dims))))
+        if op == "iota":
+            dim = inst.int("iota_dimension")
+            return kir.Convert(index[dim], kir.value_dtype(storage_dtype(shape)))
+        if op == "concatenate":
+            return self._concatenate(node, index)
+        if op == "pad":
+            return self._pad(node, index)
+        if op == "dynamic-slice":
+            starts = self._starts(node, ops[1:], leaf(self.graph.nodes[ops[0]].shape).dims,
+                                  shape.dims)
+            return self.value(ops[0], tuple(iadd(s, i) for s, i in zip(starts, index)))
+        if op == "dynamic-update-slice":
+            return self._dynamic_update_slice(node, index)
+        if op == "reduce":
+            return self._reduce(node, index)
+        if op == "reduce-window":
+            return self._reduce_window(node, index)
+        raise CodegenError(f"{node.name}: opcode {op} is not supported by codegen")
+
+    # --- ops that need control flow -------------------------------------------------------
+    def _guarded(self, node: OpNode, branches: list[tuple[Expr | None, Callable[[], Expr]]]
+                 ) -> Expr:
+        """A Local set by the first branch whose condition holds (None = else); each branch
+        computes its value inside its own If body, so no load runs out of bounds."""
+        dtype = kir.value_dtype(storage_dtype(leaf(node.shape)))
+        name = self.fresh(node.opcode)
+        self.emit(kir.Local(name, dtype))
+
+        def build(rest: list[tuple[Expr | None, Callable[[], Expr]]]) -> tuple[kir.Stmt, ...]:
+            cond, make = rest[0]
+            self.push()
+            self.emit(kir.Assign(name, make()))
+            body = self.pop()
+            if cond is None or len(rest) == 1:
+                if cond is None:
+                    return body
+                return (kir.If(cond, body),)
+            return (kir.If(cond, body, build(rest[1:])),)
+
+        for stmt in build(branches):
+            self.emit(stmt)
+        return kir.Ref(name, dtype)
+
+    def _concatenate(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
+        dim = node.instruction.ints("dimensions")[0]
+        branches = []
+        offset = 0
+        for k, o in enumerate(node.operands):
+            size = leaf(self.graph.nodes[o].shape).dims[dim]
+            shifted = tuple(isub(i, _c(offset)) if d == dim else i for d, i in enumerate(index))
+            last = k == len(node.operands) - 1
+            cond = None if last else kir.Compare("lt", index[dim], _c(offset + size))
+            branches.append((cond, lambda o=o, shifted=shifted: self.value(o, shifted)))
+            offset += size
+        return self._guarded(node, branches)
+
+    def _pad(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
+        src = leaf(self.graph.nodes[node.operands[0]].shape)
+        pads = parse_padding(node.instruction.attrs.get("padding", "{}"))
+        conds: list[Expr] = []
+        src_index: list[Expr] = []
+        for d, (i, p) in enumerate(zip(index, pads)):
+            shifted = isub(i, _c(p.low))
+            step = p.interior + 1
+            if p.low or p.high or p.interior:
+                conds.append(kir.Compare("ge", shifted, _c(0)))
+                conds.append(kir.Compare("lt", shifted, _c((src.dims[d] - 1) * step + 1)))
+                if step > 1:
+                    conds.append(kir.Compare("eq", irem(shifted, step), _c(0)))
+            src_index.append(idiv(shifted, step))
+        if not conds:
+            return self.value(node.operands[0], tuple(src_index))
+        inside = conds[0]
+        for c in conds[1:]:
+            inside = kir.Binary("and", inside, c)
+        return self._guarded(node, [(inside, lambda: self.value(node.operands[0],
+                                                                 tuple(src_index))),
+                                    (None, lambda: self.value(node.operands[1], ()))])
+
+    def _starts(self, node: OpNode, start_ops: list[int], full: tuple[int, ...],
+                sizes: tuple[int, ...]) -> list[Expr]:
+        """Dynamic start indices, clamped into range as XLA does."""
+        out = []
+        for o, n, s in zip(start_ops, full, sizes):
+            start = self.value(o, ())
+            if start.dtype != "i32":
+                start = kir.Convert(start, "i32")
+            out.append(self.let("start", kir.Binary("min", kir.Binary("max", start, _c(0)),
+                                                    _c(n - s))))
+        return out
+
+    def _dynamic_update_slice(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
+        base, update = node.operands[0], node.operands[1]
+        sizes = leaf(self.graph.nodes[update].shape).dims
+        starts = self._starts(node, node.operands[2:], leaf(node.shape).dims, sizes)
+        inside: Expr | None = None
+        for i, s, n in zip(index, starts, sizes):
+            c = kir.Binary("and", kir.Compare("ge", i, s), kir.Compare("lt", i, iadd(s, _c(n))))
+            inside = c if inside is None else kir.Binary("and", inside, c)
+        shifted = tuple(isub(i, s) for i, s in zip(index, starts))
+        return self._guarded(node, [(inside, lambda: self.value(update, shifted)),
+                                    (None, lambda: self.value(base, index))])
+
+    def reducer(self, node: OpNode) -> str:
+        kind = self.reducer_kind(node)
+        op = REDUCER.get(kind or "")
+        if op is None or len(node.operands) != 2:
+            raise CodegenError(f"{node.name}: only single-output reductions with an "
+                               f"add/multiply/max/min/and/or reducer are generated "
+                               f"(reducer {kind or 'not a single op'})")
+        return op
+
+    def combine(self, op: str, acc: Expr, x: Expr) -> Expr:
+        return kir.Binary(op, acc, x)
+
+    def _reduce(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
+        """Thread composition: this thread reduces the element's whole row itself."""
+        op = self.reducer(node)
+        src = leaf(self.graph.nodes[node.operands[0]].shape)
+        reduced = sorted(node.instruction.ints("dimensions"))
+        kept = [d for d in range(src.rank) if d not in set(reduced)]
+        init = self.value(node.operands[1], ())
+        acc = self.fresh("acc")
+        self.emit(kir.Local(acc, init.dtype, init))
+        total = math.prod(src.dims[d] for d in reduced)
+        var = self.fresh("k")
+        self.push()
+        parts = delinearize(kir.Ref(var, "i32"), tuple(src.dims[d] for d in reduced))
+        src_index: list[Expr] = [_c(0)] * src.rank
+        for d, i in zip(kept, index):
+            src_index[d] = i
+        for d, i in zip(reduced, parts):
+            src_index[d] = i
+        x = self.value(node.operands[0], tuple(src_index))
+        self.emit(kir.Assign(acc, self.combine(op, kir.Ref(acc, init.dtype), x)))
+        body = self.pop()
+        self.emit(kir.For(var, _c(0), _c(total), _c(1), body))
+        return kir.Ref(acc, init.dtype)
+
+    def _reduce_window(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
+        op = self.reducer(node)
+        src = leaf(self.graph.nodes[node.operands[0]].shape)
+        window = parse_window(node.instruction.attrs.get("window", "{}"), src.rank)
+        if any(w.lhs_dilate != 1 for w in window):
+            raise CodegenError(f"{node.name}: base-dilated windows are not generated")
+        init = self.value(node.operands[1], ())
+        acc = self.fresh("acc")
+        self.emit(kir.Local(acc, init.dtype, init))
+        sizes = tuple(w.size for w in window)
+        var = self.fresh("w")
+        self.push()
+        offsets = delinearize(kir.Ref(var, "i32"), sizes)
+        src_index = []
+        inside: Expr | None = None
+        for d, (i, w, k) in enumerate(zip(index, window, offsets)):
+            pos = isub(iadd(imul(i, w.stride), imul(k, w.rhs_dilate)), _c(w.pad_low))
+            src_index.append(pos)
+            if w.pad_low or w.pad_high:
+                c = kir.Binary("and", kir.Compare("ge", pos, _c(0)),
+                               kir.Compare("lt", pos, _c(src.dims[d])))
+                inside = c if inside is None else kir.Binary("and", inside, c)
+        self.push()
+        x = self.value(node.operands[0], tuple(src_index))
+        self.emit(kir.Assign(acc, self.combine(op, kir.Ref(acc, init.dtype), x)))
+        update = self.pop()
+        if inside is None:
+            for s in update:
+                self.emit(s)
+        else:
+            self.emit(kir.If(inside, update))
+        body = self.pop()
+        self.emit(kir.For(var, _c(0), _c(math.prod(sizes)), _c(1), body))
+        return kir.Ref(acc, init.dtype)
