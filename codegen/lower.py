@@ -56,12 +56,16 @@ class LoweredKernel:
     notes: list[str] = field(default_factory=list)
 
 
+def _literal(node: OpNode) -> np.ndarray:
+    shape = leaf(node.shape)
+    return literal_to_numpy(node.instruction.literal, shape, numpy_dtype(shape.element_type))
+
+
 def _constant_scalar(node: OpNode) -> object | None:
     if node.opcode != "constant" or leaf(node.shape).rank != 0 or node.instruction.literal is None:
         return None
     shape = leaf(node.shape)
-    value = literal_to_numpy(node.instruction.literal, shape, numpy_dtype(shape.element_type))
-    item = value.reshape(()).item()
+    item = _literal(node).reshape(()).item()
     return bool(item) if shape.element_type == "pred" else item
 
 
@@ -135,7 +139,7 @@ class _KernelBuilder:
                 reason = self._row_layout(part)
                 if reason is None:
                     scheme = part.unit
-                    shared += self._unit_part(em, part, written, bid, index)
+                    shared += self._unit_part(em, part, written, bid)
                 else:
                     self.notes.append(f"part {index} ({part.unit} composition) lowered with "
                                       f"thread composition: {reason}")
@@ -171,20 +175,19 @@ class _KernelBuilder:
             loop = em.pop()
             em.emit(kir.For(var, gtid, _c(n), _c(total), loop))
 
-    def _unit_part(self, em: ValueEmitter, part, written: list[int], bid: kir.Expr,
-                   index: int) -> list[kir.Shared]:
+    def _unit_part(self, em: ValueEmitter, part, written: list[int], bid: kir.Expr
+                   ) -> list[kir.Shared]:
         graph = self.graph
         tpb = self.schedule.block
         warps = tpb // 32
         rows = part.rows
         tid = kir.ThreadIdx()
         lane = em.let("lane", kir.Binary("rem", tid, _c(32)))
+        warp = em.let("warp", kir.Binary("div", tid, _c(32)))
         if part.unit == "warp":
-            warp = em.let("warp", kir.Binary("div", tid, _c(32)))
             row = em.let("row", iadd(imul(bid, warps), warp))
             step, first = 32, lane
         else:
-            warp = em.let("warp", kir.Binary("div", tid, _c(32)))
             row = bid
             step, first = tpb, tid
         # Every warp runs the collectives (uniform control flow); a warp past the last row
@@ -197,8 +200,8 @@ class _KernelBuilder:
         for v in sorted(part_members):
             node = graph.nodes[v]
             if node.opcode == "reduce":
-                result = self._unit_reduce(em, node, rowc, first, step, lane, warp, warps,
-                                           part.unit, shared, index)
+                result = self._unit_reduce(em, node, rowc, rows, first, step, lane, warp,
+                                           warps, part.unit, shared)
                 em.overrides[v] = lambda idx, r=result: r
                 if v in written:
                     em.push()
@@ -229,12 +232,12 @@ class _KernelBuilder:
             em.emit(kir.For(var, first, _c(per_row), _c(step), loop))
         return shared
 
-    def _unit_reduce(self, em: ValueEmitter, node: OpNode, rowc: kir.Expr, first: kir.Expr,
-                     step: int, lane: kir.Expr, warp: kir.Expr, warps: int, unit: str,
-                     shared: list[kir.Shared], part_index: int) -> kir.Expr:
+    def _unit_reduce(self, em: ValueEmitter, node: OpNode, rowc: kir.Expr, rows: int,
+                     first: kir.Expr, step: int, lane: kir.Expr, warp: kir.Expr, warps: int,
+                     unit: str, shared: list[kir.Shared]) -> kir.Expr:
         op = em.reducer(node)
         src = leaf(self.graph.nodes[node.operands[0]].shape)
-        length = src.num_elements // self.schedule.parts[part_index].rows
+        length = src.num_elements // rows
         init = em.value(node.operands[1], ())
         acc = em.fresh("acc")
         em.emit(kir.Local(acc, init.dtype, init))
@@ -386,19 +389,14 @@ def reference_values(graph: OpGraph, module: HloModule | Evaluator, members: lis
             values[v] = values[node.operands[0]]      # operands are already tuple leaves
             continue
         if inst.opcode == "constant":
-            shape = leaf(node.shape)
-            values[v] = literal_to_numpy(inst.literal, shape, numpy_dtype(shape.element_type))
+            values[v] = _literal(node)
             continue
         ops = []
         for o in node.operands:
             if o not in values:
-                on = graph.nodes[o]
-                if on.opcode == "constant":
-                    shape = leaf(on.shape)
-                    values[o] = literal_to_numpy(on.instruction.literal, shape,
-                                                 numpy_dtype(shape.element_type))
-                else:
-                    raise CodegenError(f"no value for {on.name}")
+                if graph.nodes[o].opcode != "constant":
+                    raise CodegenError(f"no value for {graph.nodes[o].name}")
+                values[o] = _literal(graph.nodes[o])
             ops.append(values[o])
         value = evaluator.apply_instruction(node.computation, inst, ops)
         if isinstance(value, tuple):

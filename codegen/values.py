@@ -141,10 +141,6 @@ def _from_physical(offset: Expr, shape: Shape) -> tuple[Expr, ...]:
     return tuple(index)
 
 
-def _key(e: Expr) -> object:
-    return e   # frozen dataclasses hash structurally
-
-
 @dataclass
 class _Scope:
     stmts: list[kir.Stmt]
@@ -193,7 +189,7 @@ class ValueEmitter:
 
     # --- values -------------------------------------------------------------------------
     def value(self, v: int, index: tuple[Expr, ...]) -> Expr:
-        key = (v, tuple(_key(e) for e in index))
+        key = (v, index)       # expressions are frozen dataclasses: hashed by structure
         for scope in reversed(self.scopes):
             got = scope.memo.get(key)
             if got is not None:
@@ -377,9 +373,6 @@ class ValueEmitter:
                                f"(reducer {kind or 'not a single op'})")
         return op
 
-    def combine(self, op: str, acc: Expr, x: Expr) -> Expr:
-        return kir.Binary(op, acc, x)
-
     def _reduce(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
         """Thread composition: this thread reduces the element's whole row itself."""
         op = self.reducer(node)
@@ -399,7 +392,7 @@ class ValueEmitter:
         for d, i in zip(reduced, parts):
             src_index[d] = i
         x = self.value(node.operands[0], tuple(src_index))
-        self.emit(kir.Assign(acc, self.combine(op, kir.Ref(acc, init.dtype), x)))
+        self.emit(kir.Assign(acc, kir.Binary(op, kir.Ref(acc, init.dtype), x)))
         body = self.pop()
         self.emit(kir.For(var, _c(0), _c(total), _c(1), body))
         return kir.Ref(acc, init.dtype)
@@ -428,7 +421,7 @@ class ValueEmitter:
                 inside = c if inside is None else kir.Binary("and", inside, c)
         self.push()
         x = self.value(node.operands[0], tuple(src_index))
-        self.emit(kir.Assign(acc, self.combine(op, kir.Ref(acc, init.dtype), x)))
+        self.emit(kir.Assign(acc, kir.Binary(op, kir.Ref(acc, init.dtype), x)))
         update = self.pop()
         if inside is None:
             for s in update:

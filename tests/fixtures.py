@@ -27,3 +27,17 @@ def fixture_id(path: pathlib.Path) -> str:
 def zoo_fixture(model: str, config: str, stage: str) -> pathlib.Path:
     """``stage`` is 'pre' or 'gpu-<target>'."""
     return DATA / model / f"{config}.{stage}.hlo"
+
+
+# add/max reducer computations for hand-written test modules: "HloModule m" + REDUCERS.
+REDUCERS = """add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+max {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] maximum(a, b)
+}
+"""

@@ -3,7 +3,6 @@ evaluator: every stitched kernel of every zoo model (tiny configuration, h100 pl
 schemes on the row-reduction families, and ptxas on the generated PTX."""
 from __future__ import annotations
 
-import pathlib
 import shutil
 
 import numpy as np
@@ -18,8 +17,8 @@ from hlo_passes.evaluator.dtypes import numpy_dtype
 from hlo_passes.evaluator.interpreter import Evaluator
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import ScheduleError, schedule_kernel
+from tests.fixtures import DATA, REDUCERS
 
-DATA = pathlib.Path(__file__).parent / "data"
 # transformer_train is left out for test time (its ~180 kernels compile for minutes on
 # the host and are the same layer-norm/softmax/bias blocks bert_layer_train checks).
 MODELS = sorted(d.name for d in DATA.iterdir() if (d / "tiny.gpu-h100.hlo").exists()
@@ -121,18 +120,7 @@ def _families():
     }
 
 
-HEAD = """HloModule m
-add {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT s = f32[] add(a, b)
-}
-max {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT s = f32[] maximum(a, b)
-}
-"""
+HEAD = "HloModule m\n" + REDUCERS
 
 
 @pytest.mark.parametrize("family", sorted(_families()))

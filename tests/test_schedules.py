@@ -10,19 +10,9 @@ from stitch.cost.gpu_specs import get_spec
 from stitch.cost.latency import LaunchShape, WarpWork, evaluate
 from stitch.explorer.feasibility import infeasible_reason
 from stitch.schedule import ScheduleError, schedule_kernel
+from tests.fixtures import DATA, REDUCERS
 
-HEAD = """HloModule m
-add {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT s = f32[] add(a, b)
-}
-max {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT s = f32[] maximum(a, b)
-}
-"""
+HEAD = "HloModule m\n" + REDUCERS
 
 
 def _graph(body: str):
@@ -222,8 +212,7 @@ def test_final_pick_by_latency_evaluator_takes_the_lowest_latency_plan():
     import stitch
     from stitch.explorer.planner import ExplorerOptions, PlanError
 
-    text = (__import__("pathlib").Path(__file__).parent / "data" / "bert_layer_train" /
-            "full.gpu-h100.hlo").read_text()
+    text = (DATA / "bert_layer_train" / "full.gpu-h100.hlo").read_text()
     p = stitch.plan(text, "h100", options=ExplorerOptions(final_pick="latency"))
     detail = p.graphs[0].report.detail
     options = [t for t in detail["latency_objectives_s"] if t is not None]
