@@ -34,7 +34,7 @@ import numpy as np
 
 from hlo_passes import parse_hlo
 from hlo_passes.graph import OpGraph, build_op_graphs
-from stitch.cost.delta import CostModel
+from stitch.cost.delta import CostModel, kernel_hbm_bytes
 from stitch.cost.gpu_specs import GpuSpec, get_spec
 from stitch.explorer.patterns import is_plannable
 from stitch.explorer.plan import kernel_kind
@@ -179,7 +179,11 @@ def describe(graph: OpGraph, members: tuple[int, ...], schedule: KernelSchedule)
             parts.append(f"row {p.rows}×{p.row_length}{layout} {p.unit}")
         else:
             parts.append(f"loop {p.rows} vw{p.vector_width}")
-    mb = graph.hbm_bytes(members) / 1e6
+    # The bytes the latency-evaluator charged: what the outputs need (partial reads), with
+    # the reductions of warp/block parts read in full.
+    whole = [v for p in schedule.parts if p.kind == "row" and p.unit != "thread"
+             for v in p.members if graph.nodes[v].opcode == "reduce"]
+    mb = kernel_hbm_bytes(graph, members, whole) / 1e6
     return f"{mix}; {', '.join(parts)}; {mb:.3g} MB"
 
 

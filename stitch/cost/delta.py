@@ -6,11 +6,14 @@ model, cheap enough to call thousands of times:
 
     T(K) = launch + C + M - 0.95 * min(C, M)          (XLA's GpuPerformanceModel overlap)
 
-- M, memory: HBM bytes of K (each outside value read once, each value used outside written
-  once; ``OpGraph.hbm_bytes``) over the bandwidth K can draw. A kernel draws full bandwidth
-  only with enough threads in flight: we take one SM saturated at 1024 resident threads (half
-  of its 2048; Little's law with ~16 B in flight per thread and ~600-cycle DRAM latency), so
-  bandwidth scales with min(1, threads / (SMs * 1024)). Values that stay inside K live in
+- M, memory: HBM bytes of K (each outside value read once, only the part K's outputs
+  depend on, e.g. the gathered rows or the slice; each value used outside written once, an
+  in-place dynamic-update-slice only its update; ``kernel_hbm_bytes``) over the bandwidth K
+  can draw. A kernel draws full bandwidth only with enough threads in flight: we take one
+  SM saturated at 1024 resident threads (half of its 2048; Little's law with ~16 B in
+  flight per thread and ~600-cycle DRAM latency), so bandwidth scales with
+  min(1, threads / (SMs * 1024)); a loop kernel runs a thread per element it computes (only
+  the gathered or sliced ones under a gather or slice). Values that stay inside K live in
   registers (free) or, when shared by a block, in shared memory at its documented 128 B/clk/SM
   (``GpuSpec.shared_memory_bandwidth``).
 - C, compute: thread instructions over the FP32 lanes of the SMs K engages, counting
@@ -101,13 +104,13 @@ class CostModel:
         work = [v for v in members if not self.free[v]]
         if not work:
             return KernelCost(0, 0, 0.0, 0.0, 0, 0.0)
-        nbytes = graph.hbm_bytes(members)
         launch = spec.kernel_launch_overhead_s
         if len(members) == 1:
             node = graph.nodes[work[0]]
             if node.op_class is OpClass.COMPUTE:
-                return self._compute_kernel(node, nbytes)
+                return self._compute_kernel(node, kernel_hbm_bytes(graph, members))
             if node.op_class is OpClass.OPAQUE:
+                nbytes = kernel_hbm_bytes(graph, members)
                 memory_s = nbytes / spec.hbm_bandwidth
                 return KernelCost(nbytes, 1, memory_s, 0.0, 0, launch + memory_s)
         if analysis is None:
@@ -115,19 +118,25 @@ class CostModel:
                 analysis = analyze_pattern(graph, members)
             except Infeasible:
                 analysis = None
-        per_component, smem_bytes = self._parallelism(members, analysis)
+        # Shared reductions are reduced row by row in full; the rest reads what it needs.
+        whole = [r.node for r in analysis.shared] if analysis is not None else []
+        used = utilization(graph, members, whole)
+        nbytes = kernel_hbm_bytes(graph, members, whole, used)
+        per_component, smem_bytes = self._parallelism(members, analysis, used[0])
         threads = max(sum(per_component), 1)
         memory_s = self._memory_s(nbytes, threads)
-        compute_s = self._compute_s(self._instructions(members, analysis), threads)
+        compute_s = self._compute_s(self._instructions(members, analysis, used[0]), threads)
         if analysis is not None and len(analysis.components) > 1:
             # Packed parts run side by side on different blocks: the kernel cannot end
             # before its slowest part, which draws only the bandwidth and lanes its own
             # threads can (a small part gains nothing from a big neighbour's threads).
             for comp, comp_threads in zip(analysis.components, per_component):
                 comp = frozenset(comp)
-                memory_s = max(memory_s, self._memory_s(graph.hbm_bytes(comp), comp_threads))
+                # Parts share no values: the kernel's utilization holds for each.
+                memory_s = max(memory_s, self._memory_s(
+                    kernel_hbm_bytes(graph, comp, whole, used), comp_threads))
                 compute_s = max(compute_s, self._compute_s(
-                    self._instructions(comp, analysis), comp_threads))
+                    self._instructions(comp, analysis, used[0]), comp_threads))
         memory_s += smem_bytes / spec.shared_memory_bandwidth
         total = launch + compute_s + memory_s - XLA_MEMORY_COMPUTE_PARALLELISM * min(
             compute_s, memory_s)
@@ -151,12 +160,14 @@ class CostModel:
             XLA_MEMORY_COMPUTE_PARALLELISM * min(compute_s, memory_s)
         return KernelCost(nbytes, 1, memory_s, compute_s, 0, total)
 
-    def _parallelism(self, members: frozenset[int], analysis: PatternAnalysis | None
-                     ) -> tuple[list[int], int]:
+    def _parallelism(self, members: frozenset[int], analysis: PatternAnalysis | None,
+                     used: dict[int, float]) -> tuple[list[int], int]:
         """Threads each independent part of the kernel can run at once, and the
-        shared-memory bytes the kernel moves."""
+        shared-memory bytes the kernel moves. A loop part runs a thread per element it
+        computes: of its largest op, only the elements the outputs need (``used``, e.g. the
+        gathered ones)."""
         if analysis is None:     # not stitchable: assume it is one plain loop kernel
-            return [max(self.elements[v] for v in members)], 0
+            return [max(self._loop_threads(v, used) for v in members)], 0
         threads: list[int] = []
         smem = 0
         by_component: dict[int, list] = {}
@@ -165,7 +176,7 @@ class CostModel:
         for index, comp in enumerate(analysis.components):
             reds = by_component.get(index)
             if not reds:
-                threads.append(max(self._loop_threads(v) for v in comp))
+                threads.append(max(self._loop_threads(v, used) for v in comp))
                 continue
             comp_threads = None
             for red in reds:
@@ -180,15 +191,18 @@ class CostModel:
             threads.append(comp_threads or 1)
         return threads, smem
 
-    def _loop_threads(self, v: int) -> int:
+    def _loop_threads(self, v: int, used: dict[int, float]) -> int:
         node = self.graph.nodes[v]
         if node.op_class is OpClass.REDUCTION and node.operands:
             # A reduction kernel reads its input with many threads per output.
             return max(self.elements[node.operands[0]] // 8, self.elements[v])
-        return self.elements[v]
+        return max(int(self.elements[v] * used.get(v, 1.0)), 1)
 
-    def _instructions(self, members: frozenset[int], analysis: PatternAnalysis | None) -> float:
-        """Thread instructions, with thread composition's recomputation."""
+    def _instructions(self, members: frozenset[int], analysis: PatternAnalysis | None,
+                      used: dict[int, float]) -> float:
+        """Thread instructions, with thread composition's recomputation. An op computes
+        at least the elements the outputs need (``used``): all of them, except under a
+        gather, a slice or an in-place update."""
         graph = self.graph
         shared = {r.node for r in analysis.shared} if analysis else set()
         factor: dict[int, float] = {}
@@ -199,7 +213,7 @@ class CostModel:
                 # Free ops pass their consumers' demand through.
                 need = max((factor.get(u, 0.0) * self.elements[u] / max(self.elements[v], 1)
                             for u in node.users if u in members), default=1.0)
-                factor[v] = max(need, 1.0)
+                factor[v] = max(need, used[v])
                 continue
             if node.op_class is OpClass.REDUCTION or v in shared:
                 r = 1.0
@@ -218,7 +232,7 @@ class CostModel:
                     r = max(r, demand)
                 if node.op_class is OpClass.EXPENSIVE and r > 1.0:
                     r = 1.0            # expanded expensive op: a sub-root, computed once
-                r = max(r, 1.0)
+                r = max(r, used[v])
             factor[v] = r
             per_element = (EXPENSIVE_INSTRUCTIONS.get(node.opcode, 10.0)
                            if node.op_class is OpClass.EXPENSIVE
@@ -244,6 +258,143 @@ class CostModel:
         """f alone (the score the explorer ranks by)."""
         fused = self.kernel(members, analysis)
         return sum(self.singleton(v).total_s for v in members) - fused.total_s
+
+
+def in_place_updates(graph: OpGraph, members: Iterable[int]) -> set[int]:
+    """Dynamic-update-slices of ``members`` that run in place: the updated buffer is a value
+    from outside the kernel (seen through free aliases) that nothing else in the kernel
+    reads, the kernel writes the result out and nothing inside reads it, and the two
+    buffers have the same size. XLA then assigns both the same buffer and its emitter
+    writes only the update (IrEmitterUnnested's in-place dynamic-update-slice fusion);
+    the rest of the buffer is neither read nor written."""
+    members = set(members)
+    outputs = set(graph.outputs)
+    found = set()
+    for d in members:
+        node = graph.nodes[d]
+        if node.opcode != "dynamic-update-slice" or len(node.operands) < 2:
+            continue
+        if any(u in members for u in node.users):
+            continue
+        if not (d in outputs or any(u not in members for u in node.users)):
+            continue
+        base = node.operands[0]
+        chain = []
+        while base in members and graph.nodes[base].opcode in ("bitcast", "reshape") and \
+                graph.is_free(base):
+            chain.append(base)
+            base = graph.nodes[base].operands[0]
+        src = graph.nodes[base]
+        read_in_full = src.op_class is OpClass.SOURCE or (
+            src.opcode == "get-tuple-element" and graph.is_free(base)
+            and all(o not in members for o in src.operands))
+        if base in members and not read_in_full:
+            continue                    # the buffer is computed here: nothing to alias
+        if graph.nodes[base].shape.byte_size != node.shape.byte_size:
+            continue
+        readers = {u for v in [base, *chain] for u in graph.nodes[v].users if u in members}
+        if readers - set(chain) - {d}:
+            continue
+        found.add(d)
+    return found
+
+
+def utilization(graph: OpGraph, members: Iterable[int], whole: Iterable[int] = ()
+                ) -> tuple[dict[int, float], dict[int, float]]:
+    """(fraction of each member's elements the kernel computes, fraction of each outside
+    value's elements it reads): see ``kernel_hbm_bytes``."""
+    members = set(members)
+    outputs = set(graph.outputs)
+    forced = set(whole)
+    in_place = in_place_updates(graph, members)
+    used: dict[int, float] = {}
+
+    def elements(v: int) -> int:
+        return _elements(graph.nodes[v])
+
+    def share(w: int, v: int) -> float:
+        """Fraction of v's elements consumer w reads."""
+        uw = used.get(w, 0.0)
+        node = graph.nodes[w]
+        if uw <= 0.0:
+            return 0.0
+        if node.op_class in (OpClass.COMPUTE, OpClass.OPAQUE):
+            return 1.0
+        best = 0.0
+        data = len(node.operands) // 2 if node.opcode in ("reduce", "reduce-window") else 0
+        for position, o in enumerate(node.operands):
+            if o != v:
+                continue
+            if w in in_place and position == 0:
+                continue
+            if node.opcode == "gather" and position == 1:
+                # One index vector per gathered slice: the needed outputs' vectors.
+                best = max(best, uw)
+                continue
+            per_output = elements(v) / max(elements(w), 1) if position < data else 1.0
+            best = max(best, min(1.0, uw * elements(w) * per_output / max(elements(v), 1)))
+        return best
+
+    for m in sorted(members, reverse=True):
+        node = graph.nodes[m]
+        out = node.op_class is not OpClass.SOURCE and (
+            m in outputs or any(u not in members for u in node.users))
+        if out or m in forced:
+            used[m] = 1.0
+        else:
+            used[m] = min(1.0, sum(share(u, m) for u in node.users if u in members))
+    read: dict[int, float] = {}
+    for m in members:
+        for o in graph.nodes[m].operands:
+            if o not in members and o not in read:
+                read[o] = min(1.0, sum(share(u, o) for u in graph.nodes[o].users
+                                       if u in members))
+    return used, read
+
+
+def kernel_hbm_bytes(graph: OpGraph, members: Iterable[int], whole: Iterable[int] = (),
+                     used: tuple[dict[int, float], dict[int, float]] | None = None) -> int:
+    """Bytes a kernel made of ``members`` moves through HBM, counting only what it reads:
+    each outside value once, scaled by the fraction of its elements the kernel's outputs
+    depend on, plus each value used outside or leaving the graph, once (the rules of
+    ``OpGraph.hbm_bytes`` otherwise: SOURCE members are reads, a gte of an outside tuple
+    reads its element).
+
+    The fraction (utilization) of a value is propagated back from the written values
+    (1): a consumer w used at fraction u reads at most min(1, u * |w| * k / |v|) of
+    operand v, where k is the operand elements one output element reads (1 for elementwise,
+    layout, slice, dynamic-slice, gather, broadcast; the reduced length for a reduce), and
+    the fractions of several consumers add up, capped at 1 (an upper bound: XLA's operand
+    utilization in GpuHloCostAnalysis follows the same idea). So a gather reads the gathered
+    rows and the index vectors of the needed outputs, a slice the slice, a reduce whose
+    result is sliced the inputs of the kept outputs. An in-place dynamic-update-slice
+    (``in_place_updates``) reads none of the buffer and writes only the update. ``whole``
+    are ops computed in full whatever their consumers need (reductions a warp or block
+    reduces row by row). ``used`` is ``utilization``'s result when the caller has it."""
+    members = set(members)
+    outputs = set(graph.outputs)
+    in_place = in_place_updates(graph, members)
+    used, read = utilization(graph, members, whole) if used is None else used
+    written = 0
+    reads: dict[tuple[int, int], float] = {}
+    for m in members:
+        node = graph.nodes[m]
+        if node.op_class is OpClass.SOURCE:
+            if any(u in members for u in node.users):
+                reads[(m, -1)] = node.shape.byte_size * used[m]
+            continue
+        if m in outputs or any(u not in members for u in node.users):
+            update = node.operands[1] if m in in_place else m
+            written += graph.nodes[update].shape.byte_size
+        for o in node.operands:
+            src = graph.nodes[o]
+            if o in members and src.op_class is not OpClass.SOURCE:
+                continue
+            if node.opcode == "get-tuple-element" and src.shape.is_tuple:
+                reads[(o, node.instruction.int("index"))] = node.shape.byte_size * used[m]
+            else:
+                reads[(o, -1)] = src.shape.byte_size * (used[o] if o in members else read[o])
+    return int(round(sum(reads.values()))) + written
 
 
 def _elements(node: OpNode) -> int:

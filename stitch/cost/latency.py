@@ -7,7 +7,14 @@ has two bounds and the larger one wins:
 
 - throughput: its warp instructions × CPI, where CPI is the SM-wide cost in cycles of one
   warp instruction of each class (table below); the SM's resident warps share those issue
-  slots, so a wave of A warps costs A × L_warp cycles;
+  slots, so a wave of A warps costs A × L_warp cycles. Memory transfers and arithmetic use
+  different units of the SM, and while one warp waits for its loads the others compute, so
+  the two overlap: L_warp = C + M − 0.95 × min(C, M) with C the compute pipes' cycles (ALU,
+  SFU, shuffles, shared memory) and M the memory cycles. The form and the 0.95 are XLA's
+  (GpuPerformanceModelBase::CombineComputeAndMemoryAccessTime, kMemoryComputeParallelism
+  in xla/service/gpu/model/gpu_performance_model_base.cc), the same combination the
+  delta-evaluator uses for whole kernels; a kernel is then about as slow as its busier
+  resource, not the sum of both;
 - latency: the dependent chain of one warp — global-memory round trips (loads in a loop are
   unrolled ``UNROLL`` deep, so only one round in ``UNROLL`` waits the full DRAM latency),
   shuffles, barriers and shared-memory accesses, each at its latency.
@@ -33,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .gpu_specs import GpuSpec
+from .gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
 from .occupancy import Occupancy, occupancy
 
 UNROLL = 4                       # loads in flight per thread in a loop (codegen unrolls)
@@ -88,11 +95,26 @@ def cpi(spec: GpuSpec) -> dict[str, float]:
             "global_byte": 1.0 / spec.hbm_bytes_per_cycle_per_sm}
 
 
-def warp_issue_cycles(spec: GpuSpec, work: WarpWork) -> float:
+def warp_compute_cycles(spec: GpuSpec, work: WarpWork) -> float:
+    """SM cycles of one warp's arithmetic, special-function, shuffle and shared-memory
+    instructions."""
     table = cpi(spec)
     return (work.alu * table["alu"] + work.sfu * table["sfu"]
-            + work.shuffles * table["shuffle"] + work.shared_instr * table["shared"]
-            + max(work.global_bytes * table["global_byte"], work.global_instr))
+            + work.shuffles * table["shuffle"] + work.shared_instr * table["shared"])
+
+
+def warp_memory_cycles(spec: GpuSpec, work: WarpWork) -> float:
+    """SM cycles of one warp's HBM traffic: its bytes over the SM's share of the bandwidth,
+    at least one cycle per global load/store instruction."""
+    return max(work.global_bytes * cpi(spec)["global_byte"], work.global_instr)
+
+
+def warp_issue_cycles(spec: GpuSpec, work: WarpWork) -> float:
+    """One warp's share of the SM's throughput: compute and memory overlapped across the
+    resident warps (module docstring)."""
+    compute = warp_compute_cycles(spec, work)
+    memory = warp_memory_cycles(spec, work)
+    return compute + memory - XLA_MEMORY_COMPUTE_PARALLELISM * min(compute, memory)
 
 
 def warp_chain_cycles(spec: GpuSpec, work: WarpWork) -> float:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from hlo_passes.graph import OpGraph
 from hlo_passes.op_classes import OpClass
 
-from ..cost.delta import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT
+from ..cost.delta import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT, kernel_hbm_bytes
 from ..explorer.feasibility import PatternAnalysis, _leaf, reduction_rows
 
 
@@ -47,6 +47,7 @@ class PassWork:
     alu: float = 0.0            # per element
     sfu: float = 0.0            # per element
     reductions: list[int] = field(default_factory=list)     # reductions finishing this pass
+    elements: int = 0           # elements of the largest full-size value the pass writes
 
 
 @dataclass
@@ -60,11 +61,21 @@ class PartFacts:
     passes: list[PassWork]
     per_row_expensive: list[int]     # sub-root candidates (expensive ops, one per row)
     multi_pass_expensive: list[int]  # full-size expensive ops more than one pass needs
-    hbm_bytes: int
+    hbm_bytes: int              # a warp or block reduces its whole row (every reduction in full)
     locality_error: str | None = None
     # Reductions of the part read their rows in different layouts (some contiguous, some
     # strided): a unit then owns exactly one row of each, and loads are not vectorized.
     mixed_layout: bool = False
+    # Thread composition computes only the elements the written values need (a reduction
+    # whose result is sliced reduces only the kept outputs): at most ``hbm_bytes``.
+    thread_bytes: int = 0
+
+    @property
+    def reduction_length(self) -> dict[int, int]:
+        """Input elements reduced into one output, per reduction: the row length over
+        the outputs a (coarsened) row holds."""
+        return {r.node: max(r.row_length // max(r.outputs_per_row, 1), 1)
+                for r in self.reductions}
 
 
 def op_instructions(graph: OpGraph, v: int) -> tuple[float, float]:
@@ -100,21 +111,35 @@ def _reduction_facts(graph: OpGraph, v: int, members: set[int],
                      any(u in members for u in node.users))
 
 
+def written_values(graph: OpGraph, members: set[int]) -> set[int]:
+    """Computed values a kernel part writes: used outside or leaving the graph, directly
+    or through free aliases inside the part (a bitcast of a broadcast that a GEMM reads)."""
+    outputs = set(graph.outputs)
+    escapes: set[int] = set()
+    for v in sorted(members, reverse=True):
+        if v in outputs or any(u not in members or (u in escapes and graph.is_free(u))
+                               for u in graph.nodes[v].users):
+            escapes.add(v)
+    return {v for v in escapes if not graph.is_free(v)}
+
+
 def part_facts(graph: OpGraph, members: list[int], analysis: PatternAnalysis) -> PartFacts:
     member_set = set(members)
     order = sorted(members)
     # Only reduce partitions rows; a reduce-window is a loop op (a thread per window).
     reductions = [_reduction_facts(graph, v, member_set, analysis) for v in order
                   if graph.nodes[v].opcode == "reduce"]
-    hbm = graph.hbm_bytes(member_set)
-    outputs = set(graph.outputs)
-    written = {v for v in order if not graph.is_free(v) and
-               (v in outputs or any(u not in member_set for u in graph.nodes[v].users))}
+    # Only what the kernel's outputs depend on is read (gathered rows, slices, in-place
+    # updates); a warp or block unit reduces every row in full.
+    hbm = kernel_hbm_bytes(graph, member_set, whole=[r.node for r in reductions])
+    thread_hbm = kernel_hbm_bytes(graph, member_set)
+    written = written_values(graph, member_set)
     if not reductions:
         elements = max((_elements(graph, v) for v in written), default=1)
         work = _pass_work(graph, member_set, [v for v in order if not graph.is_free(v)],
-                          [], written, [])
-        return PartFacts(tuple(order), [], elements, 1, True, elements, [work], [], [], hbm)
+                          [], written, [], _evaluations(graph, member_set, written, elements))
+        return PartFacts(tuple(order), [], elements, 1, True, elements, [work], [], [], hbm,
+                         thread_bytes=thread_hbm)
     primary = max(reductions, key=lambda r: r.rows * r.row_length)
     error = None
     mixed = any(r.minor != primary.minor for r in reductions)
@@ -155,7 +180,7 @@ def part_facts(graph: OpGraph, members: list[int], analysis: PatternAnalysis) ->
                      rows * row_length, passes,
                      [v for v in expensive if v in per_row],
                      [v for v in expensive if len(needed_in.get(v, ())) > 1], hbm, error,
-                     mixed)
+                     mixed, thread_hbm)
 
 
 def _closure(graph: OpGraph, targets: list[int], members: set[int], stop: set[int]
@@ -174,8 +199,60 @@ def _closure(graph: OpGraph, targets: list[int], members: set[int], stop: set[in
     return sorted(seen)
 
 
+def _evaluations(graph: OpGraph, members: set[int], written: set[int], domain: int
+                 ) -> dict[int, float]:
+    """How often thread composition evaluates each op of a loop part, per element of the
+    part's domain. Codegen computes each written value in a loop of its own, every element
+    by index propagation with the values of one element memoized, so within one written
+    value an op runs as often as its most demanding consumer asks (recomputed under a
+    broadcast, only the gathered or sliced elements, and for a dynamic-update-slice,
+    concatenate or pad only inside the operand's window, a guarded branch); the loops of
+    different written values add up."""
+    order = sorted(members, reverse=True)
+    runs: dict[int, float] = {}
+    for root in written:
+        mine = {root: float(_elements(graph, root))}
+        for v in order:
+            if v >= root:
+                continue
+            need = max((mine[w] * _reads_per_element(graph, w, v)
+                        for w in graph.nodes[v].users if w in mine), default=0.0)
+            if need > 0.0:
+                mine[v] = need
+        for v, n in mine.items():
+            runs[v] = runs.get(v, 0.0) + n
+    return {v: n / max(domain, 1) for v, n in runs.items()}
+
+
+def _reads_per_element(graph: OpGraph, w: int, v: int) -> float:
+    """Elements of operand v that one element of w evaluates, on average."""
+    node = graph.nodes[w]
+    out = max(_elements(graph, w), 1)
+    total = 0.0
+    for position, o in enumerate(node.operands):
+        if o != v:
+            continue
+        if node.opcode == "dynamic-update-slice" and position < 2:
+            inside = min(_elements(graph, node.operands[1]) / out, 1.0)
+            total += inside if position == 1 else 1.0 - inside
+        elif node.opcode == "concatenate" or (node.opcode == "pad" and position == 0):
+            total += min(_elements(graph, v) / out, 1.0)
+        elif node.opcode == "pad":                  # the padding value, outside the operand
+            total += max(1.0 - _elements(graph, node.operands[0]) / out, 0.0)
+        elif node.opcode == "reduce-window" and position < len(node.operands) // 2:
+            total += max(_elements(graph, v) / out, 1.0)
+        else:
+            # The same element read twice (add(x, x)) is computed once.
+            total = max(total, 1.0)
+    return total
+
+
 def _pass_work(graph: OpGraph, members: set[int], full: list[int], rows_here: list[int],
-               written: set[int], finishing: list[int]) -> PassWork:
+               written: set[int], finishing: list[int],
+               evaluations: dict[int, float] | None = None) -> PassWork:
+    """The pass's loads, stores and instructions per element; ``evaluations`` weighs each
+    op's instructions by its evaluations per element (loop parts), else each op counts
+    once."""
     work = PassWork(full_ops=[v for v in full if not graph.is_free(v)], row_ops=rows_here,
                     reductions=finishing)
     full_set = set(full)
@@ -189,10 +266,12 @@ def _pass_work(graph: OpGraph, members: set[int], full: list[int], rows_here: li
     work.loads = len(inputs)
     work.row_loads = len(row_inputs)
     work.stores = sum(1 for v in full_set if v in written)
+    work.elements = max((_elements(graph, v) for v in work.full_ops if v in written), default=0)
     work.row_stores = sum(1 for v in rows_here if v in written) + sum(
         1 for v in finishing if v in written)
     for v in work.full_ops:
         alu, sfu = op_instructions(graph, v)
-        work.alu += alu
-        work.sfu += sfu
+        weight = 1.0 if evaluations is None else evaluations.get(v, 1.0)
+        work.alu += alu * weight
+        work.sfu += sfu * weight
     return work

@@ -23,7 +23,7 @@ from ..cost.occupancy import occupancy
 from ..errors import StitchError
 from ..explorer.feasibility import Infeasible, analyze_pattern
 from .kernel_schedule import GroupSchedule, KernelSchedule, PartSchedule, SharedBuffer
-from .space import PartFacts, op_instructions, part_facts
+from .space import PartFacts, op_instructions, part_facts, written_values
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,9 @@ THREADS_PER_BLOCK = (32, 64, 128, 256, 512, 1024)
 VECTOR_WIDTHS = (1, 2, 4)
 BASE_REGISTERS = 16          # indices, loop counters, parameter pointers
 MAX_REGISTERS = 255
-# Thread composition recomputes a whole row per consumer element: only rows up to this
-# long are worth enumerating (longer ones are always far slower).
+# Thread composition recomputes, per consumer element, the reduction outputs it needs:
+# only reductions of up to this many elements per output are worth enumerating (longer
+# ones are always far slower than sharing).
 MAX_RECOMPUTED_ROW = 4096
 
 
@@ -123,14 +124,23 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
         return "vector loads need contiguous rows"
     if facts.minor and L % vw:
         return f"row length {L} is not a multiple of vector width {vw}"
+    length = facts.reduction_length
+    outputs = {r.node: r.rows * r.outputs_per_row for r in facts.reductions}
+    last = facts.passes[-1]
     if unit == "thread":
-        if L > MAX_RECOMPUTED_ROW:
-            return f"recomputing a {L}-element row per thread is never worth it"
-        consumers = max(R * L // vw, R) if len(facts.passes) > 1 else R
+        # Thread composition (codegen's index propagation): a thread computes vw consumer
+        # elements of the last pass, or vw outputs of a reduction finishing there, and
+        # recomputes each reduction output they read by a loop over that output's own
+        # inputs: the row length over the outputs a (coarsened) row holds, not the row.
+        longest = max(length.values())
+        if longest > MAX_RECOMPUTED_ROW:
+            return (f"recomputing a {longest}-element reduction per consumer element is "
+                    "never worth it")
+        final_outputs = max((outputs[v] for v in last.reductions), default=0)
+        consumers = math.ceil(max(last.elements, final_outputs, R) / vw)
         threads_per_row = 1
         blocks = math.ceil(consumers / tpb)
         rows_per_block = max(tpb // max(L // vw, 1), 1)
-        iters_recompute = L                  # each thread reduces its whole row itself
     elif unit == "warp":
         threads_per_row = 32 if facts.minor else 1
         rows_per_block = tpb // threads_per_row
@@ -149,9 +159,21 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
     cached_regs = 0
     for index, p in enumerate(facts.passes):
         if unit == "thread":
-            # The consumer element's thread recomputes each earlier pass over the row.
-            iters = iters_recompute if index < len(facts.passes) - 1 else vw
             lanes = 1
+            per_output = max((length[v] for v in p.reductions), default=1)
+            if index < len(facts.passes) - 1:
+                # An earlier pass is recomputed once per reduction output the thread's
+                # consumer elements read: one when a row holds one output, else up to vw
+                # different ones.
+                opr = max((r.outputs_per_row for r in facts.reductions
+                           if r.node in p.reductions), default=1)
+                iters = per_output * (1 if opr == 1 else min(vw, opr))
+            else:
+                # The thread's share of the last pass's outputs (vw elements, or the
+                # reduction outputs finishing here, each a loop over its inputs).
+                share = math.ceil(max((outputs[v] for v in p.reductions), default=0)
+                                  / max(consumers, 1))
+                iters = max(vw, share * per_output)
         else:
             iters = math.ceil(L / (threads_per_row * vw))
             lanes = vw
@@ -195,7 +217,8 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
             return f"caching {len(facts.multi_pass_expensive)} values per element needs " \
                    f"{cached_regs} registers per thread"
     total_warps = blocks * warps_per_block
-    work = WarpWork(alu=alu, sfu=sfu, global_bytes=facts.hbm_bytes / max(total_warps, 1),
+    nbytes = facts.thread_bytes if unit == "thread" else facts.hbm_bytes
+    work = WarpWork(alu=alu, sfu=sfu, global_bytes=nbytes / max(total_warps, 1),
                     global_instr=instr, memory_rounds=max(rounds, 1.0), shared_instr=shared,
                     shuffles=shuffles, barriers=barriers, chain_alu=chain)
     return work, blocks, rows_per_block, cached_regs
@@ -223,9 +246,8 @@ def _groups(graph: OpGraph, facts: PartFacts, unit: str, sub_roots: bool
     roots = [r.node for r in facts.reductions]
     if sub_roots:
         roots += facts.per_row_expensive
-    outputs = set(graph.outputs)
-    roots += [v for v in facts.members if v not in roots and not graph.is_free(v) and
-              (v in outputs or any(u not in members for u in graph.nodes[v].users))]
+    written = written_values(graph, members)
+    roots += [v for v in facts.members if v not in roots and v in written]
     assigned: set[int] = set()
     groups = []
     for root in sorted(set(roots)):
