@@ -27,6 +27,7 @@ import numpy as np
 from llvmlite import ir
 
 from codegen import kir
+from codegen.cache import CompileCache, cache_key
 from codegen.errors import CodegenError
 from codegen.llvm_emit import (I8, I32, I64, STORAGE_BYTES, Binding, Ctx, KernelEmitter, Scope,
                                Target, float_suffix, value_type)
@@ -276,6 +277,7 @@ class HostKernel:
     llvm_ir: str
     _engine: object = field(repr=False)
     _cfunc: object = field(repr=False)
+    from_cache: bool = False        # object code came from the compile cache
 
     def __call__(self, *arrays: np.ndarray, threads: int | None = None) -> None:
         k = self.kernel
@@ -336,9 +338,20 @@ def emit_host_ir(kernel: kir.Kernel, bounds_check: bool = True) -> tuple[str, in
     return str(module), target.scratch_bytes
 
 
+def _object_key(text: str, opt: int) -> str:
+    """What the host object code depends on: the IR, the CPU it is built for, the options
+    and the LLVM that builds it."""
+    import llvmlite
+    return cache_key("host-object", text, llvm.get_process_triple(), llvm.get_host_cpu_name(),
+                     llvm.get_host_cpu_features().flatten(), str(opt), llvmlite.__version__)
+
+
 def compile_host(kernel: kir.Kernel, *, threads: int | None = None,
-                 bounds_check: bool = True, opt: int = 2) -> HostKernel:
-    """Compile `kernel` for the CPU. All llvmlite work happens on the calling thread."""
+                 bounds_check: bool = True, opt: int = 2,
+                 cache: CompileCache | None = None) -> HostKernel:
+    """Compile `kernel` for the CPU. All llvmlite work happens on the calling thread. With
+    `cache`, the object code is looked up there first (optimization and code generation are
+    skipped on a hit) and stored after a build."""
     text, scratch = emit_host_ir(kernel, bounds_check)
     tm = _host_machine()
     try:
@@ -346,9 +359,17 @@ def compile_host(kernel: kir.Kernel, *, threads: int | None = None,
         module.verify()
     except RuntimeError as exc:
         raise CodegenError(f"kernel {kernel.name!r}: LLVM rejected the host IR: {exc}") from exc
-    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=opt))
-    pb.getModulePassManager().run(module, pb)
+    key = _object_key(text, opt) if cache is not None else ""
+    cached = cache.get(key) if cache is not None else None
+    if cached is None:
+        pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=opt))
+        pb.getModulePassManager().run(module, pb)
     engine = llvm.create_mcjit_compiler(module, tm)
+    if cache is not None:
+        def store(_module, buffer: bytes) -> None:
+            if cached is None:
+                cache.put(key, buffer)
+        engine.set_object_cache(store, lambda _module: cached)
     engine.finalize_object()
     address = engine.get_function_address(kernel.name)
     if not address:
@@ -356,5 +377,7 @@ def compile_host(kernel: kir.Kernel, *, threads: int | None = None,
     proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
                              ctypes.c_void_p)
     n = threads if threads is not None else min(os.cpu_count() or 1, 8)
-    LOG.debug("kernel %s: host build, %d scratch bytes", kernel.name, scratch)
-    return HostKernel(kernel, scratch, max(1, n), text, engine, proto(address))
+    LOG.debug("kernel %s: host build%s, %d scratch bytes", kernel.name,
+              " (object from the cache)" if cached is not None else "", scratch)
+    return HostKernel(kernel, scratch, max(1, n), text, engine, proto(address),
+                      from_cache=cached is not None)

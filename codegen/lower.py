@@ -5,22 +5,34 @@ Per part of the schedule (kernel packing: a part owns a range of the grid's bloc
 - *thread composition* (loop parts, ``unit == "thread"`` row parts): a grid-stride loop
   per written value; each element is computed by index propagation (``values.py``), a
   reduction by a loop of the thread itself;
-- *warp composition*: one row per warp; each reduction is accumulated by the 32 lanes
-  (strided over the row) and finished with a shuffle butterfly, so every lane holds the
-  row's result in a register; per-row ops (e.g. rsqrt of the variance) are computed once
-  per row; consumer elements of the row are then computed by the warp's lanes;
-- *block composition*: one row per block; warp results go through shared memory
-  (partials, a barrier, every thread combines them), then the same as a warp.
+- *warp composition*, contiguous ("minor") rows: one row per warp; each reduction is
+  accumulated by the 32 lanes (strided over the row) and finished with a shuffle
+  butterfly, so every lane holds the row's result in a register; per-row ops (e.g. rsqrt
+  of the variance) are computed once per row; consumer elements of the row are then
+  computed by the warp's lanes;
+- *block composition*, minor rows: one row per block; warp results go through shared
+  memory (partials, a barrier, every thread combines them), then the same as a warp;
+- column rows (rows strided in memory, e.g. a reduction over dim 0): lanes own
+  consecutive rows, so loads are coalesced across the warp. A warp gives each thread a row
+  of its own (no collectives); a block owns 32 rows (column tiling): lane l works on row
+  32 b + l, the warps stride over its elements, and the warps' partials meet in shared
+  memory (a slot per warp and row, a barrier, each thread folds its row's slots, a
+  barrier before the buffer is reused).
 
-Warp/block composition is lowered for the canonical row layout: every reduction of the part
-reduces trailing logical dims with one output per row, and every value downstream of a
-reduction (and every written value) is laid out row after row. The layout is proven on
-index arrays before lowering (``_row_layout``); where it does not hold, or for column
-tiling, the part is lowered with thread composition and ``LoweredKernel.notes`` says why
+Warp/block composition is lowered where the part's row layout is proven on index arrays
+(``_row_layout``): the row id of every element (or -1 where the element does not depend
+on any row's result) is pushed from the reductions through the part with the reference
+evaluator's own data-movement ops; elementwise ops must not join two rows; a reduction
+finished by the unit must read only its own row; and every written value must split into
+the part's rows (row after row, column after column, or rows on some dims in some order).
+Reductions with several outputs per row are reduced per element by the threads that need
+them, row-independent written values by all the part's threads. Where no layout is
+proven the part is lowered with thread composition and ``LoweredKernel.notes`` says why
 (always legal: threads recompute what they need).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -36,15 +48,159 @@ from hlo_passes.op_classes import OpClass
 
 from . import kir
 from .errors import CodegenError
-from .values import ValueEmitter, delinearize, iadd, imul, leaf, storage_dtype
+from .values import ValueEmitter, delinearize, iadd, imul, leaf, linearize, storage_dtype
 
 log = logging.getLogger(__name__)
 
 _c = kir.i32
 # Largest tensor whose row layout is checked on index arrays (8 bytes per element).
 ROW_CHECK_ELEMENTS = 1 << 24
-_LAYOUT_OPS = frozenset({"broadcast", "reshape", "bitcast", "transpose", "copy", "slice",
-                         "reverse"})
+# Most start positions of a dynamic-(update-)slice the layout proof tries one by one.
+MAX_DYNAMIC_STARTS = 256
+
+
+# Reducers with a warp collective (minor rows); column rows combine with plain ops.
+_WARP_REDUCERS = frozenset({"add", "multiply", "maximum", "minimum"})
+# Ops that only move elements: row ids go through the evaluator's own op.
+_MOVING_OPS = frozenset({"broadcast", "reshape", "bitcast", "transpose", "copy", "slice",
+                         "reverse", "concatenate", "pad"})
+# Integer bits each element type holds exactly (row ids cross data-movement ops in digits
+# of this many bits, so casts to the op's element type keep them).
+_EXACT_BITS = {"pred": 1, "s8": 7, "u8": 8, "s16": 15, "u16": 16, "s32": 31, "u32": 32,
+               "s64": 62, "u64": 62, "f16": 11, "bf16": 8, "f32": 24, "f64": 53}
+
+
+@dataclass(frozen=True)
+class _Split:
+    """Where the ``j``-th element of row ``row`` of a value lies: "rows" (row after row,
+    linear e = row * per_row + j), "columns" (e = j * rows + row) or "dims" (the row's
+    coordinates on ``row_dims``, major first, j's on the other dims, row-major)."""
+    kind: str
+    rows: int
+    per_row: int
+    row_dims: tuple[int, ...] = ()
+
+    def index(self, row: kir.Expr, j: kir.Expr, dims: tuple[int, ...]) -> tuple[kir.Expr, ...]:
+        if self.kind == "rows":
+            return delinearize(iadd(imul(row, self.per_row), j), dims)
+        if self.kind == "columns":
+            return delinearize(iadd(imul(j, self.rows), row), dims)
+        inner = tuple(d for d in range(len(dims)) if d not in self.row_dims)
+        out: list[kir.Expr] = [_c(0)] * len(dims)
+        for group, e in ((self.row_dims, row), (inner, j)):
+            for d, i in zip(group, delinearize(e, tuple(dims[d] for d in group))):
+                out[d] = i
+        return tuple(out)
+
+    def ids(self, dims: tuple[int, ...]) -> np.ndarray:
+        """The row of every element of a value of shape ``dims``."""
+        n = math.prod(dims)
+        if self.kind == "rows":
+            return (np.arange(n) // self.per_row).reshape(dims)
+        if self.kind == "columns":
+            return (np.arange(n) % self.rows).reshape(dims)
+        out = np.zeros(dims, np.int64)
+        grid = np.indices(dims, sparse=True)
+        for d in self.row_dims:
+            out = out * dims[d] + grid[d]
+        return out
+
+
+def _kept_dims(node: OpNode, rank: int) -> tuple[int, ...]:
+    reduced = set(node.instruction.ints("dimensions"))
+    return tuple(d for d in range(rank) if d not in reduced)
+
+
+def _find_split(ids: np.ndarray, rows: int, minor: bool) -> _Split | None:
+    """A split whose row ids agree with ``ids`` wherever the element is row-dependent
+    (ids >= 0), preferring the one the part's thread mapping reads contiguously."""
+    if ids.size % rows:
+        return None
+    per_row = ids.size // rows
+    strides: dict[int, int] = {}        # dims the row changes along -> its step there
+    for d in range(ids.ndim):
+        a, b = np.moveaxis(ids, d, 0)[:-1], np.moveaxis(ids, d, 0)[1:]
+        steps = (b - a)[(a >= 0) & (b >= 0) & (a != b)]
+        if steps.size:
+            strides[d] = int(np.abs(steps).max())
+    candidates = [_Split("rows", rows, per_row), _Split("columns", rows, per_row)]
+    if not minor:
+        candidates.reverse()
+    if math.prod(ids.shape[d] for d in strides) == rows:
+        # Row dims major to minor (a transposed per-row value has them out of order).
+        order = tuple(sorted(strides, key=lambda d: -strides[d]))
+        candidates.append(_Split("dims", rows, per_row, order))
+    known = ids >= 0
+    for split in candidates:
+        if np.array_equal(split.ids(ids.shape)[known], ids[known]):
+            return split
+    return None
+
+
+def _join(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """Row ids of elements that need both ``a``'s and ``b``'s (None: two different rows)."""
+    if np.any((a >= 0) & (b >= 0) & (a != b)):
+        return None
+    return np.where(a >= 0, a, b)
+
+
+def _join_axes(node: OpNode, ids: np.ndarray) -> np.ndarray | None:
+    """Row ids of a reduction's outputs: its inputs' rows joined over the reduced dims."""
+    axes = tuple(node.instruction.ints("dimensions"))
+    if not axes:
+        return ids
+    top = ids.max(axis=axes)
+    low = np.where(ids >= 0, ids, np.iinfo(np.int64).max).min(axis=axes)
+    if np.any((top >= 0) & (low != top)):
+        return None
+    return top
+
+
+@dataclass
+class _RowLayout:
+    reductions: set[int] = field(default_factory=set)         # finished once per row
+    splits: dict[int, _Split] = field(default_factory=dict)   # row-dependent written values
+    per_row: set[int] = field(default_factory=set)            # one element per row, row r at r
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """How the threads of a block own rows. Rows are "minor" (contiguous): the lanes of a
+    warp stride over a row (a warp or the whole block per row); else "columns": lanes own
+    consecutive rows (a thread per row, or 32 rows a block with the warps striding)."""
+    row: kir.Expr                # the row this thread works on (may be past the last)
+    first: kir.Expr              # this thread's first element of the row
+    step: int                    # ... and the stride to its next
+    lanes_per_row: int           # 32: finish with a warp reduction
+    slots: int                   # > 1: partials per row combined in shared memory
+    columns: int = 1             # rows whose partials share the buffer
+    share: kir.Expr = kir.i32(0)     # this thread's partial slot of the row
+    column: kir.Expr = kir.i32(0)    # this thread's row among ``columns``
+    share_writer: kir.Expr | None = None
+
+    @staticmethod
+    def rows_per_block(part, tpb: int) -> int:
+        if part.minor:
+            return tpb // 32 if part.unit == "warp" else 1
+        return tpb if part.unit == "warp" else 32
+
+    @staticmethod
+    def of(part, tpb: int, em: ValueEmitter, bid: kir.Expr) -> "_Unit":
+        warps = tpb // 32
+        tid = kir.ThreadIdx()
+        lane = em.let("lane", kir.Binary("rem", tid, _c(32)))
+        warp = em.let("warp", kir.Binary("div", tid, _c(32)))
+        if part.minor and part.unit == "warp":
+            return _Unit(row=iadd(imul(bid, warps), warp), first=lane, step=32,
+                         lanes_per_row=32, slots=1)
+        if part.minor:
+            return _Unit(row=bid, first=tid, step=tpb, lanes_per_row=32, slots=warps,
+                         share=warp, share_writer=kir.Compare("eq", lane, _c(0)))
+        if part.unit == "warp":
+            return _Unit(row=iadd(imul(bid, tpb), tid), first=_c(0), step=1,
+                         lanes_per_row=1, slots=1)
+        return _Unit(row=iadd(imul(bid, 32), lane), first=warp, step=warps, lanes_per_row=1,
+                     slots=warps, columns=32, share=warp, column=lane)
 
 
 @dataclass
@@ -77,6 +233,7 @@ class _KernelBuilder:
         self.name = name
         self.members = frozenset(schedule.members)
         self.notes: list[str] = []
+        self.shared_sizes: dict[str, int] = {}      # dtype -> elements of its partials
         self.params: dict[int, kir.Param] = {}
         self.inputs: list[int] = []
         self.outputs: list[int] = []
@@ -126,7 +283,6 @@ class _KernelBuilder:
         sched = self.schedule
         body: list[kir.Stmt] = []
         schemes = []
-        shared: list[kir.Shared] = []
         for index, part in enumerate(sched.parts):
             written = [v for v in self.outputs if v in set(part.members)]
             em = self.emitter()
@@ -136,13 +292,13 @@ class _KernelBuilder:
             bid = em.let("block", local_block)
             scheme = "thread"
             if part.kind == "row" and part.unit in ("warp", "block"):
-                reason = self._row_layout(part)
-                if reason is None:
+                layout = self._row_layout(part)
+                if isinstance(layout, _RowLayout):
                     scheme = part.unit
-                    shared += self._unit_part(em, part, written, bid)
+                    self._unit_part(em, part, layout, written, bid)
                 else:
                     self.notes.append(f"part {index} ({part.unit} composition) lowered with "
-                                      f"thread composition: {reason}")
+                                      f"thread composition: {layout}")
             if scheme == "thread":
                 self._thread_part(em, part, written, bid)
             schemes.append(scheme)
@@ -156,206 +312,279 @@ class _KernelBuilder:
             else:
                 body.extend(stmts)
         params = [self.params[v] for v in self.inputs] + [self.params[v] for v in self.outputs]
+        shared = [kir.Shared(f"partials_{dtype}", dtype, size)
+                  for dtype, size in sorted(self.shared_sizes.items())]
         kernel = kir.Kernel(self.name, params, shared, sched.grid, sched.block, body)
         kernel.validate()
         return LoweredKernel(kernel, list(self.inputs), list(self.outputs), schemes, self.notes)
 
     def _thread_part(self, em: ValueEmitter, part, written: list[int], bid: kir.Expr) -> None:
         tpb = self.schedule.block
-        total = part.blocks * tpb
         gtid = em.let("gtid", iadd(imul(bid, tpb), kir.ThreadIdx()))
         for v in written:
-            shape = leaf(self.graph.nodes[v].shape)
-            n = max(shape.num_elements, 1)
-            var = em.fresh("e")
-            em.push()
-            e = kir.Ref(var, "i32")
-            value = em.value(v, delinearize(e, shape.dims))
-            em.emit(kir.Store(self.params[v].name, e, value))
-            loop = em.pop()
-            em.emit(kir.For(var, gtid, _c(n), _c(total), loop))
+            self._strided_store(em, v, gtid, part.blocks * tpb)
 
-    def _unit_part(self, em: ValueEmitter, part, written: list[int], bid: kir.Expr
-                   ) -> list[kir.Shared]:
+    def _unit_part(self, em: ValueEmitter, part, layout: "_RowLayout", written: list[int],
+                   bid: kir.Expr) -> None:
         graph = self.graph
         tpb = self.schedule.block
-        warps = tpb // 32
         rows = part.rows
         tid = kir.ThreadIdx()
-        lane = em.let("lane", kir.Binary("rem", tid, _c(32)))
-        warp = em.let("warp", kir.Binary("div", tid, _c(32)))
-        if part.unit == "warp":
-            row = em.let("row", iadd(imul(bid, warps), warp))
-            step, first = 32, lane
-        else:
-            row = bid
-            step, first = tpb, tid
-        # Every warp runs the collectives (uniform control flow); a warp past the last row
+        unit = _Unit.of(part, tpb, em, bid)
+        # Every warp runs the collectives (uniform control flow); a unit past the last row
         # works on the last row and stores nothing.
-        rowc = em.let("rowc", kir.Binary("min", row, _c(rows - 1)))
-        valid = em.let("valid", kir.Compare("lt", row, _c(rows)))
-        shared: list[kir.Shared] = []
-        part_members = set(part.members)
-        downstream = self._downstream(part_members)
-        for v in sorted(part_members):
+        rowc = em.let("rowc", kir.Binary("min", unit.row, _c(rows - 1)))
+        valid = em.let("valid", kir.Compare("lt", unit.row, _c(rows)))
+        for v in sorted(part.members):
             node = graph.nodes[v]
-            if node.opcode == "reduce":
-                result = self._unit_reduce(em, node, rowc, rows, first, step, lane, warp,
-                                           warps, part.unit, shared)
+            if v in layout.reductions:
+                result = self._unit_reduce(em, node, unit, rowc, rows)
                 em.overrides[v] = lambda idx, r=result: r
                 if v in written:
                     em.push()
                     em.emit(kir.Store(self.params[v].name, rowc, result))
                     store = em.pop()
-                    first_lane = kir.Compare("eq", first, _c(0))
-                    em.emit(kir.If(kir.Binary("and", valid, first_lane), store))
-            elif v in downstream and leaf(node.shape).num_elements == rows and \
-                    not graph.is_free(v):
+                    owner = kir.Compare("eq", unit.first, _c(0))
+                    em.emit(kir.If(kir.Binary("and", valid, owner), store))
+            elif v in layout.per_row:
                 # A per-row value (sub-root): computed once per row, not per element.
                 value = em.value(v, delinearize(rowc, leaf(node.shape).dims))
                 em.overrides[v] = lambda idx, r=value: r
         for v in written:
-            node = graph.nodes[v]
-            if node.opcode == "reduce":
+            if v in layout.reductions:
                 continue
-            shape = leaf(node.shape)
-            per_row = shape.num_elements // rows
+            shape = leaf(graph.nodes[v].shape)
+            split = layout.splits.get(v)
+            if split is None:
+                # Independent of every row: the part's threads share it out element-wise.
+                self._strided_store(em, v, iadd(imul(bid, tpb), tid), part.blocks * tpb)
+                continue
             var = em.fresh("j")
             em.push()
-            e = em.let("e", iadd(imul(rowc, per_row), kir.Ref(var, "i32")))
-            value = em.value(v, delinearize(e, shape.dims))
+            index = split.index(rowc, kir.Ref(var, "i32"), shape.dims)
+            value = em.value(v, index)
             em.push()
-            em.emit(kir.Store(self.params[v].name, e, value))
+            em.emit(kir.Store(self.params[v].name, linearize(index, shape.dims), value))
             store = em.pop()
             em.emit(kir.If(valid, store))
             loop = em.pop()
-            em.emit(kir.For(var, first, _c(per_row), _c(step), loop))
-        return shared
+            em.emit(kir.For(var, unit.first, _c(split.per_row), _c(unit.step), loop))
 
-    def _unit_reduce(self, em: ValueEmitter, node: OpNode, rowc: kir.Expr, rows: int,
-                     first: kir.Expr, step: int, lane: kir.Expr, warp: kir.Expr, warps: int,
-                     unit: str, shared: list[kir.Shared]) -> kir.Expr:
+    def _strided_store(self, em: ValueEmitter, v: int, start: kir.Expr, total: int) -> None:
+        shape = leaf(self.graph.nodes[v].shape)
+        var = em.fresh("e")
+        em.push()
+        e = kir.Ref(var, "i32")
+        em.emit(kir.Store(self.params[v].name, e, em.value(v, delinearize(e, shape.dims))))
+        em.emit(kir.For(var, start, _c(max(shape.num_elements, 1)), _c(total), em.pop()))
+
+    def _unit_reduce(self, em: ValueEmitter, node: OpNode, unit: "_Unit", rowc: kir.Expr,
+                     rows: int) -> kir.Expr:
+        """This thread's share of row ``rowc`` (elements first, first + step, ...), then
+        the unit's threads combine their shares."""
         op = em.reducer(node)
         src = leaf(self.graph.nodes[node.operands[0]].shape)
-        length = src.num_elements // rows
+        split = _Split("dims", rows, src.num_elements // rows,
+                       _kept_dims(node, src.rank))
         init = em.value(node.operands[1], ())
         acc = em.fresh("acc")
         em.emit(kir.Local(acc, init.dtype, init))
         var = em.fresh("k")
         em.push()
-        e = em.let("e", iadd(imul(rowc, length), kir.Ref(var, "i32")))
-        x = em.value(node.operands[0], delinearize(e, src.dims))
+        x = em.value(node.operands[0], split.index(rowc, kir.Ref(var, "i32"), src.dims))
         em.emit(kir.Assign(acc, kir.Binary(op, kir.Ref(acc, init.dtype), x)))
         loop = em.pop()
-        em.emit(kir.For(var, first, _c(length), _c(step), loop))
-        warp_total = em.fresh("wsum")
-        em.emit(kir.WarpReduce(warp_total, kir.Ref(acc, init.dtype), op))
-        total = kir.Ref(warp_total, init.dtype)
-        if unit == "block" and warps > 1:
-            buf = kir.Shared(em.fresh(f"partials_{node.name}"), init.dtype, warps)
-            shared.append(buf)
-            em.push()
-            em.emit(kir.Store(buf.name, warp, total))
-            em.emit(kir.If(kir.Compare("eq", lane, _c(0)), em.pop()))
-            em.emit(kir.Barrier())
-            block_acc = em.fresh("bacc")
-            em.emit(kir.Local(block_acc, init.dtype, kir.Load(buf, _c(0))))
-            w = em.fresh("w")
-            em.push()
-            em.emit(kir.Assign(block_acc, kir.Binary(op, kir.Ref(block_acc, init.dtype),
-                                                     kir.Load(buf, kir.Ref(w, "i32")))))
-            em.emit(kir.For(w, _c(1), _c(warps), _c(1), em.pop()))
-            # The partials are read by every thread before any later reduction reuses them.
-            em.emit(kir.Barrier())
-            total = kir.Ref(block_acc, init.dtype)
+        em.emit(kir.For(var, unit.first, _c(split.per_row), _c(unit.step), loop))
+        total: kir.Expr = kir.Ref(acc, init.dtype)
+        if unit.lanes_per_row == 32:
+            warp_total = em.fresh("wsum")
+            em.emit(kir.WarpReduce(warp_total, total, op))
+            total = kir.Ref(warp_total, init.dtype)
+        if unit.slots > 1:
+            total = self._combine_shared(em, unit, total, op)
         return em.let(f"row_{node.name}", total)
 
-    # --- layout proof --------------------------------------------------------------------
-    def _downstream(self, part_members: set[int]) -> set[int]:
-        graph = self.graph
-        out: set[int] = set()
-        for v in sorted(part_members):
-            node = graph.nodes[v]
-            if node.opcode == "reduce" or any(o in out for o in node.operands):
-                out.add(v)
-        return out
+    def _combine_shared(self, em: ValueEmitter, unit: "_Unit", value: kir.Expr, op: str
+                        ) -> kir.Expr:
+        """Partials of a row meet in shared memory: the thread of share ``s`` of a row
+        writes slot (s, column), a barrier, every thread folds its row's slots, and a
+        second barrier before a later reduction reuses the buffer. One buffer per dtype
+        (a row's partial slots: warps of the block, or warps x 32 columns)."""
+        # Parts own disjoint blocks: they share the buffers too.
+        size = max(self.shared_sizes.get(value.dtype, 0), unit.slots * unit.columns)
+        self.shared_sizes[value.dtype] = size
+        buf = kir.Shared(f"partials_{value.dtype}", value.dtype, size)
+        write = kir.Store(buf.name, iadd(imul(unit.share, unit.columns), unit.column), value)
+        em.emit(write if unit.share_writer is None else kir.If(unit.share_writer, (write,)))
+        em.emit(kir.Barrier())
+        total = em.fresh("bacc")
+        em.emit(kir.Local(total, value.dtype, kir.Load(buf, unit.column)))
+        w = em.fresh("w")
+        em.push()
+        slot = iadd(imul(kir.Ref(w, "i32"), unit.columns), unit.column)
+        em.emit(kir.Assign(total, kir.Binary(op, kir.Ref(total, value.dtype),
+                                             kir.Load(buf, slot))))
+        em.emit(kir.For(w, _c(1), _c(unit.slots), _c(1), em.pop()))
+        em.emit(kir.Barrier())
+        return kir.Ref(total, value.dtype)
 
-    def _row_layout(self, part) -> str | None:
-        """None when the part has the canonical row layout (see the module docstring),
-        else why not. Row ids are pushed through the part on index arrays with the
-        reference evaluator's own layout ops, so the proof follows HLO semantics."""
+    # --- layout proof --------------------------------------------------------------------
+    def _row_layout(self, part) -> "_RowLayout | str":
+        """The part's row layout (see the module docstring), or why it has none. Row ids
+        (-1: row-independent) are pushed through the part on index arrays with the
+        reference evaluator's own data-movement ops, so the proof follows HLO semantics."""
         graph = self.graph
         rows = part.rows
-        if not part.minor:
-            return "column tiling is not lowered yet"
-        members = sorted(part.members)
-        row_id: dict[int, np.ndarray] = {}
-        for v in members:
+        per_block = _Unit.rows_per_block(part, self.schedule.block)
+        if per_block * part.blocks < rows:
+            return f"{part.blocks} blocks of {per_block} rows do not cover {rows} rows"
+        layout = _RowLayout()
+        ids_of: dict[int, np.ndarray] = {}
+        for v in sorted(part.members):
             node = graph.nodes[v]
             shape = leaf(node.shape)
+            if node.opcode == "reduce" and self._unit_reduction(node, part):
+                reason = self._check_reduce(node, part, ids_of.get(node.operands[0]))
+                if reason:
+                    return reason
+                layout.reductions.add(v)
+                ids_of[v] = np.arange(rows).reshape(shape.dims)
+                continue
+            if not any(o in ids_of for o in node.operands):
+                continue        # row-independent: any thread can compute it
             if shape.num_elements > ROW_CHECK_ELEMENTS:
                 return f"{node.name} is too large to prove the row layout on index arrays"
-            if node.opcode == "reduce":
-                kind = self.reducer_kind(node)
-                if kind not in ("add", "multiply", "maximum", "minimum") or \
-                        len(node.operands) != 2:
-                    return f"{node.name}: reducer {kind} has no warp collective"
-                src = leaf(graph.nodes[node.operands[0]].shape)
-                reduced = sorted(node.instruction.ints("dimensions"))
-                trailing = [d for d in range(src.rank - len(reduced), src.rank)]
-                if [d for d in reduced if src.dims[d] != 1] != \
-                        [d for d in trailing if src.dims[d] != 1] and reduced != trailing:
-                    return f"{node.name} does not reduce trailing dimensions"
-                if shape.num_elements != rows:
-                    return f"{node.name} has several outputs per row"
-                ids = row_id.get(node.operands[0])
-                length = src.num_elements // rows
-                if ids is not None and not np.array_equal(
-                        ids.ravel(), np.arange(src.num_elements) // length):
-                    return f"{node.name} reads values of other rows"
-                row_id[v] = np.arange(rows).reshape(shape.dims)
-                continue
-            carried = [row_id[o] for o in node.operands if o in row_id]
-            if not carried:
-                continue
-            if node.opcode in _LAYOUT_OPS:
-                # Row ids travel in an integer type as wide as the data (bitcast checks
-                # byte sizes).
-                width = numpy_dtype(leaf(graph.nodes[node.operands[0]].shape).element_type
-                                    ).itemsize
-                as_type = {1: np.uint8, 2: np.uint16, 4: np.int32, 8: np.int64}[width]
-                if rows > np.iinfo(as_type).max:
-                    return f"{node.name}: too many rows to track in {width}-byte ids"
-                ids = np.asarray(self.evaluator.apply_instruction(
-                    node.computation, node.instruction, [carried[0].astype(as_type)]))
-            elif node.op_class in (OpClass.LIGHT, OpClass.EXPENSIVE) or node.opcode in (
-                    "compare", "select", "convert", "clamp"):
-                first = carried[0]
-                ids = first
-                for other in carried[1:]:
-                    if other.shape != first.shape or not np.array_equal(other, first):
-                        return f"{node.name} joins values of different rows"
-                if any(o not in row_id and leaf(graph.nodes[o].shape).rank
-                       and leaf(graph.nodes[o].shape).dims != shape.dims
-                       for o in node.operands):
-                    return f"{node.name} broadcasts implicitly"
-                if ids.shape != shape.dims:
-                    ids = np.broadcast_to(ids, shape.dims)
+            if node.opcode in _MOVING_OPS:
+                got = self._move_ids(node, [ids_of.get(o) for o in node.operands])
+            elif node.opcode in ("dynamic-slice", "dynamic-update-slice"):
+                got = self._dynamic_ids(node, [ids_of.get(o) for o in node.operands])
+            elif node.opcode == "reduce":
+                # Several outputs per row: reduced per element by the threads needing it.
+                got = _join_axes(node, ids_of[node.operands[0]]) \
+                    if node.operands[0] in ids_of and len(node.operands) == 2 else None
+                got = f"{node.name} reduces values of different rows" if got is None else got
+            elif node.op_class in (OpClass.LIGHT, OpClass.EXPENSIVE):
+                got = self._join_ids(node, ids_of)
             else:
-                return f"{node.name} ({node.opcode}) moves values between rows"
-            row_id[v] = ids
+                got = f"{node.name} ({node.opcode}) moves values between rows"
+            if isinstance(got, str):
+                return got
+            ids_of[v] = got
+        if not layout.reductions:
+            return "no reduction has one output per row"
         for v in self.outputs:
-            if v not in set(part.members):
+            node = graph.nodes[v]
+            if v not in set(part.members) or v in layout.reductions or v not in ids_of:
                 continue
-            shape = leaf(graph.nodes[v].shape)
-            n = shape.num_elements
-            if n % rows:
-                return f"{graph.nodes[v].name} does not split into {rows} rows"
-            ids = row_id.get(v)
-            if ids is not None and graph.nodes[v].opcode != "reduce" and not np.array_equal(
-                    np.asarray(ids).ravel(), np.arange(n) // (n // rows)):
-                return f"{graph.nodes[v].name} is not laid out row after row"
+            split = _find_split(ids_of[v], rows, part.minor)
+            if split is None:
+                return f"{node.name} does not split into {rows} rows"
+            layout.splits[v] = split
+        for v, ids in ids_of.items():
+            if v not in layout.reductions and ids.size == rows and not graph.is_free(v) \
+                    and np.array_equal(ids.ravel(), np.arange(rows)):
+                layout.per_row.add(v)
+        return layout
+
+    def _unit_reduction(self, node: OpNode, part) -> bool:
+        """A reduction the unit finishes once per row (one output per row, a reducer the
+        unit can combine)."""
+        kind = self.reducer_kind(node)
+        allowed = _WARP_REDUCERS if part.minor else _WARP_REDUCERS | {"and", "or"}
+        return kind in allowed and len(node.operands) == 2 and \
+            leaf(node.shape).num_elements == part.rows
+
+    def _check_reduce(self, node: OpNode, part, operand_ids: np.ndarray | None) -> str | None:
+        src = leaf(self.graph.nodes[node.operands[0]].shape)
+        if src.num_elements > ROW_CHECK_ELEMENTS:
+            return f"{node.name} is too large to prove the row layout on index arrays"
+        if operand_ids is not None:
+            want = _Split("dims", part.rows, src.num_elements // max(part.rows, 1),
+                          _kept_dims(node, src.rank)).ids(src.dims)
+            if not np.all((operand_ids == want) | (operand_ids < 0)):
+                return f"{node.name} reads values of other rows"
         return None
+
+    def _join_ids(self, node: OpNode, ids_of: dict[int, np.ndarray]) -> np.ndarray | str:
+        """Elementwise ops: an element belongs to the row of its row-dependent operands
+        (which must agree); row-independent operands (-1) fit any row."""
+        dims = leaf(node.shape).dims
+        out: np.ndarray | None = None
+        for o in node.operands:
+            ids = ids_of.get(o)
+            if ids is None:
+                odims = leaf(self.graph.nodes[o].shape).dims
+                if odims and odims != dims:
+                    return f"{node.name} broadcasts implicitly"
+                continue
+            if ids.shape != dims:
+                if ids.ndim:
+                    return f"{node.name} changes the shape of its operands"
+                ids = np.broadcast_to(ids, dims)
+            out = ids if out is None else _join(out, ids)
+            if out is None:
+                return f"{node.name} joins values of different rows"
+        return out
+
+    def _dynamic_ids(self, node: OpNode, operand_ids: list[np.ndarray | None]
+                     ) -> np.ndarray | str:
+        """dynamic-(update-)slice: the start is data, so the ids of every possible
+        (clamped) start are joined; an element is row-dependent if any start makes it so,
+        and the starts must not disagree on its row."""
+        first = 1 if node.opcode == "dynamic-slice" else 2
+        if any(ids is not None for ids in operand_ids[first:]):
+            return f"{node.name} starts at a row-dependent index"
+        shapes = [leaf(self.graph.nodes[o].shape) for o in node.operands]
+        if node.opcode == "dynamic-slice":
+            full, sizes = shapes[0].dims, node.instruction.ints("dynamic_slice_sizes")
+        else:
+            full, sizes = shapes[0].dims, shapes[1].dims
+        ranges = [range(max(n - k, 0) + 1) for n, k in zip(full, sizes)]
+        if math.prod(len(r) for r in ranges) > MAX_DYNAMIC_STARTS:
+            return f"{node.name} has too many possible starts to prove the row layout"
+        out: np.ndarray | None = None
+        for starts in itertools.product(*ranges):
+            fixed = {first + i: np.asarray(s, numpy_dtype(shapes[first + i].element_type))
+                     for i, s in enumerate(starts)}
+            got = self._move_ids(node, operand_ids, fixed)
+            if isinstance(got, str):
+                return got
+            out = got if out is None else _join(out, got)
+            if out is None:
+                return f"{node.name} moves values between rows"
+        return out
+
+    def _move_ids(self, node: OpNode, operand_ids: list[np.ndarray | None],
+                  fixed: dict[int, np.ndarray] | None = None) -> np.ndarray | str:
+        """Row ids of a data-movement op, moved by the evaluator's own op (operands in
+        ``fixed`` are passed as given: start indices). Ids travel as digits every element
+        type involved holds exactly (so dtype casts keep them); 0 marks row-independent
+        elements."""
+        graph = self.graph
+        fixed = fixed or {}
+        shapes = [leaf(graph.nodes[o].shape) for o in node.operands]
+        types = {s.element_type for i, s in enumerate(shapes) if i not in fixed} | \
+            {leaf(node.shape).element_type}
+        if node.opcode == "bitcast" and len(types) > 1:
+            return f"{node.name} bitcasts between element types"
+        if any(t not in _EXACT_BITS for t in types):
+            return f"{node.name}: row ids cannot travel in {sorted(types)}"
+        if any(s.num_elements > ROW_CHECK_ELEMENTS for s in shapes):
+            return f"{node.name} is too large to prove the row layout on index arrays"
+        bits = min(_EXACT_BITS[t] for t in types)
+        encoded = [np.zeros(s.dims, np.int64) if ids is None or i in fixed
+                   else ids.astype(np.int64) + 1
+                   for i, (ids, s) in enumerate(zip(operand_ids, shapes))]
+        top = max(int(e.max(initial=0)) for e in encoded)
+        out: np.ndarray | None = None
+        for shift in range(0, max(top.bit_length(), 1), bits):
+            planes = [fixed[i] if i in fixed else
+                      ((e >> shift) & ((1 << bits) - 1)).astype(numpy_dtype(s.element_type))
+                      for i, (e, s) in enumerate(zip(encoded, shapes))]
+            moved = np.asarray(self.evaluator.apply_instruction(
+                node.computation, node.instruction, planes)).astype(np.int64) << shift
+            out = moved if out is None else out | moved
+        return out - 1
 
 
 def lower_kernel(graph: OpGraph, module: HloModule | Evaluator, schedule, name: str

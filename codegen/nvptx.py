@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
-import sys
 from pathlib import Path
 
 import llvmlite.binding as llvm
@@ -20,6 +18,7 @@ from llvmlite import ir
 from codegen import kir
 from codegen.errors import CodegenError, ToolchainError
 from codegen.llvm_emit import I32, STORAGE_BYTES, Ctx, KernelEmitter, Target, storage_type
+from codegen.toolchain import find_libdevice
 
 LOG = logging.getLogger(__name__)
 
@@ -35,14 +34,12 @@ _SHFL_KIND = {"xor": "bfly", "down": "down", "idx": "idx"}
 
 
 def default_libdevice_path() -> Path | None:
-    """libdevice.10.bc from CUDA_HOME, /usr/local/cuda or the nvidia-cuda-nvcc-cu12 wheel."""
-    candidates = []
-    if os.environ.get("CUDA_HOME"):
-        candidates.append(Path(os.environ["CUDA_HOME"]) / "nvvm/libdevice/libdevice.10.bc")
-    candidates.append(Path("/usr/local/cuda/nvvm/libdevice/libdevice.10.bc"))
-    for entry in sys.path:
-        candidates.append(Path(entry) / "nvidia/cuda_nvcc/nvvm/libdevice/libdevice.10.bc")
-    return next((p for p in candidates if p.is_file()), None)
+    """libdevice.10.bc as ``toolchain.find_libdevice`` finds it (STITCH_LIBDEVICE, CUDA_HOME,
+    the toolkit, the nvidia-cuda-nvcc-cu12 wheel); None when there is none."""
+    try:
+        return find_libdevice()
+    except ToolchainError:
+        return None
 
 
 @functools.lru_cache(maxsize=4)

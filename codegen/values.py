@@ -4,8 +4,10 @@
 expression per logical dimension) of op ``v``. Producers inside the kernel are computed
 from their own operands at the propagated index (thread composition: every thread
 recomputes what it needs, §4.1); values from outside the kernel are loaded from their
-buffers (logical row-major). Statements the expression needs (Lets, loops of a reduction,
-guarded loads of concatenate/pad) are appended to the current statement list; results are
+buffers (logical row-major). Gathers and dynamic slices read their operand at start
+indices clamped as XLA clamps them (in a type wide enough for the index's own type).
+Statements the expression needs (Lets, loops of a reduction, guarded loads of
+concatenate/pad) are appended to the current statement list; results are
 memoized per (op, index) in the current scope, so an element is computed once per thread
 and scope. ``overrides`` lets a schedule substitute a shared value (a reduction a warp or a
 block finished) for its recomputation.
@@ -274,6 +276,8 @@ class ValueEmitter:
             return self.value(ops[0], tuple(iadd(s, i) for s, i in zip(starts, index)))
         if op == "dynamic-update-slice":
             return self._dynamic_update_slice(node, index)
+        if op == "gather":
+            return self._gather(node, index)
         if op == "reduce":
             return self._reduce(node, index)
         if op == "reduce-window":
@@ -340,17 +344,62 @@ class ValueEmitter:
                                                                  tuple(src_index))),
                                     (None, lambda: self.value(node.operands[1], ()))])
 
+    def _clamped_start(self, start: Expr, dim: int, size: int) -> Expr:
+        """An integer start index clamped to [0, dim - size] as XLA does, as i32. The clamp
+        runs in a type that holds every value of the index's type (u32 and i64 indices
+        beyond the i32 range clamp to the top, not wrap)."""
+        wide = start.dtype in ("i64", "u32")
+        work = "i64" if wide else "i32"
+        if start.dtype != work:
+            start = kir.Convert(start, work)
+        zero, top = kir.Const(0, work), kir.Const(max(dim - size, 0), work)
+        clamped = kir.Binary("min", kir.Binary("max", start, zero), top)
+        return self.let("start", kir.Convert(clamped, "i32") if wide else clamped)
+
     def _starts(self, node: OpNode, start_ops: list[int], full: tuple[int, ...],
                 sizes: tuple[int, ...]) -> list[Expr]:
         """Dynamic start indices, clamped into range as XLA does."""
-        out = []
-        for o, n, s in zip(start_ops, full, sizes):
-            start = self.value(o, ())
-            if start.dtype != "i32":
-                start = kir.Convert(start, "i32")
-            out.append(self.let("start", kir.Binary("min", kir.Binary("max", start, _c(0)),
-                                                    _c(n - s))))
-        return out
+        return [self._clamped_start(self.value(o, ()), n, s)
+                for o, n, s in zip(start_ops, full, sizes)]
+
+    def _gather(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
+        """XLA gather: output dims not in offset_dims index the start-index vectors (the
+        indices' dims but index_vector_dim, in order); offset_dims index the slice's dims
+        that are neither collapsed nor batching, in order."""
+        inst = node.instruction
+        operand, indices = (leaf(self.graph.nodes[o].shape) for o in node.operands[:2])
+        offset_dims = inst.ints("offset_dims", ())
+        collapsed = set(inst.ints("collapsed_slice_dims", ()))
+        operand_batching = inst.ints("operand_batching_dims", ())
+        indices_batching = inst.ints("start_indices_batching_dims", ())
+        index_map = inst.ints("start_index_map")
+        sizes = inst.ints("slice_sizes")
+        vector_dim = inst.int("index_vector_dim")
+        batch = [index[p] for p in range(len(index)) if p not in offset_dims]
+        batch_dims = [d for d in range(indices.rank) if d != vector_dim]
+        window = [d for d in range(operand.rank)
+                  if d not in collapsed and d not in operand_batching]
+        components = indices.dims[vector_dim] if vector_dim < indices.rank else 1
+        if len(batch) != len(batch_dims) or len(window) != len(offset_dims) or \
+                len(index_map) != components or len(sizes) != operand.rank:
+            raise CodegenError(f"{node.name}: gather dimension numbers do not fit its shapes")
+        coord = dict(zip(batch_dims, batch))       # indices dim -> output coordinate
+
+        def component(k: int) -> Expr:
+            at = tuple(_c(k) if d == vector_dim else coord[d] for d in range(indices.rank))
+            return self.value(node.operands[1], at)
+
+        starts: list[Expr] = [_c(0)] * operand.rank
+        for k, d in enumerate(index_map):
+            starts[d] = self._clamped_start(component(k), operand.dims[d], sizes[d])
+        for d, idim in zip(operand_batching, indices_batching):
+            # The batch coordinate itself, clamped only where it can leave the range.
+            top = max(operand.dims[d] - sizes[d], 0)
+            starts[d] = coord[idim] if indices.dims[idim] - 1 <= top else \
+                kir.Binary("min", coord[idim], _c(top))
+        src = [iadd(s, index[offset_dims[window.index(d)]]) if d in window else s
+               for d, s in enumerate(starts)]
+        return self.value(node.operands[0], tuple(src))
 
     def _dynamic_update_slice(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
         base, update = node.operands[0], node.operands[1]

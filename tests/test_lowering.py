@@ -1,6 +1,7 @@
 """Lowering of tuned schedules to Kernel IR, run on the host target against the reference
 evaluator: every stitched kernel of every zoo model (tiny configuration, h100 plan), forced
-schemes on the row-reduction families, and ptxas on the generated PTX."""
+schemes on the row- and column-reduction families, column tiling over many shapes, layouts
+the row-layout proof must reject, and ptxas on the generated PTX."""
 from __future__ import annotations
 
 import shutil
@@ -24,7 +25,7 @@ from tests.fixtures import DATA, REDUCERS
 MODELS = sorted(d.name for d in DATA.iterdir() if (d / "tiny.gpu-h100.hlo").exists()
                 and d.name != "transformer_train")
 # Ops the generator does not emit yet: kernels holding them fall back to XLA.
-UNSUPPORTED = ("gather",)
+UNSUPPORTED: tuple[str, ...] = ()
 
 
 def _inputs(graph, lowered, rng) -> dict[int, np.ndarray]:
@@ -37,13 +38,15 @@ def _inputs(graph, lowered, rng) -> dict[int, np.ndarray]:
         elif dtype == np.bool_:
             out[v] = rng.random(shape.dims) < 0.5
         else:
-            # Small non-negative integers: valid indices for dynamic slices and gathers.
-            out[v] = rng.integers(0, 3, shape.dims).astype(dtype)
+            # Small integers, some negative or past the end as indices: dynamic slices and
+            # gathers clamp them.
+            low = 0 if dtype.kind == "u" else -3
+            out[v] = rng.integers(low, 40, shape.dims).astype(dtype)
     return out
 
 
-def _check(graph, evaluator, members, lowered, rng) -> None:
-    inputs = _inputs(graph, lowered, rng)
+def _check(graph, evaluator, members, lowered, rng, inputs=None) -> None:
+    inputs = _inputs(graph, lowered, rng) if inputs is None else inputs
     want = reference_values(graph, evaluator, sorted(members), inputs)
     got = run_on_host(lowered, graph, inputs)
     reduces = any(graph.nodes[v].opcode in ("reduce", "reduce-window") for v in members)
@@ -117,6 +120,79 @@ def _families():
   s = f32[3,4] reduce(x, zero), dimensions={2}, to_apply=add
   sb = f32[3,4,70] broadcast(s), dimensions={0,1}
   ROOT o = f32[3,4,70] subtract(x, sb)""",
+        # Column rows: a block owns 32 columns (shared-memory partials), a warp a column
+        # per thread.
+        "column_center": """
+  x = f32[40,70] parameter(0)
+  zero = f32[] constant(0)
+  n = f32[] constant(0.025)
+  s = f32[70] reduce(x, zero), dimensions={0}, to_apply=add
+  nb = f32[70] broadcast(n), dimensions={}
+  mean = f32[70] multiply(s, nb)
+  mb = f32[40,70] broadcast(mean), dimensions={1}
+  ROOT o = f32[40,70] subtract(x, mb)""",
+        # Rows along a middle dim; two reductions reuse the partials buffer.
+        "column_norm_3d": """
+  x = f32[3,50,10] parameter(0)
+  zero = f32[] constant(0)
+  n = f32[] constant(0.02)
+  eps = f32[] constant(1e-5)
+  s = f32[3,10] reduce(x, zero), dimensions={1}, to_apply=add
+  nb = f32[3,10] broadcast(n), dimensions={}
+  mean = f32[3,10] multiply(s, nb)
+  mb = f32[3,50,10] broadcast(mean), dimensions={0,2}
+  c = f32[3,50,10] subtract(x, mb)
+  c2 = f32[3,50,10] multiply(c, c)
+  v = f32[3,10] reduce(c2, zero), dimensions={1}, to_apply=add
+  var = f32[3,10] multiply(v, nb)
+  eb = f32[3,10] broadcast(eps), dimensions={}
+  ve = f32[3,10] add(var, eb)
+  r = f32[3,10] rsqrt(ve)
+  rb = f32[3,50,10] broadcast(r), dimensions={0,2}
+  ROOT o = f32[3,50,10] multiply(c, rb)""",
+        # A per-row value through bitcasts (ids must survive the f32 element type) and
+        # an output padded with row-independent elements.
+        "bitcast_rsqrt_pad": """
+  x = f32[6,40] parameter(0)
+  zero = f32[] constant(0)
+  s = f32[6] reduce(x, zero), dimensions={1}, to_apply=add
+  b = f32[6,1] bitcast(s)
+  a = f32[6,1] abs(b)
+  r = f32[6,1] rsqrt(a)
+  rb = f32[6] bitcast(r)
+  bb = f32[6,40] broadcast(rb), dimensions={0}
+  m = f32[6,40] multiply(x, bb)
+  ROOT o = f32[6,43] pad(m, zero), padding=0_0x1_2""",
+        # A per-row value transposed before it is broadcast back: rows on two dims out
+        # of order in the output.
+        "transposed_rows": """
+  x = f32[4,6,30] parameter(0)
+  zero = f32[] constant(0)
+  s = f32[4,6] reduce(x, zero), dimensions={2}, to_apply=add
+  t = f32[6,4] transpose(s), dimensions={1,0}
+  tb = f32[6,4,30] broadcast(t), dimensions={0,1}
+  xt = f32[6,4,30] transpose(x), dimensions={1,0,2}
+  ROOT o = f32[6,4,30] subtract(xt, tb)""",
+        # A reduction with several outputs per row feeds the row's reduction (reduced
+        # per element by the threads that need it).
+        "two_level_reduce": """
+  x = f32[2,4,8,8] parameter(0)
+  y = f32[32] parameter(1)
+  zero = f32[] constant(0)
+  inner = f32[2,4,8] reduce(x, zero), dimensions={2}, to_apply=add
+  outer = f32[4,8] reduce(inner, zero), dimensions={0}, to_apply=add
+  flat = f32[32] bitcast(outer)
+  ROOT o = f32[32] subtract(y, flat)""",
+        # Row results written into a larger buffer at a data-dependent row.
+        "update_slice_rows": """
+  x = f32[4,8] parameter(0)
+  base = f32[5,4] parameter(1)
+  at = s32[] parameter(2)
+  zero = f32[] constant(0)
+  izero = s32[] constant(0)
+  s = f32[4] reduce(x, zero), dimensions={1}, to_apply=add
+  b = f32[1,4] bitcast(s)
+  ROOT o = f32[5,4] dynamic-update-slice(base, b, at, izero)""",
     }
 
 
@@ -160,7 +236,131 @@ def test_lowered_kernels_assemble_without_spills(arch):
             report = assemble(ptx, arch)[lowered.kernel.name]
             assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0
             assert report.registers > 0
-            assert "shfl.sync" in ptx
+            if schedule.parts[0].minor:
+                # Lanes of a warp share a row: they finish it with shuffles.
+                assert "shfl.sync" in ptx
             if unit == "block" and lowered.kernel.block > 32:
-                # Warp partials meet in shared memory behind a barrier.
+                # Partials meet in shared memory behind a barrier.
                 assert "bar.sync" in ptx and ".shared" in ptx
+
+
+def _column_module(rows: int, cols: int) -> str:
+    return f"""{HEAD}ENTRY main {{
+  x = f32[{rows},{cols}] parameter(0)
+  zero = f32[] constant(0)
+  s = f32[{cols}] reduce(x, zero), dimensions={{0}}, to_apply=add
+  sb = f32[{rows},{cols}] broadcast(s), dimensions={{1}}
+  ROOT o = f32[{rows},{cols}] subtract(x, sb)
+}}
+"""
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (5, 7), (64, 33), (300, 100), (17, 1000),
+                                   (2048, 3)])
+@pytest.mark.parametrize("unit", ["warp", "block"])
+def test_column_reductions_lower_as_scheduled(shape, unit):
+    """f32[R,C] reduced over dim 0: a block owns 32 columns, its warps stride over the
+    rows and combine through shared memory; a warp gives each thread a column."""
+    from codegen import kir
+    from hlo_passes.graph import build_op_graphs
+
+    module = parse_hlo(_column_module(*shape))
+    graph = build_op_graphs(module)[0]
+    members = [n.id for n in graph.nodes if n.opcode not in ("parameter", "constant")]
+    schedule = schedule_kernel(graph, members, get_spec("h100"), force={"unit": unit})
+    lowered = lower_kernel(graph, Evaluator(module), schedule, f"columns_{unit}")
+    assert lowered.schemes == [unit], lowered.notes
+    part = schedule.parts[0]
+    stmts = list(kir.walk_stmts(lowered.kernel.body))
+    if not part.minor and unit == "block" and schedule.block > 32:
+        assert lowered.kernel.shared and any(isinstance(st, kir.Barrier) for st in stmts)
+    if not part.minor:
+        assert not any(isinstance(st, kir.WarpReduce) for st in stmts)
+    _check(graph, Evaluator(module), members, lowered, np.random.default_rng(shape[1]))
+
+
+# Layouts no unit can compute: row r needs another row's result.
+REJECTED = {
+    "joins values of different rows": """
+  x = f32[6,40] parameter(0)
+  ninf = f32[] constant(-inf)
+  m = f32[6] reduce(x, ninf), dimensions={1}, to_apply=max
+  mb = f32[6,40] broadcast(m), dimensions={0}
+  e = f32[6,40] subtract(x, mb)
+  head = f32[5] slice(m), slice={[1:6]}
+  tail = f32[1] slice(m), slice={[0:1]}
+  turned = f32[6] concatenate(head, tail), dimensions={0}
+  tb = f32[6,40] broadcast(turned), dimensions={0}
+  ROOT o = f32[6,40] multiply(e, tb)""",
+    "reads values of other rows": """
+  x = f32[6,40] parameter(0)
+  zero = f32[] constant(0)
+  s = f32[6] reduce(x, zero), dimensions={1}, to_apply=add
+  sb = f32[6,40] broadcast(s), dimensions={0}
+  flipped = f32[6,40] reverse(sb), dimensions={0}
+  p = f32[6,40] multiply(x, flipped)
+  ROOT v = f32[6] reduce(p, zero), dimensions={1}, to_apply=add""",
+}
+
+
+@pytest.mark.parametrize("reason", sorted(REJECTED))
+def test_layouts_the_proof_rejects_fall_back_to_threads(reason):
+    """The scheduler refuses these partitions itself; the lowering's own proof must too,
+    given a schedule that claims 6 rows of 40 (a softmax's warp schedule)."""
+    import dataclasses
+
+    from hlo_passes.graph import build_op_graphs
+
+    def graph_of(body):
+        module = parse_hlo(f"{HEAD}ENTRY main {{\n{body}\n}}\n")
+        graph = build_op_graphs(module)[0]
+        return module, graph, [n.id for n in graph.nodes
+                               if n.opcode not in ("parameter", "constant")]
+
+    _, template_graph, template_members = graph_of(_families()["softmax"])
+    template = schedule_kernel(template_graph, template_members, get_spec("h100"),
+                               force={"unit": "warp"})
+    module, graph, members = graph_of(REJECTED[reason])
+    part = dataclasses.replace(template.parts[0], members=tuple(members), groups=[])
+    schedule = dataclasses.replace(template, members=tuple(members), parts=[part])
+    assert (part.rows, part.unit) == (6, "warp")
+    lowered = lower_kernel(graph, Evaluator(module), schedule, "rejected")
+    assert lowered.schemes == ["thread"] and reason in lowered.notes[0], lowered.notes
+    _check(graph, Evaluator(module), members, lowered, np.random.default_rng(2))
+
+
+AND_COLUMNS = """HloModule m
+and {
+  a = pred[] parameter(0)
+  b = pred[] parameter(1)
+  ROOT s = pred[] and(a, b)
+}
+ENTRY main {
+  x = f32[50,40] parameter(0)
+  zero = f32[] constant(0)
+  t = pred[] constant(true)
+  zb = f32[50,40] broadcast(zero), dimensions={}
+  p = pred[50,40] compare(x, zb), direction=GT
+  a = pred[40] reduce(p, t), dimensions={0}, to_apply=and
+  ab = pred[50,40] broadcast(a), dimensions={1}
+  ROOT o = pred[50,40] xor(p, ab)
+}
+"""
+
+
+@pytest.mark.parametrize("unit", ["warp", "block"])
+def test_pred_column_reduction_combines_without_shuffles(unit):
+    """Column rows combine partials with plain ops, so an and-reduction of predicates
+    (no warp collective) is lowered as scheduled, partials in an i1 shared buffer."""
+    from hlo_passes.graph import build_op_graphs
+
+    module = parse_hlo(AND_COLUMNS)
+    graph = build_op_graphs(module)[0]
+    members = [n.id for n in graph.nodes if n.opcode not in ("parameter", "constant")]
+    schedule = schedule_kernel(graph, members, get_spec("h100"), force={"unit": unit})
+    lowered = lower_kernel(graph, Evaluator(module), schedule, f"and_columns_{unit}")
+    assert lowered.schemes == [unit] and not schedule.parts[0].minor, lowered.notes
+    rng = np.random.default_rng(4)
+    x = np.abs(rng.standard_normal((50, 40))).astype(np.float32)
+    x[rng.integers(0, 50, 10), rng.integers(0, 40, 10)] *= -1     # some columns fail
+    _check(graph, Evaluator(module), members, lowered, rng, {lowered.inputs[0]: x})
