@@ -1,0 +1,311 @@
+"""Kernel IR kernels as XLA FFI custom calls on CUDA (platform "CUDA").
+
+`cuda_ffi_target(kernel, image)` loads the kernel's cubin (or PTX) with the CUDA driver from
+Python, once per device, and builds a host-side handler in LLVM IR (MCJIT) that, per call:
+answers XLA's metadata probe; decodes the call frame exactly like the CPU handler (counts,
+dtypes, element counts; errors name the kernel); fetches the CUDA stream of the call through
+the FFI API's XLA_FFI_Stream_Get; picks the device's CUfunction (XLA_FFI_DeviceOrdinal_Get
+when more than one device is loaded); makes the module's context current if it is not; and
+calls cuLaunchKernel(grid, block, dynamic shared bytes, stream) from native code. A failed
+launch comes back as an XLA error carrying cuGetErrorName's text.
+
+The driver entry points the handler calls are resolved with llvmlite's
+`load_library_permanently("libcuda.so.1")` + `address_of_symbol` and baked into the IR as
+constant addresses (`emit_cuda_handler_ir` takes them as arguments, so the IR can be built and
+checked on a machine without CUDA). Module loading uses ctypes on the same libcuda: neither
+cuda-bindings nor numba-cuda is a dependency of this project, and the loader needs six calls.
+Importing this module needs neither CUDA nor jax.
+
+CUDA driver API facts used (cuda.h): CUresult is an int enum, 0 = CUDA_SUCCESS; CUfunction,
+CUcontext, CUstream, CUmodule are pointers; CUdevice is an int; cuCtxPushCurrent /
+cuCtxPopCurrent are exported as the `_v2` symbols.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from llvmlite import ir
+
+from codegen import kir
+from codegen.errors import CodegenError
+from codegen.ffi import (API, CALL_FRAME, DEVICE_ORDINAL_GET_ARGS, ERR_INTERNAL,
+                         ERR_INVALID_ARGUMENT, FFI_DTYPES, PTR, STREAM_GET_ARGS,
+                         TRAIT_COMMAND_BUFFER_COMPATIBLE, CStruct, FfiTarget, FunctionPointer,
+                         HandlerEmitter, cached_target, compile_handler, constant_function,
+                         element, new_module, target_name)
+from codegen.llvm_emit import I32, I64
+
+LOG = logging.getLogger(__name__)
+
+LIBCUDA = "libcuda.so.1"
+CUDA_SUCCESS = 0
+# Per-block limit on dynamic shared memory without opting in (cuFuncSetAttribute).
+DYNAMIC_SHARED_DEFAULT_LIMIT = 48 * 1024
+
+# Driver function types (CUresult is i32; unsigned int launch dims are i32 too).
+_LAUNCH_TYPE = ir.FunctionType(I32, [PTR, I32, I32, I32, I32, I32, I32, I32, PTR, PTR, PTR])
+_ERROR_NAME_TYPE = ir.FunctionType(I32, [I32, PTR])
+_CTX_GET_TYPE = ir.FunctionType(I32, [PTR])
+_CTX_PUSH_TYPE = ir.FunctionType(I32, [PTR])
+_CTX_POP_TYPE = ir.FunctionType(I32, [PTR])
+
+
+@dataclass(frozen=True)
+class DriverSymbols:
+    """Process addresses of the driver functions the handler calls."""
+    cuLaunchKernel: int
+    cuGetErrorName: int
+    cuCtxGetCurrent: int
+    cuCtxPushCurrent_v2: int
+    cuCtxPopCurrent_v2: int
+
+    @classmethod
+    def resolve(cls) -> "DriverSymbols":
+        """From libcuda.so.1 via LLVM's process symbol table (CodegenError without CUDA)."""
+        import llvmlite.binding as llvm
+        try:
+            llvm.load_library_permanently(LIBCUDA)
+        except RuntimeError as exc:
+            raise CodegenError(f"cannot load the CUDA driver {LIBCUDA}: {exc}") from exc
+        addresses = {}
+        for name in cls.__dataclass_fields__:
+            address = llvm.address_of_symbol(name)
+            if not address:
+                raise CodegenError(f"{LIBCUDA} has no symbol {name}")
+            addresses[name] = address
+        return cls(**addresses)
+
+
+@dataclass(frozen=True)
+class LoadedFunction:
+    """The kernel's CUfunction in one device's primary context (never unloaded)."""
+    ordinal: int
+    context: int
+    module: int
+    function: int
+
+
+# ---------------------------------------------------------------- the handler
+
+
+def emit_cuda_handler_ir(kernel: kir.Kernel, name: str, functions: Sequence[LoadedFunction],
+                         symbols: DriverSymbols, *, dynamic_shared_bytes: int = 0,
+                         command_buffer_compatible: bool = False) -> str:
+    """LLVM IR (host triple) of `ptr @name(ptr frame)` launching `functions`' kernel."""
+    if not functions:
+        raise CodegenError(f"kernel {kernel.name!r}: no loaded CUDA function to launch")
+    kernel.validate()
+    module = new_module(f"{name}_handler")
+    h = HandlerEmitter(module, kernel, name)
+    b = h.b
+    traits = TRAIT_COMMAND_BUFFER_COMPATIBLE if command_buffer_compatible else 0
+    h.answer_metadata_probe(traits)
+    h.check_frame()
+    data = h.buffers()
+    ctx = h.load(h.frame, CALL_FRAME, "ctx")
+    stream = _stream(h, ctx)
+    function, context = _device_function(h, ctx, functions)
+
+    def driver(sym: str, fnty: ir.FunctionType) -> FunctionPointer:
+        return constant_function(getattr(symbols, sym), fnty)
+
+    def fail_cu(what: str, result: ir.Value) -> None:
+        """Return an XLA error naming the CUresult (cuGetErrorName gives null if unknown)."""
+        text = h.alloca(PTR, "cu_error_name")
+        b.store(h.null, text)
+        b.call(driver("cuGetErrorName", _ERROR_NAME_TYPE), [result, text])
+        got = b.load(text, typ=PTR)
+        known = b.select(b.icmp_unsigned("!=", got, h.null), got, h.string("unknown"))
+        h.fail(ERR_INTERNAL, f"{what} failed: %s (CUresult %lld)", known, b.sext(result, I64))
+
+    # XLA's thread normally has the device's primary context current; where not, push it.
+    current = h.alloca(PTR, "current_context")
+    b.store(h.null, current)
+    b.call(driver("cuCtxGetCurrent", _CTX_GET_TYPE), [current])
+    switch = b.icmp_unsigned("!=", b.load(current, typ=PTR), context)
+    with b.if_then(switch, likely=False):
+        pushed = b.call(driver("cuCtxPushCurrent_v2", _CTX_PUSH_TYPE), [context])
+        with b.if_then(b.icmp_signed("!=", pushed, ir.Constant(I32, CUDA_SUCCESS)),
+                       likely=False):
+            fail_cu("cuCtxPushCurrent", pushed)
+
+    # kernelParams: one pointer per param, to a slot holding the device pointer.
+    n = len(kernel.params)
+    values = h.alloca(ir.ArrayType(PTR, max(1, n)), "param_values")
+    params = h.alloca(ir.ArrayType(PTR, max(1, n)), "kernel_params")
+    for i, d in enumerate(data):
+        slot = element(b, values, PTR, i)
+        b.store(d, slot)
+        b.store(slot, element(b, params, PTR, i))
+    dims = [ir.Constant(I32, v) for v in (kernel.grid, 1, 1, kernel.block, 1, 1,
+                                          dynamic_shared_bytes)]
+    result = b.call(driver("cuLaunchKernel", _LAUNCH_TYPE),
+                    [function, *dims, stream, params, h.null])
+
+    with b.if_then(switch, likely=False):
+        b.call(driver("cuCtxPopCurrent_v2", _CTX_POP_TYPE), [h.alloca(PTR, "popped")])
+    with b.if_then(b.icmp_signed("!=", result, ir.Constant(I32, CUDA_SUCCESS)), likely=False):
+        fail_cu(f"cuLaunchKernel(grid {kernel.grid}, block {kernel.block})", result)
+    b.ret(h.null)
+    return str(module)
+
+
+def _call_api(h: HandlerEmitter, fname: str, struct: CStruct,
+              fill: dict[str, ir.Value]) -> ir.Value:
+    """Fill an API argument struct (struct_size, null extension, `fill`), call api->fname on
+    it, return its error to XLA if any; the struct's address is returned."""
+    b = h.b
+    args = h.alloca(struct.type, fname.removeprefix("XLA_FFI_") + "_args")
+    h.store(ir.Constant(I64, struct.struct_size()), args, struct, "struct_size")
+    h.store(h.null, args, struct, "extension_start")
+    for field_name, value in fill.items():
+        h.store(value, args, struct, field_name)
+    err = b.call(h.api_fn(fname, ir.FunctionType(PTR, [PTR])), [args])
+    with b.if_then(b.icmp_unsigned("!=", err, h.null), likely=False):
+        b.ret(err)
+    return args
+
+
+def _stream(h: HandlerEmitter, ctx: ir.Value) -> ir.Value:
+    """The call's CUstream, from XLA_FFI_Stream_Get."""
+    args = _call_api(h, "XLA_FFI_Stream_Get", STREAM_GET_ARGS, {"ctx": ctx, "stream": h.null})
+    return h.load(args, STREAM_GET_ARGS, "stream")
+
+
+def _device_function(h: HandlerEmitter, ctx: ir.Value,
+                     functions: Sequence[LoadedFunction]) -> tuple[ir.Value, ir.Value]:
+    """(CUfunction, CUcontext) of the call's device: a constant for one device, else chosen
+    by XLA_FFI_DeviceOrdinal_Get (an API field newer than the rest: checked by size)."""
+    def const(address: int) -> ir.Value:
+        return ir.Constant(I64, address).inttoptr(PTR)
+    if len(functions) == 1:
+        return const(functions[0].function), const(functions[0].context)
+    b = h.b
+    need = API.offset("XLA_FFI_DeviceOrdinal_Get") + 8
+    size = h.load(h.api, API, "struct_size")
+    with b.if_then(b.icmp_unsigned("<", size, ir.Constant(I64, need)), likely=False):
+        h.fail(ERR_INTERNAL, "the XLA FFI API (%lld bytes) has no DeviceOrdinal_Get; "
+               "load the kernel for one device only", size)
+    args = _call_api(h, "XLA_FFI_DeviceOrdinal_Get", DEVICE_ORDINAL_GET_ARGS,
+                     {"ctx": ctx, "device_ordinal": ir.Constant(I32, -1)})
+    ordinal = h.load(args, DEVICE_ORDINAL_GET_ARGS, "device_ordinal")
+    function, context = h.null, h.null
+    for f in functions:
+        hit = b.icmp_signed("==", ordinal, ir.Constant(I32, f.ordinal))
+        function = b.select(hit, const(f.function), function)
+        context = b.select(hit, const(f.context), context)
+    with b.if_then(b.icmp_unsigned("==", function, h.null), likely=False):
+        loaded = ", ".join(str(f.ordinal) for f in functions)
+        h.fail(ERR_INVALID_ARGUMENT, f"no CUDA module loaded for device %lld (loaded: {loaded})",
+               b.sext(ordinal, I64))
+    return function, context
+
+
+# ---------------------------------------------------------------- module loading (Python)
+
+
+class _Driver:
+    """The few libcuda calls that load a module, through ctypes."""
+
+    def __init__(self) -> None:
+        try:
+            self.lib = ctypes.CDLL(LIBCUDA)
+        except OSError as exc:
+            raise CodegenError(f"cannot load the CUDA driver {LIBCUDA}: {exc}") from exc
+        vp, pvp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+        signatures = {
+            "cuInit": [ctypes.c_uint],
+            "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+            "cuDevicePrimaryCtxRetain": [pvp, ctypes.c_int],
+            "cuCtxPushCurrent_v2": [vp],
+            "cuCtxPopCurrent_v2": [pvp],
+            "cuModuleLoadData": [pvp, ctypes.c_char_p],
+            "cuModuleGetFunction": [pvp, vp, ctypes.c_char_p],
+            "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+        }
+        for fname, argtypes in signatures.items():
+            fn = getattr(self.lib, fname)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+
+    def check(self, result: int, what: str) -> None:
+        if result != CUDA_SUCCESS:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(result, ctypes.byref(name))
+            text = name.value.decode() if name.value else "unknown"
+            raise CodegenError(f"{what} failed: {text} (CUresult {result})")
+
+    def load(self, image: bytes, entry: str, ordinal: int) -> LoadedFunction:
+        lib = self.lib
+        self.check(lib.cuInit(0), "cuInit")
+        device = ctypes.c_int()
+        self.check(lib.cuDeviceGet(ctypes.byref(device), ordinal), f"cuDeviceGet({ordinal})")
+        context = ctypes.c_void_p()
+        # XLA runs on each device's primary context; retained for good (the module lives in it).
+        self.check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+                   "cuDevicePrimaryCtxRetain")
+        self.check(lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+        try:
+            module, function = ctypes.c_void_p(), ctypes.c_void_p()
+            self.check(lib.cuModuleLoadData(ctypes.byref(module), image),
+                       f"cuModuleLoadData(device {ordinal})")
+            self.check(lib.cuModuleGetFunction(ctypes.byref(function), module, entry.encode()),
+                       f"cuModuleGetFunction({entry!r})")
+        finally:
+            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        return LoadedFunction(ordinal, context.value or 0, module.value or 0,
+                              function.value or 0)
+
+
+def load_cuda_functions(image: bytes | str, entry: str,
+                        ordinals: Sequence[int]) -> list[LoadedFunction]:
+    """Load a cubin (ELF) or PTX image into each device's primary context; `entry`'s
+    CUfunction per device."""
+    data = image.encode() if isinstance(image, str) else bytes(image)
+    if not data.startswith(b"\x7fELF") and not data.endswith(b"\0"):
+        data += b"\0"  # PTX text must be NUL-terminated for cuModuleLoadData
+    driver = _Driver()
+    return [driver.load(data, entry, o) for o in ordinals]
+
+
+def gpu_ordinals() -> list[int]:
+    """The CUDA device ordinals of jax's local GPU devices (CodegenError if none)."""
+    import jax
+    try:
+        devices = jax.local_devices(backend="gpu")
+    except RuntimeError as exc:
+        raise CodegenError(f"no jax GPU backend: {exc}") from exc
+    return [d.local_hardware_id if d.local_hardware_id is not None else d.id for d in devices]
+
+
+def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
+                    ordinals: Sequence[int] | None = None, dynamic_shared_bytes: int = 0,
+                    command_buffer_compatible: bool = False) -> FfiTarget:
+    """The kernel's cubin / PTX `image` (entry `kernel.name`, params in kernel.params order as
+    global pointers, as codegen.nvptx emits them) behind an XLA FFI handler for "CUDA"."""
+    kernel.validate()
+    for p in kernel.params:
+        if p.dtype not in FFI_DTYPES:
+            raise CodegenError(f"kernel {kernel.name!r}: param {p.name!r} dtype {p.dtype} "
+                               "has no XLA FFI dtype")
+    if not 0 <= dynamic_shared_bytes <= DYNAMIC_SHARED_DEFAULT_LIMIT:
+        raise CodegenError(f"kernel {kernel.name!r}: {dynamic_shared_bytes} bytes of dynamic "
+                           f"shared memory (at most {DYNAMIC_SHARED_DEFAULT_LIMIT})")
+    ordinals = list(gpu_ordinals() if ordinals is None else ordinals)
+    data = image.encode() if isinstance(image, str) else bytes(image)
+    name = target_name("cuda", kernel, data, repr(ordinals), str(dynamic_shared_bytes),
+                       str(command_buffer_compatible))
+
+    def build() -> FfiTarget:
+        functions = load_cuda_functions(data, kernel.name, ordinals)
+        symbols = DriverSymbols.resolve()
+        handler_ir = emit_cuda_handler_ir(kernel, name, functions, symbols,
+                                          dynamic_shared_bytes=dynamic_shared_bytes,
+                                          command_buffer_compatible=command_buffer_compatible)
+        engine, address = compile_handler(name, kernel, [handler_ir])
+        LOG.debug("kernel %s: CUDA FFI target %s on devices %s", kernel.name, name, ordinals)
+        return FfiTarget(name, kernel, "CUDA", address, handler_ir, engine,
+                         _keepalive=tuple(functions))
+    return cached_target(name, build)

@@ -1,0 +1,144 @@
+"""The CUDA FFI handler (codegen.ffi_cuda) on a real GPU through jax.jit.
+
+Skipped unless jax sees a CUDA device. Kernels are emitted by codegen.nvptx and loaded as a
+cubin when a ptxas for the device's arch is found, else as PTX (the driver JIT-compiles it).
+Results are compared with the host program (compile_host) and numpy.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from codegen import ffi_cuda
+from codegen.errors import CodegenError, ToolchainError
+from codegen.host import NUMPY_DTYPES
+from codegen.kir import Kernel, f32
+from codegen.nvptx import ARCHS, default_libdevice_path, emit_ptx
+from tests.test_ffi import empty_kernel, half_kernel, host_reference, warp_row_sum_kernel
+from tests.test_kir_host import (add, elementwise_kernel, mul, softmax_ref, tiled_sum_kernel,
+                                 warp_softmax_kernel)
+
+LOG = logging.getLogger(__name__)
+RNG = np.random.default_rng
+
+jax = pytest.importorskip("jax")
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError as exc:
+        pytest.skip(f"no CUDA device visible to jax ({exc})")
+    if not devices:
+        pytest.skip("no CUDA device visible to jax")
+    return devices[0]
+
+
+def _arch(device) -> str:
+    """The newest NVPTX arch we emit that the device runs (PTX is forward-compatible)."""
+    major, minor = (int(v) for v in str(getattr(device, "compute_capability", "8.0")).split("."))
+    fits = [a for a in ARCHS if int(a[3:]) <= major * 10 + minor]
+    return fits[-1] if fits else ARCHS[0]
+
+
+def _image(kernel: Kernel, device, *, cubin: bool = True) -> bytes:
+    arch = _arch(device)
+    try:
+        ptx = emit_ptx(kernel, arch)
+    except ToolchainError as exc:
+        pytest.skip(f"cannot emit PTX: {exc}")
+    if cubin:
+        from codegen.toolchain import assemble_cubin
+        try:
+            return assemble_cubin(ptx, arch, kernel_name=kernel.name)[0]
+        except ToolchainError as exc:
+            LOG.info("no cubin for %s (%s); loading PTX", arch, exc)
+    return ptx.encode()
+
+
+def _target(kernel: Kernel, device, **kw):
+    return ffi_cuda.cuda_ffi_target(kernel, _image(kernel, device, **kw))
+
+
+def test_elementwise(gpu) -> None:
+    k = elementwise_kernel("gpu_ew", ["f32", "f32"], "f32", 100_000,
+                           lambda x, y: add(mul(x, y), f32(0.5)), grid_stride=True)
+    for cubin in (True, False):
+        t = _target(k, gpu, cubin=cubin)
+        fn = jax.jit(lambda a, b: t.call(a, b)[0])
+        a, b = RNG(1).standard_normal((2, 100_000)).astype(np.float32)
+        out = np.asarray(fn(a, b))
+        np.testing.assert_array_equal(out, host_reference(k, a, b)[0])
+
+
+def test_shared_memory_barriers_and_two_outputs(gpu) -> None:
+    rows, length = 6, 5000
+    k = tiled_sum_kernel(rows, length)
+    t = _target(k, gpu)
+    x = RNG(2).standard_normal((rows, length)).astype(np.float32)
+    partials, sums = jax.jit(lambda v: t.call(v))(x)
+    ref_partials, ref_sums = host_reference(k, x)
+    np.testing.assert_allclose(np.asarray(partials), ref_partials, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(sums), ref_sums, rtol=1e-5, atol=1e-4)
+
+
+def test_warp_reduce_and_half_dtypes(gpu) -> None:
+    k = warp_row_sum_kernel(37, 300)
+    x = RNG(3).standard_normal((37, 300)).astype(np.float32)
+    (sums,) = jax.jit(lambda v: _target(k, gpu).call(v))(x)
+    np.testing.assert_array_equal(np.asarray(sums), host_reference(k, x)[0])
+    k = half_kernel()
+    a = RNG(4).standard_normal(777).astype(NUMPY_DTYPES["bf16"])
+    b = RNG(5).standard_normal(777).astype(np.float32)
+    o16, obf = jax.jit(lambda p, q: _target(k, gpu).call(p, q))(a, b)
+    r16, rbf = host_reference(k, a, b)
+    np.testing.assert_array_equal(np.asarray(o16), r16)
+    np.testing.assert_array_equal(np.asarray(obf).astype(np.float32), rbf.astype(np.float32))
+
+
+@pytest.mark.skipif(default_libdevice_path() is None, reason="no libdevice.10.bc")
+def test_softmax_with_libdevice(gpu) -> None:
+    rows, length = 50, 333
+    k = warp_softmax_kernel(rows, length, "reduce")
+    x = (RNG(6).standard_normal((rows, length)) * 3).astype(np.float32)
+    (out,) = jax.jit(lambda v: _target(k, gpu).call(v, out_shapes=[(rows, length)]))(x)
+    np.testing.assert_allclose(np.asarray(out), softmax_ref(x), rtol=1e-5, atol=1e-7)
+
+
+def test_errors_name_the_kernel(gpu) -> None:
+    k = elementwise_kernel("gpu_err", ["f32", "f32"], "f32", 1000, lambda x, y: add(x, y))
+    t = _target(k, gpu)
+    t.register()
+    raw = jax.ffi.ffi_call(t.name, jax.ShapeDtypeStruct((1000,), np.float32))
+    with pytest.raises(Exception, match="kernel 'gpu_err': custom call has 1 operands"):
+        jax.block_until_ready(jax.jit(raw)(np.ones(1000, np.float32)))
+    with pytest.raises(CodegenError, match="1 arguments for 2 inputs"):
+        t.call(np.ones(1000, np.float32))
+
+
+def test_per_call_overhead(gpu) -> None:
+    """Reported, not asserted: time per custom call (one-warp kernel) in a jitted chain."""
+    t = _target(empty_kernel(), gpu)
+    chain = 200
+
+    @jax.jit
+    def many(x):
+        for _ in range(chain):
+            (x,) = t.call(x)
+        return x
+    x = jax.device_put(np.arange(32, dtype=np.float32), gpu)
+    jax.block_until_ready(many(x))
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(20):
+            y = many(x)
+        jax.block_until_ready(y)
+        best = min(best, (time.perf_counter() - start) / 20)
+    np.testing.assert_array_equal(np.asarray(y), np.arange(32, dtype=np.float32))
+    LOG.warning("CUDA FFI: %.2f us per custom call in a chain of %d inside one jit",
+                best / chain * 1e6, chain)
