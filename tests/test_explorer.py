@@ -307,3 +307,23 @@ def test_explorer_keeps_top_k_per_vertex():
             assert 1 <= len(pats) <= 2 * k          # top-k of each direction
             assert all(v in p.members for p in pats)
             assert all(isinstance(p, Pattern) and graph.is_convex(p.members) for p in pats)
+
+
+def test_merging_kernels_with_duplicated_producers_never_closes_a_cycle():
+    """Base fusion copies cheap producers into several kernels, so no op has one owner; the
+    greedy merge must still never create a cycle between kernels (transformer_train, tiny,
+    pre-optimization HLO, used to fail with 'the kernels form a cycle')."""
+    from pathlib import Path
+
+    from hlo_passes.base_fusion import base_fusion
+    from stitch.explorer.beam import kernel_levels, merge_adjacent
+    from stitch.explorer.planner import _packable
+
+    text = (Path(__file__).parent / "data/transformer_train/tiny.pre.hlo").read_text()
+    graph = build_op_graphs(parse_hlo(text))[0]
+    groups = [frozenset(g) for g in base_fusion(graph)]
+    assert sum(map(len, groups)) > len(frozenset().union(*groups)), "no duplicated producer"
+    merged = merge_adjacent(graph, CostModel(graph, get_spec("h100")), groups,
+                            [_packable(graph, g) for g in groups])
+    assert len(merged) < len(groups)
+    kernel_levels(graph, merged)           # raises on a cycle

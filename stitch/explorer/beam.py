@@ -283,6 +283,16 @@ def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
     return result
 
 
+def _closes_cycle(graph: OpGraph, kernels: dict[int, frozenset[int]], a: int, b: int,
+                  union: frozenset[int]) -> bool:
+    rest = [g for k, g in kernels.items() if k not in (a, b)]
+    try:
+        kernel_levels(graph, rest + [union])
+    except ValueError:
+        return True
+    return False
+
+
 def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
                    mergeable: list[bool], max_ops: int = MAX_PATTERN_OPS
                    ) -> list[frozenset[int]]:
@@ -294,6 +304,10 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
 
     kernels: dict[int, frozenset[int]] = dict(enumerate(groups))
     ok = dict(enumerate(mergeable))
+    # With recomputed ops (a producer copied into several kernels) ``owner`` cannot name
+    # one kernel per op and the path search below may miss a cycle: check merges exactly.
+    duplicated = sum(len(g) for g in groups) != len(frozenset().union(*groups)) if groups \
+        else False
     owner = [-1] * len(graph.nodes)
     for ki, g in kernels.items():
         for v in g:
@@ -377,6 +391,8 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         if not got:
             continue
         union = got[1]
+        if duplicated and _closes_cycle(graph, kernels, a, b, union):
+            continue
         del kernels[a], kernels[b]
         kernels[next_id] = union
         ok[next_id] = True
