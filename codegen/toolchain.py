@@ -68,27 +68,24 @@ def _not_found(what: str, searched: list[str], extra: str = "") -> ToolchainErro
     return ToolchainError(f"{what} not found{extra}. Searched:\n{places}\nTo fix: {_INSTALL_HINT}.")
 
 
-@functools.lru_cache(maxsize=1)
-def _find_ptxas_cached() -> pathlib.Path:
+def _ptxas_candidates() -> tuple[list[pathlib.Path], list[str]]:
+    """Every ptxas found, in search order, and where each place looked was (for errors)."""
     searched: list[str] = []
-    explicit = os.environ.get("STITCH_PTXAS")
-    if explicit:
-        # An explicit override that is wrong is a configuration error, not a hint to keep looking.
-        path = pathlib.Path(explicit)
-        if _is_executable(path):
-            return path
-        searched.append(f"$STITCH_PTXAS={path} (missing or not executable)")
-        raise _not_found("ptxas", searched, " at the path named by STITCH_PTXAS")
+    found: list[pathlib.Path] = []
+
+    def add(path: pathlib.Path) -> None:
+        if path not in found:
+            found.append(path)
 
     on_path = shutil.which("ptxas")
     searched.append("ptxas on $PATH")
     if on_path:
-        return pathlib.Path(on_path)
+        add(pathlib.Path(on_path))
     for label, root in _cuda_roots():
         candidate = root / "bin" / "ptxas"
         searched.append(f"{label}/bin/ptxas ({candidate})")
         if _is_executable(candidate):
-            return candidate
+            add(candidate)
     wheel_dirs = _wheel_dirs()
     if not wheel_dirs:
         searched.append("nvidia-cuda-nvcc-cu12 wheel (package 'nvidia' not importable)")
@@ -96,18 +93,88 @@ def _find_ptxas_cached() -> pathlib.Path:
         candidate = d / "bin" / "ptxas"
         searched.append(f"nvidia-cuda-nvcc-cu12 wheel ({candidate})")
         if _is_executable(candidate):
-            return candidate
-    raise _not_found("ptxas", searched)
+            add(candidate)
+    return found, searched
 
 
-def find_ptxas(*, refresh: bool = False) -> pathlib.Path:
-    """Path of ``ptxas``. Order: $STITCH_PTXAS, $PATH, $CUDA_HOME/bin, $CUDA_PATH/bin,
-    /usr/local/cuda/bin, the nvidia-cuda-nvcc-cu12 wheel. Cached; ``refresh`` searches again."""
+@functools.lru_cache(maxsize=16)
+def _find_ptxas_cached(arch: str | None) -> pathlib.Path:
+    explicit = os.environ.get("STITCH_PTXAS")
+    if explicit:
+        # An explicit override that is wrong is a configuration error, not a hint to keep
+        # looking; it also wins for every arch (its own error then says what it lacks).
+        path = pathlib.Path(explicit)
+        if _is_executable(path):
+            return path
+        raise _not_found("ptxas", [f"$STITCH_PTXAS={path} (missing or not executable)"],
+                         " at the path named by STITCH_PTXAS")
+    found, searched = _ptxas_candidates()
+    if not found:
+        raise _not_found("ptxas", searched)
+    if arch is None:
+        return found[0]
+    for path in found:
+        arches = ptxas_arches(path)
+        # An unreadable --help (a wrapper, an odd build) cannot rule the arch out.
+        if not arches or arch in arches:
+            return path
+    seen = "\n".join(f"  - {p} (CUDA {_version_or_unknown(p)}: "
+                      f"{', '.join(sorted(ptxas_arches(p), key=_arch_order)) or 'unknown'})"
+                      for p in found)
+    hint = (" CUDA 13 dropped Volta (sm_70): install a CUDA 12 ptxas with "
+            "`pip install stitch[cuda]` or point STITCH_PTXAS at one."
+            if arch.startswith("sm_7") else f" {_INSTALL_HINT}.")
+    raise ToolchainError(f"no ptxas found supports {arch}; found:\n{seen}\n{hint.strip()}")
+
+
+def _version_or_unknown(ptxas: pathlib.Path) -> str:
+    try:
+        return ptxas_version(ptxas)
+    except ToolchainError:
+        return "unknown"
+
+
+def _arch_order(arch: str) -> tuple[int, str]:
+    digits = re.sub(r"\D", "", arch)
+    return (int(digits) if digits else 0, arch)
+
+
+def find_ptxas(arch: str | None = None, *, refresh: bool = False) -> pathlib.Path:
+    """Path of ``ptxas``. Order: $STITCH_PTXAS (always wins), $PATH, $CUDA_HOME/bin,
+    $CUDA_PATH/bin, /usr/local/cuda/bin, the nvidia-cuda-nvcc-cu12 wheel. With ``arch``,
+    the first of those that can assemble for it (CUDA 13's ptxas has no sm_70; the CUDA 12
+    wheel's has). Cached; ``refresh`` searches again."""
     if refresh:
         _find_ptxas_cached.cache_clear()
-    path = _find_ptxas_cached()
-    log.debug("ptxas: %s", path)
+    path = _find_ptxas_cached(arch)
+    log.debug("ptxas%s: %s", f" for {arch}" if arch else "", path)
     return path
+
+
+_ALLOWED_RE = re.compile(r"Allowed values for this option:(.*?)(?:Default value|\n\s*\n|$)",
+                         re.S)
+
+
+@functools.lru_cache(maxsize=16)
+def _ptxas_arches_of(ptxas: pathlib.Path) -> frozenset[str]:
+    try:
+        proc = subprocess.run([str(ptxas), "--help"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return frozenset()
+    text = proc.stdout + proc.stderr
+    start = text.find("--gpu-name")
+    match = _ALLOWED_RE.search(text, start) if start >= 0 else None
+    if match is None:
+        return frozenset()
+    return frozenset(a for a in re.findall(r"'([a-z_0-9]+)'", match.group(1))
+                     if a.startswith("sm_"))
+
+
+def ptxas_arches(ptxas: pathlib.Path | None = None) -> frozenset[str]:
+    """The real GPU arches (``sm_*``) ``ptxas`` can assemble for, from its ``--help``;
+    empty when that cannot be read."""
+    return _ptxas_arches_of(ptxas or find_ptxas())
 
 
 @functools.lru_cache(maxsize=1)
@@ -158,6 +225,7 @@ def clear_caches() -> None:
     _find_ptxas_cached.cache_clear()
     _find_libdevice_cached.cache_clear()
     _ptxas_version_of.cache_clear()
+    _ptxas_arches_of.cache_clear()
 
 
 _VERSION_RE = re.compile(r"\bV(\d+\.\d+\.\d+)\b")
@@ -287,7 +355,7 @@ def assemble_cubin(ptx: str, arch: str, *, kernel_name: str | None = None, timeo
     ``max_registers`` passes ``-maxrregcount``.
     """
     _check_arch(arch)
-    ptxas = find_ptxas()
+    ptxas = find_ptxas(arch)
     with tempfile.TemporaryDirectory(prefix="stitch-ptxas-") as tmp:
         src = pathlib.Path(tmp) / "kernel.ptx"
         out = pathlib.Path(tmp) / "kernel.cubin"

@@ -6,9 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,31 +25,16 @@ ARCHS = ("sm_70", "sm_80", "sm_90")
 pytestmark = pytest.mark.skipif(default_libdevice_path() is None, reason="no libdevice.10.bc")
 
 
-def _ptxas_candidates() -> list[str]:
-    found = [shutil.which("ptxas")]
-    if os.environ.get("CUDA_HOME"):
-        found.append(str(Path(os.environ["CUDA_HOME"]) / "bin/ptxas"))
-    found += [str(Path(p) / "nvidia/cuda_nvcc/bin/ptxas") for p in sys.path]
-    unique: list[str] = []
-    for c in found:
-        if c and Path(c).is_file() and c not in unique:
-            unique.append(c)
-    return unique
-
-
 @functools.lru_cache(maxsize=None)
 def ptxas_for(arch: str) -> str | None:
-    """A ptxas that knows `arch` (CUDA 13 dropped sm_70; a CUDA 12 wheel still has it)."""
-    probe = f".version 7.8\n.target {arch}\n.address_size 64\n.visible .entry t() {{ ret; }}\n"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "probe.ptx"
-        path.write_text(probe)
-        for exe in _ptxas_candidates():
-            run = subprocess.run([exe, f"-arch={arch}", str(path), "-o", os.devnull],
-                                 capture_output=True, text=True)
-            if run.returncode == 0:
-                return exe
-    return None
+    """A ptxas that knows `arch` (CUDA 13 dropped sm_70; the CUDA 12 wheel of the `test`
+    extra still has it), as codegen.toolchain picks it."""
+    from codegen.errors import ToolchainError
+    from codegen.toolchain import find_ptxas
+    try:
+        return str(find_ptxas(arch))
+    except ToolchainError:
+        return None
 
 
 def assemble(ptx: str, arch: str) -> dict[str, int]:

@@ -148,12 +148,14 @@ def test_ptxas_and_libdevice_found_and_versioned():
 @pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_90"])
 def test_assemble_simple_kernel(arch):
     ptx = _header("sm_70") + ADD_ONE
-    if arch == "sm_70" and _ptxas_major() >= 13:
-        # CUDA 13 dropped Volta: the error must say so and point at the fix.
+    if not any(arch in toolchain.ptxas_arches(p) for p in toolchain._ptxas_candidates()[0]):
+        # CUDA 13 dropped Volta and no CUDA 12 ptxas is installed: the error must say so
+        # and point at the fix.
         with pytest.raises(ToolchainError, match="sm_70") as info:
             toolchain.assemble(ptx, arch)
         assert "STITCH_PTXAS" in str(info.value)
         return
+    assert arch in toolchain.ptxas_arches(toolchain.find_ptxas(arch))
     cubin, reports = toolchain.assemble_cubin(ptx, arch)
     assert cubin[:4] == b"\x7fELF"
     report = reports["add_one"]
@@ -326,3 +328,62 @@ def test_search_order_env_then_path_then_cuda_home(monkeypatch, tmp_path):
     _fake_executable(explicit, "#!/bin/sh\nexit 0\n")
     monkeypatch.setenv("STITCH_PTXAS", str(explicit))
     assert toolchain.find_ptxas(refresh=True) == explicit
+
+
+def _fake_ptxas(path: pathlib.Path, version: str, arches: list[str]) -> pathlib.Path:
+    """A ptxas that answers --version and --help like the real one (CUDA 12/13 layout);
+    shell builtins only: the isolated PATH is empty."""
+    allowed = ",".join(f"'{a}'" for a in arches)
+    _fake_executable(path, f"""#!/bin/sh
+case "$1" in
+  --version) echo 'Cuda compilation tools, release {version.rsplit(".", 1)[0]}, V{version}';;
+  --help) echo "--gpu-name <gpu name>   (-arch)"
+          echo "        Allowed values for this option:  {allowed}."
+          echo "        Default value:  'sm_75'."
+          echo ""
+          echo "--help (-h)";;
+  *) exit 0;;
+esac
+""")
+    return path
+
+
+def test_ptxas_arches_parsed_from_help(monkeypatch, tmp_path):
+    fake = _fake_ptxas(tmp_path / "bin" / "ptxas", "12.9.86",
+                       ["compute_70", "sm_70", "sm_80", "sm_90", "sm_90a"])
+    assert toolchain.ptxas_arches(fake) == {"sm_70", "sm_80", "sm_90", "sm_90a"}
+    silent = tmp_path / "silent" / "ptxas"
+    _fake_executable(silent, "#!/bin/sh\nexit 0\n")
+    assert toolchain.ptxas_arches(silent) == frozenset()
+
+
+def test_ptxas_chosen_by_arch(monkeypatch, tmp_path):
+    """CUDA 13's ptxas on PATH wins for sm_80/sm_90; sm_70 goes to the CUDA 12 wheel's."""
+    _isolate_environment(monkeypatch, tmp_path)
+    new = _fake_ptxas(tmp_path / "empty-bin" / "ptxas", "13.0.88", ["sm_75", "sm_80", "sm_90"])
+    site = tmp_path / "site"
+    old = _fake_ptxas(site / "nvidia" / "cuda_nvcc" / "bin" / "ptxas", "12.9.86",
+                      ["sm_70", "sm_75", "sm_80", "sm_90"])
+    monkeypatch.syspath_prepend(str(site))
+    assert toolchain.find_ptxas(refresh=True) == new
+    assert toolchain.find_ptxas("sm_90") == new
+    assert toolchain.find_ptxas("sm_70") == old
+    with pytest.raises(ToolchainError, match="no ptxas found supports sm_60") as info:
+        toolchain.find_ptxas("sm_60")
+    assert "13.0.88" in str(info.value) and "12.9.86" in str(info.value)
+
+
+def test_no_ptxas_for_volta_says_how_to_get_one(monkeypatch, tmp_path):
+    _isolate_environment(monkeypatch, tmp_path)
+    _fake_ptxas(tmp_path / "empty-bin" / "ptxas", "13.0.88", ["sm_75", "sm_80", "sm_90"])
+    with pytest.raises(ToolchainError) as info:
+        toolchain.find_ptxas("sm_70", refresh=True)
+    message = str(info.value)
+    assert "sm_70" in message and "pip install stitch[cuda]" in message
+    assert "STITCH_PTXAS" in message
+
+
+def test_explicit_ptxas_wins_for_every_arch(monkeypatch, tmp_path):
+    explicit = _fake_ptxas(tmp_path / "explicit" / "ptxas", "13.0.88", ["sm_80"])
+    monkeypatch.setenv("STITCH_PTXAS", str(explicit))
+    assert toolchain.find_ptxas("sm_70", refresh=True) == explicit
