@@ -323,33 +323,35 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
                     out.add(k)
         return out
 
-    def successors(ki: int) -> set[int]:
-        out: set[int] = set()
-        for v in kernels[ki]:
-            for u in graph.nodes[v].users:
-                k = owner[u] if owner[u] >= 0 else -1 - u
-                if k != ki:
-                    out.add(k)
-        return out
+    # Kernel-graph successors, cached per kernel; a merge only renames kernels, so cached
+    # sets stay right when read through ``merged_into`` (a union-find of merged ids).
+    merged_into: dict[int, int] = {}
+    succ_cache: dict[int, frozenset[int]] = {}
+
+    def find(k: int) -> int:
+        while k in merged_into:
+            k = merged_into[k]
+        return k
 
     def succ_of(k: int) -> set[int]:
-        if k >= 0:
-            return successors(k)
-        node = graph.nodes[-1 - k]
-        return {owner[u] if owner[u] >= 0 else -1 - u for u in node.users}
+        raw = succ_cache.get(k)
+        if raw is None:
+            users = (u for v in kernels[k] for u in graph.nodes[v].users) if k >= 0 \
+                else iter(graph.nodes[-1 - k].users)
+            raw = succ_cache[k] = frozenset(owner[u] if owner[u] >= 0 else -1 - u
+                                            for u in users)
+        return {find(x) for x in raw} - {k}
 
     def other_path(a: int, b: int) -> bool:
-        """Is b reachable from a other than through a direct edge? (bounded by b's last op)"""
-        limit = max(kernels[b])
-        stack = [k for k in successors(a) if k != b]
+        """Is b reachable from a other than through a direct edge? No bound by op ids: a
+        kernel holding a late op may also hold an early one, so a path can come back down
+        (x -> scatter -> y -> a kernel that also reads before b)."""
+        stack = [k for k in succ_of(a) if k != b]
         seen = set(stack)
         while stack:
             k = stack.pop()
             if k == b:
                 return True
-            lo = min(kernels[k]) if k >= 0 else -1 - k
-            if lo > limit:
-                continue
             for nxt in succ_of(k):
                 if nxt == b:
                     return True
@@ -394,6 +396,7 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         if duplicated and _closes_cycle(graph, kernels, a, b, union):
             continue
         del kernels[a], kernels[b]
+        merged_into[a] = merged_into[b] = next_id
         kernels[next_id] = union
         ok[next_id] = True
         for v in union:
