@@ -1,177 +1,412 @@
 """Fusion plans against XLA's real GPU decisions, beam search against the BLP optimum, and
-explorer cost against graph size.
-
-    python -m bench.plans [--out docs/benchmarks.md] [--skip-blp] [--sizes 1000,2000,...]
+explorer cost against graph size: the data of the report's ``plans`` and ``planner``
+sections (``python -m bench plans|planner``; ``python -m bench.plans`` runs both).
 
 Plans are made from the committed XLA-optimized fixtures (tests/data/<model>/full.gpu-*.hlo):
 the baseline is XLA's own fusion partition. Kernel counts and bytes are counted; times are
-modeled (stitch's kernel time model, stitch/cost/delta.py); planning times are measured.
-With --out, the report replaces the section between the plan-report markers.
+modeled twice, by stitch's latency-evaluator (both plans' kernels scheduled by
+``schedule_kernel``) and by bench/xla_cost_formula.py (XLA's GpuPerformanceModel formulas,
+written independently); planning times are measured.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import math
-import platform
-import re
 import time
-from pathlib import Path
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
 
 import stitch
+from bench.report import fit_exponent, geomean, ratio
 from bench.synthetic import synthetic_hlo
+from bench.xla_cost_formula import DEVICES, KernelTime, kernel_flops, kernel_time
+from stitch.cost.gpu_specs import get_spec
+from stitch.explorer.plan import GraphPlan
+from stitch.explorer.planner import schedule_plan
 from tests.fixtures import DATA
 
 TARGETS = ("v100", "a100", "h100")
 TRAINING = ("bert_layer_train", "transformer_train", "dien_train", "log_softmax_xent_train")
-START, END = "<!-- plan-report:start -->", "<!-- plan-report:end -->"
+# A stitched figure above XLA's by more than this counts as worse (float noise aside).
+WORSE_TOLERANCE = 1.001
+Progress = Callable[[str], None]
 
 
-def _models() -> list[str]:
+def models() -> list[str]:
     return sorted(p.name for p in DATA.iterdir()
                   if p.is_dir() and (p / "full.gpu-h100.hlo").exists())
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b else "–"
+@dataclass
+class KernelRow:
+    """One memory-intensive kernel of one plan (per launch; ``weight`` launches a step)."""
+    graph: str
+    name: str
+    ops: int
+    weight: int
+    bytes: int
+    latency_us: float              # latency-evaluator (delta model when unscheduled)
+    scheduled: bool
+    formula: KernelTime            # XLA's formulas
 
 
-def plan_table(lines: list[str]) -> None:
-    lines += ["### Stitched plans vs XLA's fusion decisions (counted bytes/kernels, modeled time)",
-              "",
-              "Memory-intensive (mem) = every kernel that is not a GEMM/conv. Bytes are HBM "
-              "bytes of memory-intensive kernels (each kernel reads each input and writes each "
-              "output once), per step. µs = modeled time of the memory-intensive kernels. "
-              "Planner: beam search; plan time measured.", "",
-              "| model | target | mem kernels XLA → stitch | ratio | mem bytes ratio | "
-              "mem µs XLA → stitch | plan time (s) |",
-              "|---|---|---:|---:|---:|---:|---:|"]
-    totals = {t: [0, 0, 0, 0] for t in TARGETS}
-    geo = {t: [] for t in TARGETS}
-    for model in _models():
-        for target in TARGETS:
-            text = (DATA / model / f"full.gpu-{target}.hlo").read_text()
-            start = time.perf_counter()
-            s = stitch.plan(text, target=target).summary()
-            seconds = time.perf_counter() - start
-            b, st = s["baseline"], s["stitched"]
-            lines.append(f"| {model} | {target} | {b['mem_kernels']} → {st['mem_kernels']} | "
-                         f"{_ratio(st['mem_kernels'], b['mem_kernels'])} | "
-                         f"{_ratio(st['mem_hbm_bytes'], b['mem_hbm_bytes'])} | "
-                         f"{b['mem_modeled_us']:.0f} → {st['mem_modeled_us']:.0f} | {seconds:.2f} |")
-            if model in TRAINING:
-                t = totals[target]
-                t[0] += b["mem_kernels"]; t[1] += st["mem_kernels"]
-                t[2] += b["mem_hbm_bytes"]; t[3] += st["mem_hbm_bytes"]
-                geo[target].append((st["mem_kernels"] / b["mem_kernels"],
-                                    st["mem_hbm_bytes"] / b["mem_hbm_bytes"]))
-    lines += ["", "Training graphs (" + ", ".join(TRAINING) + "), all together:", "",
-              "| target | mem kernels XLA → stitch | ratio (sum) | geo-mean ratio | "
-              "mem bytes ratio (sum) | geo-mean bytes ratio |", "|---|---:|---:|---:|---:|---:|"]
+@dataclass
+class Side:
+    """One plan's figures per step (loop bodies weighted by trip count, kernel counts
+    static)."""
+    kernels: int = 0
+    mem_kernels: int = 0
+    mem_bytes: float = 0.0
+    latency_us: float = 0.0
+    formula_us: float = 0.0
+    floor_us: float = 0.0
+    flops: float = 0.0
+    unscheduled: int = 0
+    rows: list[KernelRow] = field(default_factory=list)
+
+
+@dataclass
+class PlanRow:
+    model: str
+    target: str
+    xla: Side
+    stitch: Side
+    plan_s: float
+    reasons: Counter = field(default_factory=Counter)   # why producers stayed unfused
+
+
+def measure(plan: GraphPlan, side: Side, target: str) -> None:
+    """Add one graph plan's kernels to ``side``."""
+    device = DEVICES[target]
+    for k in plan.kernels:
+        if not k.cost.launches:
+            continue
+        side.kernels += 1
+        if not k.is_memory:
+            continue
+        w = plan.weight
+        t = kernel_time(device, kernel_flops(plan.graph, k.members), k.cost.hbm_bytes)
+        side.mem_kernels += 1
+        side.mem_bytes += k.cost.hbm_bytes * w
+        side.latency_us += k.modeled_us * w
+        side.formula_us += t.total_s * 1e6 * w
+        side.floor_us += t.floor_s * 1e6 * w
+        side.flops += t.flops * w
+        side.unscheduled += k.schedule is None
+        side.rows.append(KernelRow(plan.graph.name, k.name, len(k.members), w,
+                                   k.cost.hbm_bytes, k.modeled_us, k.schedule is not None, t))
+
+
+def _reason_kind(line: str) -> str:
+    """A reason line of FusionPlan.reasons() without the op names: its category."""
+    reason = line.split(": ", 2)[-1]
+    return reason.split(" (")[0].split(":")[0][:90]
+
+
+def plan_model(model: str, target: str) -> PlanRow:
+    text = (DATA / model / f"full.gpu-{target}.hlo").read_text()
+    start = time.perf_counter()
+    p = stitch.plan(text, target=target)
+    seconds = time.perf_counter() - start
+    spec = get_spec(target)
+    xla, st = Side(), Side()
+    for g in p.graphs:
+        # XLA's fusions get the latency-evaluator's schedule too: the same yardstick.
+        schedule_plan(g.graph, spec, g.baseline)
+        measure(g.baseline, xla, target)
+        measure(g.stitched, st, target)
+    return PlanRow(model, target, xla, st, seconds, Counter(map(_reason_kind, p.reasons())))
+
+
+def collect_plans(names: list[str], targets=TARGETS, progress: Progress = lambda _: None
+                  ) -> list[PlanRow]:
+    rows = []
+    for model in names:
+        for target in targets:
+            rows.append(plan_model(model, target))
+            progress(f"plans {model} {target}: {rows[-1].plan_s:.2f} s")
+    return rows
+
+
+# --- markdown -------------------------------------------------------------------------
+
+def _arrow(a: float, b: float, fmt: str = "{:.0f}", invert: bool = False) -> str:
+    """'a → b (b/a)', or a/b (a speedup) with ``invert``."""
+    r = ratio(a, b) if invert else ratio(b, a)
+    return f"{fmt.format(a)} → {fmt.format(b)} ({r})"
+
+
+def worse_columns(row: PlanRow) -> list[str]:
+    """The columns where stitch's plan is worse than XLA's."""
+    x, s = row.xla, row.stitch
+    checks = {"kernels": (x.kernels, s.kernels), "mem kernels": (x.mem_kernels, s.mem_kernels),
+              "mem bytes": (x.mem_bytes, s.mem_bytes),
+              "latency-evaluator µs": (x.latency_us, s.latency_us),
+              "XLA-formula µs": (x.formula_us, s.formula_us)}
+    return [f"{name} {a:.4g} → {b:.4g}" for name, (a, b) in checks.items()
+            if b > a * WORSE_TOLERANCE]
+
+
+@dataclass
+class Totals:
+    """Sums and per-model geometric means of stitch/XLA ratios over a set of rows."""
+    rows: list[PlanRow]
+
+    def sum(self, attr: str) -> tuple[float, float]:
+        return (sum(getattr(r.xla, attr) for r in self.rows),
+                sum(getattr(r.stitch, attr) for r in self.rows))
+
+    def geo(self, attr: str) -> float:
+        return geomean(getattr(r.stitch, attr) / getattr(r.xla, attr) for r in self.rows
+                       if getattr(r.xla, attr) > 0 and getattr(r.stitch, attr) > 0)
+
+
+def plans_markdown(rows: list[PlanRow], image: Callable[[str], str | None]) -> list[str]:
+    lines = [
+        "Kernels and bytes are **counted** from XLA's optimized HLO (`tests/data/<model>/"
+        "full.gpu-<target>.hlo`, jax 0.10.2 deviceless compilation) and from stitch's plan of "
+        "the same module (`stitch.plan(hlo, target)`, beam planner); times are **modeled**, "
+        "nothing ran on a GPU. Memory-intensive (mem) = every launching kernel that is not a "
+        "GEMM/conv. Bytes: HBM bytes of the mem kernels per step (each kernel's counted reads "
+        "and writes, partial reads of gathers/slices and in-place updates counted as "
+        "`stitch.cost.delta.kernel_hbm_bytes` does, the same rule on both sides); loop bodies "
+        "count trip-count times, kernel counts once. Two yardsticks for the mem kernels' "
+        "time, each applied to both plans:",
+        "",
+        "- **latency-evaluator**: stitch's §4.3 model; XLA's fusions are scheduled by "
+        "`schedule_kernel` like stitch's (the few it cannot schedule, XLA fusions around a "
+        "scatter, fall back to the delta model on both sides);",
+        "- **XLA formula**: `bench/xla_cost_formula.py`, XLA's GpuPerformanceModel formulas "
+        "written independently of stitch's cost code: 1 µs launch per kernel, T = C + M − "
+        "0.95·min(C, M), C = flops / (SMs × FPUs × 2 × clock), M = bytes / bandwidth, device "
+        "figures from XLA's own target descriptions; flops by HloCostAnalysis's rules with "
+        "recomputation through broadcasts.",
+        "",
+        "Roofline floor = Σ bytes / bandwidth of the mem kernels (no launch); gap = XLA-formula "
+        "time / floor. Cells read `XLA → stitch (ratio)`; ratios are stitch/XLA for counts "
+        "and bytes and XLA/stitch (speed-up, > 1 is better) for times.", ""]
     for target in TARGETS:
-        t = totals[target]
-        gk = math.exp(sum(math.log(r[0]) for r in geo[target]) / len(geo[target]))
-        gb = math.exp(sum(math.log(r[1]) for r in geo[target]) / len(geo[target]))
-        lines.append(f"| {target} | {t[0]} → {t[1]} | {_ratio(t[1], t[0])} | {gk:.2f} | "
-                     f"{_ratio(t[3], t[2])} | {gb:.2f} |")
+        rs = [r for r in rows if r.target == target]
+        if not rs:
+            continue
+        lines += [f"#### {target.upper()}", "",
+                  "| model | mem kernels | mem MB | latency-evaluator µs | XLA-formula µs | "
+                  "floor µs | gap XLA / stitch | plan (s) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rs:
+            x, s = r.xla, r.stitch
+            gap = f"{ratio(x.formula_us, x.floor_us, 1)} / {ratio(s.formula_us, s.floor_us, 1)}"
+            lines.append(
+                f"| {r.model} | {_arrow(x.mem_kernels, s.mem_kernels)} | "
+                f"{_arrow(x.mem_bytes / 1e6, s.mem_bytes / 1e6, '{:.1f}')} | "
+                f"{_arrow(x.latency_us, s.latency_us, '{:.0f}', True)} | "
+                f"{_arrow(x.formula_us, s.formula_us, '{:.0f}', True)} | "
+                f"{x.floor_us:.0f} → {s.floor_us:.0f} | {gap} | {r.plan_s:.2f} |")
+        lines.append("")
+    lines += summary_markdown(rows)
+    for name in ("plans_ratios", "plans_roofline"):
+        link = image(name)
+        if link:
+            lines += [link, ""]
+    return lines
 
 
-def blp_table(lines: list[str], target: str = "h100", time_limit: float = 60.0) -> None:
-    lines += ["", f"### Beam search vs the BLP optimum ({target}, modeled µs of the whole graph)",
-              "", "Objective = sum of modeled kernel times (GEMMs included, identical on both "
-              "sides); the memory-intensive part is shown too. BLP: PuLP + HiGHS, "
-              f"{time_limit:.0f} s limit per graph, candidates = explorer patterns + singletons "
-              "+ the beam plans' kernels, started from the beam's plan. Bound = a proven lower "
-              "bound on the optimum (HiGHS's dual bound, or the optimum of a solve later cut "
-              "for a kernel cycle); beam/bound bounds beam's distance from the optimum where "
-              "the solver stopped at its limit.", "",
-              "| model | graph | beam µs | BLP µs | beam/BLP | bound µs | beam/bound | "
-              "beam mem µs | BLP mem µs | status | gap | BLP vars | BLP time (s) |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+def summary_markdown(rows: list[PlanRow]) -> list[str]:
+    lines = ["### Summary", "",
+             "Geometric means are over models where both sides are non-zero (the "
+             "`gemm_chain_*` models have no mem kernels on V100).", "",
+             "| graphs | target | mem kernels (sum) | geo-mean | mem bytes (sum) | geo-mean | "
+             "latency-evaluator speed-up (sum) | geo-mean | XLA-formula speed-up (sum) | "
+             "geo-mean |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, pick in (("training (" + ", ".join(TRAINING) + ")", lambda r: r.model in TRAINING),
+                        ("all zoo models", lambda r: True)):
+        for target in TARGETS:
+            t = Totals([r for r in rows if r.target == target and pick(r)])
+            if not t.rows:
+                continue
+            k, b, lat, f = (t.sum(a) for a in ("mem_kernels", "mem_bytes", "latency_us",
+                                               "formula_us"))
+            lines.append(
+                f"| {label} | {target} | {k[0]:.0f} → {k[1]:.0f} ({ratio(k[1], k[0])}) | "
+                f"{t.geo('mem_kernels'):.2f} | {ratio(b[1], b[0])} | {t.geo('mem_bytes'):.2f} | "
+                f"{ratio(lat[0], lat[1])} | {1 / t.geo('latency_us'):.2f} | "
+                f"{ratio(f[0], f[1])} | {1 / t.geo('formula_us'):.2f} |")
+    lines += ["", *targets_markdown(rows), ""]
+    worse = [(r, w) for r in rows for w in [worse_columns(r)] if w]
+    lines += [f"**Worse than XLA** (any column, more than {100 * (WORSE_TOLERANCE - 1):.1f}% "
+              f"above): {len(worse)} of {len(rows)} model × target pairs."]
+    lines += [f"- {r.model} {r.target}: {'; '.join(w)}" for r, w in worse]
+    densest = max((k for r in rows for side in (r.xla, r.stitch) for k in side.rows),
+                  key=lambda k: k.formula.flops / max(k.bytes, 1), default=None)
+    if densest:
+        lines += ["", f"Densest mem kernel under the XLA formula's flop count: "
+                  f"{densest.formula.flops / max(densest.bytes, 1):.2f} flops/byte "
+                  f"({densest.name}); the ridge points are "
+                  + ", ".join(f"{t} {DEVICES[t].flops_per_s / DEVICES[t].memory_bandwidth:.1f}"
+                              for t in TARGETS)
+                  + " flops/byte, so every mem kernel is memory-bound under that formula "
+                  "and its time is launch + bytes/bandwidth (+ the small unhidden 5% of C)."]
+    unscheduled = Counter()
+    for r in rows:
+        unscheduled[(r.target, "XLA")] += r.xla.unscheduled
+        unscheduled[(r.target, "stitch")] += r.stitch.unscheduled
+    lines += ["", "Kernels without a latency-evaluator schedule (delta-model time used): " +
+              ", ".join(f"{t} XLA {unscheduled[(t, 'XLA')]} / stitch "
+                        f"{unscheduled[(t, 'stitch')]}" for t in TARGETS) + ".", ""]
+    return lines
+
+
+# The issue's done-when targets over the training graphs: (what, target, limit, kind).
+GOALS = (("mem kernels", "v100", 0.45, "mem_kernels"),
+         ("mem kernels", "h100", 0.65, "mem_kernels"),
+         ("mem bytes", "v100", 0.75, "mem_bytes"),
+         ("mem bytes", "a100", 0.75, "mem_bytes"),
+         ("mem bytes", "h100", 0.75, "mem_bytes"))
+
+
+def targets_markdown(rows: list[PlanRow]) -> list[str]:
+    """The done-when targets, evaluated per training graph and over all of them."""
+    train = [r for r in rows if r.model in TRAINING]
+    lines = ["Done-when targets over the training graphs (stitch/XLA; met = every training "
+             "graph and the sum within the limit):", "",
+             "| target | limit | sum | per graph | met |", "|---|---:|---:|---|---|"]
+    for what, target, limit, attr in GOALS:
+        rs = [r for r in train if r.target == target]
+        if not rs:
+            continue
+        total = Totals(rs).sum(attr)
+        per = {r.model: getattr(r.stitch, attr) / getattr(r.xla, attr) for r in rs}
+        met = total[1] / total[0] <= limit and all(v <= limit for v in per.values())
+        lines.append(f"| {what}, {target} | ≤ {limit:.2f} | {ratio(total[1], total[0])} | "
+                     + ", ".join(f"{m} {v:.2f}" for m, v in per.items())
+                     + f" | {'met' if met else 'missed'} |")
+    rs = [r for r in train if r.target == "v100"]
+    if rs:
+        total = Totals(rs).sum("formula_us")
+        per = {r.model: r.xla.formula_us / r.stitch.formula_us for r in rs}
+        met = total[0] / total[1] >= 1.4 and all(v >= 1.4 for v in per.values())
+        lines.append(f"| mem time speed-up under the XLA formula, v100 | ≥ 1.40 | "
+                     f"{ratio(total[0], total[1])} | "
+                     + ", ".join(f"{m} {v:.2f}" for m, v in per.items())
+                     + f" | {'met' if met else 'missed'} |")
+    worse = [r for r in rows if worse_columns(r)]
+    lines.append(f"| no model × target worse than XLA on any column | 0 | {len(worse)} | "
+                 + ", ".join(sorted({f'{r.model} {r.target}' for r in worse})) + " | "
+                 + ("met" if not worse else "missed") + " |")
+    return lines
+
+
+# --- beam vs BLP, explorer scaling ---------------------------------------------------
+
+@dataclass
+class BlpRow:
+    model: str
+    graph: str
+    beam_us: float
+    blp_us: float
+    bound_us: float
+    beam_mem_us: float
+    blp_mem_us: float
+    status: str
+    gap: float | None
+    variables: object
+    solve_s: float
+    beam_plan_s: float
+
+
+def collect_blp(names: list[str], target: str = "h100", time_limit: float = 60.0,
+                progress: Progress = lambda _: None) -> list[BlpRow]:
     options = stitch.ExplorerOptions(blp_time_limit_s=time_limit)
-    worst = worst_bound = 1.0
-    for model in _models():
+    rows = []
+    for model in names:
         text = (DATA / model / f"full.gpu-{target}.hlo").read_text()
         beam = stitch.plan(text, target=target, planner="beam", options=options)
         blp = stitch.plan(text, target=target, planner="blp", options=options)
         for gb, gl in zip(beam.graphs, blp.graphs):
             if not any(k.cost.launches for k in gb.stitched.kernels):
                 continue
-            ob, ol = gb.stitched.objective_s * 1e6, gl.stitched.objective_s * 1e6
-            mb = sum(k.cost.total_s for k in gb.stitched.kernels if k.is_memory) * 1e6
-            ml = sum(k.cost.total_s for k in gl.stitched.kernels if k.is_memory) * 1e6
             r = gl.report
-            if r.status == "optimal":
-                worst = max(worst, ob / ol)
-            bound = r.detail.get("lower_bound_s", 0.0) * 1e6
-            if bound > 0:
-                worst_bound = max(worst_bound, ob / bound)
-            gap = f"{r.gap:.1e}" if r.gap is not None else "–"
-            lines.append(f"| {model} | {gb.graph.name} | {ob:.1f} | {ol:.1f} | {ob / ol:.3f} | "
-                         f"{bound:.1f} | {(f'{ob / bound:.3f}' if bound else '–')} | "
-                         f"{mb:.1f} | {ml:.1f} | {r.status} | {gap} | "
-                         f"{r.detail.get('variables', '–')} | "
-                         f"{r.detail.get('solve_seconds', float('nan')):.2f} |")
-    lines += ["", f"Worst beam/BLP ratio over graphs solved to optimality: {worst:.3f}; "
-              f"worst beam/lower bound over all graphs: {worst_bound:.3f}."]
+            rows.append(BlpRow(
+                model, gb.graph.name, gb.stitched.objective_s * 1e6,
+                gl.stitched.objective_s * 1e6, r.detail.get("lower_bound_s", 0.0) * 1e6,
+                sum(k.cost.total_s for k in gb.stitched.kernels if k.is_memory) * 1e6,
+                sum(k.cost.total_s for k in gl.stitched.kernels if k.is_memory) * 1e6,
+                r.status, r.gap, r.detail.get("variables", "–"),
+                r.detail.get("solve_seconds", math.nan), gb.report.seconds))
+        progress(f"planner {model}: BLP {sum(r.solve_s for r in rows if r.model == model):.2f} s")
+    return rows
 
 
-def scaling_table(lines: list[str], sizes: list[int]) -> None:
-    lines += ["", "### Explorer cost vs graph size (measured)", "",
-              "`bench/synthetic.py` graphs: stacked transformer-like blocks (layer norm, GEMM, "
-              "bias + tanh-GELU, GEMM, softmax, residual; ~35 ops each), planned for h100 with "
-              "the beam planner (base fusion, PatternReduction both ways + remote fusion, two "
-              "beam searches, refinement and packing of each plan, validation).", "",
-              "| ops | plan time (s) | explorer evaluations |", "|---:|---:|---:|"]
+def blp_markdown(rows: list[BlpRow], target: str, time_limit: float) -> list[str]:
+    lines = [f"### Beam search vs the BLP optimum ({target}, modeled µs of the whole graph)", "",
+             "Objective = sum of the delta cost model's kernel times (GEMMs included, identical "
+             "on both sides); the memory-intensive part is shown too. BLP: PuLP + HiGHS, "
+             f"{time_limit:.0f} s limit per graph, candidates = explorer patterns + singletons "
+             "+ the beam plans' kernels, started from the beam's plan. Bound = a proven lower "
+             "bound on the optimum. Times: beam = the beam planner's time for the graph, BLP = "
+             "the solver's (both measured).", "",
+             "| model | graph | beam µs | BLP µs | beam/BLP | bound µs | beam/bound | "
+             "beam mem µs | BLP mem µs | status | gap | BLP vars | beam (s) | BLP (s) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    worst = worst_bound = 1.0
+    for r in rows:
+        if r.status == "optimal":
+            worst = max(worst, r.beam_us / r.blp_us)
+        if r.bound_us > 0:
+            worst_bound = max(worst_bound, r.beam_us / r.bound_us)
+        gap = f"{r.gap:.1e}" if r.gap is not None else "–"
+        bound = f"{r.beam_us / r.bound_us:.3f}" if r.bound_us else "–"
+        lines.append(f"| {r.model} | {r.graph} | {r.beam_us:.1f} | {r.blp_us:.1f} | "
+                     f"{r.beam_us / r.blp_us:.3f} | {r.bound_us:.1f} | {bound} | "
+                     f"{r.beam_mem_us:.1f} | {r.blp_mem_us:.1f} | {r.status} | {gap} | "
+                     f"{r.variables} | {r.beam_plan_s:.2f} | {r.solve_s:.2f} |")
+    optimal = sum(r.status == "optimal" for r in rows)
+    lines += ["", f"{optimal} of {len(rows)} graphs solved to optimality. Worst beam/BLP over "
+              f"those: {worst:.3f}; worst beam/lower bound over all graphs: {worst_bound:.3f}. "
+              f"Total beam {sum(r.beam_plan_s for r in rows):.1f} s, BLP solver "
+              f"{sum(r.solve_s for r in rows):.1f} s."]
+    return lines
+
+
+def collect_scaling(sizes: list[int], progress: Progress = lambda _: None
+                    ) -> list[tuple[int, float, int]]:
+    """(ops, plan seconds, explorer evaluations) per synthetic graph size."""
     points = []
     for size in sizes:
         text = synthetic_hlo(size)
         start = time.perf_counter()
         p = stitch.plan(text, target="h100")
         seconds = time.perf_counter() - start
-        ops = len(p.graphs[0].graph.nodes)
-        evaluations = p.graphs[0].report.detail.get("evaluations", 0)
-        points.append((ops, seconds))
-        lines.append(f"| {ops} | {seconds:.2f} | {evaluations} |")
+        points.append((len(p.graphs[0].graph.nodes), seconds,
+                       p.graphs[0].report.detail.get("evaluations", 0)))
+        progress(f"scaling {points[-1][0]} ops: {seconds:.2f} s")
+    return points
+
+
+def scaling_markdown(points: list[tuple[int, float, int]],
+                     image: Callable[[str], str | None]) -> list[str]:
+    lines = ["### Explorer cost vs graph size (measured)", "",
+             "`bench/synthetic.py` graphs: stacked transformer-like blocks (layer norm, GEMM, "
+             "bias + tanh-GELU, GEMM, softmax, residual; ~35 ops each), planned for h100 with "
+             "the beam planner (base fusion, PatternReduction both ways + remote fusion, two "
+             "beam searches, refinement and packing of each plan, validation, schedules).", "",
+             "| ops | plan time (s) | explorer evaluations |", "|---:|---:|---:|"]
+    lines += [f"| {o} | {s:.2f} | {e} |" for o, s, e in points]
     if len(points) >= 2:
-        xs = [math.log(o) for o, _ in points]
-        ys = [math.log(s) for _, s in points]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        lines += ["", f"Fitted exponent (time ∝ ops^k, least squares on log-log): k = {slope:.2f}."]
+        lines += ["", "Fitted exponent (time ∝ ops^k, least squares on log-log): "
+                  f"k = {fit_exponent([(o, s) for o, s, _ in points]):.2f}."]
+    link = image("planner_scaling")
+    if link:
+        lines += ["", link]
+    return lines
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--skip-table", action="store_true")
-    parser.add_argument("--skip-blp", action="store_true")
-    parser.add_argument("--skip-scaling", action="store_true")
-    parser.add_argument("--sizes", default="1000,2000,4000,8000,16000")
-    parser.add_argument("--blp-time-limit", type=float, default=60.0)
-    args = parser.parse_args()
-    command = "python -m bench.plans" + (" --skip-blp" if args.skip_blp else "")
-    lines = [START, "## Fusion explorer: plans, planners, cost", "",
-             f"`{command}` — {datetime.date.today()}, "
-             f"{platform.processor() or platform.machine()}, Python {platform.python_version()}.",
-             ""]
-    if not args.skip_table:
-        plan_table(lines)
-    if not args.skip_blp:
-        blp_table(lines, time_limit=args.blp_time_limit)
-    if not args.skip_scaling:
-        scaling_table(lines, [int(s) for s in args.sizes.split(",")])
-    lines.append(END)
-    report = "\n".join(lines) + "\n"
-    if args.out:
-        old = args.out.read_text() if args.out.exists() else ""
-        if START in old and END in old:
-            new = re.sub(re.escape(START) + r".*?" + re.escape(END) + r"\n?", lambda _: report,
-                         old, flags=re.S)
-        else:
-            new = old.rstrip("\n") + "\n\n" + report
-        args.out.write_text(new)
-    print(report)
+    """``python -m bench.plans``: the plans and planner sections (kept for old commands)."""
+    import sys
+
+    from bench.__main__ import main as bench_main
+    bench_main(["plans", "planner", *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""Shared pieces of the benchmark report: the machine line, marked sections of
+docs/benchmarks.md, ratios and geometric means."""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import re
+from pathlib import Path
+from typing import Iterable
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """One line naming the machine the numbers were taken on."""
+    try:
+        import jax
+        jax_version = f", jax {jax.__version__}"
+    except ImportError:
+        jax_version = ""
+    return (f"{os.cpu_count()}-core {cpu_name()}, {platform.system()} {platform.machine()}, "
+            f"Python {platform.python_version()}{jax_version}; no GPU")
+
+
+def stamp(command: str) -> str:
+    return f"`{command}` — {datetime.date.today()}, {machine()}."
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def write_section(path: Path, name: str, body: str, after: str | None = None,
+                  remove: Iterable[tuple[str, str]] = ()) -> None:
+    """Put ``body`` between the ``name`` markers of ``path``, touching nothing else.
+
+    The file is re-read right before writing (other tools write other sections of it).
+    A missing section goes after the section ``after`` when that exists, else at the end.
+    ``remove``: (begin, end) marker pairs of superseded sections to delete."""
+    begin, end = markers(name)
+    section = f"{begin}\n{body.strip()}\n{end}\n"
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    new = old
+    for b, e in remove:
+        new = re.sub(r"\n*" + re.escape(b) + r".*?" + re.escape(e) + r"\n?", "\n", new,
+                     flags=re.S)
+    if begin in new and end in new:
+        new = re.sub(re.escape(begin) + r".*?" + re.escape(end) + r"\n?",
+                     lambda _: section, new, count=1, flags=re.S)
+    else:
+        anchor = markers(after)[1] if after else None
+        if anchor and anchor in new:
+            at = new.index(anchor) + len(anchor)
+            new = new[:at] + "\n\n" + section + new[at:].lstrip("\n")
+            if not new.endswith("\n"):
+                new += "\n"
+        else:
+            new = new.rstrip("\n") + "\n\n" + section
+    path.write_text(new)
+
+
+def ratio(a: float, b: float, digits: int = 2) -> str:
+    """a / b formatted, '–' when b is 0."""
+    return f"{a / b:.{digits}f}" if b else "–"
+
+
+def geomean(values: Iterable[float]) -> float:
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else math.nan
+
+
+def fit_exponent(points: list[tuple[float, float]]) -> float:
+    """k of y ∝ x^k by least squares on log-log."""
+    xs = [math.log(x) for x, _ in points]
+    ys = [math.log(y) for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)

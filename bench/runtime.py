@@ -1,0 +1,157 @@
+"""Step time on this CPU: ``stitch.jit(fn, async_compile=False)`` against ``jax.jit(fn)``.
+
+Per zoo model and config: both jitted functions are called once (compilation, outputs
+compared), then called alternately (jax, stitch, jax, stitch, ...) so that load from other
+processes hits both alike; each call is timed to ``jax.block_until_ready``. Reported: the
+median of each side's calls and their ratio. Skips cleanly when ``stitch.jit`` does not
+exist yet.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from bench.report import geomean
+
+# The zoo has "tiny" (CPU-sized) and "full" (paper-sized) configs, no "medium". Full configs
+# of these single-pattern models run in well under a second per step on a CPU; the whole
+# models' full configs (BERT, transformer, DIEN...) would take minutes per model here.
+FULL_ON_CPU = ("layer_norm", "softmax", "bias_gelu", "bias_gelu_tanh", "layer_norm_nonminor",
+               "column_reduce_broadcast", "log_softmax_xent", "log_softmax_xent_train")
+MIN_CALLS, MAX_CALLS = 5, 41
+BUDGET_S = 2.0               # per model and config, both sides together
+
+
+@dataclass
+class RuntimeRow:
+    model: str
+    config: str
+    jax_s: float = 0.0           # median step time
+    stitch_s: float = 0.0
+    calls: int = 0
+    first_call_s: tuple[float, float] = (0.0, 0.0)   # compile + first run: jax, stitch
+    max_abs_diff: float = 0.0
+    error: str = ""
+    samples: dict[str, list[float]] = field(default_factory=dict, repr=False)
+
+
+def unavailable() -> str:
+    """Why the section cannot run, or '' when it can."""
+    import stitch
+    if not hasattr(stitch, "jit"):
+        return "stitch.jit not available"
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        return "jax not installed"
+    return ""
+
+
+def _timed(fn, args) -> tuple[float, object]:
+    import jax
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start, out
+
+
+def _max_diff(a, b) -> float:
+    import jax
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    if len(la) != len(lb):
+        return float("inf")
+    diffs = [float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+             if np.size(x) else 0.0 for x, y in zip(la, lb)]
+    return max(diffs, default=0.0)
+
+
+def measure(name: str, config: str) -> RuntimeRow:
+    import jax
+
+    import stitch
+    from stitch import models
+
+    inst = models.build(name, config)
+    args = [jax.device_put(a) for a in inst.random_args(0)]
+    row = RuntimeRow(name, config)
+    try:
+        f_jax = jax.jit(inst.fn)
+        f_stitch = stitch.jit(inst.fn, async_compile=False)
+        tj, out_j = _timed(f_jax, args)
+        ts, out_s = _timed(f_stitch, args)
+    except Exception as exc:          # a bench row, not a crash
+        row.error = f"{type(exc).__name__}: {exc}"[:160]
+        return row
+    row.first_call_s = (tj, ts)
+    row.max_abs_diff = _max_diff(out_j, out_s)
+    jax_times: list[float] = []
+    stitch_times: list[float] = []
+    spent = 0.0
+    while len(jax_times) < MAX_CALLS and (len(jax_times) < MIN_CALLS or spent < BUDGET_S):
+        a, _ = _timed(f_jax, args)
+        b, _ = _timed(f_stitch, args)
+        jax_times.append(a)
+        stitch_times.append(b)
+        spent += a + b
+    row.jax_s = statistics.median(jax_times)
+    row.stitch_s = statistics.median(stitch_times)
+    row.calls = len(jax_times)
+    row.samples = {"jax": jax_times, "stitch": stitch_times}
+    return row
+
+
+def collect(names: list[str] | None = None, configs: tuple[str, ...] = ("tiny", "full"),
+            progress: Callable[[str], None] = lambda _: None) -> list[RuntimeRow]:
+    from stitch import models
+
+    rows = []
+    for name in names or models.list_models():
+        for config in configs:
+            if config == "full" and name not in FULL_ON_CPU:
+                continue
+            rows.append(measure(name, config))
+            r = rows[-1]
+            progress(f"runtime {name} {config}: "
+                     + (r.error or f"jax {r.jax_s * 1e3:.2f} ms, stitch {r.stitch_s * 1e3:.2f} ms"))
+    return rows
+
+
+def markdown(rows: list[RuntimeRow] | None, reason: str,
+             image: Callable[[str], str | None]) -> list[str]:
+    lines = ["Measured on this CPU (no GPU): the stitched kernels run as host code (LLVM MCJIT "
+             "SIMT loops, codegen's host target), everything else as XLA CPU compiles it. The "
+             "zoo has `tiny` and `full` configs and no `medium` one: the table uses `tiny` for "
+             "every model and `full` for the single-pattern models (" + ", ".join(FULL_ON_CPU)
+             + "), whose full sizes still run on a CPU in under a second per step.", ""]
+    if rows is None:
+        return lines + [f"**Not measured: {reason}.** `stitch.jit(fn, async_compile=False)` is "
+                        "being written; this section fills in when `python -m bench runtime` "
+                        "runs after it lands (the code is in `bench/runtime.py`)."]
+    lines += ["Median of interleaved calls (jax, stitch, jax, ...; at least "
+              f"{MIN_CALLS}, until {BUDGET_S:.0f} s or {MAX_CALLS} calls), each timed to "
+              "`jax.block_until_ready`; first call = compile + run; max |diff| = largest "
+              "absolute difference between the two sides' outputs.", "",
+              "| model | config | jax.jit (ms) | stitch.jit (ms) | stitch/jax | calls | "
+              "first call jax / stitch (s) | max abs diff |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.error:
+            lines.append(f"| {r.model} | {r.config} | – | failed | – | – | – | {r.error} |")
+            continue
+        lines.append(f"| {r.model} | {r.config} | {r.jax_s * 1e3:.3f} | {r.stitch_s * 1e3:.3f} | "
+                     f"{r.stitch_s / r.jax_s:.2f} | {r.calls} | {r.first_call_s[0]:.2f} / "
+                     f"{r.first_call_s[1]:.2f} | {r.max_abs_diff:.1e} |")
+    ok = [r for r in rows if not r.error and r.jax_s > 0]
+    for config in ("tiny", "full"):
+        rs = [r for r in ok if r.config == config]
+        if rs:
+            lines += ["", f"{config}: geometric mean stitch/jax {geomean(r.stitch_s / r.jax_s for r in rs):.2f} "
+                      f"over {len(rs)} models; stitch faster on "
+                      f"{sum(r.stitch_s < r.jax_s for r in rs)}."]
+    link = image("runtime_ratios")
+    if link:
+        lines += ["", link]
+    return lines
