@@ -11,13 +11,21 @@ and kept in ``Executable.fallbacks``: compilation never fails because one kernel
 PTX for the target's architecture is emitted on demand (``exe.ptx``), in a child process
 (an LLVM abort cannot take the caller down) and through the on-disk compile cache;
 ``exe.ptxas()`` assembles it and reports registers / shared memory / spills per kernel.
+Times (plan, lower and host build per kernel, PTX and ptxas per kernel) and cache hits are
+in ``exe.stats``.
+
+If the planner itself fails on a graph (a planner bug, not bad input), the module is
+planned again without kernel packing, and failing that runs wholly through the evaluator;
+``exe.plan_notes`` says what happened.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
+
 import numpy as np
 
 from codegen.cache import CompileCache, cache_key
@@ -25,16 +33,16 @@ from codegen.errors import CodegenError
 from codegen.host import NUMPY_DTYPES, HostKernel, compile_host
 from codegen.lower import LoweredKernel, lower_kernel
 from codegen.values import leaf
-from hlo_passes import HloModule, parse_hlo
+from hlo_passes import HloModule, HloParseError, parse_hlo
 from hlo_passes.evaluator.dtypes import numpy_dtype
 from hlo_passes.evaluator.interpreter import Evaluator
-from hlo_passes.graph import OpGraph
+from hlo_passes.graph import OpGraph, build_op_graphs
 from hlo_passes.graph_exec import GraphRunner, NumpyBackend, Unit
 from hlo_passes.op_classes import OpClass
 
-from .cost.gpu_specs import get_spec
+from .cost.gpu_specs import UnknownTargetError, get_spec
 from .errors import StitchError
-from .explorer.planner import ExplorerOptions, FusionPlan, plan as make_plan
+from .explorer.planner import ExplorerOptions, FusionPlan, PlanError, plan as make_plan
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +69,16 @@ class CompiledKernel:
     host: HostKernel
     lower_s: float
     build_s: float
+    ptx_s: dict[str, float] = field(default_factory=dict)     # arch -> PTX emission time
+    ptxas_s: dict[str, float] = field(default_factory=dict)   # arch -> ptxas time
 
     @property
     def kernel(self):
         return self.lowered.kernel
+
+    @property
+    def from_cache(self) -> bool:
+        return self.host.from_cache
 
 
 @dataclass
@@ -73,16 +87,19 @@ class Fallback:
     name: str
     graph_index: int
     reason: str
+    error: str = "CodegenError"     # the exception's class: anything else is a bug
 
 
 @dataclass
 class CompileStats:
+    """Seconds spent per phase (wall clock, this process) and compile-cache hits."""
     plan_s: float = 0.0
     lower_s: float = 0.0
     host_build_s: float = 0.0
     host_cache_hits: int = 0
-    ptx_s: float = 0.0
+    ptx_s: float = 0.0              # PTX emission, every arch asked for
     ptx_cache_hits: int = 0
+    ptxas_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -104,19 +121,25 @@ class Executable:
     """A module compiled by stitch: call it like ``hlo_passes.evaluate`` (args in ENTRY
     parameter order; the root's array leaves depth-first)."""
 
-    def __init__(self, module: HloModule, plan: FusionPlan, target: str,
+    def __init__(self, module: HloModule, plan: FusionPlan | None, target: str,
                  kernels: list[CompiledKernel], fallbacks: list[Fallback], stats: CompileStats,
-                 cache: CompileCache | None):
+                 cache: CompileCache | None, *, graphs: list[OpGraph] | None = None,
+                 plan_notes: list[str] | None = None, poison_outputs: bool = False):
         self.module = module
-        self.plan = plan
+        self.plan = plan            # None: planning failed, everything runs in the evaluator
         self.target = target
         self.arch = arch_of(target)
         self.kernels = kernels
         self.fallbacks = fallbacks
         self.stats = stats
         self.cache = cache
+        self.plan_notes: list[str] = list(plan_notes or [])
+        # Kernel output buffers start as NaN (floats) / a sentinel (integers), so an element
+        # a kernel never writes cannot pass for a right one (tests; costs a fill per call).
+        self.poison_outputs = poison_outputs
         self._ptx: dict[str, str] | None = None
-        self.graphs: list[OpGraph] = [g.graph for g in plan.graphs]
+        self.graphs: list[OpGraph] = graphs if graphs is not None else \
+            [g.graph for g in plan.graphs]
         units: dict[int, list[Unit]] = {}
         for ck in kernels:
             units.setdefault(ck.graph_index, []).append(self._unit(ck))
@@ -136,12 +159,22 @@ class Executable:
         def run(values: list[object]) -> list[object]:
             args = [np.ascontiguousarray(np.asarray(v), dtype=NUMPY_DTYPES[p.dtype]).reshape(-1)
                     for p, v in zip(params, values)]
-            outs = [np.empty(p.size, NUMPY_DTYPES[p.dtype]) for p in params[n_in:]]
+            outs = [self._output_buffer(p) for p in params[n_in:]]
             ck.host(*args, *outs)
             return [o.reshape(s.dims).astype(numpy_dtype(s.element_type), copy=False)
                     for o, s in zip(outs, out_shapes)]
         return Unit(frozenset(members), tuple(lowered.inputs), tuple(lowered.outputs), run,
                     ck.name)
+
+    def _output_buffer(self, p) -> np.ndarray:
+        dtype = NUMPY_DTYPES[p.dtype]
+        if not self.poison_outputs:
+            return np.empty(p.size, dtype)
+        if dtype.kind == "f" or dtype == NUMPY_DTYPES["bf16"]:
+            return np.full(p.size, np.nan, dtype)
+        if dtype == np.bool_:
+            return np.ones(p.size, dtype)
+        return np.full(p.size, np.iinfo(dtype).max // 3 + 7, dtype)
 
     def __call__(self, *args: np.ndarray) -> list[np.ndarray]:
         params = self.module.entry.parameters
@@ -172,19 +205,25 @@ class Executable:
 
         out: dict[str, str] = {}
         start = time.perf_counter()
+        libdevice = _libdevice_identity()
         with IsolatedWorker(name="stitch-ptx") as worker:
             for ck in self.kernels:
+                t0 = time.perf_counter()
                 key = cache_key("ptx", _kernel_fingerprint(ck.kernel), arch, llvmlite.__version__,
-                                _libdevice_identity())
+                                libdevice)
                 cached = self.cache.get(key) if self.cache is not None else None
                 if cached is not None:
                     self.stats.ptx_cache_hits += 1
                     out[ck.name] = cached.decode()
-                    continue
-                text = worker.call(_emit_ptx_text, ck.kernel, arch)
-                if self.cache is not None:
-                    self.cache.put(key, text.encode())
-                out[ck.name] = text
+                else:
+                    try:
+                        text = worker.call(_emit_ptx_text, ck.kernel, arch)
+                    except StitchError as exc:   # CodegenError, IsolatedCrash
+                        raise CodegenError(f"kernel {ck.name}: PTX for {arch}: {exc}") from exc
+                    if self.cache is not None:
+                        self.cache.put(key, text.encode())
+                    out[ck.name] = text
+                ck.ptx_s[arch] = time.perf_counter() - t0
         self.stats.ptx_s += time.perf_counter() - start
         return out
 
@@ -195,12 +234,19 @@ class Executable:
 
         arch = arch or self.arch
         ptx = self.ptx if arch == self.arch else self.emit_ptx(arch)
-        return {name: assemble(text, arch, kernel_name=name)[name] for name, text in ptx.items()}
+        reports = {}
+        for ck in self.kernels:
+            t0 = time.perf_counter()
+            reports[ck.name] = assemble(ptx[ck.name], arch, kernel_name=ck.name)[ck.name]
+            ck.ptxas_s[arch] = time.perf_counter() - t0
+            self.stats.ptxas_s += ck.ptxas_s[arch]
+        return reports
 
     # --- reporting ----------------------------------------------------------------------
     def summary(self) -> dict:
         return {"target": self.target, "kernels": len(self.kernels),
                 "fallbacks": [(f.name, f.reason) for f in self.fallbacks],
+                "plan_notes": list(self.plan_notes),
                 "plan_s": round(self.stats.plan_s, 3), "lower_s": round(self.stats.lower_s, 3),
                 "host_build_s": round(self.stats.host_build_s, 3),
                 "host_cache_hits": self.stats.host_cache_hits}
@@ -216,60 +262,105 @@ def _libdevice_identity() -> str:
     return f"{path}:{st.st_size}:{int(st.st_mtime)}"
 
 
+def _plan_with_retries(module: HloModule, target: str, options: ExplorerOptions | None,
+                      notes: list[str]) -> FusionPlan | None:
+    """The fusion plan; a planner failure (a bug, not bad input: PlanError and unknown
+    targets are the caller's) is retried without kernel packing, then given up (None: the
+    module runs through the evaluator). Each failure is logged and noted."""
+    attempts = [options or ExplorerOptions()]
+    if attempts[0].packing:
+        attempts.append(dataclasses.replace(attempts[0], packing=False))
+    for i, opts in enumerate(attempts):
+        try:
+            return make_plan(module, target, options=opts)
+        except (PlanError, UnknownTargetError) as exc:
+            raise CompileError(f"{module.name}: cannot plan for {target}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a planner bug must not stop compilation
+            how = "without packing" if i + 1 < len(attempts) else "through the evaluator"
+            note = (f"planner failed ({type(exc).__name__}: {exc})"
+                    f"{' with packing' if opts.packing else ''}; runs {how}")
+            log.warning("%s: %s", module.name, note)
+            notes.append(note)
+    return None
+
+
+def _build_kernel(k, gi: int, graph: OpGraph, evaluator: Evaluator,
+                  store: CompileCache | None) -> CompiledKernel | Fallback:
+    """Lower and build one planned kernel; any failure becomes a Fallback with its reason
+    (CodegenError: a known limit, logged at info; anything else is a bug: warning)."""
+    def failed(stage: str, exc: Exception) -> Fallback:
+        expected = isinstance(exc, CodegenError)
+        reason = f"{stage}: {exc}" if expected else f"{stage}: {type(exc).__name__}: {exc}"
+        log.log(logging.INFO if expected else logging.WARNING,
+                "kernel %s: runs through the evaluator: %s", k.name, reason)
+        return Fallback(k.name, gi, reason, type(exc).__name__)
+
+    t0 = time.perf_counter()
+    try:
+        lowered = lower_kernel(graph, evaluator, k.schedule, k.name)
+    except Exception as exc:  # noqa: BLE001 - one kernel must not stop compilation
+        return failed("lowering", exc)
+    t1 = time.perf_counter()
+    try:
+        host = compile_host(lowered.kernel, cache=store)
+    except Exception as exc:  # noqa: BLE001
+        return failed("host build", exc)
+    t2 = time.perf_counter()
+    return CompiledKernel(lowered.kernel.name, gi, tuple(k.members), lowered, host,
+                          t1 - t0, t2 - t1)
+
+
 def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
             plan: FusionPlan | None = None, options: ExplorerOptions | None = None,
-            cache: CompileCache | None | bool = True) -> Executable:
+            cache: CompileCache | None | bool = True,
+            poison_outputs: bool = False) -> Executable:
     """Plan ``hlo`` for ``target`` and build its stitched kernels for ``device`` ("cpu": the
     host target; the kernels' PTX for the target is ``Executable.ptx``).
 
     ``cache``: True for the default on-disk cache ($STITCH_CACHE_DIR), a CompileCache, or
-    False/None for none.
+    False/None for none. ``poison_outputs``: kernel output buffers start as NaN / a
+    sentinel (for tests: an unwritten element cannot look right).
+    Raises CompileError for an unknown device or target and for text that does not parse.
     """
     if device not in DEVICES:
         raise CompileError(f"device {device!r} is not supported (supported: {', '.join(DEVICES)})")
-    module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
     try:
         arch_of(target)
     except (KeyError, ValueError) as exc:
         raise CompileError(f"unknown target {target!r}: {exc}") from exc
+    try:
+        module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
+    except HloParseError as exc:
+        raise CompileError(f"cannot parse the HLO: {exc}") from exc
     store = CompileCache() if cache is True else (cache or None)
     stats = CompileStats()
+    notes: list[str] = []
     start = time.perf_counter()
-    fusion_plan = plan if plan is not None else make_plan(module, target, options=options)
+    fusion_plan = plan if plan is not None else _plan_with_retries(module, target, options, notes)
     stats.plan_s = time.perf_counter() - start
     evaluator = Evaluator(module)
     kernels: list[CompiledKernel] = []
     fallbacks: list[Fallback] = []
-    for gi, g in enumerate(fusion_plan.graphs):
+    for gi, g in enumerate(fusion_plan.graphs if fusion_plan is not None else []):
         for k in g.stitched.kernels:
             if k.schedule is None:
                 continue
-            t0 = time.perf_counter()
-            try:
-                lowered = lower_kernel(g.graph, evaluator, k.schedule, k.name)
-            except CodegenError as exc:
-                log.info("kernel %s: runs through the evaluator: %s", k.name, exc)
-                fallbacks.append(Fallback(k.name, gi, str(exc)))
+            built = _build_kernel(k, gi, g.graph, evaluator, store)
+            if isinstance(built, Fallback):
+                fallbacks.append(built)
                 continue
-            t1 = time.perf_counter()
-            try:
-                host = compile_host(lowered.kernel, cache=store)
-            except CodegenError as exc:
-                log.warning("kernel %s: host build failed, runs through the evaluator: %s",
-                            k.name, exc)
-                fallbacks.append(Fallback(k.name, gi, str(exc)))
-                continue
-            t2 = time.perf_counter()
-            stats.lower_s += t1 - t0
-            stats.host_build_s += t2 - t1
-            stats.host_cache_hits += host.from_cache
-            kernels.append(CompiledKernel(lowered.kernel.name, gi, tuple(k.members), lowered, host,
-                                          t1 - t0, t2 - t1))
+            stats.lower_s += built.lower_s
+            stats.host_build_s += built.build_s
+            stats.host_cache_hits += built.from_cache
+            kernels.append(built)
+    graphs = None if fusion_plan is not None else build_op_graphs(module)
     log.info("compiled %s for %s: %d stitched kernels, %d through the evaluator, "
              "plan %.2fs, lower %.2fs, host build %.2fs (%d from the cache)",
              module.name, target, len(kernels), len(fallbacks), stats.plan_s, stats.lower_s,
              stats.host_build_s, stats.host_cache_hits)
-    return Executable(module, fusion_plan, target, kernels, fallbacks, stats, store)
+    return Executable(module, fusion_plan, target, kernels, fallbacks, stats, store,
+                      graphs=graphs, plan_notes=notes, poison_outputs=poison_outputs)
 
 
-__all__ = ["CompileError", "CompiledKernel", "Executable", "Fallback", "arch_of", "compile"]
+__all__ = ["CompileError", "CompileStats", "CompiledKernel", "Executable", "Fallback", "arch_of",
+           "compile"]
