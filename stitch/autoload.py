@@ -1,0 +1,43 @@
+"""What ``STITCH_ENABLE=1`` does once a framework is imported (called by stitch_autoload).
+
+jax: ``jax.jit`` becomes a function with the same signature that returns ``stitch.jit``
+functions (the original stays reachable as ``jax.jit.__stitch_original__``, which stitch's own
+stock path uses). Libraries that bind ``jax.jit`` after jax is imported — Keras' JAX trainer
+among them — get stitch too. Settings come from the environment (stitch/config.py).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+from typing import Any, Callable
+
+from .config import configure_logging
+
+log = logging.getLogger(__name__)
+
+
+def patch(name: str, module: ModuleType) -> None:
+    configure_logging()
+    if name == "jax":
+        patch_jax(module)
+    elif name in ("tensorflow", "keras"):
+        log.debug("STITCH_ENABLE: %s imported; TensorFlow graphs are not rewritten yet "
+                  "(Keras on the JAX backend goes through jax.jit)", name)
+
+
+def patch_jax(jax_module: ModuleType) -> None:
+    original = jax_module.jit
+    if getattr(original, "__stitch_original__", None) is not None:
+        return                                          # already patched
+
+    @functools.wraps(original)
+    def jit(fun: Callable | None = None, /, **kwargs: Any) -> Any:
+        from .jit import jit as stitch_jit
+        if fun is None:                                 # @partial(jax.jit, ...) style
+            return lambda f: stitch_jit(f, **kwargs)
+        return stitch_jit(fun, **kwargs)
+
+    jit.__stitch_original__ = original
+    jax_module.jit = jit
+    log.info("STITCH_ENABLE: jax.jit now compiles stitched kernels in the background")

@@ -1,0 +1,87 @@
+"""Settings read from the environment (documented in the README).
+
+STITCH_ENABLE   1/true: the autoload patches jax.jit / TF / Keras on import (stitch/_boot.py)
+STITCH_ASYNC    0/false: compile before the first call instead of in the background (default 1)
+STITCH_TARGET   the GPU the plan is made for: v100 | a100 | h100 | h200 (default h100)
+STITCH_DEVICE   where stitched kernels run: cpu | gpu (default: gpu when jax has one, else cpu)
+STITCH_VERIFY   1/true: compare the first stitched call with stock XLA and fall back on mismatch
+STITCH_CACHE_DIR  the on-disk compile cache (codegen/cache.py)
+STITCH_LOG      a logging level (debug, info, warning...) for the ``stitch`` logger, printed to
+                stderr; ``kernels`` = info plus every stitched kernel's Kernel IR
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from .errors import StitchError
+
+TARGETS = ("v100", "a100", "h100", "h200")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class ConfigError(StitchError):
+    """A STITCH_* variable has a value stitch does not understand."""
+
+
+def env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+@dataclass(frozen=True)
+class Settings:
+    enable: bool
+    async_compile: bool
+    target: str
+    device: str | None
+    verify: bool
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        target = os.environ.get("STITCH_TARGET", "h100").strip().lower()
+        if target not in TARGETS:
+            raise ConfigError(f"STITCH_TARGET={target!r}: expected one of {', '.join(TARGETS)}")
+        device = os.environ.get("STITCH_DEVICE", "").strip().lower() or None
+        if device not in (None, "cpu", "gpu"):
+            raise ConfigError(f"STITCH_DEVICE={device!r}: expected cpu or gpu")
+        return cls(enable=env_flag("STITCH_ENABLE", False),
+                   async_compile=env_flag("STITCH_ASYNC", True), target=target, device=device,
+                   verify=env_flag("STITCH_VERIFY", False))
+
+
+def log_kernels() -> bool:
+    """STITCH_LOG=kernels: log each stitched kernel's Kernel IR."""
+    return os.environ.get("STITCH_LOG", "").strip().lower() == "kernels"
+
+
+_HANDLER: logging.Handler | None = None
+
+
+def configure_logging() -> None:
+    """Honour STITCH_LOG for library use: a stderr handler on the ``stitch`` logger at that
+    level (once; nothing happens when the variable is unset)."""
+    global _HANDLER
+    raw = os.environ.get("STITCH_LOG", "").strip()
+    if not raw or _HANDLER is not None:
+        return
+    level_name = "INFO" if raw.lower() == "kernels" else raw.upper()
+    level = logging.getLevelName(level_name)
+    if not isinstance(level, int):
+        raise ConfigError(f"STITCH_LOG={raw!r}: expected a logging level or 'kernels'")
+    _HANDLER = logging.StreamHandler(sys.stderr)
+    _HANDLER.setFormatter(logging.Formatter("stitch %(levelname)s: %(message)s"))
+    logger = logging.getLogger("stitch")
+    logger.addHandler(_HANDLER)
+    logger.setLevel(level)
+    logger.propagate = False

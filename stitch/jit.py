@@ -1,0 +1,414 @@
+"""``stitch.jit``: jax.jit that switches to stitched kernels once they are built.
+
+The first calls of each input signature run stock ``jax.jit``; the signature's HLO is planned
+and its stitched kernels built on stitch's compile thread (one thread for the process: all
+LLVM work stays on it); the next call after that switches to the rewritten program
+(``jax_exec.build_stitched`` wrapped in ``jax.jit``). Any failure while planning, building or
+running the stitched program is logged and that signature stays on stock XLA for good; it is
+never raised into the caller's loop. ``verify=True`` runs the first stitched call next to
+the stock one and falls back when they differ.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .config import Settings, configure_logging, log_kernels
+from .errors import StitchError
+
+log = logging.getLogger(__name__)
+
+VERIFY_RTOL = 1e-4           # relative L2 error tolerated by verify=True (f32 reductions)
+
+
+class CompileCancelled(StitchError):
+    """The interpreter is exiting: the compile thread stops between kernels."""
+
+
+# ------------------------------------------------------------------------ compile thread
+class _CompileThread:
+    """One daemon thread running compile jobs in order; joined at interpreter exit (a live
+    LLVM thread at exit has crashed the process), the running job stops between kernels."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    def submit(self, job: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self.stopping.is_set():
+                future.set_exception(CompileCancelled("interpreter is exiting"))
+                return future
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stitch-compile",
+                                                daemon=True)
+                self._thread.start()
+                atexit.register(self.shutdown)
+        self._jobs.put((job, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - reported through the future
+                future.set_exception(exc)
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        with self._lock:
+            self.stopping.set()
+            thread = self._thread
+        if thread is None:
+            return
+        self._jobs.put(None)
+        thread.join(timeout)
+        if thread.is_alive():
+            log.warning("stitch compile thread still busy after %.0fs at exit", timeout)
+
+    def check(self) -> None:
+        if self.stopping.is_set():
+            raise CompileCancelled("interpreter is exiting")
+
+
+_COMPILER = _CompileThread()
+
+
+def run_on_compile_thread(job: Callable[[], Any]) -> Any:
+    """Run ``job`` on stitch's compile thread and wait for it (keeps LLVM on one thread)."""
+    if threading.current_thread().name == "stitch-compile":
+        return job()
+    return _COMPILER.submit(job).result()
+
+
+# ------------------------------------------------------------------------------- stats
+@dataclass
+class JitStats:
+    """What one ``stitch.jit`` function did (all signatures together)."""
+    calls: int = 0
+    stitched_calls: int = 0
+    compile_seconds: float = 0.0
+    switched_at_call: int | None = None        # the first call served by stitched kernels
+    kernels_before: int | None = None          # plan baseline (XLA-like) kernels
+    kernels_after: int | None = None           # kernels of the stitched plan
+    stitched_kernels: int | None = None        # of those, built as stitched FFI kernels
+    signatures: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Entry:
+    """One input signature: compiling → ready | failed."""
+    state: str = "compiling"
+    future: Future | None = None
+    program: Any = None                 # jax_exec.StitchedProgram
+    call: Callable | None = None        # jax.jit of the program over dynamic leaves
+    out_tree: Any = None
+    verified: bool = False
+    reason: str = ""
+
+
+def _stock_jit() -> Callable:
+    import jax
+    return getattr(jax.jit, "__stitch_original__", jax.jit)
+
+
+def _is_tracer(x: Any) -> bool:
+    import jax
+    return isinstance(x, jax.core.Tracer)
+
+
+class StitchedFunction:
+    """The callable ``stitch.jit`` returns; attributes it lacks (``lower``, ``trace``...)
+    come from the stock ``jax.jit`` function."""
+
+    def __init__(self, fn: Callable, *, target: str | None, device: str | None,
+                 async_compile: bool, verify: bool, static_argnums: Sequence[int],
+                 static_argnames: Sequence[str], jit_kwargs: dict):
+        configure_logging()
+        settings = Settings.from_env()
+        self.fn = fn
+        self.target = target or settings.target
+        self.device = device
+        self.async_compile = async_compile
+        self.verify = verify
+        self.static_argnums = tuple(sorted(int(i) for i in static_argnums))
+        self.static_argnames = tuple(static_argnames)
+        self.stock = _stock_jit()(fn, static_argnums=self.static_argnums,
+                                  static_argnames=self.static_argnames, **jit_kwargs)
+        self.stats = JitStats()
+        self._entries: dict[Any, _Entry] = {}
+        self._lock = threading.Lock()
+        self._signature = _safe_signature(fn)
+        self.__name__ = getattr(fn, "__name__", "fn")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__wrapped__ = fn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["stock"], name)
+
+    def __repr__(self) -> str:
+        return f"stitch.jit({self.__qualname__}, target={self.target!r})"
+
+    # --- signatures ---------------------------------------------------------------------
+    def _split(self, args: tuple, kwargs: dict) -> tuple[Any, list, list, tuple]:
+        """(cache key, dynamic leaves, static values, dynamic structure)."""
+        import jax
+
+        static_pos = set(self.static_argnums)
+        for name in self.static_argnames:
+            if name not in kwargs and self._signature is not None:
+                params = list(self._signature.parameters)
+                if name in params and params.index(name) < len(args):
+                    static_pos.add(params.index(name))
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
+        static = tuple((i, args[i]) for i in sorted(static_pos) if i < len(args))
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        static += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
+        leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        avals = []
+        for x in leaves:
+            if _is_tracer(x):
+                return None, leaves, static, tree
+            arr = x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
+            avals.append((tuple(arr.shape), str(arr.dtype), bool(getattr(x, "weak_type", False))))
+        try:
+            key = (tree, tuple(avals), static)
+            hash(key)
+        except TypeError:
+            return None, leaves, static, tree
+        return key, leaves, static, tree
+
+    # --- calling ------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key, leaves, _, _ = self._split(args, kwargs)
+        with self._lock:
+            self.stats.calls += 1
+            call_number = self.stats.calls
+            entry = self._entries.get(key) if key is not None else None
+            start = key is not None and entry is None
+            if start:
+                entry = self._entries[key] = _Entry()
+                self.stats.signatures += 1
+        if start:
+            self._start_compile(entry, args, kwargs, call_number)
+        if entry is None or entry.state != "ready":
+            return self.stock(*args, **kwargs)
+        return self._call_stitched(entry, leaves, args, kwargs, call_number)
+
+    def _call_stitched(self, entry: _Entry, leaves: list, args: tuple, kwargs: dict,
+                       call_number: int) -> Any:
+        import jax
+
+        try:
+            outs = entry.call(*leaves)
+            result = jax.tree_util.tree_unflatten(entry.out_tree, list(outs))
+            if self.verify and not entry.verified:
+                reason = self._verify(result, args, kwargs)
+                if reason is not None:
+                    self._fail(entry, f"verify: stitched result differs from XLA ({reason})")
+                    return self.stock(*args, **kwargs)
+                entry.verified = True
+        except Exception as exc:  # noqa: BLE001 - never into the training loop
+            self._fail(entry, f"stitched call failed: {type(exc).__name__}: {exc}")
+            return self.stock(*args, **kwargs)
+        with self._lock:
+            self.stats.stitched_calls += 1
+            if self.stats.switched_at_call is None:
+                self.stats.switched_at_call = call_number
+                log.info("%s: switched to stitched kernels at call %d (%s kernels -> %s, "
+                         "%s stitched)", self.__qualname__, call_number,
+                         self.stats.kernels_before, self.stats.kernels_after,
+                         self.stats.stitched_kernels)
+        return result
+
+    def _verify(self, result: Any, args: tuple, kwargs: dict) -> str | None:
+        import jax
+
+        from .jax_exec import poison_check
+
+        expected = jax.tree_util.tree_leaves(self.stock(*args, **kwargs))
+        got = jax.tree_util.tree_leaves(result)
+        for i, (a, b) in enumerate(zip(got, expected)):
+            why = poison_check(np.asarray(a), np.asarray(b), VERIFY_RTOL)
+            if why is not None:
+                return f"output {i}: {why}"
+        return None
+
+    def _fail(self, entry: _Entry, reason: str) -> None:
+        entry.state, entry.reason, entry.call = "failed", reason, None
+        with self._lock:
+            self.stats.fallbacks.append(reason)
+        log.warning("%s: falls back to XLA: %s", self.__qualname__, reason)
+
+    # --- compiling ----------------------------------------------------------------------
+    def _start_compile(self, entry: _Entry, args: tuple, kwargs: dict, call_number: int) -> None:
+        import jax
+
+        # Abstract values only: the compile thread must not keep the caller's buffers alive.
+        specs_args = jax.tree_util.tree_map(_spec_of, args)
+        specs_kwargs = jax.tree_util.tree_map(_spec_of, kwargs)
+        for i in self.static_argnums:
+            if i < len(args):
+                specs_args = specs_args[:i] + (args[i],) + specs_args[i + 1:]
+        for name in self.static_argnames:
+            if name in kwargs:
+                specs_kwargs[name] = kwargs[name]
+        log.info("%s: compiling stitched kernels for %s (call %d, %s)", self.__qualname__,
+                 self.target, call_number, "in the background" if self.async_compile
+                 else "before running")
+        job = functools.partial(self._compile, entry, specs_args, specs_kwargs)
+        entry.future = _COMPILER.submit(job)
+        if not self.async_compile:
+            try:
+                entry.future.result()
+            except BaseException:  # noqa: BLE001 - recorded by _compile
+                pass
+
+    def _compile(self, entry: _Entry, args: tuple, kwargs: dict) -> None:
+        from hlo_passes import parse_hlo
+
+        from .jax_exec import build_stitched
+
+        start = time.perf_counter()
+        try:
+            lowering_jit = _stock_jit()(self.fn, static_argnums=self.static_argnums,
+                                        static_argnames=self.static_argnames, keep_unused=True)
+            lowered = lowering_jit.lower(*args, **kwargs)
+            module = parse_hlo(lowered.as_text(dialect="hlo"))
+            _check_parameters(module, lowered)
+            device = self.device or _default_device()
+            program = build_stitched(module, self.target, device, progress=_progress)
+            if not program.kernels:
+                raise StitchError("the plan has no stitched kernel to run "
+                                  f"({len(program.fallbacks)} could not be built)")
+            if log_kernels():
+                from codegen.printer import format_kernel
+                for k in program.kernels:
+                    log.info("kernel %s:\n%s", k.name, format_kernel(k.lowered.kernel))
+            call = _stock_jit()(program.fn)
+            out_tree = lowered.out_tree
+        except Exception as exc:  # noqa: BLE001 - any failure means stock XLA
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self.stats.compile_seconds += elapsed
+            self._fail(entry, f"compile failed after {elapsed:.1f}s: "
+                              f"{type(exc).__name__}: {exc}")
+            return
+        elapsed = time.perf_counter() - start
+        summary = program.summary()
+        with self._lock:
+            self.stats.compile_seconds += elapsed
+            self.stats.kernels_before = summary["kernels_before"]
+            self.stats.kernels_after = summary["kernels_after"]
+            self.stats.stitched_kernels = summary["stitched_kernels"]
+        entry.program, entry.call, entry.out_tree = program, call, out_tree
+        entry.state = "ready"
+        log.info("%s: stitched program ready in %.1fs: %d stitched kernels (%d left to XLA); "
+                 "plan %d kernels vs %d baseline", self.__qualname__, elapsed,
+                 len(program.kernels), len(program.fallbacks), summary["kernels_after"],
+                 summary["kernels_before"])
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every signature seen so far has finished compiling; True when all
+        are ready (False: some fell back or the timeout passed)."""
+        with self._lock:
+            entries = list(self._entries.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for e in entries:
+            if e.future is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                e.future.result(left)
+            except Exception:  # noqa: BLE001 - timeouts and failures both mean "not ready"
+                return False
+        return all(e.state == "ready" for e in entries)
+
+    def programs(self) -> list[Any]:
+        """The stitched programs built so far (``jax_exec.StitchedProgram``)."""
+        with self._lock:
+            return [e.program for e in self._entries.values() if e.program is not None]
+
+
+def _progress(message: str) -> None:
+    _COMPILER.check()
+    log.debug("compile: %s", message)
+
+
+def _spec_of(x: Any) -> Any:
+    import jax
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False))
+    if isinstance(x, (bool, int, float, complex)):
+        return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype, weak_type=True)
+    return x
+
+
+def _check_parameters(module, lowered) -> None:
+    """The rewritten program is called with the dynamic leaves: one HLO parameter each."""
+    n = len(module.entry.parameters)
+    leaves = lowered.in_tree.num_leaves
+    if n != leaves:
+        raise StitchError(f"the HLO has {n} parameters for {leaves} array arguments")
+
+
+def _default_device() -> str:
+    import jax
+    return "gpu" if jax.default_backend() == "gpu" else "cpu"
+
+
+def _safe_signature(fn: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def jit(fn: Callable | None = None, *, target: str | None = None, device: str | None = None,
+        async_compile: bool | None = None, verify: bool | None = None,
+        static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+        **jit_kwargs: Any) -> Any:
+    """Like ``jax.jit``, switching to stitched kernels once they are built (module docstring).
+
+    ``target``: the GPU the fusion plan is made for (default STITCH_TARGET or "h100");
+    ``device``: "cpu" runs the stitched kernels' host programs, "gpu" their PTX (default:
+    gpu when jax has one); ``async_compile`` (default STITCH_ASYNC, on): compile in the
+    background while stock XLA runs; ``verify`` (default STITCH_VERIFY, off): check the
+    first stitched call against XLA. Other keyword arguments go to ``jax.jit``.
+    Usable as ``@stitch.jit`` or ``@stitch.jit(target="v100")``.
+    """
+    settings = Settings.from_env()
+    options = dict(target=target, device=device,
+                   async_compile=settings.async_compile if async_compile is None else async_compile,
+                   verify=settings.verify if verify is None else verify,
+                   static_argnums=(static_argnums,) if isinstance(static_argnums, int)
+                   else tuple(static_argnums),
+                   static_argnames=(static_argnames,) if isinstance(static_argnames, str)
+                   else tuple(static_argnames),
+                   jit_kwargs=jit_kwargs)
+    if fn is None:
+        return lambda f: StitchedFunction(f, **options)
+    return StitchedFunction(fn, **options)
