@@ -283,8 +283,16 @@ class _KernelBuilder:
         sched = self.schedule
         body: list[kir.Stmt] = []
         schemes = []
+        # A written value in no part (a free op, e.g. a reshape of a parameter the module
+        # returns) is stored by the part with the most blocks: it depends on no part.
+        owned = set().union(*(p.members for p in sched.parts))
+        orphans = [v for v in self.outputs if v not in owned]
+        host_part = max(range(len(sched.parts)), key=lambda i: sched.parts[i].blocks) \
+            if sched.parts else -1
         for index, part in enumerate(sched.parts):
             written = [v for v in self.outputs if v in set(part.members)]
+            if index == host_part:
+                written += orphans
             em = self.emitter()
             em.push()
             local_block = kir.Binary("sub", kir.BlockIdx(), _c(part.block_offset)) \

@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
+import hlo_passes
 import stitch
 from codegen.errors import CodegenError
 from codegen.lower import lower_kernel, reference_values, run_on_host
@@ -364,3 +365,35 @@ def test_pred_column_reduction_combines_without_shuffles(unit):
     x = np.abs(rng.standard_normal((50, 40))).astype(np.float32)
     x[rng.integers(0, 50, 10), rng.integers(0, 40, 10)] *= -1     # some columns fail
     _check(graph, Evaluator(module), members, lowered, rng, {lowered.inputs[0]: x})
+
+
+def test_free_output_in_no_part_is_written():
+    """Fuzz seed 35: a reshape of a parameter returned by the module is a member of the
+    stitched kernel but of none of its schedule's parts (it is free); the kernel must still
+    store it (it was left as the poison NaN)."""
+    from stitch.compiler import compile as stitch_compile
+
+    text = f"""{HEAD}ENTRY main {{
+  x = f32[5] parameter(0)
+  y = f32[4,100] parameter(1)
+  t = f32[5] tanh(x)
+  ninf = f32[] constant(-inf)
+  m = f32[] reduce(t, ninf), dimensions={{0}}, to_apply=max
+  mb = f32[5] broadcast(m), dimensions={{}}
+  d = f32[5] subtract(t, mb)
+  a = f32[4,100] abs(y)
+  r = f32[1,5] reshape(x)
+  ROOT o = (f32[5], f32[4,100], f32[1,5]) tuple(d, a, r)
+}}
+"""
+    exe = stitch_compile(text, "v100", cache=False, poison_outputs=True)
+    graph = exe.graphs[0]
+    free = [n.id for n in graph.nodes if n.opcode == "reshape"]
+    (kernel,) = [k for k in exe.kernels if free[0] in k.members]
+    assert free[0] in kernel.lowered.outputs
+    rng = np.random.default_rng(35)
+    args = [rng.standard_normal((5,)).astype(np.float32),
+            rng.standard_normal((4, 100)).astype(np.float32)]
+    want = hlo_passes.evaluate(exe.module, args)
+    for got, ref in zip(exe(*args), want):
+        assert np.allclose(got, ref, rtol=1e-6), (got, ref)

@@ -1,0 +1,233 @@
+"""Random memory-intensive HLO modules for differential fuzzing of the compiler
+(tests/test_fuzz_codegen.py): f32 parameters of small random shapes, elementwise unary and
+binary ops (cheap and expensive: exp, log, rsqrt, tanh, divide, each kept finite), broadcast,
+reduce (add / max) over random axes including non-minor ones, the reduce-broadcast-back
+pattern of softmax / layer norm, reshape, transpose, slice and concatenate. ``module(seed)``
+is a pure function of the seed."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tests.fixtures import REDUCERS
+
+DIM_SIZES = (1, 2, 3, 4, 5, 7, 8, 16, 17, 32, 33, 40, 64, 100)
+MAX_ELEMENTS = 6000
+
+
+@dataclass
+class _Value:
+    name: str
+    dims: tuple[int, ...]
+
+
+def _shape(dims: tuple[int, ...]) -> str:
+    return f"f32[{','.join(map(str, dims))}]"
+
+
+@dataclass
+class HloBuilder:
+    """Appends instructions to an ENTRY computation; every value is f32."""
+    rng: np.random.Generator
+    lines: list[str] = field(default_factory=list)
+    values: list[_Value] = field(default_factory=list)
+    params: list[_Value] = field(default_factory=list)
+    _n: int = 0
+
+    def _emit(self, op: str, dims: tuple[int, ...], rest: str, keep: bool = True) -> _Value:
+        self._n += 1
+        v = _Value(f"{op.replace('-', '_')}.{self._n}", dims)
+        self.lines.append(f"  {v.name} = {_shape(dims)} {op}{rest}")
+        if keep:
+            self.values.append(v)
+        return v
+
+    # --- leaves ----------------------------------------------------------------------
+    def parameter(self, dims: tuple[int, ...]) -> _Value:
+        v = self._emit("parameter", dims, f"({len(self.params)})")
+        self.params.append(v)
+        return v
+
+    def constant(self, value: float, dims: tuple[int, ...]) -> _Value:
+        self._n += 1
+        scalar = f"c.{self._n}"
+        self.lines.append(f"  {scalar} = f32[] constant({value!r})")
+        if not dims:
+            return _Value(scalar, ())
+        return self._emit("broadcast", dims, f"({scalar}), dimensions={{}}", keep=False)
+
+    # --- ops -------------------------------------------------------------------------
+    def unary(self, op: str, x: _Value, keep: bool = True) -> _Value:
+        return self._emit(op, x.dims, f"({x.name})", keep)
+
+    def binary(self, op: str, a: _Value, b: _Value, keep: bool = True) -> _Value:
+        assert a.dims == b.dims
+        return self._emit(op, a.dims, f"({a.name}, {b.name})", keep)
+
+    def plus_one_abs(self, x: _Value) -> _Value:
+        """|x| + 1 (>= 1: log, rsqrt and divide stay finite)."""
+        a = self.unary("abs", x, keep=False)
+        return self.binary("add", a, self.constant(1.0, x.dims), keep=False)
+
+    def broadcast(self, x: _Value, dims: tuple[int, ...], mapping: tuple[int, ...]) -> _Value:
+        return self._emit("broadcast", dims,
+                          f"({x.name}), dimensions={{{','.join(map(str, mapping))}}}")
+
+    def reduce(self, x: _Value, axes: tuple[int, ...], kind: str) -> _Value:
+        init = self.constant(0.0 if kind == "add" else float("-inf"), ())
+        dims = tuple(d for i, d in enumerate(x.dims) if i not in axes)
+        return self._emit("reduce", dims, f"({x.name}, {init.name}), dimensions="
+                          f"{{{','.join(map(str, axes))}}}, to_apply={kind}")
+
+    def reshape(self, x: _Value, dims: tuple[int, ...]) -> _Value:
+        assert math.prod(dims) == math.prod(x.dims)
+        return self._emit("reshape", dims, f"({x.name})")
+
+    def transpose(self, x: _Value, perm: tuple[int, ...]) -> _Value:
+        dims = tuple(x.dims[p] for p in perm)
+        return self._emit("transpose", dims,
+                          f"({x.name}), dimensions={{{','.join(map(str, perm))}}}")
+
+    def slice(self, x: _Value, starts: tuple[int, ...], limits: tuple[int, ...]) -> _Value:
+        dims = tuple(b - a for a, b in zip(starts, limits))
+        spec = ", ".join(f"[{a}:{b}]" for a, b in zip(starts, limits))
+        return self._emit("slice", dims, f"({x.name}), slice={{{spec}}}")
+
+    def concatenate(self, a: _Value, b: _Value, axis: int) -> _Value:
+        dims = tuple(d + (b.dims[i] if i == axis else 0) for i, d in enumerate(a.dims))
+        return self._emit("concatenate", dims, f"({a.name}, {b.name}), dimensions={{{axis}}}")
+
+    def text(self, outputs: list[_Value]) -> str:
+        body = "\n".join(self.lines)
+        if len(outputs) == 1:
+            root = f"  ROOT out = {_shape(outputs[0].dims)} copy({outputs[0].name})"
+        else:
+            types = ", ".join(_shape(v.dims) for v in outputs)
+            root = f"  ROOT out = ({types}) tuple({', '.join(v.name for v in outputs)})"
+        return f"HloModule fuzz\n\n{REDUCERS}\nENTRY main {{\n{body}\n{root}\n}}\n"
+
+
+# ------------------------------------------------------------------------------ generator
+
+def _random_dims(rng: np.random.Generator, rank: int | None = None) -> tuple[int, ...]:
+    rank = int(rng.integers(1, 4)) if rank is None else rank
+    while True:
+        dims = tuple(int(d) for d in rng.choice(DIM_SIZES, rank))
+        if math.prod(dims) <= MAX_ELEMENTS:
+            return dims
+
+
+def _factorizations(dims: tuple[int, ...], rng: np.random.Generator) -> tuple[int, ...]:
+    """Another shape with the same element count: merge two adjacent dims, split one, or
+    drop/add a 1."""
+    choices = []
+    if len(dims) >= 2:
+        i = int(rng.integers(0, len(dims) - 1))
+        choices.append(dims[:i] + (dims[i] * dims[i + 1],) + dims[i + 2:])
+    splittable = [i for i, d in enumerate(dims) if d > 1 and any(d % f == 0 for f in (2, 4, 5))]
+    if splittable and len(dims) < 4:
+        i = int(rng.choice(splittable))
+        f = next(f for f in (4, 2, 5) if dims[i] % f == 0)
+        choices.append(dims[:i] + (dims[i] // f, f) + dims[i + 1:])
+    if len(dims) < 4:
+        i = int(rng.integers(0, len(dims) + 1))
+        choices.append(dims[:i] + (1,) + dims[i:])
+    return choices[int(rng.integers(0, len(choices)))]
+
+
+UNARY = ("negate", "abs", "exponential", "log", "rsqrt", "tanh", "sqrt")
+BINARY = ("add", "subtract", "multiply", "maximum", "minimum", "divide")
+KINDS = ("unary", "binary", "binary", "broadcast", "reduce", "reduce_back", "reduce_back",
+         "reshape", "transpose", "slice", "concatenate")
+
+
+def _op(b: HloBuilder, rng: np.random.Generator) -> None:
+    kind = KINDS[int(rng.integers(0, len(KINDS)))]
+    # Recent values more often: chains, not only fans from the parameters.
+    weights = np.arange(1, len(b.values) + 1, dtype=float) ** 1.5
+    x = b.values[int(rng.choice(len(b.values), p=weights / weights.sum()))]
+    if kind == "unary":
+        op = UNARY[int(rng.integers(0, len(UNARY)))]
+        if op == "exponential":          # exp(tanh x): bounded
+            b.unary("exponential", b.unary("tanh", x, keep=False))
+        elif op in ("log", "rsqrt", "sqrt"):
+            b.unary(op, b.plus_one_abs(x))
+        else:
+            b.unary(op, x)
+    elif kind == "binary":
+        same = [v for v in b.values if v.dims == x.dims]
+        y = same[int(rng.integers(0, len(same)))]
+        op = BINARY[int(rng.integers(0, len(BINARY)))]
+        b.binary(op, x, b.plus_one_abs(y) if op == "divide" else y)
+    elif kind == "broadcast":
+        if len(x.dims) >= 3:
+            return
+        pos = int(rng.integers(0, len(x.dims) + 1))
+        size = int(rng.choice(DIM_SIZES[:10]))
+        dims = x.dims[:pos] + (size,) + x.dims[pos:]
+        if math.prod(dims) > MAX_ELEMENTS:
+            return
+        mapping = tuple(i if i < pos else i + 1 for i in range(len(x.dims)))
+        b.broadcast(x, dims, mapping)
+    elif kind in ("reduce", "reduce_back"):
+        if not x.dims:
+            return
+        n = int(rng.integers(1, len(x.dims) + 1))
+        axes = tuple(sorted(int(a) for a in rng.choice(len(x.dims), n, replace=False)))
+        red = "add" if rng.random() < 0.6 else "max"
+        r = b.reduce(x, axes, red)
+        if kind == "reduce_back":
+            kept = tuple(i for i in range(len(x.dims)) if i not in axes)
+            back = b.broadcast(r, x.dims, kept)
+            op = ("subtract", "multiply", "divide", "add")[int(rng.integers(0, 4))]
+            b.binary(op, x, b.plus_one_abs(back) if op == "divide" else back)
+    elif kind == "reshape":
+        b.reshape(x, _factorizations(x.dims, rng))
+    elif kind == "transpose":
+        if len(x.dims) < 2:
+            return
+        b.transpose(x, tuple(int(p) for p in rng.permutation(len(x.dims))))
+    elif kind == "slice":
+        if not x.dims or max(x.dims) < 2:
+            return
+        axis = int(rng.choice([i for i, d in enumerate(x.dims) if d >= 2]))
+        lo = int(rng.integers(0, x.dims[axis] - 1))
+        hi = int(rng.integers(lo + 1, x.dims[axis] + 1))
+        starts = tuple(lo if i == axis else 0 for i in range(len(x.dims)))
+        limits = tuple(hi if i == axis else d for i, d in enumerate(x.dims))
+        b.slice(x, starts, limits)
+    elif kind == "concatenate":
+        if not x.dims:
+            return
+        axis = int(rng.integers(0, len(x.dims)))
+        others = [v for v in b.values if len(v.dims) == len(x.dims) and all(
+            d == e for i, (d, e) in enumerate(zip(v.dims, x.dims)) if i != axis)]
+        y = others[int(rng.integers(0, len(others)))]
+        if math.prod(x.dims) + math.prod(y.dims) <= MAX_ELEMENTS:
+            b.concatenate(x, y, axis)
+
+
+def module(seed: int) -> tuple[str, list[tuple[int, ...]]]:
+    """(HLO text, parameter shapes) of the random module of ``seed``."""
+    rng = np.random.default_rng(seed)
+    b = HloBuilder(rng)
+    first = _random_dims(rng)
+    b.parameter(first)
+    for _ in range(int(rng.integers(0, 3))):
+        # Extra parameters share the first one's shape half the time (binary ops need it).
+        b.parameter(first if rng.random() < 0.5 else _random_dims(rng))
+    for _ in range(int(rng.integers(3, 15))):
+        _op(b, rng)
+    computed = [v for v in b.values if v not in b.params] or b.values[:1]
+    outputs = [computed[-1]]
+    extra = [v for v in computed[:-1] if rng.random() < 0.25]
+    outputs += extra[:2]
+    return b.text(outputs), [p.dims for p in b.params]
+
+
+def random_args(shapes: list[tuple[int, ...]], seed: int) -> list[np.ndarray]:
+    """Fresh N(0, 1) inputs (never zeros)."""
+    rng = np.random.default_rng(seed + 1_000_003)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
