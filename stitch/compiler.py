@@ -42,6 +42,7 @@ from hlo_passes.op_classes import OpClass
 
 from .cost.gpu_specs import UnknownTargetError, get_spec
 from .errors import StitchError
+from .explorer.patterns import is_plannable
 from .explorer.planner import ExplorerOptions, FusionPlan, PlanError, plan as make_plan
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ class Fallback:
     name: str
     graph_index: int
     reason: str
-    error: str = "CodegenError"     # the exception's class: anything else is a bug
+    # The exception's class: CodegenError (a known limit of codegen), ScheduleError (the
+    # planner chose a kernel it could not schedule), anything else is a bug.
+    error: str = "CodegenError"
 
 
 @dataclass
@@ -344,6 +347,12 @@ def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
     for gi, g in enumerate(fusion_plan.graphs if fusion_plan is not None else []):
         for k in g.stitched.kernels:
             if k.schedule is None:
+                if k.kind == "fused" and k.schedule_note and \
+                        all(is_plannable(g.graph, v) for v in k.members):
+                    # A stitched kernel the planner chose but could not schedule (a planner
+                    # bug): it runs through the evaluator like any other fallback.
+                    fallbacks.append(Fallback(k.name, gi, f"no schedule: {k.schedule_note}",
+                                              "ScheduleError"))
                 continue
             built = _build_kernel(k, gi, g.graph, evaluator, store)
             if isinstance(built, Fallback):
