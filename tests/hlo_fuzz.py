@@ -2,7 +2,8 @@
 (tests/test_fuzz_codegen.py): f32 parameters of small random shapes, elementwise unary and
 binary ops (cheap and expensive: exp, log, rsqrt, tanh, divide, each kept finite), broadcast,
 reduce (add / max) over random axes including non-minor ones, the reduce-broadcast-back
-pattern of softmax / layer norm, reshape, transpose, slice and concatenate. ``module(seed)``
+pattern of softmax and the two dependent reductions of layer norm, reshape, transpose,
+slice, concatenate, reverse, pad and compare + select. ``module(seed)``
 is a pure function of the seed."""
 from __future__ import annotations
 
@@ -99,6 +100,25 @@ class HloBuilder:
         dims = tuple(d + (b.dims[i] if i == axis else 0) for i, d in enumerate(a.dims))
         return self._emit("concatenate", dims, f"({a.name}, {b.name}), dimensions={{{axis}}}")
 
+    def reverse(self, x: _Value, axes: tuple[int, ...]) -> _Value:
+        return self._emit("reverse", x.dims,
+                          f"({x.name}), dimensions={{{','.join(map(str, axes))}}}")
+
+    def pad(self, x: _Value, low: tuple[int, ...], high: tuple[int, ...]) -> _Value:
+        zero = self.constant(0.0, ())
+        dims = tuple(d + a + b for d, a, b in zip(x.dims, low, high))
+        spec = "x".join(f"{a}_{b}" for a, b in zip(low, high))
+        return self._emit("pad", dims, f"({x.name}, {zero.name}), padding={spec}")
+
+    def select_greater(self, a: _Value, b: _Value) -> _Value:
+        """select(a > b, a, b) through a pred compare."""
+        self._n += 1
+        pred = f"gt.{self._n}"
+        dims = ",".join(map(str, a.dims))
+        self.lines.append(f"  {pred} = pred[{dims}] compare({a.name}, {b.name}), "
+                          "direction=GT")
+        return self._emit("select", a.dims, f"({pred}, {a.name}, {b.name})")
+
     def text(self, outputs: list[_Value]) -> str:
         body = "\n".join(self.lines)
         if len(outputs) == 1:
@@ -140,7 +160,7 @@ def _factorizations(dims: tuple[int, ...], rng: np.random.Generator) -> tuple[in
 UNARY = ("negate", "abs", "exponential", "log", "rsqrt", "tanh", "sqrt")
 BINARY = ("add", "subtract", "multiply", "maximum", "minimum", "divide")
 KINDS = ("unary", "binary", "binary", "broadcast", "reduce", "reduce_back", "reduce_back",
-         "reshape", "transpose", "slice", "concatenate")
+         "norm", "reshape", "transpose", "slice", "concatenate", "reverse", "pad", "select")
 
 
 def _op(b: HloBuilder, rng: np.random.Generator) -> None:
@@ -183,6 +203,36 @@ def _op(b: HloBuilder, rng: np.random.Generator) -> None:
             back = b.broadcast(r, x.dims, kept)
             op = ("subtract", "multiply", "divide", "add")[int(rng.integers(0, 4))]
             b.binary(op, x, b.plus_one_abs(back) if op == "divide" else back)
+    elif kind == "norm":
+        # Layer norm over random axes: two reductions of the same rows, the second of a
+        # value derived from the first's result.
+        if not x.dims:
+            return
+        n = int(rng.integers(1, len(x.dims) + 1))
+        axes = tuple(sorted(int(a) for a in rng.choice(len(x.dims), n, replace=False)))
+        kept = tuple(i for i in range(len(x.dims)) if i not in axes)
+        count = math.prod(x.dims[a] for a in axes)
+        mean = b.reduce(x, axes, "add")
+        mean = b.binary("multiply", mean, b.constant(1.0 / count, mean.dims), keep=False)
+        centered = b.binary("subtract", x, b.broadcast(mean, x.dims, kept), keep=False)
+        var = b.reduce(b.binary("multiply", centered, centered, keep=False), axes, "add")
+        scale = b.unary("rsqrt", b.plus_one_abs(var), keep=False)
+        b.binary("multiply", centered, b.broadcast(scale, x.dims, kept))
+    elif kind == "reverse":
+        if not x.dims:
+            return
+        n = int(rng.integers(1, len(x.dims) + 1))
+        b.reverse(x, tuple(sorted(int(a) for a in rng.choice(len(x.dims), n, replace=False))))
+    elif kind == "pad":
+        if not x.dims:
+            return
+        low = tuple(int(v) for v in rng.integers(0, 3, len(x.dims)))
+        high = tuple(int(v) for v in rng.integers(0, 3, len(x.dims)))
+        if math.prod(d + a + c for d, a, c in zip(x.dims, low, high)) <= MAX_ELEMENTS:
+            b.pad(x, low, high)
+    elif kind == "select":
+        same = [v for v in b.values if v.dims == x.dims]
+        b.select_greater(x, same[int(rng.integers(0, len(same)))])
     elif kind == "reshape":
         b.reshape(x, _factorizations(x.dims, rng))
     elif kind == "transpose":
