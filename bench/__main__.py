@@ -52,6 +52,7 @@ class Report:
         self.img_dir: Path | None = args.img_dir or (args.out.parent / "img" if args.out else None)
         self.seconds: dict[str, float] = {}
         self.plan_rows: list[plans_mod.PlanRow] = []
+        self.load: tuple[float, ...] = os.getloadavg()    # at the current section's start
 
     def image(self, name: str, draw: Callable[[Path], Path]) -> None:
         if self.img_dir is not None:
@@ -65,7 +66,7 @@ class Report:
         return f"![{name}]({where})"
 
     def write(self, name: str, lines: list[str], seconds: float | None = None) -> None:
-        head = [f"## {TITLES[name]}", "", stamp(self.command)
+        head = [f"## {TITLES[name]}", "", stamp(self.command, self.load)
                 + (f" Section run time {seconds:.0f} s (measured)." if seconds else ""), ""]
         body = "\n".join(head + lines)
         if self.out is None:
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     for name in sections:
         log(f"section {name}")
+        report.load = os.getloadavg()
         RUNNERS[name](report)
     total = time.perf_counter() - start
     if "all" in args.sections:

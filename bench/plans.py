@@ -11,6 +11,7 @@ written independently); planning times are measured.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,8 +21,9 @@ import stitch
 from bench.report import fit_exponent, geomean, ratio
 from bench.synthetic import synthetic_hlo
 from bench.xla_cost_formula import DEVICES, KernelTime, kernel_flops, kernel_time
+from stitch.cost.delta import kernel_hbm_bytes
 from stitch.cost.gpu_specs import get_spec
-from stitch.explorer.plan import GraphPlan
+from stitch.explorer.plan import GraphPlan, kernel_kind
 from stitch.explorer.planner import schedule_plan
 from tests.fixtures import DATA
 
@@ -72,7 +74,12 @@ class PlanRow:
     xla: Side
     stitch: Side
     plan_s: float
-    reasons: Counter = field(default_factory=Counter)   # why producers stayed unfused
+    # HBM bytes of values one stitched mem kernel writes and another reads, by why the
+    # producer and consumer were not fused (see ``crossing_bytes``).
+    crossing: Counter = field(default_factory=Counter)
+    # Mem bytes if every mem op of each graph were one kernel: only values crossing GEMMs,
+    # opaque ops and graph edges move (a lower bound for plans that keep GEMMs apart).
+    bytes_bound: float = 0.0
 
 
 def measure(plan: GraphPlan, side: Side, target: str) -> None:
@@ -97,10 +104,63 @@ def measure(plan: GraphPlan, side: Side, target: str) -> None:
                                    k.cost.hbm_bytes, k.modeled_us, k.schedule is not None, t))
 
 
-def _reason_kind(line: str) -> str:
-    """A reason line of FusionPlan.reasons() without the op names: its category."""
-    reason = line.split(": ", 2)[-1]
-    return reason.split(" (")[0].split(":")[0][:90]
+# Instruction names in reason texts (reduce_sum.232.3, scatter-add.6.1): replaced by "X" so
+# that alike reasons add up.
+_NAME = re.compile(r"\b[A-Za-z_][\w-]*\.[\w.-]*\d\b")
+
+
+def reason_kind(reason: str) -> str:
+    """The category of an explorer reason: op names removed, details in brackets cut."""
+    return _NAME.sub("X", reason).split(" (")[0].strip()
+
+
+def _users_through_free(graph, v: int) -> list[int]:
+    """The users of v, looking through free aliases (bitcasts) to the ops reading them."""
+    found, stack, seen = [], list(graph.nodes[v].users), set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if graph.is_free(u) and graph.nodes[u].opcode not in ("while", "conditional"):
+            stack.extend(graph.nodes[u].users)
+        else:
+            found.append(u)
+    return sorted(found)
+
+
+def crossing_bytes(result, target: str) -> Counter:
+    """Bytes of values that cross between two memory-intensive kernels of the stitched plan
+    (value size × (1 write + 1 read per other mem kernel reading it), per step), by the
+    explorer's reason for not fusing the producer with its first such consumer: the traffic
+    a better plan could still remove."""
+    graph, plan = result.graph, result.stitched
+    owners: dict[int, set[int]] = {}
+    mem = [k for k in plan.kernels if k.is_memory]
+    for i, k in enumerate(mem):
+        for v in k.members:
+            owners.setdefault(v, set()).add(i)
+    out: Counter = Counter()
+    for v, ks in owners.items():
+        node = graph.nodes[v]
+        if graph.is_free(v):
+            continue
+        readers: set[int] = set()
+        reason = ""
+        for u in _users_through_free(graph, v):
+            uk = owners.get(u, set())
+            if not uk or uk & ks:
+                continue
+            readers |= uk
+            if not reason:
+                if kernel_kind(graph, (u,)) == "opaque" or kernel_kind(graph, (v,)) == "opaque":
+                    reason = "one side is an opaque op stitch does not generate (scatter)"
+                else:
+                    reason = reason_kind(result.reasons.get(
+                        (v, u), "another pattern scored higher in beam search"))
+        if readers:
+            out[reason] += node.shape.byte_size * (1 + len(readers)) * plan.weight
+    return out
 
 
 def plan_model(model: str, target: str) -> PlanRow:
@@ -115,7 +175,12 @@ def plan_model(model: str, target: str) -> PlanRow:
         schedule_plan(g.graph, spec, g.baseline)
         measure(g.baseline, xla, target)
         measure(g.stitched, st, target)
-    return PlanRow(model, target, xla, st, seconds, Counter(map(_reason_kind, p.reasons())))
+    crossing = sum((crossing_bytes(g, target) for g in p.graphs), Counter())
+    bound = 0.0
+    for g in p.graphs:
+        members = {v for k in g.baseline.kernels if k.is_memory for v in k.members}
+        bound += kernel_hbm_bytes(g.graph, members) * g.baseline.weight if members else 0
+    return PlanRow(model, target, xla, st, seconds, crossing, bound)
 
 
 def collect_plans(names: list[str], targets=TARGETS, progress: Progress = lambda _: None
@@ -236,16 +301,18 @@ def summary_markdown(rows: list[PlanRow]) -> list[str]:
     lines += [f"**Worse than XLA** (any column, more than {100 * (WORSE_TOLERANCE - 1):.1f}% "
               f"above): {len(worse)} of {len(rows)} model × target pairs."]
     lines += [f"- {r.model} {r.target}: {'; '.join(w)}" for r, w in worse]
-    densest = max((k for r in rows for side in (r.xla, r.stitch) for k in side.rows),
-                  key=lambda k: k.formula.flops / max(k.bytes, 1), default=None)
-    if densest:
-        lines += ["", f"Densest mem kernel under the XLA formula's flop count: "
-                  f"{densest.formula.flops / max(densest.bytes, 1):.2f} flops/byte "
-                  f"({densest.name}); the ridge points are "
-                  + ", ".join(f"{t} {DEVICES[t].flops_per_s / DEVICES[t].memory_bandwidth:.1f}"
-                              for t in TARGETS)
-                  + " flops/byte, so every mem kernel is memory-bound under that formula "
-                  "and its time is launch + bytes/bandwidth (+ the small unhidden 5% of C)."]
+    bound = [(t, k) for t in TARGETS for r in rows if r.target == t
+             for side in (r.xla, r.stitch) for k in side.rows
+             if k.formula.compute_s > k.formula.memory_s]
+    every = sum(len(side.rows) for r in rows for side in (r.xla, r.stitch))
+    lines += ["", f"Under the XLA formula {len(bound)} of {every} mem kernel launches (all "
+              "targets, both sides) are compute-bound (C > M; ridge points "
+              + ", ".join(f"{t} {DEVICES[t].flops_per_s / DEVICES[t].memory_bandwidth:.1f}"
+                          for t in TARGETS) + " flops/byte)"
+              + (": " + ", ".join(sorted({f"{k.name} ({t}, {k.formula.flops / max(k.bytes, 1):.0f}"
+                                          " flops/byte)" for t, k in bound})[:6])
+                 if bound else "")
+              + "; every other mem kernel costs launch + bytes/bandwidth + 5% of its C."]
     unscheduled = Counter()
     for r in rows:
         unscheduled[(r.target, "XLA")] += r.xla.unscheduled
@@ -253,6 +320,44 @@ def summary_markdown(rows: list[PlanRow]) -> list[str]:
     lines += ["", "Kernels without a latency-evaluator schedule (delta-model time used): " +
               ", ".join(f"{t} XLA {unscheduled[(t, 'XLA')]} / stitch "
                         f"{unscheduled[(t, 'stitch')]}" for t in TARGETS) + ".", ""]
+    return lines + bytes_markdown(rows) + [""]
+
+
+def bytes_markdown(rows: list[PlanRow]) -> list[str]:
+    """Where the training graphs' remaining mem bytes are (counted)."""
+    train = [r for r in rows if r.model in TRAINING]
+    if not train:
+        return []
+    lines = ["#### Where the remaining bytes are (training graphs, counted)", "",
+             "Bound = the mem bytes if all mem ops of each graph were one kernel (only values "
+             "crossing GEMMs, opaque ops and graph edges move): no plan that keeps GEMMs "
+             "apart goes below it. Crossing = values one stitched mem kernel writes and "
+             "another reads (size × (1 write + 1 read per reading kernel)), by the explorer's "
+             "reason for not fusing the producer with its consumer (op names replaced by X).",
+             "", "| target | XLA MB | stitch MB | bound MB | stitch/XLA | bound/XLA | "
+             "crossing MB |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for t in TARGETS:
+        rs = [r for r in train if r.target == t]
+        if not rs:
+            continue
+        x, s_ = Totals(rs).sum("mem_bytes")
+        b = sum(r.bytes_bound for r in rs)
+        c = sum(sum(r.crossing.values()) for r in rs)
+        lines.append(f"| {t} | {x / 1e6:.0f} | {s_ / 1e6:.0f} | {b / 1e6:.0f} | {ratio(s_, x)} | "
+                     f"{ratio(b, x)} | {c / 1e6:.0f} |")
+    reasons = Counter()
+    for r in train:
+        reasons.update(r.crossing)
+    lines += ["", "| reason the producer stays apart | " + " | ".join(
+        f"{t} MB (largest model)" for t in TARGETS) + " |",
+        "|---|" + "---:|" * len(TARGETS)]
+    for reason, _ in reasons.most_common(8):
+        cells = []
+        for t in TARGETS:
+            per = {r.model: r.crossing.get(reason, 0) for r in train if r.target == t}
+            top = max(per, key=per.get)
+            cells.append(f"{sum(per.values()) / 1e6:.0f} ({top})" if per[top] else "0")
+        lines.append(f"| {reason} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -280,15 +385,18 @@ def targets_markdown(rows: list[PlanRow]) -> list[str]:
         lines.append(f"| {what}, {target} | ≤ {limit:.2f} | {ratio(total[1], total[0])} | "
                      + ", ".join(f"{m} {v:.2f}" for m, v in per.items())
                      + f" | {'met' if met else 'missed'} |")
-    rs = [r for r in train if r.target == "v100"]
-    if rs:
+    for target in ("v100",):
+        rs = [r for r in train if r.target == target]
+        if not rs:
+            continue
         total = Totals(rs).sum("formula_us")
         per = {r.model: r.xla.formula_us / r.stitch.formula_us for r in rs}
-        met = total[0] / total[1] >= 1.4 and all(v >= 1.4 for v in per.values())
-        lines.append(f"| mem time speed-up under the XLA formula, v100 | ≥ 1.40 | "
+        low = [m for m, v in per.items() if v < 1.4]
+        verdict = ("met" if total[0] / total[1] >= 1.4 else "missed") + " by the sum, " + (
+            "met by every graph" if not low else f"missed by {len(low)} of {len(per)} graphs")
+        lines.append(f"| mem time speed-up under the XLA formula, {target} | ≥ 1.40 | "
                      f"{ratio(total[0], total[1])} | "
-                     + ", ".join(f"{m} {v:.2f}" for m, v in per.items())
-                     + f" | {'met' if met else 'missed'} |")
+                     + ", ".join(f"{m} {v:.2f}" for m, v in per.items()) + f" | {verdict} |")
     worse = [r for r in rows if worse_columns(r)]
     lines.append(f"| no model × target worse than XLA on any column | 0 | {len(worse)} | "
                  + ", ".join(sorted({f'{r.model} {r.target}' for r in worse})) + " | "

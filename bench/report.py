@@ -34,8 +34,14 @@ def machine() -> str:
             f"Python {platform.python_version()}{jax_version}; no GPU")
 
 
-def stamp(command: str) -> str:
-    return f"`{command}` — {datetime.date.today()}, {machine()}."
+def stamp(command: str, load: tuple[float, ...] | None = None) -> str:
+    """The command, date and machine; ``load``: the 1/5/15-minute load average when the
+    section started (other processes share this machine: it says how much to trust
+    measured times)."""
+    where = f"`{command}` — {datetime.date.today()}, {machine()}"
+    if load:
+        where += "; load average " + " / ".join(f"{x:.1f}" for x in load) + " at its start"
+    return where + "."
 
 
 def markers(name: str) -> tuple[str, str]:
