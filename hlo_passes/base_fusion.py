@@ -494,6 +494,92 @@ class _BaseFusion:
         return merged
 
     # --- result -------------------------------------------------------------------------
+    def write_what_is_read(self, result: list[list[int]], unfixable: set[int] | None = None
+                           ) -> list[list[int]]:
+        """Every value a group reads from outside must be written by a group holding it.
+        Duplication can break that: a reader copied into a second group takes its producer
+        along only where the producer itself was fused, so the second copy reads a value
+        that its first group uses only inside (a scalar convert feeding two compares was
+        seen in a Keras train step). The producer is then duplicated into the reader too,
+        when that keeps the group convex; repeated until nothing is missing."""
+        outputs = set(self.graph.outputs)
+        unfixable = set() if unfixable is None else unfixable
+        for _ in range(len(self.nodes)):
+            written: set[int] = set()
+            for group in result:
+                members = set(group)
+                written.update(m for m in group if m in outputs
+                               or any(u not in members for u in self.nodes[m].users))
+            changed = False
+            for gi, group in enumerate(result):
+                members = set(group)
+                missing = {o for m in group for o in self.nodes[m].operands
+                           if o not in members and not self.free[o] and o not in written
+                           and self.groups_of[o]}
+                for o in sorted(missing - unfixable):
+                    if self.graph.is_convex(members | {o}):
+                        members.add(o)
+                        changed = True
+                        continue
+                    # Not convex here: o becomes a kernel of its own that writes it for
+                    # every reader, unless that closes a cycle (o's producer inside a
+                    # holder); then the plan is left as it is and its validation says why.
+                    try:
+                        result = self.relaunch([[m for m in g if m != o] for g in result]
+                                               + [[o]])
+                    except AssertionError:
+                        unfixable.add(o)
+                        continue
+                    return self.write_what_is_read(result, unfixable)
+                result[gi] = sorted(members)
+            if not changed:
+                return result
+        return result
+
+    def relaunch(self, result: list[list[int]]) -> list[list[int]]:
+        """Groups in a valid launch order again (each after the groups writing what it
+        reads; among ready groups, the earliest first op first)."""
+        result = [g for g in result if g]
+        holder: dict[int, list[int]] = {}
+        for gi, group in enumerate(result):
+            for m in group:
+                holder.setdefault(m, []).append(gi)
+        sets = [set(g) for g in result]
+        outputs = set(self.graph.outputs)
+
+        def writers(o: int) -> list[int]:
+            # A recomputed value comes from the holders that write it (use it outside).
+            held = holder.get(o, [])
+            writing = [h for h in held if o in outputs
+                       or any(u not in sets[h] for u in self.nodes[o].users)]
+            return writing or held
+        preds = [set() for _ in result]
+        for gi, group in enumerate(result):
+            for m in group:
+                for o in self.nodes[m].operands:
+                    if o not in sets[gi]:
+                        preds[gi].update(h for h in writers(o) if h != gi)
+        order: list[int] = []
+        done: set[int] = set()
+        ready = [(result[g][0], g) for g in range(len(result)) if not preds[g]]
+        heapq.heapify(ready)
+        succs = [[] for _ in result]
+        for gi, p in enumerate(preds):
+            for q in p:
+                succs[q].append(gi)
+        waiting = [len(p) for p in preds]
+        while ready:
+            _, g = heapq.heappop(ready)
+            order.append(g)
+            done.add(g)
+            for s in succs[g]:
+                waiting[s] -= 1
+                if not waiting[s]:
+                    heapq.heappush(ready, (result[s][0], s))
+        if len(order) != len(result):
+            raise AssertionError(f"{self.graph.name}: base fusion groups form a cycle")
+        return [result[g] for g in order]
+
     def run(self) -> list[list[int]]:
         self.fuse_producers()
         self.link_groups()
@@ -502,6 +588,7 @@ class _BaseFusion:
         rows = self.fuse_rows() if self.row_fusion else 0
         result = [sorted(self.groups[g].members) for g in self.launch_order()
                   if not all(self.free[m] for m in self.groups[g].members)]
+        result = self.write_what_is_read(result)
         log.debug("base fusion of %s: %d groups (merges: %d sibling, %d producer-consumer, "
                   "%d row)", self.graph.name, len(result), siblings, chained, rows)
         return result

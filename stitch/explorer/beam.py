@@ -201,23 +201,46 @@ def kernel_levels(graph: OpGraph, groups: list[frozenset[int]],
     their own with weight 0 (free ops: they pass dependencies on without adding a level),
     groups weigh 1 (or ``weights``), so two groups on one level have no path between them.
     Raises ValueError when the groups form a cycle."""
-    unit = list(range(len(groups), len(groups) + len(graph.nodes)))
+    n_groups = len(groups)
+    n_units = n_groups + len(graph.nodes)
+    sets = [set(g) for g in groups]
+    outputs = set(graph.outputs)
+    holders: list[list[int]] = [[] for _ in graph.nodes]
     for gi, g in enumerate(groups):
         for v in g:
-            unit[v] = gi
-    n_units = len(groups) + len(graph.nodes)
-    weight = [1] * len(groups) + [0] * len(graph.nodes)
+            holders[v].append(gi)
+
+    # A value held by several groups (a recomputed producer) comes from those that write
+    # it (use it outside themselves); an op in no group is a unit of its own.
+    def sources(o: int) -> list[int]:
+        held = holders[o]
+        if not held:
+            return [n_groups + o]
+        writing = [h for h in held if any(u not in sets[h] for u in graph.nodes[o].users)
+                   or o in outputs]
+        return writing or held
+
+    weight = [1] * n_groups + [0] * len(graph.nodes)
     if weights is not None:
-        weight[:len(groups)] = weights
+        weight[:n_groups] = weights
     succ: list[set[int]] = [set() for _ in range(n_units)]
     indegree = [0] * n_units
+
+    def edge(a: int, b: int) -> None:
+        if a != b and b not in succ[a]:
+            succ[a].add(b)
+            indegree[b] += 1
+    for gi, g in enumerate(groups):
+        for m in g:
+            for o in graph.nodes[m].operands:
+                if o not in sets[gi]:
+                    for h in sources(o):
+                        edge(h, gi)
     for node in graph.nodes:
-        a = unit[node.id]
-        for u in node.users:
-            b = unit[u]
-            if a != b and b not in succ[a]:
-                succ[a].add(b)
-                indegree[b] += 1
+        if not holders[node.id]:
+            for o in node.operands:
+                for h in sources(o):
+                    edge(h, n_groups + node.id)
     level = [0] * n_units
     ready = [x for x in range(n_units) if indegree[x] == 0]
     seen = 0
@@ -256,7 +279,10 @@ def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
                 current, parts = g, 1
                 continue
             union = current | g
-            if len(union) > max_ops:
+            # Same level means no path between the two in the kernel graph; with recomputed
+            # producers the op graph can still leave and re-enter the union (the validator's
+            # convexity rule), so that is checked too.
+            if len(union) > max_ops or not graph.is_convex(union):
                 result.append((current, parts > 1))
                 current, parts = g, 1
                 continue
@@ -393,7 +419,8 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         if not got:
             continue
         union = got[1]
-        if duplicated and _closes_cycle(graph, kernels, a, b, union):
+        if duplicated and (not graph.is_convex(union)
+                           or _closes_cycle(graph, kernels, a, b, union)):
             continue
         del kernels[a], kernels[b]
         merged_into[a] = merged_into[b] = next_id

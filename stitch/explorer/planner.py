@@ -292,7 +292,7 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
         if kernels <= base_kernels and nbytes <= base_bytes:
             allowed.append((label, p))
         else:
-            log.info("graph %s: %s set aside: %d memory kernels / %d bytes vs baseline %d / %d",
+            log.debug("graph %s: %s set aside: %d memory kernels / %d bytes vs baseline %d / %d",
                      graph.name, label, kernels, nbytes, base_kernels, base_bytes)
     schedules: ScheduleCache = {}
     detail: dict = {"evaluations": candidates.stats.evaluations, "candidates": len(patterns),
@@ -403,6 +403,6 @@ def plan(hlo: str | HloModule, target: str = "h100", planner: str = "beam",
     results = [plan_graph(g, spec, planner, source, options, w) for g, w in zip(graphs, weights)]
     fusion_plan = FusionPlan(module.name, spec.name, planner, source, results,
                              time.perf_counter() - start)
-    log.info("planned %s for %s with %s in %.2f s: %s", module.name, spec.name, planner,
+    log.debug("planned %s for %s with %s in %.2f s: %s", module.name, spec.name, planner,
              fusion_plan.seconds, fusion_plan.summary())
     return fusion_plan
