@@ -31,12 +31,20 @@ def patch_jax(jax_module: ModuleType) -> None:
     if getattr(original, "__stitch_original__", None) is not None:
         return                                          # already patched
 
+    def wrap(fun: Callable, kwargs: dict) -> Any:
+        try:
+            from .jit import jit as stitch_jit
+            return stitch_jit(fun, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - never break the user's jax.jit
+            log.warning("%s stays on stock jax.jit: %s: %s",
+                        getattr(fun, "__qualname__", fun), type(exc).__name__, exc)
+            return original(fun, **kwargs)
+
     @functools.wraps(original)
     def jit(fun: Callable | None = None, /, **kwargs: Any) -> Any:
-        from .jit import jit as stitch_jit
         if fun is None:                                 # @partial(jax.jit, ...) style
-            return lambda f: stitch_jit(f, **kwargs)
-        return stitch_jit(fun, **kwargs)
+            return lambda f: wrap(f, kwargs)
+        return wrap(fun, kwargs)
 
     jit.__stitch_original__ = original
     jax_module.jit = jit

@@ -299,6 +299,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    if args.target not in PLAN_TARGETS:
+        raise StitchError(f"unknown target {args.target!r} (one of {', '.join(PLAN_TARGETS)})")
+    report = run_demo(args.model, args.config, args.target, steps=args.steps,
+                      ptxas=not args.no_ptxas, out=lambda line: print(line, flush=True))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    ok = report["switched_at_call"] is not None and report["max_loss_rel_diff"] <= 1e-4
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stitch", description="FusionStitching for XLA.")
     parser.add_argument("--log", default=None, help="logging level (default: STITCH_LOG or warning)")
@@ -337,6 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--reasons", action="store_true",
                       help="say why producers were not fused with their consumers")
     plan.set_defaults(func=_cmd_plan)
+
+    demo = sub.add_parser("demo", help="train a zoo model under stitch.jit (the main job)")
+    demo.add_argument("--model", default="bert_layer_train")
+    demo.add_argument("--config", default="tiny", choices=("tiny", "full"))
+    demo.add_argument("--target", default="h100", help=f"one of {', '.join(PLAN_TARGETS)}")
+    demo.add_argument("--steps", type=int, default=40,
+                      help="steps at least, and steps after the switch")
+    demo.add_argument("--no-ptxas", action="store_true", help="skip the ptxas check")
+    demo.add_argument("--json", metavar="OUT", help="also write the report as JSON")
+    demo.set_defaults(func=_cmd_demo)
     return parser
 
 

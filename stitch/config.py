@@ -5,7 +5,11 @@ STITCH_ASYNC    0/false: compile before the first call instead of in the backgro
 STITCH_TARGET   the GPU the plan is made for: v100 | a100 | h100 | h200 (default h100)
 STITCH_DEVICE   where stitched kernels run: cpu | gpu (default: gpu when jax has one, else cpu)
 STITCH_VERIFY   1/true: compare the first stitched call with stock XLA and fall back on mismatch
+STITCH_GUARD    0/false: keep the stitched kernels even where they time slower than stock
+                XLA over the first calls after the switch (default 1: keep the faster)
 STITCH_CACHE_DIR  the on-disk compile cache (codegen/cache.py)
+STITCH_INJECT_FAILURE  testing aid: ``compile`` makes every stitched compile fail (the
+                fallback path), ``run`` every stitched call
 STITCH_LOG      a logging level (debug, info, warning...) for the ``stitch`` logger, printed to
                 stderr; ``kernels`` = info plus every stitched kernel's Kernel IR
 """
@@ -46,6 +50,7 @@ class Settings:
     target: str
     device: str | None
     verify: bool
+    guard: bool
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -57,7 +62,13 @@ class Settings:
             raise ConfigError(f"STITCH_DEVICE={device!r}: expected cpu or gpu")
         return cls(enable=env_flag("STITCH_ENABLE", False),
                    async_compile=env_flag("STITCH_ASYNC", True), target=target, device=device,
-                   verify=env_flag("STITCH_VERIFY", False))
+                   verify=env_flag("STITCH_VERIFY", False), guard=env_flag("STITCH_GUARD", True))
+
+
+def injected_failure(stage: str) -> None:
+    """Raise when STITCH_INJECT_FAILURE names ``stage`` (fault injection for tests)."""
+    if os.environ.get("STITCH_INJECT_FAILURE", "").strip().lower() == stage:
+        raise StitchError(f"failure injected by STITCH_INJECT_FAILURE={stage}")
 
 
 def log_kernels() -> bool:

@@ -23,12 +23,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .config import Settings, configure_logging, log_kernels
+from .config import Settings, configure_logging, injected_failure, log_kernels
 from .errors import StitchError
 
 log = logging.getLogger(__name__)
 
 VERIFY_RTOL = 1e-4           # relative L2 error tolerated by verify=True (f32 reductions)
+GUARD_CALLS = 5              # timed calls per side before the guard decides
 
 
 class CompileCancelled(StitchError):
@@ -112,6 +113,7 @@ class JitStats:
     stitched_kernels: int | None = None        # of those, built as stitched FFI kernels
     signatures: int = 0
     fallbacks: list[str] = field(default_factory=list)
+    guard: dict = field(default_factory=dict)    # the guard's timings and decision
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -127,6 +129,9 @@ class _Entry:
     out_tree: Any = None
     verified: bool = False
     reason: str = ""
+    trial_stitched: list[float] = field(default_factory=list)   # guard timings (s)
+    trial_stock: list[float] = field(default_factory=list)
+    guard_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _stock_jit() -> Callable:
@@ -144,7 +149,7 @@ class StitchedFunction:
     come from the stock ``jax.jit`` function."""
 
     def __init__(self, fn: Callable, *, target: str | None, device: str | None,
-                 async_compile: bool, verify: bool, static_argnums: Sequence[int],
+                 async_compile: bool, verify: bool, guard: bool, static_argnums: Sequence[int],
                  static_argnames: Sequence[str], jit_kwargs: dict):
         configure_logging()
         settings = Settings.from_env()
@@ -153,6 +158,7 @@ class StitchedFunction:
         self.device = device
         self.async_compile = async_compile
         self.verify = verify
+        self.guard = guard
         self.static_argnums = tuple(sorted(int(i) for i in static_argnums))
         self.static_argnames = tuple(static_argnames)
         self.stock = _stock_jit()(fn, static_argnums=self.static_argnums,
@@ -216,13 +222,62 @@ class StitchedFunction:
             self._start_compile(entry, args, kwargs, call_number)
         if entry is None or entry.state != "ready":
             return self.stock(*args, **kwargs)
+        if self.guard and entry.state == "ready" and len(entry.trial_stock) < GUARD_CALLS:
+            return self._guarded_call(entry, leaves, args, kwargs, call_number)
         return self._call_stitched(entry, leaves, args, kwargs, call_number)
+
+    def _guarded_call(self, entry: _Entry, leaves: list, args: tuple, kwargs: dict,
+                      call_number: int) -> Any:
+        """The guard: the first calls after the switch alternate between the stitched
+        program and stock XLA, timed to completion; then the faster one stays (stitched
+        kernels on a CPU emulate the GPU's SIMT program and are often slower than XLA's
+        own CPU loops). The first stitched call (it includes jax's compile) is not timed."""
+        import jax
+
+        with entry.guard_lock:
+            stitched_turn = len(entry.trial_stitched) <= len(entry.trial_stock)
+        start = time.perf_counter()
+        if stitched_turn:
+            result = self._call_stitched(entry, leaves, args, kwargs, call_number)
+        else:
+            result = self.stock(*args, **kwargs)
+        jax.block_until_ready(result)
+        elapsed = time.perf_counter() - start
+        if entry.state != "ready":
+            return result
+        with entry.guard_lock:
+            if stitched_turn:
+                if entry.verified or not self.verify:
+                    entry.trial_stitched.append(elapsed)
+            else:
+                entry.trial_stock.append(elapsed)
+            decided = len(entry.trial_stock) == GUARD_CALLS
+        if decided:
+            # The first stitched call also compiled; the median ignores it.
+            stitched_ms = 1e3 * float(np.median(entry.trial_stitched[1:]))
+            stock_ms = 1e3 * float(np.median(entry.trial_stock))
+            with self._lock:
+                self.stats.guard = {"stitched_ms": stitched_ms, "stock_ms": stock_ms}
+            if stitched_ms > stock_ms:
+                entry.state = "stock-faster"
+                with self._lock:
+                    self.stats.guard["kept"] = "xla"
+                log.info("%s: stays on XLA on this device: stitched %.3f ms vs XLA %.3f ms "
+                         "per call (STITCH_GUARD=0 keeps the stitched kernels)",
+                         self.__qualname__, stitched_ms, stock_ms)
+            else:
+                with self._lock:
+                    self.stats.guard["kept"] = "stitched"
+                log.info("%s: keeps the stitched kernels: %.3f ms vs XLA %.3f ms per call",
+                         self.__qualname__, stitched_ms, stock_ms)
+        return result
 
     def _call_stitched(self, entry: _Entry, leaves: list, args: tuple, kwargs: dict,
                        call_number: int) -> Any:
         import jax
 
         try:
+            injected_failure("run")
             outs = entry.call(*leaves)
             result = jax.tree_util.tree_unflatten(entry.out_tree, list(outs))
             if self.verify and not entry.verified:
@@ -294,6 +349,7 @@ class StitchedFunction:
 
         start = time.perf_counter()
         try:
+            injected_failure("compile")
             lowering_jit = _stock_jit()(self.fn, static_argnums=self.static_argnums,
                                         static_argnames=self.static_argnames, keep_unused=True)
             lowered = lowering_jit.lower(*args, **kwargs)
@@ -326,7 +382,7 @@ class StitchedFunction:
             self.stats.stitched_kernels = summary["stitched_kernels"]
         entry.program, entry.call, entry.out_tree = program, call, out_tree
         entry.state = "ready"
-        log.info("%s: stitched program ready in %.1fs: %d stitched kernels (%d left to XLA); "
+        log.debug("%s: stitched program ready in %.1fs: %d stitched kernels (%d left to XLA); "
                  "plan %d kernels vs %d baseline", self.__qualname__, elapsed,
                  len(program.kernels), len(program.fallbacks), summary["kernels_after"],
                  summary["kernels_before"])
@@ -389,7 +445,7 @@ def _safe_signature(fn: Callable) -> inspect.Signature | None:
 
 def jit(fn: Callable | None = None, *, target: str | None = None, device: str | None = None,
         async_compile: bool | None = None, verify: bool | None = None,
-        static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+        guard: bool | None = None, static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
         **jit_kwargs: Any) -> Any:
     """Like ``jax.jit``, switching to stitched kernels once they are built (module docstring).
 
@@ -397,13 +453,16 @@ def jit(fn: Callable | None = None, *, target: str | None = None, device: str | 
     ``device``: "cpu" runs the stitched kernels' host programs, "gpu" their PTX (default:
     gpu when jax has one); ``async_compile`` (default STITCH_ASYNC, on): compile in the
     background while stock XLA runs; ``verify`` (default STITCH_VERIFY, off): check the
-    first stitched call against XLA. Other keyword arguments go to ``jax.jit``.
+    first stitched call against XLA; ``guard`` (default STITCH_GUARD, on): time the first
+    calls after the switch on both paths and keep the faster. Other keyword arguments go to
+    ``jax.jit``.
     Usable as ``@stitch.jit`` or ``@stitch.jit(target="v100")``.
     """
     settings = Settings.from_env()
     options = dict(target=target, device=device,
                    async_compile=settings.async_compile if async_compile is None else async_compile,
                    verify=settings.verify if verify is None else verify,
+                   guard=settings.guard if guard is None else guard,
                    static_argnums=(static_argnums,) if isinstance(static_argnums, int)
                    else tuple(static_argnums),
                    static_argnames=(static_argnames,) if isinstance(static_argnames, str)

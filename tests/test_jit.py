@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -44,7 +45,7 @@ def _assert_close(got, want, rtol=RTOL):
 
 
 def test_sync_compile_switches_on_the_first_call():
-    f = stitch.jit(_layer_norm, async_compile=False)
+    f = stitch.jit(_layer_norm, async_compile=False, guard=False)
     args = _ln_args()
     out = f(*args)
     _assert_close(out, jax.jit(_layer_norm)(*args))
@@ -58,7 +59,7 @@ def test_sync_compile_switches_on_the_first_call():
 
 
 def test_async_compile_runs_stock_first_then_switches(caplog):
-    f = stitch.jit(_layer_norm, async_compile=True)
+    f = stitch.jit(_layer_norm, async_compile=True, guard=False)
     args = _ln_args(1)
     want = jax.jit(_layer_norm)(*args)
     with caplog.at_level(logging.INFO, logger="stitch"):
@@ -76,7 +77,7 @@ def test_async_compile_runs_stock_first_then_switches(caplog):
 
 
 def test_new_shapes_compile_again_and_each_signature_is_right():
-    f = stitch.jit(_layer_norm, async_compile=False)
+    f = stitch.jit(_layer_norm, async_compile=False, guard=False)
     for rows, cols in ((8, 32), (4, 128), (8, 32)):
         args = _ln_args(rows, rows, cols)
         _assert_close(f(*args), jax.jit(_layer_norm)(*args))
@@ -87,7 +88,7 @@ def test_compile_failure_falls_back_and_is_logged(monkeypatch, caplog):
     def broken(*a, **k):
         raise RuntimeError("forced failure")
     monkeypatch.setattr(jax_exec, "build_stitched", broken)
-    f = stitch.jit(_layer_norm, async_compile=False)
+    f = stitch.jit(_layer_norm, async_compile=False, guard=False)
     args = _ln_args(2)
     with caplog.at_level(logging.INFO, logger="stitch"):
         for _ in range(3):
@@ -111,7 +112,7 @@ def _wrong_results(monkeypatch):
 
 def test_verify_catches_wrong_numbers_and_falls_back(monkeypatch):
     _wrong_results(monkeypatch)
-    f = stitch.jit(_layer_norm, async_compile=False, verify=True)
+    f = stitch.jit(_layer_norm, async_compile=False, verify=True, guard=False)
     args = _ln_args(3)
     for _ in range(2):
         _assert_close(f(*args), jax.jit(_layer_norm)(*args))
@@ -122,7 +123,7 @@ def test_verify_catches_wrong_numbers_and_falls_back(monkeypatch):
 def test_without_verify_the_stitched_program_is_what_runs(monkeypatch):
     """The counterpart of the test above: it proves the verify test can fail."""
     _wrong_results(monkeypatch)
-    f = stitch.jit(_layer_norm, async_compile=False)
+    f = stitch.jit(_layer_norm, async_compile=False, guard=False)
     args = _ln_args(3)
     assert poison_check(np.asarray(f(*args)), np.asarray(jax.jit(_layer_norm)(*args)),
                         RTOL) is not None
@@ -139,7 +140,7 @@ def test_failing_stitched_call_falls_back(monkeypatch):
         program.fn = boom
         return program
     monkeypatch.setattr(jax_exec, "build_stitched", failing)
-    f = stitch.jit(_layer_norm, async_compile=False)
+    f = stitch.jit(_layer_norm, async_compile=False, guard=False)
     args = _ln_args(4)
     _assert_close(f(*args), jax.jit(_layer_norm)(*args))
     _assert_close(f(*args), jax.jit(_layer_norm)(*args))
@@ -152,7 +153,7 @@ def test_static_args_kwargs_and_pytrees():
         return {"y": jnp.tanh(h) * scale, "s": jnp.sum(h, axis=axis)}
 
     x, g, b = _ln_args(5)
-    f = stitch.jit(fn, async_compile=False, static_argnames=("axis",))
+    f = stitch.jit(fn, async_compile=False, guard=False, static_argnames=("axis",))
     want = jax.jit(fn, static_argnames=("axis",))({"g": g, "b": b}, x, scale=2.0, axis=0)
     got = f({"g": g, "b": b}, x, scale=2.0, axis=0)
     assert set(got) == {"y", "s"}
@@ -161,7 +162,7 @@ def test_static_args_kwargs_and_pytrees():
 
 
 def test_inside_another_trace_it_is_the_stock_function():
-    f = stitch.jit(_layer_norm, async_compile=False)
+    f = stitch.jit(_layer_norm, async_compile=False, guard=False)
     args = _ln_args(6)
 
     def loss(x):
@@ -173,7 +174,7 @@ def test_inside_another_trace_it_is_the_stock_function():
 
 
 def test_several_threads_calling_at_once():
-    f = stitch.jit(_layer_norm, async_compile=True)
+    f = stitch.jit(_layer_norm, async_compile=True, guard=False)
     args = _ln_args(7)
     want = np.asarray(jax.jit(_layer_norm)(*args))
     errors: list[str] = []
@@ -212,11 +213,47 @@ def test_decorator_forms_and_attributes_of_jax_jit():
 def test_zoo_training_steps_match_jax(model):
     inst = build(model, "tiny")
     args = inst.random_args(11)
-    f = stitch.jit(inst.fn, async_compile=False)
+    f = stitch.jit(inst.fn, async_compile=False, guard=False)
     got = f(*args)
     assert f.stats.stitched_calls == 1, f.stats.fallbacks
     assert f.stats.kernels_after < f.stats.kernels_before
     _assert_close(got, jax.jit(inst.fn)(*args))
+
+
+def test_guard_keeps_xla_when_the_stitched_program_is_slower(monkeypatch, caplog):
+    real = stitch.jit.__globals__["StitchedFunction"]._call_stitched
+
+    def slow(self, *a, **k):
+        time.sleep(0.02)
+        return real(self, *a, **k)
+    monkeypatch.setattr(stitch.jit.__globals__["StitchedFunction"], "_call_stitched", slow)
+    f = stitch.jit(_layer_norm, async_compile=False, guard=True)
+    args = _ln_args(9)
+    want = jax.jit(_layer_norm)(*args)
+    with caplog.at_level(logging.INFO, logger="stitch"):
+        for _ in range(20):
+            _assert_close(f(*args), want)
+    assert f.stats.guard["kept"] == "xla"
+    assert f.stats.guard["stitched_ms"] > f.stats.guard["stock_ms"] + 15
+    # The trial alternated 5 stitched (the first, which includes jax's compile, is left out
+    # of the median) and 5 stock calls, then XLA only.
+    assert f.stats.stitched_calls == 5
+    assert any("stays on XLA on this device" in r.getMessage() for r in caplog.records)
+
+
+def test_guard_keeps_stitched_when_xla_is_slower(monkeypatch):
+    f = stitch.jit(_layer_norm, async_compile=False, guard=True)
+    real_stock = f.stock
+
+    def slow_stock(*a, **k):
+        time.sleep(0.02)
+        return real_stock(*a, **k)
+    f.__dict__["stock"] = slow_stock
+    args = _ln_args(10)
+    for _ in range(20):
+        _assert_close(f(*args), jax.jit(_layer_norm)(*args))
+    assert f.stats.guard["kept"] == "stitched"
+    assert f.stats.stitched_calls == 20 - 5
 
 
 def test_interpreter_exit_during_a_background_compile_is_clean():
