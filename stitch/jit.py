@@ -139,9 +139,10 @@ def _stock_jit() -> Callable:
     return getattr(jax.jit, "__stitch_original__", jax.jit)
 
 
-def _is_tracer(x: Any) -> bool:
+@functools.lru_cache(maxsize=1)
+def _array_type() -> type:
     import jax
-    return isinstance(x, jax.core.Tracer)
+    return type(jax.numpy.zeros(()))
 
 
 class StitchedFunction:
@@ -164,6 +165,9 @@ class StitchedFunction:
         self.stock = _stock_jit()(fn, static_argnums=self.static_argnums,
                                   static_argnames=self.static_argnames, **jit_kwargs)
         self.stats = JitStats()
+        # jax.jit functions report their compiled-signature count (private but long-lived
+        # API); without it every call computes our own key.
+        self._jax_cache_size = callable(getattr(self.stock, "_cache_size", None))
         self._entries: dict[Any, _Entry] = {}
         self._lock = threading.Lock()
         self._signature = _safe_signature(fn)
@@ -194,12 +198,18 @@ class StitchedFunction:
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         static += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
         leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        array_type = _array_type()
         avals = []
         for x in leaves:
-            if _is_tracer(x):
+            if type(x) is array_type:          # the common case: a committed jax array
+                avals.append(x.aval)           # shape, dtype and weak type, hashable
+                continue
+            if isinstance(x, jax.core.Tracer):
                 return None, leaves, static, tree
-            arr = x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
-            avals.append((tuple(arr.shape), str(arr.dtype), bool(getattr(x, "weak_type", False))))
+            if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+                x = np.asarray(x)
+            # dtype objects hash and compare by value; str(dtype) costs microseconds.
+            avals.append((x.shape, x.dtype, getattr(x, "weak_type", False)))
         try:
             key = (tree, tuple(avals), static)
             hash(key)
@@ -209,6 +219,25 @@ class StitchedFunction:
 
     # --- calling ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fast_stock_path():
+            # No signature runs stitched: let jax's own dispatch find the signature. Its
+            # cache grows only for a signature it has not seen, which we must compile too.
+            before = self.stock._cache_size()
+            result = self.stock(*args, **kwargs)
+            if self.stock._cache_size() == before:
+                with self._lock:
+                    self.stats.calls += 1
+                return result
+            key, _, _, _ = self._split(args, kwargs)
+            with self._lock:
+                self.stats.calls += 1
+                start = key is not None and key not in self._entries
+                if start:
+                    entry = self._entries[key] = _Entry()
+                    self.stats.signatures += 1
+            if start:
+                self._start_compile(entry, args, kwargs, self.stats.calls)
+            return result
         key, leaves, _, _ = self._split(args, kwargs)
         with self._lock:
             self.stats.calls += 1
@@ -271,6 +300,16 @@ class StitchedFunction:
                 log.info("%s: keeps the stitched kernels: %.3f ms vs XLA %.3f ms per call",
                          self.__qualname__, stitched_ms, stock_ms)
         return result
+
+    def _fast_stock_path(self) -> bool:
+        """Async mode with every signature seen so far settled on stock XLA (or compiling):
+        the call needs no signature key of ours (it costs ~30 us per call in Python)."""
+        entries = list(self._entries.values())
+        # jax shares one compiled-signature cache among all jax.jit wrappers of a function:
+        # the first signature always takes the slow path; a later one that jax compiled
+        # for another wrapper first stays on stock XLA (correct, just not stitched).
+        return (self.async_compile and self._jax_cache_size and bool(entries)
+                and not any(e.state == "ready" for e in entries))
 
     def _call_stitched(self, entry: _Entry, leaves: list, args: tuple, kwargs: dict,
                        call_number: int) -> Any:

@@ -268,3 +268,26 @@ def test_interpreter_exit_during_a_background_compile_is_clean():
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "done"
+
+
+def test_settled_on_xla_new_shapes_still_start_a_compile(monkeypatch):
+    """With every signature on stock XLA, calls go straight to jax's dispatch; a shape jax
+    has not compiled yet must still start a compile of ours."""
+    seen: list[tuple] = []
+
+    def failing(module, *a, **k):
+        seen.append(tuple(p.shape.dims for p in module.entry.parameters))
+        raise RuntimeError("no kernels today")
+    monkeypatch.setattr(jax_exec, "build_stitched", failing)
+    f = stitch.jit(_layer_norm, async_compile=True)
+    a = _ln_args(12, 8, 32)
+    b = _ln_args(12, 4, 64)
+    f(*a)
+    assert f.wait(60) is False
+    for _ in range(3):
+        _assert_close(f(*a), jax.jit(_layer_norm)(*a))
+    _assert_close(f(*b), jax.jit(_layer_norm)(*b))
+    f.wait(60)
+    assert f.stats.calls == 5 and f.stats.signatures == 2
+    assert seen == [((8, 32), (32,), (32,)), ((4, 64), (64,), (64,))]
+    assert len(f.stats.fallbacks) == 2
