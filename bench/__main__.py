@@ -132,7 +132,7 @@ def run_runtime(report: Report) -> None:
     rows = None
     if not reason:
         rows = runtime.collect(report.args.zoo_models, progress=log)
-        ok = [(f"{r.model} ({r.config})", r.stitch_s / r.jax_s) for r in rows
+        ok = [(f"{r.model} ({r.config})", (r.forced_s or r.stitch_s) / r.jax_s) for r in rows
               if not r.error and r.jax_s > 0]
         if ok:
             from bench import plots

@@ -305,8 +305,8 @@ def summary_markdown(rows: list[PlanRow]) -> list[str]:
              for side in (r.xla, r.stitch) for k in side.rows
              if k.formula.compute_s > k.formula.memory_s]
     every = sum(len(side.rows) for r in rows for side in (r.xla, r.stitch))
-    lines += ["", f"Under the XLA formula {len(bound)} of {every} mem kernel launches (all "
-              "targets, both sides) are compute-bound (C > M; ridge points "
+    lines += ["", f"Under the XLA formula {len(bound)} of {every} mem kernels (all models and "
+              "targets, both sides, each kernel once) are compute-bound (C > M; ridge points "
               + ", ".join(f"{t} {DEVICES[t].flops_per_s / DEVICES[t].memory_bandwidth:.1f}"
                           for t in TARGETS) + " flops/byte)"
               + (": " + ", ".join(sorted({f"{k.name} ({t}, {k.formula.flops / max(k.bytes, 1):.0f}"

@@ -110,13 +110,13 @@ def compile_times(rows: list[tuple[str, float, float]], path: Path) -> Path:
 
 
 def runtime_ratios(rows: list[tuple[str, float]], path: Path) -> Path:
-    """(label, stitch / jax step time) per model and config."""
+    """(label, stitched program / jax step time) per model and config."""
     fig, ax = plt.subplots(figsize=(6.0, 0.22 * len(rows) + 1.4))
     ax.barh(range(len(rows)), [r[1] for r in rows])
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("stitch.jit / jax.jit step time on this CPU (log, lower is better)")
+    ax.set_xlabel("stitched program (guard off) / jax.jit step time, this CPU (log)")
     ax.tick_params(labelsize=7)
     return _save(fig, path)

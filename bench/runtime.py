@@ -8,6 +8,7 @@ exist yet.
 """
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,10 @@ class RuntimeRow:
     model: str
     config: str
     jax_s: float = 0.0           # median step time
-    stitch_s: float = 0.0
+    stitch_s: float = 0.0        # stitch.jit as users get it (its guard may keep stock XLA)
+    forced_s: float = 0.0        # stitch.jit(guard=False): the stitched program every call
+    stitched_share: float = 0.0  # of the timed default calls, those stitched kernels served
+    kernels: int | None = None   # stitched kernels built
     calls: int = 0
     first_call_s: tuple[float, float] = (0.0, 0.0)   # compile + first run: jax, stitch
     max_abs_diff: float = 0.0
@@ -82,26 +86,38 @@ def measure(name: str, config: str) -> RuntimeRow:
     try:
         f_jax = jax.jit(inst.fn)
         f_stitch = stitch.jit(inst.fn, async_compile=False)
+        # Without the guard (which keeps stock XLA when it times faster) every call runs
+        # the stitched program: the stitched kernels' own speed.
+        f_forced = (stitch.jit(inst.fn, async_compile=False, guard=False)
+                    if "guard" in inspect.signature(stitch.jit).parameters else None)
         tj, out_j = _timed(f_jax, args)
         ts, out_s = _timed(f_stitch, args)
+        if f_forced is not None:
+            _, out_f = _timed(f_forced, args)
     except Exception as exc:          # a bench row, not a crash
         row.error = f"{type(exc).__name__}: {exc}"[:160]
         return row
     row.first_call_s = (tj, ts)
-    row.max_abs_diff = _max_diff(out_j, out_s)
-    jax_times: list[float] = []
-    stitch_times: list[float] = []
+    row.max_abs_diff = max(_max_diff(out_j, out_s),
+                           _max_diff(out_j, out_f) if f_forced is not None else 0.0)
+    sides = {"jax": f_jax, "stitch": f_stitch, **({"forced": f_forced} if f_forced else {})}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    stats = getattr(f_stitch, "stats", None)
+    stitched_before = getattr(stats, "stitched_calls", 0)
     spent = 0.0
-    while len(jax_times) < MAX_CALLS and (len(jax_times) < MIN_CALLS or spent < BUDGET_S):
-        a, _ = _timed(f_jax, args)
-        b, _ = _timed(f_stitch, args)
-        jax_times.append(a)
-        stitch_times.append(b)
-        spent += a + b
-    row.jax_s = statistics.median(jax_times)
-    row.stitch_s = statistics.median(stitch_times)
-    row.calls = len(jax_times)
-    row.samples = {"jax": jax_times, "stitch": stitch_times}
+    while len(times["jax"]) < MAX_CALLS and (len(times["jax"]) < MIN_CALLS or spent < BUDGET_S):
+        for key, fn in sides.items():
+            t, _ = _timed(fn, args)
+            times[key].append(t)
+            spent += t
+    row.jax_s = statistics.median(times["jax"])
+    row.stitch_s = statistics.median(times["stitch"])
+    row.forced_s = statistics.median(times["forced"]) if "forced" in times else 0.0
+    row.calls = len(times["jax"])
+    if stats is not None:
+        row.stitched_share = (stats.stitched_calls - stitched_before) / row.calls
+        row.kernels = stats.stitched_kernels
+    row.samples = times
     return row
 
 
@@ -134,27 +150,41 @@ def markdown(rows: list[RuntimeRow] | None, reason: str,
         return lines + [f"**Not measured: {reason}.** `stitch.jit(fn, async_compile=False)` is "
                         "being written; this section fills in when `python -m bench runtime` "
                         "runs after it lands (the code is in `bench/runtime.py`)."]
-    lines += ["Median of interleaved calls (jax, stitch, jax, ...; at least "
-              f"{MIN_CALLS}, until {BUDGET_S:.0f} s or {MAX_CALLS} calls), each timed to "
-              "`jax.block_until_ready`; first call = compile + run; max |diff| = largest "
-              "absolute difference between the two sides' outputs.", "",
-              "| model | config | jax.jit (ms) | stitch.jit (ms) | stitch/jax | calls | "
-              "first call jax / stitch (s) | max abs diff |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += ["Three callables per model, called in turn (jax, stitch, forced, jax, ...; at "
+              f"least {MIN_CALLS} rounds, until {BUDGET_S:.0f} s or {MAX_CALLS} rounds), each "
+              "call timed to `jax.block_until_ready`, medians reported: **jax** = `jax.jit(fn)`; "
+              "**stitch** = `stitch.jit(fn, async_compile=False)` as a user gets it (its guard "
+              "times both paths after the switch and keeps stock XLA when that is faster; "
+              "\"stitched\" = share of the timed calls the stitched program served); **forced** "
+              "= `stitch.jit(fn, async_compile=False, guard=False)`: the stitched program on "
+              "every call, i.e. the stitched kernels' own speed as host code. First call = "
+              "compile + run; max |diff| = largest absolute difference from jax's outputs.", "",
+              "| model | config | jax (ms) | stitch (ms) | stitch/jax | stitched | forced (ms) | "
+              "forced/jax | kernels | rounds | first call jax / stitch (s) | max abs diff |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.error:
-            lines.append(f"| {r.model} | {r.config} | – | failed | – | – | – | {r.error} |")
+            lines.append(f"| {r.model} | {r.config} | – | failed | – | – | – | – | – | – | – | "
+                         f"{r.error} |")
             continue
+        forced = (f"{r.forced_s * 1e3:.3f} | {r.forced_s / r.jax_s:.2f}" if r.forced_s
+                  else "– | –")
         lines.append(f"| {r.model} | {r.config} | {r.jax_s * 1e3:.3f} | {r.stitch_s * 1e3:.3f} | "
-                     f"{r.stitch_s / r.jax_s:.2f} | {r.calls} | {r.first_call_s[0]:.2f} / "
-                     f"{r.first_call_s[1]:.2f} | {r.max_abs_diff:.1e} |")
+                     f"{r.stitch_s / r.jax_s:.2f} | {r.stitched_share:.0%} | {forced} | "
+                     f"{r.kernels if r.kernels is not None else '–'} | {r.calls} | "
+                     f"{r.first_call_s[0]:.2f} / {r.first_call_s[1]:.2f} | "
+                     f"{r.max_abs_diff:.1e} |")
     ok = [r for r in rows if not r.error and r.jax_s > 0]
     for config in ("tiny", "full"):
         rs = [r for r in ok if r.config == config]
         if rs:
+            forced = [r for r in rs if r.forced_s]
             lines += ["", f"{config}: geometric mean stitch/jax {geomean(r.stitch_s / r.jax_s for r in rs):.2f} "
-                      f"over {len(rs)} models; stitch faster on "
-                      f"{sum(r.stitch_s < r.jax_s for r in rs)}."]
+                      f"over {len(rs)} models (stitch faster on "
+                      f"{sum(r.stitch_s < r.jax_s for r in rs)})"
+                      + (f", forced/jax {geomean(r.forced_s / r.jax_s for r in forced):.2f} "
+                         f"(faster on {sum(r.forced_s < r.jax_s for r in forced)})"
+                         if forced else "") + "."]
     link = image("runtime_ratios")
     if link:
         lines += ["", link]
