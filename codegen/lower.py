@@ -368,7 +368,7 @@ class _KernelBuilder:
                 self._strided_store(em, v, iadd(imul(bid, tpb), tid), part.blocks * tpb)
                 continue
             var = em.fresh("j")
-            em.push()
+            em.push(var)
             index = split.index(rowc, kir.Ref(var, "i32"), shape.dims)
             value = em.value(v, index)
             em.push()
@@ -381,7 +381,7 @@ class _KernelBuilder:
     def _strided_store(self, em: ValueEmitter, v: int, start: kir.Expr, total: int) -> None:
         shape = leaf(self.graph.nodes[v].shape)
         var = em.fresh("e")
-        em.push()
+        em.push(var)
         e = kir.Ref(var, "i32")
         em.emit(kir.Store(self.params[v].name, e, em.value(v, delinearize(e, shape.dims))))
         em.emit(kir.For(var, start, _c(max(shape.num_elements, 1)), _c(total), em.pop()))
@@ -398,7 +398,7 @@ class _KernelBuilder:
         acc = em.fresh("acc")
         em.emit(kir.Local(acc, init.dtype, init))
         var = em.fresh("k")
-        em.push()
+        em.push(var)
         x = em.value(node.operands[0], split.index(rowc, kir.Ref(var, "i32"), src.dims))
         em.emit(kir.Assign(acc, kir.Binary(op, kir.Ref(acc, init.dtype), x)))
         loop = em.pop()

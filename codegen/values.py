@@ -9,8 +9,10 @@ indices clamped as XLA clamps them (in a type wide enough for the index's own ty
 Statements the expression needs (Lets, loops of a reduction, guarded loads of
 concatenate/pad) are appended to the current statement list; results are
 memoized per (op, index) in the current scope, so an element is computed once per thread
-and scope. ``overrides`` lets a schedule substitute a shared value (a reduction a warp or a
-block finished) for its recomputation.
+and scope, and computed before every enclosing loop whose variables its index does not
+read (loop bodies pushed with their loop variable; guarded If bodies are never left).
+``overrides`` lets a schedule substitute a shared value (a reduction a warp or a block
+finished) for its recomputation.
 """
 from __future__ import annotations
 
@@ -147,6 +149,21 @@ def _from_physical(offset: Expr, shape: Shape) -> tuple[Expr, ...]:
 class _Scope:
     stmts: list[kir.Stmt]
     memo: dict[tuple, Expr] = field(default_factory=dict)
+    # A loop body that runs its statements for every iteration of ``binds`` (the loop
+    # variable): values that do not depend on what it defines can be computed before
+    # the loop instead (loop-invariant code motion). Guarded bodies (If) never are: an
+    # index valid only under the guard must stay under it.
+    hoistable: bool = False
+    defined: set[str] = field(default_factory=set)
+
+
+def _names(e: Expr, out: set[str]) -> set[str]:
+    """Names of the variables ``e`` reads."""
+    if isinstance(e, kir.Ref):
+        out.add(e.name)
+    for sub in kir.sub_exprs(e):
+        _names(sub, out)
+    return out
 
 
 class ValueEmitter:
@@ -166,8 +183,11 @@ class ValueEmitter:
         self._names = 0
 
     # --- scopes ---------------------------------------------------------------------
-    def push(self) -> list[kir.Stmt]:
-        scope = _Scope([])
+    def push(self, loop_var: str | None = None) -> list[kir.Stmt]:
+        """A new statement list; ``loop_var``: it is the body of a loop over that variable
+        whose invariant values may move before the loop (see ``value``)."""
+        scope = _Scope([], hoistable=loop_var is not None,
+                       defined={loop_var} if loop_var else set())
         self.scopes.append(scope)
         return scope.stmts
 
@@ -175,7 +195,24 @@ class ValueEmitter:
         return tuple(self.scopes.pop().stmts)
 
     def emit(self, stmt: kir.Stmt) -> None:
-        self.scopes[-1].stmts.append(stmt)
+        scope = self.scopes[-1]
+        scope.stmts.append(stmt)
+        if isinstance(stmt, (kir.Let, kir.Local)):
+            scope.defined.add(stmt.name)
+        elif isinstance(stmt, (kir.WarpReduce, kir.WarpShuffle)):
+            scope.defined.add(stmt.dest)
+
+    def _home(self, index: tuple[Expr, ...]) -> int:
+        """The outermost scope an element at ``index`` can be computed in: out of every
+        enclosing loop body that defines none of the variables the index reads (a
+        thread's reduction over a row need not be redone for each element it feeds)."""
+        names: set[str] = set()
+        for e in index:
+            _names(e, names)
+        at = len(self.scopes) - 1
+        while at > 0 and self.scopes[at].hoistable and not names & self.scopes[at].defined:
+            at -= 1
+        return at
 
     def fresh(self, hint: str) -> str:
         self._names += 1
@@ -198,11 +235,17 @@ class ValueEmitter:
                 return got
         node = self.graph.nodes[v]
         if v in self.overrides:
-            got = self.overrides[v](index)
-        else:
-            got = self._compute(node, index)
-        got = self.let(node.opcode, got)
-        self.scopes[-1].memo[key] = got
+            got = self.let(node.opcode, self.overrides[v](index))
+            self.scopes[-1].memo[key] = got
+            return got
+        home = self._home(index)
+        inner = self.scopes[home + 1:]
+        del self.scopes[home + 1:]      # compute (operands too) in the home scope
+        try:
+            got = self.let(node.opcode, self._compute(node, index))
+            self.scopes[-1].memo[key] = got
+        finally:
+            self.scopes.extend(inner)
         return got
 
     def _input(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
@@ -433,7 +476,8 @@ class ValueEmitter:
         self.emit(kir.Local(acc, init.dtype, init))
         total = math.prod(src.dims[d] for d in reduced)
         var = self.fresh("k")
-        self.push()
+        # An empty reduction's body never runs: nothing may move out of it.
+        self.push(var if total > 0 else None)
         parts = delinearize(kir.Ref(var, "i32"), tuple(src.dims[d] for d in reduced))
         src_index: list[Expr] = [_c(0)] * src.rank
         for d, i in zip(kept, index):
@@ -457,7 +501,7 @@ class ValueEmitter:
         self.emit(kir.Local(acc, init.dtype, init))
         sizes = tuple(w.size for w in window)
         var = self.fresh("w")
-        self.push()
+        self.push(var if math.prod(sizes) > 0 else None)
         offsets = delinearize(kir.Ref(var, "i32"), sizes)
         src_index = []
         inside: Expr | None = None

@@ -397,3 +397,77 @@ def test_free_output_in_no_part_is_written():
     want = hlo_passes.evaluate(exe.module, args)
     for got, ref in zip(exe(*args), want):
         assert np.allclose(got, ref, rtol=1e-6), (got, ref)
+
+
+def _loop_depth(body) -> int:
+    from codegen import kir
+
+    deepest = 0
+    for st in body:
+        inner = max((_loop_depth(b) for b in kir.child_bodies(st)), default=0)
+        deepest = max(deepest, inner + isinstance(st, kir.For))
+    return deepest
+
+
+def test_thread_composition_computes_loop_invariant_reductions_once():
+    """Fuzz seed 619 (173 s to run): with thread composition forced, the mean of a
+    whole-tensor layer norm was recomputed inside the variance's loop, inside the loop over
+    the thread's elements (n^3 work). A value whose index does not read a loop's variable
+    is now computed before that loop: at most an element loop around one reduction loop."""
+    from hlo_passes.graph import build_op_graphs
+
+    module = parse_hlo(f"""{HEAD}ENTRY main {{
+  x = f32[5,40,17] parameter(0)
+  zero = f32[] constant(0)
+  n = f32[] constant(0.000294117647)
+  one = f32[] constant(1)
+  s = f32[] reduce(x, zero), dimensions={{0,1,2}}, to_apply=add
+  mean = f32[] multiply(s, n)
+  mb = f32[5,40,17] broadcast(mean), dimensions={{}}
+  c = f32[5,40,17] subtract(x, mb)
+  c2 = f32[5,40,17] multiply(c, c)
+  v = f32[] reduce(c2, zero), dimensions={{0,1,2}}, to_apply=add
+  ve = f32[] add(v, one)
+  r = f32[] rsqrt(ve)
+  rb = f32[5,40,17] broadcast(r), dimensions={{}}
+  ROOT o = f32[5,40,17] multiply(x, rb)
+}}
+""")
+    graph = build_op_graphs(module)[0]
+    members = [n.id for n in graph.nodes if n.opcode not in ("parameter", "constant")]
+    schedule = schedule_kernel(graph, members, get_spec("a100"), force={"unit": "thread"})
+    lowered = lower_kernel(graph, Evaluator(module), schedule, "whole_norm")
+    assert lowered.schemes == ["thread"]
+    assert _loop_depth(lowered.kernel.body) <= 2, format_kernel_text(lowered.kernel)
+    _check(graph, Evaluator(module), members, lowered, np.random.default_rng(619))
+
+
+def format_kernel_text(kernel) -> str:
+    from codegen.printer import format_kernel
+    return format_kernel(kernel)
+
+
+def test_guarded_loads_stay_under_their_guard():
+    """Loop-invariant motion never leaves an If: a concatenate's branch loads at an index
+    that is out of range for the other branch (bounds-checked on the host)."""
+    from hlo_passes.graph import build_op_graphs
+
+    module = parse_hlo(f"""{HEAD}ENTRY main {{
+  a = f32[3,4] parameter(0)
+  b = f32[5,4] parameter(1)
+  zero = f32[] constant(0)
+  cat = f32[8,4] concatenate(a, b), dimensions={{0}}
+  s = f32[8] reduce(cat, zero), dimensions={{1}}, to_apply=add
+  sb = f32[8,4] broadcast(s), dimensions={{0}}
+  ROOT o = f32[8,4] subtract(cat, sb)
+}}
+""")
+    graph = build_op_graphs(module)[0]
+    members = [n.id for n in graph.nodes if n.opcode not in ("parameter", "constant")]
+    for unit in ("thread", "warp", "block"):
+        try:
+            schedule = schedule_kernel(graph, members, get_spec("h100"), force={"unit": unit})
+        except ScheduleError:
+            continue
+        lowered = lower_kernel(graph, Evaluator(module), schedule, f"cat_{unit}")
+        _check(graph, Evaluator(module), members, lowered, np.random.default_rng(8))

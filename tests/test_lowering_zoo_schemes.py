@@ -76,9 +76,7 @@ def test_forced_schemes_on_zoo_kernels(model):
     module = parse_hlo(zoo_fixture(model, "tiny", "pre").read_text())
     evaluator = Evaluator(module)
     spec = get_spec("h100")
-    # log_softmax_xent_train: the planner fails with packing (see test_compile.py).
-    plan = stitch.plan(module, "h100", options=stitch.ExplorerOptions(packing=False)) \
-        if model == "log_softmax_xent_train" else stitch.plan(module, "h100")
+    plan = stitch.plan(module, "h100")
     args = models.build(model, "tiny").random_args(zlib.crc32(model.encode()))
     values = _node_values(module, [g.graph for g in plan.graphs], args)
     rng = np.random.default_rng(zlib.crc32(model.encode()))
