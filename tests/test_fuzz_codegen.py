@@ -28,7 +28,7 @@ from tests.fixtures import GPU_TARGETS
 # The fixed CI seeds include the ones that found bugs (each also has its own regression
 # test in tests/test_lowering*.py or below).
 REGRESSION_SEEDS: tuple[int, ...] = (35, 76, 125, 399, 619)
-CI_SEEDS = tuple(range(24)) + REGRESSION_SEEDS
+CI_SEEDS = tuple(range(64)) + REGRESSION_SEEDS     # ~25 s on 2 cores
 
 
 def _seeds() -> list[int]:

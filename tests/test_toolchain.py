@@ -26,8 +26,11 @@ needs_ptxas = pytest.mark.skipif(not _have_ptxas(), reason="no ptxas on this mac
 @pytest.fixture(autouse=True)
 def _fresh_discovery():
     toolchain.clear_caches()
+    path = list(sys.path)
     yield
     toolchain.clear_caches()
+    # (checked after monkeypatch's undo: this fixture is set up before it)
+    assert sys.path == path, "a test left sys.path changed"
 
 
 def _header(arch: str = "sm_70", version: str = "7.8") -> str:
@@ -283,6 +286,17 @@ def test_nothing_found_lists_every_place(monkeypatch, tmp_path):
         toolchain.find_libdevice(refresh=True)
 
 
+def _prepend_syspath(monkeypatch, path: pathlib.Path) -> None:
+    """sys.path with ``path`` first, undone with the other setattrs. Not
+    monkeypatch.syspath_prepend: its undo runs after setattr's and writes the list it saved
+    (the one _isolate_environment filtered, without site-packages once the CUDA wheel is
+    installed there) into the restored sys.path: later tests' child processes then could
+    not import llvmlite."""
+    import importlib
+    monkeypatch.setattr(sys, "path", [str(path), *sys.path])
+    importlib.invalidate_caches()
+
+
 def _fake_executable(path: pathlib.Path, script: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
@@ -301,7 +315,7 @@ def test_wheel_layout_discovered(monkeypatch, tmp_path):
     libdevice = pkg / "nvvm" / "libdevice" / "libdevice.10.bc"
     libdevice.parent.mkdir(parents=True)
     libdevice.write_bytes(b"BC\xc0\xde")
-    monkeypatch.syspath_prepend(str(site))
+    _prepend_syspath(monkeypatch, site)
 
     assert toolchain.find_ptxas(refresh=True) == pkg / "bin" / "ptxas"
     assert toolchain.find_libdevice(refresh=True) == libdevice
@@ -364,7 +378,7 @@ def test_ptxas_chosen_by_arch(monkeypatch, tmp_path):
     site = tmp_path / "site"
     old = _fake_ptxas(site / "nvidia" / "cuda_nvcc" / "bin" / "ptxas", "12.9.86",
                       ["sm_70", "sm_75", "sm_80", "sm_90"])
-    monkeypatch.syspath_prepend(str(site))
+    _prepend_syspath(monkeypatch, site)
     assert toolchain.find_ptxas(refresh=True) == new
     assert toolchain.find_ptxas("sm_90") == new
     assert toolchain.find_ptxas("sm_70") == old
