@@ -95,4 +95,4 @@ def test_targets_are_met_only_when_every_training_graph_meets_them():
 def test_runtime_section_says_why_it_was_skipped():
     text = "\n".join(runtime_markdown(None, "stitch.jit not available", lambda _: None))
     assert "Not measured: stitch.jit not available" in text
-    assert "no `medium`" in text
+    assert "`medium` where the zoo has it" in text

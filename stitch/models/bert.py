@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import jax
 
 from . import blocks
-from .spec import CONFIGS, ArgTable, ModelInstance, ModelSpec, pick_config
+from .spec import CONFIGS_WITH_MEDIUM, ArgTable, ModelInstance, ModelSpec, pick_config
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class BertSize:
 
 CONFIG_TABLE = {
     "full": BertSize(batch=32, seq=128, hidden=768, heads=12, ffn=3072),
+    "medium": BertSize(batch=8, seq=64, hidden=256, heads=4, ffn=1024),
     "tiny": BertSize(batch=2, seq=8, hidden=32, heads=4, ffn=64),
 }
 
@@ -105,7 +106,7 @@ SPECS: tuple[ModelSpec, ...] = (
         "one BERT-base encoder layer, x[32,128,768] + additive mask[32,128], 12 heads, "
         "FFN 3072, erf GELU, post-LN (FusionStitching Table 1, batch 32)",
         "inference",
-        CONFIGS,
+        CONFIGS_WITH_MEDIUM,
         _build_infer,
     ),
     ModelSpec(
@@ -113,7 +114,7 @@ SPECS: tuple[ModelSpec, ...] = (
         "SGD step (lr 0.01) of one BERT-base encoder layer, x/target[32,128,768], "
         "mask[32,128], MSE loss; returns (loss, *updated params) (FusionStitching Table 1)",
         "training",
-        CONFIGS,
+        CONFIGS_WITH_MEDIUM,
         _build_train,
     ),
 )

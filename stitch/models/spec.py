@@ -15,6 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 CONFIGS: tuple[str, ...] = ("full", "tiny")
+# Models that also have a "medium" config: big enough that a CPU step is milliseconds (per-call
+# overheads no longer dominate), small enough to train on this CPU.
+CONFIGS_WITH_MEDIUM: tuple[str, ...] = ("full", "medium", "tiny")
 
 # Scale of data inputs: N(0, 1) * 0.5 keeps activations O(1) through every model.
 DATA_SCALE = 0.5
