@@ -8,6 +8,8 @@ program computes what the module computes.
   non-convex.
 - log_softmax_xent_train_keep_unused: merge_adjacent's path search pruned by op ids and
   merged two kernels around a scatter into a cycle.
+- fuzz_seed619 (tests/hlo_fuzz.py): merge_adjacent took a recomputed reader of rsqrt into
+  rsqrt's kernel, so its other copies read a value no kernel wrote.
 """
 from __future__ import annotations
 

@@ -309,6 +309,23 @@ def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
     return result
 
 
+def _hides_a_read_value(graph: OpGraph, kernels: dict[int, frozenset[int]], a: int, b: int,
+                        union: frozenset[int]) -> bool:
+    """Would the union stop writing a value another kernel reads? A kernel writes the
+    members used outside it; when a reader is recomputed in several kernels, taking one
+    copy inside hides the value from the other copies (kernel 0 reads rsqrt.26, which no
+    kernel writes: fuzz seed 619)."""
+    outputs = set(graph.outputs)
+    others = [g for k, g in kernels.items() if k not in (a, b)]
+    for m in union:
+        users = graph.nodes[m].users
+        if m in outputs or any(u not in union for u in users):
+            continue                                  # still written
+        if any(m not in g and any(u in g for u in users) for g in others):
+            return True
+    return False
+
+
 def _closes_cycle(graph: OpGraph, kernels: dict[int, frozenset[int]], a: int, b: int,
                   union: frozenset[int]) -> bool:
     rest = [g for k, g in kernels.items() if k not in (a, b)]
@@ -420,6 +437,7 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
             continue
         union = got[1]
         if duplicated and (not graph.is_convex(union)
+                           or _hides_a_read_value(graph, kernels, a, b, union)
                            or _closes_cycle(graph, kernels, a, b, union)):
             continue
         del kernels[a], kernels[b]
