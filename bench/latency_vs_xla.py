@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bench.report import cpu_name
 from hlo_passes import parse_hlo
 from hlo_passes.graph import OpGraph, build_op_graphs
 from stitch.cost.delta import CostModel, kernel_hbm_bytes
@@ -402,17 +403,6 @@ def skip_lines(reports: list[TargetReport]) -> list[str]:
         text = "; ".join(f"{n}× {reason}" for reason, n in reasons.most_common())
         lines.append(f"- {r.target}: {text}")
     return lines
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo where there is one, else what platform knows."""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine() -> str:
