@@ -22,8 +22,16 @@ def patch(name: str, module: ModuleType) -> None:
     if name == "jax":
         patch_jax(module)
     elif name in ("tensorflow", "keras"):
-        log.debug("STITCH_ENABLE: %s imported; TensorFlow graphs are not rewritten yet "
-                  "(Keras on the JAX backend goes through jax.jit)", name)
+        # tf.function(jit_compile=True) and Keras' TF trainer (stitch/frontends/tf.py); a
+        # failure leaves the framework untouched.
+        try:
+            from .frontends import tf as tf_frontend
+            if name == "tensorflow":
+                tf_frontend.patch_tensorflow(module)
+            else:
+                tf_frontend.patch_keras()
+        except Exception as exc:  # noqa: BLE001 - never break the user's import
+            log.warning("STITCH_ENABLE: %s stays stock: %s: %s", name, type(exc).__name__, exc)
 
 
 def patch_jax(jax_module: ModuleType) -> None:
