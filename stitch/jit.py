@@ -228,27 +228,10 @@ class StitchedFunction:
                 with self._lock:
                     self.stats.calls += 1
                 return result
-            key, _, _, _ = self._split(args, kwargs)
-            with self._lock:
-                self.stats.calls += 1
-                start = key is not None and key not in self._entries
-                if start:
-                    entry = self._entries[key] = _Entry()
-                    self.stats.signatures += 1
-            if start:
-                self._start_compile(entry, args, kwargs, self.stats.calls)
+            self._count_call(self._split(args, kwargs)[0], args, kwargs)
             return result
         key, leaves, _, _ = self._split(args, kwargs)
-        with self._lock:
-            self.stats.calls += 1
-            call_number = self.stats.calls
-            entry = self._entries.get(key) if key is not None else None
-            start = key is not None and entry is None
-            if start:
-                entry = self._entries[key] = _Entry()
-                self.stats.signatures += 1
-        if start:
-            self._start_compile(entry, args, kwargs, call_number)
+        entry, call_number = self._count_call(key, args, kwargs)
         if entry is None or entry.state != "ready":
             return self.stock(*args, **kwargs)
         if self.guard and entry.state == "ready" and len(entry.trial_stock) < GUARD_CALLS:
@@ -300,6 +283,20 @@ class StitchedFunction:
                 log.info("%s: keeps the stitched kernels: %.3f ms vs XLA %.3f ms per call",
                          self.__qualname__, stitched_ms, stock_ms)
         return result
+
+    def _count_call(self, key: Any, args: tuple, kwargs: dict) -> tuple[_Entry | None, int]:
+        """Count the call; a signature seen for the first time starts its compile."""
+        with self._lock:
+            self.stats.calls += 1
+            call_number = self.stats.calls
+            entry = self._entries.get(key) if key is not None else None
+            start = key is not None and entry is None
+            if start:
+                entry = self._entries[key] = _Entry()
+                self.stats.signatures += 1
+        if start:
+            self._start_compile(entry, args, kwargs, call_number)
+        return entry, call_number
 
     def _fast_stock_path(self) -> bool:
         """Every signature seen so far settled on stock XLA (or compiling): the call needs no
