@@ -48,10 +48,19 @@ def _compare(stitched: list[float], stock: list[float]) -> None:
     assert worst[0] <= LOSS_RTOL, f"step {worst[1]}: relative loss difference {worst[0]:.3g}"
 
 
-@pytest.mark.parametrize("script", ["jax_train.py", "keras_fit.py"])
-def test_unchanged_script_switches_and_matches_stock(script):
-    if script == "keras_fit.py" and importlib.util.find_spec("keras") is None:
+TF_SCRIPTS = ("tf_train.py", "keras_tf_fit.py")
+
+
+def _skip_without(script: str) -> None:
+    if script in ("keras_fit.py", "keras_tf_fit.py") and importlib.util.find_spec("keras") is None:
         pytest.skip("keras is not installed (pip install -e '.[test]' installs it)")
+    if script in TF_SCRIPTS and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tensorflow is not installed (pip install tensorflow-cpu, ~270 MB)")
+
+
+@pytest.mark.parametrize("script", ["jax_train.py", "keras_fit.py", *TF_SCRIPTS])
+def test_unchanged_script_switches_and_matches_stock(script):
+    _skip_without(script)
     stitched, log = _run(script, "--seconds", str(SECONDS), "--min-steps", "20", stitch=True)
     switch = SWITCH.search(log)
     assert switch, f"no switch within {SECONDS}s:\n{log[-3000:]}"
@@ -71,6 +80,17 @@ def test_forced_compile_failure_falls_back_and_training_finishes():
     assert "falls back to XLA" in log and "STITCH_INJECT_FAILURE" in log
     assert not SWITCH.search(log)
     stock, _ = _run("jax_train.py", "--steps", "300", stitch=False)
+    _compare(stitched, stock)
+
+
+@pytest.mark.parametrize("script", TF_SCRIPTS)
+def test_tf_forced_compile_failure_falls_back_and_training_finishes(script):
+    _skip_without(script)
+    stitched, log = _run(script, "--steps", "50", stitch=True,
+                         extra_env={"STITCH_INJECT_FAILURE": "compile", "STITCH_ASYNC": "0"})
+    assert "falls back to XLA" in log and "STITCH_INJECT_FAILURE" in log
+    assert not SWITCH.search(log)
+    stock, _ = _run(script, "--steps", "50", stitch=False)
     _compare(stitched, stock)
 
 
