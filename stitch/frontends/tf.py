@@ -312,7 +312,8 @@ class TFStitchedFunction:
         return self._call_stitched(entry, args, kwargs, call_number)
 
     def _run_program(self, entry: _Entry, args: tuple, kwargs: dict) -> list[np.ndarray]:
-        """The stitched program on the current values (pure: assigns nothing)."""
+        """The stitched program on the current values (pure: assigns nothing). Inputs go to
+        jax as numpy arrays (TF's CPU tensors expose their buffer; jax copies once)."""
         import jax
         import tensorflow as tf
 
