@@ -18,18 +18,18 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .config import Settings, configure_logging, injected_failure, log_kernels
 from .errors import StitchError
+from .switching import SwitchEntry, SwitchingFunction
 
 log = logging.getLogger(__name__)
 
 VERIFY_RTOL = 1e-4           # relative L2 error tolerated by verify=True (f32 reductions)
-GUARD_CALLS = 5              # timed calls per side before the guard decides
 
 
 class CompileCancelled(StitchError):
@@ -100,38 +100,10 @@ def run_on_compile_thread(job: Callable[[], Any]) -> Any:
     return _COMPILER.submit(job).result()
 
 
-# ------------------------------------------------------------------------------- stats
+# ------------------------------------------------------------------------------- entries
 @dataclass
-class JitStats:
-    """What one ``stitch.jit`` function did (all signatures together)."""
-    calls: int = 0
-    stitched_calls: int = 0
-    compile_seconds: float = 0.0
-    switched_at_call: int | None = None        # the first call served by stitched kernels
-    kernels_before: int | None = None          # plan baseline (XLA-like) kernels
-    kernels_after: int | None = None           # kernels of the stitched plan
-    stitched_kernels: int | None = None        # of those, built as stitched FFI kernels
-    signatures: int = 0
-    fallbacks: list[str] = field(default_factory=list)
-    guard: dict = field(default_factory=dict)    # the guard's timings and decision
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-@dataclass
-class _Entry:
-    """One input signature: compiling → ready | failed."""
-    state: str = "compiling"
-    future: Future | None = None
-    program: Any = None                 # jax_exec.StitchedProgram
-    call: Callable | None = None        # jax.jit of the program over dynamic leaves
-    out_tree: Any = None
-    verified: bool = False
-    reason: str = ""
-    trial_stitched: list[float] = field(default_factory=list)   # guard timings (s)
-    trial_stock: list[float] = field(default_factory=list)
-    guard_lock: threading.Lock = field(default_factory=threading.Lock)
+class _Entry(SwitchEntry):
+    out_tree: Any = None                # the function's output structure
 
 
 def _stock_jit() -> Callable:
@@ -145,9 +117,11 @@ def _array_type() -> type:
     return type(jax.numpy.zeros(()))
 
 
-class StitchedFunction:
+class StitchedFunction(SwitchingFunction):
     """The callable ``stitch.jit`` returns; attributes it lacks (``lower``, ``trace``...)
     come from the stock ``jax.jit`` function."""
+
+    entry_type = _Entry
 
     def __init__(self, fn: Callable, *, target: str | None, device: str | None,
                  async_compile: bool, verify: bool, guard: bool, static_argnums: Sequence[int],
@@ -159,17 +133,14 @@ class StitchedFunction:
         self.device = device
         self.async_compile = async_compile
         self.verify = verify
-        self.guard = guard
+        self._init_switching(guard)
         self.static_argnums = tuple(sorted(int(i) for i in static_argnums))
         self.static_argnames = tuple(static_argnames)
         self.stock = _stock_jit()(fn, static_argnums=self.static_argnums,
                                   static_argnames=self.static_argnames, **jit_kwargs)
-        self.stats = JitStats()
         # jax.jit functions report their compiled-signature count (private but long-lived
         # API); without it every call computes our own key.
         self._jax_cache_size = callable(getattr(self.stock, "_cache_size", None))
-        self._entries: dict[Any, _Entry] = {}
-        self._lock = threading.Lock()
         self._signature = _safe_signature(fn)
         self.__name__ = getattr(fn, "__name__", "fn")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
@@ -234,69 +205,24 @@ class StitchedFunction:
         entry, call_number = self._count_call(key, args, kwargs)
         if entry is None or entry.state != "ready":
             return self.stock(*args, **kwargs)
-        if self.guard and entry.state == "ready" and len(entry.trial_stock) < GUARD_CALLS:
+        if self._in_guard_trial(entry):
             return self._guarded_call(entry, leaves, args, kwargs, call_number)
         return self._call_stitched(entry, leaves, args, kwargs, call_number)
 
     def _guarded_call(self, entry: _Entry, leaves: list, args: tuple, kwargs: dict,
                       call_number: int) -> Any:
-        """The guard: the first calls after the switch alternate between the stitched
-        program and stock XLA, timed to completion; then the faster one stays (stitched
-        kernels on a CPU emulate the GPU's SIMT program and are often slower than XLA's
-        own CPU loops). The first stitched call (it includes jax's compile) is not timed."""
+        """A guard trial call (switching.py), timed to completion."""
         import jax
 
-        with entry.guard_lock:
-            stitched_turn = len(entry.trial_stitched) <= len(entry.trial_stock)
+        stitched_turn = self._stitched_turn(entry)
         start = time.perf_counter()
         if stitched_turn:
             result = self._call_stitched(entry, leaves, args, kwargs, call_number)
         else:
             result = self.stock(*args, **kwargs)
         jax.block_until_ready(result)
-        elapsed = time.perf_counter() - start
-        if entry.state != "ready":
-            return result
-        with entry.guard_lock:
-            if stitched_turn:
-                if entry.verified or not self.verify:
-                    entry.trial_stitched.append(elapsed)
-            else:
-                entry.trial_stock.append(elapsed)
-            decided = len(entry.trial_stock) == GUARD_CALLS
-        if decided:
-            # The first stitched call also compiled; the median ignores it.
-            stitched_ms = 1e3 * float(np.median(entry.trial_stitched[1:]))
-            stock_ms = 1e3 * float(np.median(entry.trial_stock))
-            with self._lock:
-                self.stats.guard = {"stitched_ms": stitched_ms, "stock_ms": stock_ms}
-            if stitched_ms > stock_ms:
-                entry.state = "stock-faster"
-                with self._lock:
-                    self.stats.guard["kept"] = "xla"
-                log.info("%s: stays on XLA on this device: stitched %.3f ms vs XLA %.3f ms "
-                         "per call (STITCH_GUARD=0 keeps the stitched kernels)",
-                         self.__qualname__, stitched_ms, stock_ms)
-            else:
-                with self._lock:
-                    self.stats.guard["kept"] = "stitched"
-                log.info("%s: keeps the stitched kernels: %.3f ms vs XLA %.3f ms per call",
-                         self.__qualname__, stitched_ms, stock_ms)
+        self._guard_record(entry, stitched_turn, time.perf_counter() - start)
         return result
-
-    def _count_call(self, key: Any, args: tuple, kwargs: dict) -> tuple[_Entry | None, int]:
-        """Count the call; a signature seen for the first time starts its compile."""
-        with self._lock:
-            self.stats.calls += 1
-            call_number = self.stats.calls
-            entry = self._entries.get(key) if key is not None else None
-            start = key is not None and entry is None
-            if start:
-                entry = self._entries[key] = _Entry()
-                self.stats.signatures += 1
-        if start:
-            self._start_compile(entry, args, kwargs, call_number)
-        return entry, call_number
 
     def _fast_stock_path(self) -> bool:
         """Every signature seen so far settled on stock XLA (or compiling): the call needs no
@@ -326,14 +252,7 @@ class StitchedFunction:
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self._fail(entry, f"stitched call failed: {type(exc).__name__}: {exc}")
             return self.stock(*args, **kwargs)
-        with self._lock:
-            self.stats.stitched_calls += 1
-            if self.stats.switched_at_call is None:
-                self.stats.switched_at_call = call_number
-                log.info("%s: switched to stitched kernels at call %d (%s kernels -> %s, "
-                         "%s stitched)", self.__qualname__, call_number,
-                         self.stats.kernels_before, self.stats.kernels_after,
-                         self.stats.stitched_kernels)
+        self._count_stitched(call_number)
         return result
 
     def _verify(self, result: Any, args: tuple, kwargs: dict) -> str | None:
@@ -348,12 +267,6 @@ class StitchedFunction:
             if why is not None:
                 return f"output {i}: {why}"
         return None
-
-    def _fail(self, entry: _Entry, reason: str) -> None:
-        entry.state, entry.reason, entry.call = "failed", reason, None
-        with self._lock:
-            self.stats.fallbacks.append(reason)
-        log.warning("%s: falls back to XLA: %s", self.__qualname__, reason)
 
     # --- compiling ----------------------------------------------------------------------
     def _start_compile(self, entry: _Entry, args: tuple, kwargs: dict, call_number: int) -> None:
@@ -423,27 +336,6 @@ class StitchedFunction:
                  "plan %d kernels vs %d baseline", self.__qualname__, elapsed,
                  len(program.kernels), len(program.fallbacks), summary["kernels_after"],
                  summary["kernels_before"])
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until every signature seen so far has finished compiling; True when all
-        are ready (False: some fell back or the timeout passed)."""
-        with self._lock:
-            entries = list(self._entries.values())
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for e in entries:
-            if e.future is None:
-                continue
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                e.future.result(left)
-            except Exception:  # noqa: BLE001 - timeouts and failures both mean "not ready"
-                return False
-        return all(e.state == "ready" for e in entries)
-
-    def programs(self) -> list[Any]:
-        """The stitched programs built so far (``jax_exec.StitchedProgram``)."""
-        with self._lock:
-            return [e.program for e in self._entries.values() if e.program is not None]
 
 
 def _progress(message: str) -> None:

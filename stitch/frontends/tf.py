@@ -40,21 +40,20 @@ import functools
 import inspect
 import logging
 import re
-import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from ..config import Settings, configure_logging, injected_failure
 from ..errors import StitchError
+from ..switching import SwitchEntry, SwitchingFunction
 
 log = logging.getLogger(__name__)
 
 VERIFY_RTOL = 1e-4
-GUARD_CALLS = 5
 _ALIAS = re.compile(r"\{(\d+)\}:\s*\((\d+),\s*\{\}")
 
 
@@ -186,41 +185,19 @@ def _check_shape(what: str, hlo_shape: Any, shape: tuple, dtype: np.dtype) -> No
 
 # ------------------------------------------------------------------------- the function
 @dataclass
-class TFStats:
-    calls: int = 0
-    stitched_calls: int = 0
-    compile_seconds: float = 0.0
-    switched_at_call: int | None = None
-    kernels_before: int | None = None
-    kernels_after: int | None = None
-    stitched_kernels: int | None = None
-    signatures: int = 0
-    fallbacks: list[str] = field(default_factory=list)
-    guard: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-@dataclass
-class _Entry:
-    state: str = "compiling"            # compiling → ready → (failed | stock-faster)
-    future: Any = None
-    program: Any = None
+class _Entry(SwitchEntry):
     mapping: TFMapping | None = None
-    call: Callable | None = None
-    verified: bool = False
-    reason: str = ""
-    trial_stitched: list[float] = field(default_factory=list)
-    trial_stock: list[float] = field(default_factory=list)
 
 
-class TFStitchedFunction:
+class TFStitchedFunction(SwitchingFunction):
     """A TF function that switches to the stitched program (module docstring).
 
     ``xla_fn``: a ``tf.function(jit_compile=True)`` whose HLO is stitched; ``stock_fn``: what
     runs until then (and wherever stitch steps aside); the same object for plain
     ``tf.function(jit_compile=True)`` users. Attributes it lacks come from ``stock_fn``."""
+
+    stock_name = "TF"
+    entry_type = _Entry
 
     def __init__(self, xla_fn: Any, stock_fn: Any = None, *, name: str | None = None,
                  target: str | None = None, device: str | None = None,
@@ -233,10 +210,7 @@ class TFStitchedFunction:
         self.target = target or settings.target
         self.device = device or settings.device or "cpu"
         self.async_compile = settings.async_compile if async_compile is None else async_compile
-        self.guard = settings.guard if guard is None else guard
-        self.stats = TFStats()
-        self._entries: dict[Any, _Entry] = {}
-        self._lock = threading.Lock()
+        self._init_switching(settings.guard if guard is None else guard)
         self.__name__ = name or getattr(self.python_fn, "__name__", "fn")
         self.__qualname__ = name or getattr(self.python_fn, "__qualname__", self.__name__)
         self.__wrapped__ = self.python_fn
@@ -293,21 +267,12 @@ class TFStitchedFunction:
             key = self._key(args, kwargs)
         except Exception:  # noqa: BLE001 - unhashable arguments: stock TF
             key = None
-        with self._lock:
-            self.stats.calls += 1
-            call_number = self.stats.calls
-            entry = self._entries.get(key) if key is not None else None
-            start = key is not None and entry is None
-            if start:
-                entry = self._entries[key] = _Entry()
-                self.stats.signatures += 1
-        if start:
-            self._start_compile(entry, args, kwargs, call_number)
+        entry, call_number = self._count_call(key, args, kwargs)
         if entry is None or entry.state != "ready":
             return self.stock(*args, **kwargs)
         if not entry.verified:
             return self._verify_call(entry, args, kwargs, call_number)
-        if self.guard and len(entry.trial_stock) < GUARD_CALLS:
+        if self._in_guard_trial(entry):
             return self._guarded_call(entry, args, kwargs, call_number)
         return self._call_stitched(entry, args, kwargs, call_number)
 
@@ -363,16 +328,6 @@ class TFStitchedFunction:
         self._count_stitched(call_number)
         return result
 
-    def _count_stitched(self, call_number: int) -> None:
-        with self._lock:
-            self.stats.stitched_calls += 1
-            if self.stats.switched_at_call is None:
-                self.stats.switched_at_call = call_number
-                log.info("%s: switched to stitched kernels at call %d (%s kernels -> %s, "
-                         "%s stitched)", self.__qualname__, call_number,
-                         self.stats.kernels_before, self.stats.kernels_after,
-                         self.stats.stitched_kernels)
-
     def _verify_call(self, entry: _Entry, args: tuple, kwargs: dict, call_number: int) -> Any:
         """The first stitched call: the program on the current values, then the stock step
         (which updates the variables); outputs and new variable values must agree."""
@@ -409,40 +364,16 @@ class TFStitchedFunction:
         return result
 
     def _guarded_call(self, entry: _Entry, args: tuple, kwargs: dict, call_number: int) -> Any:
-        stitched_turn = len(entry.trial_stitched) <= len(entry.trial_stock)
+        """A guard trial call (switching.py), timed to completion."""
+        stitched_turn = self._stitched_turn(entry)
         start = time.perf_counter()
         if stitched_turn:
             result = self._call_stitched(entry, args, kwargs, call_number)
         else:
             result = self.stock(*args, **kwargs)
             _block(result)
-        elapsed = time.perf_counter() - start
-        if entry.state != "ready":
-            return result
-        (entry.trial_stitched if stitched_turn else entry.trial_stock).append(elapsed)
-        if len(entry.trial_stock) == GUARD_CALLS:
-            stitched_ms = 1e3 * float(np.median(entry.trial_stitched[1:]
-                                                or entry.trial_stitched))
-            stock_ms = 1e3 * float(np.median(entry.trial_stock))
-            with self._lock:
-                self.stats.guard = {"stitched_ms": stitched_ms, "stock_ms": stock_ms}
-            if stitched_ms > stock_ms:
-                entry.state = "stock-faster"
-                self.stats.guard["kept"] = "xla"
-                log.info("%s: stays on XLA on this device: stitched %.3f ms vs TF %.3f ms "
-                         "per call (STITCH_GUARD=0 keeps the stitched kernels)",
-                         self.__qualname__, stitched_ms, stock_ms)
-            else:
-                self.stats.guard["kept"] = "stitched"
-                log.info("%s: keeps the stitched kernels: %.3f ms vs TF %.3f ms per call",
-                         self.__qualname__, stitched_ms, stock_ms)
+        self._guard_record(entry, stitched_turn, time.perf_counter() - start)
         return result
-
-    def _fail(self, entry: _Entry, reason: str) -> None:
-        entry.state, entry.reason, entry.call = "failed", reason, None
-        with self._lock:
-            self.stats.fallbacks.append(reason)
-        log.warning("%s: falls back to XLA: %s", self.__qualname__, reason)
 
     # --- compiling ----------------------------------------------------------------------
     def _start_compile(self, entry: _Entry, args: tuple, kwargs: dict, call_number: int) -> None:
@@ -517,25 +448,6 @@ class TFStitchedFunction:
                   "%d inputs, %d outputs, %d variable updates", self.__qualname__, elapsed,
                   earlier, len(program.kernels), len(mapping.sources), mapping.n_outputs,
                   len(mapping.updates))
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until every signature seen so far has compiled; True when all are ready."""
-        with self._lock:
-            entries = list(self._entries.values())
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for e in entries:
-            if e.future is None:
-                continue
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                e.future.result(left)
-            except Exception:  # noqa: BLE001
-                return False
-        return all(e.state == "ready" for e in entries)
-
-    def programs(self) -> list[Any]:
-        with self._lock:
-            return [e.program for e in self._entries.values() if e.program is not None]
 
 
 def _block(result: Any) -> None:

@@ -1,0 +1,158 @@
+"""What stitch.jit (jax) and the TensorFlow front end share: per input signature, a function
+runs the framework's stock path until stitch's program for that signature is built, then
+switches; failures fall back for good and are logged; the guard times both paths over the
+first calls after the switch and keeps the faster.
+
+``SwitchingFunction`` holds the bookkeeping (entries, stats, the switch/fallback/guard log
+lines, ``wait``, ``programs``); a front end supplies how to key a call, compile and run.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+log = logging.getLogger("stitch.jit")
+
+GUARD_CALLS = 5              # timed calls per side before the guard decides
+
+
+@dataclass
+class SwitchStats:
+    """What one stitched function did (all signatures together)."""
+    calls: int = 0
+    stitched_calls: int = 0
+    compile_seconds: float = 0.0
+    switched_at_call: int | None = None        # the first call served by stitched kernels
+    kernels_before: int | None = None          # plan baseline (XLA-like) kernels
+    kernels_after: int | None = None           # kernels of the stitched plan
+    stitched_kernels: int | None = None        # of those, built as stitched FFI kernels
+    signatures: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+    guard: dict = field(default_factory=dict)    # the guard's timings and decision
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SwitchEntry:
+    """One input signature: compiling → ready → (failed | stock-faster)."""
+    state: str = "compiling"
+    future: Future | None = None
+    program: Any = None                 # jax_exec.StitchedProgram
+    call: Callable | None = None        # the jitted stitched program
+    verified: bool = False
+    reason: str = ""
+    trial_stitched: list[float] = field(default_factory=list)   # guard timings (s)
+    trial_stock: list[float] = field(default_factory=list)
+    guard_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SwitchingFunction:
+    """Bookkeeping base; subclasses set ``stock`` and implement ``_start_compile``."""
+
+    stock_name = "XLA"                 # the stock path, as log lines name it
+    entry_type: type = SwitchEntry
+
+    def _init_switching(self, guard: bool) -> None:
+        self.guard = guard
+        self.stats = SwitchStats()
+        self._entries: dict[Any, SwitchEntry] = {}
+        self._lock = threading.Lock()
+
+    def _start_compile(self, entry: SwitchEntry, args: tuple, kwargs: dict,
+                       call_number: int) -> None:
+        raise NotImplementedError
+
+    # --- calls --------------------------------------------------------------------------
+    def _count_call(self, key: Any, args: tuple, kwargs: dict
+                    ) -> tuple[SwitchEntry | None, int]:
+        """Count the call; a signature seen for the first time starts its compile."""
+        with self._lock:
+            self.stats.calls += 1
+            call_number = self.stats.calls
+            entry = self._entries.get(key) if key is not None else None
+            start = key is not None and entry is None
+            if start:
+                entry = self._entries[key] = self.entry_type()
+                self.stats.signatures += 1
+        if start:
+            self._start_compile(entry, args, kwargs, call_number)
+        return entry, call_number
+
+    def _count_stitched(self, call_number: int) -> None:
+        with self._lock:
+            self.stats.stitched_calls += 1
+            if self.stats.switched_at_call is None:
+                self.stats.switched_at_call = call_number
+                log.info("%s: switched to stitched kernels at call %d (%s kernels -> %s, "
+                         "%s stitched)", self.__qualname__, call_number,
+                         self.stats.kernels_before, self.stats.kernels_after,
+                         self.stats.stitched_kernels)
+
+    def _fail(self, entry: SwitchEntry, reason: str) -> None:
+        entry.state, entry.reason, entry.call = "failed", reason, None
+        with self._lock:
+            self.stats.fallbacks.append(reason)
+        log.warning("%s: falls back to %s: %s", self.__qualname__, self.stock_name, reason)
+
+    # --- the guard ----------------------------------------------------------------------
+    def _in_guard_trial(self, entry: SwitchEntry) -> bool:
+        return self.guard and entry.state == "ready" and len(entry.trial_stock) < GUARD_CALLS
+
+    @staticmethod
+    def _stitched_turn(entry: SwitchEntry) -> bool:
+        with entry.guard_lock:
+            return len(entry.trial_stitched) <= len(entry.trial_stock)
+
+    def _guard_record(self, entry: SwitchEntry, stitched_turn: bool, elapsed: float) -> None:
+        """One timed trial call; after GUARD_CALLS stock ones the faster path stays. The
+        first stitched call also compiled: the median leaves it out."""
+        if entry.state != "ready":
+            return
+        with entry.guard_lock:
+            (entry.trial_stitched if stitched_turn else entry.trial_stock).append(elapsed)
+            if stitched_turn or len(entry.trial_stock) != GUARD_CALLS:
+                return
+            stitched_ms = 1e3 * float(np.median(entry.trial_stitched[1:]
+                                                or entry.trial_stitched))
+            stock_ms = 1e3 * float(np.median(entry.trial_stock))
+        kept = "xla" if stitched_ms > stock_ms else "stitched"
+        with self._lock:
+            self.stats.guard = {"stitched_ms": stitched_ms, "stock_ms": stock_ms, "kept": kept}
+        if kept == "xla":
+            entry.state = "stock-faster"
+            log.info("%s: stays on %s on this device: stitched %.3f ms vs %s %.3f ms per "
+                     "call (STITCH_GUARD=0 keeps the stitched kernels)", self.__qualname__,
+                     self.stock_name, stitched_ms, self.stock_name, stock_ms)
+        else:
+            log.info("%s: keeps the stitched kernels: %.3f ms vs %s %.3f ms per call",
+                     self.__qualname__, stitched_ms, self.stock_name, stock_ms)
+
+    # --- waiting ------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every signature seen so far has finished compiling; True when all
+        are ready (False: some fell back or the timeout passed)."""
+        with self._lock:
+            entries = list(self._entries.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for e in entries:
+            if e.future is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                e.future.result(left)
+            except Exception:  # noqa: BLE001 - timeouts and failures both mean "not ready"
+                return False
+        return all(e.state == "ready" for e in entries)
+
+    def programs(self) -> list[Any]:
+        """The stitched programs built so far (``jax_exec.StitchedProgram``)."""
+        with self._lock:
+            return [e.program for e in self._entries.values() if e.program is not None]
