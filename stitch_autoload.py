@@ -1,8 +1,9 @@
 """Imported at interpreter start by ``stitch-autoload.pth`` (installed with stitch).
 
 Does nothing unless STITCH_ENABLE is set to a true value. Then it installs an import hook that
-patches jax (``jax.jit`` → ``stitch.jit``) right after jax is imported, and Keras' TensorFlow
-trainer when tensorflow/keras are imported, so an unchanged training script runs under
+patches jax (``jax.jit`` → ``stitch.jit``) right after jax is imported, and
+``tf.function(jit_compile=True)`` and Keras' TensorFlow trainer when tensorflow/keras are
+imported, so an unchanged training script runs under
 stitch: ``STITCH_ENABLE=1 python train.py``. Nothing from stitch (numpy, llvmlite...) is
 imported before the framework is, and nothing at all when the variable is unset.
 """

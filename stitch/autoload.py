@@ -3,7 +3,9 @@
 jax: ``jax.jit`` becomes a function with the same signature that returns ``stitch.jit``
 functions (the original stays reachable as ``jax.jit.__stitch_original__``, which stitch's own
 stock path uses). Libraries that bind ``jax.jit`` after jax is imported — Keras' JAX trainer
-among them — get stitch too. Settings come from the environment (stitch/config.py).
+among them — get stitch too. tensorflow / keras: ``tf.function(jit_compile=True)`` and Keras'
+TF trainer go through ``stitch.frontends.tf``. Settings come from the environment
+(stitch/config.py).
 """
 from __future__ import annotations
 
