@@ -12,8 +12,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tests.fixtures import REDUCERS
 
+# add/max reducers with names unique across the module (XLA's own parser renames repeated
+# instruction names, so a module saved as a fixture would not round-trip through it).
+REDUCERS = """add {
+  add_a = f32[] parameter(0)
+  add_b = f32[] parameter(1)
+  ROOT add_s = f32[] add(add_a, add_b)
+}
+max {
+  max_a = f32[] parameter(0)
+  max_b = f32[] parameter(1)
+  ROOT max_s = f32[] maximum(max_a, max_b)
+}
+"""
 DIM_SIZES = (1, 2, 3, 4, 5, 7, 8, 16, 17, 32, 33, 40, 64, 100)
 MAX_ELEMENTS = 6000
 
