@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from hlo_passes.graph import OpGraph, build_op_graphs
 from hlo_passes.ir import HloModule
+from hlo_passes.op_classes import OpClass
 from hlo_passes.parser import parse_hlo
 
 from ..cost.delta import CostModel
@@ -33,9 +34,9 @@ from .feasibility import Infeasible, analyze_pattern
 from .patterns import Candidates, Pattern, PatternExplorer, is_plannable
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
-from .refine import refine_plan
-from .plan import (GraphPlan, PlannedKernel, PlannerReport, SideSummary, kernel_kind,
-                   launch_order, make_kernel, needs_kernel, validate)
+from .refine import _stages, refine_plan
+from .plan import (GraphPlan, PlannedKernel, PlannerReport, PlanValidationError, SideSummary,
+                   kernel_kind, launch_order, make_kernel, needs_kernel, validate)
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +188,67 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
         got = _tuned(graph, spec, frozenset(k.members), cache)
         if isinstance(got, str):
             k.schedule_note = got
-            log.warning("graph %s: %s has no schedule: %s", graph.name, k.name, got)
+            log.debug("graph %s: %s has no schedule: %s", graph.name, k.name, got)
         else:
             k.schedule = got
+
+
+def _schedulable_parts(graph: OpGraph, spec: GpuSpec, members: frozenset[int],
+                       cache: ScheduleCache) -> list[frozenset[int]] | None:
+    """A kernel the feasibility predicate accepted but no schedule can stitch, cut into
+    parts that each have one: its stages (cut after every reduction), and a stage that still
+    has none cut once more into one part per reduction with its ancestors in the stage
+    (shared ancestors go to the first) plus the rest. None when some part still has none."""
+    parts: list[frozenset[int]] = []
+    for stage in _stages(graph, members):
+        if isinstance(_tuned(graph, spec, stage, cache), KernelSchedule):
+            parts.append(stage)
+            continue
+        taken: set[int] = set()
+        for r in sorted(v for v in stage if graph.nodes[v].op_class is OpClass.REDUCTION):
+            part, stack = {r}, [r]
+            while stack:
+                for o in graph.nodes[stack.pop()].operands:
+                    if o in stage and o not in taken and o not in part:
+                        part.add(o)
+                        stack.append(o)
+            taken |= part
+            parts.append(frozenset(part))
+        if stage - taken:
+            parts.append(frozenset(stage - taken))
+    parts = [p for p in parts if any(needs_kernel(graph, v) for v in p)]
+    if len(parts) < 2 or not all(isinstance(_tuned(graph, spec, p, cache), KernelSchedule)
+                                 for p in parts):
+        return None
+    return parts
+
+
+def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: GraphPlan,
+                         cache: ScheduleCache, weight: int) -> GraphPlan | None:
+    """The plan with every stitched kernel that has no legal schedule split into parts that
+    have one (None when there is none to split, or the split plan is not valid): the
+    feasibility predicate is coarser than the schedules' locality rule, and a kernel without
+    a schedule would run unstitched."""
+    kernels, changed = [], False
+    for k in plan.kernels:
+        if k.schedule is None and k.schedule_note and k.kind == "fused" and \
+                all(is_plannable(graph, v) for v in k.members):
+            parts = _schedulable_parts(graph, spec, frozenset(k.members), cache)
+            if parts is not None:
+                kernels += [make_kernel(graph, cost, p, "split") for p in parts]
+                changed = True
+                continue
+        kernels.append(make_kernel(graph, cost, frozenset(k.members), k.origin))
+    if not changed:
+        return None
+    try:
+        repaired = _named(graph, launch_order(graph, kernels), weight)
+    except PlanValidationError as exc:
+        log.debug("graph %s: splitting unschedulable kernels gave no valid plan: %s",
+                  graph.name, exc)
+        return None
+    schedule_plan(graph, spec, repaired, cache)
+    return repaired
 
 
 def latency_objective_s(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
@@ -338,6 +397,15 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     if options.schedules:
         start_schedules = time.perf_counter()
         schedule_plan(graph, spec, best, schedules)
+        repaired = _split_unschedulable(graph, spec, cost, best, schedules, weight)
+        if repaired is not None:
+            best = repaired
+            report.detail["split_unschedulable"] = True
+        for k in best.kernels:
+            if k.schedule is None and k.schedule_note and k.kind == "fused" and \
+                    all(is_plannable(graph, v) for v in k.members):
+                log.warning("graph %s: %s has no schedule, its ops run unstitched: %s",
+                            graph.name, k.name, k.schedule_note)
         report.detail["schedule_seconds"] = time.perf_counter() - start_schedules
     return GraphResult(graph, baseline, best, report, candidates.reasons)
 
