@@ -317,25 +317,13 @@ class StitchedFunction(SwitchingFunction):
             call = _stock_jit()(program.fn)
             out_tree = lowered.out_tree
         except Exception as exc:  # noqa: BLE001 - any failure means stock XLA
-            elapsed = time.perf_counter() - start
-            with self._lock:
-                self.stats.compile_seconds += elapsed
-            self._fail(entry, f"compile failed after {elapsed:.1f}s: "
-                              f"{type(exc).__name__}: {exc}")
+            self._compile_failed(entry, time.perf_counter() - start, exc)
             return
         elapsed = time.perf_counter() - start
-        summary = program.summary()
-        with self._lock:
-            self.stats.compile_seconds += elapsed
-            self.stats.kernels_before = summary["kernels_before"]
-            self.stats.kernels_after = summary["kernels_after"]
-            self.stats.stitched_kernels = summary["stitched_kernels"]
-        entry.program, entry.call, entry.out_tree = program, call, out_tree
-        entry.state = "ready"
-        log.debug("%s: stitched program ready in %.1fs: %d stitched kernels (%d left to XLA); "
-                 "plan %d kernels vs %d baseline", self.__qualname__, elapsed,
-                 len(program.kernels), len(program.fallbacks), summary["kernels_after"],
-                 summary["kernels_before"])
+        entry.call, entry.out_tree = call, out_tree
+        self._program_ready(entry, program, elapsed)
+        log.debug("%s: stitched program ready in %.1fs: %d stitched kernels (%d left to XLA)",
+                  self.__qualname__, elapsed, len(program.kernels), len(program.fallbacks))
 
 
 def _progress(message: str) -> None:

@@ -96,6 +96,22 @@ class SwitchingFunction:
                          self.stats.kernels_before, self.stats.kernels_after,
                          self.stats.stitched_kernels)
 
+    def _program_ready(self, entry: SwitchEntry, program: Any, elapsed: float) -> None:
+        """Record a built program (stats from its plan); the entry switches on its next call."""
+        summary = program.summary()
+        with self._lock:
+            self.stats.compile_seconds += elapsed
+            self.stats.kernels_before = summary["kernels_before"]
+            self.stats.kernels_after = summary["kernels_after"]
+            self.stats.stitched_kernels = summary["stitched_kernels"]
+        entry.program = program
+        entry.state = "ready"
+
+    def _compile_failed(self, entry: SwitchEntry, elapsed: float, exc: BaseException) -> None:
+        with self._lock:
+            self.stats.compile_seconds += elapsed
+        self._fail(entry, f"compile failed after {elapsed:.1f}s: {type(exc).__name__}: {exc}")
+
     def _fail(self, entry: SwitchEntry, reason: str) -> None:
         entry.state, entry.reason, entry.call = "failed", reason, None
         with self._lock:

@@ -17,6 +17,7 @@ from stitch.schedule import schedule_kernel
 from stitch.schedule.space import part_facts
 from stitch.schedule.tuner import _row_work
 from tests.fixtures import REDUCERS
+from tests.test_schedules import softmax
 
 HEAD = "HloModule m\n" + REDUCERS
 
@@ -297,20 +298,6 @@ def test_throughput_bound_kernel_is_modeled_below_the_sum_of_its_parts():
     t_both, t_mem, t_alu = (evaluate(spec, launch, w).cycles
                             for w in (both, only_memory, only_compute))
     assert t_both < 0.6 * (t_mem + t_alu) and t_both >= max(t_mem, t_alu)
-
-
-def softmax(rows: int, length: int):
-    return _graph(f"""
-  x = f32[{rows},{length}] parameter(0)
-  ninf = f32[] constant(-inf)
-  zero = f32[] constant(0)
-  m = f32[{rows}] reduce(x, ninf), dimensions={{1}}, to_apply=max
-  mb = f32[{rows},{length}] broadcast(m), dimensions={{0}}
-  d = f32[{rows},{length}] subtract(x, mb)
-  e = f32[{rows},{length}] exponential(d)
-  s = f32[{rows}] reduce(e, zero), dimensions={{1}}, to_apply=add
-  sb = f32[{rows},{length}] broadcast(s), dimensions={{0}}
-  ROOT y = f32[{rows},{length}] divide(e, sb)""")
 
 
 @pytest.mark.parametrize("target", ["a100", "h100"])

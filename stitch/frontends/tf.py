@@ -391,7 +391,7 @@ class TFStitchedFunction(SwitchingFunction):
             injected_failure("compile")
             module, mapping = self._hlo_and_mapping(args, kwargs)
         except Exception as exc:  # noqa: BLE001 - any failure means stock TF
-            self._compile_failed(entry, start, exc)
+            self._compile_failed(entry, time.perf_counter() - start, exc)
             return
         entry.future = _COMPILER.submit(functools.partial(
             self._compile, entry, module, mapping, time.perf_counter() - start))
@@ -411,13 +411,6 @@ class TFStitchedFunction(SwitchingFunction):
         module = parse_hlo(hlo)
         return module, build_mapping(concrete, module, hlo, leaves)
 
-    def _compile_failed(self, entry: _Entry, start: float, exc: BaseException,
-                        earlier: float = 0.0) -> None:
-        elapsed = time.perf_counter() - start + earlier
-        with self._lock:
-            self.stats.compile_seconds += elapsed
-        self._fail(entry, f"compile failed after {elapsed:.1f}s: {type(exc).__name__}: {exc}")
-
     def _compile(self, entry: _Entry, module: Any, mapping: TFMapping, earlier: float) -> None:
         import jax
 
@@ -433,17 +426,11 @@ class TFStitchedFunction(SwitchingFunction):
                                   f"({len(program.fallbacks)} could not be built)")
             call = _stock_jit()(program.fn)
         except Exception as exc:  # noqa: BLE001 - any failure means stock TF
-            self._compile_failed(entry, start, exc, earlier)
+            self._compile_failed(entry, time.perf_counter() - start + earlier, exc)
             return
         elapsed = time.perf_counter() - start + earlier
-        summary = program.summary()
-        with self._lock:
-            self.stats.compile_seconds += elapsed
-            self.stats.kernels_before = summary["kernels_before"]
-            self.stats.kernels_after = summary["kernels_after"]
-            self.stats.stitched_kernels = summary["stitched_kernels"]
-        entry.program, entry.mapping, entry.call = program, mapping, call
-        entry.state = "ready"
+        entry.mapping, entry.call = mapping, call
+        self._program_ready(entry, program, elapsed)
         log.debug("%s: stitched program ready in %.1fs (TF side %.1fs): %d stitched kernels, "
                   "%d inputs, %d outputs, %d variable updates", self.__qualname__, elapsed,
                   earlier, len(program.kernels), len(mapping.sources), mapping.n_outputs,
