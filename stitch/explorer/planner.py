@@ -31,7 +31,7 @@ from ..errors import StitchError
 from .beam import beam_search, merge_adjacent, pack_levels
 from .blp import BlpError, solve_blp
 from .feasibility import Infeasible, analyze_pattern
-from .patterns import Candidates, Pattern, PatternExplorer, is_plannable
+from .patterns import Pattern, PatternExplorer, is_plannable
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
 from .refine import _stages, refine_plan
