@@ -406,6 +406,18 @@ class Computation:
                         stack.append((table[op], False))
         return order
 
+    def live_post_order(self) -> list[Instruction]:
+        """``post_order`` restricted to what the root depends on (dead code left out)."""
+        table = self.by_name()
+        needed: set[str] = set()
+        stack = [self.root.name]
+        while stack:
+            name = stack.pop()
+            if name not in needed:
+                needed.add(name)
+                stack.extend(table[name].operands)
+        return [inst for inst in self.post_order() if inst.name in needed]
+
 
 @dataclass(eq=True, slots=True)
 class HloModule:

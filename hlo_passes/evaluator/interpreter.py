@@ -59,21 +59,7 @@ class Evaluator:
         """Post order of the instructions the root depends on (dead code is skipped)."""
         order = self._orders.get(comp.name)
         if order is None:
-            table = self._table(comp)
-            needed: set[str] = set()
-            stack = [comp.root.name]
-            while stack:
-                name = stack.pop()
-                if name in needed:
-                    continue
-                needed.add(name)
-                inst = table.get(name)
-                if inst is None:
-                    raise HloEvaluationError(
-                        f"computation {comp.name!r} uses undefined instruction {name!r}")
-                stack.extend(inst.operands)
-            order = [inst for inst in comp.post_order() if inst.name in needed]
-            self._orders[comp.name] = order
+            order = self._orders[comp.name] = comp.live_post_order()
         return order
 
     def _table(self, comp: Computation) -> dict[str, Instruction]:

@@ -160,15 +160,7 @@ class JaxOpEmitter:
         """Post order of what the root depends on (dead code is not emitted)."""
         order = self._orders.get(comp.name)
         if order is None:
-            table = self._table(comp)
-            needed: set[str] = set()
-            stack = [comp.root.name]
-            while stack:
-                name = stack.pop()
-                if name not in needed:
-                    needed.add(name)
-                    stack.extend(table[name].operands)
-            order = self._orders[comp.name] = [i for i in comp.post_order() if i.name in needed]
+            order = self._orders[comp.name] = comp.live_post_order()
         return order
 
     def shape_of(self, operand: str) -> Shape:
