@@ -4,7 +4,9 @@ STITCH_ENABLE   1/true: the autoload patches jax.jit / TF / Keras on import (sti
 STITCH_ASYNC    0/false: compile before the first call instead of in the background (default 1)
 STITCH_TARGET   the GPU the plan is made for: v100 | a100 | h100 | h200 (default h100)
 STITCH_DEVICE   where stitched kernels run: cpu | gpu (default: gpu when jax has one, else cpu)
-STITCH_VERIFY   1/true: compare the first stitched call with stock XLA and fall back on mismatch
+STITCH_VERIFY   1/true: compare the first stitched call with stock XLA and fall back on mismatch;
+                every:N compares every N-th stitched call (the first included)
+STITCH_STATS    a path: at exit, JSON with one record per stitched function signature
 STITCH_GUARD    0/false: keep the stitched kernels even where they time slower than stock
                 XLA over the first calls after the switch (default 1: keep the faster)
 STITCH_CACHE_DIR  the on-disk compile cache (codegen/cache.py)
@@ -49,7 +51,7 @@ class Settings:
     async_compile: bool
     target: str
     device: str | None
-    verify: bool
+    verify: bool | int          # True: the first stitched call; N: every N-th
     guard: bool
 
     @classmethod
@@ -62,7 +64,21 @@ class Settings:
             raise ConfigError(f"STITCH_DEVICE={device!r}: expected cpu or gpu")
         return cls(enable=env_flag("STITCH_ENABLE", False),
                    async_compile=env_flag("STITCH_ASYNC", True), target=target, device=device,
-                   verify=env_flag("STITCH_VERIFY", False), guard=env_flag("STITCH_GUARD", True))
+                   verify=verify_setting(), guard=env_flag("STITCH_GUARD", True))
+
+
+def verify_setting() -> bool | int:
+    """STITCH_VERIFY: a flag, or ``every:N`` for sampled verification."""
+    raw = os.environ.get("STITCH_VERIFY", "").strip().lower()
+    if raw.startswith("every:"):
+        try:
+            n = int(raw[len("every:"):])
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigError(f"STITCH_VERIFY={raw!r}: every:N needs a whole N >= 1")
+        return True if n == 1 else n
+    return env_flag("STITCH_VERIFY", False)
 
 
 def injected_failure(stage: str) -> None:

@@ -33,6 +33,7 @@ from hlo_passes.graph_exec import GraphRunner, Unit
 from hlo_passes.op_classes import OpClass
 
 from .errors import StitchError
+from .verify import poison_check  # noqa: F401 - re-exported for the TF front end
 from .explorer.planner import ExplorerOptions, FusionPlan, plan as make_plan
 
 log = logging.getLogger(__name__)
@@ -188,24 +189,3 @@ def build_stitched(module: HloModule, target: str = "h100", device: str = "cpu",
     def fn(*leaves: Any) -> list[Any]:
         return GraphRunner(module, graphs, backend, units).run(list(leaves))
     return StitchedProgram(module, fusion_plan, device, kernels, fallbacks, fn, timings)
-
-
-def poison_check(a: np.ndarray, b: np.ndarray, rtol: float) -> str | None:
-    """None when ``a`` matches ``b`` (relative L2 error ≤ rtol, same NaN/inf positions),
-    else what differs."""
-    a = np.asarray(a)
-    b = np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return f"shape/dtype {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-    if a.dtype.kind in "biu":
-        bad = int(np.count_nonzero(a != b))
-        return None if bad == 0 else f"{bad} of {a.size} elements differ"
-    a64 = a.astype(np.float64)
-    b64 = b.astype(np.float64)
-    finite = np.isfinite(b64)
-    if not np.array_equal(finite, np.isfinite(a64)):
-        return "non-finite values at different positions"
-    diff = np.linalg.norm(a64[finite] - b64[finite])
-    ref = np.linalg.norm(b64[finite])
-    err = diff / ref if ref > 0 else diff
-    return None if err <= rtol else f"relative error {err:.3g} > {rtol:g}"

@@ -36,6 +36,9 @@ class CompileCancelled(StitchError):
     """The interpreter is exiting: the compile thread stops between kernels."""
 
 
+_EXITING = "the compile had not finished when the interpreter exited"
+
+
 # ------------------------------------------------------------------------ compile thread
 class _CompileThread:
     """One daemon thread running compile jobs in order; joined at interpreter exit (a live
@@ -51,7 +54,7 @@ class _CompileThread:
         future: Future = Future()
         with self._lock:
             if self.stopping.is_set():
-                future.set_exception(CompileCancelled("interpreter is exiting"))
+                future.set_exception(CompileCancelled(_EXITING))
                 return future
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="stitch-compile",
@@ -87,7 +90,7 @@ class _CompileThread:
 
     def check(self) -> None:
         if self.stopping.is_set():
-            raise CompileCancelled("interpreter is exiting")
+            raise CompileCancelled(_EXITING)
 
 
 _COMPILER = _CompileThread()
@@ -103,7 +106,9 @@ def run_on_compile_thread(job: Callable[[], Any]) -> Any:
 # ------------------------------------------------------------------------------- entries
 @dataclass
 class _Entry(SwitchEntry):
-    out_tree: Any = None                # the function's output structure
+    # Leaf indices (dynamic args and kwargs flattened) the caller donated, when the stitched
+    # executable lost XLA's input/output aliasing: deleted by hand after each call.
+    donated_leaves: tuple[int, ...] = ()
 
 
 def _stock_jit() -> Callable:
@@ -154,8 +159,12 @@ class StitchedFunction(SwitchingFunction):
         return f"stitch.jit({self.__qualname__}, target={self.target!r})"
 
     # --- signatures ---------------------------------------------------------------------
-    def _split(self, args: tuple, kwargs: dict) -> tuple[Any, list, list, tuple]:
-        """(cache key, dynamic leaves, static values, dynamic structure)."""
+    def _split(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+        """(cache key or None, dynamic positional args, dynamic keyword args).
+
+        The key follows jax's own cache: shape, dtype and weak type per array leaf, whether
+        it arrives as a numpy or a jax array; a sharding only for committed arrays over
+        several devices. None (run stock) inside another trace."""
         import jax
 
         static_pos = set(self.static_argnums)
@@ -168,25 +177,29 @@ class StitchedFunction(SwitchingFunction):
         static = tuple((i, args[i]) for i in sorted(static_pos) if i < len(args))
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         static += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
+        if not _trace_state_clean():
+            return None, dyn_args, dyn_kwargs
         leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         array_type = _array_type()
         avals = []
         for x in leaves:
-            if type(x) is array_type:          # the common case: a committed jax array
-                avals.append(x.aval)           # shape, dtype and weak type, hashable
+            if type(x) is array_type:          # the common case: a jax array
+                sharding = x.sharding if x.committed and len(x.sharding.device_set) > 1 \
+                    else None
+                avals.append((x.shape, x.dtype, x.weak_type, sharding))
                 continue
             if isinstance(x, jax.core.Tracer):
-                return None, leaves, static, tree
+                return None, dyn_args, dyn_kwargs
             if not (hasattr(x, "dtype") and hasattr(x, "shape")):
                 x = np.asarray(x)
             # dtype objects hash and compare by value; str(dtype) costs microseconds.
-            avals.append((x.shape, x.dtype, getattr(x, "weak_type", False)))
+            avals.append((tuple(x.shape), x.dtype, getattr(x, "weak_type", False), None))
         try:
             key = (tree, tuple(avals), static)
             hash(key)
         except TypeError:
-            return None, leaves, static, tree
-        return key, leaves, static, tree
+            return None, dyn_args, dyn_kwargs
+        return key, dyn_args, dyn_kwargs
 
     # --- calling ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -201,23 +214,24 @@ class StitchedFunction(SwitchingFunction):
                 return result
             self._count_call(self._split(args, kwargs)[0], args, kwargs)
             return result
-        key, leaves, _, _ = self._split(args, kwargs)
+        key, dyn_args, dyn_kwargs = self._split(args, kwargs)
         entry, call_number = self._count_call(key, args, kwargs)
         if entry is None or entry.state != "ready":
             return self.stock(*args, **kwargs)
         if self._in_guard_trial(entry):
-            return self._guarded_call(entry, leaves, args, kwargs, call_number)
-        return self._call_stitched(entry, leaves, args, kwargs, call_number)
+            return self._guarded_call(entry, dyn_args, dyn_kwargs, args, kwargs, call_number)
+        return self._call_stitched(entry, dyn_args, dyn_kwargs, args, kwargs, call_number)
 
-    def _guarded_call(self, entry: _Entry, leaves: list, args: tuple, kwargs: dict,
-                      call_number: int) -> Any:
+    def _guarded_call(self, entry: _Entry, dyn_args: tuple, dyn_kwargs: dict, args: tuple,
+                      kwargs: dict, call_number: int) -> Any:
         """A guard trial call (switching.py), timed to completion."""
         import jax
 
         stitched_turn = self._stitched_turn(entry)
         start = time.perf_counter()
         if stitched_turn:
-            result = self._call_stitched(entry, leaves, args, kwargs, call_number)
+            result = self._call_stitched(entry, dyn_args, dyn_kwargs, args, kwargs,
+                                         call_number)
         else:
             result = self.stock(*args, **kwargs)
         jax.block_until_ready(result)
@@ -235,38 +249,39 @@ class StitchedFunction(SwitchingFunction):
         return (self._jax_cache_size and bool(entries)
                 and not any(e.state == "ready" for e in entries))
 
-    def _call_stitched(self, entry: _Entry, leaves: list, args: tuple, kwargs: dict,
-                       call_number: int) -> Any:
-        import jax
-
+    def _call_stitched(self, entry: _Entry, dyn_args: tuple, dyn_kwargs: dict, args: tuple,
+                       kwargs: dict, call_number: int) -> Any:
+        expected = None
+        check = self._verify_this_call(entry)
         try:
             injected_failure("run")
-            outs = entry.call(*leaves)
-            result = jax.tree_util.tree_unflatten(entry.out_tree, list(outs))
-            if self.verify and not entry.verified:
-                reason = self._verify(result, args, kwargs)
+            if check:
+                # Stock first, on copies: the stitched call may donate the caller's buffers.
+                expected = self.stock(*_copies(args), **_copies(kwargs))
+            result = entry.call(*dyn_args, **dyn_kwargs)
+            if entry.donated_leaves:
+                _delete_donated((dyn_args, dyn_kwargs), entry.donated_leaves)
+            if check:
+                reason = _compare(result, expected)
                 if reason is not None:
                     self._fail(entry, f"verify: stitched result differs from XLA ({reason})")
-                    return self.stock(*args, **kwargs)
+                    return expected
                 entry.verified = True
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self._fail(entry, f"stitched call failed: {type(exc).__name__}: {exc}")
+            if expected is not None:
+                return expected
             return self.stock(*args, **kwargs)
-        self._count_stitched(call_number)
+        self._count_stitched(entry, call_number)
         return result
 
-    def _verify(self, result: Any, args: tuple, kwargs: dict) -> str | None:
-        import jax
-
-        from .jax_exec import poison_check
-
-        expected = jax.tree_util.tree_leaves(self.stock(*args, **kwargs))
-        got = jax.tree_util.tree_leaves(result)
-        for i, (a, b) in enumerate(zip(got, expected)):
-            why = poison_check(np.asarray(a), np.asarray(b), VERIFY_RTOL)
-            if why is not None:
-                return f"output {i}: {why}"
-        return None
+    def _verify_this_call(self, entry: _Entry) -> bool:
+        """verify=True checks the first stitched call; verify=N every N-th, from the first."""
+        if not self.verify:
+            return False
+        if self.verify is True:
+            return not entry.verified
+        return entry.counters.stitched_calls % int(self.verify) == 0
 
     # --- compiling ----------------------------------------------------------------------
     def _start_compile(self, entry: _Entry, args: tuple, kwargs: dict, call_number: int) -> None:
@@ -289,50 +304,47 @@ class StitchedFunction(SwitchingFunction):
         if not self.async_compile:
             try:
                 entry.future.result()
-            except BaseException:  # noqa: BLE001 - recorded by _compile
+            except Exception:  # noqa: BLE001 - recorded by _compile; Ctrl-C propagates
                 pass
 
     def _compile(self, entry: _Entry, args: tuple, kwargs: dict) -> None:
-        from hlo_passes import parse_hlo
-
-        from .jax_exec import build_stitched
+        """The same lowered function compiled by XLA with stitch's pass on for it."""
+        from integration.xla_pass import PassRequest, compile_with_pass, ensure_registered
 
         start = time.perf_counter()
         try:
             injected_failure("compile")
-            lowering_jit = _stock_jit()(self.fn, static_argnums=self.static_argnums,
-                                        static_argnames=self.static_argnames, keep_unused=True)
-            lowered = lowering_jit.lower(*args, **kwargs)
-            module = parse_hlo(lowered.as_text(dialect="hlo"))
-            _check_parameters(module, lowered)
             device = self.device or _default_device()
-            program = build_stitched(module, self.target, device, progress=_progress)
-            if not program.kernels:
-                raise StitchError("the plan has no stitched kernel to run "
-                                  f"({len(program.fallbacks)} could not be built)")
+            ensure_registered("cpu" if device == "cpu" else "cuda")
+            request = PassRequest(self.__qualname__, self.target, device,
+                                  cancel=_COMPILER.stopping.is_set)
+            lowered = self.stock.lower(*args, **kwargs)
+            compiled, report = compile_with_pass(lowered, request)
+            if not report.kernels_stitched:
+                raise StitchError(report.reason_nothing_stitched())
             if log_kernels():
-                from codegen.printer import format_kernel
-                for k in program.kernels:
-                    log.info("kernel %s:\n%s", k.name, format_kernel(k.lowered.kernel))
-            call = _stock_jit()(program.fn)
-            out_tree = lowered.out_tree
-        except Exception as exc:  # noqa: BLE001 - any failure means stock XLA
+                log.info("%s: stitched module:\n%s", self.__qualname__, compiled.as_text())
+        except BaseException as exc:  # noqa: BLE001 - any failure means stock XLA
             self._compile_failed(entry, time.perf_counter() - start, exc)
+            if not isinstance(exc, Exception):
+                raise                            # Ctrl-C / SystemExit: recorded, then out
             return
         elapsed = time.perf_counter() - start
-        entry.call, entry.out_tree = call, out_tree
-        self._program_ready(entry, program, elapsed)
-        log.debug("%s: stitched program ready in %.1fs: %d stitched kernels (%d left to XLA)",
-                  self.__qualname__, elapsed, len(program.kernels), len(program.fallbacks))
-
-
-def _progress(message: str) -> None:
-    _COMPILER.check()
-    log.debug("compile: %s", message)
+        entry.call = compiled
+        entry.donated_leaves = _lost_donations(lowered, compiled)
+        self._program_ready(entry, report, elapsed)
+        log.debug("%s: stitched executable ready in %.1fs: %d stitched kernels (%d left to "
+                  "XLA)", self.__qualname__, elapsed, report.kernels_stitched,
+                  len(report.fallbacks))
 
 
 def _spec_of(x: Any) -> Any:
+    """The abstract value a leaf is lowered with; committed multi-device arrays keep their
+    sharding (jax's SPMD partitioner then hands the pass the per-device module)."""
     import jax
+    if isinstance(x, jax.Array) and x.committed and len(x.sharding.device_set) > 1:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type,
+                                    sharding=x.sharding)
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False))
     if isinstance(x, (bool, int, float, complex)):
@@ -340,12 +352,61 @@ def _spec_of(x: Any) -> Any:
     return x
 
 
-def _check_parameters(module, lowered) -> None:
-    """The rewritten program is called with the dynamic leaves: one HLO parameter each."""
-    n = len(module.entry.parameters)
-    leaves = lowered.in_tree.num_leaves
-    if n != leaves:
-        raise StitchError(f"the HLO has {n} parameters for {leaves} array arguments")
+def _copies(tree: Any) -> Any:
+    """Fresh copies of the jax arrays in ``tree`` (what a donating call may delete)."""
+    import jax
+    return jax.tree_util.tree_map(
+        lambda x: jax.numpy.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
+
+
+def _compare(result: Any, expected: Any) -> str | None:
+    """None when every output leaf matches (poison_check at VERIFY_RTOL), else what differs."""
+    import jax
+
+    from .verify import poison_check
+
+    got, want = jax.tree_util.tree_leaves(result), jax.tree_util.tree_leaves(expected)
+    if len(got) != len(want):
+        return f"{len(got)} outputs, expected {len(want)}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        why = poison_check(np.asarray(a), np.asarray(b), VERIFY_RTOL)
+        if why is not None:
+            return f"output {i}: {why}"
+    return None
+
+
+def _lost_donations(lowered: Any, compiled: Any) -> tuple[int, ...]:
+    """The donated leaves, when the stitched executable has no input/output aliasing left.
+
+    jaxlib 0.10.2's HLO transformation hook rebuilds the module it gets back without its
+    ``input_output_alias`` (even for unchanged bytes), so XLA neither reuses nor frees the
+    donated buffers. The caller was promised they are gone after the call: stitch deletes
+    them itself (memory is freed after the call instead of reused during it)."""
+    import jax
+
+    donated = tuple(i for i, info in enumerate(jax.tree_util.tree_leaves(lowered.args_info))
+                    if getattr(info, "donated", False))
+    if not donated or "input_output_alias=" in compiled.as_text()[:20_000]:
+        return ()
+    log.debug("stitched executable lost XLA's input/output aliasing: %d donated buffers "
+              "are deleted after each call", len(donated))
+    return donated
+
+
+def _delete_donated(tree: Any, leaves: tuple[int, ...]) -> None:
+    import jax
+    flat = jax.tree_util.tree_leaves(tree)
+    for i in leaves:
+        x = flat[i] if i < len(flat) else None
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+
+
+def _trace_state_clean() -> bool:
+    """False inside another trace (an outer jax.jit, grad, vmap...): such a call must go to
+    stock jax so the outer trace sees jax's own primitive."""
+    from jax._src import core
+    return core.trace_state_clean()
 
 
 def _default_device() -> str:
@@ -362,8 +423,8 @@ def _safe_signature(fn: Callable) -> inspect.Signature | None:
 
 def jit(fn: Callable | None = None, *, target: str | None = None, device: str | None = None,
         async_compile: bool | None = None, verify: bool | None = None,
-        guard: bool | None = None, static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
-        **jit_kwargs: Any) -> Any:
+        guard: bool | None = None, static_argnums: int | Sequence[int] | None = None,
+        static_argnames: str | Sequence[str] | None = None, **jit_kwargs: Any) -> Any:
     """Like ``jax.jit``, switching to stitched kernels once they are built (module docstring).
 
     ``target``: the GPU the fusion plan is made for (default STITCH_TARGET or "h100");
@@ -381,9 +442,9 @@ def jit(fn: Callable | None = None, *, target: str | None = None, device: str | 
                    verify=settings.verify if verify is None else verify,
                    guard=settings.guard if guard is None else guard,
                    static_argnums=(static_argnums,) if isinstance(static_argnums, int)
-                   else tuple(static_argnums),
+                   else tuple(static_argnums or ()),
                    static_argnames=(static_argnames,) if isinstance(static_argnames, str)
-                   else tuple(static_argnames),
+                   else tuple(static_argnames or ()),
                    jit_kwargs=jit_kwargs)
     if fn is None:
         return lambda f: StitchedFunction(f, **options)

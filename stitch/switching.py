@@ -8,7 +8,10 @@ lines, ``wait``, ``programs``); a front end supplies how to key a call, compile 
 """
 from __future__ import annotations
 
+import atexit
+import json
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -20,6 +23,62 @@ import numpy as np
 log = logging.getLogger("stitch.jit")
 
 GUARD_CALLS = 5              # timed calls per side before the guard decides
+MAX_SIGNATURES = 64          # per function; the oldest entry is dropped past it (as jax's cache)
+MAX_RECORDS = 10_000         # STITCH_STATS records kept per process
+
+
+@dataclass
+class SignatureCounters:
+    """What one input signature did: one STITCH_STATS record (outlives its function)."""
+    function: str
+    calls: int = 0
+    stitched_calls: int = 0
+    kernels_stitched: int = 0
+    kernels_xla: int | None = None
+    compile_s: float = 0.0
+    state: str = "compiling"
+    fallback_reason: str = ""
+
+    def as_dict(self) -> dict:
+        return {"function": self.function, "calls": self.calls,
+                "stitched_calls": self.stitched_calls,
+                "kernels_stitched": self.kernels_stitched, "kernels_xla": self.kernels_xla,
+                "compile_s": round(self.compile_s, 3), "state": self.state,
+                "fallback_reason": self.fallback_reason}
+
+
+_RECORDS: list[SignatureCounters] = []
+_RECORDS_LOCK = threading.Lock()
+
+
+def stats_records() -> list[dict]:
+    """Every signature's record so far (what STITCH_STATS writes at exit)."""
+    with _RECORDS_LOCK:
+        return [r.as_dict() for r in _RECORDS]
+
+
+def write_stats(path: str | None = None) -> str | None:
+    """Write the records as JSON to ``path`` (default STITCH_STATS); the path written."""
+    path = path or os.environ.get("STITCH_STATS", "").strip() or None
+    if path is None:
+        return None
+    try:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(stats_records(), f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("STITCH_STATS=%s: cannot write the stats: %s", path, exc)
+        return None
+    return path
+
+
+def _register_record(record: SignatureCounters) -> None:
+    with _RECORDS_LOCK:
+        if not _RECORDS and os.environ.get("STITCH_STATS", "").strip():
+            atexit.register(write_stats)
+        if len(_RECORDS) < MAX_RECORDS:
+            _RECORDS.append(record)
 
 
 @dataclass
@@ -52,6 +111,8 @@ class SwitchEntry:
     trial_stitched: list[float] = field(default_factory=list)   # guard timings (s)
     trial_stock: list[float] = field(default_factory=list)
     guard_lock: threading.Lock = field(default_factory=threading.Lock)
+    compiled_ok: bool = False           # the compile succeeded (stays so: wait() is monotonic)
+    counters: SignatureCounters = field(default_factory=lambda: SignatureCounters(""))
 
 
 class SwitchingFunction:
@@ -81,14 +142,22 @@ class SwitchingFunction:
             start = key is not None and entry is None
             if start:
                 entry = self._entries[key] = self.entry_type()
+                entry.counters = SignatureCounters(self.__qualname__)
+                _register_record(entry.counters)
                 self.stats.signatures += 1
+                while len(self._entries) > MAX_SIGNATURES:     # oldest first, as jax's cache
+                    oldest = next(iter(self._entries))
+                    self._entries.pop(oldest).call = None
+            if entry is not None:
+                entry.counters.calls += 1
         if start:
             self._start_compile(entry, args, kwargs, call_number)
         return entry, call_number
 
-    def _count_stitched(self, call_number: int) -> None:
+    def _count_stitched(self, entry: SwitchEntry, call_number: int) -> None:
         with self._lock:
             self.stats.stitched_calls += 1
+            entry.counters.stitched_calls += 1
             if self.stats.switched_at_call is None:
                 self.stats.switched_at_call = call_number
                 log.info("%s: switched to stitched kernels at call %d (%s kernels -> %s, "
@@ -97,23 +166,38 @@ class SwitchingFunction:
                          self.stats.stitched_kernels)
 
     def _program_ready(self, entry: SwitchEntry, program: Any, elapsed: float) -> None:
-        """Record a built program (stats from its plan); the entry switches on its next call."""
+        """Record a built program (stats from its summary()); the entry switches on its next
+        call."""
         summary = program.summary()
         with self._lock:
             self.stats.compile_seconds += elapsed
             self.stats.kernels_before = summary["kernels_before"]
             self.stats.kernels_after = summary["kernels_after"]
             self.stats.stitched_kernels = summary["stitched_kernels"]
+            entry.counters.compile_s = elapsed
+            entry.counters.kernels_xla = summary["kernels_before"]
+            entry.counters.kernels_stitched = summary["stitched_kernels"]
+            entry.counters.state = "ready"
         entry.program = program
+        entry.compiled_ok = True
         entry.state = "ready"
 
     def _compile_failed(self, entry: SwitchEntry, elapsed: float, exc: BaseException) -> None:
         with self._lock:
             self.stats.compile_seconds += elapsed
-        self._fail(entry, f"compile failed after {elapsed:.1f}s: {type(exc).__name__}: {exc}")
+            entry.counters.compile_s = elapsed
+        from .jit import CompileCancelled
+        if isinstance(exc, CompileCancelled) or type(exc).__name__ == "PassCancelled":
+            self._fail(entry, f"{exc} (stopped after {elapsed:.1f}s)")
+        elif isinstance(exc, KeyboardInterrupt):
+            self._fail(entry, f"compile interrupted after {elapsed:.1f}s (KeyboardInterrupt)")
+        else:
+            self._fail(entry, f"compile failed after {elapsed:.1f}s: {type(exc).__name__}: "
+                              f"{exc}")
 
     def _fail(self, entry: SwitchEntry, reason: str) -> None:
         entry.state, entry.reason, entry.call = "failed", reason, None
+        entry.counters.state, entry.counters.fallback_reason = "failed", reason
         with self._lock:
             self.stats.fallbacks.append(reason)
         log.warning("%s: falls back to %s: %s", self.__qualname__, self.stock_name, reason)
@@ -144,6 +228,7 @@ class SwitchingFunction:
             self.stats.guard = {"stitched_ms": stitched_ms, "stock_ms": stock_ms, "kept": kept}
         if kept == "xla":
             entry.state = "stock-faster"
+            entry.counters.state = "stock-faster"
             log.info("%s: stays on %s on this device: stitched %.3f ms vs %s %.3f ms per "
                      "call (STITCH_GUARD=0 keeps the stitched kernels)", self.__qualname__,
                      self.stock_name, stitched_ms, self.stock_name, stock_ms)
@@ -153,8 +238,9 @@ class SwitchingFunction:
 
     # --- waiting ------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until every signature seen so far has finished compiling; True when all
-        are ready (False: some fell back or the timeout passed)."""
+        """Block until every signature seen so far has finished compiling; True when every
+        compile succeeded (False: one failed or the timeout passed). A later guard decision
+        or run failure does not turn a True into a False: see ``stats`` for those."""
         with self._lock:
             entries = list(self._entries.values())
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -166,7 +252,11 @@ class SwitchingFunction:
                 e.future.result(left)
             except Exception:  # noqa: BLE001 - timeouts and failures both mean "not ready"
                 return False
-        return all(e.state == "ready" for e in entries)
+            except BaseException:  # noqa: BLE001 - a compile interrupted by Ctrl-C
+                if e.state != "compiling":
+                    return False
+                raise
+        return all(e.compiled_ok for e in entries)
 
     def programs(self) -> list[Any]:
         """The stitched programs built so far (``jax_exec.StitchedProgram``)."""

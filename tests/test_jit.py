@@ -16,9 +16,10 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import stitch  # noqa: E402
-from stitch import jax_exec  # noqa: E402
-from stitch.jax_exec import poison_check  # noqa: E402
+from integration import xla_pass  # noqa: E402
+from stitch.jit import StitchedFunction  # noqa: E402
 from stitch.models import build  # noqa: E402
+from stitch.verify import poison_check  # noqa: E402
 
 RTOL = 1e-4
 
@@ -52,10 +53,28 @@ def test_sync_compile_switches_on_the_first_call():
     assert f.stats.switched_at_call == 1 and f.stats.stitched_calls == 1
     assert f.stats.kernels_after < f.stats.kernels_before
     assert f.stats.stitched_kernels >= 1 and not f.stats.fallbacks
-    # The switch is real: the program jax runs holds stitch's FFI custom calls.
-    program = f.programs()[0]
-    hlo = jax.jit(program.fn).lower(*args).as_text()
-    assert hlo.count("custom_call") >= len(program.kernels) >= 1
+    # The switch is real: the executable XLA runs holds stitch's FFI custom calls.
+    report = f.programs()[0]
+    hlo = _executable(f).as_text()
+    assert hlo.count('custom_call_target="stitch_') == len(report.kernels) >= 1
+    for kernel in report.kernels:
+        assert kernel.target.name in hlo
+
+
+def _executable(f):
+    (entry,) = f._entries.values()
+    return entry.call
+
+
+def _patch_executable(monkeypatch, wrap):
+    """Wrap the stitched executable each compile produces (the call path after the pass)."""
+    real = StitchedFunction._compile
+
+    def compile_then_wrap(self, entry, *a, **k):
+        real(self, entry, *a, **k)
+        if entry.call is not None:
+            entry.call = wrap(entry.call)
+    monkeypatch.setattr(StitchedFunction, "_compile", compile_then_wrap)
 
 
 def test_async_compile_runs_stock_first_then_switches(caplog):
@@ -87,7 +106,7 @@ def test_new_shapes_compile_again_and_each_signature_is_right():
 def test_compile_failure_falls_back_and_is_logged(monkeypatch, caplog):
     def broken(*a, **k):
         raise RuntimeError("forced failure")
-    monkeypatch.setattr(jax_exec, "build_stitched", broken)
+    monkeypatch.setattr(xla_pass, "stitch_module", broken)
     f = stitch.jit(_layer_norm, async_compile=False, guard=False)
     args = _ln_args(2)
     with caplog.at_level(logging.INFO, logger="stitch"):
@@ -100,14 +119,8 @@ def test_compile_failure_falls_back_and_is_logged(monkeypatch, caplog):
 
 
 def _wrong_results(monkeypatch):
-    real = jax_exec.build_stitched
-
-    def wrong(*a, **k):
-        program = real(*a, **k)
-        fn = program.fn
-        program.fn = lambda *leaves: [x * 1.5 for x in fn(*leaves)]
-        return program
-    monkeypatch.setattr(jax_exec, "build_stitched", wrong)
+    _patch_executable(monkeypatch, lambda call: lambda *a, **k: jax.tree_util.tree_map(
+        lambda x: x * 1.5, call(*a, **k)))
 
 
 def test_verify_catches_wrong_numbers_and_falls_back(monkeypatch):
@@ -130,16 +143,11 @@ def test_without_verify_the_stitched_program_is_what_runs(monkeypatch):
 
 
 def test_failing_stitched_call_falls_back(monkeypatch):
-    real = jax_exec.build_stitched
-
-    def failing(*a, **k):
-        program = real(*a, **k)
-
-        def boom(*leaves):
+    def failing(call):
+        def boom(*a, **k):
             raise ValueError("kernel exploded")
-        program.fn = boom
-        return program
-    monkeypatch.setattr(jax_exec, "build_stitched", failing)
+        return boom
+    _patch_executable(monkeypatch, failing)
     f = stitch.jit(_layer_norm, async_compile=False, guard=False)
     args = _ln_args(4)
     _assert_close(f(*args), jax.jit(_layer_norm)(*args))
@@ -278,7 +286,7 @@ def test_settled_on_xla_new_shapes_still_start_a_compile(monkeypatch):
     def failing(module, *a, **k):
         seen.append(tuple(p.shape.dims for p in module.entry.parameters))
         raise RuntimeError("no kernels today")
-    monkeypatch.setattr(jax_exec, "build_stitched", failing)
+    monkeypatch.setattr(xla_pass, "stitch_module", failing)
     f = stitch.jit(_layer_norm, async_compile=True)
     a = _ln_args(12, 8, 32)
     b = _ln_args(12, 4, 64)

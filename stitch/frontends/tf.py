@@ -325,7 +325,7 @@ class TFStitchedFunction(SwitchingFunction):
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self._fail(entry, f"stitched call failed: {type(exc).__name__}: {exc}")
             return self.stock(*args, **kwargs)
-        self._count_stitched(call_number)
+        self._count_stitched(entry, call_number)
         return result
 
     def _verify_call(self, entry: _Entry, args: tuple, kwargs: dict, call_number: int) -> Any:

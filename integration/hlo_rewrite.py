@@ -1,0 +1,363 @@
+"""Put stitched kernels into XLA's own module: what each kernel covers becomes one typed-FFI
+custom call; everything else stays exactly as XLA made it.
+
+The planner works on op graphs (``hlo_passes.graph``), where XLA's fusions are flattened
+into their ops. A stitched kernel can go back into the module when its ops are a union of
+whole *top-level* instructions of one computation (XLA fusions or unfused ops): those
+instructions are removed, one ``custom-call(...), custom_call_target=T,
+api_version=API_VERSION_TYPED_FFI`` takes the kernel's inputs (the values XLA already
+computes: parameters, other instructions' results, tuple elements of multi-output fusions)
+and returns the kernel's outputs as a tuple, and each removed instruction that is read
+outside the kernel is replaced by an instruction *of the same name* reading the custom
+call (a ``get-tuple-element``, or a ``tuple`` of them for a multi-output fusion), so no
+other instruction changes. A kernel that splits an XLA fusion, reads ops inlined from a
+called computation, or needs a non-row-major buffer is left to XLA, with the reason.
+
+Kernels that only re-do one XLA kernel are not placed (``same as XLA``): the point of the
+pass is to launch fewer, larger kernels than XLA.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+
+from hlo_passes import HloModule
+from hlo_passes.graph import FREE_OPCODES, OpGraph
+from hlo_passes.ir import Computation, Instruction, Shape
+from hlo_passes.op_classes import OpClass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KernelSite:
+    """Where one planned kernel sits in the module, once it is known to fit."""
+    name: str                      # the plan's kernel name
+    graph_index: int
+    members: frozenset[int]
+    tops: tuple[str, ...]          # the top-level instructions it replaces, module order
+
+
+@dataclass
+class PlacedKernel:
+    """A built kernel to put at its site: ``inputs``/``outputs`` are graph node ids in the
+    kernel's parameter order, ``target`` the registered FFI target name."""
+    site: KernelSite
+    inputs: list[int]
+    outputs: list[int]
+    target: str
+
+
+@dataclass
+class RewriteReport:
+    placed: list[str] = field(default_factory=list)              # kernel names
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (kernel name, reason)
+
+
+class NotPlaceable(Exception):
+    """Internal: why a kernel cannot go into the module (becomes a skip reason)."""
+
+
+class ComputationView:
+    """One op graph seen against the computation it came from."""
+
+    def __init__(self, module: HloModule, graph: OpGraph):
+        self.module = module
+        self.graph = graph
+        self.comp: Computation = module.computation(graph.name)
+        self.table = self.comp.by_name()
+        self.position = {inst.name: i for i, inst in enumerate(self.comp.instructions)}
+        self.group_ops: dict[str, set[int]] = {}
+        for node in graph.nodes:
+            top = self.top_of(node.id)
+            if top is not None and node.op_class is not OpClass.SOURCE:
+                self.group_ops.setdefault(top, set()).add(node.id)
+
+    def top_of(self, nid: int) -> str | None:
+        """The top-level instruction of the computation holding node ``nid`` (None for ops
+        inlined from a called computation)."""
+        node = self.graph.nodes[nid]
+        if node.xla_group is not None and node.xla_group in self.table:
+            return node.xla_group
+        if node.computation == self.comp.name and node.instruction.name in self.table:
+            return node.instruction.name
+        return None
+
+    def launches(self, top: str) -> bool:
+        inst = self.table[top]
+        return inst.opcode not in FREE_OPCODES and inst.opcode not in ("parameter", "constant")
+
+    def users_outside(self, top: str, tops: set[str]) -> list[Instruction]:
+        return [inst for inst in self.comp.instructions
+                if inst.name not in tops and top in inst.operands]
+
+    def fused_root(self, top: str) -> Instruction | None:
+        inst = self.table[top]
+        if inst.opcode != "fusion" or not inst.called_computations:
+            return None
+        return self.module.computation(inst.called_computations[0]).root
+
+
+def find_site(view: ComputationView, graph_index: int, name: str,
+              members: frozenset[int]) -> KernelSite:
+    """The instructions a kernel replaces, or NotPlaceable with the reason."""
+    ops = [m for m in members if view.graph.nodes[m].op_class is not OpClass.SOURCE]
+    tops: set[str] = set()
+    for m in ops:
+        top = view.top_of(m)
+        if top is None:
+            raise NotPlaceable(f"op {view.graph.nodes[m].name} is inlined from a called "
+                               "computation")
+        tops.add(top)
+    for top in tops:
+        missing = view.group_ops.get(top, set()) - members
+        if missing:
+            raise NotPlaceable(f"covers part of XLA's {top} ({len(missing)} of its ops "
+                               "are elsewhere)")
+    launching = [t for t in tops if view.launches(t)]
+    if len(launching) < 2:
+        raise NotPlaceable("same as XLA's kernel" + (f" {launching[0]}" if launching else ""))
+    return KernelSite(name, graph_index, members,
+                      tuple(sorted(tops, key=view.position.__getitem__)))
+
+
+def _row_major(shape: Shape) -> bool:
+    return shape.minor_to_major() == tuple(range(shape.rank - 1, -1, -1))
+
+
+class _Builder:
+    """Edits one computation: new instructions get fresh names."""
+
+    def __init__(self, module: HloModule, view: ComputationView):
+        self.view = view
+        self.names = {inst.name for _, inst in module.instructions()}
+        self.added: list[tuple[Instruction, float]] = []   # (instruction, sort position)
+
+    def fresh(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.names:
+            i += 1
+            name = f"{base}.{i}"
+        self.names.add(name)
+        return name
+
+    def add(self, inst: Instruction, position: float) -> str:
+        self.added.append((inst, position))
+        return inst.name
+
+    def gte(self, source: str, shape: Shape, index: int, position: float) -> str:
+        inst = Instruction(self.fresh(f"{source}.gte{index}"), shape, "get-tuple-element",
+                           [source], {"index": str(index)})
+        return self.add(inst, position)
+
+
+def _input_value(view: ComputationView, b: _Builder, nid: int) -> tuple[str, Shape]:
+    """(instruction name, shape) carrying node ``nid``'s value in the computation."""
+    node = view.graph.nodes[nid]
+    inst = node.instruction
+    if node.op_class is OpClass.SOURCE and inst.opcode == "parameter":
+        if node.computation != view.comp.name:
+            raise NotPlaceable(f"reads parameter {inst.name} of another computation")
+        name, shape = inst.name, inst.shape
+        for i in node.index:
+            shape = shape.tuple_shapes[i]
+            name = b.gte(name, shape, i, view.position[inst.name] + 0.5)
+        return name, shape
+    if node.op_class is OpClass.SOURCE and inst.opcode == "constant":
+        if node.computation == view.comp.name and inst.name in view.table:
+            return inst.name, inst.shape
+        copy = Instruction(b.fresh(inst.name), inst.shape, "constant", [], dict(inst.attrs),
+                           literal=inst.literal)
+        return b.add(copy, -1.0), inst.shape
+    top = view.top_of(nid)
+    if top is None:
+        raise NotPlaceable(f"reads {node.name}, inlined from a called computation")
+    top_inst = view.table[top]
+    if top_inst is inst:
+        return top, inst.shape
+    root = view.fused_root(top)
+    if root is inst:
+        return top, top_inst.shape
+    if root is not None and root.opcode == "tuple" and inst.name in root.operands:
+        index = root.operands.index(inst.name)
+        return b.gte(top, top_inst.shape.tuple_shapes[index], index,
+                     view.position[top] + 0.5), top_inst.shape.tuple_shapes[index]
+    raise NotPlaceable(f"reads {node.name}, which XLA's {top} does not output")
+
+
+def _output_keys(view: ComputationView, nid: int) -> list[tuple[str, int | None]]:
+    """The (top-level instruction, tuple index or None) values node ``nid`` is."""
+    node = view.graph.nodes[nid]
+    top = view.top_of(nid)
+    if top is None:
+        return []
+    top_inst = view.table[top]
+    if top_inst is node.instruction:
+        return [(top, None)]
+    root = view.fused_root(top)
+    if root is node.instruction:
+        return [(top, None)]
+    if root is not None and root.opcode == "tuple":
+        return [(top, j) for j, op in enumerate(root.operands) if op == node.instruction.name]
+    return []
+
+
+def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
+          removed: set[str]) -> dict[str, Instruction]:
+    """Add the kernel's custom call; return the replacement instruction per removed name
+    (and mutate gte users in place). Raises NotPlaceable without changing anything visible
+    (the builder's additions are dropped by the caller on failure)."""
+    site = kernel.site
+    tops = set(site.tops)
+    if tops & removed:
+        raise NotPlaceable("overlaps a kernel already placed (recomputed ops)")
+    position = max(view.position[t] for t in site.tops)
+    operands: list[str] = []
+    for nid in kernel.inputs:
+        name, shape = _input_value(view, b, nid)
+        if shape.is_tuple or not _row_major(shape):
+            raise NotPlaceable(f"input {name} is not a row-major array ({shape})")
+        operands.append(name)
+    out_index: dict[tuple[str, int | None], int] = {}
+    out_shapes: list[Shape] = []
+    for j, nid in enumerate(kernel.outputs):
+        keys = _output_keys(view, nid)
+        if not keys:
+            raise NotPlaceable(f"output {view.graph.nodes[nid].name} is not a value of "
+                               "XLA's instructions")
+        top, index = keys[0]
+        shape = view.table[top].shape if index is None else view.table[top].shape.tuple_shapes[index]
+        if shape.is_tuple or not _row_major(shape):
+            raise NotPlaceable(f"output {top} is not a row-major array ({shape})")
+        out_shapes.append(shape)
+        for key in keys:
+            out_index.setdefault(key, j)
+    call_name = b.fresh(f"stitch.{site.name}")
+    call = Instruction(call_name, Shape("tuple", tuple_shapes=tuple(out_shapes)), "custom-call",
+                       operands, {"custom_call_target": f'"{kernel.target}"',
+                                  "api_version": "API_VERSION_TYPED_FFI"})
+    b.add(call, position)
+
+    replacements: dict[str, Instruction] = {}
+    retargets: list[tuple[Instruction, int]] = []
+    for top in site.tops:
+        inst = view.table[top]
+        users = view.users_outside(top, tops)
+        whole_needed = inst.is_root or any(u.opcode != "get-tuple-element" for u in users)
+        if not users and not inst.is_root:
+            continue
+        if not inst.shape.is_tuple:
+            if (top, None) not in out_index:
+                raise NotPlaceable(f"{top} is read outside but the kernel does not write it")
+            replacements[top] = Instruction(top, inst.shape, "get-tuple-element", [call_name],
+                                            {"index": str(out_index[(top, None)])},
+                                            is_root=inst.is_root)
+            continue
+        if whole_needed:
+            parts = []
+            for j, shape in enumerate(inst.shape.tuple_shapes):
+                if (top, j) not in out_index:
+                    raise NotPlaceable(f"element {j} of {top} is read but not written")
+                parts.append(b.gte(call_name, shape, out_index[(top, j)], position + 0.5))
+            replacements[top] = Instruction(top, inst.shape, "tuple", parts,
+                                            is_root=inst.is_root)
+            continue
+        for user in users:
+            index = user.int("index")
+            if (top, index) not in out_index:
+                raise NotPlaceable(f"element {index} of {top} is read but not written")
+            retargets.append((user, out_index[(top, index)]))
+    for user, j in retargets:
+        user.operands = [call_name]
+        user.attrs["index"] = str(j)
+    return replacements
+
+
+def replace_kernels(module: HloModule, graphs: list[OpGraph],
+                    kernels: list[PlacedKernel]) -> RewriteReport:
+    """Put ``kernels`` into ``module`` in place (module docstring); kernels that do not fit
+    are reported in ``skipped`` and left to XLA."""
+    report = RewriteReport()
+    by_graph: dict[int, list[PlacedKernel]] = {}
+    for k in kernels:
+        by_graph.setdefault(k.site.graph_index, []).append(k)
+    for gi, placed in by_graph.items():
+        view = ComputationView(module, graphs[gi])
+        b = _Builder(module, view)
+        removed: set[str] = set()
+        replacements: dict[str, Instruction] = {}
+        for k in placed:
+            mark = len(b.added)
+            snapshot = {i.name: (list(i.operands), dict(i.attrs))
+                        for i in view.comp.instructions}
+            try:
+                new = place(view, b, k, removed)
+            except NotPlaceable as exc:
+                del b.added[mark:]
+                for inst in view.comp.instructions:         # undo gte retargets
+                    inst.operands, inst.attrs = snapshot[inst.name]
+                report.skipped.append((k.site.name, str(exc)))
+                continue
+            removed |= set(k.site.tops)
+            replacements.update(new)
+            report.placed.append(k.site.name)
+        if removed:
+            _rebuild(view, b, removed, replacements)
+    if report.placed:
+        _drop_unreachable(module)
+    return report
+
+
+def _rebuild(view: ComputationView, b: _Builder, removed: set[str],
+             replacements: dict[str, Instruction]) -> None:
+    """The computation's new instruction list, in a topological order that keeps XLA's
+    order where it can (the text order is the schedule of a scheduled module)."""
+    items: list[tuple[Instruction, float]] = []
+    for i, inst in enumerate(view.comp.instructions):
+        if inst.name in removed:
+            if inst.name in replacements:
+                items.append((replacements[inst.name], float(i)))
+            continue
+        items.append((inst, float(i)))
+    items.extend(b.added)
+    view.comp.instructions = _topological(items)
+
+
+def _topological(items: list[tuple[Instruction, float]]) -> list[Instruction]:
+    by_name = {inst.name: inst for inst, _ in items}
+    key = {inst.name: (pos, n) for n, (inst, pos) in enumerate(items)}
+    waiting = {inst.name: len({o for o in inst.operands if o in by_name}) for inst, _ in items}
+    users: dict[str, list[str]] = {}
+    for inst, _ in items:
+        for o in set(inst.operands):
+            if o in by_name:
+                users.setdefault(o, []).append(inst.name)
+    ready = [key[n] + (n,) for n, w in waiting.items() if w == 0]
+    heapq.heapify(ready)
+    order: list[Instruction] = []
+    while ready:
+        *_, name = heapq.heappop(ready)
+        order.append(by_name[name])
+        for u in users.get(name, []):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, key[u] + (u,))
+    if len(order) != len(items):
+        raise NotPlaceable("the rewritten computation has a cycle")   # plan validation bug
+    return order
+
+
+def _drop_unreachable(module: HloModule) -> None:
+    """Remove computations nothing calls any more (the replaced fusions' bodies)."""
+    by_name = {c.name: c for c in module.computations}
+    live: set[str] = set()
+    stack = [module.entry.name]
+    while stack:
+        name = stack.pop()
+        if name in live or name not in by_name:
+            continue
+        live.add(name)
+        for inst in by_name[name].instructions:
+            stack.extend(c.lstrip("%") for c in inst.called_computations)
+    module.computations = [c for c in module.computations if c.name in live]

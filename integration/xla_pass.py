@@ -1,0 +1,355 @@
+"""stitch as an HLO pass inside XLA's compiler.
+
+``ensure_registered(platform)`` registers one HLO module transformation with jax
+(``jax.extend.xla.register_hlo_module_transformation``). XLA calls it on every fresh compile,
+jax's own small jits included; it acts only on modules that carry the module-level frontend
+attribute ``stitch.request=<token>`` of a live ``PassRequest`` (``PassRequest.prepare(lowered)``
+returns a private copy of the lowered StableHLO carrying it, to ``compile()``). For those it:
+
+1. reads XLA's module (``as_hlo_text(print_large_constants=True)``: without it large
+   constants print as ``{...}`` and would come back as zeros);
+2. plans it (``stitch.plan``: XLA's own fusions are the baseline, as in the paper);
+3. lowers and builds every stitched kernel that can be placed (``hlo_rewrite.find_site``)
+   and registers it as an XLA FFI target (host SIMT program on "cpu", PTX + the CUDA
+   handler on "gpu");
+4. replaces what each kernel covers with one typed-FFI custom call
+   (``hlo_rewrite.replace_kernels``) and hands the module back. Everything else stays as
+   XLA made it: rng, u64, opt-barrier, key types, collectives, aliasing and donation.
+
+Stage: on CPU both stages already hold XLA's fusions; PRE_SCHEDULER is used so XLA
+schedules the custom calls with the rest. On the CUDA plugin PRE_SCHEDULER is still
+pre-fusion, so POST_SCHEDULER (fused, scheduled: the rewrite keeps a topological order that
+follows XLA's) is the stage that sees XLA's fusions.
+
+The callback never raises into XLA: any failure leaves the module unchanged and is kept on
+the request (``PassRequest.result()`` raises it as a ``StitchError`` on the caller's side).
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hlo_passes import HloModule, parse_hlo, print_hlo
+from stitch.errors import StitchError
+
+from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, find_site,
+                          replace_kernels)
+from .snap import snap_kernels
+
+log = logging.getLogger("stitch.xla_pass")
+
+REQUEST_ATTR = "stitch.request"
+_REQUEST_BYTES = REQUEST_ATTR.encode()
+_TOKEN = re.compile(r'stitch\.request="?([0-9a-f]+)"?')
+
+
+class PassError(StitchError):
+    """The pass could not stitch the module it was asked to (module left to XLA)."""
+
+
+class PassCancelled(PassError):
+    """The request was cancelled (the interpreter is exiting) while the pass ran."""
+
+
+@dataclass
+class BuiltKernel:
+    """A stitched kernel the pass placed: ``lowered.kernel`` is its Kernel IR."""
+    name: str
+    lowered: Any                      # codegen.lower.LoweredKernel
+    target: Any                       # codegen.ffi.FfiTarget / the CUDA one
+
+
+@dataclass
+class PassReport:
+    """What the pass did to one module."""
+    module: str
+    kernels_xla: int                  # kernels XLA launches for the module (the baseline)
+    kernels_after: int                # kernels launched once stitch's calls are in
+    kernels_stitched: int             # stitch custom calls placed
+    placed: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)     # (kernel, reason)
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)   # build failures
+    kernels: list[BuiltKernel] = field(default_factory=list)         # the placed ones
+    in_loop_bodies: int = 0           # of those, placed in while bodies / branches
+    timings: dict[str, float] = field(default_factory=dict)
+    plan: Any = None                  # the FusionPlan
+
+    def summary(self) -> dict:
+        return {"kernels_before": self.kernels_xla, "kernels_after": self.kernels_after,
+                "stitched_kernels": self.kernels_stitched,
+                "fallbacks": len(self.fallbacks),
+                **{k: round(v, 3) for k, v in self.timings.items()}}
+
+    def reason_nothing_stitched(self) -> str:
+        reasons = [f"{n}: {r}" for n, r in (self.fallbacks + self.skipped)
+                   if not r.startswith("same as XLA")]
+        if not reasons:
+            return "the plan fuses nothing beyond XLA's own kernels"
+        return "no stitched kernel could be placed (" + "; ".join(reasons[:3]) + \
+            (f"; {len(reasons) - 3} more" if len(reasons) > 3 else "") + ")"
+
+
+@dataclass
+class PassRequest:
+    """One compile stitch asked for. Use as a context manager around ``compile()``."""
+    function: str
+    target: str
+    device: str                                   # "cpu" | "gpu"
+    cancel: Callable[[], bool] | None = None
+    options: Any = None                           # ExplorerOptions
+    loop_bodies: bool = True                      # place kernels in while bodies/branches too
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    report: PassReport | None = None
+    error: BaseException | None = None
+    calls: int = 0                                # modules of this request the pass saw
+
+    def __enter__(self) -> "PassRequest":
+        with _LOCK:
+            _REQUESTS[self.token] = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _LOCK:
+            _REQUESTS.pop(self.token, None)
+
+    def prepare(self, lowered: Any) -> Any:
+        """A private copy of a ``jax.stages.Lowered`` tagged so the pass recognises its
+        compile. jax caches lowerings and their executables per function: tagging the
+        shared one would be served the stock executable (the pass never called) and would
+        leak the tag into later stock compiles, so the StableHLO module is cloned. The token
+        is new per request, so jax's persistent compilation cache can never hand back a
+        stitched executable whose FFI targets this process has not registered."""
+        import copy
+
+        from jax._src.interpreters import mlir
+
+        try:
+            lowering = copy.copy(lowered._lowering)
+            source = lowered._lowering._hlo
+        except AttributeError as exc:       # jax internals moved: say so, stay on stock
+            raise PassError(f"cannot copy jax's lowering ({exc}); this jax version is "
+                            "not supported by stitch's pass") from exc
+        with source.context:
+            module = mlir.ir.Module.parse(source.operation.get_asm(enable_debug_info=True))
+            attrs = module.operation.attributes
+            entries = {}
+            if "mhlo.frontend_attributes" in attrs:
+                entries = {named.name: named.attr
+                           for named in mlir.ir.DictAttr(attrs["mhlo.frontend_attributes"])}
+            entries[REQUEST_ATTR] = mlir.ir.StringAttr.get(self.token)
+            attrs["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get(entries)
+        lowering._hlo = module
+        lowering._executable = None
+        private = copy.copy(lowered)
+        private._lowering = lowering
+        return private
+
+    def result(self) -> PassReport:
+        """The report, or the pass's failure as a StitchError."""
+        if self.error is not None:
+            if isinstance(self.error, StitchError):
+                raise self.error
+            raise PassError(f"{type(self.error).__name__}: {self.error}") from self.error
+        if self.report is None:
+            raise PassError("XLA compiled the module without calling stitch's pass "
+                            "(was the executable served from a compilation cache?)")
+        return self.report
+
+    def check_cancelled(self) -> None:
+        if self.cancel is not None and self.cancel():
+            raise PassCancelled("the compile was cancelled before it finished "
+                                "(the interpreter is exiting)")
+
+
+_LOCK = threading.Lock()
+_REQUESTS: dict[str, PassRequest] = {}
+_REGISTERED: set[str] = set()
+# LLVM (llvmlite's global context) is used by one thread at a time: the pass runs on an
+# XLA thread, stitch.compile and the tests on others.
+LLVM_LOCK = threading.RLock()
+
+
+def ensure_registered(platform: str) -> None:
+    """Register the pass for ``platform`` ("cpu" or "cuda") once per process."""
+    import jax.extend.xla as xla_ext
+
+    platform = platform.lower()
+    with _LOCK:
+        if platform in _REGISTERED:
+            return
+        stage = (xla_ext.PipelineStage.PRE_SCHEDULER if platform == "cpu"
+                 else xla_ext.PipelineStage.POST_SCHEDULER)
+        xla_ext.register_hlo_module_transformation(_callback, name="stitch", stage=stage,
+                                                   platforms=[platform])
+        _REGISTERED.add(platform)
+    log.debug("stitch pass registered for %s at %s", platform, stage.name)
+
+
+def _callback(data: bytes) -> bytes | None:
+    """XLA's hook (module docstring). Returns None (module unchanged) unless stitched."""
+    if _REQUEST_BYTES not in data:          # cheap: most compiles are not stitch's
+        return None
+    request: PassRequest | None = None
+    try:
+        from jaxlib import _hlo
+
+        text = _hlo.XlaComputation(data).as_hlo_text(print_large_constants=True)
+        match = _TOKEN.search(text[:text.find("\n")] if "\n" in text else text)
+        with _LOCK:
+            request = _REQUESTS.get(match.group(1)) if match else None
+        if request is None:
+            return None
+        request.calls += 1
+        if request.calls > 1:               # a second module of the same compile
+            log.debug("%s: pass called again (module %s); left to XLA", request.function,
+                      text[:60])
+            return None
+        new_text = stitch_module_text(text, request)
+        if new_text is None:
+            return None
+        return _hlo.hlo_module_from_text(new_text).as_serialized_hlo_module_proto()
+    except BaseException as exc:  # noqa: BLE001 - never into XLA's compile
+        if request is not None:
+            request.error = exc
+        log.debug("stitch pass failed: %s: %s", type(exc).__name__, exc, exc_info=True)
+        return None
+
+
+def stitch_module_text(text: str, request: PassRequest) -> str | None:
+    """The module with stitch's kernels in (None when none was placed); sets
+    ``request.report``."""
+    start = time.perf_counter()
+    module = parse_hlo(text)
+    request.check_cancelled()
+    report = stitch_module(module, request)
+    report.timings["pass_s"] = time.perf_counter() - start
+    request.report = report
+    if not report.placed:
+        return None
+    return print_hlo(module)
+
+
+def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
+    """Plan ``module``, build the kernels that fit, put them in (module docstring)."""
+    from codegen.errors import CodegenError
+    from codegen.lower import lower_kernel
+    from hlo_passes.evaluator.interpreter import Evaluator
+    from stitch.cost.gpu_specs import get_spec
+    from stitch.explorer.planner import plan as make_plan
+
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    fusion_plan = make_plan(module, request.target, options=request.options)
+    timings["plan_s"] = time.perf_counter() - t0
+    summary = fusion_plan.summary()
+    report = PassReport(module.name, summary["baseline"]["kernels"],
+                        summary["baseline"]["kernels"], 0, plan=fusion_plan)
+    evaluator = Evaluator(module)
+    spec = get_spec(request.target)
+    graphs = [g.graph for g in fusion_plan.graphs]
+    placed: list[PlacedKernel] = []
+    built: dict[str, BuiltKernel] = {}
+    launching: dict[str, int] = {}
+    t1 = time.perf_counter()
+    for gi, graph_plan in enumerate(fusion_plan.graphs):
+        if not request.loop_bodies and graph_plan.graph.kind != "entry":
+            report.skipped.extend((k.name, "in a loop body or branch: left to XLA on retry")
+                                  for k in graph_plan.stitched.kernels if k.schedule)
+            continue
+        try:
+            view = ComputationView(module, graph_plan.graph)
+        except KeyError as exc:
+            report.skipped.extend((k.name, f"graph not found: {exc}")
+                                  for k in graph_plan.stitched.kernels if k.schedule)
+            continue
+        scheduled = [k for k in graph_plan.stitched.kernels if k.schedule is not None]
+        snapped, left_out = snap_kernels(view, scheduled, spec)
+        report.skipped.extend(left_out)
+        for k in snapped:
+            try:
+                site = find_site(view, gi, k.name, k.members)
+            except NotPlaceable as exc:
+                report.skipped.append((k.name, str(exc)))
+                continue
+            request.check_cancelled()
+            try:
+                with LLVM_LOCK:
+                    lowered = lower_kernel(graph_plan.graph, evaluator, k.schedule, k.name)
+                    ffi_target = build_target(lowered.kernel, request.device)
+            except (CodegenError, StitchError) as exc:
+                log.info("kernel %s stays with XLA: %s", k.name, exc)
+                report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
+                continue
+            placed.append(PlacedKernel(site, list(lowered.inputs), list(lowered.outputs),
+                                       ffi_target.name))
+            built[k.name] = BuiltKernel(k.name, lowered, ffi_target)
+            launching[k.name] = sum(1 for t in site.tops if view.launches(t))
+    timings["build_s"] = time.perf_counter() - t1
+    rewrite = replace_kernels(module, graphs, placed)
+    report.placed = rewrite.placed
+    report.skipped.extend(rewrite.skipped)
+    report.kernels_stitched = len(rewrite.placed)
+    report.kernels_after = report.kernels_xla - sum(launching[n] - 1 for n in rewrite.placed)
+    report.kernels = [built[name] for name in rewrite.placed]
+    report.in_loop_bodies = sum(1 for p in placed if p.site.name in set(rewrite.placed)
+                                and fusion_plan.graphs[p.site.graph_index].graph.kind != "entry")
+    report.timings.update(timings)
+    log.debug("%s: %d stitched kernels placed, %d skipped, %d failed to build",
+              module.name, len(rewrite.placed), len(report.skipped), len(report.fallbacks))
+    return report
+
+
+def build_target(kernel: Any, device: str) -> Any:
+    """The kernel as a registered XLA FFI target for ``device`` ("cpu" | "gpu")."""
+    if device == "cpu":
+        from codegen.ffi import host_ffi_target
+        target = host_ffi_target(kernel)
+    elif device == "gpu":
+        from codegen.ffi_cuda import cuda_ffi_target
+        from codegen.isolation import run_isolated
+        from stitch.compiler import _emit_ptx_text
+        target = cuda_ffi_target(kernel, run_isolated(_emit_ptx_text, kernel, gpu_arch()))
+    else:
+        raise PassError(f"device {device!r} is not supported (cpu, gpu)")
+    target.register()
+    return target
+
+
+def gpu_arch() -> str:
+    """sm_XY of the first CUDA device jax sees."""
+    import jax
+    capability = getattr(jax.devices("gpu")[0], "compute_capability", None)
+    if not capability:
+        raise PassError("the GPU device does not report its compute capability")
+    return "sm_" + str(capability).replace(".", "")
+
+
+def compile_with_pass(lowered: Any, request: PassRequest) -> tuple[Any, PassReport]:
+    """``lowered`` compiled by XLA with the pass on for it: (executable, report).
+
+    XLA CPU has failed to link an FFI call placed in a loop body (jax's threefry loop:
+    "Symbols not found: __xla_cpu_runtime_HandleFfiCall"); when XLA rejects a module with
+    kernels in loop bodies, the compile is retried once with ENTRY kernels only."""
+    private = request.prepare(lowered)
+    try:
+        with request:
+            compiled = private.compile()
+        return compiled, request.result()
+    except Exception as exc:  # noqa: BLE001 - XLA's own error on the rewritten module
+        report = request.report
+        if report is None or not report.in_loop_bodies:
+            raise
+        log.info("%s: XLA rejected stitched kernels in loop bodies (%s: %s); retrying with "
+                 "ENTRY kernels only", request.function, type(exc).__name__,
+                 str(exc).splitlines()[0][:200])
+    retry = PassRequest(request.function, request.target, request.device, request.cancel,
+                        request.options, loop_bodies=False)
+    private = retry.prepare(lowered)
+    with retry:
+        compiled = private.compile()
+    return compiled, retry.result()
