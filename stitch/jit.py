@@ -143,6 +143,7 @@ class StitchedFunction(SwitchingFunction):
         self.static_argnames = tuple(static_argnames)
         self.stock = _stock_jit()(fn, static_argnums=self.static_argnums,
                                   static_argnames=self.static_argnames, **jit_kwargs)
+        self._jitted = self.stock       # what is lowered for the pass (tests may wrap stock)
         # jax.jit functions report their compiled-signature count (private but long-lived
         # API); without it every call computes our own key.
         self._jax_cache_size = callable(getattr(self.stock, "_cache_size", None))
@@ -206,9 +207,9 @@ class StitchedFunction(SwitchingFunction):
         if self._fast_stock_path():
             # No signature runs stitched: let jax's own dispatch find the signature. Its
             # cache grows only for a signature it has not seen, which we must compile too.
-            before = self.stock._cache_size()
+            before = self._jitted._cache_size()
             result = self.stock(*args, **kwargs)
-            if self.stock._cache_size() == before:
+            if self._jitted._cache_size() == before:
                 with self._lock:
                     self.stats.calls += 1
                 return result
@@ -318,7 +319,7 @@ class StitchedFunction(SwitchingFunction):
             ensure_registered("cpu" if device == "cpu" else "cuda")
             request = PassRequest(self.__qualname__, self.target, device,
                                   cancel=_COMPILER.stopping.is_set)
-            lowered = self.stock.lower(*args, **kwargs)
+            lowered = self._jitted.lower(*args, **kwargs)
             compiled, report = compile_with_pass(lowered, request)
             if not report.kernels_stitched:
                 raise StitchError(report.reason_nothing_stitched())
