@@ -254,3 +254,31 @@ def test_read_only_filled_cache_is_read(tmp_path, monkeypatch):
     finally:
         os.chmod(tmp_path, 0o700)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_compile_goes_on_with_a_refused_default_cache(tmp_path, monkeypatch, caplog):
+    """stitch.compile with the default cache at a directory another user could write: a
+    warning, no caching, right numbers, nothing written there."""
+    import pathlib
+
+    import numpy as np
+
+    import hlo_passes
+    from stitch import compiler
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    monkeypatch.setenv("STITCH_CACHE_DIR", str(shared))
+    text = (pathlib.Path(__file__).parent / "data" / "softmax" / "tiny.pre.hlo").read_text()
+    module = hlo_passes.parse_hlo(text)
+    rng = np.random.default_rng(5)
+    args = [rng.standard_normal(p.shape.dims).astype(np.float32)
+            for p in module.entry.parameters]
+    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+        exe = compiler.compile(text, "h100", poison_outputs=True)
+    assert refused(caplog, shared, "writable by group or others")
+    assert exe.kernels and exe.stats.host_cache_hits == 0
+    for got, want in zip(exe(*args), hlo_passes.evaluate(module, args)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert list(shared.iterdir()) == []
