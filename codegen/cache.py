@@ -116,6 +116,11 @@ def decode_entry(secret: bytes, key: str, blob: bytes) -> bytes | None:
     return payload
 
 
+def _other_format(blob: bytes) -> bool:
+    return (len(blob) >= _HEADER.size and blob[:4] == MAGIC
+            and _HEADER.unpack_from(blob)[1] != FORMAT_VERSION)
+
+
 class _Refused(Exception):
     """The directory (or its secret) cannot be trusted; the message says why."""
 
@@ -262,7 +267,8 @@ class CompileCache:
         if st.st_uid != uid:
             raise _Refused(f"{what} owned by uid {st.st_uid}, not by this user (uid {uid})")
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise _Refused(f"{what} writable by group or others ({_describe_mode(st.st_mode)})")
+            raise _Refused(f"{what} writable by group or others ({_describe_mode(st.st_mode)}; "
+                           "if it is yours and trusted, chmod go-w it)")
 
     def _scan(self) -> None:
         """Refuse a directory holding symlinks (stitch never makes one); sweep temporaries a
@@ -375,6 +381,12 @@ class CompileCache:
             log.warning("compile cache: cannot read %s (%s)", path, exc)
             return None, False
         payload = decode_entry(self._secret, key, blob)
+        if payload is None and _other_format(blob):
+            # Written by an older stitch (format 1 had no MAC): not trusted, quietly replaced.
+            log.info("compile cache: entry %s has another format version; rebuilding", path)
+            self.stats.corrupt += 1
+            self._discard(name)
+            return None, True
         if payload is None:
             log.warning("compile cache: entry %s (%d bytes) is damaged or failed authentication "
                         "(not written by this user's stitch); ignored and rebuilt", path, len(blob))
