@@ -35,7 +35,7 @@ from llvmlite import ir
 from codegen import kir
 from codegen.cache import CompileCache, cache_key
 from codegen.errors import CodegenError
-from codegen.host import _ALIGN, NUMPY_DTYPES, _host_machine, emit_host_ir
+from codegen.host import _ALIGN, NUMPY_DTYPES, _host_machine, emit_host_ir, jit_module
 from codegen.llvm_emit import I8, I32, I64
 
 LOG = logging.getLogger(__name__)
@@ -714,8 +714,9 @@ def compile_handler(name: str, kernel: kir.Kernel, modules: Sequence[str], *,
                     cache: CompileCache | None = None) -> tuple[object, int]:
     """Link IR modules into one MCJIT engine on the calling thread; (engine, address of
     `name`). Functions in `internalize` become internal once linked (so they inline). With
-    `cache`, the object code is looked up / stored there: only for modules that name external
-    functions by symbol, never ones with process addresses baked in (the CUDA handler)."""
+    `cache`, the object code is looked up / stored there (``host.jit_module``: built once under
+    the key's lock, checked before loading): only for modules that name external functions by
+    symbol, never ones with process addresses baked in (the CUDA handler)."""
     tm = _host_machine()
     _load_libraries()
     try:
@@ -730,21 +731,11 @@ def compile_handler(name: str, kernel: kir.Kernel, modules: Sequence[str], *,
         if fn.name in internalize and not fn.is_declaration:
             fn.linkage = llvm.Linkage.internal
     key = _object_key(modules, internalize, opt) if cache is not None else ""
-    cached = cache.get(key) if cache is not None else None
-    if cached is None:
-        pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=opt))
-        pb.getModulePassManager().run(module, pb)
-    engine = llvm.create_mcjit_compiler(module, tm)
-    if cache is not None:
-        def store(_module: object, buffer: bytes) -> None:
-            if cached is None:
-                cache.put(key, buffer)
-        engine.set_object_cache(store, lambda _module: cached)
-    engine.finalize_object()
+    engine, from_cache = jit_module(module, tm, opt=opt, cache=cache, key=key)
     address = engine.get_function_address(name)
     if not address:
         raise CodegenError(f"kernel {kernel.name!r}: MCJIT produced no FFI handler {name}")
-    LOG.debug("FFI handler %s built%s", name, " (object from the cache)" if cached else "")
+    LOG.debug("FFI handler %s built%s", name, " (object from the cache)" if from_cache else "")
     return engine, address
 
 

@@ -29,6 +29,7 @@ from llvmlite import ir
 from codegen import kir
 from codegen.cache import CompileCache, cache_key
 from codegen.errors import CodegenError
+from codegen.objcheck import host_object_problem, host_objects_cacheable
 from codegen.llvm_emit import (I8, I32, I64, STORAGE_BYTES, Binding, Ctx, KernelEmitter, Scope,
                                Target, float_suffix, value_type)
 
@@ -346,12 +347,51 @@ def _object_key(text: str, opt: int) -> str:
                      llvm.get_host_cpu_features().flatten(), str(opt), llvmlite.__version__)
 
 
+def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine, opt: int) -> None:
+    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=opt))
+    pb.getModulePassManager().run(module, pb)
+
+
+def jit_module(module: llvm.ModuleRef, tm: llvm.TargetMachine, *, opt: int,
+               cache: CompileCache | None, key: str) -> tuple[object, bool]:
+    """(finalized MCJIT engine for the verified, unoptimized `module`, whether its object code
+    came from `cache`). Object code is built under the cache's per-key lock (concurrent
+    processes build it once) and a cached object reaches MCJIT only after it authenticated
+    and passed `objcheck.host_object_problem` (else it is rebuilt): a bad entry can never
+    abort the process or run foreign code."""
+    if cache is None or not cache.enabled or not host_objects_cacheable():
+        _optimize(module, tm, opt)
+        engine = llvm.create_mcjit_compiler(module, tm)
+        engine.finalize_object()
+        return engine, False
+    built: dict[str, object] = {}
+
+    def build() -> bytes:
+        _optimize(module, tm, opt)
+        engine = llvm.create_mcjit_compiler(module, tm)
+        objects: list[bytes] = []
+        engine.set_object_cache(lambda _module, buffer: objects.append(bytes(buffer)),
+                                lambda _module: None)
+        engine.finalize_object()
+        built["engine"] = engine
+        return objects[0] if objects else b""
+
+    obj = cache.get_or_create(key, build, validate=host_object_problem)
+    if "engine" in built:
+        return built["engine"], False
+    engine = llvm.create_mcjit_compiler(module, tm)
+    engine.set_object_cache(lambda _module, _buffer: None, lambda _module: obj)
+    engine.finalize_object()
+    return engine, True
+
+
 def compile_host(kernel: kir.Kernel, *, threads: int | None = None,
                  bounds_check: bool = True, opt: int = 2,
                  cache: CompileCache | None = None) -> HostKernel:
     """Compile `kernel` for the CPU. All llvmlite work happens on the calling thread. With
-    `cache`, the object code is looked up there first (optimization and code generation are
-    skipped on a hit) and stored after a build."""
+    `cache`, the object code comes from there when an authenticated, well-formed entry exists
+    (optimization and code generation are skipped), else it is built under the key's lock and
+    stored (see `jit_module`)."""
     text, scratch = emit_host_ir(kernel, bounds_check)
     tm = _host_machine()
     try:
@@ -360,17 +400,7 @@ def compile_host(kernel: kir.Kernel, *, threads: int | None = None,
     except RuntimeError as exc:
         raise CodegenError(f"kernel {kernel.name!r}: LLVM rejected the host IR: {exc}") from exc
     key = _object_key(text, opt) if cache is not None else ""
-    cached = cache.get(key) if cache is not None else None
-    if cached is None:
-        pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=opt))
-        pb.getModulePassManager().run(module, pb)
-    engine = llvm.create_mcjit_compiler(module, tm)
-    if cache is not None:
-        def store(_module, buffer: bytes) -> None:
-            if cached is None:
-                cache.put(key, buffer)
-        engine.set_object_cache(store, lambda _module: cached)
-    engine.finalize_object()
+    engine, from_cache = jit_module(module, tm, opt=opt, cache=cache, key=key)
     address = engine.get_function_address(kernel.name)
     if not address:
         raise CodegenError(f"kernel {kernel.name!r}: MCJIT produced no function")
@@ -378,6 +408,6 @@ def compile_host(kernel: kir.Kernel, *, threads: int | None = None,
                              ctypes.c_void_p)
     n = threads if threads is not None else min(os.cpu_count() or 1, 8)
     LOG.debug("kernel %s: host build%s, %d scratch bytes", kernel.name,
-              " (object from the cache)" if cached is not None else "", scratch)
+              " (object from the cache)" if from_cache else "", scratch)
     return HostKernel(kernel, scratch, max(1, n), text, engine, proto(address),
-                      from_cache=cached is not None)
+                      from_cache=from_cache)

@@ -9,8 +9,9 @@ A kernel that cannot be lowered or built falls back to the evaluator with the re
 and kept in ``Executable.fallbacks``: compilation never fails because one kernel did.
 
 PTX for the target's architecture is emitted on demand (``exe.ptx``), in a child process
-(an LLVM abort cannot take the caller down) and through the on-disk compile cache;
-``exe.ptxas()`` assembles it and reports registers / shared memory / spills per kernel.
+(an LLVM abort cannot take the caller down) and through the on-disk compile cache
+(``codegen.gpu_cache.emit_ptx_cached``); ``exe.ptxas()`` assembles it (through the cache too:
+``assemble_cached``) and reports registers / shared memory / spills per kernel.
 Times (plan, lower and host build per kernel, PTX and ptxas per kernel) and cache hits are
 in ``exe.stats``.
 
@@ -21,16 +22,17 @@ planned again without kernel packing, and failing that runs wholly through the e
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from codegen.cache import CompileCache, cache_key
+from codegen.cache import CompileCache
 from codegen.errors import CodegenError
+from codegen.gpu_cache import assemble_cached, emit_ptx_cached
 from codegen.host import NUMPY_DTYPES, HostKernel, compile_host
+from codegen.nvptx import emit_ptx
 from codegen.lower import LoweredKernel, lower_kernel
 from codegen.values import leaf
 from hlo_passes import HloModule, HloParseError, parse_hlo
@@ -103,21 +105,16 @@ class CompileStats:
     ptx_s: float = 0.0              # PTX emission, every arch asked for
     ptx_cache_hits: int = 0
     ptxas_s: float = 0.0
+    ptxas_cache_hits: int = 0
 
     @property
     def total_s(self) -> float:
         return self.plan_s + self.lower_s + self.host_build_s
 
 
-def _kernel_fingerprint(kernel) -> str:
-    """Content hash of a Kernel IR kernel (frozen dataclasses: repr is complete)."""
-    return hashlib.sha256(repr(kernel).encode()).hexdigest()
-
-
-def _emit_ptx_text(kernel, arch: str) -> str:
-    """Top-level (picklable) so it can run in an isolated child."""
-    from codegen.nvptx import emit_ptx
-    return emit_ptx(kernel, arch)
+# Kept for callers that send PTX emission to an isolated child by this name: it is
+# codegen.nvptx.emit_ptx itself, so the child imports codegen only (never stitch).
+_emit_ptx_text = emit_ptx
 
 
 class Executable:
@@ -204,43 +201,33 @@ class Executable:
 
     def emit_ptx(self, arch: str) -> dict[str, str]:
         from codegen.isolation import IsolatedWorker
-        import llvmlite
 
         out: dict[str, str] = {}
         start = time.perf_counter()
-        libdevice = _libdevice_identity()
         with IsolatedWorker(name="stitch-ptx") as worker:
             for ck in self.kernels:
                 t0 = time.perf_counter()
-                key = cache_key("ptx", _kernel_fingerprint(ck.kernel), arch, llvmlite.__version__,
-                                libdevice)
-                cached = self.cache.get(key) if self.cache is not None else None
-                if cached is not None:
-                    self.stats.ptx_cache_hits += 1
-                    out[ck.name] = cached.decode()
-                else:
-                    try:
-                        text = worker.call(_emit_ptx_text, ck.kernel, arch)
-                    except StitchError as exc:   # CodegenError, IsolatedCrash
-                        raise CodegenError(f"kernel {ck.name}: PTX for {arch}: {exc}") from exc
-                    if self.cache is not None:
-                        self.cache.put(key, text.encode())
-                    out[ck.name] = text
+                try:
+                    built = emit_ptx_cached(ck.kernel, arch, cache=self.cache, worker=worker)
+                except StitchError as exc:   # CodegenError, IsolatedCrash
+                    raise CodegenError(f"kernel {ck.name}: PTX for {arch}: {exc}") from exc
+                self.stats.ptx_cache_hits += built.from_cache
+                out[ck.name] = built.ptx
                 ck.ptx_s[arch] = time.perf_counter() - t0
         self.stats.ptx_s += time.perf_counter() - start
         return out
 
     def ptxas(self, arch: str | None = None) -> dict[str, object]:
         """Kernel name -> ``codegen.toolchain.PtxasReport`` (registers, shared memory,
-        spills) for ``arch`` (default: the target's)."""
-        from codegen.toolchain import assemble
-
+        spills) for ``arch`` (default: the target's); ptxas results come from the cache."""
         arch = arch or self.arch
         ptx = self.ptx if arch == self.arch else self.emit_ptx(arch)
         reports = {}
         for ck in self.kernels:
             t0 = time.perf_counter()
-            reports[ck.name] = assemble(ptx[ck.name], arch, kernel_name=ck.name)[ck.name]
+            built = assemble_cached(ptx[ck.name], arch, cache=self.cache, kernel_name=ck.name)
+            reports[ck.name] = built.reports[ck.name]
+            self.stats.ptxas_cache_hits += built.from_cache
             ck.ptxas_s[arch] = time.perf_counter() - t0
             self.stats.ptxas_s += ck.ptxas_s[arch]
         return reports
@@ -253,16 +240,6 @@ class Executable:
                 "plan_s": round(self.stats.plan_s, 3), "lower_s": round(self.stats.lower_s, 3),
                 "host_build_s": round(self.stats.host_build_s, 3),
                 "host_cache_hits": self.stats.host_cache_hits}
-
-
-def _libdevice_identity() -> str:
-    from codegen.nvptx import default_libdevice_path
-
-    path = default_libdevice_path()
-    if path is None:
-        return "none"
-    st = path.stat()
-    return f"{path}:{st.st_size}:{int(st.st_mtime)}"
 
 
 def _plan_with_retries(module: HloModule, target: str, options: ExplorerOptions | None,

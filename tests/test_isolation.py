@@ -1,8 +1,13 @@
-"""Child-process isolation: results, crashes (abort), exceptions, timeouts, worker restarts."""
+"""Child-process isolation: results, crashes (abort), exceptions, timeouts, worker restarts;
+the child never runs the caller's __main__; Ctrl-C stops the caller."""
 from __future__ import annotations
 
 import os
+import pathlib
+import signal
+import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -174,5 +179,96 @@ def test_worker_call_is_cheap():
     assert per_call < 0.02, f"{per_call * 1000:.1f} ms per warm call"
 
 
-def test_start_method_avoids_plain_fork():
-    assert isolation.START_METHOD in ("forkserver", "spawn")
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_child_is_a_fresh_interpreter_not_a_fork():
+    assert isolation.START_METHOD == "subprocess"
+    import codegen.isolation_child as child_module
+    # The child never imports the parent's __main__ (pytest's here).
+    assert "pytest" not in run_isolated(main_module_file)
+    assert run_isolated(main_module_file).endswith("isolation_child.py")
+    assert child_module.__name__ == "codegen.isolation_child"
+
+
+def main_module_file() -> str:
+    return str(getattr(sys.modules["__main__"], "__file__", ""))
+
+
+def _run_script(tmp_path: pathlib.Path, body: str, **kwargs) -> subprocess.Popen:
+    script = tmp_path / "train.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(REPO)!r})\n" + textwrap.dedent(body))
+    env = {k: v for k, v in os.environ.items() if k != "STITCH_ISOLATE"}
+    return subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_script_without_main_guard_runs_once_and_emits_ptx(tmp_path):
+    from codegen.nvptx import default_libdevice_path
+    if default_libdevice_path() is None:
+        pytest.skip("no libdevice.10.bc")
+    # A training script's shape: no `if __name__ == "__main__":`, top level does the work.
+    proc = _run_script(tmp_path, """
+        print("TOP-LEVEL-MARKER", flush=True)
+        from codegen.isolation import run_isolated
+        from codegen.kir import Unary
+        from codegen.nvptx import emit_ptx
+        from tests.test_kir_host import elementwise_kernel
+        kernel = elementwise_kernel("scaled_tanh", ["f32"], "f32", 1000, lambda x: Unary("tanh", x))
+        ptx = run_isolated(emit_ptx, kernel, "sm_80")
+        print("ENTRY" if ".entry scaled_tanh(" in ptx else "NO-ENTRY", flush=True)
+    """)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert out.count("TOP-LEVEL-MARKER") == 1, out
+    assert "ENTRY" in out.split() and "NO-ENTRY" not in out
+
+
+def test_function_from_main_is_refused_with_a_clear_error(tmp_path):
+    proc = _run_script(tmp_path, """
+        from codegen.errors import CodegenError
+        from codegen.isolation import run_isolated
+        def work():
+            return 1
+        try:
+            run_isolated(work)
+        except CodegenError as exc:
+            print("REFUSED", "__main__" in str(exc))
+    """)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.split() == ["REFUSED", "True"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")  # a zombie has stopped; only its parent's reaping is left
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_stops_the_caller_and_its_child(tmp_path):
+    proc = _run_script(tmp_path, """
+        from codegen.isolation import IsolatedWorker
+        from tests.test_isolation import child_pid, sleep_for
+        worker = IsolatedWorker()
+        print(worker.call(child_pid), flush=True)
+        worker.call(sleep_for, 60, timeout=120)
+        print("CARRIED-ON", flush=True)
+    """, start_new_session=True)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    assert _alive(child)
+    time.sleep(0.5)  # inside the long call
+    started = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - started < 15
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    assert "CARRIED-ON" not in out
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "the isolated child outlived its caller"

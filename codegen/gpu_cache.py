@@ -1,0 +1,165 @@
+"""GPU build products through the compile cache: PTX emission and ptxas results.
+
+The entry points every caller uses (stitch.compile today, an XLA pass tomorrow), so all get
+caching, the per-key build lock and crash isolation by calling them:
+
+- ``emit_ptx_cached(kernel, arch, cache=...)`` -> ``PtxBuild``: PTX from LLVM's NVPTX back end,
+  emitted in an isolated child (an LLVM abort cannot take the caller down). Keyed by the
+  Kernel IR (its complete repr), arch, PTX ISA version, libdevice (path, size, mtime), the
+  llvmlite version and the stitch version.
+- ``assemble_cached(ptx, arch, cache=...)`` -> ``CubinBuild``: ptxas's cubin and per-entry
+  resource reports. Keyed by the PTX text, arch, options, the ptxas binary and its version.
+
+Host object code goes through the same cache in ``host.compile_host`` / ``ffi.compile_handler``
+(``host.jit_module``). With ``cache=None`` everything is built, nothing stored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import json
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from codegen import kir
+from codegen.cache import CompileCache, cache_key
+from codegen.errors import CodegenError
+from codegen.isolation import IsolatedWorker, run_isolated
+from codegen.nvptx import DEFAULT_PTX_VERSION, default_libdevice_path, emit_ptx
+from codegen.objcheck import cubin_problem
+from codegen.toolchain import PtxasReport, assemble_cubin, find_ptxas, ptxas_version
+
+LOG = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def stitch_version() -> str:
+    """The installed stitch distribution's version (codegen never imports the stitch package)."""
+    try:
+        return importlib.metadata.version("stitch")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def kernel_ir_text(kernel: kir.Kernel) -> str:
+    """The Kernel IR as text for keys: the frozen dataclasses' repr, complete by construction
+    (``printer.format_kernel`` is written for people, not for identity)."""
+    return repr(kernel)
+
+
+def libdevice_identity(libdevice: str | Path | None = None) -> str:
+    path = Path(libdevice) if libdevice is not None else default_libdevice_path()
+    if path is None:
+        return "none"
+    try:
+        st = path.stat()
+    except OSError:
+        return f"{path}:missing"
+    return f"{path}:{st.st_size}:{int(st.st_mtime)}"
+
+
+def ptx_key(kernel: kir.Kernel, arch: str, *, ptx_version: int = DEFAULT_PTX_VERSION,
+            libdevice: str | Path | None = None) -> str:
+    import llvmlite
+    return cache_key("ptx", kernel_ir_text(kernel), arch, str(ptx_version),
+                     libdevice_identity(libdevice), llvmlite.__version__, stitch_version())
+
+
+@dataclass(frozen=True)
+class PtxBuild:
+    ptx: str
+    from_cache: bool
+
+
+def _ptx_validator(kernel_name: str):
+    def problem(payload: bytes) -> str | None:
+        try:
+            text = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            return "PTX is not UTF-8 text"
+        return None if f".entry {kernel_name}(" in text else f"PTX has no .entry {kernel_name}"
+    return problem
+
+
+def emit_ptx_cached(kernel: kir.Kernel, arch: str, *, cache: CompileCache | None,
+                    worker: IsolatedWorker | None = None, libdevice: str | Path | None = None,
+                    ptx_version: int = DEFAULT_PTX_VERSION, timeout: float = 300.0) -> PtxBuild:
+    """PTX for ``kernel`` on ``arch``: from ``cache`` when there, else emitted once (under the
+    key's lock) in ``worker``'s child or a fresh isolated child, and stored. Errors in
+    emission: CodegenError (IsolatedCrash when the child died)."""
+    built = False
+
+    def build() -> bytes:
+        nonlocal built
+        built = True
+        kwargs = {"libdevice": libdevice, "ptx_version": ptx_version}
+        if worker is not None:
+            text = worker.call(emit_ptx, kernel, arch, timeout=timeout, **kwargs)
+        else:
+            text = run_isolated(emit_ptx, kernel, arch, timeout=timeout, **kwargs)
+        return text.encode("utf-8")
+
+    if cache is None:
+        return PtxBuild(build().decode("utf-8"), False)
+    key = ptx_key(kernel, arch, ptx_version=ptx_version, libdevice=libdevice)
+    payload = cache.get_or_create(key, build, validate=_ptx_validator(kernel.name))
+    return PtxBuild(payload.decode("utf-8"), not built)
+
+
+@dataclass(frozen=True)
+class CubinBuild:
+    cubin: bytes
+    reports: dict[str, PtxasReport]
+    from_cache: bool
+
+
+_LEN = struct.Struct("<I")
+
+
+def _pack_cubin(cubin: bytes, reports: dict[str, PtxasReport]) -> bytes:
+    meta = json.dumps({name: dataclasses.asdict(r) for name, r in reports.items()}).encode()
+    return _LEN.pack(len(meta)) + meta + cubin
+
+
+def _unpack_cubin(payload: bytes) -> tuple[bytes, dict[str, PtxasReport]]:
+    (n,) = _LEN.unpack_from(payload)
+    meta = json.loads(payload[_LEN.size:_LEN.size + n])
+    return payload[_LEN.size + n:], {name: PtxasReport(**fields) for name, fields in meta.items()}
+
+
+def _cubin_entry_problem(payload: bytes) -> str | None:
+    try:
+        cubin, _ = _unpack_cubin(payload)
+    except (struct.error, ValueError, TypeError, UnicodeDecodeError) as exc:
+        return f"unreadable ptxas entry ({exc})"
+    return cubin_problem(cubin)
+
+
+def assemble_cached(ptx: str, arch: str, *, cache: CompileCache | None,
+                    kernel_name: str | None = None, max_registers: int | None = None,
+                    timeout: float = 60) -> CubinBuild:
+    """``toolchain.assemble_cubin`` through ``cache``: the cubin and per-entry reports."""
+    built = False
+
+    def build() -> bytes:
+        nonlocal built
+        built = True
+        cubin, reports = assemble_cubin(ptx, arch, kernel_name=kernel_name, timeout=timeout,
+                                        max_registers=max_registers)
+        return _pack_cubin(cubin, reports)
+
+    if cache is None:
+        cubin, reports = _unpack_cubin(build())
+        return CubinBuild(cubin, reports, False)
+    ptxas = find_ptxas(arch)
+    key = cache_key("ptxas", ptx, arch, str(kernel_name), str(max_registers), str(ptxas),
+                    ptxas_version(ptxas))
+    payload = cache.get_or_create(key, build, validate=_cubin_entry_problem)
+    try:
+        cubin, reports = _unpack_cubin(payload)
+    except (struct.error, ValueError, TypeError) as exc:  # only a fresh build can get here
+        raise CodegenError(f"ptxas result for {arch} cannot be read back: {exc}") from exc
+    return CubinBuild(cubin, reports, not built)
