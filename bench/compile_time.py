@@ -140,7 +140,7 @@ def render(results: list[Result]) -> str:
         "`STITCH_CACHE_DIR`, *warm*: a second compile with the same directory. Per-kernel "
         "columns give the total, then (median / max per kernel). PTX emission runs in an "
         "isolated child (LLVM NVPTX, libdevice linked); ptxas assembles each kernel for the "
-        "target's arch (its result is not cached).",
+        "target's arch (its result is cached too, keyed by the PTX, arch and ptxas version).",
         "",
         "| config | compile | kernels | plan s | lower s | host build s | host cache hits | "
         "compile total s | PTX emission s | PTX cache hits | ptxas s | max regs / spills |",

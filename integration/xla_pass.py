@@ -304,16 +304,31 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     return report
 
 
+def compile_cache() -> Any:
+    """The process's on-disk compile cache (codegen.cache: per-user, authenticated; a
+    refused or unwritable directory turns caching off, logged, and compiles go on)."""
+    global _CACHE
+    with _LOCK:
+        if _CACHE is None:
+            from codegen.cache import CompileCache
+            _CACHE = CompileCache()
+        return _CACHE
+
+
+_CACHE: Any = None
+
+
 def build_target(kernel: Any, device: str) -> Any:
-    """The kernel as a registered XLA FFI target for ``device`` ("cpu" | "gpu")."""
+    """The kernel as a registered XLA FFI target for ``device`` ("cpu" | "gpu"), its object
+    code or PTX through the compile cache."""
     if device == "cpu":
         from codegen.ffi import host_ffi_target
-        target = host_ffi_target(kernel)
+        target = host_ffi_target(kernel, cache=compile_cache())
     elif device == "gpu":
         from codegen.ffi_cuda import cuda_ffi_target
-        from codegen.isolation import run_isolated
-        from stitch.compiler import _emit_ptx_text
-        target = cuda_ffi_target(kernel, run_isolated(_emit_ptx_text, kernel, gpu_arch()))
+        from codegen.gpu_cache import emit_ptx_cached
+        built = emit_ptx_cached(kernel, gpu_arch(), cache=compile_cache())
+        target = cuda_ffi_target(kernel, built.ptx)
     else:
         raise PassError(f"device {device!r} is not supported (cpu, gpu)")
     target.register()

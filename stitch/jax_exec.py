@@ -112,11 +112,9 @@ def _build_target(kernel, device: str, cache):
     if device == "cpu":
         return host_ffi_target(kernel, cache=cache)
     from codegen.ffi_cuda import cuda_ffi_target
-    from codegen.isolation import run_isolated
+    from codegen.gpu_cache import emit_ptx_cached
 
-    from .compiler import _emit_ptx_text
-    ptx = run_isolated(_emit_ptx_text, kernel, _gpu_arch())
-    return cuda_ffi_target(kernel, ptx)
+    return cuda_ffi_target(kernel, emit_ptx_cached(kernel, _gpu_arch(), cache=cache).ptx)
 
 
 def _gpu_arch() -> str:
