@@ -241,6 +241,19 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
 
     replacements: dict[str, Instruction] = {}
     retargets: list[tuple[Instruction, int]] = []
+    # In a loop body the root's operands live in the loop-state buffers, which the custom
+    # call also reads: XLA's copy insertion has already run, so a value the kernel writes for
+    # the root goes through a copy again (without it the kernel wrote into buffers it was
+    # reading: dien_train's GRU loop drifted by 2e-4).
+    carried = set(view.comp.root.operands) if view.graph.kind != "entry" else set()
+
+    def value(name: str, shape: Shape, index: int, is_root: bool = False) -> Instruction:
+        if name not in carried:
+            return Instruction(name, shape, "get-tuple-element", [call_name],
+                               {"index": str(index)}, is_root=is_root)
+        part = b.gte(call_name, shape, index, position + 0.5)
+        return Instruction(name, shape, "copy", [part], is_root=is_root)
+
     for top in site.tops:
         inst = view.table[top]
         users = view.users_outside(top, tops)
@@ -250,16 +263,18 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
         if not inst.shape.is_tuple:
             if (top, None) not in out_index:
                 raise NotPlaceable(f"{top} is read outside but the kernel does not write it")
-            replacements[top] = Instruction(top, inst.shape, "get-tuple-element", [call_name],
-                                            {"index": str(out_index[(top, None)])},
-                                            is_root=inst.is_root)
+            replacements[top] = value(top, inst.shape, out_index[(top, None)], inst.is_root)
             continue
         if whole_needed:
             parts = []
             for j, shape in enumerate(inst.shape.tuple_shapes):
                 if (top, j) not in out_index:
                     raise NotPlaceable(f"element {j} of {top} is read but not written")
-                parts.append(b.gte(call_name, shape, out_index[(top, j)], position + 0.5))
+                part = b.gte(call_name, shape, out_index[(top, j)], position + 0.5)
+                if top in carried:
+                    part = b.add(Instruction(b.fresh(f"{part}.copy"), shape, "copy", [part]),
+                                 position + 0.6)
+                parts.append(part)
             replacements[top] = Instruction(top, inst.shape, "tuple", parts,
                                             is_root=inst.is_root)
             continue
@@ -269,8 +284,12 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
                 raise NotPlaceable(f"element {index} of {top} is read but not written")
             retargets.append((user, out_index[(top, index)]))
     for user, j in retargets:
-        user.operands = [call_name]
-        user.attrs["index"] = str(j)
+        if user.name in carried:
+            part = b.gte(call_name, user.shape, j, position + 0.5)
+            user.opcode, user.operands, user.attrs = "copy", [part], {}
+        else:
+            user.operands = [call_name]
+            user.attrs["index"] = str(j)
     return replacements
 
 
@@ -289,14 +308,14 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph],
         replacements: dict[str, Instruction] = {}
         for k in placed:
             mark = len(b.added)
-            snapshot = {i.name: (list(i.operands), dict(i.attrs))
+            snapshot = {i.name: (i.opcode, list(i.operands), dict(i.attrs))
                         for i in view.comp.instructions}
             try:
                 new = place(view, b, k, removed)
             except NotPlaceable as exc:
                 del b.added[mark:]
                 for inst in view.comp.instructions:         # undo gte retargets
-                    inst.operands, inst.attrs = snapshot[inst.name]
+                    inst.opcode, inst.operands, inst.attrs = snapshot[inst.name]
                 report.skipped.append((k.site.name, str(exc)))
                 continue
             removed |= set(k.site.tops)
