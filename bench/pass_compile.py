@@ -1,0 +1,178 @@
+"""Compile cost of stitch inside XLA, side by side with jax.jit's own compile (measured).
+
+``python -m bench.pass_compile [--models bert_layer_train:tiny,...] [--out docs/benchmarks.md]``
+
+Per function, in a fresh subprocess with an empty ``STITCH_CACHE_DIR`` (cold) and then again
+with the same directory (warm):
+- ``jax.jit``: ``jax.jit(fn).lower(*args).compile()`` — tracing, lowering, XLA's compile;
+- ``stitched``: the same lowering compiled with stitch's pass on
+  (``integration.xla_pass.compile_with_pass``): XLA's pipeline plus, inside it, stitch's
+  parse, plan, snapping, Kernel IR lowering and the host build of each kernel, and the
+  rewrite; ``plan``/``build``: the pass's own timings.
+The overhead is stitched − jax.jit; issue 17's goal is at most half of XLA's own compile.
+Kernels: what XLA launched for the module and what is left once stitch's calls are in.
+``keras_hub_llama`` (a keras_hub Llama backbone step, tiny config) runs when keras_hub is
+installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_MODELS = ("bert_layer_train:tiny", "bert_layer_train:full", "transformer_train:tiny",
+                  "keras_hub_llama:tiny")
+SECTION = "bench-pass-compile"
+
+
+def _zoo(name: str, config: str):
+    from stitch.models import build
+    inst = build(name, config)
+    return inst.fn, inst.random_args(0)
+
+
+def _keras_hub_llama():
+    """A keras_hub Llama backbone's training step as a pure jax function (random init)."""
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import jax
+    import jax.numpy as jnp
+    import keras
+    import keras_hub
+    import numpy as np
+
+    model = keras_hub.models.LlamaBackbone(vocabulary_size=512, num_layers=2, num_query_heads=4,
+                                           num_key_value_heads=2, hidden_dim=64,
+                                           intermediate_dim=128, max_sequence_length=64)
+    trainable = [v.value for v in model.trainable_variables]
+    rest = [v.value for v in model.non_trainable_variables]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 512, (4, 32)).astype("int32")
+    batch = {"token_ids": tokens, "padding_mask": np.ones((4, 32), "int32")}
+
+    def step(trainable, rest, batch):
+        def loss(trainable):
+            hidden, _ = model.stateless_call(trainable, rest, batch)
+            return jnp.mean(jnp.square(hidden))
+        value, grads = jax.value_and_grad(loss)(trainable)
+        return [w - 1e-3 * g for w, g in zip(trainable, grads)], value
+    keras.utils.set_random_seed(0)
+    return step, (trainable, rest, batch)
+
+
+def measure_one(model: str, config: str) -> dict:
+    """One function's compile times (this process; the caller sets STITCH_CACHE_DIR)."""
+    import jax
+
+    from integration.xla_pass import PassRequest, compile_with_pass, ensure_registered
+
+    fn, args = _keras_hub_llama() if model == "keras_hub_llama" else _zoo(model, config)
+    jitted = jax.jit(fn)
+    start = time.perf_counter()
+    jitted.lower(*args).compile()
+    jax_s = time.perf_counter() - start
+    ensure_registered("cpu")
+    request = PassRequest(model, "h100", "cpu")
+    start = time.perf_counter()
+    _, report = compile_with_pass(jax.jit(fn).lower(*args), request)
+    stitched_s = time.perf_counter() - start
+    return {"model": model, "config": config, "jax_s": jax_s, "stitched_s": stitched_s,
+            "plan_s": report.timings.get("plan_s", 0.0),
+            "build_s": report.timings.get("build_s", 0.0),
+            "pass_s": report.timings.get("pass_s", 0.0),
+            "kernels_xla": report.kernels_xla, "kernels_after": report.kernels_after,
+            "stitched": report.kernels_stitched}
+
+
+def _run_child(model: str, config: str, cache_dir: str, timeout: float) -> dict:
+    env = {**os.environ, "STITCH_CACHE_DIR": cache_dir, "PYTHONPATH": str(Path(__file__).parents[1])}
+    run = subprocess.run([sys.executable, "-m", "bench.pass_compile", "--one", f"{model}:{config}"],
+                         capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [l for l in run.stdout.splitlines() if l.startswith("{")]
+    if run.returncode != 0 or not lines:
+        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"model": model, "config": config, "error": tail[:200]}
+    return json.loads(lines[-1])
+
+
+def collect(models: list[str], timeout: float = 1200.0) -> list[dict]:
+    rows = []
+    for spec in models:
+        model, _, config = spec.partition(":")
+        if model == "keras_hub_llama":
+            import importlib.util
+            if importlib.util.find_spec("keras_hub") is None:
+                rows.append({"model": model, "config": config or "tiny",
+                             "error": "keras_hub is not installed"})
+                continue
+        with tempfile.TemporaryDirectory() as cache_dir:
+            os.chmod(cache_dir, 0o700)
+            cold = _run_child(model, config or "tiny", cache_dir, timeout)
+            warm = _run_child(model, config or "tiny", cache_dir, timeout)
+        cold["warm_stitched_s"] = warm.get("stitched_s")
+        cold["warm_jax_s"] = warm.get("jax_s")
+        rows.append(cold)
+        print(f"[pass_compile] {spec}: {cold}", file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    from bench.report import stamp
+    lines = ["## Compile cost: stitch inside XLA vs jax.jit (measured)", "",
+             stamp(command, os.getloadavg()), "",
+             "Wall seconds, each function in a fresh process. *jax.jit*: lower + XLA compile. "
+             "*stitched*: the same lowering compiled with stitch's pass on (XLA's pipeline plus "
+             "stitch's plan, snapping, Kernel IR lowering and host build of every kernel, and "
+             "the rewrite), cold (empty compile cache) and warm (the cache from the cold run; "
+             "planning is redone). Overhead = stitched − jax.jit, as a fraction of jax.jit "
+             "(issue 17's goal: ≤ 0.5). Kernels are counted in XLA's CPU module.", "",
+             "| function | jax.jit s | stitched s (cold) | plan s | build s | overhead | "
+             "stitched s (warm) | overhead warm | kernels XLA → stitched | stitched kernels |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        name = f"{r['model']} ({r['config']})"
+        if "error" in r:
+            lines.append(f"| {name} | – | – | – | – | – | – | – | {r['error']} | – |")
+            continue
+        over = (r["stitched_s"] - r["jax_s"]) / r["jax_s"]
+        warm = r.get("warm_stitched_s")
+        warm_over = (warm - r["warm_jax_s"]) / r["warm_jax_s"] if warm and r.get("warm_jax_s") \
+            else None
+        lines.append(
+            f"| {name} | {r['jax_s']:.2f} | {r['stitched_s']:.2f} | {r['plan_s']:.2f} | "
+            f"{r['build_s']:.2f} | {over:.1f}× | {warm:.2f} | "
+            f"{warm_over:.1f}× | {r['kernels_xla']} → {r['kernels_after']} | {r['stitched']} |"
+            if warm is not None else
+            f"| {name} | {r['jax_s']:.2f} | {r['stitched_s']:.2f} | {r['plan_s']:.2f} | "
+            f"{r['build_s']:.2f} | {over:.1f}× | – | – | {r['kernels_xla']} → "
+            f"{r['kernels_after']} | {r['stitched']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.pass_compile",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--models", type=lambda s: s.split(","), default=list(DEFAULT_MODELS))
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        model, _, config = args.one.partition(":")
+        print(json.dumps(measure_one(model, config)))
+        return
+    rows = collect(args.models)
+    command = "python -m bench.pass_compile " + " ".join(argv if argv is not None else sys.argv[1:])
+    body = markdown(rows, command.strip())
+    if args.out:
+        from bench.report import write_section
+        write_section(args.out, SECTION, body)
+    else:
+        print(body)
+
+
+if __name__ == "__main__":
+    main()
