@@ -209,8 +209,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
     (and mutate gte users in place). Raises NotPlaceable without changing anything visible
     (the builder's additions are dropped by the caller on failure)."""
     site = kernel.site
-    tops = set(site.tops)
-    if tops & removed:
+    if set(site.tops) & removed:
         raise NotPlaceable("overlaps a kernel already placed (recomputed ops)")
     position = max(view.position[t] for t in site.tops)
     operands: list[str] = []
@@ -219,6 +218,10 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
         if shape.is_tuple or not _row_major(shape):
             raise NotPlaceable(f"input {name} is not a row-major array ({shape})")
         operands.append(name)
+    # A member the kernel reads from memory (a gte of XLA's tuple all-reduce) stays in the
+    # module: the call takes it as an operand.
+    site.tops = tuple(t for t in site.tops if t not in operands)
+    tops = set(site.tops)
     out_index: dict[tuple[str, int | None], int] = {}
     out_shapes: list[Shape] = []
     for j, nid in enumerate(kernel.outputs):

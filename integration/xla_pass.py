@@ -212,12 +212,24 @@ def _callback(data: bytes) -> bytes | None:
         new_text = stitch_module_text(text, request)
         if new_text is None:
             return None
-        return _hlo.hlo_module_from_text(new_text).as_serialized_hlo_module_proto()
+        return _to_proto(new_text)
     except BaseException as exc:  # noqa: BLE001 - never into XLA's compile
         if request is not None:
             request.error = exc
         log.debug("stitch pass failed: %s: %s", type(exc).__name__, exc, exc_info=True)
         return None
+
+
+def _to_proto(text: str) -> bytes:
+    """XLA's parser on stitch's rewritten text; a rejection names the offending line."""
+    from jaxlib import _hlo
+    try:
+        return _hlo.hlo_module_from_text(text).as_serialized_hlo_module_proto()
+    except Exception as exc:  # noqa: BLE001 - XLA's parser error, made specific
+        where = re.search(r"parsing (\d+):(\d+)", str(exc))
+        line = text.splitlines()[int(where.group(1)) - 1].strip() if where else ""
+        raise PassError(f"XLA's parser rejects stitch's rewritten module: "
+                        f"{str(exc).splitlines()[-1].strip()} in: {line[:300]}") from exc
 
 
 def stitch_module_text(text: str, request: PassRequest) -> str | None:
@@ -231,7 +243,7 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
     request.report = report
     if not report.placed:
         return None
-    return print_hlo(module)
+    return print_hlo(module, operand_shapes=True)
 
 
 def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
@@ -368,3 +380,34 @@ def compile_with_pass(lowered: Any, request: PassRequest) -> tuple[Any, PassRepo
     with retry:
         compiled = private.compile()
     return compiled, retry.result()
+
+
+def compile_hlo_text(text: str, request: PassRequest, platform: str = "cpu"
+                     ) -> tuple[Callable[..., list], PassReport]:
+    """An HLO module (text, e.g. tf2xla's) compiled on jax's XLA client with the pass on:
+    (call, report). ``call(*arrays)`` runs it on the first device and returns the root's
+    leaves. The module is tagged with the request's token (a module-level frontend
+    attribute, which survives the conversion to StableHLO)."""
+    import jax
+    import jax.extend.backend as jax_backend
+    from jax._src.lib import _jax
+    from jaxlib import _hlo
+
+    module = parse_hlo(text)
+    attrs = module.attrs.get("frontend_attributes", "{}").strip()
+    inner = attrs[1:-1].strip()
+    module.attrs["frontend_attributes"] = \
+        "{" + (inner + "," if inner else "") + f'{REQUEST_ATTR}="{request.token}"' + "}"
+    proto = _to_proto(print_hlo(module, operand_shapes=True))
+    stablehlo = _jax.mlir.hlo_to_stablehlo(proto)
+    backend = jax_backend.get_backend(platform)
+    device = backend.local_devices()[0]
+    options = jax_backend.get_compile_options(num_replicas=1, num_partitions=1)
+    ensure_registered("cpu" if platform == "cpu" else "cuda")
+    with request:
+        executable = backend.compile_and_load(stablehlo, _jax.DeviceList((device,)), options)
+    report = request.result()
+
+    def call(*arrays: Any) -> list:
+        return executable.execute([jax.device_put(a, device) for a in arrays])
+    return call, report

@@ -286,21 +286,21 @@ class StitchedFunction(SwitchingFunction):
 
     # --- compiling ----------------------------------------------------------------------
     def _start_compile(self, entry: _Entry, args: tuple, kwargs: dict, call_number: int) -> None:
-        import jax
-
-        # Abstract values only: the compile thread must not keep the caller's buffers alive.
-        specs_args = jax.tree_util.tree_map(_spec_of, args)
-        specs_kwargs = jax.tree_util.tree_map(_spec_of, kwargs)
-        for i in self.static_argnums:
-            if i < len(args):
-                specs_args = specs_args[:i] + (args[i],) + specs_args[i + 1:]
-        for name in self.static_argnames:
-            if name in kwargs:
-                specs_kwargs[name] = kwargs[name]
+        # Lowered here, on the calling thread: tracing may need the caller's context (flax
+        # nnx.jit's update context is thread-local), and jax has just traced this signature
+        # for the stock call, so it costs little. Only the Lowered (abstract values, no
+        # buffers) goes to the compile thread.
+        start = time.perf_counter()
+        try:
+            injected_failure("compile")
+            lowered = self._jitted.lower(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - stays on stock jax
+            self._compile_failed(entry, time.perf_counter() - start, exc)
+            return
         log.info("%s: compiling stitched kernels for %s (call %d, %s)", self.__qualname__,
                  self.target, call_number, "in the background" if self.async_compile
                  else "before running")
-        job = functools.partial(self._compile, entry, specs_args, specs_kwargs)
+        job = functools.partial(self._compile, entry, lowered, time.perf_counter() - start)
         entry.future = _COMPILER.submit(job)
         if not self.async_compile:
             try:
@@ -308,18 +308,16 @@ class StitchedFunction(SwitchingFunction):
             except Exception:  # noqa: BLE001 - recorded by _compile; Ctrl-C propagates
                 pass
 
-    def _compile(self, entry: _Entry, args: tuple, kwargs: dict) -> None:
+    def _compile(self, entry: _Entry, lowered: Any, earlier: float) -> None:
         """The same lowered function compiled by XLA with stitch's pass on for it."""
         from integration.xla_pass import PassRequest, compile_with_pass, ensure_registered
 
-        start = time.perf_counter()
+        start = time.perf_counter() - earlier
         try:
-            injected_failure("compile")
             device = self.device or _default_device()
             ensure_registered("cpu" if device == "cpu" else "cuda")
             request = PassRequest(self.__qualname__, self.target, device,
                                   cancel=_COMPILER.stopping.is_set)
-            lowered = self._jitted.lower(*args, **kwargs)
             compiled, report = compile_with_pass(lowered, request)
             if not report.kernels_stitched:
                 raise StitchError(report.reason_nothing_stitched())
@@ -337,20 +335,6 @@ class StitchedFunction(SwitchingFunction):
         log.debug("%s: stitched executable ready in %.1fs: %d stitched kernels (%d left to "
                   "XLA)", self.__qualname__, elapsed, report.kernels_stitched,
                   len(report.fallbacks))
-
-
-def _spec_of(x: Any) -> Any:
-    """The abstract value a leaf is lowered with; committed multi-device arrays keep their
-    sharding (jax's SPMD partitioner then hands the pass the per-device module)."""
-    import jax
-    if isinstance(x, jax.Array) and x.committed and len(x.sharding.device_set) > 1:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type,
-                                    sharding=x.sharding)
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False))
-    if isinstance(x, (bool, int, float, complex)):
-        return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype, weak_type=True)
-    return x
 
 
 def _copies(tree: Any) -> Any:

@@ -2,8 +2,10 @@
 run the stitched program once it is built.
 
 The stitched program is the function's whole HLO (``experimental_get_compiler_ir(...)
-(stage="hlo")``, what tf2xla gives XLA) rewritten by ``jax_exec.build_stitched`` and run as
-ONE XLA executable through JAX, so the step stays one XLA cluster. Per input signature:
+(stage="hlo")``, what tf2xla gives XLA) compiled by XLA on jax's client with stitch's pass
+on for it (``integration.xla_pass.compile_hlo_text``): XLA fuses it, stitch replaces what its
+kernels cover with FFI custom calls, and the step stays ONE XLA executable. Per input
+signature:
 
 - the first calls run the stock TF function; the HLO is taken and the stitched program built
   on stitch's compile thread (``jit._COMPILER``);
@@ -340,7 +342,7 @@ class TFStitchedFunction(SwitchingFunction):
             return self.stock(*args, **kwargs)
         result = self.stock(*args, **kwargs)
         try:
-            from ..jax_exec import poison_check
+            from ..verify import poison_check
             mapping = entry.mapping
             _, leaves = bound_leaves(self.python_fn, args, kwargs)
             expected = [t for t in tf.nest.flatten(result, expand_composites=True)
@@ -412,28 +414,33 @@ class TFStitchedFunction(SwitchingFunction):
         return module, build_mapping(concrete, module, hlo, leaves)
 
     def _compile(self, entry: _Entry, module: Any, mapping: TFMapping, earlier: float) -> None:
+        """tf2xla's HLO compiled by XLA on jax's client with stitch's pass on for it."""
         import jax
 
-        from ..jax_exec import build_stitched
-        from ..jit import _progress, _stock_jit
+        from hlo_passes import print_hlo
+        from integration.xla_pass import PassRequest, compile_hlo_text
+
+        from ..jit import _COMPILER, _default_device
 
         start = time.perf_counter()
         try:
+            device = self.device or _default_device()
+            request = PassRequest(self.__qualname__, self.target, device,
+                                  cancel=_COMPILER.stopping.is_set)
             with jax.enable_x64(True):
-                program = build_stitched(module, self.target, self.device, progress=_progress)
-            if not program.kernels:
-                raise StitchError("the plan has no stitched kernel to run "
-                                  f"({len(program.fallbacks)} could not be built)")
-            call = _stock_jit()(program.fn)
+                call, report = compile_hlo_text(print_hlo(module), request,
+                                                "cpu" if device == "cpu" else "cuda")
+            if not report.kernels_stitched:
+                raise StitchError(report.reason_nothing_stitched())
         except Exception as exc:  # noqa: BLE001 - any failure means stock TF
             self._compile_failed(entry, time.perf_counter() - start + earlier, exc)
             return
         elapsed = time.perf_counter() - start + earlier
         entry.mapping, entry.call = mapping, call
-        self._program_ready(entry, program, elapsed)
-        log.debug("%s: stitched program ready in %.1fs (TF side %.1fs): %d stitched kernels, "
+        self._program_ready(entry, report, elapsed)
+        log.debug("%s: stitched executable ready in %.1fs (TF side %.1fs): %d stitched kernels, "
                   "%d inputs, %d outputs, %d variable updates", self.__qualname__, elapsed,
-                  earlier, len(program.kernels), len(mapping.sources), mapping.n_outputs,
+                  earlier, report.kernels_stitched, len(mapping.sources), mapping.n_outputs,
                   len(mapping.updates))
 
 
