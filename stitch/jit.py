@@ -1,12 +1,13 @@
 """``stitch.jit``: jax.jit that switches to stitched kernels once they are built.
 
-The first calls of each input signature run stock ``jax.jit``; the signature's HLO is planned
-and its stitched kernels built on stitch's compile thread (one thread for the process: all
-LLVM work stays on it); the next call after that switches to the rewritten program
-(``jax_exec.build_stitched`` wrapped in ``jax.jit``). Any failure while planning, building or
-running the stitched program is logged and that signature stays on stock XLA for good; it is
-never raised into the caller's loop. ``verify=True`` runs the first stitched call next to
-the stock one and falls back when they differ.
+The first calls of each input signature run stock ``jax.jit``; the signature is lowered on
+the calling thread and compiled again by XLA on stitch's compile thread with stitch's pass on
+for that compile (``integration.xla_pass``): XLA hands its fused module to stitch, which puts
+its stitched kernels in as FFI custom calls; the next call after that runs that executable.
+Any failure while planning, building or running the stitched executable is logged and that
+signature stays on stock XLA for good; it is never raised into the caller's loop.
+``verify=True`` runs the first stitched call next to the stock one and falls back when they
+differ.
 """
 from __future__ import annotations
 

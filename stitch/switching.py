@@ -104,7 +104,7 @@ class SwitchEntry:
     """One input signature: compiling → ready → (failed | stock-faster)."""
     state: str = "compiling"
     future: Future | None = None
-    program: Any = None                 # jax_exec.StitchedProgram
+    program: Any = None                 # integration.xla_pass.PassReport
     call: Callable | None = None        # the jitted stitched program
     verified: bool = False
     reason: str = ""
@@ -259,6 +259,7 @@ class SwitchingFunction:
         return all(e.compiled_ok for e in entries)
 
     def programs(self) -> list[Any]:
-        """The stitched programs built so far (``jax_exec.StitchedProgram``)."""
+        """What the pass did for each compiled signature so far (``PassReport``: plan,
+        placed kernels with their Kernel IR, skipped kernels with reasons, timings)."""
         with self._lock:
             return [e.program for e in self._entries.values() if e.program is not None]
