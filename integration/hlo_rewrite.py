@@ -313,28 +313,34 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph],
             mark = len(b.added)
             snapshot = {i.name: (i.opcode, list(i.operands), dict(i.attrs))
                         for i in view.comp.instructions}
+            tops_before = k.site.tops
             try:
                 new = place(view, b, k, removed)
+                # Convex kernels cannot close a cycle among themselves, but the module has
+                # what the op graph does not (control predecessors...): check each one.
+                _topological(_items(view, b, removed | set(k.site.tops),
+                                    {**replacements, **new}))
             except NotPlaceable as exc:
                 del b.added[mark:]
                 for inst in view.comp.instructions:         # undo gte retargets
                     inst.opcode, inst.operands, inst.attrs = snapshot[inst.name]
+                k.site.tops = tops_before
                 report.skipped.append((k.site.name, str(exc)))
                 continue
             removed |= set(k.site.tops)
             replacements.update(new)
             report.placed.append(k.site.name)
         if removed:
-            _rebuild(view, b, removed, replacements)
+            view.comp.instructions = _topological(_items(view, b, removed, replacements))
     if report.placed:
         _drop_unreachable(module)
     return report
 
 
-def _rebuild(view: ComputationView, b: _Builder, removed: set[str],
-             replacements: dict[str, Instruction]) -> None:
-    """The computation's new instruction list, in a topological order that keeps XLA's
-    order where it can (the text order is the schedule of a scheduled module)."""
+def _items(view: ComputationView, b: _Builder, removed: set[str],
+           replacements: dict[str, Instruction]) -> list[tuple[Instruction, float]]:
+    """The computation's new instructions with their sort positions (XLA's order where it
+    can: the text order is the schedule of a scheduled module)."""
     items: list[tuple[Instruction, float]] = []
     for i, inst in enumerate(view.comp.instructions):
         if inst.name in removed:
@@ -343,7 +349,7 @@ def _rebuild(view: ComputationView, b: _Builder, removed: set[str],
             continue
         items.append((inst, float(i)))
     items.extend(b.added)
-    view.comp.instructions = _topological(items)
+    return items
 
 
 def _topological(items: list[tuple[Instruction, float]]) -> list[Instruction]:
@@ -366,7 +372,8 @@ def _topological(items: list[tuple[Instruction, float]]) -> list[Instruction]:
             if waiting[u] == 0:
                 heapq.heappush(ready, key[u] + (u,))
     if len(order) != len(items):
-        raise NotPlaceable("the rewritten computation has a cycle")   # plan validation bug
+        stuck = sorted(n for n, w in waiting.items() if w > 0)
+        raise NotPlaceable(f"placing it would make a cycle through {', '.join(stuck[:4])}")
     return order
 
 
