@@ -10,6 +10,14 @@ program computes what the module computes.
   merged two kernels around a scatter into a cycle.
 - fuzz_seed619 (tests/hlo_fuzz.py): merge_adjacent took a recomputed reader of rsqrt into
   rsqrt's kernel, so its other copies read a value no kernel wrote.
+- dense_ln_mse_sgd (.pre and .opt: jax's pre-optimization HLO and XLA CPU's optimized HLO of
+  one Dense layer + a hand-written layer norm + MSE loss + SGD under value_and_grad): base
+  fusion duplicated a broadcast reading a free reshape of another broadcast into a second
+  group; the value behind the reshape was written by no group (kernel 7 reads mul.24,
+  which no kernel writes), on every target and with both planners.
+
+Every fixture (``*.pre.hlo`` and XLA-optimized ``*.opt.hlo``) must plan valid on every
+target with both planners, and nothing but a StitchError may leave ``stitch.plan``.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from hlo_passes.evaluator.dtypes import numpy_dtype
 
 DATA = Path(__file__).parent / "data" / "regress"
 CASES = sorted(p.name.removesuffix(".pre.hlo") for p in DATA.glob("*.pre.hlo"))
+FIXTURES = sorted(p.name for p in DATA.glob("*.hlo"))
 
 
 def _args(module, seed: int) -> list[np.ndarray]:
@@ -44,6 +53,16 @@ def _args(module, seed: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("case", CASES)
 def test_plans_are_valid(case, target):
     plan = stitch.plan((DATA / f"{case}.pre.hlo").read_text(), target)
+    summary = plan.summary()
+    assert summary["stitched"]["mem_kernels"] <= summary["baseline"]["mem_kernels"]
+
+
+@pytest.mark.parametrize("planner", ["beam", "blp"])
+@pytest.mark.parametrize("target", ["v100", "a100", "h100"])
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_every_fixture_plans_valid_with_both_planners(fixture, target, planner):
+    plan = stitch.plan((DATA / fixture).read_text(), target, planner)
+    assert plan.kernels
     summary = plan.summary()
     assert summary["stitched"]["mem_kernels"] <= summary["baseline"]["mem_kernels"]
 
