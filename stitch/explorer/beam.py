@@ -18,7 +18,6 @@ from typing import Callable
 from hlo_passes.graph import OpGraph
 
 from ..cost.delta import CostModel
-from .feasibility import Infeasible, analyze_pattern
 from .patterns import MAX_PATTERN_OPS, Pattern
 
 log = logging.getLogger(__name__)
@@ -102,7 +101,8 @@ def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern) -> bool:
 
 def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
                 trim: Callable[[frozenset[int]], Pattern | None] | None = None,
-                lookahead: bool = True) -> list[Buffer]:
+                lookahead: bool = True, poll: Callable[[], None] | None = None
+                ) -> list[Buffer]:
     """The ``width`` best sets of disjoint patterns, best first. ``trim`` scores what is
     left of a pattern that overlaps a buffer's earlier picks (None when that is no pattern:
     not convex or not stitchable).
@@ -134,6 +134,8 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
     taken: dict[int, float] = {0: 0.0}
     passed: dict[int, float] = {0: 0.0}
     for v in graph.topological_order():
+        if poll is not None:
+            poll()
         for buf in beams:
             if buf.covered >> v & 1:
                 passed[buf.covered] += share[v]
@@ -286,9 +288,8 @@ def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
                 result.append((current, parts > 1))
                 current, parts = g, 1
                 continue
-            try:
-                analysis = analyze_pattern(graph, union)
-            except Infeasible:
+            analysis = cost.analysis(union)
+            if analysis is None:
                 result.append((current, parts > 1))
                 current, parts = g, 1
                 continue
@@ -407,9 +408,8 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         union = kernels[a] | kernels[b]
         if len(union) > max_ops:
             return None
-        try:
-            analysis = analyze_pattern(graph, union)
-        except Infeasible:
+        analysis = cost.analysis(union)
+        if analysis is None:
             return None
         s = cost.kernel(kernels[a]).total_s + cost.kernel(kernels[b]).total_s - \
             cost.kernel(union, analysis).total_s
@@ -426,6 +426,7 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
                     heapq.heappush(heap, (-got[0], a, b))
     next_id = len(groups)
     while heap:
+        cost.poll()
         _, a, b = heapq.heappop(heap)
         if a not in kernels or b not in kernels:
             continue
