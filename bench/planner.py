@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from hlo_passes.graph import build_op_graphs
 from hlo_passes.parser import parse_hlo
 from tests.fixtures import DATA
 
-CORPUS = Path("/tmp/xla_hlo_corpus")
+# Where xla_hlo_corpus.tar.xz was extracted ($STITCH_XLA_CORPUS, else /tmp/xla_hlo_corpus).
+CORPUS = Path(os.environ.get("STITCH_XLA_CORPUS", "/tmp/xla_hlo_corpus"))
 # The corpus's real models (gemma, dlrm, resnet, llama...) that parse: matched on the
 # source path in its index.json.
 CORPUS_MODELS = ("dlrm", "gemma", "resnet", "diffrax", "llama", "mobilenet", "maxtext",
@@ -113,10 +115,13 @@ def corpus_modules(root: Path = CORPUS, max_chars: int = 1_000_000) -> list[tupl
 
 
 def collect(limit_s: float = 60.0, chain_ops: tuple[int, ...] = CHAIN_OPS,
-            progress: Progress = lambda _: None, budget_s: float = 600.0) -> list[Timing]:
+            progress: Progress = lambda _: None, budget_s: float = 600.0,
+            corpus: Path | None = None) -> list[Timing]:
+    """Plan times of the zoo, the corpus's real models and the synthetic graphs; synthetic
+    sizes stop once ``budget_s`` has passed (the 32k-op graphs only when there is time)."""
     rows: list[Timing] = []
     start = time.perf_counter()
-    sources = [("zoo", zoo_modules()), ("corpus", corpus_modules())]
+    sources = [("zoo", zoo_modules()), ("corpus", corpus_modules(corpus or CORPUS))]
     for kind, modules in sources:
         for name, text in modules:
             try:
@@ -168,10 +173,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--limit", type=float, default=60.0, help="seconds per module")
     parser.add_argument("--chains", default=",".join(map(str, CHAIN_OPS)))
+    parser.add_argument("--corpus", type=Path, default=CORPUS)
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     rows = collect(args.limit, tuple(int(x) for x in args.chains.split(",") if x),
-                   progress=lambda m: print(m, flush=True))
+                   progress=lambda m: print(m, flush=True), corpus=args.corpus)
     print("\n".join(markdown(rows, args.limit)))
 
 

@@ -344,6 +344,14 @@ class _GraphFacts:
         self.elements = [_elements(n) for n in graph.nodes]
         self.outputs = frozenset(graph.outputs)
         self.byte_size = [n.shape.byte_size for n in graph.nodes]
+        # The buffer each value lives in: a bitcast (or bitcast reshape) is its operand's
+        # buffer, so a kernel reading a value and a bitcast of it reads the bytes once.
+        self.buffer = list(range(len(graph.nodes)))
+        for n in graph.nodes:
+            if n.operands and (n.opcode == "bitcast" or (n.opcode == "reshape"
+                                                         and graph.is_free(n.id))) \
+                    and self.byte_size[n.operands[0]] == self.byte_size[n.id]:
+                self.buffer[n.id] = self.buffer[n.operands[0]]
         # Consumers whose share of an operand is not the plain elementwise one.
         self.plain = [n.op_class not in (OpClass.COMPUTE, OpClass.OPAQUE)
                       and n.opcode not in ("reduce", "reduce-window", "gather",
@@ -448,6 +456,7 @@ def kernel_hbm_bytes(graph: OpGraph, members: Iterable[int], whole: Iterable[int
     facts = graph_facts(graph)
     outputs = facts.outputs
     size = facts.byte_size
+    buffer = facts.buffer
     nodes = graph.nodes
     in_place = in_place_updates(graph, members)
     used, read = utilization(graph, members, whole) if used is None else used
@@ -467,8 +476,14 @@ def kernel_hbm_bytes(graph: OpGraph, members: Iterable[int], whole: Iterable[int
                 continue
             if node.opcode == "get-tuple-element" and nodes[o].shape.is_tuple:
                 reads[(o, node.instruction.int("index"))] = size[m] * used[m]
+            elif o in members:
+                reads[(o, -1)] = size[o] * used[o]
             else:
-                reads[(o, -1)] = size[o] * (used[o] if o in members else read[o])
+                # Outside values are read once per buffer (a value and its bitcasts).
+                root = buffer[o] if buffer[o] not in members else o
+                got = size[o] * read[o]
+                if got > reads.get((root, -1), 0.0):
+                    reads[(root, -1)] = got
     return int(round(sum(reads.values()))) + written
 
 
