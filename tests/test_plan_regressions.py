@@ -16,7 +16,11 @@ program computes what the module computes.
   group; the value behind the reshape was written by no group (kernel 7 reads mul.24,
   which no kernel writes), on every target and with both planners.
 
-Every fixture (``*.pre.hlo`` and XLA-optimized ``*.opt.hlo``) must plan valid on every
+- xla_corpus_00010 (XLA's in_place_dynamic_update_slice_fusion benchmark module, from the
+  XLA test corpus): a loop body's kernel read a slice no kernel wrote (fixed with the
+  dense_ln_mse_sgd case).
+
+Every fixture (``*.pre.hlo``, XLA-optimized ``*.opt.hlo``, corpus ``*.hlo``) must plan valid on every
 target with both planners, and nothing but a StitchError may leave ``stitch.plan``.
 """
 from __future__ import annotations
@@ -78,3 +82,15 @@ def test_compiled_program_matches_the_evaluator(case):
         assert got.shape == want.shape
         err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
         assert err <= 1e-4, err
+
+
+def test_an_unexpected_error_inside_the_planner_leaves_as_a_stitch_error(monkeypatch):
+    """A StopIteration once leaked out of stitch.plan on a corpus module: whatever a bug
+    raises inside planning, the caller gets a StitchError (and falls back to XLA)."""
+    import stitch.explorer.planner as planner_mod
+
+    def broken(*args, **kwargs):
+        raise StopIteration
+    monkeypatch.setattr(planner_mod, "plan_graph", broken)
+    with pytest.raises(stitch.StitchError, match="StopIteration"):
+        stitch.plan((DATA / "fuzz_seed619.pre.hlo").read_text(), "h100")

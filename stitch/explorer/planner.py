@@ -323,6 +323,7 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     explorer = PatternExplorer(graph, cost, options.top_k, options.group_size,
                                options.remote_fusion, max_pattern_ops=pattern_bound(graph, options))
     candidates = explorer.explore()
+    phases: dict[str, float] = {"explore_s": time.perf_counter() - start}
     patterns = candidates.all_patterns()
     for g in base_groups:
         if len(g) > 1 and graph.is_convex(g):
@@ -346,11 +347,14 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     # packing) and refining a plan costs far more than the search, and the runners-up
     # rarely win there (bounded candidate set; small graphs keep every buffer).
     keep = options.beam_width if len(graph.nodes) <= SMALL_GRAPH_OPS else 1
+    mark = time.perf_counter()
     beams = beam_search(graph, patterns, options.beam_width, trim, lookahead=False,
                         poll=poll)[:keep]
     if options.lookahead_beam:
         beams += beam_search(graph, patterns, options.beam_width, trim, lookahead=True,
                              poll=poll)[:keep]
+    phases["beam_s"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     for i, buf in enumerate(beams):
         groups, origins = _complete(graph, locked + list(buf.patterns))
         plans.append((f"beam {i}", _finish(graph, cost, groups, origins, options.packing,
@@ -358,6 +362,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     plans.append(("baseline packed", _finish(graph, cost, base_groups,
                                              ["baseline"] * len(base_groups),
                                              options.packing, weight)))
+    phases["finish_s"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     if options.recompute:
         refined_from: set[frozenset[frozenset[int]]] = set()
         to_refine = list(plans)
@@ -387,6 +393,7 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                     kernels, more = refine_plan(graph, cost, again.kernels)
                     plans.append((f"{label} + {moves} refinement moves, merged, {more} more",
                                   _named(graph, kernels, weight)))
+    phases["refine_s"] = time.perf_counter() - mark
     base_kernels, base_bytes = _memory_counts(baseline)
     allowed = []
     for label, p in plans:
@@ -397,7 +404,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
             log.debug("graph %s: %s set aside: %d memory kernels / %d bytes vs baseline %d / %d",
                      graph.name, label, kernels, nbytes, base_kernels, base_bytes)
     schedules: ScheduleCache = {}
-    detail: dict = {"evaluations": candidates.stats.evaluations, "candidates": len(patterns),
+    detail: dict = {**phases, "evaluations": candidates.stats.evaluations,
+                    "candidates": len(patterns),
                     "beam_objectives_s": [p.objective_s for _, p in plans]}
     if options.final_pick == "latency" and options.schedules:
         # The paper's final step (§4.3/§5.3): the latency-evaluator, which sees each
@@ -553,7 +561,21 @@ def plan(hlo: str | HloModule, target: str = "h100", planner: str = "beam",
     ``cancel`` (or ``options.cancel``): a callable polled every ~50 ms of planning work;
     once it returns True, planning stops with PlanCancelled.
     ``cache``: True for the process-wide plan cache (memory + $STITCH_CACHE_DIR/plans), a
-    PlanCache, or None/False for none (stitch.explorer.plan_cache)."""
+    PlanCache, or None/False for none (stitch.explorer.plan_cache).
+
+    Only StitchErrors leave: a bug anywhere in planning is logged with its traceback and
+    raised as PlanError (the caller falls back to stock XLA)."""
+    try:
+        return _plan(hlo, target, planner, options, cancel, cache)
+    except StitchError:
+        raise
+    except Exception as exc:
+        log.error("planner failed on an unexpected error", exc_info=True)
+        raise PlanError(f"internal planner error: {type(exc).__name__}: {exc}") from exc
+
+
+def _plan(hlo: str | HloModule, target: str, planner: str, options: ExplorerOptions | None,
+          cancel: Callable[[], bool] | None, cache: "PlanCache | bool | None") -> FusionPlan:
     if planner not in PLANNERS:
         raise PlanError(f"unknown planner {planner!r}: choose one of {', '.join(PLANNERS)}")
     spec = get_spec(target)
