@@ -100,6 +100,19 @@ class PlanError(StitchError):
     """Planning failed for a reason the caller can act on (bad planner name, bad input)."""
 
 
+class PlanOptionsError(PlanError, ValueError):
+    """ExplorerOptions out of range."""
+
+
+def _check_options(options: "ExplorerOptions") -> None:
+    for name in ("top_k", "beam_width", "group_size"):
+        if getattr(options, name) < 1:
+            raise PlanOptionsError(f"{name} must be at least 1, got {getattr(options, name)}")
+    if options.max_pattern_ops is not None and options.max_pattern_ops < 1:
+        raise PlanOptionsError(f"max_pattern_ops must be at least 1, got "
+                               f"{options.max_pattern_ops}")
+
+
 def _graph_weights(graphs: list[OpGraph]) -> list[int]:
     """Executions of each graph per module run: loop bodies run trip-count times, loop
     conditions once more (unknown trip counts count once)."""
@@ -565,6 +578,7 @@ def plan(hlo: str | HloModule, target: str = "h100", planner: str = "beam",
 
     Only StitchErrors leave: a bug anywhere in planning is logged with its traceback and
     raised as PlanError (the caller falls back to stock XLA)."""
+    _check_options(options or ExplorerOptions())
     try:
         return _plan(hlo, target, planner, options, cancel, cache)
     except StitchError:
