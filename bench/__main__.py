@@ -6,6 +6,8 @@ Sections (each also on its own: ``python -m bench plans planner ...``):
               kernels, HBM bytes, modeled time under stitch's latency-evaluator and under
               XLA's GpuPerformanceModel formulas, roofline floor (bench/plans.py);
 - ``planner`` beam vs BLP objective and time, explorer time vs graph size (bench/plans.py);
+- ``planner-scale`` planning ms per instruction over the zoo, the XLA corpus's real models and
+              synthetic chains/graphs of 1k-32k ops, with the growth exponent (bench/planner.py);
 - ``compile`` stitch.compiler.compile vs jax.jit's XLA compile per model (bench/compile_cost.py);
 - ``runtime`` stitch.jit vs jax.jit step time on this CPU (bench/runtime.py);
 - ``gpu``     placeholder for measurements on a GPU.
@@ -27,11 +29,12 @@ from typing import Callable
 from bench import plans as plans_mod
 from bench.report import machine, stamp, write_section
 
-SECTIONS = ("plans", "planner", "compile", "runtime", "gpu")
+SECTIONS = ("plans", "planner", "planner-scale", "compile", "runtime", "gpu")
 LEGACY = [("<!-- plan-report:start -->", "<!-- plan-report:end -->")]
 TITLES = {
     "plans": "Stitched plans vs XLA's GPU fusion decisions (counted kernels and bytes, modeled time)",
     "planner": "Planner quality and cost (modeled objective, measured time)",
+    "planner-scale": "Planning time at scale: ms per instruction (measured)",
     "compile": "Compile cost: stitch pipeline vs jax.jit's XLA compile (measured)",
     "runtime": "Step time on this CPU: stitch.jit vs jax.jit (measured)",
     "gpu": "On a GPU (measured)",
@@ -108,6 +111,17 @@ def run_planner(report: Report) -> None:
     report.write("planner", lines, seconds)
 
 
+def run_planner_scale(report: Report) -> None:
+    from bench import planner as scale
+    args = report.args
+    start = time.perf_counter()
+    rows = scale.collect(args.scale_limit, tuple(int(x) for x in args.chains.split(",") if x),
+                         progress=log, corpus=args.corpus)
+    seconds = time.perf_counter() - start
+    report.seconds["planner-scale"] = seconds
+    report.write("planner-scale", scale.markdown(rows, args.scale_limit), seconds)
+
+
 def run_compile(report: Report) -> None:
     from bench import compile_cost
     start = time.perf_counter()
@@ -154,7 +168,8 @@ def run_gpu(report: Report) -> None:
         "the whole function against `jax.jit`, next to the modeled numbers above."])
 
 
-RUNNERS = {"plans": run_plans, "planner": run_planner, "compile": run_compile,
+RUNNERS = {"plans": run_plans, "planner": run_planner, "planner-scale": run_planner_scale,
+           "compile": run_compile,
            "runtime": run_runtime, "gpu": run_gpu}
 
 
@@ -198,6 +213,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="synthetic graph sizes (ops) for the explorer scaling run")
     parser.add_argument("--blp-time-limit", type=float, default=60.0)
     parser.add_argument("--skip-blp", action="store_true")
+    parser.add_argument("--scale-limit", type=float, default=60.0,
+                        help="planner-scale: seconds per module before it is cut off")
+    parser.add_argument("--chains", default="1000,2000,4000,8000,16000,32000",
+                        help="planner-scale: chain / synthetic graph sizes (ops)")
+    parser.add_argument("--corpus", type=Path, default=None,
+                        help="planner-scale: the extracted xla_hlo_corpus directory")
     args = parser.parse_args(argv)
     sections = list(SECTIONS) if "all" in args.sections else list(dict.fromkeys(args.sections))
     shown = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))

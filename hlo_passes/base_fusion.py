@@ -502,20 +502,13 @@ class _BaseFusion:
         that its first group uses only inside (a scalar convert feeding two compares was
         seen in a Keras train step). The producer is then duplicated into the reader too,
         when that keeps the group convex; repeated until nothing is missing."""
-        outputs = set(self.graph.outputs)
         unfixable = set() if unfixable is None else unfixable
         for _ in range(len(self.nodes)):
-            written: set[int] = set()
-            for group in result:
-                members = set(group)
-                written.update(m for m in group if m in outputs
-                               or any(u not in members for u in self.nodes[m].users))
+            written = self._written_values(result)
             changed = False
             for gi, group in enumerate(result):
                 members = set(group)
-                missing = {o for m in group for o in self.nodes[m].operands
-                           if o not in members and not self.free[o] and o not in written
-                           and self.groups_of[o]}
+                missing = self._unwritten_reads(members, written)
                 for o in sorted(missing - unfixable):
                     if self.graph.is_convex(members | {o}):
                         members.add(o)
@@ -524,9 +517,11 @@ class _BaseFusion:
                     # Not convex here: o becomes a kernel of its own that writes it for
                     # every reader, unless that closes a cycle (o's producer inside a
                     # holder); then the plan is left as it is and its validation says why.
+                    # A free alias cannot be a kernel: what it aliases gets one instead.
+                    own = self._resolve({o}, set()) if self.free[o] else {o}
                     try:
-                        result = self.relaunch([[m for m in g if m != o] for g in result]
-                                               + [[o]])
+                        result = self.relaunch([[m for m in g if m not in own] for g in result]
+                                               + [[v] for v in sorted(own)])
                     except AssertionError:
                         unfixable.add(o)
                         continue
@@ -535,6 +530,50 @@ class _BaseFusion:
             if not changed:
                 return result
         return result
+
+    def _resolve(self, starts: set[int], within: set[int]) -> set[int]:
+        """The computed values ``starts`` stand for: each one that is not free, or, for a
+        free alias (bitcast, reshape, gte), what it aliases, walking back through operands
+        (those in ``within`` only, when given non-empty). Sources resolve to nothing."""
+        found: set[int] = set()
+        stack, seen = list(starts), set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if not self.free[v]:
+                found.add(v)
+            elif self.transparent[v]:
+                stack.extend(o for o in self.nodes[v].operands if not within or o in within)
+        return found
+
+    def _written_values(self, result: list[list[int]]) -> set[int]:
+        """Values some group writes: members used outside it (or graph outputs), a free
+        alias member standing for the member it aliases."""
+        written: set[int] = set()
+        for group in result:
+            members = set(group)
+            leaving = {m for m in group if m in self.outputs
+                       or any(u not in members for u in self.nodes[m].users)}
+            written |= self._resolve(leaving, members)
+        return written
+
+    def _unwritten_reads(self, members: set[int], written: set[int]) -> set[int]:
+        """Operands the group reads from outside whose value no group writes. A free
+        operand (a reshape of a value another group uses only inside) is returned itself
+        when what it aliases is unwritten: taking the alias in brings its producer along
+        on the next round (kernel 7 reads mul.24, which no kernel writes: a dense +
+        layer-norm + MSE + SGD step)."""
+        missing: set[int] = set()
+        for m in members:
+            for o in self.nodes[m].operands:
+                if o in members or not (self.transparent[o] or not self.free[o]):
+                    continue
+                values = self._resolve({o}, set())
+                if any(v not in written and self.groups_of[v] for v in values):
+                    missing.add(o)
+        return missing
 
     def relaunch(self, result: list[list[int]]) -> list[list[int]]:
         """Groups in a valid launch order again (each after the groups writing what it

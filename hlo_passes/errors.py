@@ -10,6 +10,10 @@ class StitchError(Exception):
     """Base class of every error raised on purpose by stitch."""
 
 
+class PlanCancelled(StitchError):
+    """Planning was stopped by its ``cancel`` callable (the compile thread is shutting down)."""
+
+
 class HloParseError(StitchError, ValueError):
     """HLO text that cannot be read: carries the 1-based line and column and what was expected."""
 

@@ -10,6 +10,18 @@ program computes what the module computes.
   merged two kernels around a scatter into a cycle.
 - fuzz_seed619 (tests/hlo_fuzz.py): merge_adjacent took a recomputed reader of rsqrt into
   rsqrt's kernel, so its other copies read a value no kernel wrote.
+- dense_ln_mse_sgd (.pre and .opt: jax's pre-optimization HLO and XLA CPU's optimized HLO of
+  one Dense layer + a hand-written layer norm + MSE loss + SGD under value_and_grad): base
+  fusion duplicated a broadcast reading a free reshape of another broadcast into a second
+  group; the value behind the reshape was written by no group (kernel 7 reads mul.24,
+  which no kernel writes), on every target and with both planners.
+
+- xla_corpus_00010 (XLA's in_place_dynamic_update_slice_fusion benchmark module, from the
+  XLA test corpus): a loop body's kernel read a slice no kernel wrote (fixed with the
+  dense_ln_mse_sgd case).
+
+Every fixture (``*.pre.hlo``, XLA-optimized ``*.opt.hlo``, corpus ``*.hlo``) must plan valid on every
+target with both planners, and nothing but a StitchError may leave ``stitch.plan``.
 """
 from __future__ import annotations
 
@@ -24,6 +36,7 @@ from hlo_passes.evaluator.dtypes import numpy_dtype
 
 DATA = Path(__file__).parent / "data" / "regress"
 CASES = sorted(p.name.removesuffix(".pre.hlo") for p in DATA.glob("*.pre.hlo"))
+FIXTURES = sorted(p.name for p in DATA.glob("*.hlo"))
 
 
 def _args(module, seed: int) -> list[np.ndarray]:
@@ -48,6 +61,16 @@ def test_plans_are_valid(case, target):
     assert summary["stitched"]["mem_kernels"] <= summary["baseline"]["mem_kernels"]
 
 
+@pytest.mark.parametrize("planner", ["beam", "blp"])
+@pytest.mark.parametrize("target", ["v100", "a100", "h100"])
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_every_fixture_plans_valid_with_both_planners(fixture, target, planner):
+    plan = stitch.plan((DATA / fixture).read_text(), target, planner)
+    assert plan.kernels
+    summary = plan.summary()
+    assert summary["stitched"]["mem_kernels"] <= summary["baseline"]["mem_kernels"]
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_compiled_program_matches_the_evaluator(case):
     module = hlo_passes.parse_hlo((DATA / f"{case}.pre.hlo").read_text())
@@ -59,3 +82,15 @@ def test_compiled_program_matches_the_evaluator(case):
         assert got.shape == want.shape
         err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
         assert err <= 1e-4, err
+
+
+def test_an_unexpected_error_inside_the_planner_leaves_as_a_stitch_error(monkeypatch):
+    """A StopIteration once leaked out of stitch.plan on a corpus module: whatever a bug
+    raises inside planning, the caller gets a StitchError (and falls back to XLA)."""
+    import stitch.explorer.planner as planner_mod
+
+    def broken(*args, **kwargs):
+        raise StopIteration
+    monkeypatch.setattr(planner_mod, "plan_graph", broken)
+    with pytest.raises(stitch.StitchError, match="StopIteration"):
+        stitch.plan((DATA / "fuzz_seed619.pre.hlo").read_text(), "h100")

@@ -31,8 +31,9 @@ T_penalty is the rest of the difference (recomputation, lost parallelism, overla
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.op_classes import OpClass
@@ -75,16 +76,46 @@ class Delta:
     penalty_s: float
 
 
+def _no_poll() -> None:
+    return None
+
+
 class CostModel:
     """Kernel times of op sets of one graph on one GPU, cached by member set."""
 
-    def __init__(self, graph: OpGraph, spec: GpuSpec):
+    def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None):
         self.graph = graph
+        # Called at every kernel scored or pattern analyzed: the planner's cancellation
+        # poll (stitch.explorer.cancel), which raises to stop planning.
+        self.poll: Callable[[], None] = poll or _no_poll
         self.spec = spec
         self._cache: dict[frozenset[int], KernelCost] = {}
-        self.elements = [_elements(n) for n in graph.nodes]
+        self.elements = graph_facts(graph).elements
         self.free = [graph.is_free(n.id) for n in graph.nodes]
         self.saturation = spec.sm_count * SATURATING_THREADS_PER_SM
+        self._single_total: dict[int, float] = {}
+        self._feasible: dict[frozenset[int], PatternAnalysis | str] = {}
+
+    # --- feasibility -------------------------------------------------------------------
+    def feasibility(self, members: Iterable[int]) -> PatternAnalysis | str:
+        """The stitching analysis of ``members``, or why they cannot be stitched, cached by
+        member set: the explorer, refinement, merging and packing ask about the same
+        unions again and again, once per candidate plan."""
+        key = members if isinstance(members, frozenset) else frozenset(members)
+        got = self._feasible.get(key)
+        if got is None:
+            self.poll()
+            try:
+                got = analyze_pattern(self.graph, key)
+            except Infeasible as exc:
+                got = str(exc)
+            self._feasible[key] = got
+        return got
+
+    def analysis(self, members: Iterable[int]) -> PatternAnalysis | None:
+        """``feasibility`` as the analysis, None when not stitchable."""
+        got = self.feasibility(members)
+        return None if isinstance(got, str) else got
 
     # --- kernel time -------------------------------------------------------------------
     def kernel(self, members: Iterable[int], analysis: PatternAnalysis | None = None
@@ -92,6 +123,7 @@ class CostModel:
         key = frozenset(members)
         cost = self._cache.get(key)
         if cost is None:
+            self.poll()
             cost = self._kernel(key, analysis)
             self._cache[key] = cost
         return cost
@@ -114,10 +146,7 @@ class CostModel:
                 memory_s = nbytes / spec.hbm_bandwidth
                 return KernelCost(nbytes, 1, memory_s, 0.0, 0, launch + memory_s)
         if analysis is None:
-            try:
-                analysis = analyze_pattern(graph, members)
-            except Infeasible:
-                analysis = None
+            analysis = self.analysis(members)
         # Shared reductions are reduced row by row in full; the rest reads what it needs.
         whole = [r.node for r in analysis.shared] if analysis is not None else []
         used = utilization(graph, members, whole)
@@ -204,6 +233,7 @@ class CostModel:
         at least the elements the outputs need (``used``): all of them, except under a
         gather, a slice or an in-place update."""
         graph = self.graph
+        outputs = graph_facts(graph).outputs
         shared = {r.node for r in analysis.shared} if analysis else set()
         factor: dict[int, float] = {}
         total = 0.0
@@ -218,7 +248,7 @@ class CostModel:
             if node.op_class is OpClass.REDUCTION or v in shared:
                 r = 1.0
             else:
-                r = 1.0 if (v in graph.outputs or any(u not in members for u in node.users)) \
+                r = 1.0 if (v in outputs or not members.issuperset(node.users)) \
                     else 0.0
                 for u in node.users:
                     if u not in members:
@@ -257,7 +287,14 @@ class CostModel:
     def gain(self, members: frozenset[int], analysis: PatternAnalysis | None = None) -> float:
         """f alone (the score the explorer ranks by)."""
         fused = self.kernel(members, analysis)
-        return sum(self.singleton(v).total_s for v in members) - fused.total_s
+        single = self._single_total
+        total = 0.0
+        for v in members:
+            t = single.get(v)
+            if t is None:
+                t = single[v] = self.singleton(v).total_s
+            total += t
+        return total - fused.total_s
 
 
 def in_place_updates(graph: OpGraph, members: Iterable[int]) -> set[int]:
@@ -267,8 +304,8 @@ def in_place_updates(graph: OpGraph, members: Iterable[int]) -> set[int]:
     buffers have the same size. XLA then assigns both the same buffer and its emitter
     writes only the update (IrEmitterUnnested's in-place dynamic-update-slice fusion);
     the rest of the buffer is neither read nor written."""
-    members = set(members)
-    outputs = set(graph.outputs)
+    members = members if isinstance(members, (set, frozenset)) else set(members)
+    outputs = graph_facts(graph).outputs
     found = set()
     for d in members:
         node = graph.nodes[d]
@@ -276,7 +313,7 @@ def in_place_updates(graph: OpGraph, members: Iterable[int]) -> set[int]:
             continue
         if any(u in members for u in node.users):
             continue
-        if not (d in outputs or any(u not in members for u in node.users)):
+        if not (d in outputs or not members.issuperset(node.users)):
             continue
         base = node.operands[0]
         chain = []
@@ -299,25 +336,62 @@ def in_place_updates(graph: OpGraph, members: Iterable[int]) -> set[int]:
     return found
 
 
+class _GraphFacts:
+    """Per-node facts the cost formulas read for every pattern, computed once per graph
+    (the explorer scores thousands of patterns of one graph)."""
+
+    def __init__(self, graph: OpGraph):
+        self.elements = [_elements(n) for n in graph.nodes]
+        self.outputs = frozenset(graph.outputs)
+        self.byte_size = [n.shape.byte_size for n in graph.nodes]
+        # The buffer each value lives in: a bitcast (or bitcast reshape) is its operand's
+        # buffer, so a kernel reading a value and a bitcast of it reads the bytes once.
+        self.buffer = list(range(len(graph.nodes)))
+        for n in graph.nodes:
+            if n.operands and (n.opcode == "bitcast" or (n.opcode == "reshape"
+                                                         and graph.is_free(n.id))) \
+                    and self.byte_size[n.operands[0]] == self.byte_size[n.id]:
+                self.buffer[n.id] = self.buffer[n.operands[0]]
+        # Consumers whose share of an operand is not the plain elementwise one.
+        self.plain = [n.op_class not in (OpClass.COMPUTE, OpClass.OPAQUE)
+                      and n.opcode not in ("reduce", "reduce-window", "gather",
+                                           "dynamic-update-slice")
+                      for n in graph.nodes]
+
+
+_FACTS: "weakref.WeakKeyDictionary[OpGraph, _GraphFacts]" = weakref.WeakKeyDictionary()
+
+
+def graph_facts(graph: OpGraph) -> _GraphFacts:
+    facts = _FACTS.get(graph)
+    if facts is None:
+        facts = _FACTS[graph] = _GraphFacts(graph)
+    return facts
+
+
 def utilization(graph: OpGraph, members: Iterable[int], whole: Iterable[int] = ()
                 ) -> tuple[dict[int, float], dict[int, float]]:
     """(fraction of each member's elements the kernel computes, fraction of each outside
     value's elements it reads): see ``kernel_hbm_bytes``."""
-    members = set(members)
-    outputs = set(graph.outputs)
+    members = members if isinstance(members, (set, frozenset)) else set(members)
+    facts = graph_facts(graph)
+    outputs = facts.outputs
+    elems = facts.elements
+    plain = facts.plain
+    nodes = graph.nodes
     forced = set(whole)
     in_place = in_place_updates(graph, members)
     used: dict[int, float] = {}
 
-    def elements(v: int) -> int:
-        return _elements(graph.nodes[v])
-
     def share(w: int, v: int) -> float:
         """Fraction of v's elements consumer w reads."""
         uw = used.get(w, 0.0)
-        node = graph.nodes[w]
         if uw <= 0.0:
             return 0.0
+        if plain[w]:
+            # Elementwise / layout consumers read one operand element per output element.
+            return min(1.0, uw * elems[w] / max(elems[v], 1))
+        node = nodes[w]
         if node.op_class in (OpClass.COMPUTE, OpClass.OPAQUE):
             return 1.0
         best = 0.0
@@ -331,24 +405,31 @@ def utilization(graph: OpGraph, members: Iterable[int], whole: Iterable[int] = (
                 # One index vector per gathered slice: the needed outputs' vectors.
                 best = max(best, uw)
                 continue
-            per_output = elements(v) / max(elements(w), 1) if position < data else 1.0
-            best = max(best, min(1.0, uw * elements(w) * per_output / max(elements(v), 1)))
+            per_output = elems[v] / max(elems[w], 1) if position < data else 1.0
+            best = max(best, min(1.0, uw * elems[w] * per_output / max(elems[v], 1)))
         return best
 
     for m in sorted(members, reverse=True):
-        node = graph.nodes[m]
+        node = nodes[m]
         out = node.op_class is not OpClass.SOURCE and (
-            m in outputs or any(u not in members for u in node.users))
+            m in outputs or not members.issuperset(node.users))
         if out or m in forced:
             used[m] = 1.0
         else:
-            used[m] = min(1.0, sum(share(u, m) for u in node.users if u in members))
+            total = 0.0
+            for u in node.users:
+                if u in members:
+                    total += share(u, m)
+            used[m] = min(1.0, total)
     read: dict[int, float] = {}
     for m in members:
-        for o in graph.nodes[m].operands:
+        for o in nodes[m].operands:
             if o not in members and o not in read:
-                read[o] = min(1.0, sum(share(u, o) for u in graph.nodes[o].users
-                                       if u in members))
+                total = 0.0
+                for u in nodes[o].users:
+                    if u in members:
+                        total += share(u, o)
+                read[o] = min(1.0, total)
     return used, read
 
 
@@ -371,29 +452,38 @@ def kernel_hbm_bytes(graph: OpGraph, members: Iterable[int], whole: Iterable[int
     (``in_place_updates``) reads none of the buffer and writes only the update. ``whole``
     are ops computed in full whatever their consumers need (reductions a warp or block
     reduces row by row). ``used`` is ``utilization``'s result when the caller has it."""
-    members = set(members)
-    outputs = set(graph.outputs)
+    members = members if isinstance(members, (set, frozenset)) else set(members)
+    facts = graph_facts(graph)
+    outputs = facts.outputs
+    size = facts.byte_size
+    buffer = facts.buffer
+    nodes = graph.nodes
     in_place = in_place_updates(graph, members)
     used, read = utilization(graph, members, whole) if used is None else used
     written = 0
     reads: dict[tuple[int, int], float] = {}
     for m in members:
-        node = graph.nodes[m]
+        node = nodes[m]
         if node.op_class is OpClass.SOURCE:
             if any(u in members for u in node.users):
-                reads[(m, -1)] = node.shape.byte_size * used[m]
+                reads[(m, -1)] = size[m] * used[m]
             continue
-        if m in outputs or any(u not in members for u in node.users):
+        if m in outputs or not members.issuperset(node.users):
             update = node.operands[1] if m in in_place else m
-            written += graph.nodes[update].shape.byte_size
+            written += size[update]
         for o in node.operands:
-            src = graph.nodes[o]
-            if o in members and src.op_class is not OpClass.SOURCE:
+            if o in members and nodes[o].op_class is not OpClass.SOURCE:
                 continue
-            if node.opcode == "get-tuple-element" and src.shape.is_tuple:
-                reads[(o, node.instruction.int("index"))] = node.shape.byte_size * used[m]
+            if node.opcode == "get-tuple-element" and nodes[o].shape.is_tuple:
+                reads[(o, node.instruction.int("index"))] = size[m] * used[m]
+            elif o in members:
+                reads[(o, -1)] = size[o] * used[o]
             else:
-                reads[(o, -1)] = src.shape.byte_size * (used[o] if o in members else read[o])
+                # Outside values are read once per buffer (a value and its bitcasts).
+                root = buffer[o] if buffer[o] not in members else o
+                got = size[o] * read[o]
+                if got > reads.get((root, -1), 0.0):
+                    reads[(root, -1)] = got
     return int(round(sum(reads.values()))) + written
 
 

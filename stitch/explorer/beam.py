@@ -18,10 +18,12 @@ from typing import Callable
 from hlo_passes.graph import OpGraph
 
 from ..cost.delta import CostModel
-from .feasibility import Infeasible, analyze_pattern
 from .patterns import MAX_PATTERN_OPS, Pattern
 
 log = logging.getLogger(__name__)
+
+# Above this many kernels, merge_adjacent scores the pairs a merge creates lazily.
+LAZY_MERGE_KERNELS = 200
 
 
 @dataclass
@@ -102,7 +104,8 @@ def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern) -> bool:
 
 def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
                 trim: Callable[[frozenset[int]], Pattern | None] | None = None,
-                lookahead: bool = True) -> list[Buffer]:
+                lookahead: bool = True, poll: Callable[[], None] | None = None
+                ) -> list[Buffer]:
     """The ``width`` best sets of disjoint patterns, best first. ``trim`` scores what is
     left of a pattern that overlaps a buffer's earlier picks (None when that is no pattern:
     not convex or not stitchable).
@@ -134,6 +137,8 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
     taken: dict[int, float] = {0: 0.0}
     passed: dict[int, float] = {0: 0.0}
     for v in graph.topological_order():
+        if poll is not None:
+            poll()
         for buf in beams:
             if buf.covered >> v & 1:
                 passed[buf.covered] += share[v]
@@ -286,9 +291,8 @@ def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
                 result.append((current, parts > 1))
                 current, parts = g, 1
                 continue
-            try:
-                analysis = analyze_pattern(graph, union)
-            except Infeasible:
+            analysis = cost.analysis(union)
+            if analysis is None:
                 result.append((current, parts > 1))
                 current, parts = g, 1
                 continue
@@ -407,15 +411,20 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         union = kernels[a] | kernels[b]
         if len(union) > max_ops:
             return None
-        try:
-            analysis = analyze_pattern(graph, union)
-        except Infeasible:
+        analysis = cost.analysis(union)
+        if analysis is None:
             return None
         s = cost.kernel(kernels[a]).total_s + cost.kernel(kernels[b]).total_s - \
             cost.kernel(union, analysis).total_s
         return (s, union) if s > 0 else None
 
-    heap: list[tuple[float, int, int]] = []
+    # Heap entries: (-saving, a, b, exact). With many kernels, the pairs a merge creates
+    # enter with the saving their parts had (an estimate) and are scored when they reach
+    # the top (lazy greedy): scoring every neighbour of a growing kernel after each merge
+    # made merging quadratic in its degree. Small plans score every pair at once.
+    lazy = len(groups) > LAZY_MERGE_KERNELS
+    known: dict[tuple[int, int], float] = {}
+    heap: list[tuple[float, int, int, bool]] = []
     for a in list(kernels):
         if not ok[a]:
             continue
@@ -423,11 +432,19 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
             if a < b:
                 got = saving(a, b)
                 if got:
-                    heapq.heappush(heap, (-got[0], a, b))
+                    known[(a, b)] = got[0]
+                    heapq.heappush(heap, (-got[0], a, b, True))
     next_id = len(groups)
     while heap:
-        _, a, b = heapq.heappop(heap)
+        cost.poll()
+        _, a, b, exact = heapq.heappop(heap)
         if a not in kernels or b not in kernels:
+            continue
+        if not exact:
+            got = saving(a, b)
+            if got:
+                known[(a, b)] = got[0]
+                heapq.heappush(heap, (-got[0], a, b, True))
             continue
         first, second = (a, b) if min(kernels[a]) <= min(kernels[b]) else (b, a)
         if other_path(first, second) or other_path(second, first):
@@ -447,8 +464,17 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         for v in union:
             owner[v] = next_id
         for c in neighbours(next_id):
+            pair = (min(next_id, c), max(next_id, c))
+            if lazy:
+                guess = max(known.get((min(a, c), max(a, c)), 0.0),
+                            known.get((min(b, c), max(b, c)), 0.0))
+                if guess > 0:
+                    known[pair] = guess
+                    heapq.heappush(heap, (-guess, pair[0], pair[1], False))
+                    continue
             got = saving(next_id, c)
             if got:
-                heapq.heappush(heap, (-got[0], min(next_id, c), max(next_id, c)))
+                known[pair] = got[0]
+                heapq.heappush(heap, (-got[0], pair[0], pair[1], True))
         next_id += 1
     return list(kernels.values())

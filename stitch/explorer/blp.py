@@ -28,11 +28,14 @@ from hlo_passes.graph import OpGraph
 
 from ..cost.delta import CostModel
 from ..errors import StitchError
+from .cancel import CancelPoll
 from .plan import _written, needs_kernel, producers_needed, resolve_aliases
 
 log = logging.getLogger(__name__)
 
 MAX_CYCLE_CUTS = 50
+# Longest single solve when planning can be cancelled (a solve cannot be interrupted).
+BLP_SLICE_S = 1.0
 
 
 class BlpError(StitchError):
@@ -79,9 +82,11 @@ def _warm_highs(pulp):
 
 def solve_blp(graph: OpGraph, cost: CostModel, candidates: list[frozenset[int]],
               time_limit_s: float = 30.0,
-              initial: list[frozenset[int]] | None = None) -> BlpResult:
+              initial: list[frozenset[int]] | None = None,
+              poll: CancelPoll | None = None) -> BlpResult:
     """Solve the BLP over ``candidates`` (plus singletons). ``initial``, a valid plan made
-    of candidates, is the solver's MIP start."""
+    of candidates, is the solver's MIP start. ``poll`` (cancellation) is asked between
+    solves, which then run in slices of at most BLP_SLICE_S seconds."""
     import pulp
 
     start = time.perf_counter()
@@ -132,7 +137,13 @@ def solve_blp(graph: OpGraph, cost: CostModel, candidates: list[frozenset[int]],
     chosen_idx: list[int] = []
     bound = 0.0
     while True:
+        if poll is not None:
+            poll.now()
         remaining = max(1.0, time_limit_s - (time.perf_counter() - start))
+        if poll is not None:
+            # One solve cannot be interrupted: with a cancel callable, solve in slices
+            # (the next slice starts from the best plan so far) and poll between them.
+            remaining = min(remaining, BLP_SLICE_S)
         if chosen_start:
             # Start every solve from the given plan: it satisfies every cycle cut, unlike
             # the previous solve's answer.
@@ -151,6 +162,13 @@ def solve_blp(graph: OpGraph, cost: CostModel, candidates: list[frozenset[int]],
             else:
                 bound = max(bound, float(getattr(info, "mip_dual_bound", 0.0) or 0.0))
         chosen_idx = [i for i, xi in enumerate(x) if (xi.value() or 0) > 0.5]
+        if poll is not None and "time" in status and chosen_idx and \
+                time.perf_counter() - start < time_limit_s:
+            # The slice ran out: go on from its best plan (cycle-free or not, the
+            # solve's start is only a hint).
+            chosen_start = {unique[i] for i in chosen_idx} if not _stuck(
+                chosen_idx, written, needed) else chosen_start
+            continue
         if not chosen_idx:
             raise BlpError(f"graph {graph.name}: BLP found no plan (status {status})")
         stuck = _stuck(chosen_idx, written, needed)

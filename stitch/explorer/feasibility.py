@@ -232,7 +232,8 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
                              "kernel")
     dropped: set[tuple[int, int]] = set()
     last_reason = ""
-    for _ in range(4 * len(members) + 8):
+    # Without a shared reduction no row map starts anywhere: nothing to propagate.
+    for _ in range(4 * len(members) + 8 if shared_ids else 0):
         try:
             _propagate(graph, members, member_set, set(shared_ids), dropped)
         except _Drop as drop:
@@ -243,7 +244,8 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
             continue
         break
     else:
-        raise Infeasible(last_reason or "row partition does not settle")
+        if shared_ids:
+            raise Infeasible(last_reason or "row partition does not settle")
     shared: list[SharedReduction] = []
     for v in shared_ids:
         node = graph.nodes[v]

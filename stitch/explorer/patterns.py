@@ -28,7 +28,7 @@ from hlo_passes.graph import OpGraph
 from hlo_passes.op_classes import OpClass
 
 from ..cost.delta import CostModel
-from .feasibility import Infeasible, analyze_pattern
+from .feasibility import Infeasible
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def is_plannable(graph: OpGraph, nid: int) -> bool:
 class PatternExplorer:
     def __init__(self, graph: OpGraph, cost: CostModel, top_k: int = 3, group_size: int = 2,
                  remote_fusion: bool = True,
-                 check: Callable[[OpGraph, Iterable[int]], object] = analyze_pattern,
+                 check: Callable[[OpGraph, Iterable[int]], object] | None = None,
                  max_pattern_ops: int = MAX_PATTERN_OPS):
         if top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {top_k}")
@@ -119,11 +119,15 @@ class PatternExplorer:
             self.stats.rejected_cycle += 1
             result = "fusing would create a cycle (a path leaves the pattern and re-enters)"
         else:
+            # The default check is the cost model's cached feasibility analysis.
             try:
-                analysis = self.check(self.graph, members)
+                analysis = self.check(self.graph, members) if self.check is not None \
+                    else self.cost.feasibility(members)
             except Infeasible as exc:
+                analysis = str(exc)
+            if isinstance(analysis, str):
                 self.stats.rejected_infeasible += 1
-                result = f"not stitchable: {exc}"
+                result = f"not stitchable: {analysis}"
             else:
                 result = Pattern(members, self.cost.gain(members, analysis), origin)
         self._valid[members] = result
@@ -173,6 +177,7 @@ class PatternExplorer:
         order = graph.topological_order()
         found: dict[int, list[Pattern]] = {}
         for v in (reversed(order) if consumers_first else order):
+            self.cost.poll()
             if not is_plannable(graph, v):
                 continue
             node = graph.nodes[v]

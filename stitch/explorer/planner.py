@@ -15,10 +15,12 @@ count are set aside with a logged reason.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from hlo_passes.graph import OpGraph, build_op_graphs
 from hlo_passes.ir import HloModule
@@ -30,8 +32,11 @@ from ..cost.gpu_specs import GpuSpec, get_spec
 from ..errors import StitchError
 from .beam import beam_search, merge_adjacent, pack_levels
 from .blp import BlpError, solve_blp
-from .feasibility import Infeasible, analyze_pattern
-from .patterns import Pattern, PatternExplorer, is_plannable
+from .cancel import CancelPoll
+from .plan_cache import (PlanCache, StaleEntry, default_plan_cache, kernel_sets,
+                         module_fingerprint, plan_entry, plan_key)
+from .feasibility import infeasible_reason
+from .patterns import MAX_PATTERN_OPS, Pattern, PatternExplorer, is_plannable
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
 from .refine import _stages, refine_plan
@@ -59,6 +64,16 @@ class ExplorerOptions:
     final_pick: str = "delta"
     recompute: bool = True          # refine each plan by split/recomputation moves
     blp_time_limit_s: float = 30.0
+    # Ops per explored pattern (None: MAX_PATTERN_OPS on graphs of at most
+    # SMALL_GRAPH_OPS ops, LARGE_GRAPH_PATTERN_OPS above). Scoring a pattern costs time
+    # linear in its size and a long chain makes every vertex's patterns that large, so
+    # planning grew quadratically; kernels still grow past the bound by merging adjacent
+    # kernels (refinement and packing, up to MAX_PATTERN_OPS).
+    max_pattern_ops: int | None = None
+    # Returns True once planning should stop: polled every ~50 ms of planning work, it
+    # makes stitch.plan raise PlanCancelled (stitch.explorer.cancel). Not part of the
+    # plan cache key.
+    cancel: Callable[[], bool] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -70,8 +85,32 @@ class GraphResult:
     reasons: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
+SMALL_GRAPH_OPS = 400
+LARGE_GRAPH_PATTERN_OPS = 32
+
+
+def pattern_bound(graph: OpGraph, options: "ExplorerOptions") -> int:
+    """Ops per explored pattern for this graph (see ExplorerOptions.max_pattern_ops)."""
+    if options.max_pattern_ops is not None:
+        return options.max_pattern_ops
+    return MAX_PATTERN_OPS if len(graph.nodes) <= SMALL_GRAPH_OPS else LARGE_GRAPH_PATTERN_OPS
+
+
 class PlanError(StitchError):
     """Planning failed for a reason the caller can act on (bad planner name, bad input)."""
+
+
+class PlanOptionsError(PlanError, ValueError):
+    """ExplorerOptions out of range."""
+
+
+def _check_options(options: "ExplorerOptions") -> None:
+    for name in ("top_k", "beam_width", "group_size"):
+        if getattr(options, name) < 1:
+            raise PlanOptionsError(f"{name} must be at least 1, got {getattr(options, name)}")
+    if options.max_pattern_ops is not None and options.max_pattern_ops < 1:
+        raise PlanOptionsError(f"max_pattern_ops must be at least 1, got "
+                               f"{options.max_pattern_ops}")
 
 
 def _graph_weights(graphs: list[OpGraph]) -> list[int]:
@@ -120,25 +159,23 @@ def baseline_groups(graph: OpGraph, source: str) -> list[frozenset[int]]:
     return groups
 
 
-def _packable(graph: OpGraph, members: frozenset[int]) -> bool:
+def _packable(graph: OpGraph, members: frozenset[int], cost: CostModel | None = None) -> bool:
     if not all(is_plannable(graph, v) for v in members):
         return False
-    try:
-        analyze_pattern(graph, members)
-    except Infeasible:
-        return False
-    return True
+    if cost is None:
+        return infeasible_reason(graph, members) is None
+    return cost.analysis(members) is not None
 
 
 def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origins: list[str],
             packing: bool, weight: int, prefix: str = "k") -> GraphPlan:
     """Kernels from groups: optional packing, launch order, validation."""
     if packing:
-        mergeable = [_packable(graph, g) for g in groups]
+        mergeable = [_packable(graph, g, cost) for g in groups]
         origin_of = {g: o for g, o in zip(groups, origins)}
         groups = merge_adjacent(graph, cost, groups, mergeable)
         origins = [origin_of.get(g, "merged") for g in groups]
-        packable = [_packable(graph, g) for g in groups]
+        packable = [_packable(graph, g, cost) for g in groups]
         origin_of = {g: o for g, o in zip(groups, origins)}
         packed = pack_levels(graph, cost, groups, packable)
         groups = [g for g, _ in packed]
@@ -174,12 +211,15 @@ def _tuned(graph: OpGraph, spec: GpuSpec, members: frozenset[int], cache: Schedu
 
 
 def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
-                  cache: ScheduleCache | None = None) -> None:
+                  cache: ScheduleCache | None = None,
+                  poll: Callable[[], None] | None = None) -> None:
     """Attach the tuned stitching schedule to every stitched kernel of ``plan``. GEMM/conv,
     opaque ops, control flow and XLA's kept fusions around opaque ops run as XLA compiles
     them and get none."""
     cache = {} if cache is None else cache
     for k in plan.kernels:
+        if poll is not None:
+            poll()
         if k.kind != "fused" or not k.cost.launches:
             continue
         if not all(is_plannable(graph, v) for v in k.members):
@@ -285,15 +325,18 @@ def _memory_counts(plan: GraphPlan) -> tuple[int, int]:
 
 
 def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str,
-               options: ExplorerOptions, weight: int = 1) -> GraphResult:
-    cost = CostModel(graph, spec)
+               options: ExplorerOptions, weight: int = 1,
+               poll: CancelPoll | None = None) -> GraphResult:
+    poll = poll or CancelPoll(options.cancel)
+    cost = CostModel(graph, spec, poll)
     base_groups = baseline_groups(graph, baseline_source)
     baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight,
                        prefix="b")
     start = time.perf_counter()
     explorer = PatternExplorer(graph, cost, options.top_k, options.group_size,
-                               options.remote_fusion)
+                               options.remote_fusion, max_pattern_ops=pattern_bound(graph, options))
     candidates = explorer.explore()
+    phases: dict[str, float] = {"explore_s": time.perf_counter() - start}
     patterns = candidates.all_patterns()
     for g in base_groups:
         if len(g) > 1 and graph.is_convex(g):
@@ -313,9 +356,18 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     # The paper ranks buffers by accumulated f; ranking by f plus an optimistic estimate of
     # what the undecided ops can still gain avoids a different set of early mistakes. Both
     # run; the final choice is by modeled time.
-    beams = beam_search(graph, patterns, options.beam_width, trim, lookahead=False)
+    # On large graphs only each search's best buffer becomes a plan: finishing (merging,
+    # packing) and refining a plan costs far more than the search, and the runners-up
+    # rarely win there (bounded candidate set; small graphs keep every buffer).
+    keep = options.beam_width if len(graph.nodes) <= SMALL_GRAPH_OPS else 1
+    mark = time.perf_counter()
+    beams = beam_search(graph, patterns, options.beam_width, trim, lookahead=False,
+                        poll=poll)[:keep]
     if options.lookahead_beam:
-        beams += beam_search(graph, patterns, options.beam_width, trim, lookahead=True)
+        beams += beam_search(graph, patterns, options.beam_width, trim, lookahead=True,
+                             poll=poll)[:keep]
+    phases["beam_s"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     for i, buf in enumerate(beams):
         groups, origins = _complete(graph, locked + list(buf.patterns))
         plans.append((f"beam {i}", _finish(graph, cost, groups, origins, options.packing,
@@ -323,9 +375,19 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     plans.append(("baseline packed", _finish(graph, cost, base_groups,
                                              ["baseline"] * len(base_groups),
                                              options.packing, weight)))
+    phases["finish_s"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     if options.recompute:
         refined_from: set[frozenset[frozenset[int]]] = set()
-        for label, p in list(plans):
+        to_refine = list(plans)
+        if len(graph.nodes) > SMALL_GRAPH_OPS:
+            # Large graphs: refine the best beam plan and the packed baseline only
+            # (refinement costs seconds per plan there; bounded candidate set).
+            beam_plans = [lp for lp in plans if lp[0].startswith("beam")]
+            to_refine = [lp for lp in plans if not lp[0].startswith("beam")]
+            if beam_plans:
+                to_refine.insert(0, min(beam_plans, key=lambda lp: lp[1].objective_s))
+        for label, p in to_refine:
             key = frozenset(frozenset(k.members) for k in p.kernels)
             if key in refined_from:
                 continue
@@ -344,6 +406,7 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                     kernels, more = refine_plan(graph, cost, again.kernels)
                     plans.append((f"{label} + {moves} refinement moves, merged, {more} more",
                                   _named(graph, kernels, weight)))
+    phases["refine_s"] = time.perf_counter() - mark
     base_kernels, base_bytes = _memory_counts(baseline)
     allowed = []
     for label, p in plans:
@@ -354,7 +417,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
             log.debug("graph %s: %s set aside: %d memory kernels / %d bytes vs baseline %d / %d",
                      graph.name, label, kernels, nbytes, base_kernels, base_bytes)
     schedules: ScheduleCache = {}
-    detail: dict = {"evaluations": candidates.stats.evaluations, "candidates": len(patterns),
+    detail: dict = {**phases, "evaluations": candidates.stats.evaluations,
+                    "candidates": len(patterns),
                     "beam_objectives_s": [p.objective_s for _, p in plans]}
     if options.final_pick == "latency" and options.schedules:
         # The paper's final step (§4.3/§5.3): the latency-evaluator, which sees each
@@ -376,7 +440,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                                                 for k in p.kernels]
         try:
             result = solve_blp(graph, cost, pool, options.blp_time_limit_s,
-                               initial=[frozenset(k.members) for k in best.kernels])
+                               initial=[frozenset(k.members) for k in best.kernels],
+                               poll=poll if options.cancel is not None else None)
         except BlpError as exc:
             log.warning("%s; keeping the beam plan", exc)
             report = PlannerReport("blp", best.objective_s, time.perf_counter() - start,
@@ -396,7 +461,7 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                                     "beam_objective_s": report.objective_s})
     if options.schedules:
         start_schedules = time.perf_counter()
-        schedule_plan(graph, spec, best, schedules)
+        schedule_plan(graph, spec, best, schedules, poll)
         repaired = _split_unschedulable(graph, spec, cost, best, schedules, weight)
         if repaired is not None:
             best = repaired
@@ -408,6 +473,52 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                             graph.name, k.name, k.schedule_note)
         report.detail["schedule_seconds"] = time.perf_counter() - start_schedules
     return GraphResult(graph, baseline, best, report, candidates.reasons)
+
+
+def _cache_key(module: HloModule, target: str, planner: str,
+               options: ExplorerOptions) -> str | None:
+    from .. import __version__
+    try:
+        return plan_key(module_fingerprint(module), __version__, target, planner, options)
+    except Exception as exc:  # a module the printer cannot print: plan it uncached
+        log.warning("plan cache: no fingerprint for %s: %s", module.name, exc)
+        return None
+
+
+def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: list[int],
+                 source: str, spec: GpuSpec, planner: str, options: ExplorerOptions,
+                 poll: CancelPoll) -> "FusionPlan | None":
+    """The cached plan for ``key``: from memory, or rebuilt from a disk entry's kernel
+    member sets (costed, ordered, validated, schedules re-tuned). A disk entry that does
+    not fit or does not validate is dropped (None: plan again)."""
+    hit = store.memory.get(key)
+    if hit is not None:
+        store.hits += 1
+        return hit
+    entry = store.read(key)
+    if entry is None:
+        return None
+    try:
+        results = []
+        for graph, weight, (sets, origins) in zip(graphs, weights, kernel_sets(entry, graphs)):
+            cost = CostModel(graph, spec, poll)
+            base_groups = baseline_groups(graph, source)
+            baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups),
+                               False, weight, prefix="b")
+            kernels = [make_kernel(graph, cost, m, o) for m, o in zip(sets, origins)]
+            stitched = _named(graph, launch_order(graph, kernels), weight)
+            if options.schedules:
+                schedule_plan(graph, spec, stitched, {}, poll)
+            report = PlannerReport(planner, stitched.objective_s, 0.0, status="cached")
+            results.append(GraphResult(graph, baseline, stitched, report))
+    except (StaleEntry, PlanValidationError) as exc:
+        log.warning("plan cache: entry %s dropped, planning again: %s", key[:12], exc)
+        store.drop(key)
+        return None
+    store.disk_hits += 1
+    fusion_plan = FusionPlan(entry.get("module", ""), spec.name, planner, source, results)
+    store.remember(key, fusion_plan)
+    return fusion_plan
 
 
 @dataclass
@@ -455,12 +566,37 @@ class FusionPlan:
 
 
 def plan(hlo: str | HloModule, target: str = "h100", planner: str = "beam",
-         options: ExplorerOptions | None = None) -> FusionPlan:
-    """Plan the fusion of ``hlo`` (HLO text or a parsed module) for ``target``."""
+         options: ExplorerOptions | None = None,
+         cancel: Callable[[], bool] | None = None,
+         cache: "PlanCache | bool | None" = None) -> FusionPlan:
+    """Plan the fusion of ``hlo`` (HLO text or a parsed module) for ``target``.
+
+    ``cancel`` (or ``options.cancel``): a callable polled every ~50 ms of planning work;
+    once it returns True, planning stops with PlanCancelled.
+    ``cache``: True for the process-wide plan cache (memory + $STITCH_CACHE_DIR/plans), a
+    PlanCache, or None/False for none (stitch.explorer.plan_cache).
+
+    Only StitchErrors leave: a bug anywhere in planning is logged with its traceback and
+    raised as PlanError (the caller falls back to stock XLA)."""
+    _check_options(options or ExplorerOptions())
+    try:
+        return _plan(hlo, target, planner, options, cancel, cache)
+    except StitchError:
+        raise
+    except Exception as exc:
+        log.error("planner failed on an unexpected error", exc_info=True)
+        raise PlanError(f"internal planner error: {type(exc).__name__}: {exc}") from exc
+
+
+def _plan(hlo: str | HloModule, target: str, planner: str, options: ExplorerOptions | None,
+          cancel: Callable[[], bool] | None, cache: "PlanCache | bool | None") -> FusionPlan:
     if planner not in PLANNERS:
         raise PlanError(f"unknown planner {planner!r}: choose one of {', '.join(PLANNERS)}")
     spec = get_spec(target)
     options = options or ExplorerOptions()
+    if cancel is not None:
+        options = dataclasses.replace(options, cancel=cancel)
+    poll = CancelPoll(options.cancel)
     if options.final_pick not in ("latency", "delta"):
         raise PlanError(f"unknown final_pick {options.final_pick!r}: choose latency or delta")
     start = time.perf_counter()
@@ -468,9 +604,21 @@ def plan(hlo: str | HloModule, target: str = "h100", planner: str = "beam",
     graphs = build_op_graphs(module)
     source = "xla" if is_xla_optimized(module, graphs) else "base-fusion"
     weights = _graph_weights(graphs)
-    results = [plan_graph(g, spec, planner, source, options, w) for g, w in zip(graphs, weights)]
+    store = default_plan_cache() if cache is True else (cache or None)
+    key = _cache_key(module, spec.name, planner, options) if store is not None else None
+    if store is not None and key is not None:
+        hit = _cached_plan(store, key, graphs, weights, source, spec, planner, options, poll)
+        if hit is not None:
+            hit.seconds = time.perf_counter() - start
+            return hit
+    results = [plan_graph(g, spec, planner, source, options, w, poll)
+               for g, w in zip(graphs, weights)]
     fusion_plan = FusionPlan(module.name, spec.name, planner, source, results,
                              time.perf_counter() - start)
+    if store is not None and key is not None:
+        store.misses += 1
+        store.remember(key, fusion_plan)
+        store.write(key, plan_entry(fusion_plan, key))
     log.debug("planned %s for %s with %s in %.2f s: %s", module.name, spec.name, planner,
              fusion_plan.seconds, fusion_plan.summary())
     return fusion_plan

@@ -21,7 +21,6 @@ from hlo_passes.graph import OpGraph
 from hlo_passes.op_classes import OpClass
 
 from ..cost.delta import CostModel
-from .feasibility import Infeasible, analyze_pattern
 from .patterns import MAX_PATTERN_OPS, is_plannable
 from .plan import (PlannedKernel, PlanValidationError, _written, launch_order, make_kernel,
                    needs_kernel)
@@ -85,16 +84,12 @@ def _prune(graph: OpGraph, donor: frozenset[int], covered_elsewhere: frozenset[i
     return frozenset(kept)
 
 
-def _stitchable(graph: OpGraph, members: frozenset[int]) -> bool:
+def _stitchable(graph: OpGraph, cost: CostModel, members: frozenset[int]) -> bool:
     if len(members) > MAX_PATTERN_OPS or not all(is_plannable(graph, v) for v in members):
         return False
     if not graph.is_convex(members):
         return False
-    try:
-        analyze_pattern(graph, members)
-    except Infeasible:
-        return False
-    return True
+    return cost.analysis(members) is not None
 
 
 class _Refiner:
@@ -142,14 +137,19 @@ class _Refiner:
 
     def recompute_moves(self) -> int:
         graph, moves = self.graph, 0
+        # op -> the first movable kernel holding it; rebuilt only after a move changes
+        # the kernels (rebuilding it per kernel made the pass quadratic).
+        owner: dict[int, int] | None = None
         for ki in range(len(self.groups)):
+            self.cost.poll()
             if not self.movable[ki] or not self.groups[ki]:
                 continue
-            owner: dict[int, int] = {}
-            for gi, g in enumerate(self.groups):
-                if self.movable[gi]:
-                    for v in g:
-                        owner.setdefault(v, gi)
+            if owner is None:
+                owner = {}
+                for gi, g in enumerate(self.groups):
+                    if self.movable[gi]:
+                        for v in g:
+                            owner.setdefault(v, gi)
             best: tuple[float, int, frozenset[int], frozenset[int]] | None = None
             k_members = self.groups[ki]
             k_time = self.time(k_members)
@@ -169,11 +169,12 @@ class _Refiner:
                     shrunk = _prune(graph, donor, grown)
                     saving = before - self.time(grown) - self.time(shrunk)
                     if saving > MIN_SAVING_S and (best is None or saving > best[0]) and \
-                            _stitchable(graph, grown) and \
+                            _stitchable(graph, self.cost, grown) and \
                             (not shrunk or graph.is_convex(shrunk)):
                         best = (saving, pi, grown, shrunk)
             if best is not None and self.try_apply({ki: best[2], best[1]: best[3]},
                                                    "recompute"):
+                owner = None
                 moves += 1
                 log.debug("graph %s: recomputation saves %.3f us", graph.name, best[0] * 1e6)
         return moves
@@ -184,6 +185,7 @@ class _Refiner:
         finished by one warp or block, which can starve a small reduction of threads."""
         graph, moves = self.graph, 0
         for ki in range(len(self.groups)):
+            self.cost.poll()
             members = self.groups[ki]
             if not self.movable[ki] or len(members) < 2:
                 continue
@@ -203,7 +205,7 @@ class _Refiner:
                     continue
                 saving = whole - sum(self.time(p) for p in parts)
                 if saving > MIN_SAVING_S and (best is None or saving > best[0]) and \
-                        all(_stitchable(graph, p) for p in parts):
+                        all(_stitchable(graph, self.cost, p) for p in parts):
                     best = (saving, parts)
             if best is None:
                 continue

@@ -1,0 +1,217 @@
+"""The plan cache: a restarted job, or a second process, skips planning.
+
+Key: sha256 over the module fingerprint (sha256 of the printed module), the stitch version,
+the target, the planner and its options (all ``ExplorerOptions`` fields but ``cancel``).
+Entries live in memory (the FusionPlan itself) and on disk as JSON under
+``$STITCH_CACHE_DIR/plans/`` (default ``$XDG_CACHE_HOME/stitch/plans``): per op graph, the
+stitched plan's kernel member sets and origins, nothing else. JSON and not pickle: nothing
+read from disk may run code. Loading rebuilds the plan from the member sets: kernels costed
+again, put in launch order and validated, schedules re-tuned; the baseline is recomputed
+(cheap). An entry that does not fit the module or fails validation is deleted and the plan
+recomputed.
+
+The directory is created 0700 and refused (logged once, disk cache off, memory cache on)
+when it is not owned by the user or is group/world-writable; files are written atomically
+(temp file in the same directory, fsync, ``os.replace``) with mode 0600.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hlo_passes.graph import OpGraph
+from hlo_passes.ir import HloModule
+from hlo_passes.printer import print_hlo
+
+from ..errors import StitchError
+
+if TYPE_CHECKING:
+    from .planner import ExplorerOptions, FusionPlan
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MEMORY_ENTRIES = 64
+
+
+def module_fingerprint(module: HloModule) -> str:
+    """sha256 of the printed module (the printer's canonical text, not the input's)."""
+    return hashlib.sha256(print_hlo(module).encode("utf-8")).hexdigest()
+
+
+def options_key(options: "ExplorerOptions") -> dict:
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+            if f.name != "cancel"}
+
+
+def plan_key(fingerprint: str, version: str, target: str, planner: str,
+             options: "ExplorerOptions") -> str:
+    text = json.dumps({"format": FORMAT, "module": fingerprint, "stitch": version,
+                       "target": target, "planner": planner,
+                       "options": options_key(options)}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def default_plan_dir() -> Path:
+    from codegen.cache import default_cache_dir
+    return default_cache_dir() / "plans"
+
+
+def _safe_dir(path: Path) -> bool:
+    """Create ``path`` 0700 if missing; True when it is ours and not writable by others."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.stat()
+    except OSError as exc:
+        log.warning("plan cache off: cannot create %s: %s", path, exc)
+        return False
+    if not stat.S_ISDIR(info.st_mode):
+        log.warning("plan cache off: %s is not a directory", path)
+        return False
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        log.warning("plan cache off: %s is not owned by this user", path)
+        return False
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        log.warning("plan cache off: %s is group- or world-writable", path)
+        return False
+    return True
+
+
+def plan_entry(plan: "FusionPlan", key: str) -> dict:
+    """What is stored: per graph, the stitched kernels' member sets (op ids and names)."""
+    return {"format": FORMAT, "key": key, "module": plan.module_name, "target": plan.target,
+            "planner": plan.planner, "baseline_source": plan.baseline_source,
+            "graphs": [{"name": g.graph.name, "ops": len(g.graph.nodes),
+                        "kernels": [list(k.members) for k in g.stitched.kernels],
+                        "origins": [k.origin for k in g.stitched.kernels],
+                        "objective_s": g.report.objective_s, "status": g.report.status}
+                       for g in plan.graphs]}
+
+
+class PlanCache:
+    """Plans by key, in memory and (when the directory is safe) on disk."""
+
+    def __init__(self, directory: Path | str | None = None, disk: bool = True):
+        self.directory = Path(directory) if directory is not None else None
+        self.disk = disk
+        self._checked: bool | None = None
+        self.memory: dict[str, "FusionPlan"] = {}
+        self.hits = self.disk_hits = self.misses = self.dropped = 0
+
+    # --- disk --------------------------------------------------------------------------
+    def _dir(self) -> Path | None:
+        if not self.disk:
+            return None
+        if self._checked is None:
+            if self.directory is None:
+                self.directory = default_plan_dir()
+            self._checked = _safe_dir(self.directory)
+        return self.directory if self._checked else None
+
+    def _path(self, key: str) -> Path | None:
+        d = self._dir()
+        return d / f"{key}.json" if d is not None else None
+
+    def read(self, key: str) -> dict | None:
+        path = self._path(key)
+        if path is None or not path.exists():
+            return None
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            log.warning("plan cache: unreadable entry %s dropped: %s", path.name, exc)
+            self.drop(key)
+            return None
+        if not isinstance(entry, dict) or entry.get("format") != FORMAT or \
+                entry.get("key") != key:
+            self.drop(key)
+            return None
+        return entry
+
+    def write(self, key: str, entry: dict) -> None:
+        path = self._path(key)
+        if path is None:
+            return
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(entry, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.chmod(tmp, 0o600)
+                os.replace(tmp, path)
+            except BaseException:
+                with _suppress():
+                    os.unlink(tmp)
+                raise
+        except OSError as exc:
+            log.warning("plan cache: cannot write %s: %s", path, exc)
+
+    def drop(self, key: str) -> None:
+        self.dropped += 1
+        self.memory.pop(key, None)
+        path = self._path(key)
+        if path is not None:
+            with _suppress():
+                path.unlink()
+
+    # --- memory ------------------------------------------------------------------------
+    def remember(self, key: str, plan: "FusionPlan") -> None:
+        if len(self.memory) >= MEMORY_ENTRIES:
+            self.memory.pop(next(iter(self.memory)))
+        self.memory[key] = plan
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        return kind is not None and issubclass(kind, OSError)
+
+
+_DEFAULT: PlanCache | None = None
+
+
+def default_plan_cache() -> PlanCache:
+    """The process-wide cache (memory + $STITCH_CACHE_DIR/plans)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = PlanCache()
+    return _DEFAULT
+
+
+class StaleEntry(StitchError):
+    """A stored plan does not fit the module it was looked up for."""
+
+
+def kernel_sets(entry: dict, graphs: list[OpGraph]) -> list[tuple[list[frozenset[int]],
+                                                                  list[str]]]:
+    """The stored member sets per graph, checked against ``graphs`` (StaleEntry if not)."""
+    stored = entry.get("graphs")
+    if not isinstance(stored, list) or len(stored) != len(graphs):
+        raise StaleEntry("graph count differs")
+    out = []
+    for g, graph in zip(stored, graphs):
+        if g.get("name") != graph.name or g.get("ops") != len(graph.nodes):
+            raise StaleEntry(f"graph {graph.name} differs")
+        kernels, origins = g.get("kernels"), g.get("origins")
+        if not isinstance(kernels, list) or not isinstance(origins, list) or \
+                len(kernels) != len(origins):
+            raise StaleEntry("malformed kernels")
+        sets = []
+        for members in kernels:
+            if not isinstance(members, list) or not members or not all(
+                    isinstance(v, int) and 0 <= v < len(graph.nodes) for v in members):
+                raise StaleEntry(f"graph {graph.name}: bad member list")
+            sets.append(frozenset(members))
+        out.append((sets, [str(o) for o in origins]))
+    return out
