@@ -232,11 +232,25 @@ def _to_proto(text: str) -> bytes:
                         f"{str(exc).splitlines()[-1].strip()} in: {line[:300]}") from exc
 
 
+def _untag(module: HloModule) -> None:
+    """Drop the request's token from the module (it is unique per compile: left in, the
+    plan cache, keyed by the printed module, would never hit)."""
+    attrs = module.attrs.get("frontend_attributes")
+    if attrs is None:
+        return
+    kept = re.sub(r',?\s*stitch\.request="?[0-9a-f]+"?', "", attrs[1:-1]).strip().lstrip(",")
+    if kept:
+        module.attrs["frontend_attributes"] = "{" + kept + "}"
+    else:
+        del module.attrs["frontend_attributes"]
+
+
 def stitch_module_text(text: str, request: PassRequest) -> str | None:
     """The module with stitch's kernels in (None when none was placed); sets
     ``request.report``."""
     start = time.perf_counter()
     module = parse_hlo(text)
+    _untag(module)
     request.check_cancelled()
     report = stitch_module(module, request)
     report.timings["pass_s"] = time.perf_counter() - start
@@ -256,7 +270,8 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    fusion_plan = make_plan(module, request.target, options=request.options)
+    fusion_plan = make_plan(module, request.target, options=request.options,
+                            cancel=request.cancel, cache=True)
     timings["plan_s"] = time.perf_counter() - t0
     summary = fusion_plan.summary()
     report = PassReport(module.name, summary["baseline"]["kernels"],

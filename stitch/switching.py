@@ -187,7 +187,8 @@ class SwitchingFunction:
             self.stats.compile_seconds += elapsed
             entry.counters.compile_s = elapsed
         from .jit import CompileCancelled
-        if isinstance(exc, CompileCancelled) or type(exc).__name__ == "PassCancelled":
+        if isinstance(exc, CompileCancelled) or type(exc).__name__ in ("PassCancelled",
+                                                                       "PlanCancelled"):
             self._fail(entry, f"{exc} (stopped after {elapsed:.1f}s)")
         elif isinstance(exc, KeyboardInterrupt):
             self._fail(entry, f"compile interrupted after {elapsed:.1f}s (KeyboardInterrupt)")
