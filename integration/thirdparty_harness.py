@@ -66,9 +66,9 @@ SCRIPTS: tuple[ThirdPartyScript, ...] = (
                      _KERAS_HUB, _KERAS_JAX, slow=True),
     ThirdPartyScript("keras_hub_vit", "keras_hub_train.py", ("--model", "vit"),
                      _KERAS_HUB, _KERAS_JAX, slow=True),
-    ThirdPartyScript("flax_nnx_lm", "flax_nnx_lm.py", (), ("jax", "flax", "optax"), slow=True),
+    ThirdPartyScript("flax_nnx_lm", "flax_nnx_lm.py", (), ("jax", "flax", "optax")),
     ThirdPartyScript("equinox_attention", "equinox_attention.py", (),
-                     ("jax", "equinox", "optax"), slow=True),
+                     ("jax", "equinox", "optax")),
     ThirdPartyScript("data_parallel_4dev", "data_parallel.py"),
     ThirdPartyScript("remat_mlp", "remat_mlp.py"),
     ThirdPartyScript("random_dropout", "random_dropout.py"),
@@ -120,6 +120,15 @@ class ScriptRun:
             return f"{mode}: no {RESULT_MARK.strip()} line"
         return f"{mode}: ok in {self.seconds:.1f} s"
 
+    def stitch_events(self) -> str:
+        """What the stitch log says happened: switches to stitched kernels and the first
+        fallback or failure reason (today's stand-in for STITCH_STATS when it is absent)."""
+        switches = len(re.findall(r"switched to stitched kernels", self.stderr))
+        problems = [ln for ln in _stitch_log_lines(self.stderr) if "switched" not in ln]
+        text = f"{switches} switch(es) to stitched kernels"
+        return text + (f"; {len(problems)} fallback/failure line(s), first: {problems[0]}"
+                       if problems else "; no fallback logged")
+
     def diagnosis(self) -> str:
         """Everything a reader needs to see why a run failed: exit, time, result line,
         stderr tail, STITCH_STATS content."""
@@ -130,6 +139,7 @@ class ScriptRun:
         if self.stitched:
             lines.append("STITCH_STATS: " + (self.stats_error or json.dumps(self.stats,
                                                                               indent=1)))
+            lines.append(f"stitch log: {self.stitch_events()}")
             lines.append(f"stitch log lines: {_stitch_log_lines(self.stderr)}")
         lines.append(f"stderr tail:\n{self.stderr[-TAIL_CHARS:]}")
         if self.result is None:
@@ -257,8 +267,8 @@ def main() -> None:
 
 def _stitched_cell(plain: ScriptRun, stitched: ScriptRun) -> str:
     if not stitched.ok:
-        return stitched.summary()
-    notes = [stitched.summary()]
+        return f"{stitched.summary()}; {stitched.stitch_events()}"
+    notes = [stitched.summary(), stitched.stitch_events()]
     mismatch = loss_mismatch(plain.losses, stitched.losses)
     notes.append(mismatch or "losses match")
     if stitched.script.checks_donation:
