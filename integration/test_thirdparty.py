@@ -4,8 +4,8 @@ remat, jax.random dropout, donation) run unchanged, plain and under
 plain run's per-step losses within 1e-4 relative, keep donation where the script checks it,
 and STITCH_STATS must show the script's train step ran stitched kernels.
 
-Scripts marked ``thirdparty`` (keras_hub: a 8 s import, 20-60 s plain, 200-300+ s stitched
-today) are skipped unless selected: ``python -m pytest integration/test_thirdparty.py -m thirdparty``
+Scripts marked ``thirdparty`` (keras_hub, flax nnx, equinox: 20-60 s plain, 120-440 s stitched
+on this 2-core machine, most of it planning) are skipped unless selected: ``python -m pytest integration/test_thirdparty.py -m thirdparty``
 (or STITCH_THIRDPARTY=1). A script whose library is not installed is skipped
 (``pip install -e '.[integration]'``)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-import thirdparty_harness as harness  # noqa: E402  (integration/ is on sys.path under pytest)
+from integration import thirdparty_harness as harness  # noqa: E402
 
 
 def _param(script: harness.ThirdPartyScript):
