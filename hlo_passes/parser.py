@@ -17,7 +17,7 @@ from .errors import HloParseError
 from .ir import (ELEMENT_TYPES, Computation, HloModule, Instruction, Layout, Shape, Signature,
                  parse_computation_list, parse_dim_labels, parse_int_list, parse_padding,
                  parse_slice, parse_window)
-from .literals import literal_elements
+from .literals import check_literal
 from .opcodes import KNOWN_OPCODES, expected_operand_count
 
 _SKIP = re.compile(r"(?:\s+|/\*.*?\*/|//[^\n]*)+", re.S)
@@ -27,8 +27,11 @@ _OPCODE = re.compile(r"([a-z][a-z0-9\-]*)\s*\(")
 _ELEMENT_TYPE = re.compile(r"([a-z][a-z0-9]*)\[")
 _DIM = re.compile(r"\s*(<=)?\s*(\d+|\?)\s*")
 _INT = re.compile(r"-?\d+")
-_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
-_VALUE_STOP = re.compile(r'["{}\[\]()\n, \t]')
+# Unrolled (no per-character alternation: a 10 MB string must not cost a backtracking frame
+# per character); strings may span lines, as XLA's do.
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_VALUE_STOP = re.compile(r'["{}\[\]()\n, \t/]')
+_NESTED_STOP = re.compile(r'["{}\[\]()/]')
 _TABLE_HEAD = re.compile(r"(FileNames|FunctionNames|FileLocations|StackFrames)[ \t]*\r?\n")
 _TABLE_ENTRY = re.compile(r"[ \t]*(\d+[ \t]+(?:\"(?:[^\"\\\n]|\\.)*\"|\{[^\n]*\}))[ \t\r]*(?:\n|$)")
 _ENTRY = re.compile(r"ENTRY(?=[\s%])")
@@ -160,7 +163,9 @@ class _Parser:
         stack: list[str] = []
         text = self.text
         while True:
-            m = _VALUE_STOP.search(text, self.pos)
+            # Inside brackets only brackets and strings matter: one regex step per bracket,
+            # not per comma (a 10M-element literal is one step).
+            m = (_NESTED_STOP if stack else _VALUE_STOP).search(text, self.pos)
             if m is None:
                 if stack:
                     raise self.error(f"expected {stack[-1]!r}, found end of input")
@@ -173,6 +178,14 @@ class _Parser:
                 if not s:
                     raise self.error("unterminated string")
                 self.pos = s.end()
+            elif c == "/":
+                if text.startswith("//", self.pos) and not stack:
+                    break  # a comment after the value
+                if text.startswith("//", self.pos) or text.startswith("/*", self.pos):
+                    end = text.find("\n" if text[self.pos + 1] == "/" else "*/", self.pos + 2)
+                    self.pos = self.n if end < 0 else end + (0 if text[self.pos + 1] == "/" else 2)
+                else:
+                    self.pos += 1
             elif c in "{[(":
                 stack.append(_CLOSERS[c])
                 self.pos += 1
@@ -446,7 +459,7 @@ class _Parser:
             inst.literal = self.balanced(stop_at_space=False)
             self.expect(")", "')' closing the constant literal")
             try:
-                literal_elements(inst.literal, shape)
+                check_literal(inst.literal, shape)
             except ValueError as exc:
                 raise self.error(f"bad constant literal: {exc}", lit_pos) from None
         else:
