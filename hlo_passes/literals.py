@@ -67,7 +67,10 @@ def _fast_values(text: str, shape: Shape, dtype: np.dtype | None) -> np.ndarray 
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a token numpy cannot read: it stops early, see below
-        values = np.fromstring(flat, dtype=wide, sep=",")
+        try:
+            values = np.fromstring(flat, dtype=wide, sep=",")
+        except ValueError:
+            return None
     if values.size != flat.count(",") + 1:
         return None
     if values.size != shape.num_elements and not (values.size == 1 and max_depth == 0):
@@ -93,6 +96,8 @@ def literal_elements(text: str, shape: Shape) -> list[str] | None:
     text = text.strip()
     if text == ELIDED:
         return None
+    if "/*" in text:
+        text = _COMMENT.sub(" ", text)
     if shape.is_tuple:
         # Tuple literals ( {1,2}, 3 ) are rare in dumps; accept them unchecked.
         if not (text.startswith("(") and text.endswith(")")):
@@ -120,7 +125,9 @@ def literal_elements(text: str, shape: Shape) -> list[str] | None:
     if depth != 0:
         raise ValueError("unbalanced '{' in literal")
     expected = shape.num_elements
-    if shape.rank and max_depth not in (0, shape.rank):
+    # An empty array prints only the braces down to its first zero-sized dimension.
+    if shape.rank and max_depth not in (0, shape.rank) and \
+            not (expected == 0 and max_depth <= shape.rank and not values):
         raise ValueError(f"literal nests {max_depth} deep but the shape has rank {shape.rank}")
     if len(values) == 1 and max_depth == 0 and shape.is_array:
         return values  # a scalar for the whole shape: XLA broadcasts it

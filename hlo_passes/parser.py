@@ -316,6 +316,8 @@ class _Parser:
         if self.text.startswith("HloModule", self.pos):
             self.pos += len("HloModule")
             name = self.name("a module name")
+            if self.text.startswith(":", self.pos):  # ``HloModule name:``, which XLA reads
+                self.pos += 1
             attrs = self.attributes(newline_ends=True)
         elif _COMPUTATION_HEAD.match(self.text, self.pos):
             name, attrs = "module", {}  # bare computations: XLA reads them too (test shorthand)
