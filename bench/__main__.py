@@ -8,7 +8,10 @@ Sections (each also on its own: ``python -m bench plans planner ...``):
 - ``planner`` beam vs BLP objective and time, explorer time vs graph size (bench/plans.py);
 - ``compile`` stitch.compiler.compile vs jax.jit's XLA compile per model (bench/compile_cost.py);
 - ``runtime`` stitch.jit vs jax.jit step time on this CPU (bench/runtime.py);
-- ``gpu``     placeholder for measurements on a GPU.
+- ``gpu``     placeholder for measurements on a GPU;
+- ``corpus``  XLA's own HLO test modules through parse / round trip / evaluate / plan /
+              compile + run, each stage under a timeout (bench/corpus.py; not part of
+              ``all``: about 10 minutes; ``--limit``/``--stages`` for quick runs).
 
 With ``--out`` every section replaces its own ``<!-- bench-NAME:begin/end -->`` block of the
 file (re-read right before writing; other blocks untouched) and its plots go to
@@ -28,6 +31,7 @@ from bench import plans as plans_mod
 from bench.report import machine, stamp, write_section
 
 SECTIONS = ("plans", "planner", "compile", "runtime", "gpu")
+EXTRA_SECTIONS = ("corpus",)  # run only when named
 LEGACY = [("<!-- plan-report:start -->", "<!-- plan-report:end -->")]
 TITLES = {
     "plans": "Stitched plans vs XLA's GPU fusion decisions (counted kernels and bytes, modeled time)",
@@ -35,6 +39,7 @@ TITLES = {
     "compile": "Compile cost: stitch pipeline vs jax.jit's XLA compile (measured)",
     "runtime": "Step time on this CPU: stitch.jit vs jax.jit (measured)",
     "gpu": "On a GPU (measured)",
+    "corpus": "XLA's own test modules through every stage (counted outcomes)",
 }
 
 
@@ -154,8 +159,20 @@ def run_gpu(report: Report) -> None:
         "the whole function against `jax.jit`, next to the modeled numbers above."])
 
 
+def run_corpus(report: Report) -> None:
+    from bench import corpus
+    args = report.args
+    start = time.perf_counter()
+    results = corpus.run_corpus(args.corpus, tuple(args.stages), args.limit, args.size_cap,
+                                args.timeout, progress=log)
+    seconds = time.perf_counter() - start
+    report.seconds["corpus"] = seconds
+    report.write("corpus", corpus.summary_markdown(results, tuple(args.stages), "", seconds),
+                 seconds)
+
+
 RUNNERS = {"plans": run_plans, "planner": run_planner, "compile": run_compile,
-           "runtime": run_runtime, "gpu": run_gpu}
+           "runtime": run_runtime, "gpu": run_gpu, "corpus": run_corpus}
 
 
 def overview(report: Report, total_s: float) -> list[str]:
@@ -186,7 +203,7 @@ def overview(report: Report, total_s: float) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("sections", nargs="+", choices=("all", *SECTIONS))
+    parser.add_argument("sections", nargs="+", choices=("all", *SECTIONS, *EXTRA_SECTIONS))
     parser.add_argument("--out", type=Path, help="markdown file whose bench-* sections to replace")
     parser.add_argument("--img-dir", type=Path, help="plots (default: img/ next to --out)")
     parser.add_argument("--models", type=lambda s: s.split(","),
@@ -198,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="synthetic graph sizes (ops) for the explorer scaling run")
     parser.add_argument("--blp-time-limit", type=float, default=60.0)
     parser.add_argument("--skip-blp", action="store_true")
+    from bench import corpus
+    corpus.add_arguments(parser)
     args = parser.parse_args(argv)
     sections = list(SECTIONS) if "all" in args.sections else list(dict.fromkeys(args.sections))
     shown = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
