@@ -10,7 +10,7 @@ import pytest
 from hlo_passes import HloParseError, evaluate, parse_hlo, print_hlo
 
 CORPUS = pathlib.Path(__file__).parent / "data" / "corpus"
-MODULES = sorted(CORPUS.glob("*.hlo"))
+MODULES = sorted(CORPUS.glob("*.hlo.txt"))
 
 
 def _xla_module_text(text: str) -> str:
@@ -84,7 +84,7 @@ def test_shape_that_xla_cannot_infer_is_a_clear_error():
 
 
 def test_scalar_literal_fills_a_non_scalar_constant():
-    module = parse_hlo(CORPUS.joinpath("08750.hlo").read_text())
+    module = parse_hlo(CORPUS.joinpath("08750.hlo.txt").read_text())
     x = np.random.default_rng(1).standard_normal((2, 2)).astype(np.float32)
     np.testing.assert_array_equal(evaluate(module, [x])[0], x)
     (seven,) = evaluate(parse_hlo("ENTRY e {\n  ROOT c = s32[2,3] constant(7)\n}\n"), [])
@@ -92,7 +92,7 @@ def test_scalar_literal_fills_a_non_scalar_constant():
 
 
 def test_inline_computation_attribute():
-    module = parse_hlo(CORPUS.joinpath("04736.hlo").read_text())
+    module = parse_hlo(CORPUS.joinpath("04736.hlo.txt").read_text())
     call = module.entry.root
     callee = module.computation(call.attrs["to_apply"])
     assert callee.root.opcode == "tuple" and str(call.shape) == "(s32[])"
@@ -101,20 +101,20 @@ def test_inline_computation_attribute():
 
 
 def test_multiline_string_comment_after_attribute_and_nested_slice_sizes():
-    for name in ("03500.hlo", "04730.hlo", "02546.hlo"):
+    for name in ("03500.hlo.txt", "04730.hlo.txt", "02546.hlo.txt"):
         parse_hlo(CORPUS.joinpath(name).read_text())
-    module = parse_hlo(CORPUS.joinpath("04730.hlo").read_text())
+    module = parse_hlo(CORPUS.joinpath("04730.hlo.txt").read_text())
     gte = module.entry.by_name()["gte.0"]
     assert gte.attrs["index"] == "0"  # the trailing comment is not part of the value
 
 
 def test_module_name_with_colon_and_no_entry_keyword():
-    module = parse_hlo(CORPUS.joinpath("03332.hlo").read_text())
+    module = parse_hlo(CORPUS.joinpath("03332.hlo.txt").read_text())
     assert module.name == "no_entry" and module.entry.name == "c2"
 
 
 def test_literal_with_index_comments_and_empty_dims():
-    module = parse_hlo(CORPUS.joinpath("03080.hlo").read_text())
+    module = parse_hlo(CORPUS.joinpath("03080.hlo.txt").read_text())
     assert evaluate(module, [])[0].shape == (2, 0, 4, 3)
-    module = parse_hlo(CORPUS.joinpath("01666.hlo").read_text())
+    module = parse_hlo(CORPUS.joinpath("01666.hlo.txt").read_text())
     assert module.entry.by_name()["constant.1"].shape.dims == (3, 3, 1, 12)
