@@ -164,7 +164,7 @@ def run_corpus(report: Report) -> None:
     args = report.args
     start = time.perf_counter()
     results = corpus.run_corpus(args.corpus, tuple(args.stages), args.limit, args.size_cap,
-                                args.timeout, progress=log)
+                                args.timeout, progress=log, budget=args.budget)
     seconds = time.perf_counter() - start
     report.seconds["corpus"] = seconds
     report.write("corpus", corpus.summary_markdown(results, tuple(args.stages), "", seconds),
