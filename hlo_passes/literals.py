@@ -63,6 +63,8 @@ def _fast_values(text: str, shape: Shape, dtype: np.dtype | None) -> np.ndarray 
     if not flat:
         return None
     kind = np.dtype(dtype).kind if dtype is not None else "f"
+    if kind == "u" and np.dtype(dtype).itemsize == 8:
+        return None  # above 2**63 numpy's int64 reader would saturate, not fail
     wide = np.int64 if kind in "iu" else np.float64
     import warnings
     with warnings.catch_warnings():

@@ -123,3 +123,16 @@ def test_3m_element_constant_is_fast_and_small():
             assert value.shape == (n,) and value[2] == float("inf") and value[1] == -2e-3
     """)
     assert added < 200, f"a 3M-element constant took {added:.0f} MB"
+
+
+@pytest.mark.parametrize("etype, values, dtype", [
+    ("u64", [18446744073709551615, 3, 9223372036854775808], np.uint64),
+    ("s64", [-9223372036854775808, 9223372036854775807, -5], np.int64),
+    ("s32", [-2147483648, 2147483647, 0], np.int32),
+    ("f32", [3.4028234663852886e38, -1e-45, 0.1], np.float32),
+])
+def test_literal_fast_path_keeps_exact_values(etype, values, dtype):
+    text = (f"HloModule m\nENTRY e {{\n  ROOT c = {etype}[3] constant({{"
+            f"{', '.join(repr(v) for v in values)}}})\n}}\n")
+    (got,) = evaluate(parse_hlo(text), [])
+    np.testing.assert_array_equal(got, np.array(values).astype(dtype))
