@@ -10,7 +10,10 @@ Sections (each also on its own: ``python -m bench plans planner ...``):
               synthetic chains/graphs of 1k-32k ops, with the growth exponent (bench/planner.py);
 - ``compile`` stitch.compiler.compile vs jax.jit's XLA compile per model (bench/compile_cost.py);
 - ``runtime`` stitch.jit vs jax.jit step time on this CPU (bench/runtime.py);
-- ``gpu``     placeholder for measurements on a GPU.
+- ``gpu``     placeholder for measurements on a GPU;
+- ``corpus``  XLA's own HLO test modules through parse / round trip / evaluate / plan /
+              compile + run, each stage under a timeout (bench/corpus.py; not part of
+              ``all``: about 10 minutes; ``--limit``/``--stages`` for quick runs).
 
 With ``--out`` every section replaces its own ``<!-- bench-NAME:begin/end -->`` block of the
 file (re-read right before writing; other blocks untouched) and its plots go to
@@ -30,6 +33,7 @@ from bench import plans as plans_mod
 from bench.report import machine, stamp, write_section
 
 SECTIONS = ("plans", "planner", "planner-scale", "compile", "runtime", "gpu")
+EXTRA_SECTIONS = ("corpus",)  # run only when named
 LEGACY = [("<!-- plan-report:start -->", "<!-- plan-report:end -->")]
 TITLES = {
     "plans": "Stitched plans vs XLA's GPU fusion decisions (counted kernels and bytes, modeled time)",
@@ -38,6 +42,7 @@ TITLES = {
     "compile": "Compile cost: stitch pipeline vs jax.jit's XLA compile (measured)",
     "runtime": "Step time on this CPU: stitch.jit vs jax.jit (measured)",
     "gpu": "On a GPU (measured)",
+    "corpus": "XLA's own test modules through every stage (counted outcomes)",
 }
 
 
@@ -116,7 +121,7 @@ def run_planner_scale(report: Report) -> None:
     args = report.args
     start = time.perf_counter()
     rows = scale.collect(args.scale_limit, tuple(int(x) for x in args.chains.split(",") if x),
-                         progress=log, corpus=args.corpus)
+                         progress=log, corpus=args.corpus_dir)
     seconds = time.perf_counter() - start
     report.seconds["planner-scale"] = seconds
     report.write("planner-scale", scale.markdown(rows, args.scale_limit), seconds)
@@ -168,9 +173,21 @@ def run_gpu(report: Report) -> None:
         "the whole function against `jax.jit`, next to the modeled numbers above."])
 
 
+def run_corpus(report: Report) -> None:
+    from bench import corpus
+    args = report.args
+    start = time.perf_counter()
+    results = corpus.run_corpus(args.corpus, tuple(args.stages), args.limit, args.size_cap,
+                                args.timeout, progress=log, budget=args.budget)
+    seconds = time.perf_counter() - start
+    report.seconds["corpus"] = seconds
+    report.write("corpus", corpus.summary_markdown(results, tuple(args.stages), "", seconds),
+                 seconds)
+
+
 RUNNERS = {"plans": run_plans, "planner": run_planner, "planner-scale": run_planner_scale,
-           "compile": run_compile,
-           "runtime": run_runtime, "gpu": run_gpu}
+           "compile": run_compile, "runtime": run_runtime, "gpu": run_gpu,
+           "corpus": run_corpus}
 
 
 def overview(report: Report, total_s: float) -> list[str]:
@@ -201,7 +218,7 @@ def overview(report: Report, total_s: float) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("sections", nargs="+", choices=("all", *SECTIONS))
+    parser.add_argument("sections", nargs="+", choices=("all", *SECTIONS, *EXTRA_SECTIONS))
     parser.add_argument("--out", type=Path, help="markdown file whose bench-* sections to replace")
     parser.add_argument("--img-dir", type=Path, help="plots (default: img/ next to --out)")
     parser.add_argument("--models", type=lambda s: s.split(","),
@@ -217,8 +234,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="planner-scale: seconds per module before it is cut off")
     parser.add_argument("--chains", default="1000,2000,4000,8000,16000,32000",
                         help="planner-scale: chain / synthetic graph sizes (ops)")
-    parser.add_argument("--corpus", type=Path, default=None,
+    parser.add_argument("--corpus-dir", type=Path, default=None,
                         help="planner-scale: the extracted xla_hlo_corpus directory")
+    from bench import corpus
+    corpus.add_arguments(parser)
     args = parser.parse_args(argv)
     sections = list(SECTIONS) if "all" in args.sections else list(dict.fromkeys(args.sections))
     shown = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))

@@ -243,6 +243,12 @@ class _KernelBuilder:
                           and any(o not in self.members or graph.nodes[o].shape.is_tuple
                                   for o in graph.nodes[v].operands))
         for v in sorted(taken):
+            inner = [o for o in graph.nodes[v].operands if o in self.members]
+            if inner:
+                # Its tuple is made in this kernel (a tuple copy): reading the element from a
+                # buffer would need the kernel's own result first.
+                raise CodegenError(f"{graph.nodes[v].name}: get-tuple-element of the tuple "
+                                   f"{graph.nodes[inner[0]].name}, which this kernel computes")
             self._param(v, False)
             self.inputs.append(v)
         self.computed = self.members - taken
@@ -265,6 +271,11 @@ class _KernelBuilder:
     def _param(self, v: int, is_output: bool) -> None:
         node = self.graph.nodes[v]
         shape = leaf(node.shape)
+        if shape.num_elements == 0:
+            # An empty buffer (a gather's s32[0] indices) has no element to bind; such a
+            # kernel runs through the evaluator.
+            raise CodegenError(f"{node.name}: a kernel {'output' if is_output else 'input'} "
+                               f"with no elements ({shape})")
         name = f"{'out' if is_output else 'in'}{len(self.params)}_" + "".join(
             ch if ch.isalnum() else "_" for ch in node.name)[:40]
         self.params[v] = kir.Param(name, storage_dtype(shape), max(shape.num_elements, 1),
@@ -542,6 +553,9 @@ class _KernelBuilder:
         first = 1 if node.opcode == "dynamic-slice" else 2
         if any(ids is not None for ids in operand_ids[first:]):
             return f"{node.name} starts at a row-dependent index"
+        if len(node.operands) == first + 1 and \
+                leaf(self.graph.nodes[node.operands[first]].shape).rank == 1:
+            return f"{node.name} takes its starts as one index vector (the older form)"
         shapes = [leaf(self.graph.nodes[o].shape) for o in node.operands]
         if node.opcode == "dynamic-slice":
             full, sizes = shapes[0].dims, node.instruction.ints("dynamic_slice_sizes")

@@ -58,7 +58,12 @@ def storage_dtype(shape: Shape) -> str:
 
 
 def leaf(shape: Shape) -> Shape:
-    return next(shape.leaves()) if shape.is_tuple else shape
+    """The first array leaf of a tuple shape (the shape itself for an array)."""
+    if not shape.is_tuple:
+        return shape
+    for first in shape.leaves():
+        return first
+    raise CodegenError(f"the tuple shape {shape} has no array leaf")
 
 
 # ----------------------------------------------------------------- i32 index arithmetic
@@ -291,6 +296,12 @@ class ValueEmitter:
             return self.value(ops[0], delinearize(linearize(index, shape.dims), src.dims))
         if op == "bitcast":
             src = leaf(self.graph.nodes[ops[0]].shape)
+            if src.element_type != shape.element_type:
+                # Reinterpreting bytes (f32[N] <-> f16[2N]) is not a value conversion; refuse
+                # rather than convert (the kernel runs through the evaluator).
+                raise CodegenError(f"{node.name}: bitcast from {src.element_type} to "
+                                   f"{shape.element_type} reinterprets bytes, which codegen "
+                                   f"does not generate")
             return self.value(ops[0], _from_physical(_physical_linear(index, shape), src))
         if op == "transpose":
             perm = inst.ints("dimensions")
@@ -401,9 +412,20 @@ class ValueEmitter:
 
     def _starts(self, node: OpNode, start_ops: list[int], full: tuple[int, ...],
                 sizes: tuple[int, ...]) -> list[Expr]:
-        """Dynamic start indices, clamped into range as XLA does."""
-        return [self._clamped_start(self.value(o, ()), n, s)
-                for o, n, s in zip(start_ops, full, sizes)]
+        """Dynamic start indices, clamped into range as XLA does: one scalar operand per
+        dimension, or (the older form) one s32[rank] vector operand."""
+        if len(start_ops) == 1 and leaf(self.graph.nodes[start_ops[0]].shape).rank == 1:
+            vector = leaf(self.graph.nodes[start_ops[0]].shape)
+            if vector.dims[0] != len(full):
+                raise CodegenError(f"{node.name}: {vector.dims[0]} start indices for rank "
+                                   f"{len(full)}")
+            starts = [self.value(start_ops[0], (_c(k),)) for k in range(len(full))]
+        else:
+            if len(start_ops) != len(full):
+                raise CodegenError(f"{node.name}: {len(start_ops)} start indices for rank "
+                                   f"{len(full)}")
+            starts = [self.value(o, ()) for o in start_ops]
+        return [self._clamped_start(v, n, s) for v, n, s in zip(starts, full, sizes)]
 
     def _gather(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
         """XLA gather: output dims not in offset_dims index the start-index vectors (the

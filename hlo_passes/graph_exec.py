@@ -228,8 +228,13 @@ class GraphRunner:
         if _same_structure(graph.nodes[v].shape, shape):
             return values[v]
         elems = []
-        for i, s in enumerate(shape.tuple_shapes):
-            w = v if i == 0 else next(leaves)
+        pending: int | None = v      # the leaf already taken, for the first element with one
+        for s in shape.tuple_shapes:
+            if s.is_tuple and _leafless(s):
+                elems.append(_empty_value(s))  # an empty tuple has no leaf to take
+                continue
+            w = pending if pending is not None else next(leaves)
+            pending = None
             if s.is_tuple:
                 elems.append(self._take_tuple(graph, s, leaves, values, w))
             else:
@@ -252,6 +257,15 @@ class GraphRunner:
                         for i, g in enumerate(node.subgraphs)]
             return unflatten_value(node.shape, self.backend.switch(operands[0], branches))
         return self.backend.apply(node, operands)
+
+
+def _leafless(shape: Shape) -> bool:
+    """A tuple with no leaf at all (``()``, ``((), ())``)."""
+    return all(s.is_tuple and _leafless(s) for s in shape.tuple_shapes)
+
+
+def _empty_value(shape: Shape) -> tuple:
+    return tuple(_empty_value(s) for s in shape.tuple_shapes)
 
 
 def run_graphs(module: HloModule, graphs: list[OpGraph], args: Sequence[object],

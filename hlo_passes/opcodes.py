@@ -41,11 +41,14 @@ _FIXED = {
     "slice": 1, "get-tuple-element": 1, "pad": 2, "dot": 2, "convolution": 2,
     "reduce-precision": 1, "iota": 0, "parameter": 0, "constant": 0, "while": 1,
     "select-and-scatter": 3, "gather": 2,
+    "stochastic-convert": 2,  # the operand and its random bits
 }
 
 
 def expected_operand_count(opcode: str) -> int | None:
     """How many operands ``opcode`` must have, or None when it varies."""
+    if opcode in _FIXED:
+        return _FIXED[opcode]
     if opcode in UNARY_ELEMENTWISE:
         return 1
     if opcode in BINARY_ELEMENTWISE:

@@ -17,8 +17,9 @@ from .errors import HloParseError
 from .ir import (ELEMENT_TYPES, Computation, HloModule, Instruction, Layout, Shape, Signature,
                  parse_computation_list, parse_dim_labels, parse_int_list, parse_padding,
                  parse_slice, parse_window)
-from .literals import literal_elements
+from .literals import check_literal
 from .opcodes import KNOWN_OPCODES, expected_operand_count
+from .shape_inference import infer_shape
 
 _SKIP = re.compile(r"(?:\s+|/\*.*?\*/|//[^\n]*)+", re.S)
 _NAME = re.compile(r"%?([A-Za-z_][\w.\-]*)")
@@ -27,13 +28,24 @@ _OPCODE = re.compile(r"([a-z][a-z0-9\-]*)\s*\(")
 _ELEMENT_TYPE = re.compile(r"([a-z][a-z0-9]*)\[")
 _DIM = re.compile(r"\s*(<=)?\s*(\d+|\?)\s*")
 _INT = re.compile(r"-?\d+")
-_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
-_VALUE_STOP = re.compile(r'["{}\[\]()\n, \t]')
+# Unrolled (no per-character alternation: a 10 MB string must not cost a backtracking frame
+# per character); strings may span lines, as XLA's do.
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_VALUE_STOP = re.compile(r'["{}\[\]()\n, \t/]')
+_NESTED_STOP = re.compile(r'["{}\[\]()/]')
 _TABLE_HEAD = re.compile(r"(FileNames|FunctionNames|FileLocations|StackFrames)[ \t]*\r?\n")
 _TABLE_ENTRY = re.compile(r"[ \t]*(\d+[ \t]+(?:\"(?:[^\"\\\n]|\\.)*\"|\{[^\n]*\}))[ \t\r]*(?:\n|$)")
 _ENTRY = re.compile(r"ENTRY(?=[\s%])")
 _HEADER_COMMA = re.compile(r"[ \t]*,")
 _CLOSERS = {"{": "}", "[": "]", "(": ")"}
+_COMPUTATION_HEAD = re.compile(r"(?:ENTRY\s+)?%?[A-Za-z_][\w.\-]*\s*[({]")
+_INLINE_BODY = re.compile(r"\{\s*(?:ROOT\s+)?%?[A-Za-z_][\w.\-]*\s*=")
+_NESTED_INT_LIST = re.compile(r"\{\s*(?:\{[\s\d,\-]*\}\s*(?:,\s*\{[\s\d,\-]*\}\s*)*)?\}")
+
+# Bounds that keep every recursive walk (here, in the IR, the evaluator and the planner)
+# far from Python's recursion limit: deeper text is an HloParseError, never a RecursionError.
+MAX_NESTING = 200      # tuple shapes, nested instructions, inline computations
+MAX_CALL_DEPTH = 64    # computations calling computations (call, fusion, while, ...)
 
 
 def _enum(*allowed: str) -> Callable[[str], object]:
@@ -64,6 +76,13 @@ def _quoted(text: str) -> str:
 
 def _float(text: str) -> float:
     return float(text)
+
+
+def _int_lists(text: str) -> str:
+    """``{{128,32},{128,32}}`` (collective-permute's per-pair slice sizes) or ``{1,2}``."""
+    if not (_NESTED_INT_LIST.fullmatch(text.strip()) or parse_int_list(text) is not None):
+        raise ValueError(f"expected a list of integer lists like {{{{1,2}}}}, got {text!r}")
+    return text
 
 
 _INT_LIST_ATTRS = (
@@ -98,6 +117,8 @@ _OPCODE_ATTR_CHECKS: dict[tuple[str, str], Callable[[str], object]] = {
     ("fusion", "kind"): _enum("kLoop", "kInput", "kOutput", "kCustom"),
     ("compare", "type"): _enum("FLOAT", "TOTALORDER", "SIGNED", "UNSIGNED", "PARTIALORDER"),
     ("pad", "padding"): parse_padding,
+    **{(op, "slice_sizes"): _int_lists for op in ("collective-permute",
+                                                  "collective-permute-start")},
 }
 
 
@@ -108,6 +129,22 @@ class _Parser:
         self.n = len(text)
         self._line_starts: list[int] | None = None
         self.called: list[tuple[str, int]] = []
+        self.calls: dict[tuple[str, str], int] = {}     # (caller, callee) -> position
+        self.depth = 0                                   # current nesting, see MAX_NESTING
+        self.current = ""                                # the computation being read
+        self.inline: list[Computation] = []              # inline computations read so far
+        self.unshaped: dict[int, int] = {}               # id(inst) -> opcode position
+        self.topo: dict[str, list[str]] = {}             # computation -> operand-first order
+        self.fresh = 0
+
+    def enter(self) -> None:
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise self.error(f"nesting deeper than {MAX_NESTING} levels")
+
+    def fresh_name(self, base: str) -> str:
+        self.fresh += 1
+        return f"{base}.nested{self.fresh}"
 
     # --- error reporting ---------------------------------------------------------------
     def error(self, message: str, pos: int | None = None) -> HloParseError:
@@ -160,7 +197,9 @@ class _Parser:
         stack: list[str] = []
         text = self.text
         while True:
-            m = _VALUE_STOP.search(text, self.pos)
+            # Inside brackets only brackets and strings matter: one regex step per bracket,
+            # not per comma (a 10M-element literal is one step).
+            m = (_NESTED_STOP if stack else _VALUE_STOP).search(text, self.pos)
             if m is None:
                 if stack:
                     raise self.error(f"expected {stack[-1]!r}, found end of input")
@@ -173,6 +212,14 @@ class _Parser:
                 if not s:
                     raise self.error("unterminated string")
                 self.pos = s.end()
+            elif c == "/":
+                if text.startswith("//", self.pos) and not stack:
+                    break  # a comment after the value
+                if text.startswith("//", self.pos) or text.startswith("/*", self.pos):
+                    end = text.find("\n" if text[self.pos + 1] == "/" else "*/", self.pos + 2)
+                    self.pos = self.n if end < 0 else end + (0 if text[self.pos + 1] == "/" else 2)
+                else:
+                    self.pos += 1
             elif c in "{[(":
                 stack.append(_CLOSERS[c])
                 self.pos += 1
@@ -198,6 +245,7 @@ class _Parser:
     def shape(self) -> Shape:
         self.skip()
         if self.text.startswith("(", self.pos):
+            self.enter()
             self.pos += 1
             shapes: list[Shape] = []
             if not self.accept(")"):
@@ -207,6 +255,7 @@ class _Parser:
                         continue
                     self.expect(")", "',' or ')' in a tuple shape")
                     break
+            self.depth -= 1
             return Shape("tuple", tuple_shapes=tuple(shapes))
         m = _ELEMENT_TYPE.match(self.text, self.pos)
         if not m:
@@ -264,11 +313,16 @@ class _Parser:
     # --- module structure --------------------------------------------------------------
     def module(self) -> HloModule:
         self.skip()
-        if not self.text.startswith("HloModule", self.pos):
-            raise self.error(f"expected 'HloModule', found {self.found()}")
-        self.pos += len("HloModule")
-        name = self.name("a module name")
-        attrs = self.attributes(newline_ends=True)
+        if self.text.startswith("HloModule", self.pos):
+            self.pos += len("HloModule")
+            name = self.name("a module name")
+            if self.text.startswith(":", self.pos):  # ``HloModule name:``, which XLA reads
+                self.pos += 1
+            attrs = self.attributes(newline_ends=True)
+        elif _COMPUTATION_HEAD.match(self.text, self.pos):
+            name, attrs = "module", {}  # bare computations: XLA reads them too (test shorthand)
+        else:
+            raise self.error(f"expected 'HloModule' or a computation, found {self.found()}")
         tables: list[tuple[str, list[str]]] = []
         computations: list[Computation] = []
         self.skip()
@@ -278,7 +332,10 @@ class _Parser:
                 self.pos = head.end()
                 tables.append((head.group(1), self.table_entries()))
             else:
-                computations.append(self.computation())
+                comp = self.computation()
+                computations.extend(self.inline)  # callees first, as XLA prints them
+                self.inline.clear()
+                computations.append(comp)
             self.skip()
         if not computations:
             raise self.error("expected at least one computation")
@@ -292,7 +349,71 @@ class _Parser:
         for callee, pos in self.called:
             if callee not in names:
                 raise self.error(f"unknown computation {callee!r}", pos)
+        order = self.check_calls(computations)
+        self.infer_shapes(computations, order)
         return module
+
+    def check_calls(self, computations: list[Computation]) -> list[str]:
+        """Reject call cycles and call chains deeper than MAX_CALL_DEPTH (iteratively: the
+        text may be anything). Returns the computation names callees-first."""
+        graph: dict[str, list[tuple[str, int]]] = {c.name: [] for c in computations}
+        for (caller, callee), pos in self.calls.items():
+            if caller in graph and callee in graph:
+                graph[caller].append((callee, pos))
+        done: set[str] = set()
+        depth: dict[str, int] = {}
+        order: list[str] = []
+        for start in graph:
+            if start in done:
+                continue
+            active = {start}
+            stack = [(start, iter(graph[start]))]
+            while stack:
+                node, callees = stack[-1]
+                for callee, pos in callees:
+                    if callee in active:
+                        raise self.error(f"call cycle: computation {node!r} calls {callee!r}, "
+                                         f"which is already on the call chain", pos)
+                    if callee not in done:
+                        active.add(callee)
+                        stack.append((callee, iter(graph[callee])))
+                        break
+                else:
+                    stack.pop()
+                    active.discard(node)
+                    done.add(node)
+                    order.append(node)
+                    depth[node] = 1 + max((depth[c] for c, _ in graph[node]), default=0)
+                    if depth[node] > MAX_CALL_DEPTH:
+                        raise self.error(f"computation {node!r} starts a call chain "
+                                         f"{depth[node]} computations deep (the limit is "
+                                         f"{MAX_CALL_DEPTH})", graph[node][0][1])
+        return order
+
+    def infer_shapes(self, computations: list[Computation], order: list[str]) -> None:
+        """Give every instruction written without a result shape the one XLA infers."""
+        if not self.unshaped:
+            return
+        by_name = {c.name: c for c in computations}
+
+        def callee_root(name: str) -> Shape:
+            root = by_name[name.lstrip("%")].root.shape
+            if root is None:
+                raise KeyError(f"the root of {name!r} has no shape")
+            return root
+        for comp_name in order:
+            comp = by_name[comp_name]
+            table = comp.by_name()
+            for name in self.topo.get(comp_name, ()):
+                inst = table[name]
+                if inst.shape is not None:
+                    continue
+                pos = self.unshaped[id(inst)]
+                try:
+                    inst.shape = infer_shape(inst, [table[o].shape for o in inst.operands],
+                                             callee_root)
+                except ValueError as exc:
+                    raise self.error(str(exc), pos) from None
 
     def table_entries(self) -> list[str]:
         entries = []
@@ -304,10 +425,14 @@ class _Parser:
             self.pos = m.end()
         return entries
 
-    def attributes(self, newline_ends: bool = False) -> dict[str, str]:
-        """``, key=value`` pairs (raw values), validated against the known readers."""
+    def attributes(self, newline_ends: bool = False, nested: bool = False) -> dict[str, str]:
+        """``, key=value`` pairs (raw values), validated against the known readers.
+
+        ``nested``: the attributes of an instruction written as an operand, where a ','
+        followed by anything but ``key=`` is the next operand of the outer instruction."""
         attrs: dict[str, str] = {}
         while True:
+            before = self.pos
             if newline_ends:  # module/computation attributes end with their line
                 m = _HEADER_COMMA.match(self.text, self.pos)
                 if not m:
@@ -317,11 +442,23 @@ class _Parser:
                 break
             self.skip()
             key = _ATTR_KEY.match(self.text, self.pos)
+            if nested and not key:
+                self.pos = before
+                break
             if not key:
                 raise self.error(f"expected an attribute 'name=value', found {self.found()}")
             self.pos = key.end()
             if key.group(1) in attrs:
                 raise self.error(f"attribute {key.group(1)!r} given twice", key.start())
+            self.skip()
+            if key.group(1) in _CALL_ATTRS and _INLINE_BODY.match(self.text, self.pos):
+                # An inline computation (``to_apply={ x = ... }``): read it as one of its own.
+                self.enter()
+                comp = self.body(self.fresh_name(key.group(1)), False, None)
+                self.depth -= 1
+                self.inline.append(comp)
+                attrs[key.group(1)] = comp.name
+                continue
             attrs[key.group(1)] = self.balanced(stop_at_space=False)
         return attrs
 
@@ -335,25 +472,31 @@ class _Parser:
         signature = None
         if self.peek("("):
             signature = self.signature()
+        comp = self.body(name, is_entry, signature)
+        comp.attrs = self.attributes(newline_ends=True)
+        return comp
+
+    def body(self, name: str, is_entry: bool, signature: Signature | None) -> Computation:
+        """``{ instructions }`` of computation ``name`` (a top-level or an inline one)."""
         self.expect("{", "'{' opening the computation body")
+        outer, self.current = self.current, name
         instructions: list[Instruction] = []
         positions: dict[str, int] = {}
         operand_pos: list[tuple[Instruction, list[int]]] = []
         while not self.accept("}"):
             if self.pos >= self.n:
                 raise self.error(f"expected '}}' closing computation {name!r}, found end of input")
-            start = self.pos
-            inst, op_positions = self.instruction()
-            if inst.name in positions:
-                raise self.error(f"instruction {inst.name!r} defined twice", start)
-            positions[inst.name] = start
-            instructions.append(inst)
-            operand_pos.append((inst, op_positions))
+            for inst, op_positions, start in self.instruction():
+                if inst.name in positions:
+                    raise self.error(f"instruction {inst.name!r} defined twice", start)
+                positions[inst.name] = start
+                instructions.append(inst)
+                operand_pos.append((inst, op_positions))
         if not instructions:
             raise self.error(f"computation {name!r} has no instructions")
         self.check_computation(name, instructions, positions, operand_pos)
-        attrs = self.attributes(newline_ends=True)
-        return Computation(name, instructions, is_entry, signature, attrs)
+        self.current = outer
+        return Computation(name, instructions, is_entry, signature, {})
 
     def signature(self) -> Signature:
         self.expect("(")
@@ -403,8 +546,10 @@ class _Parser:
                 users.setdefault(op, []).append(inst.name)
         ready = [n for n, d in indegree.items() if d == 0]
         done = 0
+        order: list[str] = []
         while ready:
             node = ready.pop()
+            order.append(node)
             done += 1
             for user in users.get(node, ()):
                 indegree[user] -= 1
@@ -413,17 +558,33 @@ class _Parser:
         if done != len(instructions):
             stuck = next(n for n, d in indegree.items() if d > 0)
             raise self.error(f"computation {name!r} has a cycle through {stuck!r}", positions[stuck])
+        self.topo[name] = order
 
     # --- instructions ------------------------------------------------------------------
-    def instruction(self) -> tuple[Instruction, list[int]]:
+    def instruction(self) -> list[tuple[Instruction, list[int], int]]:
+        """One instruction line: (instruction, operand positions, start) for it and, before
+        it, for each instruction written inline as one of its operands."""
         self.skip()
+        start = self.pos
         is_root = False
         if self.text.startswith("ROOT", self.pos) and self.text[self.pos + 4:self.pos + 5] in (" ", "\t", "%"):
             is_root = True
             self.pos += 4
         name = self.name("an instruction name")
         self.expect("=", f"'=' after instruction name {name!r}")
-        shape = self.shape()
+        self.skip()
+        shape = None if _OPCODE.match(self.text, self.pos) else self.shape()
+        done: list[tuple[Instruction, list[int], int]] = []
+        inst, positions = self.instruction_rhs(name, shape, is_root, done, nested=False)
+        done.append((inst, positions, start))
+        return done
+
+    def instruction_rhs(self, name: str, shape: Shape | None, is_root: bool,
+                        done: list[tuple[Instruction, list[int], int]],
+                        nested: bool) -> tuple[Instruction, list[int]]:
+        """``opcode(operands), attributes`` of instruction ``name``; ``shape`` None: XLA
+        infers it (after the module is read). Operands written as instructions go to
+        ``done``, innermost first."""
         self.skip()
         m = _OPCODE.match(self.text, self.pos)
         if not m:
@@ -432,6 +593,8 @@ class _Parser:
         opcode_pos = self.pos
         self.pos = m.end()
         inst = Instruction(name, shape, opcode, is_root=is_root, known_opcode=opcode in KNOWN_OPCODES)
+        if shape is None:
+            self.unshaped[id(inst)] = opcode_pos
         positions: list[int] = []
         if opcode == "parameter":
             self.skip()
@@ -441,28 +604,43 @@ class _Parser:
             inst.parameter_number = int(num.group())
             self.pos = num.end()
             self.expect(")", "')' after the parameter number")
+            if shape is None:
+                raise self.error(f"parameter {name!r} needs its shape", opcode_pos)
         elif opcode == "constant":
             lit_pos = self.pos
             inst.literal = self.balanced(stop_at_space=False)
             self.expect(")", "')' closing the constant literal")
+            if shape is None:
+                raise self.error(f"constant {name!r} needs its shape", opcode_pos)
             try:
-                literal_elements(inst.literal, shape)
+                check_literal(inst.literal, shape)
             except ValueError as exc:
                 raise self.error(f"bad constant literal: {exc}", lit_pos) from None
         else:
             if not self.accept(")"):
                 while True:
                     self.skip()
+                    typed = None
                     if _ELEMENT_TYPE.match(self.text, self.pos) or self.text.startswith("(", self.pos):
-                        self.shape()  # typed operand: the type is redundant with the definition
+                        typed = self.shape()  # a typed operand: redundant with its definition
                     self.skip()
                     positions.append(self.pos)
-                    inst.operands.append(self.name("an operand name"))
+                    sub = _OPCODE.match(self.text, self.pos)
+                    if sub:  # an instruction written in place of an operand
+                        self.enter()
+                        sub_name = self.fresh_name(sub.group(1))
+                        sub_inst, sub_positions = self.instruction_rhs(sub_name, typed, False,
+                                                                       done, nested=True)
+                        self.depth -= 1
+                        done.append((sub_inst, sub_positions, positions[-1]))
+                        inst.operands.append(sub_name)
+                    else:
+                        inst.operands.append(self.name("an operand name"))
                     if self.accept(","):
                         continue
                     self.expect(")", "',' or ')' in the operand list")
                     break
-        inst.attrs = self.attributes()
+        inst.attrs = self.attributes(nested=nested)
         self.check_instruction(inst, opcode_pos)
         return inst, positions
 
@@ -485,6 +663,12 @@ class _Parser:
             if key in _CALL_ATTRS:
                 pos = self.value_position(value, opcode_pos)
                 self.called.extend((c, pos) for c in parse_computation_list(value))
+        try:
+            callees = inst.called_computations
+        except ValueError:
+            callees = ()
+        for callee in callees:
+            self.calls.setdefault((self.current, callee), opcode_pos)
 
     def value_position(self, value: str, fallback: int) -> int:
         found = self.text.rfind(value, fallback, self.pos)

@@ -19,6 +19,12 @@ f16 and f8 computed in float32 and rounded after every op). Layouts only matter 
 * ``batch_norm`` - batch-norm-training/-inference/-grad
 * ``custom_calls`` - the custom-call target table
 
+Checked against XLA's CPU backend (tests/test_evaluator_xla_semantics.py): a
+single-participant collective-permute returns its operand only with a (0, 0) pair, zeros
+otherwise; complex division recovers C99's infinities and zeros where numpy's quotient is
+NaN (finite/inf = 0); reduce-window skips padding and base-dilation holes (the init is the
+start of every window, not one more element per padding position).
+
 Deliberate choices where HLO leaves room: reductions whose reducer is a single add/mul/
 max/min on bf16/f16 accumulate in f32 and round once (what XLA's backends do after float
 normalisation); sort is always stable; token values come back as empty bool arrays.

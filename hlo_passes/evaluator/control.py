@@ -3,6 +3,8 @@ optimization-barrier, tokens, partition/replica ids, async wrappers, single-part
 collectives and the custom-call dispatcher."""
 from __future__ import annotations
 
+import re
+
 import logging
 
 import numpy as np
@@ -133,11 +135,21 @@ def collective(ev, inst, ops):
     if not _single_participant(ev, inst):
         raise UnsupportedOpcodeError(f"{inst.opcode} (more than one participant)", inst.name)
     if inst.opcode == "collective-permute":
-        pairs = inst.attrs.get("source_target_pairs", "{}").replace(" ", "")
-        if pairs not in ("{}", "{{0,0}}"):
-            value = np.asarray(ops[0])
-            return np.zeros_like(value)  # nobody sends to partition 0
+        return _permute_to_self(inst, ops)
     return tuple(ops) if len(ops) > 1 else ops[0]
+
+
+def _permute_to_self(inst, ops):
+    """Participant 0 receives its own operand when the pairs hold (0, 0); with no pair
+    sending to it, XLA gives zeros."""
+    if "slice_sizes" in inst.attrs:  # the in-place form (input, output, offsets)
+        raise UnsupportedOpcodeError("collective-permute (in-place form with slice_sizes)",
+                                     inst.name)
+    text = inst.attrs.get("source_target_pairs", "{}")
+    pairs = {(int(a), int(b)) for a, b in re.findall(r"\{\s*(-?\d+)\s*,\s*(-?\d+)\s*\}", text)}
+    receives = (0, 0) in pairs
+    values = [np.asarray(v) if receives else np.zeros_like(np.asarray(v)) for v in ops]
+    return tuple(values) if len(values) > 1 else values[0]
 
 
 @handles("custom-call")

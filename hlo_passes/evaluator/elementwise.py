@@ -217,8 +217,47 @@ def _int_power(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return result
 
 
+def _complex_divide(a, b):
+    """numpy's quotient, with the NaNs that should be infinities or zeros recovered as
+    C99 (Annex G) and XLA do: x/0 is an infinity, inf/finite an infinity, finite/inf a zero."""
+    q = np.asarray(np.divide(a, b))
+    bad = np.isnan(q.real) & np.isnan(q.imag)
+    if not bad.any():
+        return q
+    a, b = np.broadcast_to(a, q.shape), np.broadcast_to(b, q.shape)
+    x, y, c, d = a.real, a.imag, b.real, b.imag
+    part = x.dtype.type
+    re_, im = q.real.copy(), q.imag.copy()
+    a_nan = np.isnan(x) | np.isnan(y)
+    zero_den = bad & (c == 0) & (d == 0) & ~a_nan
+    inf = np.copysign(part(np.inf), c)
+    re_ = np.where(zero_den, inf * x, re_)
+    im = np.where(zero_den, inf * y, im)
+    a_inf = bad & ~zero_den & (np.isinf(x) | np.isinf(y)) & np.isfinite(c) & np.isfinite(d)
+    xs = np.copysign(np.where(np.isinf(x), part(1), part(0)), x)
+    ys = np.copysign(np.where(np.isinf(y), part(1), part(0)), y)
+    re_ = np.where(a_inf, part(np.inf) * (xs * c + ys * d), re_)
+    im = np.where(a_inf, part(np.inf) * (ys * c - xs * d), im)
+    b_inf = bad & ~zero_den & ~a_inf & (np.isinf(c) | np.isinf(d)) & np.isfinite(x) & np.isfinite(y)
+    cs = np.copysign(np.where(np.isinf(c), part(1), part(0)), c)
+    ds = np.copysign(np.where(np.isinf(d), part(1), part(0)), d)
+    re_ = np.where(b_inf, part(0) * (x * cs + y * ds), re_)
+    im = np.where(b_inf, part(0) * (y * cs - x * ds), im)
+    return _complex(re_, im, q.dtype)
+
+
+def _complex(real, imag, dtype):
+    out = np.empty(np.shape(real), dtype)
+    out.real, out.imag = real, imag
+    return out
+
+
 def _divide(a, b):
-    return _int_divide(a, b) if is_int(a.dtype) else np.divide(a, b)
+    if is_int(a.dtype):
+        return _int_divide(a, b)
+    if np.dtype(a.dtype).kind == "c":
+        return _complex_divide(a, b)
+    return np.divide(a, b)
 
 
 def _remainder(a, b):

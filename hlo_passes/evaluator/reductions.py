@@ -105,21 +105,54 @@ def window_slices(padded_shape: Sequence[int], window: Sequence[WindowDim]):
     return tuple(out_dims), pieces
 
 
+def _identity(kind: str | None, dtype: np.dtype) -> object | None:
+    """The value that leaves ``kind``'s result unchanged, or None (no known identity)."""
+    dtype = np.dtype(dtype)
+    if kind is None or dtype.kind == "c" and kind in ("maximum", "minimum"):
+        return None
+    if dtype == np.bool_:
+        return {"add": False, "or": False, "xor": False, "maximum": False,
+                "multiply": True, "and": True, "minimum": True}.get(kind)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return {"add": 0, "or": 0, "xor": 0, "multiply": 1, "and": -1 if dtype.kind == "i"
+                else info.max, "maximum": info.min, "minimum": info.max}.get(kind)
+    return {"add": 0.0, "multiply": 1.0, "maximum": -np.inf, "minimum": np.inf}.get(kind)
+
+
 @handles("reduce-window")
 def reduce_window(ev, inst, ops):
+    """Padding and base-dilation holes are not elements: each window reduces its real
+    elements, starting once from the init value (as XLA does; padding with the init
+    would apply a non-identity init once per padding element)."""
     n = len(ops) // 2
     inputs = [np.asarray(x) for x in ops[:n]]
     inits = [np.asarray(v).reshape(()) for v in ops[n:]]
     window = _window(inst, inputs[0].ndim)
-    padded = [pad_array(x, init, [PadDim(w.pad_low, w.pad_high, w.lhs_dilate - 1) for w in window])
-              for x, init in zip(inputs, inits)]
+    pads = [PadDim(w.pad_low, w.pad_high, w.lhs_dilate - 1) for w in window]
+    comp = inst.called_computations[0]
+    holes = any(p.low > 0 or p.high > 0 or p.interior > 0 for p in pads)
+    fillers = [_identity(ev.binary_kind(comp), x.dtype) if n == 1 else None for x in inputs]
+    if not holes or all(f is not None for f in fillers):
+        padded = [pad_array(x, init if f is None else f, pads)
+                  for x, init, f in zip(inputs, inits, fillers)]
+        out_dims, pieces = window_slices(padded[0].shape, window)
+        if not pieces:
+            result = [np.broadcast_to(v, out_dims) for v in inits]
+        else:
+            stacked = [np.stack([p[sl] for _, sl in pieces], axis=-1) for p in padded]
+            result = reduce_arrays(ev, comp, stacked, inits, (len(out_dims),))
+        return tuple(result) if inst.shape.is_tuple else result[0]
+    # A reducer without a known identity: fold the window positions in order, each one
+    # only where it holds a real element.
+    padded = [pad_array(x, init, pads) for x, init in zip(inputs, inits)]
+    real = pad_array(np.ones(inputs[0].shape, np.bool_), False, pads)
     out_dims, pieces = window_slices(padded[0].shape, window)
-    if not pieces:
-        result = [np.broadcast_to(v, out_dims) for v in inits]
-    else:
-        stacked = [np.stack([p[sl] for _, sl in pieces], axis=-1) for p in padded]
-        result = reduce_arrays(ev, inst.called_computations[0], stacked, inits, (len(out_dims),))
-    return tuple(result) if inst.shape.is_tuple else result[0]
+    accs = [np.broadcast_to(v, out_dims).copy() for v in inits]
+    for _, sl in pieces:
+        new = _as_list(ev.apply(comp, accs + [p[sl] for p in padded]))
+        accs = [np.where(real[sl], as_type(np.asarray(v), a.dtype), a) for v, a in zip(new, accs)]
+    return tuple(accs) if inst.shape.is_tuple else accs[0]
 
 
 def accumulate(ev, comp, outs: list[np.ndarray], index: np.ndarray,
