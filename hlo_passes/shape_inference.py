@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .ir import Instruction, Shape, parse_int_list, parse_padding, parse_slice, parse_window
+from .ir import Instruction, Shape, parse_padding, parse_slice, parse_window
 from .opcodes import BINARY_ELEMENTWISE, UNARY_ELEMENTWISE
 
 _SAME_AS_OPERAND = (UNARY_ELEMENTWISE - {"convert", "bitcast-convert", "stochastic-convert",

@@ -406,7 +406,6 @@ def compile_hlo_text(text: str, request: PassRequest, platform: str = "cpu"
     import jax
     import jax.extend.backend as jax_backend
     from jax._src.lib import _jax
-    from jaxlib import _hlo
 
     module = parse_hlo(text)
     attrs = module.attrs.get("frontend_attributes", "{}").strip()

@@ -27,6 +27,7 @@ import numpy as np
 from .config import Settings, configure_logging, injected_failure, log_kernels
 from .errors import StitchError
 from .switching import SwitchEntry, SwitchingFunction
+from .verify import compare_trees
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +265,7 @@ class StitchedFunction(SwitchingFunction):
             if entry.donated_leaves:
                 _delete_donated((dyn_args, dyn_kwargs), entry.donated_leaves)
             if check:
-                reason = _compare(result, expected)
+                reason = compare_trees(result, expected, VERIFY_RTOL)
                 if reason is not None:
                     self._fail(entry, f"verify: stitched result differs from XLA ({reason})")
                     return expected
@@ -343,22 +344,6 @@ def _copies(tree: Any) -> Any:
     import jax
     return jax.tree_util.tree_map(
         lambda x: jax.numpy.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
-
-
-def _compare(result: Any, expected: Any) -> str | None:
-    """None when every output leaf matches (poison_check at VERIFY_RTOL), else what differs."""
-    import jax
-
-    from .verify import poison_check
-
-    got, want = jax.tree_util.tree_leaves(result), jax.tree_util.tree_leaves(expected)
-    if len(got) != len(want):
-        return f"{len(got)} outputs, expected {len(want)}"
-    for i, (a, b) in enumerate(zip(got, want)):
-        why = poison_check(np.asarray(a), np.asarray(b), VERIFY_RTOL)
-        if why is not None:
-            return f"output {i}: {why}"
-    return None
 
 
 def _lost_donations(lowered: Any, compiled: Any) -> tuple[int, ...]:

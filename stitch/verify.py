@@ -23,3 +23,18 @@ def poison_check(a: np.ndarray, b: np.ndarray, rtol: float) -> str | None:
     ref = np.linalg.norm(b64[finite])
     err = diff / ref if ref > 0 else diff
     return None if err <= rtol else f"relative error {err:.3g} > {rtol:g}"
+
+
+def compare_trees(got: object, want: object, rtol: float) -> str | None:
+    """None when every leaf of the pytree ``got`` matches ``want``'s (poison_check at
+    ``rtol``), else which output differs and how."""
+    import jax
+
+    got_leaves, want_leaves = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    if len(got_leaves) != len(want_leaves):
+        return f"{len(got_leaves)} outputs, expected {len(want_leaves)}"
+    for i, (a, b) in enumerate(zip(got_leaves, want_leaves)):
+        why = poison_check(np.asarray(a), np.asarray(b), rtol)
+        if why is not None:
+            return f"output {i}: {why}"
+    return None

@@ -19,7 +19,7 @@ import stitch  # noqa: E402
 from integration import xla_pass  # noqa: E402
 from stitch.jit import StitchedFunction  # noqa: E402
 from stitch.models import build  # noqa: E402
-from stitch.verify import poison_check  # noqa: E402
+from stitch.verify import compare_trees, poison_check  # noqa: E402
 
 RTOL = 1e-4
 
@@ -38,11 +38,8 @@ def _ln_args(seed: int = 0, rows: int = 16, cols: int = 64):
 
 
 def _assert_close(got, want, rtol=RTOL):
-    got_leaves, want_leaves = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
-    assert len(got_leaves) == len(want_leaves)
-    for i, (a, b) in enumerate(zip(got_leaves, want_leaves)):
-        why = poison_check(np.asarray(a), np.asarray(b), rtol)
-        assert why is None, f"output {i}: {why}"
+    why = compare_trees(got, want, rtol)
+    assert why is None, why
 
 
 def test_sync_compile_switches_on_the_first_call():

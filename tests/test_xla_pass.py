@@ -19,18 +19,15 @@ import jax.numpy as jnp  # noqa: E402
 import stitch  # noqa: E402
 from hlo_passes import parse_hlo  # noqa: E402
 from integration import xla_pass  # noqa: E402
-from stitch.verify import poison_check  # noqa: E402
+from stitch.verify import compare_trees  # noqa: E402
 
 RTOL = 1e-4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _close(got, want, rtol=RTOL):
-    g, w = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
-    assert len(g) == len(w)
-    for i, (a, b) in enumerate(zip(g, w)):
-        why = poison_check(np.asarray(a), np.asarray(b), rtol)
-        assert why is None, f"output {i}: {why}"
+    why = compare_trees(got, want, rtol)
+    assert why is None, why
 
 
 def _rand(*shape, seed=0):

@@ -10,7 +10,6 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
