@@ -18,6 +18,7 @@ pass is to launch fewer, larger kernels than XLA.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 from dataclasses import dataclass, field
@@ -83,6 +84,13 @@ class ComputationView:
         if node.computation == self.comp.name and node.instruction.name in self.table:
             return node.instruction.name
         return None
+
+    def is_top(self, nid: int) -> bool:
+        """Node ``nid`` is itself a top-level instruction (not inside a fusion). Compared by
+        name: a cached plan's graph holds the instructions of an equal, earlier module."""
+        node = self.graph.nodes[nid]
+        return (node.computation == self.comp.name and node.instruction.name in self.table
+                and self.top_of(nid) == node.instruction.name)
 
     def launches(self, top: str) -> bool:
         inst = self.table[top]
@@ -174,10 +182,10 @@ def _input_value(view: ComputationView, b: _Builder, nid: int) -> tuple[str, Sha
     if top is None:
         raise NotPlaceable(f"reads {node.name}, inlined from a called computation")
     top_inst = view.table[top]
-    if top_inst is inst:
-        return top, inst.shape
+    if view.is_top(nid):
+        return top, top_inst.shape
     root = view.fused_root(top)
-    if root is inst:
+    if root is not None and root.name == inst.name:
         return top, top_inst.shape
     if root is not None and root.opcode == "tuple" and inst.name in root.operands:
         index = root.operands.index(inst.name)
@@ -192,11 +200,10 @@ def _output_keys(view: ComputationView, nid: int) -> list[tuple[str, int | None]
     top = view.top_of(nid)
     if top is None:
         return []
-    top_inst = view.table[top]
-    if top_inst is node.instruction:
+    if view.is_top(nid):
         return [(top, None)]
     root = view.fused_root(top)
-    if root is node.instruction:
+    if root is not None and root.name == node.instruction.name:
         return [(top, None)]
     if root is not None and root.opcode == "tuple":
         return [(top, j) for j, op in enumerate(root.operands) if op == node.instruction.name]
@@ -306,6 +313,12 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph],
         by_graph.setdefault(k.site.graph_index, []).append(k)
     for gi, placed in by_graph.items():
         view = ComputationView(module, graphs[gi])
+        # Edit copies: the plan's graphs (possibly cached and reused for a later, equal
+        # module) hold the original Instruction objects.
+        view.comp.instructions = [dataclasses.replace(i, operands=list(i.operands),
+                                                      attrs=dict(i.attrs))
+                                  for i in view.comp.instructions]
+        view.table = view.comp.by_name()
         b = _Builder(module, view)
         removed: set[str] = set()
         replacements: dict[str, Instruction] = {}
