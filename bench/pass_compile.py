@@ -127,8 +127,8 @@ def markdown(rows: list[dict], command: str) -> str:
              "Wall seconds, each function in a fresh process. *jax.jit*: lower + XLA compile. "
              "*stitched*: the same lowering compiled with stitch's pass on (XLA's pipeline plus "
              "stitch's plan, snapping, Kernel IR lowering and host build of every kernel, and "
-             "the rewrite), cold (empty compile cache) and warm (the cache from the cold run; "
-             "planning is redone). Overhead = stitched − jax.jit, as a fraction of jax.jit "
+             "the rewrite), cold (empty compile cache) and warm (the cold run's compile and plan "
+             "caches). Overhead = stitched − jax.jit, as a fraction of jax.jit "
              "(issue 17's goal: ≤ 0.5). Kernels are counted in XLA's CPU module.", "",
              "| function | jax.jit s | stitched s (cold) | plan s | build s | overhead | "
              "stitched s (warm) | overhead warm | kernels XLA → stitched | stitched kernels |",
