@@ -10,7 +10,11 @@ class StitchError(Exception):
     """Base class of every error raised on purpose by stitch."""
 
 
-class PlanCancelled(StitchError):
+class Cancelled(StitchError):
+    """Work stopped on request (the compile thread is shutting down), not a failure."""
+
+
+class PlanCancelled(Cancelled):
     """Planning was stopped by its ``cancel`` callable (the compile thread is shutting down)."""
 
 

@@ -303,16 +303,17 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
     return replacements
 
 
-def replace_kernels(module: HloModule, graphs: list[OpGraph],
-                    kernels: list[PlacedKernel]) -> RewriteReport:
+def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[PlacedKernel],
+                    views: dict[int, ComputationView] | None = None) -> RewriteReport:
     """Put ``kernels`` into ``module`` in place (module docstring); kernels that do not fit
-    are reported in ``skipped`` and left to XLA."""
+    are reported in ``skipped`` and left to XLA. ``views``: graph index -> the view the
+    caller already built for that graph (else built here)."""
     report = RewriteReport()
     by_graph: dict[int, list[PlacedKernel]] = {}
     for k in kernels:
         by_graph.setdefault(k.site.graph_index, []).append(k)
     for gi, placed in by_graph.items():
-        view = ComputationView(module, graphs[gi])
+        view = (views or {}).get(gi) or ComputationView(module, graphs[gi])
         # Edit copies: the plan's graphs (possibly cached and reused for a later, equal
         # module) hold the original Instruction objects.
         view.comp.instructions = [dataclasses.replace(i, operands=list(i.operands),

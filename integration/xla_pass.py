@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hlo_passes import HloModule, parse_hlo, print_hlo
-from stitch.errors import StitchError
+from stitch.errors import Cancelled, StitchError
 
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, find_site,
                           replace_kernels)
@@ -52,7 +52,7 @@ class PassError(StitchError):
     """The pass could not stitch the module it was asked to (module left to XLA)."""
 
 
-class PassCancelled(PassError):
+class PassCancelled(PassError, Cancelled):
     """The request was cancelled (the interpreter is exiting) while the pass ran."""
 
 
@@ -280,6 +280,7 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     spec = get_spec(request.target)
     graphs = [g.graph for g in fusion_plan.graphs]
     placed: list[PlacedKernel] = []
+    views: dict[int, ComputationView] = {}
     built: dict[str, BuiltKernel] = {}
     launching: dict[str, int] = {}
     t1 = time.perf_counter()
@@ -289,7 +290,7 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
                                   for k in graph_plan.stitched.kernels if k.schedule)
             continue
         try:
-            view = ComputationView(module, graph_plan.graph)
+            view = views[gi] = ComputationView(module, graph_plan.graph)
         except KeyError as exc:
             report.skipped.extend((k.name, f"graph not found: {exc}")
                                   for k in graph_plan.stitched.kernels if k.schedule)
@@ -317,7 +318,7 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
             built[k.name] = BuiltKernel(k.name, lowered, ffi_target)
             launching[k.name] = sum(1 for t in site.tops if view.launches(t))
     timings["build_s"] = time.perf_counter() - t1
-    rewrite = replace_kernels(module, graphs, placed)
+    rewrite = replace_kernels(module, graphs, placed, views)
     report.placed = rewrite.placed
     report.skipped.extend(rewrite.skipped)
     report.kernels_stitched = len(rewrite.placed)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .config import Settings, configure_logging, injected_failure, log_kernels
-from .errors import StitchError
+from .errors import Cancelled, StitchError
 from .switching import SwitchEntry, SwitchingFunction
 from .verify import compare_trees
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 VERIFY_RTOL = 1e-4           # relative L2 error tolerated by verify=True (f32 reductions)
 
 
-class CompileCancelled(StitchError):
+class CompileCancelled(Cancelled):
     """The interpreter is exiting: the compile thread stops between kernels."""
 
 

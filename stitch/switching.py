@@ -186,9 +186,8 @@ class SwitchingFunction:
         with self._lock:
             self.stats.compile_seconds += elapsed
             entry.counters.compile_s = elapsed
-        from .jit import CompileCancelled
-        if isinstance(exc, CompileCancelled) or type(exc).__name__ in ("PassCancelled",
-                                                                       "PlanCancelled"):
+        from .errors import Cancelled
+        if isinstance(exc, Cancelled):
             self._fail(entry, f"{exc} (stopped after {elapsed:.1f}s)")
         elif isinstance(exc, KeyboardInterrupt):
             self._fail(entry, f"compile interrupted after {elapsed:.1f}s (KeyboardInterrupt)")
