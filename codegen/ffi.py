@@ -25,6 +25,7 @@ import functools
 import hashlib
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -470,7 +471,8 @@ class FfiTarget:
     """A compiled FFI handler for one kernel. `register()` (idempotent per name), then
     `call(*args)` inside or outside jax.jit; outputs come back flat unless `out_shapes`.
     `llvm_ir` is the handler module's IR; targets are cached per name for the life of the
-    process, which keeps their engines (and CUDA modules) alive for XLA."""
+    process while something holds them (``cached_target``): whatever holds an executable
+    that calls the target must hold the target too, or its code is freed."""
     name: str
     kernel: kir.Kernel
     platform: str
@@ -499,7 +501,7 @@ class FfiTarget:
                 return
             jax.devices(_JAX_BACKENDS[self.platform])
             jax.ffi.register_ffi_target(self.name, self.capsule(), platform=self.platform)
-            _REGISTERED[self.name] = self  # XLA holds the code address for good
+            _REGISTERED.add(self.name)
         LOG.debug("registered FFI target %s (%s)", self.name, self.platform)
 
     def out_types(self, out_shapes: Sequence[Sequence[int]] | None = None) -> list[Any]:
@@ -536,18 +538,29 @@ class FfiTarget:
 
 
 _LOCK = threading.Lock()
-_REGISTERED: dict[str, FfiTarget] = {}
-_BUILT: dict[str, FfiTarget] = {}
+# Names handed to XLA. Its FFI registry keeps a name's handler address for the life of the
+# process and cannot forget it, so a name whose target was freed is never registered again.
+_REGISTERED: set[str] = set()
+# The live targets by content name. Weak: a target lives as long as what runs it holds it
+# (the executable of a stitch.jit signature, a stitch.compile program), so a function that
+# is deleted frees its kernels' code.
+_BUILT: weakref.WeakValueDictionary[str, FfiTarget] = weakref.WeakValueDictionary()
 _JAX_BACKENDS = {"cpu": "cpu", "CUDA": "gpu"}
 
 
-def cached_target(name: str, build: Callable[[], FfiTarget]) -> FfiTarget:
-    """The target built under `name` in this process, building it on first use (names hash
-    the content, so equal names are interchangeable)."""
+def cached_target(name: str, build: Callable[[str], FfiTarget]) -> FfiTarget:
+    """The live target for content `name`, or ``build(registry_name)``: `name` itself, or
+    `name` with a generation suffix when an earlier target of that name was registered with
+    XLA and has since been freed (its registration points at freed code)."""
     with _LOCK:
         built = _BUILT.get(name)
+        fresh = name
+        generation = 1
+        while fresh in _REGISTERED and built is None:
+            generation += 1
+            fresh = f"{name}_g{generation}"
     if built is None:
-        target = build()  # outside the lock: LLVM work can take a while
+        target = build(fresh)  # outside the lock: LLVM work can take a while
         with _LOCK:
             built = _BUILT.setdefault(name, target)
     return built
@@ -763,7 +776,7 @@ def host_ffi_target(kernel: kir.Kernel, *, threads: int = 1, bounds_check: bool 
     workers = max(1, min(threads, kernel.grid))
     name = target_name("cpu", kernel, kernel_ir, str(workers), str(opt))
 
-    def build() -> FfiTarget:
+    def build(name: str) -> FfiTarget:
         handler_ir = emit_host_handler_ir(kernel, name, threads=workers,
                                           bounds_check=bounds_check, scratch_bytes=scratch)
         engine, address = compile_handler(name, kernel, [kernel_ir, handler_ir],

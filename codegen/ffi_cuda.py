@@ -298,7 +298,7 @@ def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
     name = target_name("cuda", kernel, data, repr(ordinals), str(dynamic_shared_bytes),
                        str(command_buffer_compatible))
 
-    def build() -> FfiTarget:
+    def build(name: str) -> FfiTarget:
         functions = load_cuda_functions(data, kernel.name, ordinals)
         symbols = DriverSymbols.resolve()
         handler_ir = emit_cuda_handler_ir(kernel, name, functions, symbols,

@@ -35,6 +35,8 @@ UNARY_OPS = frozenset({
     "neg", "abs", "exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sin",
     "cos", "tan", "erf", "floor", "ceil", "round_half_even", "round_half_away", "sign", "not",
     "is_finite", "logistic", "cbrt",
+    # f32 -> the nearest f16 / bf16 value, widened back: XLA rounds every f16/bf16 result
+    "round_to_f16", "round_to_bf16",
 })
 SHUFFLE_MODES = frozenset({"xor", "down", "idx"})
 REDUCE_OPS = frozenset({"add", "max", "min", "mul"})
@@ -50,6 +52,7 @@ _BINARY_DTYPES: dict[str, frozenset[str]] = {
 _UNARY_DTYPES: dict[str, frozenset[str]] = {
     **{op: FLOAT_DTYPES for op in UNARY_OPS},
     "neg": _NUMERIC, "abs": _NUMERIC, "sign": _NUMERIC, "not": INT_DTYPES | {"i1"},
+    "round_to_f16": frozenset({"f32"}), "round_to_bf16": frozenset({"f32"}),
 }
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")

@@ -476,6 +476,9 @@ class KernelEmitter:
                 return b.select(b.fcmp_ordered(">", a, ir.Constant(ty, 0.0)), one, neg)
             if op == "is_finite":
                 return b.fcmp_ordered("!=", self.fabs(a, dtype), ir.Constant(ty, float("inf")))
+            if op in ("round_to_f16", "round_to_bf16"):
+                narrow = op.removeprefix("round_to_")
+                return self.from_storage(self.to_storage(a, narrow), narrow)
             if op == "logistic":
                 e = self.target.math(self, "exp", dtype, [b.fneg(a)])
                 return b.fdiv(one, b.fadd(one, e))

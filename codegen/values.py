@@ -45,6 +45,12 @@ _BINARY = {"add": "add", "subtract": "sub", "multiply": "mul", "divide": "div",
            "shift-left": "shl", "shift-right-logical": "shr_logical",
            "shift-right-arithmetic": "shr_arith"}
 _COMPARE = {"EQ": "eq", "NE": "ne", "LT": "lt", "LE": "le", "GT": "gt", "GE": "ge"}
+# Ops whose f16/bf16 result can need more bits than its element type holds (the others
+# move, select or compare values that already are f16/bf16).
+_ROUNDS = (frozenset(_UNARY) - {"negate", "abs", "sign", "not", "floor", "ceil",
+                                "round-nearest-even", "round-nearest-afz", "is-finite"}
+           | frozenset(_BINARY) - {"maximum", "minimum", "and", "or", "xor"}
+           | {"convert", "iota", "reduce", "reduce-window"})
 # Reducer computations (by the evaluator's binary kind) -> combining op and identity use.
 REDUCER = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min",
            "and": "and", "or": "or"}
@@ -247,11 +253,20 @@ class ValueEmitter:
         inner = self.scopes[home + 1:]
         del self.scopes[home + 1:]      # compute (operands too) in the home scope
         try:
-            got = self.let(node.opcode, self._compute(node, index))
+            got = self.let(node.opcode, self._rounded(node, self._compute(node, index)))
             self.scopes[-1].memo[key] = got
         finally:
             self.scopes.extend(inner)
         return got
+
+    def _rounded(self, node: OpNode, expr: Expr) -> Expr:
+        """An f16/bf16 result computed in f32, rounded to its element type as XLA rounds
+        every op's result (without it, f16 divide -> convert f32 kept f32 digits)."""
+        element = leaf(node.shape).element_type
+        if (element not in ("f16", "bf16") or node.id not in self.members
+                or node.opcode not in _ROUNDS or expr.dtype != "f32"):
+            return expr
+        return kir.Unary(f"round_to_{element}", expr)
 
     def _input(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
         scalar = self.constant_of(node)

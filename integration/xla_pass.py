@@ -382,7 +382,7 @@ def compile_with_pass(lowered: Any, request: PassRequest) -> tuple[Any, PassRepo
     try:
         with request:
             compiled = private.compile()
-        return compiled, request.result()
+        return _holding_kernels(compiled, request.result())
     except Exception as exc:  # noqa: BLE001 - XLA's own error on the rewritten module
         report = request.report
         if report is None or not report.in_loop_bodies:
@@ -395,7 +395,14 @@ def compile_with_pass(lowered: Any, request: PassRequest) -> tuple[Any, PassRepo
     private = retry.prepare(lowered)
     with retry:
         compiled = private.compile()
-    return compiled, retry.result()
+    return _holding_kernels(compiled, retry.result())
+
+
+def _holding_kernels(executable: Any, report: PassReport) -> tuple[Any, PassReport]:
+    """The executable made to hold its kernels' FFI targets: the targets' code lives as long
+    as something holds them (codegen.ffi.cached_target), and XLA calls it by address."""
+    executable._stitch_ffi_targets = tuple(k.target for k in report.kernels)
+    return executable, report
 
 
 def compile_hlo_text(text: str, request: PassRequest, platform: str = "cpu"
@@ -425,4 +432,4 @@ def compile_hlo_text(text: str, request: PassRequest, platform: str = "cpu"
 
     def call(*arrays: Any) -> list:
         return executable.execute([jax.device_put(a, device) for a in arrays])
-    return call, report
+    return _holding_kernels(call, report)

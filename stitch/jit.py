@@ -15,9 +15,9 @@ import atexit
 import functools
 import inspect
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -32,6 +32,9 @@ from .verify import compare_trees
 log = logging.getLogger(__name__)
 
 VERIFY_RTOL = 1e-4           # relative L2 error tolerated by verify=True (f32 reductions)
+# Compiles waiting behind the running one, over all functions; past it the oldest waiting
+# signature is dropped and compiled again on its next call.
+MAX_WAITING_COMPILES = 8
 
 
 class CompileCancelled(Cancelled):
@@ -44,17 +47,22 @@ _EXITING = "the compile had not finished when the interpreter exited"
 # ------------------------------------------------------------------------ compile thread
 class _CompileThread:
     """One daemon thread running compile jobs in order; joined at interpreter exit (a live
-    LLVM thread at exit has crashed the process), the running job stops between kernels."""
+    LLVM thread at exit has crashed the process), the running job stops between kernels.
 
-    def __init__(self) -> None:
-        self._jobs: queue.Queue = queue.Queue()
+    At most ``max_waiting`` jobs wait: past that the oldest waiting one is cancelled (its
+    future's done callbacks say so), so 200 input shapes never queue 200 lowered modules."""
+
+    def __init__(self, max_waiting: int = MAX_WAITING_COMPILES) -> None:
+        self.max_waiting = max_waiting
+        self._waiting: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
         self.stopping = threading.Event()
 
     def submit(self, job: Callable[[], Any]) -> Future:
         future: Future = Future()
-        with self._lock:
+        dropped: list[Future] = []
+        with self._wakeup:
             if self.stopping.is_set():
                 future.set_exception(CompileCancelled(_EXITING))
                 return future
@@ -63,29 +71,41 @@ class _CompileThread:
                                                 daemon=True)
                 self._thread.start()
                 atexit.register(self.shutdown)
-        self._jobs.put((job, future))
+            self._waiting.append((job, future))
+            while len(self._waiting) > self.max_waiting:
+                dropped.append(self._waiting.popleft()[1])
+            self._wakeup.notify()
+        for old in dropped:      # outside the lock: cancel() runs the owners' callbacks
+            old.cancel()
         return future
+
+    def waiting(self) -> int:
+        with self._wakeup:
+            return len(self._waiting)
 
     def _run(self) -> None:
         while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(job())
-            except BaseException as exc:  # noqa: BLE001 - reported through the future
-                future.set_exception(exc)
+            with self._wakeup:
+                while not self._waiting and not self.stopping.is_set():
+                    self._wakeup.wait()
+                if not self._waiting:
+                    return
+                job, future = self._waiting.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(job())
+                except BaseException as exc:  # noqa: BLE001 - reported through the future
+                    future.set_exception(exc)
+            del job, future      # idle, the thread must not keep the last function alive
 
     def shutdown(self, timeout: float = 60.0) -> None:
-        with self._lock:
+        """Stop taking jobs; the waiting ones still run, and stop at their first check."""
+        with self._wakeup:
             self.stopping.set()
             thread = self._thread
+            self._wakeup.notify_all()
         if thread is None:
             return
-        self._jobs.put(None)
         thread.join(timeout)
         if thread.is_alive():
             log.warning("stitch compile thread still busy after %.0fs at exit", timeout)
@@ -250,7 +270,7 @@ class StitchedFunction(SwitchingFunction):
         # the first signature always takes the slow path; a later one that jax compiled
         # for another wrapper first stays on stock XLA (correct, just not stitched).
         return (self._jax_cache_size and bool(entries)
-                and not any(e.state == "ready" for e in entries))
+                and not any(e.state in ("ready", "dropped") for e in entries))
 
     def _call_stitched(self, entry: _Entry, dyn_args: tuple, dyn_kwargs: dict, args: tuple,
                        kwargs: dict, call_number: int) -> Any:
@@ -304,6 +324,8 @@ class StitchedFunction(SwitchingFunction):
                  else "before running")
         job = functools.partial(self._compile, entry, lowered, time.perf_counter() - start)
         entry.future = _COMPILER.submit(job)
+        entry.future.add_done_callback(
+            lambda future: future.cancelled() and self._dropped_from_queue(entry))
         if not self.async_compile:
             try:
                 entry.future.result()
@@ -316,6 +338,7 @@ class StitchedFunction(SwitchingFunction):
 
         start = time.perf_counter() - earlier
         try:
+            _COMPILER.check()              # queued before exit began: record it, do not compile
             device = self.device or _default_device()
             ensure_registered("cpu" if device == "cpu" else "cuda")
             request = PassRequest(self.__qualname__, self.target, device,

@@ -101,7 +101,8 @@ class SwitchStats:
 
 @dataclass
 class SwitchEntry:
-    """One input signature: compiling → ready → (failed | stock-faster)."""
+    """One input signature: compiling → ready → (failed | stock-faster); compiling →
+    dropped (cancelled while waiting in the compile queue) → compiling on its next call."""
     state: str = "compiling"
     future: Future | None = None
     program: Any = None                 # integration.xla_pass.PassReport
@@ -140,14 +141,20 @@ class SwitchingFunction:
             call_number = self.stats.calls
             entry = self._entries.get(key) if key is not None else None
             start = key is not None and entry is None
-            if start:
+            if entry is not None and entry.state == "dropped":   # back in the compile queue
+                entry.state = entry.counters.state = "compiling"
+                entry.counters.fallback_reason = ""
+                start = True
+            elif start:
                 entry = self._entries[key] = self.entry_type()
                 entry.counters = SignatureCounters(self.__qualname__)
                 _register_record(entry.counters)
                 self.stats.signatures += 1
                 while len(self._entries) > MAX_SIGNATURES:     # oldest first, as jax's cache
-                    oldest = next(iter(self._entries))
-                    self._entries.pop(oldest).call = None
+                    evicted = self._entries.pop(next(iter(self._entries)))
+                    evicted.call = evicted.program = None
+                    if evicted.future is not None:
+                        evicted.future.cancel()                  # if it is still waiting
             if entry is not None:
                 entry.counters.calls += 1
         if start:
@@ -194,6 +201,18 @@ class SwitchingFunction:
         else:
             self._fail(entry, f"compile failed after {elapsed:.1f}s: {type(exc).__name__}: "
                               f"{exc}")
+
+    def _dropped_from_queue(self, entry: SwitchEntry) -> None:
+        """Its compile was cancelled before it started (newer signatures filled the compile
+        queue, or the signature was evicted): stock until its next call queues it again."""
+        reason = "dropped from the compile queue before it started (newer compiles waiting)"
+        with self._lock:
+            if entry.state != "compiling":
+                return
+            entry.state = entry.counters.state = "dropped"
+            entry.counters.fallback_reason = reason
+        log.info("%s: one signature's compile was %s; it is queued again on its next call",
+                 self.__qualname__, reason)
 
     def _fail(self, entry: SwitchEntry, reason: str) -> None:
         entry.state, entry.reason, entry.call = "failed", reason, None

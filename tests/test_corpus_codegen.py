@@ -3,6 +3,7 @@ test corpus showed going wrong: never a wrong number (a kernel codegen cannot do
 through the evaluator), never an exception where the module should run."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -78,10 +79,27 @@ ENTRY e {
   g = f32[5,3] gather(n, i), offset_dims={0,1}, collapsed_slice_dims={}, start_index_map={}, index_vector_dim=0, slice_sizes={5,3}
   ROOT r = f32[5,3] exponential(g)
 }""",
+"f16_divide_convert": """HloModule m
+ENTRY e {
+  x = f16[8,3] parameter(0)
+  y = f16[8,3] parameter(1)
+  div = f16[8,3] divide(x, y)
+  ROOT convert = f32[8,3] convert(div)
+}""",
+"bf16_chain_convert": """HloModule m
+ENTRY e {
+  x = bf16[64] parameter(0)
+  y = f32[64] parameter(1)
+  yb = bf16[64] convert(y)
+  m = bf16[64] multiply(x, yb)
+  e = bf16[64] exponential(m)
+  s = bf16[64] add(e, x)
+  ROOT r = f32[64] convert(s)
+}""",
 }
 
 # The forms codegen generates itself (the rest fall back to the evaluator, with a reason).
-STITCHED = {"ds_vector", "dus_vector"}
+STITCHED = {"ds_vector", "dus_vector", "f16_divide_convert", "bf16_chain_convert"}
 
 
 def _args(module, rng) -> list[np.ndarray]:
@@ -91,7 +109,8 @@ def _args(module, rng) -> list[np.ndarray]:
         if shape.element_type == "s32":
             out.append(rng.integers(-2, 7, shape.dims).astype(np.int32))  # clamping too
         else:
-            dtype = {"f32": np.float32, "f16": np.float16}[shape.element_type]
+            dtype = {"f32": np.float32, "f16": np.float16,
+                     "bf16": ml_dtypes.bfloat16}[shape.element_type]
             out.append((rng.standard_normal(shape.dims) + 0.5).astype(dtype))
     return out
 
