@@ -37,7 +37,7 @@ if _ON:
             def exec_module(module, _real=real_exec, _name=name):
                 _real(module)
                 try:
-                    from stitch.autoload import patch
+                    from integration.autoload import patch
                     patch(_name, module)
                 except Exception as exc:  # never break the user's import
                     sys.stderr.write(f"stitch: autoload could not patch {_name}: {exc}\n")

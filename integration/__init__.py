@@ -1,2 +1,5 @@
-"""The framework layer over the optimizer: stitch as an XLA pass (``xla_pass``, with the
-module rewrite in ``hlo_rewrite``), and end-to-end scenarios (``scripts/``, tests)."""
+"""The framework layer over the optimizer: stitch as an XLA pass (``xla_pass``, with kernel
+snapping in ``snap`` and the module rewrite in ``hlo_rewrite``), ``stitch.jit`` on top of it
+(``jax_jit``, with ``switching``, ``verify`` and ``config``), TensorFlow and Keras
+(``tf_frontend``), env-var enablement (``autoload``), the demo, and end-to-end scenarios
+(``scripts/``, tests). Importing it imports no framework."""

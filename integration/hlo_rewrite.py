@@ -28,7 +28,7 @@ from hlo_passes.graph import FREE_OPCODES, OpGraph
 from hlo_passes.ir import Computation, Instruction, Shape
 from hlo_passes.op_classes import OpClass
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("stitch.hlo_rewrite")
 
 
 @dataclass

@@ -300,7 +300,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from integration.demo import run_demo
 
     if args.target not in PLAN_TARGETS:
         raise StitchError(f"unknown target {args.target!r} (one of {', '.join(PLAN_TARGETS)})")

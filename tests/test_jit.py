@@ -17,9 +17,9 @@ import jax.numpy as jnp  # noqa: E402
 
 import stitch  # noqa: E402
 from integration import xla_pass  # noqa: E402
-from stitch.jit import StitchedFunction  # noqa: E402
+from integration.jax_jit import StitchedFunction  # noqa: E402
 from stitch.models import build  # noqa: E402
-from stitch.verify import compare_trees, poison_check  # noqa: E402
+from integration.verify import compare_trees, poison_check  # noqa: E402
 
 RTOL = 1e-4
 

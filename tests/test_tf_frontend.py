@@ -1,4 +1,4 @@
-"""stitch.frontends.tf: tf.function(jit_compile=True) under stitch (skipped without TF).
+"""integration.tf_frontend: tf.function(jit_compile=True) under stitch (skipped without TF).
 
 The mapping (ENTRY parameters = the concrete function's inputs: tensor arguments, then
 captures; root = flat outputs, then variable updates named by input_output_alias), the
@@ -15,7 +15,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("jax")
 
-from stitch.frontends import tf as tf_frontend  # noqa: E402
+from integration import tf_frontend  # noqa: E402
 
 
 def _model(seed: int = 0):
@@ -53,7 +53,7 @@ def _flat(result):
 
 
 def test_importing_the_front_end_does_not_import_tensorflow():
-    code = ("import sys, stitch.frontends, stitch.frontends.tf; "
+    code = ("import sys, integration.tf_frontend; "
             "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

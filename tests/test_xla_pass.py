@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import stitch  # noqa: E402
 from hlo_passes import parse_hlo  # noqa: E402
 from integration import xla_pass  # noqa: E402
-from stitch.verify import compare_trees  # noqa: E402
+from integration.verify import compare_trees  # noqa: E402
 
 RTOL = 1e-4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("stitch.demo")
 
 
 @dataclass
@@ -65,7 +65,7 @@ def _ptxas_check(program: Any, arch: str) -> tuple[int, int, list[str]]:
     from codegen.isolation import IsolatedWorker
     from codegen.toolchain import assemble
 
-    from .compiler import _emit_ptx_text
+    from stitch.compiler import _emit_ptx_text
 
     passed, problems = 0, []
     with IsolatedWorker(name="stitch-demo-ptx") as worker:
@@ -88,9 +88,9 @@ def run_demo(model: str = "bert_layer_train", config: str = "tiny", target: str 
              out: Callable[[str], None] = print) -> dict:
     import jax
 
-    from . import jit as stitch_jit
-    from .compiler import arch_of
-    from .models import build
+    from .jax_jit import jit as stitch_jit
+    from stitch.compiler import arch_of
+    from stitch.models import build
 
     inst = build(model, config)
     if not inst.param_argnums:

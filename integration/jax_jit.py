@@ -25,11 +25,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .config import Settings, configure_logging, injected_failure, log_kernels
-from .errors import Cancelled, StitchError
+from stitch.errors import Cancelled, StitchError
 from .switching import SwitchEntry, SwitchingFunction
 from .verify import compare_trees
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("stitch.jit")  # the user-facing hierarchy (STITCH_LOG)
 
 VERIFY_RTOL = 1e-4           # relative L2 error tolerated by verify=True (f32 reductions)
 # Compiles waiting behind the running one, over all functions; past it the oldest waiting

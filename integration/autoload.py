@@ -4,8 +4,8 @@ jax: ``jax.jit`` becomes a function with the same signature that returns ``stitc
 functions (the original stays reachable as ``jax.jit.__stitch_original__``, which stitch's own
 stock path uses). Libraries that bind ``jax.jit`` after jax is imported — Keras' JAX trainer
 among them — get stitch too. tensorflow / keras: ``tf.function(jit_compile=True)`` and Keras'
-TF trainer go through ``stitch.frontends.tf``. Settings come from the environment
-(stitch/config.py).
+TF trainer go through ``integration.tf_frontend``. Settings come from the environment
+(integration/config.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from .config import configure_logging
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("stitch.autoload")  # the user-facing hierarchy (STITCH_LOG)
 
 
 def patch(name: str, module: ModuleType) -> None:
@@ -24,10 +24,10 @@ def patch(name: str, module: ModuleType) -> None:
     if name == "jax":
         patch_jax(module)
     elif name in ("tensorflow", "keras"):
-        # tf.function(jit_compile=True) and Keras' TF trainer (stitch/frontends/tf.py); a
+        # tf.function(jit_compile=True) and Keras' TF trainer (integration/tf_frontend.py); a
         # failure leaves the framework untouched.
         try:
-            from .frontends import tf as tf_frontend
+            from . import tf_frontend
             if name == "tensorflow":
                 tf_frontend.patch_tensorflow(module)
             else:
@@ -43,7 +43,7 @@ def patch_jax(jax_module: ModuleType) -> None:
 
     def wrap(fun: Callable, kwargs: dict) -> Any:
         try:
-            from .jit import jit as stitch_jit
+            from .jax_jit import jit as stitch_jit
             return stitch_jit(fun, **kwargs)
         except Exception as exc:  # noqa: BLE001 - never break the user's jax.jit
             log.warning("%s stays on stock jax.jit: %s: %s",

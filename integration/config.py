@@ -1,6 +1,6 @@
 """Settings read from the environment (documented in the README).
 
-STITCH_ENABLE   1/true: the autoload patches jax.jit / TF / Keras on import (stitch/_boot.py)
+STITCH_ENABLE   1/true: the autoload patches jax.jit / TF / Keras on import (stitch_autoload.py, integration/autoload.py)
 STITCH_ASYNC    0/false: compile before the first call instead of in the background (default 1)
 STITCH_TARGET   the GPU the plan is made for: v100 | a100 | h100 | h200 (default h100)
 STITCH_DEVICE   where stitched kernels run: cpu | gpu (default: gpu when jax has one, else cpu)
@@ -22,7 +22,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .errors import StitchError
+from stitch.errors import StitchError
 
 TARGETS = ("v100", "a100", "h100", "h200")
 _TRUE = {"1", "true", "yes", "on"}

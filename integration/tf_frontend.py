@@ -49,11 +49,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..config import Settings, configure_logging, injected_failure
-from ..errors import StitchError
-from ..switching import SwitchEntry, SwitchingFunction
+from .config import Settings, configure_logging, injected_failure
+from stitch.errors import StitchError
+from .switching import SwitchEntry, SwitchingFunction
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("stitch.tf")
 
 VERIFY_RTOL = 1e-4
 _ALIAS = re.compile(r"\{(\d+)\}:\s*\((\d+),\s*\{\}")
@@ -342,7 +342,7 @@ class TFStitchedFunction(SwitchingFunction):
             return self.stock(*args, **kwargs)
         result = self.stock(*args, **kwargs)
         try:
-            from ..verify import poison_check
+            from .verify import poison_check
             mapping = entry.mapping
             _, leaves = bound_leaves(self.python_fn, args, kwargs)
             expected = [t for t in tf.nest.flatten(result, expand_composites=True)
@@ -383,7 +383,7 @@ class TFStitchedFunction(SwitchingFunction):
         TF compiling on the compile thread while the caller's stock step compiles too
         deadlocks (both hold a TF lock and want the GIL). Planning and building go to the
         compile thread."""
-        from ..jit import _COMPILER
+        from .jax_jit import _COMPILER
 
         log.info("%s: compiling stitched kernels for %s (call %d, %s)", self.__qualname__,
                  self.target, call_number, "in the background" if self.async_compile
@@ -420,7 +420,7 @@ class TFStitchedFunction(SwitchingFunction):
         from hlo_passes import print_hlo
         from integration.xla_pass import PassRequest, compile_hlo_text
 
-        from ..jit import _COMPILER, _default_device
+        from .jax_jit import _COMPILER, _default_device
 
         start = time.perf_counter()
         try:

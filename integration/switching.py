@@ -193,7 +193,7 @@ class SwitchingFunction:
         with self._lock:
             self.stats.compile_seconds += elapsed
             entry.counters.compile_s = elapsed
-        from .errors import Cancelled
+        from stitch.errors import Cancelled
         if isinstance(exc, Cancelled):
             self._fail(entry, f"{exc} (stopped after {elapsed:.1f}s)")
         elif isinstance(exc, KeyboardInterrupt):
