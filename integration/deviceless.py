@@ -270,3 +270,95 @@ def ensure_pass_registered() -> None:
     ``xla_pass.ensure_registered("cuda")`` registers it on a real GPU)."""
     from .xla_pass import _callback
     register_transform(_callback, "stitch", "post_scheduler")
+
+
+# ---------------------------------------------------------------- the compile's target
+
+# Fields of XLA's GpuTargetConfigProto that stitch's GpuSpec does not hold: CUDA's launch
+# limits, and the cuDNN / CUDA runtime versions jax-cuda12-plugin 0.10.2 accepts.
+_BLOCK_DIM_LIMITS = (2147483647, 65535, 65535)
+_DNN_VERSION = (9, 7)
+_RUNTIME_VERSION = (12, 8, 0)
+_DEVICE_NAMES = {"v100": "Tesla V100-SXM2-16GB", "a100": "NVIDIA A100-SXM4-40GB",
+                 "h100": "NVIDIA H100 80GB HBM3"}
+
+
+def target_config(target: str) -> str:
+    """XLA's GPU target config (text proto) for stitch's GPU spec ``target``: what a
+    deviceless compile is told about the GPU (the same numbers stitch's cost model uses)."""
+    from stitch.cost.gpu_specs import get_spec
+    spec = get_spec(target)
+    major, minor = spec.compute_capability
+    fields = {
+        "threads_per_block_limit": spec.max_threads_per_block,
+        "threads_per_warp": spec.warp_size,
+        "shared_memory_per_block": spec.shared_memory_per_block,
+        "shared_memory_per_core": spec.shared_memory_per_sm,
+        "threads_per_core_limit": spec.max_threads_per_sm,
+        "core_count": spec.sm_count,
+        "fpus_per_core": spec.fp32_cores_per_sm,
+        "block_dim_limit_x": _BLOCK_DIM_LIMITS[0],
+        "block_dim_limit_y": _BLOCK_DIM_LIMITS[1],
+        "block_dim_limit_z": _BLOCK_DIM_LIMITS[2],
+        "memory_bandwidth": spec.hbm_bandwidth,
+        "l2_cache_size": spec.l2_bytes,
+        "clock_rate_ghz": spec.clock_ghz,
+        "device_memory_size": spec.memory_bytes,
+        "shared_memory_per_block_optin": spec.shared_memory_per_block_optin,
+        "registers_per_core_limit": spec.registers_per_sm,
+        "registers_per_block_limit": spec.registers_per_block,
+    }
+    lines = ["gpu_device_info {"]
+    lines += [f"  {k}: {v}" for k, v in fields.items()]
+    lines += [f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}",
+              'platform_name: "CUDA"',
+              f"dnn_version_info {{ major: {_DNN_VERSION[0]} minor: {_DNN_VERSION[1]} }}",
+              "runtime_version {{ major: {} minor: {} patch: {} }}".format(*_RUNTIME_VERSION),
+              f'device_description_str: "{_DEVICE_NAMES.get(spec.name, spec.name)}"']
+    return "\n".join(lines) + "\n"
+
+
+def check_environment() -> None:
+    """DevicelessError unless this process may compile for a GPU without one."""
+    why = plugin_available()
+    if why:
+        raise DevicelessError(why)
+    wrong = {k: os.environ.get(k) for k, v in DEVICELESS_ENV.items() if os.environ.get(k) != v}
+    if wrong:
+        raise DevicelessError("a deviceless compile needs " + " ".join(
+            f"{k}={v}" for k, v in DEVICELESS_ENV.items()) + f" (got {wrong})")
+
+
+def topology(target: str = "h100", shape: str = "1x1x1") -> Any:
+    """jax's description of ``shape`` GPUs of stitch's spec ``target``, no device opened."""
+    from jax.experimental import topologies
+    check_environment()
+    return topologies.get_topology_desc(platform="cuda", topology=shape,
+                                        target_config=target_config(target))
+
+
+@dataclass
+class DevicelessCompile:
+    """One deviceless compile with stitch's pass on: the executable and the pass's report."""
+    compiled: Any                    # jax.stages.Compiled (cannot run: no device)
+    report: Any                      # xla_pass.PassReport
+    request: Any                     # xla_pass.PassRequest
+
+    @property
+    def text(self) -> str:
+        """XLA GPU's final HLO (after the pass and the rest of XLA's pipeline)."""
+        return self.compiled.as_text()
+
+
+def compile_with_pass(lowered: Any, function: str, target: str = "h100",
+                      arch: str | None = None, options: Any = None) -> DevicelessCompile:
+    """``lowered`` (a ``jax.stages.Lowered`` for a topology's devices) compiled by XLA GPU
+    with stitch's pass on for it, kernels built as compile-only CUDA targets."""
+    from .xla_pass import PassRequest
+    ensure_pass_registered()
+    request = PassRequest(function, target, "gpu", options=options, compile_only=True,
+                          arch=arch)
+    private = request.prepare(lowered)
+    with request:
+        compiled = private.compile()
+    return DevicelessCompile(compiled, request.result(), request)
