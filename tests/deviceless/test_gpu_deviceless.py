@@ -240,3 +240,46 @@ def test_a_tagged_compile_without_the_extension_registration_is_not_stitched(dev
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "NOT-CALLED" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- numbers for docs/benchmarks.md
+
+
+def measure() -> list[dict]:
+    """Kernel counts and compile seconds of the steps above, stock vs with the pass (one
+    process; run twice for warm compile caches)."""
+    import time
+
+    from jax.experimental import topologies
+    deviceless.check_environment()
+    deviceless.ensure_pass_registered()
+    rows = []
+    for label, shape, n, dtype, axis in (
+            ("f32, 1×H100", "1x1x1", 1, jnp.float32, None),
+            ("bf16, 1×H100", "1x1x1", 1, jnp.bfloat16, None),
+            ("f32, 2×H100 data-parallel", "1x2x1", 2, jnp.float32, "d")):
+        mesh = topologies.make_mesh(deviceless.topology(TARGET, shape), (n,), ("d",))
+        lowered = lower_step(mesh, dtype, axis)
+        start = time.perf_counter()
+        stock = parse_hlo(lowered.compile().as_text())
+        stock_s = time.perf_counter() - start
+        start = time.perf_counter()
+        result = deviceless.compile_with_pass(lowered, "train_step", TARGET)
+        pass_s = time.perf_counter() - start
+        report = result.report
+        rows.append({
+            "step": label, "xla_kernels": report.kernels_xla,
+            "xla_fusions": sum(1 for i in stock.entry.instructions if i.opcode == "fusion"),
+            "kernels_after": report.kernels_after, "stitched": report.kernels_stitched,
+            "final_launches": len(kernel_launches(parse_hlo(result.text).entry)),
+            "stock_compile_s": round(stock_s, 2), "pass_compile_s": round(pass_s, 2),
+            **{k: round(v, 2) for k, v in report.timings.items()},
+            "ptxas_registers": {k.name: k.target.ptxas[k.lowered.kernel.name].registers
+                                for k in report.kernels}})
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+    for row in measure():
+        print(json.dumps(row))
