@@ -21,6 +21,11 @@ schedules the custom calls with the rest. On the CUDA plugin PRE_SCHEDULER is st
 pre-fusion, so POST_SCHEDULER (fused, scheduled: the rewrite keeps a topological order that
 follows XLA's) is the stage that sees XLA's fusions.
 
+Without a GPU (the deviceless check, tests only): ``integration/deviceless.py`` registers the
+same callback with the CUDA plugin's XlaTransform extension (jax's public registration needs
+a started GPU backend) and compiles with ``PassRequest(compile_only=True)``: kernels are
+built for the target spec's arch as compile-only CUDA FFI targets (``build_target``).
+
 The callback never raises into XLA: any failure leaves the module unchanged and is kept on
 the request (``PassRequest.result()`` raises it as a ``StitchError`` on the caller's side).
 """
