@@ -10,14 +10,14 @@
 #   STITCH_CUDA_VENV    the venv (default: .venv-cuda in the repository)
 #   STITCH_WHEELS       a folder with the plugin's wheels to install from instead of the
 #                       package index (jax_cuda12_plugin, jax_cuda12_pjrt)
-#   PYTHON              the interpreter the venv is made from (default: python3)
+#   PYTHON              the interpreter the venv is made from (default: python, as in CI)
 # ptxas (for sm_90) is found the way stitch always finds it: $STITCH_PTXAS, $PATH,
 # CUDA_HOME, /usr/local/cuda, or the nvidia-cuda-nvcc-cu12 wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${STITCH_CUDA_VENV:-.venv-cuda}"
-PY="${PYTHON:-python3}"
+PY="${PYTHON:-$(command -v python || command -v python3)}"
 JAX_VERSION="$("$PY" -c 'import jax; print(jax.__version__)')"
 
 if ! "$VENV/bin/python" -c "import jax_cuda12_plugin, jax_plugins.xla_cuda12" 2>/dev/null; then
