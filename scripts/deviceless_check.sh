@@ -11,8 +11,8 @@
 #   STITCH_WHEELS       a folder with the plugin's wheels to install from instead of the
 #                       package index (jax_cuda12_plugin, jax_cuda12_pjrt)
 #   PYTHON              the interpreter the venv is made from (default: python, as in CI)
-# ptxas (for sm_90) is found the way stitch always finds it: $STITCH_PTXAS, $PATH,
-# CUDA_HOME, /usr/local/cuda, or the nvidia-cuda-nvcc-cu12 wheel.
+# stitch finds ptxas (for sm_90) the way it always does: $STITCH_PTXAS, $PATH, CUDA_HOME,
+# /usr/local/cuda, or the nvidia-cuda-nvcc-cu12 wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +25,9 @@ if ! "$VENV/bin/python" -c "import jax_cuda12_plugin, jax_plugins.xla_cuda12" 2>
     echo "deviceless_check: creating $VENV with jax-cuda12-plugin==$JAX_VERSION" >&2
     "$PY" -m venv --system-site-packages "$VENV"
     # --no-deps: the plugin's nvidia-* runtime wheels are for running on a GPU; a deviceless
-    # compile needs none of them (ptxas and libdevice come from stitch's own toolchain).
+    # compile needs none of them. It does need ptxas and libdevice (XLA's own kernels,
+    # stitch's): jax points XLA at the nvidia-cuda-nvcc-cu12 wheel of the [test] extras,
+    # else a CUDA install (/usr/local/cuda).
     if [[ -n "${STITCH_WHEELS:-}" ]]; then
         "$VENV/bin/pip" install -q --no-deps --no-index --find-links "$STITCH_WHEELS" \
             "jax-cuda12-plugin==$JAX_VERSION" "jax-cuda12-pjrt==$JAX_VERSION"
