@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 from llvmlite import ir
 
@@ -309,3 +309,74 @@ def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
         return FfiTarget(name, kernel, "CUDA", address, handler_ir, engine,
                          _keepalive=tuple(functions))
     return cached_target(name, build)
+
+
+# ---------------------------------------------------------------- compile-only (deviceless)
+
+# XLA_FFI_Error_Code_FAILED_PRECONDITION (the absl code): the target exists but cannot run.
+ERR_FAILED_PRECONDITION = 9
+
+
+def emit_compile_only_handler_ir(kernel: kir.Kernel, name: str, arch: str) -> str:
+    """LLVM IR (host triple) of a handler that answers XLA's metadata probe, so a compile
+    accepts the custom call, and fails any real call with an error naming the kernel."""
+    kernel.validate()
+    module = new_module(f"{name}_handler")
+    h = HandlerEmitter(module, kernel, name)
+    h.answer_metadata_probe(0)
+    h.fail(ERR_FAILED_PRECONDITION, f"compile-only CUDA target for {arch} (deviceless check): "
+           "no code is loaded on any device, so it must never run")
+    return str(module)
+
+
+@dataclass
+class CompileOnlyCudaTarget(FfiTarget):
+    """A kernel's CUDA FFI target for compiling without a device: XLA accepts the custom call
+    (the handler answers the metadata probe) but it can never run. ``cubin`` is ptxas's
+    output for ``arch`` and ``ptxas`` its per-entry resource reports, so a deviceless check
+    still covers PTX emission and assembly."""
+    arch: str = ""
+    ptx: str = field(default="", repr=False)
+    cubin: bytes = field(default=b"", repr=False)
+    ptxas: dict = field(default_factory=dict, repr=False)
+
+    def register(self) -> None:
+        """Registered for "CUDA" without touching a device (FfiTarget.register asks jax for
+        the GPU devices first, which a deviceless process has none of)."""
+        import jax
+        from codegen import ffi
+        with ffi._LOCK:                 # the one record of names XLA holds (cached_target)
+            if self.name in ffi._REGISTERED:
+                return
+            jax.ffi.register_ffi_target(self.name, self.capsule(), platform="CUDA")
+            ffi._REGISTERED.add(self.name)
+        LOG.debug("registered compile-only CUDA FFI target %s (%s)", self.name, self.arch)
+
+
+def compile_only_cuda_target(kernel: kir.Kernel, ptx: str, arch: str, *,
+                             cache: Any = None) -> CompileOnlyCudaTarget:
+    """The kernel's PTX assembled by ptxas for ``arch`` (CodegenError if ptxas rejects it)
+    behind a compile-only FFI handler for "CUDA" (see CompileOnlyCudaTarget). ``cache`` is a
+    codegen.cache.CompileCache for ptxas's result."""
+    from codegen.gpu_cache import assemble_cached
+
+    kernel.validate()
+    for p in kernel.params:
+        if p.dtype not in FFI_DTYPES:
+            raise CodegenError(f"kernel {kernel.name!r}: param {p.name!r} dtype {p.dtype} "
+                               "has no XLA FFI dtype")
+    name = target_name("cudacheck", kernel, ptx, arch)
+
+    def build(name: str) -> FfiTarget:
+        assembled = assemble_cached(ptx, arch, cache=cache, kernel_name=kernel.name)
+        handler_ir = emit_compile_only_handler_ir(kernel, name, arch)
+        engine, address = compile_handler(name, kernel, [handler_ir])
+        LOG.debug("kernel %s: compile-only CUDA target %s (%s, %d cubin bytes)", kernel.name,
+                  name, arch, len(assembled.cubin))
+        return CompileOnlyCudaTarget(name, kernel, "CUDA", address, handler_ir, engine,
+                                     arch=arch, ptx=ptx, cubin=assembled.cubin,
+                                     ptxas=dict(assembled.reports))
+    target = cached_target(name, build)
+    if not isinstance(target, CompileOnlyCudaTarget):     # names are per kind: cannot happen
+        raise CodegenError(f"FFI target {name} is registered as a {type(target).__name__}")
+    return target

@@ -21,6 +21,11 @@ schedules the custom calls with the rest. On the CUDA plugin PRE_SCHEDULER is st
 pre-fusion, so POST_SCHEDULER (fused, scheduled: the rewrite keeps a topological order that
 follows XLA's) is the stage that sees XLA's fusions.
 
+Without a GPU (the deviceless check, tests only): ``integration/deviceless.py`` registers the
+same callback with the CUDA plugin's XlaTransform extension (jax's public registration needs
+a started GPU backend) and compiles with ``PassRequest(compile_only=True)``: kernels are
+built for the target spec's arch as compile-only CUDA FFI targets (``build_target``).
+
 The callback never raises into XLA: any failure leaves the module unchanged and is kept on
 the request (``PassRequest.result()`` raises it as a ``StitchError`` on the caller's side).
 """
@@ -103,6 +108,10 @@ class PassRequest:
     cancel: Callable[[], bool] | None = None
     options: Any = None                           # ExplorerOptions
     loop_bodies: bool = True                      # place kernels in while bodies/branches too
+    # GPU without a device (integration/deviceless.py): compile-only CUDA targets, PTX
+    # assembled for ``arch`` (default: the compute capability of ``target``'s spec).
+    compile_only: bool = False
+    arch: str | None = None
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
     report: PassReport | None = None
     error: BaseException | None = None
@@ -159,6 +168,16 @@ class PassRequest:
             raise PassError("XLA compiled the module without calling stitch's pass "
                             "(was the executable served from a compilation cache?)")
         return self.report
+
+    def gpu_arch(self) -> str | None:
+        """sm_XY the GPU kernels are built for: ``arch``; else, compiling without a device,
+        the compile's target (its spec's compute capability); else the device's. None on
+        CPU."""
+        if self.device != "gpu":
+            return None
+        if self.arch:
+            return self.arch
+        return target_arch(self.target) if self.compile_only else gpu_arch()
 
     def check_cancelled(self) -> None:
         if self.cancel is not None and self.cancel():
@@ -308,7 +327,9 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
             try:
                 with LLVM_LOCK:
                     lowered = lower_kernel(graph_plan.graph, evaluator, k.schedule, k.name)
-                    ffi_target = build_target(lowered.kernel, request.device)
+                    ffi_target = build_target(lowered.kernel, request.device,
+                                              arch=request.gpu_arch(),
+                                              compile_only=request.compile_only)
             except (CodegenError, StitchError) as exc:
                 log.info("kernel %s stays with XLA: %s", k.name, exc)
                 report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
@@ -346,17 +367,24 @@ def compile_cache() -> Any:
 _CACHE: Any = None
 
 
-def build_target(kernel: Any, device: str) -> Any:
+def build_target(kernel: Any, device: str, *, arch: str | None = None,
+                 compile_only: bool = False) -> Any:
     """The kernel as a registered XLA FFI target for ``device`` ("cpu" | "gpu"), its object
-    code or PTX through the compile cache."""
+    code or PTX through the compile cache. GPU: PTX for ``arch`` (default: the device's);
+    ``compile_only`` builds a target XLA compiles against without a device (ptxas checks
+    the PTX; the handler never runs, see codegen.ffi_cuda.compile_only_cuda_target)."""
     if device == "cpu":
         from codegen.ffi import host_ffi_target
         target = host_ffi_target(kernel, cache=compile_cache())
     elif device == "gpu":
-        from codegen.ffi_cuda import cuda_ffi_target
+        from codegen.ffi_cuda import compile_only_cuda_target, cuda_ffi_target
         from codegen.gpu_cache import emit_ptx_cached
-        built = emit_ptx_cached(kernel, gpu_arch(), cache=compile_cache())
-        target = cuda_ffi_target(kernel, built.ptx)
+        arch = arch or gpu_arch()
+        built = emit_ptx_cached(kernel, arch, cache=compile_cache())
+        if compile_only:
+            target = compile_only_cuda_target(kernel, built.ptx, arch, cache=compile_cache())
+        else:
+            target = cuda_ffi_target(kernel, built.ptx)
     else:
         raise PassError(f"device {device!r} is not supported (cpu, gpu)")
     target.register()
@@ -370,6 +398,14 @@ def gpu_arch() -> str:
     if not capability:
         raise PassError("the GPU device does not report its compute capability")
     return "sm_" + str(capability).replace(".", "")
+
+
+def target_arch(target: str) -> str:
+    """sm_XY of a GPU spec (``stitch.cost.gpu_specs``): the arch a compile for ``target``
+    without a device builds for."""
+    from stitch.cost.gpu_specs import get_spec
+    major, minor = get_spec(target).compute_capability
+    return f"sm_{major}{minor}"
 
 
 def compile_with_pass(lowered: Any, request: PassRequest) -> tuple[Any, PassReport]:
@@ -391,7 +427,8 @@ def compile_with_pass(lowered: Any, request: PassRequest) -> tuple[Any, PassRepo
                  "ENTRY kernels only", request.function, type(exc).__name__,
                  str(exc).splitlines()[0][:200])
     retry = PassRequest(request.function, request.target, request.device, request.cancel,
-                        request.options, loop_bodies=False)
+                        request.options, loop_bodies=False,
+                        compile_only=request.compile_only, arch=request.arch)
     private = retry.prepare(lowered)
     with retry:
         compiled = private.compile()

@@ -1,0 +1,78 @@
+"""The compile-only CUDA FFI target of the deviceless check, without jax's CUDA plugin: its
+handler (host code) is called on a fake XLA call frame, and its PTX goes through ptxas.
+Runs in the main suite (no GPU, no plugin)."""
+from __future__ import annotations
+
+import pytest
+
+from codegen import ffi
+from codegen.errors import CodegenError, ToolchainError
+from codegen.ffi_cuda import (ERR_FAILED_PRECONDITION, CompileOnlyCudaTarget,
+                              compile_only_cuda_target, emit_compile_only_handler_ir)
+from codegen.nvptx import emit_ptx
+from codegen.objcheck import cubin_problem
+from codegen.toolchain import find_ptxas
+from tests.test_ffi import ERROR_SENTINEL, FakeXla, ew_kernel, probe
+
+
+def _handler(kernel, name="stitch_cudacheck_test"):
+    ir_text = emit_compile_only_handler_ir(kernel, name, "sm_90")
+    engine, address = ffi.compile_handler(name, kernel, [ir_text])
+    return engine, address
+
+
+def test_handler_answers_xlas_metadata_probe():
+    """What XLA does with a handler while compiling: it must succeed."""
+    engine, address = _handler(ew_kernel("probed"))
+    xla = FakeXla()
+    result, meta = probe(xla, address)
+    assert result is None and not xla.errors
+    assert (meta.api_version.major_version, meta.api_version.minor_version) == \
+        (ffi.API_MAJOR, ffi.API_MINOR)
+    assert meta.traits == 0      # not command-buffer compatible: XLA never captures it
+    del engine
+
+
+def test_handler_refuses_to_run_and_names_the_kernel():
+    import numpy as np
+    engine, address = _handler(ew_kernel("never_run"))
+    xla = FakeXla()
+    a = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    out = np.full(1000, np.nan, np.float32)
+    assert xla.call(address, [a, a.copy()], [out]) == ERROR_SENTINEL
+    (text, code, _), = xla.errors
+    assert text.startswith("kernel 'never_run': compile-only CUDA target for sm_90"), text
+    assert "must never run" in text
+    assert code == ERR_FAILED_PRECONDITION
+    assert np.isnan(out).all()                   # nothing was written
+    del engine
+
+
+def test_target_assembles_the_ptx_for_the_arch():
+    try:
+        find_ptxas("sm_90")
+    except ToolchainError as exc:
+        pytest.skip(f"no ptxas for sm_90: {exc}")
+    kernel = ew_kernel("assembled")
+    ptx = emit_ptx(kernel, "sm_90")
+    target = compile_only_cuda_target(kernel, ptx, "sm_90")
+    assert isinstance(target, CompileOnlyCudaTarget) and target.platform == "CUDA"
+    assert target.arch == "sm_90" and target.name.startswith("stitch_cudacheck_assembled_")
+    assert cubin_problem(target.cubin) is None
+    assert target.ptxas["assembled"].arch == "sm_90"
+    # Same content, same target (XLA's registry is process-wide).
+    assert compile_only_cuda_target(kernel, ptx, "sm_90") is target
+    xla = FakeXla()
+    assert xla.call(target.address, [], []) == ERROR_SENTINEL
+
+
+def test_ptx_that_ptxas_rejects_is_a_codegen_error():
+    try:
+        find_ptxas("sm_90")
+    except ToolchainError as exc:
+        pytest.skip(f"no ptxas for sm_90: {exc}")
+    kernel = ew_kernel("broken")
+    ptx = emit_ptx(kernel, "sm_90").replace("ret;", "ret_not_an_instruction;", 1)
+    with pytest.raises(CodegenError):
+        compile_only_cuda_target(kernel, ptx, "sm_90")
+
