@@ -91,3 +91,29 @@ ENTRY e {{
     (got,) = evaluate(text, [x])
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_copy_start_with_the_array_shape_alone():
+    """XLA's parser takes `f32[2,3] copy-start(p0)` (corpus 06350); it is a copy."""
+    from hlo_passes import evaluate, parse_hlo
+    module = parse_hlo("""HloModule m
+ENTRY e {
+  p0 = f32[2,3] parameter(0)
+  copy-start = f32[2,3] copy-start(p0)
+  ROOT copy-done = f32[2,3] copy-done(copy-start)
+}""")
+    x = np.random.default_rng(5).standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(evaluate(module, [x])[0], x)
+
+
+def test_a_result_larger_than_memory_is_an_evaluation_error():
+    """A broadcast is a numpy view until the result is copied out (corpus 01210: 70 GiB)."""
+    from hlo_passes import evaluate, parse_hlo
+    from hlo_passes.errors import HloEvaluationError
+    module = parse_hlo("""HloModule m
+ENTRY e {
+  c = bf16[] constant(0)
+  ROOT b = bf16[80,7,8192,8192] broadcast(c), dimensions={}
+}""")
+    with pytest.raises(HloEvaluationError, match="does not fit"):
+        evaluate(module, [])

@@ -95,7 +95,11 @@ def evaluate(module: HloModule | str, args: Sequence[np.ndarray]) -> list[np.nda
     log.debug("evaluating %s (%d computations)", module.name, len(module.computations))
     with np.errstate(all="ignore"):
         value = Evaluator(module).run(entry, checked)
-    return flatten(value)
+    try:
+        return flatten(value)        # a broadcast result is a view until it is copied out
+    except MemoryError as exc:
+        raise HloEvaluationError(f"{entry.name}: the result {entry.root.shape} does not fit "
+                                 f"in this host's memory ({exc})") from exc
 
 
 __all__ = ["evaluate", "Evaluator", "HANDLERS"]

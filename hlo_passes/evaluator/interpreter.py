@@ -124,13 +124,12 @@ class Evaluator:
         if handler is None:
             raise UnsupportedOpcodeError(opcode, inst.name)
         try:
-            value = handler(self, inst, ops)
+            return self._conform(inst, inst.shape, handler(self, inst, ops))
         except StitchError:
             raise
-        except Exception as exc:  # numpy / attribute errors: name the instruction
+        except Exception as exc:  # numpy / attribute / memory errors: name the instruction
             raise HloEvaluationError(
                 f"{comp.name}/{inst.name} ({opcode}): {type(exc).__name__}: {exc}") from exc
-        return self._conform(inst, inst.shape, value)
 
     def _conform(self, inst: Instruction, shape: Shape, value: object) -> object:
         """Cast the handler's result to the instruction's element type; check its shape."""
