@@ -12,7 +12,8 @@ with the same directory (warm):
 The overhead is stitched − jax.jit; issue 17's goal is at most half of XLA's own compile.
 Kernels: what XLA launched for the module and what is left once stitch's calls are in.
 ``keras_hub_llama`` (a keras_hub Llama backbone step, tiny config) runs when keras_hub is
-installed.
+installed. ``--gpu``: the same against XLA GPU's compile for an H100, deviceless (jax's CUDA
+plugin in the venv scripts/deviceless_check.sh makes); stitch builds PTX + cubins, no host code.
 """
 from __future__ import annotations
 
@@ -88,9 +89,44 @@ def measure_one(model: str, config: str) -> dict:
             "stitched": report.kernels_stitched}
 
 
-def _run_child(model: str, config: str, cache_dir: str, timeout: float) -> dict:
+def measure_one_gpu(model: str, config: str, target: str = "h100") -> dict:
+    """The same, for XLA GPU (deviceless, one ``target`` device from jax's CUDA plugin; run
+    inside scripts/deviceless_check.sh's venv): jax.jit's XLA GPU compile against the compile
+    with the pass, whose kernels are emitted as PTX and assembled by ptxas (no host build)."""
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from integration import deviceless
+
+    deviceless.check_environment()
+    fn, args = _keras_hub_llama() if model == "keras_hub_llama" else _zoo(model, config)
+    mesh = topologies.make_mesh(deviceless.topology(target, "1x1x1"), (1,), ("d",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    specs = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), args)
+    start = time.perf_counter()
+    jax.jit(fn).lower(*specs).compile()
+    jax_s = time.perf_counter() - start
+    deviceless.ensure_pass_registered()
+    start = time.perf_counter()
+    report = deviceless.compile_with_pass(jax.jit(fn).lower(*specs), model, target).report
+    stitched_s = time.perf_counter() - start
+    return {"model": model, "config": config, "jax_s": jax_s, "stitched_s": stitched_s,
+            "plan_s": report.timings.get("plan_s", 0.0),
+            "build_s": report.timings.get("build_s", 0.0),
+            "pass_s": report.timings.get("pass_s", 0.0),
+            "kernels_xla": report.kernels_xla, "kernels_after": report.kernels_after,
+            "stitched": report.kernels_stitched}
+
+
+def _run_child(model: str, config: str, cache_dir: str, timeout: float,
+               python: str = sys.executable, gpu: bool = False) -> dict:
     env = {**os.environ, "STITCH_CACHE_DIR": cache_dir, "PYTHONPATH": str(Path(__file__).parents[1])}
-    run = subprocess.run([sys.executable, "-m", "bench.pass_compile", "--one", f"{model}:{config}"],
+    if gpu:
+        env.update(CUDA_VISIBLE_DEVICES="-1", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    run = subprocess.run([python, "-m", "bench.pass_compile", "--one-gpu" if gpu else "--one",
+                          f"{model}:{config}"],
                          capture_output=True, text=True, timeout=timeout, env=env)
     lines = [l for l in run.stdout.splitlines() if l.startswith("{")]
     if run.returncode != 0 or not lines:
@@ -99,7 +135,8 @@ def _run_child(model: str, config: str, cache_dir: str, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
-def collect(models: list[str], timeout: float = 1200.0) -> list[dict]:
+def collect(models: list[str], timeout: float = 1200.0, python: str = sys.executable,
+            gpu: bool = False) -> list[dict]:
     rows = []
     for spec in models:
         model, _, config = spec.partition(":")
@@ -111,8 +148,8 @@ def collect(models: list[str], timeout: float = 1200.0) -> list[dict]:
                 continue
         with tempfile.TemporaryDirectory() as cache_dir:
             os.chmod(cache_dir, 0o700)
-            cold = _run_child(model, config or "tiny", cache_dir, timeout)
-            warm = _run_child(model, config or "tiny", cache_dir, timeout)
+            cold = _run_child(model, config or "tiny", cache_dir, timeout, python, gpu)
+            warm = _run_child(model, config or "tiny", cache_dir, timeout, python, gpu)
         cold["warm_stitched_s"] = warm.get("stitched_s")
         cold["warm_jax_s"] = warm.get("jax_s")
         rows.append(cold)
@@ -120,16 +157,28 @@ def collect(models: list[str], timeout: float = 1200.0) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], command: str) -> str:
+def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
     from bench.report import stamp
-    lines = ["## Compile cost: stitch inside XLA vs jax.jit (measured)", "",
-             stamp(command, os.getloadavg()), "",
-             "Wall seconds, each function in a fresh process. *jax.jit*: lower + XLA compile. "
-             "*stitched*: the same lowering compiled with stitch's pass on (XLA's pipeline plus "
-             "stitch's plan, snapping, Kernel IR lowering and host build of every kernel, and "
-             "the rewrite), cold (empty compile cache) and warm (the cold run's compile and plan "
-             "caches). Overhead = stitched − jax.jit, as a fraction of jax.jit "
-             "(issue 17's goal: ≤ 0.5). Kernels are counted in XLA's CPU module.", "",
+    if gpu:
+        title = "## Compile cost on the GPU path: stitch inside XLA GPU vs jax.jit (measured, deviceless H100)"
+        what = ("*jax.jit*: lower + XLA GPU's compile for one H100 (deviceless: jax's CUDA "
+                "plugin in scripts/deviceless_check.sh's venv, no GPU; XLA's own autotuning "
+                "is off without a device). *stitched*: the same lowering compiled with stitch's "
+                "pass on at POST_SCHEDULER (plan, snapping, Kernel IR lowering, PTX emission in "
+                "an isolated child and ptxas for sm_90 of every kernel — no host build), cold "
+                "(empty compile cache) and warm (the cold run's PTX, cubin and plan caches). "
+                "Kernels are counted in XLA GPU's module.")
+    else:
+        title = "## Compile cost: stitch inside XLA vs jax.jit (measured)"
+        what = ("*jax.jit*: lower + XLA compile. *stitched*: the same lowering compiled with "
+                "stitch's pass on (XLA's pipeline plus stitch's plan, snapping, Kernel IR "
+                "lowering and host build of every kernel, and the rewrite), cold (empty compile "
+                "cache) and warm (the cold run's compile and plan caches). Kernels are counted "
+                "in XLA's CPU module.")
+    lines = [title, "", stamp(command, os.getloadavg()), "",
+             "Wall seconds, each function in a fresh process. " + what +
+             " Overhead = stitched − jax.jit, as a fraction of jax.jit (issue 17's goal: ≤ 0.5).",
+             "",
              "| function | jax.jit s | stitched s (cold) | plan s | build s | overhead | "
              "stitched s (warm) | overhead warm | kernels XLA → stitched | stitched kernels |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
@@ -158,18 +207,29 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(DEFAULT_MODELS))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--gpu", action="store_true",
+                        help="XLA GPU, deviceless H100, in the venv of "
+                             "scripts/deviceless_check.sh (STITCH_CUDA_VENV, default .venv-cuda)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--one-gpu", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.one:
-        model, _, config = args.one.partition(":")
-        print(json.dumps(measure_one(model, config)))
+    if args.one or args.one_gpu:
+        model, _, config = (args.one or args.one_gpu).partition(":")
+        one = measure_one_gpu if args.one_gpu else measure_one
+        print(json.dumps(one(model, config)))
         return
-    rows = collect(args.models)
+    python = sys.executable
+    if args.gpu:
+        venv = Path(os.environ.get("STITCH_CUDA_VENV", Path(__file__).parents[1] / ".venv-cuda"))
+        python = str(venv / "bin" / "python")
+        if not Path(python).exists():
+            raise SystemExit(f"{python} is missing: run scripts/deviceless_check.sh once")
+    rows = collect(args.models, python=python, gpu=args.gpu)
     command = "python -m bench.pass_compile " + " ".join(argv if argv is not None else sys.argv[1:])
-    body = markdown(rows, command.strip())
+    body = markdown(rows, command.strip(), gpu=args.gpu)
     if args.out:
         from bench.report import write_section
-        write_section(args.out, SECTION, body)
+        write_section(args.out, SECTION + ("-gpu" if args.gpu else ""), body)
     else:
         print(body)
 

@@ -281,8 +281,7 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
 
 def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     """Plan ``module``, build the kernels that fit, put them in (module docstring)."""
-    from codegen.errors import CodegenError
-    from codegen.lower import lower_kernel
+    from codegen.isolation import IsolatedWorker
     from hlo_passes.evaluator.interpreter import Evaluator
     from stitch.cost.gpu_specs import get_spec
     from stitch.explorer.planner import plan as make_plan
@@ -303,6 +302,38 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     built: dict[str, BuiltKernel] = {}
     launching: dict[str, int] = {}
     t1 = time.perf_counter()
+    # GPU: every kernel's PTX is emitted in one isolated child (started on the first miss),
+    # not a fresh interpreter per kernel.
+    ptx_worker = IsolatedWorker(name="stitch-ptx") if request.device == "gpu" else None
+    try:
+        _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
+                       built, launching, ptx_worker)
+    finally:
+        if ptx_worker is not None:
+            ptx_worker.close()
+    timings["build_s"] = time.perf_counter() - t1
+    rewrite = replace_kernels(module, graphs, placed, views)
+    report.placed = rewrite.placed
+    report.skipped.extend(rewrite.skipped)
+    report.kernels_stitched = len(rewrite.placed)
+    report.kernels_after = report.kernels_xla - sum(launching[n] - 1 for n in rewrite.placed)
+    report.kernels = [built[name] for name in rewrite.placed]
+    report.in_loop_bodies = sum(1 for p in placed if p.site.name in set(rewrite.placed)
+                                and fusion_plan.graphs[p.site.graph_index].graph.kind != "entry")
+    report.timings.update(timings)
+    log.debug("%s: %d stitched kernels placed, %d skipped, %d failed to build",
+              module.name, len(rewrite.placed), len(report.skipped), len(report.fallbacks))
+    return report
+
+
+def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
+                   module: HloModule, spec: Any, evaluator: Any, placed: list,
+                   views: dict, built: dict, launching: dict, ptx_worker: Any) -> None:
+    """Snap, lower and build every stitched kernel of the plan; what builds is appended to
+    ``placed``/``built``, what does not to the report's skipped kernels and fallbacks."""
+    from codegen.errors import CodegenError
+    from codegen.lower import lower_kernel
+
     for gi, graph_plan in enumerate(fusion_plan.graphs):
         if not request.loop_bodies and graph_plan.graph.kind != "entry":
             report.skipped.extend((k.name, "in a loop body or branch: left to XLA on retry")
@@ -329,7 +360,8 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
                     lowered = lower_kernel(graph_plan.graph, evaluator, k.schedule, k.name)
                     ffi_target = build_target(lowered.kernel, request.device,
                                               arch=request.gpu_arch(),
-                                              compile_only=request.compile_only)
+                                              compile_only=request.compile_only,
+                                              worker=ptx_worker)
             except (CodegenError, StitchError) as exc:
                 log.info("kernel %s stays with XLA: %s", k.name, exc)
                 report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
@@ -338,19 +370,6 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
                                        ffi_target.name))
             built[k.name] = BuiltKernel(k.name, lowered, ffi_target)
             launching[k.name] = sum(1 for t in site.tops if view.launches(t))
-    timings["build_s"] = time.perf_counter() - t1
-    rewrite = replace_kernels(module, graphs, placed, views)
-    report.placed = rewrite.placed
-    report.skipped.extend(rewrite.skipped)
-    report.kernels_stitched = len(rewrite.placed)
-    report.kernels_after = report.kernels_xla - sum(launching[n] - 1 for n in rewrite.placed)
-    report.kernels = [built[name] for name in rewrite.placed]
-    report.in_loop_bodies = sum(1 for p in placed if p.site.name in set(rewrite.placed)
-                                and fusion_plan.graphs[p.site.graph_index].graph.kind != "entry")
-    report.timings.update(timings)
-    log.debug("%s: %d stitched kernels placed, %d skipped, %d failed to build",
-              module.name, len(rewrite.placed), len(report.skipped), len(report.fallbacks))
-    return report
 
 
 def compile_cache() -> Any:
@@ -368,11 +387,13 @@ _CACHE: Any = None
 
 
 def build_target(kernel: Any, device: str, *, arch: str | None = None,
-                 compile_only: bool = False) -> Any:
+                 compile_only: bool = False, worker: Any = None) -> Any:
     """The kernel as a registered XLA FFI target for ``device`` ("cpu" | "gpu"), its object
     code or PTX through the compile cache. GPU: PTX for ``arch`` (default: the device's);
     ``compile_only`` builds a target XLA compiles against without a device (ptxas checks
-    the PTX; the handler never runs, see codegen.ffi_cuda.compile_only_cuda_target)."""
+    the PTX; the handler never runs, see codegen.ffi_cuda.compile_only_cuda_target).
+    ``worker``: a codegen.isolation.IsolatedWorker to emit PTX in (one child for all the
+    kernels of a module, instead of a fresh interpreter per kernel)."""
     if device == "cpu":
         from codegen.ffi import host_ffi_target
         target = host_ffi_target(kernel, cache=compile_cache())
@@ -380,7 +401,7 @@ def build_target(kernel: Any, device: str, *, arch: str | None = None,
         from codegen.ffi_cuda import compile_only_cuda_target, cuda_ffi_target
         from codegen.gpu_cache import emit_ptx_cached
         arch = arch or gpu_arch()
-        built = emit_ptx_cached(kernel, arch, cache=compile_cache())
+        built = emit_ptx_cached(kernel, arch, cache=compile_cache(), worker=worker)
         if compile_only:
             target = compile_only_cuda_target(kernel, built.ptx, arch, cache=compile_cache())
         else:
