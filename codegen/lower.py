@@ -45,7 +45,8 @@ from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import HloModule
 from hlo_passes.literals import literal_to_numpy
 from hlo_passes.op_classes import OpClass
-from hlo_passes.scatter_forms import scatter_batch_dims, scatter_form, scatter_window
+from hlo_passes.scatter_forms import (gather_index_map, known_index_values, scatter_batch_dims,
+                                      scatter_form, scatter_window)
 
 from . import kir
 from .errors import CodegenError
@@ -587,6 +588,10 @@ class _KernelBuilder:
                 got = self._move_ids(node, [ids_of.get(o) for o in node.operands])
             elif node.opcode in ("dynamic-slice", "dynamic-update-slice"):
                 got = self._dynamic_ids(node, [ids_of.get(o) for o in node.operands])
+            elif node.opcode == "gather":
+                got = self._gather_ids(node, ids_of)
+            elif node.opcode == "scatter":
+                got = self._scatter_ids(node, ids_of)
             elif node.opcode == "reduce":
                 # Several outputs per row: reduced per element by the threads needing it.
                 got = _join_axes(node, ids_of[node.operands[0]]) \
@@ -654,6 +659,61 @@ class _KernelBuilder:
             if out is None:
                 return f"{node.name} joins values of different rows"
         return out
+
+    def _gather_ids(self, node: OpNode, ids_of: dict[int, np.ndarray]) -> np.ndarray | str:
+        """A gather whose loaded starts run along dims where the operand's rows do not
+        change (the loss's gather of one logit per row: the row is the batch point, the
+        column is data): any start gives the same ids, so they are moved by the evaluator's
+        gather with the proved index values (0 for the data ones)."""
+        operand, indices = node.operands[:2]
+        if indices in ids_of:
+            return f"{node.name} gathers at row-dependent indices"
+        imap = gather_index_map(self.graph, node.id)
+        ids = ids_of[operand]
+        if imap is None:
+            return f"{node.name}: gather dimension numbers not readable"
+        for d, _ in imap.data:
+            if ids.shape[d] > 1 and not np.array_equal(ids.max(axis=d), ids.min(axis=d)):
+                return f"{node.name} gathers along a dim its operand's rows change on"
+        ishape = leaf(self.graph.nodes[indices].shape)
+        if ishape.num_elements > ROW_CHECK_ELEMENTS:
+            return f"{node.name} is too large to prove the row layout on index arrays"
+        values, known = known_index_values(self.graph, indices)
+        starts = np.where(known, values, 0).astype(numpy_dtype(ishape.element_type))
+        return self._move_ids(node, [ids, None], {1: starts})
+
+    def _scatter_ids(self, node: OpNode, ids_of: dict[int, np.ndarray]) -> np.ndarray | str:
+        """A scatter of form row: element p joins the operand's row at p and the row of the
+        update of p's batch point (whose ids must not change over its window)."""
+        graph = self.graph
+        operand, indices, update = node.operands
+        form = scatter_form(graph, node.id)
+        if form.kind != "row" or form.index_map is None:
+            return f"{node.name}: updates may collide"
+        if indices in ids_of:
+            return f"{node.name} scatters at row-dependent indices"
+        dims = leaf(node.shape).dims
+        out = ids_of.get(operand, np.full(dims, -1, np.int64))
+        if update not in ids_of:
+            return out
+        imap = form.index_map
+        uids = ids_of[update]
+        window = tuple(node.instruction.ints("update_window_dims", ()))
+        if window:
+            if not np.array_equal(uids.max(axis=window), uids.min(axis=window)):
+                return f"{node.name}: an update window spans several rows"
+            uids = uids.max(axis=window)
+        per_batch = uids.reshape(-1)
+        grid = np.indices(dims, sparse=True)
+        number = np.zeros((1,) * len(dims), np.int64)
+        reach = np.ones(dims, bool)
+        for d, n in zip(imap.identity, imap.radices):
+            number = number * n + grid[d]
+            reach &= grid[d] < n
+        placed = np.where(reach, per_batch[np.where(reach, number, 0)], -1)
+        joined = _join(np.broadcast_to(out, dims), placed)
+        return f"{node.name} joins rows of its operand and its updates" if joined is None \
+            else joined
 
     def _dynamic_ids(self, node: OpNode, operand_ids: list[np.ndarray | None]
                      ) -> np.ndarray | str:
