@@ -367,6 +367,9 @@ class _KernelBuilder:
                                       f"thread composition: {layout}")
             if scheme == "thread":
                 self._thread_part(em, part, written, bid)
+            # The updates are walked in any order: no value may come from a unit's row
+            # (the row proof already refuses atomic scatters in warp/block parts).
+            em.overrides.clear()
             for v in atomic:
                 self._atomic_scatter(em, v, bid, part.blocks)
             schemes.append(scheme)
