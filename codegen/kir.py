@@ -265,6 +265,22 @@ class Store(Stmt):
 
 
 @dataclass(frozen=True)
+class AtomicAdd(Stmt):
+    """buffer[index] += value as one atomic read-modify-write (relaxed ordering): threads
+    of any block may add to the same element (a scatter whose updates collide). Global
+    buffers of f32/f64/i32/i64/u32 only (what `atomicrmw add/fadd` takes on both targets)."""
+    buffer: str
+    index: Expr
+    value: Expr
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "buffer", _buffer_name(self.buffer))
+
+
+ATOMIC_DTYPES = frozenset({"f32", "f64", "i32", "i64", "u32"})
+
+
+@dataclass(frozen=True)
 class For(Stmt):
     """for (var = start; var < stop; var += step) body. start/stop/step are evaluated once
     at loop entry; step must be positive. var's dtype is start's (i32 or i64)."""
@@ -601,6 +617,8 @@ class _Checker:
                 self.changed = True
         elif isinstance(s, Store):
             self._store(s, scopes, where)
+        elif isinstance(s, AtomicAdd):
+            self._atomic(s, scopes, where)
         elif isinstance(s, For):
             self._for(s, scopes, divergent, path, where)
         elif isinstance(s, If):
@@ -628,6 +646,19 @@ class _Checker:
         if s.value.dtype != value_dtype(buf.dtype):
             self.fail(where, f"value has dtype {s.value.dtype}, buffer {buf.name!r} "
                              f"({buf.dtype}) takes {value_dtype(buf.dtype)}")
+
+    def _atomic(self, s: AtomicAdd, scopes: list[dict[str, _Var]], where: str) -> None:
+        buf = self.buffers.get(s.buffer)
+        if not isinstance(buf, Param) or not buf.is_output:
+            self.fail(where, f"AtomicAdd needs an output param, {s.buffer!r} is not one")
+        if buf.dtype not in ATOMIC_DTYPES:
+            self.fail(where, f"AtomicAdd does not take {buf.dtype} buffers")
+        self._expr(s.index, scopes, where)
+        self._expr(s.value, scopes, where)
+        if s.index.dtype not in INDEX_DTYPES:
+            self.fail(where, f"index has dtype {s.index.dtype}, need i32/i64")
+        if s.value.dtype != buf.dtype:
+            self.fail(where, f"value has dtype {s.value.dtype}, buffer {buf.name!r} is {buf.dtype}")
 
     def _for(self, s: For, scopes: list[dict[str, _Var]], divergent: str | None, path: str,
              where: str) -> None:

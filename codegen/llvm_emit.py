@@ -275,6 +275,13 @@ class KernelEmitter:
             index = self.expr(s.index, scope, ctx)
             value = self.to_storage(self.expr(s.value, scope, ctx), buf.dtype)
             b.store(value, self.element_ptr(buf, index, ctx))
+        elif isinstance(s, kir.AtomicAdd):
+            buf = self.kernel.buffers[s.buffer]
+            index = self.expr(s.index, scope, ctx)
+            value = self.expr(s.value, scope, ctx)
+            op = "fadd" if s.value.dtype in kir.FLOAT_DTYPES else "add"
+            # Relaxed: only the sum matters (red.global.add on NVPTX, lock add / cmpxchg on x86).
+            b.atomic_rmw(op, self.element_ptr(buf, index, ctx), value, "monotonic")
         elif isinstance(s, kir.For):
             start, stop, step = (self.expr(e, scope, ctx) for e in (s.start, s.stop, s.step))
 

@@ -45,6 +45,8 @@ from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import HloModule
 from hlo_passes.literals import literal_to_numpy
 from hlo_passes.op_classes import OpClass
+from hlo_passes.scatter_forms import (gather_index_map, known_index_values, scatter_batch_dims,
+                                      scatter_form, scatter_window)
 
 from . import kir
 from .errors import CodegenError
@@ -210,6 +212,9 @@ class LoweredKernel:
     outputs: list[int]              # node ids the kernel writes, after the inputs
     schemes: list[str]              # per part: "thread" | "warp" | "block" as lowered
     notes: list[str] = field(default_factory=list)
+    # Written values whose buffer must hold a copy of an input before the launch (output
+    # node -> input node): a scatter whose colliding updates are added atomically in place.
+    initial: dict[int, int] = field(default_factory=dict)
 
 
 def _literal(node: OpNode) -> np.ndarray:
@@ -226,7 +231,9 @@ def _constant_scalar(node: OpNode) -> object | None:
 
 
 class _KernelBuilder:
-    def __init__(self, graph: OpGraph, evaluator: Evaluator, schedule, name: str):
+    def __init__(self, graph: OpGraph, evaluator: Evaluator, schedule, name: str,
+                 in_place: bool = False):
+        self.in_place = in_place
         self.graph = graph
         self.evaluator = evaluator
         self.schedule = schedule
@@ -267,6 +274,44 @@ class _KernelBuilder:
             if v in outputs or any(u not in members for u in node.users):
                 self._param(v, True)
                 self.outputs.append(v)
+        self.atomic = self._atomic_scatters()
+
+    def _atomic_scatters(self) -> dict[int, int]:
+        """Scatters whose updates may collide (form "atomic"): scatter -> its operand. The
+        kernel ends at them: threads walk the updates and add them atomically into the
+        written buffer, which starts as a copy of the operand (``LoweredKernel.initial``)."""
+        graph = self.graph
+        found: dict[int, int] = {}
+        for v in sorted(self.computed):
+            node = graph.nodes[v]
+            if node.opcode != "scatter" or scatter_form(graph, v).kind == "row":
+                continue
+            form = scatter_form(graph, v)
+            if form.kind != "atomic":
+                raise CodegenError(f"{node.name}: scatter not generated ({form.reason})")
+            kind = self.reducer_kind(node)
+            dtype = storage_dtype(leaf(node.shape))
+            if kind != "add":
+                # Colliding assignments keep an unspecified one in XLA: not generated.
+                raise CodegenError(f"{node.name}: scatter with combiner {kind or 'not a single op'}"
+                                   f" and colliding updates is not generated (only add is)")
+            if dtype not in kir.ATOMIC_DTYPES:
+                raise CodegenError(f"{node.name}: atomic scatter-add of {dtype} is not generated")
+            if v not in self.outputs or any(u in self.computed for u in node.users):
+                raise CodegenError(f"{node.name}: a scatter with colliding updates must end "
+                                   "its kernel (its result is complete only after every block)")
+            operand = node.operands[0]
+            if operand in self.computed:
+                raise CodegenError(f"{node.name}: the scatter's operand is computed in the same "
+                                   "kernel (it must be in the buffer before any update lands)")
+            if operand not in self.params:
+                self._param(operand, False)
+                self.inputs.append(operand)
+            if not self.in_place:
+                raise CodegenError(f"{node.name}: scatter with colliding updates needs its "
+                                   "output buffer to start as the operand (in_place lowering)")
+            found[v] = operand
+        return found
 
     def _param(self, v: int, is_output: bool) -> None:
         node = self.graph.nodes[v]
@@ -304,6 +349,8 @@ class _KernelBuilder:
             written = [v for v in self.outputs if v in set(part.members)]
             if index == host_part:
                 written += orphans
+            atomic = [v for v in written if v in self.atomic]
+            written = [v for v in written if v not in self.atomic]
             em = self.emitter()
             em.push()
             local_block = kir.Binary("sub", kir.BlockIdx(), _c(part.block_offset)) \
@@ -320,6 +367,11 @@ class _KernelBuilder:
                                       f"thread composition: {layout}")
             if scheme == "thread":
                 self._thread_part(em, part, written, bid)
+            # The updates are walked in any order: no value may come from a unit's row
+            # (the row proof already refuses atomic scatters in warp/block parts).
+            em.overrides.clear()
+            for v in atomic:
+                self._atomic_scatter(em, v, bid, part.blocks)
             schemes.append(scheme)
             stmts = em.pop()
             if len(sched.parts) > 1:
@@ -335,7 +387,8 @@ class _KernelBuilder:
                   for dtype, size in sorted(self.shared_sizes.items())]
         kernel = kir.Kernel(self.name, params, shared, sched.grid, sched.block, body)
         kernel.validate()
-        return LoweredKernel(kernel, list(self.inputs), list(self.outputs), schemes, self.notes)
+        return LoweredKernel(kernel, list(self.inputs), list(self.outputs), schemes, self.notes,
+                             dict(self.atomic))
 
     def _thread_part(self, em: ValueEmitter, part, written: list[int], bid: kir.Expr) -> None:
         tpb = self.schedule.block
@@ -388,6 +441,67 @@ class _KernelBuilder:
             em.emit(kir.If(valid, store))
             loop = em.pop()
             em.emit(kir.For(var, unit.first, _c(split.per_row), _c(unit.step), loop))
+
+    def _atomic_scatter(self, em: ValueEmitter, v: int, bid: kir.Expr, blocks: int) -> None:
+        """Threads walk the update elements (grid-stride): element u of update batch b goes
+        to operand position start(b) + window(u) when b's whole window lies inside the
+        operand (XLA skips the others), added atomically (updates may collide)."""
+        graph = self.graph
+        node = graph.nodes[v]
+        inst = node.instruction
+        operand_id, indices_id, update_id = node.operands
+        shape = leaf(node.shape)
+        ushape = leaf(graph.nodes[update_id].shape)
+        ishape = leaf(graph.nodes[indices_id].shape)
+        window = scatter_window(graph, node)
+        vector_dim = inst.int("index_vector_dim")
+        tpb = self.schedule.block
+        gtid = em.let("gtid", iadd(imul(bid, tpb), kir.ThreadIdx()))
+        var = em.fresh("u")
+        em.push(var)
+        u = delinearize(kir.Ref(var, "i32"), ushape.dims)
+        batch = [u[p] for p in scatter_batch_dims(node, graph)]
+        skipped = set(inst.ints("inserted_window_dims", ())) | \
+            set(inst.ints("input_batching_dims", ()))
+        spanned = [d for d in range(shape.rank) if d not in skipped]
+        offsets: dict[int, kir.Expr] = {d: u[p] for p, d in
+                                        zip(inst.ints("update_window_dims", ()), spanned)}
+        starts: dict[int, kir.Expr] = {}
+        for k, d in enumerate(inst.ints("scatter_dims_to_operand_dims", ())):
+            at = list(batch)
+            if vector_dim < ishape.rank:
+                at.insert(vector_dim, _c(k))
+            start = em.value(indices_id, tuple(at))
+            starts[d] = start if start.dtype == "i64" else kir.Convert(start, "i64")
+        batch_dims = [d for d in range(ishape.rank) if d != vector_dim]
+        for d, idim in zip(inst.ints("input_batching_dims", ()),
+                           inst.ints("scatter_indices_batching_dims", ())):
+            starts[d] = kir.Convert(batch[batch_dims.index(idim)], "i64")
+        inside: list[kir.Expr] = []
+        position: list[kir.Expr] = []
+        for d in range(shape.rank):
+            start = starts.get(d, kir.i64(0))
+            if window[d] > shape.dims[d]:
+                inside.append(kir.Const(False, "i1"))       # never inside: every update skipped
+            elif d in starts:
+                start = em.let("start", start)
+                inside += [kir.Compare("ge", start, kir.i64(0)),
+                           kir.Compare("le", start, kir.i64(shape.dims[d] - window[d]))]
+            offset = offsets.get(d, _c(0))
+            position.append(iadd(kir.Convert(start, "i32"), offset) if d in starts else offset)
+        em.push()
+        value = em.value(update_id, u)
+        em.emit(kir.AtomicAdd(self.params[v].name, linearize(tuple(position), shape.dims), value))
+        add = em.pop()
+        if inside:
+            cond = inside[0]
+            for c in inside[1:]:
+                cond = kir.Binary("and", cond, c)
+            em.emit(kir.If(cond, add))
+        else:
+            for stmt in add:
+                em.emit(stmt)
+        em.emit(kir.For(var, gtid, _c(ushape.num_elements), _c(blocks * tpb), em.pop()))
 
     def _strided_store(self, em: ValueEmitter, v: int, start: kir.Expr, total: int) -> None:
         shape = leaf(self.graph.nodes[v].shape)
@@ -477,6 +591,10 @@ class _KernelBuilder:
                 got = self._move_ids(node, [ids_of.get(o) for o in node.operands])
             elif node.opcode in ("dynamic-slice", "dynamic-update-slice"):
                 got = self._dynamic_ids(node, [ids_of.get(o) for o in node.operands])
+            elif node.opcode == "gather":
+                got = self._gather_ids(node, ids_of)
+            elif node.opcode == "scatter":
+                got = self._scatter_ids(node, ids_of)
             elif node.opcode == "reduce":
                 # Several outputs per row: reduced per element by the threads needing it.
                 got = _join_axes(node, ids_of[node.operands[0]]) \
@@ -545,6 +663,61 @@ class _KernelBuilder:
                 return f"{node.name} joins values of different rows"
         return out
 
+    def _gather_ids(self, node: OpNode, ids_of: dict[int, np.ndarray]) -> np.ndarray | str:
+        """A gather whose loaded starts run along dims where the operand's rows do not
+        change (the loss's gather of one logit per row: the row is the batch point, the
+        column is data): any start gives the same ids, so they are moved by the evaluator's
+        gather with the proved index values (0 for the data ones)."""
+        operand, indices = node.operands[:2]
+        if indices in ids_of:
+            return f"{node.name} gathers at row-dependent indices"
+        imap = gather_index_map(self.graph, node.id)
+        ids = ids_of[operand]
+        if imap is None:
+            return f"{node.name}: gather dimension numbers not readable"
+        for d, _ in imap.data:
+            if ids.shape[d] > 1 and not np.array_equal(ids.max(axis=d), ids.min(axis=d)):
+                return f"{node.name} gathers along a dim its operand's rows change on"
+        ishape = leaf(self.graph.nodes[indices].shape)
+        if ishape.num_elements > ROW_CHECK_ELEMENTS:
+            return f"{node.name} is too large to prove the row layout on index arrays"
+        values, known = known_index_values(self.graph, indices)
+        starts = np.where(known, values, 0).astype(numpy_dtype(ishape.element_type))
+        return self._move_ids(node, [ids, None], {1: starts})
+
+    def _scatter_ids(self, node: OpNode, ids_of: dict[int, np.ndarray]) -> np.ndarray | str:
+        """A scatter of form row: element p joins the operand's row at p and the row of the
+        update of p's batch point (whose ids must not change over its window)."""
+        graph = self.graph
+        operand, indices, update = node.operands
+        form = scatter_form(graph, node.id)
+        if form.kind != "row" or form.index_map is None:
+            return f"{node.name}: updates may collide"
+        if indices in ids_of:
+            return f"{node.name} scatters at row-dependent indices"
+        dims = leaf(node.shape).dims
+        out = ids_of.get(operand, np.full(dims, -1, np.int64))
+        if update not in ids_of:
+            return out
+        imap = form.index_map
+        uids = ids_of[update]
+        window = tuple(node.instruction.ints("update_window_dims", ()))
+        if window:
+            if not np.array_equal(uids.max(axis=window), uids.min(axis=window)):
+                return f"{node.name}: an update window spans several rows"
+            uids = uids.max(axis=window)
+        per_batch = uids.reshape(-1)
+        grid = np.indices(dims, sparse=True)
+        number = np.zeros((1,) * len(dims), np.int64)
+        reach = np.ones(dims, bool)
+        for d, n in zip(imap.identity, imap.radices):
+            number = number * n + grid[d]
+            reach &= grid[d] < n
+        placed = np.where(reach, per_batch[np.where(reach, number, 0)], -1)
+        joined = _join(np.broadcast_to(out, dims), placed)
+        return f"{node.name} joins rows of its operand and its updates" if joined is None \
+            else joined
+
     def _dynamic_ids(self, node: OpNode, operand_ids: list[np.ndarray | None]
                      ) -> np.ndarray | str:
         """dynamic-(update-)slice: the start is data, so the ids of every possible
@@ -609,15 +782,17 @@ class _KernelBuilder:
         return out - 1
 
 
-def lower_kernel(graph: OpGraph, module: HloModule | Evaluator, schedule, name: str
-                 ) -> LoweredKernel:
-    """Kernel IR for the stitched kernel ``schedule`` (a KernelSchedule) of ``graph``."""
+def lower_kernel(graph: OpGraph, module: HloModule | Evaluator, schedule, name: str,
+                 in_place: bool = False) -> LoweredKernel:
+    """Kernel IR for the stitched kernel ``schedule`` (a KernelSchedule) of ``graph``.
+    ``in_place``: the caller fills the buffers of ``LoweredKernel.initial`` before the
+    launch, so scatters with colliding updates are generated (else refused)."""
     evaluator = module if isinstance(module, Evaluator) else Evaluator(module)
     safe = "".join(ch if ch.isalnum() else "_" for ch in name)
     if not safe or not (safe[0].isalpha() or safe[0] == "_"):
         safe = "k_" + safe
     try:
-        return _KernelBuilder(graph, evaluator, schedule, safe).build()
+        return _KernelBuilder(graph, evaluator, schedule, safe, in_place).build()
     except CodegenError:
         raise
     except (KeyError, ValueError, IndexError) as exc:
@@ -672,9 +847,11 @@ def run_on_host(lowered: LoweredKernel, graph: OpGraph, inputs: dict[int, np.nda
     for p, v in zip(params, lowered.inputs):
         args.append(np.ascontiguousarray(inputs[v], dtype=NUMPY_DTYPES[p.dtype]).reshape(-1))
     outs = []
-    for p in params[len(lowered.inputs):]:
+    for p, v in zip(params[len(lowered.inputs):], lowered.outputs):
         out = np.empty(p.size, NUMPY_DTYPES[p.dtype])
-        if poison and out.dtype.kind == "f":
+        if v in lowered.initial:
+            out[:] = np.asarray(inputs[lowered.initial[v]]).reshape(-1)
+        elif poison and out.dtype.kind == "f":
             out[:] = np.nan
         elif poison:
             out[:] = 1

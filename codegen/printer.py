@@ -66,6 +66,9 @@ def _stmts(body: tuple[kir.Stmt, ...], indent: int, out: list[str]) -> None:
             out.append(f"{pad}{s.name} = {format_expr(s.expr)};")
         elif isinstance(s, kir.Store):
             out.append(f"{pad}{s.buffer}[{format_expr(s.index)}] = {format_expr(s.value)};")
+        elif isinstance(s, kir.AtomicAdd):
+            out.append(f"{pad}atomicAdd(&{s.buffer}[{format_expr(s.index)}], "
+                       f"{format_expr(s.value)});")
         elif isinstance(s, kir.For):
             t = C_TYPES[s.start.dtype]
             out.append(f"{pad}for ({t} {s.var} = {format_expr(s.start)}; {s.var} < "

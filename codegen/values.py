@@ -22,6 +22,7 @@ from typing import Callable
 
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import Shape, parse_padding, parse_slice, parse_window
+from hlo_passes.scatter_forms import scatter_batch_dims, scatter_form
 
 from . import kir
 from .errors import CodegenError
@@ -50,7 +51,10 @@ _COMPARE = {"EQ": "eq", "NE": "ne", "LT": "lt", "LE": "le", "GT": "gt", "GE": "g
 _ROUNDS = (frozenset(_UNARY) - {"negate", "abs", "sign", "not", "floor", "ceil",
                                 "round-nearest-even", "round-nearest-afz", "is-finite"}
            | frozenset(_BINARY) - {"maximum", "minimum", "and", "or", "xor"}
-           | {"convert", "iota", "reduce", "reduce-window"})
+           | {"convert", "iota", "reduce", "reduce-window", "scatter"})
+# Scatter combiners (by the evaluator's binary kind; "assign" and "keep" pick a side).
+SCATTER_COMBINERS = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min",
+                     "and": "and", "or": "or", "assign": "", "keep": ""}
 # Reducer computations (by the evaluator's binary kind) -> combining op and identity use.
 REDUCER = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min",
            "and": "and", "or": "or"}
@@ -166,6 +170,13 @@ class _Scope:
     # index valid only under the guard must stay under it.
     hoistable: bool = False
     defined: set[str] = field(default_factory=set)
+
+
+def _all(conds: list[Expr]) -> Expr:
+    out = conds[0]
+    for c in conds[1:]:
+        out = kir.Binary("and", out, c)
+    return out
 
 
 def _names(e: Expr, out: set[str]) -> set[str]:
@@ -347,6 +358,8 @@ class ValueEmitter:
             return self._dynamic_update_slice(node, index)
         if op == "gather":
             return self._gather(node, index)
+        if op == "scatter":
+            return self._scatter(node, index)
         if op == "reduce":
             return self._reduce(node, index)
         if op == "reduce-window":
@@ -480,6 +493,89 @@ class ValueEmitter:
         src = [iadd(s, index[offset_dims[window.index(d)]]) if d in window else s
                for d, s in enumerate(starts)]
         return self.value(node.operands[0], tuple(src))
+
+    def _scatter(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
+        """A scatter whose updates land at most one per element (form "row" of
+        ``hlo_passes.scatter_forms``: the starts on the identity dims are the update's own
+        batch number), computed in the result's index space: element p is the operand's,
+        combined with the one update whose window covers p, if that update's window lies
+        inside the operand (XLA skips the others). No atomics: no two updates collide."""
+        form = scatter_form(self.graph, node.id)
+        if form.kind != "row" or form.index_map is None:
+            raise CodegenError(f"{node.name}: scatter of form {form.kind} is not computed per "
+                               f"element ({form.reason})")
+        kind = self.reducer_kind(node)
+        if kind not in SCATTER_COMBINERS:
+            raise CodegenError(f"{node.name}: scatter combiner {kind or 'not a single op'} is "
+                               "not generated")
+        imap = form.index_map
+        operand_id, indices_id, update_id = node.operands
+        shape = leaf(node.shape)
+        inst = node.instruction
+        dtype = kir.value_dtype(storage_dtype(shape))
+        base = self.value(operand_id, index)
+        if any(w > n for w, n in zip(imap.window, shape.dims)):
+            return base                         # every window leaves the operand: skipped
+        # The batch point whose window may cover p, and whether there is one.
+        reach: list[Expr] = []
+        number: Expr = _c(0)
+        for d, n in zip(imap.identity, imap.radices):
+            if n < shape.dims[d]:
+                reach.append(kir.Compare("lt", index[d], _c(n)))
+            number = iadd(imul(number, n), index[d])
+        data_dims = dict(imap.data)
+        for d, (w, n) in enumerate(zip(imap.window, shape.dims)):
+            if d not in data_dims and d not in imap.identity and w < n:
+                reach.append(kir.Compare("lt", index[d], _c(w)))     # window starts at 0
+        result = self.fresh("scatter")
+        self.emit(kir.Local(result, dtype, base))
+        self.push()
+        batch = delinearize(number, imap.batch_shape)
+        irank = leaf(self.graph.nodes[indices_id].shape).rank
+        inside: list[Expr] = []
+        window_at: dict[int, Expr] = {}
+        for d, k in imap.data:
+            at = list(batch)
+            if imap.index_vector_dim < irank:
+                at.insert(imap.index_vector_dim, _c(k))
+            start = self.value(indices_id, tuple(at))
+            work = "i64" if start.dtype in ("i64", "u32") else "i32"
+            start = self.let("start", start if start.dtype == work else kir.Convert(start, work))
+            pos = index[d] if work == "i32" else kir.Convert(index[d], "i64")
+            zero, top = kir.Const(0, work), kir.Const(shape.dims[d] - imap.window[d], work)
+            inside += [kir.Compare("ge", start, zero), kir.Compare("le", start, top),
+                       kir.Compare("ge", pos, start),
+                       kir.Compare("lt", pos, kir.Binary("add", start,
+                                                         kir.Const(imap.window[d], work)))]
+            offset = kir.Binary("sub", pos, start)
+            window_at[d] = offset if work == "i32" else kir.Convert(offset, "i32")
+        skipped = set(inst.ints("inserted_window_dims", ())) | \
+            set(inst.ints("input_batching_dims", ()))
+        spanned = [d for d in range(shape.rank) if d not in skipped]
+        update_index: list[Expr] = [_c(0)] * leaf(self.graph.nodes[update_id].shape).rank
+        for p, b in zip(scatter_batch_dims(node, self.graph), batch):
+            update_index[p] = b
+        for p, d in zip(inst.ints("update_window_dims", ()), spanned):
+            update_index[p] = window_at.get(d, _c(0) if d in imap.identity else index[d])
+        self.push()
+        update = self.value(update_id, tuple(update_index))
+        current = kir.Ref(result, dtype)
+        combined = update if kind == "assign" else current if kind == "keep" else \
+            kir.Binary(SCATTER_COMBINERS[kind], current, update)
+        self.emit(kir.Assign(result, combined))
+        hit = self.pop()
+        if inside:
+            self.emit(kir.If(_all(inside), hit))
+        else:
+            for s in hit:
+                self.emit(s)
+        body = self.pop()
+        if reach:
+            self.emit(kir.If(_all(reach), body))
+        else:
+            for s in body:
+                self.emit(s)
+        return kir.Ref(result, dtype)
 
     def _dynamic_update_slice(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
         base, update = node.operands[0], node.operands[1]

@@ -241,7 +241,10 @@ class _BaseFusion:
                     self.demand[v] = blocked
                 continue
             cls = self.nodes[v].op_class
-            if cls is OpClass.COMPUTE or cls is OpClass.OPAQUE:
+            # A scatter stays a kernel of its own here (XLA's baseline keeps it whole); the
+            # planner decides whether it is stitched.
+            if cls is OpClass.COMPUTE or cls is OpClass.OPAQUE or \
+                    self.nodes[v].opcode == "scatter":
                 self.new_group(v, COMPUTE if cls is OpClass.COMPUTE else OPAQUE)
                 continue
             if cls is OpClass.REDUCTION:

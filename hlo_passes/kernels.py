@@ -4,7 +4,8 @@ Each fusion, custom call and unfused array op in a *launching* computation (ENTR
 bodies/conditions, conditional branches, called computations) is one kernel; fused
 computations, reducers and comparators launch nothing themselves. Kernels are classed as
 ``gemm`` (dot/conv, cuBLAS/cuDNN calls, Triton GEMM fusions), ``opaque`` (other custom calls,
-sort, rng...) or ``memory`` (everything else: the memory-intensive kernels stitch targets).
+sort, rng...) or ``memory`` (everything else: the memory-intensive kernels stitch targets,
+scatter fusions included: stitch generates scatters, ``hlo_passes.scatter_forms``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ FREE_OPS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bi
 CONTROL_OPS = frozenset({"while", "conditional", "call"})
 _GEMM_OPS = frozenset({"dot", "convolution", "ragged-dot"})
 _OPAQUE_OPS = frozenset({"sort", "rng", "rng-bit-generator", "rng-get-and-update-state",
-                         "scatter", "fft", "triangular-solve", "cholesky", "infeed", "outfeed",
+                         "fft", "triangular-solve", "cholesky", "infeed", "outfeed",
                          "send", "recv", "topk"})
 _GEMM_CALL_PREFIXES = ("__cublas", "__cudnn$conv", "__triton_gemm")
 _GEMM_FUSION_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas",

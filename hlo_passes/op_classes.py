@@ -49,6 +49,10 @@ REDUCTION_OPS = frozenset({"reduce", "reduce-window"})
 LAYOUT_OPS = frozenset({
     "broadcast", "reshape", "bitcast", "transpose", "copy", "slice", "dynamic-slice",
     "dynamic-update-slice", "concatenate", "pad", "iota", "reverse", "gather",
+    # Scatter: its element p is the operand's combined with the updates landing on p
+    # (stitched when they land one per element, else a kernel of its own with atomics;
+    # hlo_passes.scatter_forms decides which).
+    "scatter",
     # Pure forwarding: they name a value, nothing is computed.
     "get-tuple-element", "tuple", "add-dependency", "domain",
 })
@@ -108,7 +112,7 @@ def classify_with(inst: Instruction, lookup: Lookup | None,
         return _summary(inst, lookup, cache)
     if op == "call":
         return _summary(inst, lookup, cache)
-    # sort, scatter, rng*, fft, while, conditional, select-and-scatter, collectives,
+    # sort, rng*, fft, while, conditional, select-and-scatter, collectives,
     # async ops, map, unknown opcodes...
     return OpClass.OPAQUE
 

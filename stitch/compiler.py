@@ -160,6 +160,9 @@ class Executable:
             args = [np.ascontiguousarray(np.asarray(v), dtype=NUMPY_DTYPES[p.dtype]).reshape(-1)
                     for p, v in zip(params, values)]
             outs = [self._output_buffer(p) for p in params[n_in:]]
+            for k, v in enumerate(lowered.outputs):
+                if v in lowered.initial:      # an atomic scatter adds into its operand
+                    outs[k][:] = args[lowered.inputs.index(lowered.initial[v])]
             ck.host(*args, *outs)
             return [o.reshape(s.dims).astype(numpy_dtype(s.element_type), copy=False)
                     for o, s in zip(outs, out_shapes)]
@@ -277,7 +280,8 @@ def _build_kernel(k, gi: int, graph: OpGraph, evaluator: Evaluator,
 
     t0 = time.perf_counter()
     try:
-        lowered = lower_kernel(graph, evaluator, k.schedule, k.name)
+        # The runner fills LoweredKernel.initial buffers (atomic scatters) before a launch.
+        lowered = lower_kernel(graph, evaluator, k.schedule, k.name, in_place=True)
     except Exception as exc:  # noqa: BLE001 - one kernel must not stop compilation
         return failed("lowering", exc)
     t1 = time.perf_counter()

@@ -3,8 +3,13 @@
 binary ops (cheap and expensive: exp, log, rsqrt, tanh, divide, each kept finite), broadcast,
 reduce (add / max) over random axes including non-minor ones, the reduce-broadcast-back
 pattern of softmax and the two dependent reductions of layer norm, reshape, transpose,
-slice, concatenate, reverse, pad and compare + select. ``module(seed)``
-is a pure function of the seed."""
+slice, concatenate, reverse, pad and compare + select; on some seeds (a separate random
+stream, so the modules of the other seeds are unchanged) a scatter or gather with s32 index
+parameters: the cross-entropy backward (scatter-add or scatter-max of one value per row at
+iota/label index vectors: the "row" form, labels out of range on both sides), an embedding
+gradient (scatter-add with colliding and out-of-range ids: the atomic form) or the loss's
+gather of one element per row of a row-normalized value. ``module(seed)`` is a pure function
+of the seed."""
 from __future__ import annotations
 
 import math
@@ -36,6 +41,14 @@ class _Value:
     dims: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class IndexArg:
+    """An s32 index parameter: random integers in [low, high)."""
+    dims: tuple[int, ...]
+    low: int
+    high: int
+
+
 def _shape(dims: tuple[int, ...]) -> str:
     return f"f32[{','.join(map(str, dims))}]"
 
@@ -47,6 +60,7 @@ class HloBuilder:
     lines: list[str] = field(default_factory=list)
     values: list[_Value] = field(default_factory=list)
     params: list[_Value] = field(default_factory=list)
+    index_params: list[IndexArg] = field(default_factory=list)
     _n: int = 0
 
     def _emit(self, op: str, dims: tuple[int, ...], rest: str, keep: bool = True) -> _Value:
@@ -131,6 +145,22 @@ class HloBuilder:
                           "direction=GT")
         return self._emit("select", a.dims, f"({pred}, {a.name}, {b.name})")
 
+    def raw(self, line: str) -> None:
+        """An instruction that is not an f32 value (index computations)."""
+        self.lines.append(f"  {line}")
+
+    def fresh(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}.{self._n}"
+
+    def index_parameter(self, dims: tuple[int, ...], low: int, high: int) -> str:
+        """An s32 parameter numbered after the f32 ones (their numbers stay)."""
+        name = self.fresh("ids")
+        self.index_params.append(IndexArg(dims, low, high))
+        self.raw(f"{name} = s32[{','.join(map(str, dims))}] parameter(INDEX_PARAM_"
+                 f"{len(self.index_params) - 1})")
+        return name
+
     def text(self, outputs: list[_Value]) -> str:
         body = "\n".join(self.lines)
         if len(outputs) == 1:
@@ -138,6 +168,9 @@ class HloBuilder:
         else:
             types = ", ".join(_shape(v.dims) for v in outputs)
             root = f"  ROOT out = ({types}) tuple({', '.join(v.name for v in outputs)})"
+        for k in range(len(self.index_params)):
+            body = body.replace(f"parameter(INDEX_PARAM_{k})",
+                                f"parameter({len(self.params) + k})")
         return f"HloModule fuzz\n\n{REDUCERS}\nENTRY main {{\n{body}\n{root}\n}}\n"
 
 
@@ -271,8 +304,75 @@ def _op(b: HloBuilder, rng: np.random.Generator) -> None:
             b.concatenate(x, y, axis)
 
 
-def module(seed: int) -> tuple[str, list[tuple[int, ...]]]:
-    """(HLO text, parameter shapes) of the random module of ``seed``."""
+# Share of seeds that get a scatter or gather (drawn from a stream of their own).
+INDEX_OP_SHARE = 0.4
+INDEX_KINDS = ("row_scatter", "atomic_scatter", "row_gather")
+
+
+def _rows_of(b: HloBuilder, x: _Value) -> _Value:
+    """x as a rank-2 value (rows, columns): reshaped when it has another rank."""
+    if len(x.dims) == 2:
+        return x
+    rows = x.dims[0] if len(x.dims) > 1 else 1
+    return b.reshape(x, (rows, math.prod(x.dims) // rows))
+
+
+def _row_indices(b: HloBuilder, rows: int, columns: int) -> str:
+    """s32[rows, 2] index vectors (r, label[r]) as jax writes take_along_axis: labels out of
+    range below and above."""
+    labels = b.index_parameter((rows,), -2, columns + 2)
+    iota, lab, cat = b.fresh("iota"), b.fresh("lab"), b.fresh("idx")
+    b.raw(f"{iota} = s32[{rows},1] iota(), iota_dimension=0")
+    b.raw(f"{lab} = s32[{rows},1] reshape({labels})")
+    b.raw(f"{cat} = s32[{rows},2] concatenate({iota}, {lab}), dimensions={{1}}")
+    return cat
+
+
+def _index_op(b: HloBuilder, rng: np.random.Generator) -> _Value | None:
+    kind = INDEX_KINDS[int(rng.integers(0, len(INDEX_KINDS)))]
+    x = _rows_of(b, b.values[int(rng.integers(0, len(b.values)))])
+    rows, columns = x.dims
+    if kind == "row_scatter":
+        # Cross-entropy backward: one update per row (a row reduction, so the updates carry
+        # rows, or a constant) scattered into zeros or into x, then added to x.
+        idx = _row_indices(b, rows, columns)
+        if rng.random() < 0.5:
+            update = b.reduce(x, (1,), "add" if rng.random() < 0.7 else "max")
+        else:
+            update = b.constant(-1.0 / rows, (rows,))
+        operand = x if rng.random() < 0.3 else b.constant(0.0, x.dims)
+        combiner = "add" if rng.random() < 0.8 else "max"
+        if rng.random() < 0.5:
+            upd = b.reshape(update, (rows, 1, 1))
+            numbers = "update_window_dims={1,2}, inserted_window_dims={}"
+        else:
+            upd = update
+            numbers = "update_window_dims={}, inserted_window_dims={0,1}"
+        sc = b._emit("scatter", x.dims, f"({operand.name}, {idx}, {upd.name}), {numbers}, "
+                     f"scatter_dims_to_operand_dims={{0,1}}, index_vector_dim=1, "
+                     f"to_apply={combiner}", keep=False)
+        return b.binary("add", sc, x)
+    if kind == "atomic_scatter":
+        # Embedding gradient: rows of x added into a table at ids that repeat.
+        table = int(rng.integers(2, 9))
+        ids = b.index_parameter((rows,), -2, table + 2)
+        operand = b.parameter((table, columns))
+        return b._emit("scatter", (table, columns), f"({operand.name}, {ids}, {x.name}), "
+                       "update_window_dims={1}, inserted_window_dims={0}, "
+                       "scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=add")
+    # The loss: log-softmax-like rows, one element of each gathered, then summed.
+    m = b.reduce(x, (1,), "max")
+    centered = b.binary("subtract", x, b.broadcast(m, x.dims, (0,)), keep=False)
+    idx = _row_indices(b, rows, columns)
+    g = b._emit("gather", (rows, 1, 1), f"({centered.name}, {idx}), offset_dims={{1,2}}, "
+                "collapsed_slice_dims={}, start_index_map={0,1}, index_vector_dim=1, "
+                "slice_sizes={1,1}", keep=False)
+    return b.reduce(g, (0, 1, 2), "add")
+
+
+def module(seed: int, index_ops: bool = True) -> tuple[str, list]:
+    """(HLO text, parameter shapes: f32 dims, then ``IndexArg``s) of the module of ``seed``;
+    ``index_ops=False`` gives the module the seed had before scatters/gathers existed."""
     rng = np.random.default_rng(seed)
     b = HloBuilder(rng)
     first = _random_dims(rng)
@@ -286,10 +386,21 @@ def module(seed: int) -> tuple[str, list[tuple[int, ...]]]:
     outputs = [computed[-1]]
     extra = [v for v in computed[:-1] if rng.random() < 0.25]
     outputs += extra[:2]
-    return b.text(outputs), [p.dims for p in b.params]
+    extra_rng = np.random.default_rng(seed + 7_000_003)
+    if index_ops and extra_rng.random() < INDEX_OP_SHARE:
+        made = _index_op(b, extra_rng)
+        if made is not None:
+            outputs.append(made)
+    return b.text(outputs), [p.dims for p in b.params] + list(b.index_params)
 
 
-def random_args(shapes: list[tuple[int, ...]], seed: int) -> list[np.ndarray]:
-    """Fresh N(0, 1) inputs (never zeros)."""
+def random_args(shapes: list, seed: int) -> list[np.ndarray]:
+    """Fresh N(0, 1) inputs (never zeros); index parameters uniform in their range (out of
+    range on both sides, repeats)."""
     rng = np.random.default_rng(seed + 1_000_003)
-    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    out = [rng.standard_normal(s).astype(np.float32) for s in shapes
+           if not isinstance(s, IndexArg)]
+    for s in shapes:
+        if isinstance(s, IndexArg):
+            out.append(rng.integers(s.low, s.high, s.dims).astype(np.int32))
+    return out

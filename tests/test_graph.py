@@ -39,7 +39,7 @@ def _inst(opcode: str, **attrs: str) -> Instruction:
     ("broadcast", OpClass.LAYOUT), ("bitcast", OpClass.LAYOUT), ("gather", OpClass.LAYOUT),
     ("dynamic-update-slice", OpClass.LAYOUT), ("iota", OpClass.LAYOUT),
     ("dot", OpClass.COMPUTE), ("convolution", OpClass.COMPUTE),
-    ("sort", OpClass.OPAQUE), ("scatter", OpClass.OPAQUE), ("rng-bit-generator", OpClass.OPAQUE),
+    ("sort", OpClass.OPAQUE), ("scatter", OpClass.LAYOUT), ("rng-bit-generator", OpClass.OPAQUE),
     ("while", OpClass.OPAQUE), ("conditional", OpClass.OPAQUE), ("all-reduce", OpClass.OPAQUE),
     ("select-and-scatter", OpClass.OPAQUE), ("fft", OpClass.OPAQUE),
     ("some-future-op", OpClass.OPAQUE),

@@ -27,6 +27,8 @@ from typing import Iterable
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import Shape, parse_padding, parse_slice
 from hlo_passes.op_classes import OpClass
+from hlo_passes.scatter_forms import (IndexMap, gather_batch_dims, gather_index_map,
+                                      scatter_batch_dims, scatter_form)
 
 class Infeasible(Exception):
     """Internal: raised with the reason a pattern cannot be stitched."""
@@ -200,8 +202,99 @@ def _transfer(graph: OpGraph, node: OpNode, position: int, dims: tuple[int, ...]
             return _same(dims, dims)
         forbid(dims, "broadcasts a scalar carrying")
         return []
+    if op == "gather" and position == 0:
+        return _gather_rows(graph, node, src, dims, forbid)
+    if op == "scatter" and position in (0, 2) and scatter_form(graph, node.id).kind == "row":
+        return _scatter_rows(graph, node, position, src, dims, forbid)
     forbid(dims, f"({op}) indexes data-dependently along")
     return []
+
+
+def _identity_rows(imap: IndexMap, src: Shape, dims: tuple[int, ...], operand_side: bool,
+                   forbid) -> dict[int, tuple[int, ...]]:
+    """Row dims carried between the identity operand dims of a scatter/gather and its batch:
+    {batch position: row positions} when ``operand_side`` (operand rows), else {operand dim:
+    row positions} (rows on the updates' batch dims). A block of dims that become one
+    another (like a reshape) must be all rows or none."""
+    out: dict[int, tuple[int, ...]] = {}
+    covered: set[int] = set()
+    for operand_dims, batch in imap.blocks():
+        side = operand_dims if operand_side else batch
+        rows = tuple(k for k, d in enumerate(dims) if d in side)
+        covered |= set(side)
+        if not rows:
+            continue
+        if len(rows) != len(side):
+            forbid([dims[k] for k in rows], "mixes row and non-row dims in its index of")
+        for target in (batch if operand_side else operand_dims):
+            out[target] = rows
+    # Size-1 row dims carry a single coordinate: nothing to keep apart.
+    forbid([d for d in dims if d not in covered and src.dims[d] != 1],
+           "indexes data-dependently along")
+    return out
+
+
+def _gather_rows(graph: OpGraph, node: OpNode, src: Shape, dims: tuple[int, ...],
+                 forbid) -> Mapping:
+    """A gather keeps operand rows apart where their starts are the batch point itself
+    (the loss's gather of one logit per row: row r reads row r), or where the slice spans
+    the whole dim from 0 (an offset dim of the output)."""
+    imap = gather_index_map(graph, node.id)
+    if imap is None or not imap.proved:
+        forbid(dims, "(gather) indexes data-dependently along")
+        return []
+    inst = node.instruction
+    sizes = inst.ints("slice_sizes")
+    removed = set(inst.ints("collapsed_slice_dims", ())) | \
+        set(inst.ints("operand_batching_dims", ()))
+    loaded = {d for d, _ in imap.data}
+    whole = [d for d in dims if d not in imap.identity and d not in loaded
+             and d not in removed and sizes[d] == src.dims[d]]
+    offset_of = dict(zip([d for d in range(src.rank) if d not in removed],
+                         inst.ints("offset_dims", ())))
+    mapping: Mapping = [(offset_of[d], (dims.index(d),)) for d in whole]
+    batch_out = gather_batch_dims(node)
+    rest = tuple(d for d in dims if d not in whole)
+    carried = _identity_rows(imap, src, rest, True, forbid)
+    mapping += [(batch_out[b], tuple(dims.index(rest[k]) for k in ks))
+                for b, ks in carried.items()]
+    return mapping
+
+
+def _scatter_rows(graph: OpGraph, node: OpNode, position: int, src: Shape,
+                  dims: tuple[int, ...], forbid) -> Mapping:
+    """A scatter whose updates land one per element (form "row"): element p is operand p
+    with the update of p's batch point, so operand rows stay where they are and rows on
+    the updates' batch dims go to the identity dims."""
+    if position == 0:
+        return _same(dims, dims)
+    imap = scatter_form(graph, node.id).index_map
+    assert imap is not None
+    batch_dims = scatter_batch_dims(node, graph)
+    as_batch = [batch_dims.index(d) if d in batch_dims else -1 for d in dims]
+    forbid([d for d, b in zip(dims, as_batch) if b < 0 and src.dims[d] != 1],
+           "scatters window rows of")
+    keep = [k for k, b in enumerate(as_batch) if b >= 0]
+    carried = _identity_rows(imap, Shape(src.element_type, tuple(
+        imap.batch_shape)), tuple(as_batch[k] for k in keep), False, forbid)
+    return [(d, tuple(keep[k] for k in ks)) for d, ks in carried.items()]
+
+
+def _atomic_scatter_problem(graph: OpGraph, v: int, member_set: set[int]) -> str | None:
+    """A scatter whose updates may collide ends its kernel: its threads walk the updates and
+    add them atomically into a buffer that already holds the operand."""
+    node = graph.nodes[v]
+    form = scatter_form(graph, v)
+    if form.kind == "row":
+        return None
+    if form.kind != "atomic":
+        return f"{node.name}: {form.reason}"
+    if any(u in member_set for u in node.users):
+        return f"{node.name} (scatter with colliding updates) must end its kernel"
+    if node.operands[0] in member_set:
+        return (f"{node.name} (scatter with colliding updates) adds into its operand, which "
+                "would have to be complete before any block starts")
+    return None
 
 
 def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
@@ -220,6 +313,10 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
         node = graph.nodes[v]
         if node.op_class in (OpClass.COMPUTE, OpClass.OPAQUE, OpClass.SOURCE):
             raise Infeasible(f"{node.name} ({node.opcode}) is a kernel boundary")
+        if node.opcode == "scatter":
+            problem = _atomic_scatter_problem(graph, v, member_set)
+            if problem:
+                raise Infeasible(problem)
     # A reduce-window is computed per output element by the thread that needs it (thread
     # composition, as XLA's loop fusions do): only reduce results are shared.
     shared_ids = [v for v in members if graph.nodes[v].opcode == "reduce"

@@ -1,0 +1,318 @@
+"""Where the windows of a scatter or gather go: which start-index components are provably
+the window's own batch coordinate (``iota`` of the batch dim), and which are data.
+
+jax writes ``x.at[rows, idx].add(u)`` (the backward of ``take_along_axis`` in cross-entropy)
+as a scatter whose index vectors are ``concatenate(iota, idx)``: component 0 is the row
+itself, so update r can only land in row r and no two updates collide. The same holds for
+the loss's gather of one logit per row. This module proves that on index arrays: the known
+values of the indices operand are computed with numpy through the ops that build index
+tensors (iota, constant, broadcast, reshape, bitcast, transpose, slice, concatenate, copy,
+convert); anything else is unknown data. A component is an *identity* when its values are
+known everywhere and equal the coordinate along one batch dimension.
+
+A scatter is of form ``row`` when every batch dimension of more than one element is an
+identity whose operand dimension the window spans by one element: element p of the result
+is hit by at most one update, found from p itself (codegen computes it in the producer's
+index space, no atomics). Otherwise it is ``atomic``: updates may collide.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from .graph import OpGraph, OpNode
+from .ir import Shape, parse_slice
+from .literals import literal_to_numpy
+
+# Largest index tensor whose values are computed for the proof.
+MAX_INDEX_ELEMENTS = 1 << 22
+# Most producers followed back from the indices operand.
+MAX_INDEX_OPS = 48
+
+_INT_TYPES = {"s8": np.int8, "s16": np.int16, "s32": np.int32, "s64": np.int64,
+              "u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "u64": np.uint64}
+
+
+@dataclass(frozen=True)
+class IndexMap:
+    """How a scatter/gather places its windows. The starts on ``identity`` (operand dims),
+    read as a row-major number with ``radices``, are the batch point's own row-major
+    number, for every batch point (proved on the index values; empty when no such set
+    exists, or when the batch has one point). ``data``: (operand dim, index-vector
+    component) pairs whose starts are data, read from the indices; ``window``: the
+    window's size along every operand dim."""
+    batch_shape: tuple[int, ...]
+    identity: tuple[int, ...]
+    radices: tuple[int, ...]
+    data: tuple[tuple[int, int], ...]
+    window: tuple[int, ...]
+    index_vector_dim: int
+    proved: bool = False         # the identity covers every batch point
+
+    def blocks(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(identity operand dims, batch positions) groups with equal element counts: how
+        the identity dims turn into batch dims, as a reshape would (size-1 dims dropped)."""
+        src = [(d, n) for d, n in zip(self.identity, self.radices) if n != 1]
+        dst = [(b, n) for b, n in enumerate(self.batch_shape) if n != 1]
+        out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        i = j = 0
+        while i < len(src) and j < len(dst):
+            a, b = [src[i][0]], [dst[j][0]]
+            pa, pb = src[i][1], dst[j][1]
+            i, j = i + 1, j + 1
+            while pa != pb:
+                if pa < pb and i < len(src):
+                    pa *= src[i][1]
+                    a.append(src[i][0])
+                    i += 1
+                elif pb < pa and j < len(dst):
+                    pb *= dst[j][1]
+                    b.append(dst[j][0])
+                    j += 1
+                else:
+                    return []
+            out.append((tuple(a), tuple(b)))
+        return out
+
+
+@dataclass(frozen=True)
+class ScatterForm:
+    kind: str                    # "row" | "atomic" | "unsupported"
+    index_map: IndexMap | None
+    reason: str = ""
+
+
+def _leaf(shape: Shape) -> Shape:
+    return next(shape.leaves()) if shape.is_tuple else shape
+
+
+# ----------------------------------------------------------------- known index values
+_Known = tuple[np.ndarray, np.ndarray]      # (int64 values, bool known) in logical shape
+
+
+def _unknown(dims: tuple[int, ...]) -> _Known:
+    return np.zeros(dims, np.int64), np.zeros(dims, bool)
+
+
+def _physical(arr: np.ndarray, shape: Shape) -> np.ndarray:
+    order = list(reversed(shape.minor_to_major()))
+    return np.transpose(arr, order).reshape(-1)
+
+
+def _from_physical(flat: np.ndarray, shape: Shape) -> np.ndarray:
+    order = list(reversed(shape.minor_to_major()))
+    arr = flat.reshape(tuple(shape.dims[d] for d in order))
+    return np.transpose(arr, np.argsort(order))
+
+
+def _apply(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:
+    """Known values of one index-building op, or None (unknown) for anything else."""
+    op = node.opcode
+    inst = node.instruction
+    shape = _leaf(node.shape)
+    dims = tuple(shape.dims)
+    if op == "iota":
+        dim = inst.int("iota_dimension")
+        grid = np.arange(dims[dim], dtype=np.int64).reshape(
+            [dims[dim] if d == dim else 1 for d in range(len(dims))])
+        return np.broadcast_to(grid, dims).copy(), np.ones(dims, bool)
+    if op == "constant":
+        if inst.literal is None or shape.element_type not in _INT_TYPES:
+            return None
+        value = literal_to_numpy(inst.literal, shape, _INT_TYPES[shape.element_type])
+        return np.asarray(value).astype(np.int64).reshape(dims), np.ones(dims, bool)
+    if not ops:
+        return None
+    if op in ("copy", "convert"):
+        src = _leaf(graph.nodes[node.operands[0]].shape)
+        if src.element_type not in _INT_TYPES or shape.element_type not in _INT_TYPES:
+            return None
+        return ops[0]
+    if op == "broadcast":
+        table = list(inst.ints("dimensions", ()))
+        order = np.argsort(table)
+        out = []
+        for arr in ops[0]:
+            arr = np.transpose(arr, order) if arr.ndim else arr
+            view = arr.reshape([dims[d] if d in table else 1 for d in range(len(dims))])
+            out.append(np.broadcast_to(view, dims).copy())
+        return out[0], out[1]
+    if op == "reshape":
+        return ops[0][0].reshape(dims), ops[0][1].reshape(dims)
+    if op == "bitcast":
+        src = _leaf(graph.nodes[node.operands[0]].shape)
+        if src.element_type != shape.element_type:
+            return None
+        return tuple(_from_physical(_physical(a, src), shape) for a in ops[0])  # type: ignore
+    if op == "transpose":
+        perm = inst.ints("dimensions")
+        return np.transpose(ops[0][0], perm), np.transpose(ops[0][1], perm)
+    if op == "slice":
+        spec = parse_slice(inst.attrs["slice"])
+        index = tuple(slice(s.start, s.limit, s.stride) for s in spec)
+        return ops[0][0][index], ops[0][1][index]
+    if op == "concatenate":
+        dim = inst.ints("dimensions")[0]
+        return (np.concatenate([o[0] for o in ops], axis=dim),
+                np.concatenate([o[1] for o in ops], axis=dim))
+    return None
+
+
+def known_index_values(graph: OpGraph, v: int) -> _Known:
+    """The values of index tensor ``v`` that follow from its construction alone (iota,
+    constants, data movement), with a mask of which elements are known."""
+    budget = [MAX_INDEX_OPS]
+    memo: dict[int, _Known] = {}
+
+    def visit(u: int) -> _Known:
+        if u in memo:
+            return memo[u]
+        node = graph.nodes[u]
+        shape = _leaf(node.shape)
+        got: _Known | None = None
+        if shape.num_elements <= MAX_INDEX_ELEMENTS and budget[0] > 0 \
+                and not node.shape.is_tuple:
+            budget[0] -= 1
+            ops = [visit(o) for o in node.operands] \
+                if node.opcode not in ("iota", "constant") else []
+            try:
+                got = _apply(node, graph, ops)
+            except (ValueError, IndexError, KeyError):
+                got = None
+        memo[u] = got if got is not None else _unknown(tuple(shape.dims))
+        return memo[u]
+
+    return visit(v)
+
+
+# ----------------------------------------------------------------- index maps
+def _index_map(graph: OpGraph, indices: int, vector_dim: int, index_map: tuple[int, ...],
+               operand_batching: tuple[int, ...], indices_batching: tuple[int, ...],
+               window: tuple[int, ...]) -> IndexMap:
+    ishape = _leaf(graph.nodes[indices].shape)
+    values, known = known_index_values(graph, indices)
+    if vector_dim == ishape.rank:
+        values, known = values[..., None], known[..., None]
+    else:
+        values, known = np.moveaxis(values, vector_dim, -1), np.moveaxis(known, vector_dim, -1)
+    batch_dims = [d for d in range(ishape.rank) if d != vector_dim]
+    batch_shape = tuple(ishape.dims[d] for d in batch_dims)
+    count = int(np.prod(batch_shape, dtype=np.int64))
+    coords = np.indices(batch_shape, dtype=np.int64).reshape(len(batch_shape), count)
+    flat = values.reshape(count, values.shape[-1])
+    # Candidate identity starts: fully known components with a one-element window, and the
+    # operand batching dims (their start is the batch coordinate by definition).
+    known_starts: dict[int, np.ndarray] = {}
+    for k, od in enumerate(index_map):
+        if count and bool(known[..., k].all()) and window[od] == 1:
+            known_starts[od] = flat[:, k]
+    for od, idim in zip(operand_batching, indices_batching):
+        known_starts[od] = coords[batch_dims.index(idim)]
+    identity: tuple[int, ...] = ()
+    radices: tuple[int, ...] = ()
+    proved = count == 1
+    if count > 1:
+        for order in (sorted(known_starts), [d for d in index_map if d in known_starts] +
+                      [d for d in operand_batching if d in known_starts]):
+            starts = [known_starts[d] for d in order]
+            if any(int(s.min()) < 0 for s in starts):
+                continue
+            sizes = [int(s.max()) + 1 for s in starts]
+            number = np.zeros(count, np.int64)
+            for s, n in zip(starts, sizes):
+                number = number * n + s
+            if np.array_equal(number, np.arange(count)):
+                identity, radices, proved = tuple(order), tuple(sizes), True
+                break
+    data = tuple((od, k) for k, od in enumerate(index_map) if od not in identity)
+    return IndexMap(batch_shape, identity, radices, data, window, vector_dim, proved)
+
+
+def scatter_window(graph: OpGraph, node: OpNode) -> tuple[int, ...]:
+    """The update window's size along every operand dim (1 on inserted and batching dims)."""
+    inst = node.instruction
+    operand = _leaf(graph.nodes[node.operands[0]].shape)
+    update = _leaf(graph.nodes[node.operands[-1]].shape)
+    window_dims = inst.ints("update_window_dims", ())
+    skipped = set(inst.ints("inserted_window_dims", ())) | set(inst.ints("input_batching_dims", ()))
+    spanned = [d for d in range(operand.rank) if d not in skipped]
+    if len(spanned) != len(window_dims):
+        raise ValueError(f"{node.name}: {len(window_dims)} update window dims for "
+                         f"{len(spanned)} operand window dims")
+    sizes = [1] * operand.rank
+    for d, w in zip(spanned, window_dims):
+        sizes[d] = update.dims[w]
+    return tuple(sizes)
+
+
+_SCATTER_CACHE: "weakref.WeakKeyDictionary[OpGraph, dict[int, ScatterForm]]" = \
+    weakref.WeakKeyDictionary()
+_GATHER_CACHE: "weakref.WeakKeyDictionary[OpGraph, dict[int, IndexMap | None]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def scatter_form(graph: OpGraph, v: int) -> ScatterForm:
+    """How scatter ``v`` can be generated (cached per graph)."""
+    cache = _SCATTER_CACHE.setdefault(graph, {})
+    if v not in cache:
+        cache[v] = _scatter_form(graph, graph.nodes[v])
+    return cache[v]
+
+
+def _scatter_form(graph: OpGraph, node: OpNode) -> ScatterForm:
+    if len(node.operands) != 3 or node.shape.is_tuple:
+        return ScatterForm("unsupported", None, f"{node.name}: variadic scatter")
+    inst = node.instruction
+    try:
+        window = scatter_window(graph, node)
+        imap = _index_map(graph, node.operands[1], inst.int("index_vector_dim"),
+                          inst.ints("scatter_dims_to_operand_dims", ()),
+                          inst.ints("input_batching_dims", ()),
+                          inst.ints("scatter_indices_batching_dims", ()), window)
+    except (ValueError, KeyError, IndexError) as exc:
+        return ScatterForm("unsupported", None, f"{node.name}: {exc}")
+    update = _leaf(graph.nodes[node.operands[2]].shape)
+    if update.num_elements == 0:
+        return ScatterForm("unsupported", imap, f"{node.name}: no updates")
+    if not imap.proved:
+        return ScatterForm("atomic", imap, f"{node.name}: the update batch is not an identity "
+                           "of the index components (updates may collide)")
+    if any(d not in imap.identity for d in inst.ints("input_batching_dims", ())):
+        return ScatterForm("atomic", imap, f"{node.name}: batching dims outside the identity")
+    return ScatterForm("row", imap)
+
+
+def gather_index_map(graph: OpGraph, v: int) -> IndexMap | None:
+    """The index map of gather ``v`` (None when its dimension numbers are not readable)."""
+    cache = _GATHER_CACHE.setdefault(graph, {})
+    if v not in cache:
+        node = graph.nodes[v]
+        inst = node.instruction
+        try:
+            cache[v] = _index_map(graph, node.operands[1], inst.int("index_vector_dim"),
+                                  inst.ints("start_index_map", ()),
+                                  inst.ints("operand_batching_dims", ()),
+                                  inst.ints("start_indices_batching_dims", ()),
+                                  tuple(inst.ints("slice_sizes")))
+        except (ValueError, KeyError, IndexError):
+            cache[v] = None
+    return cache[v]
+
+
+def gather_batch_dims(node: OpNode) -> list[int]:
+    """Output dims of a gather that index the batch (the ones not in offset_dims), in order."""
+    offset = set(node.instruction.ints("offset_dims", ()))
+    return [p for p in range(_leaf(node.shape).rank) if p not in offset]
+
+
+def scatter_batch_dims(node: OpNode, graph: OpGraph) -> list[int]:
+    """Update dims that index the batch (the ones not in update_window_dims), in order."""
+    window = set(node.instruction.ints("update_window_dims", ()))
+    return [p for p in range(_leaf(graph.nodes[node.operands[-1]].shape).rank)
+            if p not in window]
+
+
+__all__ = ["IndexMap", "ScatterForm", "known_index_values", "scatter_form", "scatter_window",
+           "gather_index_map", "gather_batch_dims", "scatter_batch_dims"]
