@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
+from typing import Sequence
 from dataclasses import dataclass, field
 
 from hlo_passes import HloModule
@@ -96,8 +97,11 @@ class ComputationView:
         inst = self.table[top]
         return inst.opcode not in FREE_OPCODES and inst.opcode not in ("parameter", "constant")
 
-    def users_outside(self, top: str, tops: set[str]) -> list[Instruction]:
-        return [inst for inst in self.comp.instructions
+    def users_outside(self, top: str, tops: set[str],
+                      added: Sequence[Instruction] = ()) -> list[Instruction]:
+        """Readers of ``top`` outside ``tops``: XLA's instructions and ``added`` ones (the
+        gtes an earlier placed kernel made to read an element of ``top``)."""
+        return [inst for inst in (*self.comp.instructions, *added)
                 if inst.name not in tops and top in inst.operands]
 
     def fused_root(self, top: str) -> Instruction | None:
@@ -211,7 +215,8 @@ def _output_keys(view: ComputationView, nid: int) -> list[tuple[str, int | None]
 
 
 def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
-          removed: set[str]) -> dict[str, Instruction]:
+          removed: set[str], replaced: dict[str, Instruction] | None = None
+          ) -> dict[str, Instruction]:
     """Add the kernel's custom call; return the replacement instruction per removed name
     (and mutate gte users in place). Raises NotPlaceable without changing anything visible
     (the builder's additions are dropped by the caller on failure)."""
@@ -221,6 +226,10 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
     position = max(view.position[t] for t in site.tops)
     operands: list[str] = []
     for nid in kernel.inputs:
+        source = view.top_of(nid)
+        if source in removed and source not in (replaced or {}):
+            # An earlier kernel replaced it and left no instruction of that name behind.
+            raise NotPlaceable(f"reads {source}, which an earlier stitched kernel replaced")
         name, shape = _input_value(view, b, nid)
         if shape.is_tuple or not _row_major(shape):
             raise NotPlaceable(f"input {name} is not a row-major array ({shape})")
@@ -266,7 +275,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
 
     for top in site.tops:
         inst = view.table[top]
-        users = view.users_outside(top, tops)
+        users = view.users_outside(top, tops, [inst for inst, _ in b.added])
         whole_needed = inst.is_root or any(u.opcode != "get-tuple-element" for u in users)
         if not users and not inst.is_root:
             continue
@@ -325,19 +334,19 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
         replacements: dict[str, Instruction] = {}
         for k in placed:
             mark = len(b.added)
-            snapshot = {i.name: (i.opcode, list(i.operands), dict(i.attrs))
-                        for i in view.comp.instructions}
+            existing = [*view.comp.instructions, *(inst for inst, _ in b.added)]
+            snapshot = [(i, i.opcode, list(i.operands), dict(i.attrs)) for i in existing]
             tops_before = k.site.tops
             try:
-                new = place(view, b, k, removed)
+                new = place(view, b, k, removed, replacements)
                 # Convex kernels cannot close a cycle among themselves, but the module has
                 # what the op graph does not (control predecessors...): check each one.
                 _topological(_items(view, b, removed | set(k.site.tops),
                                     {**replacements, **new}))
             except NotPlaceable as exc:
                 del b.added[mark:]
-                for inst in view.comp.instructions:         # undo gte retargets
-                    inst.opcode, inst.operands, inst.attrs = snapshot[inst.name]
+                for inst, opcode, operands, attrs in snapshot:   # undo gte retargets
+                    inst.opcode, inst.operands, inst.attrs = opcode, operands, attrs
                 k.site.tops = tops_before
                 report.skipped.append((k.site.name, str(exc)))
                 continue

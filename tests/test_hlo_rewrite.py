@@ -1,0 +1,81 @@
+"""integration.hlo_rewrite on hand-placed kernels: a kernel that reads an element of XLA's
+multi-output fusion while another kernel replaces that fusion (XLA GPU's transformer_train
+step: the rewritten module read an instruction it had removed, and XLA's parser refused it)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("jaxlib")
+
+from hlo_passes import parse_hlo, print_hlo  # noqa: E402
+from hlo_passes.graph import build_op_graphs  # noqa: E402
+from integration.hlo_rewrite import (ComputationView, KernelSite, PlacedKernel,  # noqa: E402
+                                     replace_kernels)
+from integration.xla_pass import _to_proto  # noqa: E402
+
+MODULE = """HloModule m
+fused_two {
+  p = f32[8,16] parameter(0)
+  a = f32[8,16] exponential(p)
+  b = f32[8,16] negate(p)
+  ROOT t = (f32[8,16], f32[8,16]) tuple(a, b)
+}
+fused_use {
+  q0 = f32[8,16] parameter(0)
+  q1 = f32[8,16] parameter(1)
+  ROOT u = f32[8,16] add(q0, q1)
+}
+ENTRY e {
+  x = f32[8,16] parameter(0)
+  two = (f32[8,16], f32[8,16]) fusion(x), kind=kLoop, calls=fused_two
+  g0 = f32[8,16] get-tuple-element(two), index=0
+  g1 = f32[8,16] get-tuple-element(two), index=1
+  use = f32[8,16] fusion(g0, g1), kind=kLoop, calls=fused_use
+  v = f32[8,16] multiply(g1, g1)
+  ROOT r = (f32[8,16], f32[8,16]) tuple(use, v)
+}"""
+
+
+def _kernels(module):
+    graph = build_op_graphs(module)[0]
+    view = ComputationView(module, graph)
+    node = {n.instruction.name: n.id for n in graph.nodes}
+    reader = PlacedKernel(KernelSite("reader", 0, frozenset({node["u"]}), ("use",)),
+                          [node["a"], node["b"]], [node["u"]], "stitch_test_reader")
+    fusion = PlacedKernel(KernelSite("fusion", 0, frozenset({node["a"], node["b"]}), ("two",)),
+                          [node["x"]], [node["a"], node["b"]], "stitch_test_fusion")
+    return graph, view, reader, fusion
+
+
+def _defined_operands(module) -> None:
+    names = {i.name for i in module.entry.instructions}
+    for inst in module.entry.instructions:
+        missing = [o for o in inst.operands if o not in names]
+        assert not missing, f"{inst.name} reads {missing}, which the module no longer has"
+
+
+@pytest.mark.parametrize("order", ["reader first", "fusion first"])
+def test_a_kernel_reading_a_fusion_another_kernel_replaces(order):
+    module = parse_hlo(MODULE)
+    graph, view, reader, fusion = _kernels(module)
+    kernels = [reader, fusion] if order == "reader first" else [fusion, reader]
+    report = replace_kernels(module, [graph], kernels, {0: view})
+    _defined_operands(module)
+    _to_proto(print_hlo(module, operand_shapes=True))      # XLA's parser takes it
+    assert "fusion" in report.placed
+    if order == "reader first":
+        # The reader's gtes of `two` are readers the fusion kernel must serve too: they
+        # are retargeted to its call (before, `two` was dropped under them).
+        assert report.placed == ["reader", "fusion"]
+        call = next(i for i in module.entry.instructions
+                    if i.opcode == "custom-call" and "stitch_test_fusion" in i.attrs["custom_call_target"])
+        reader = next(i for i in module.entry.instructions
+                      if i.opcode == "custom-call" and "stitch_test_reader" in i.attrs["custom_call_target"])
+        by_name = {i.name: i for i in module.entry.instructions}
+        assert [by_name[o].operands for o in reader.operands] == [[call.name], [call.name]]
+    else:
+        # Its elements went straight to the fusion kernel's users: nothing named `two` is
+        # left to read, so the reader stays with XLA.
+        assert report.placed == ["fusion"]
+        assert any(name == "reader" and "earlier stitched kernel" in why
+                   for name, why in report.skipped)
