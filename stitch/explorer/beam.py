@@ -61,6 +61,10 @@ class Owners:
         return Owners(self.base, delta)
 
 
+class KernelCycleError(ValueError):
+    """Internal: a set of kernels whose launch order does not exist (a candidate to drop)."""
+
+
 def _mask(members) -> int:
     m = 0
     for v in members:
@@ -258,7 +262,7 @@ def kernel_levels(graph: OpGraph, groups: list[frozenset[int]],
             if indegree[y] == 0:
                 ready.append(y)
     if seen != n_units:
-        raise ValueError(f"graph {graph.name}: the kernels form a cycle")
+        raise KernelCycleError(f"graph {graph.name}: the kernels form a cycle")
     return level[:len(groups)]
 
 

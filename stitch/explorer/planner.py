@@ -30,7 +30,7 @@ from hlo_passes.parser import parse_hlo
 from ..cost.delta import CostModel
 from ..cost.gpu_specs import GpuSpec, get_spec
 from ..errors import StitchError
-from .beam import beam_search, merge_adjacent, pack_levels
+from .beam import KernelCycleError, beam_search, merge_adjacent, pack_levels
 from .blp import BlpError, solve_blp
 from .cancel import CancelPoll
 from .plan_cache import (PlanCache, StaleEntry, default_plan_cache, kernel_sets,
@@ -370,8 +370,13 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     mark = time.perf_counter()
     for i, buf in enumerate(beams):
         groups, origins = _complete(graph, locked + list(buf.patterns))
-        plans.append((f"beam {i}", _finish(graph, cost, groups, origins, options.packing,
-                                           weight)))
+        try:
+            plans.append((f"beam {i}", _finish(graph, cost, groups, origins, options.packing,
+                                               weight)))
+        except KernelCycleError as exc:
+            # The beam's kernels (recomputed producers shared between patterns) can still
+            # close a cycle its bounded check missed: that candidate is dropped, never used.
+            log.info("graph %s: beam %d set aside: %s", graph.name, i, exc)
     plans.append(("baseline packed", _finish(graph, cost, base_groups,
                                              ["baseline"] * len(base_groups),
                                              options.packing, weight)))
@@ -401,8 +406,12 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                 # packing assume disjoint kernels (one owner per op).
                 groups = [frozenset(k.members) for k in kernels]
                 if sum(map(len, groups)) == len(frozenset().union(*groups)):
-                    again = _finish(graph, cost, groups, [k.origin for k in kernels],
-                                    options.packing, weight)
+                    try:
+                        again = _finish(graph, cost, groups, [k.origin for k in kernels],
+                                        options.packing, weight)
+                    except KernelCycleError as exc:
+                        log.info("graph %s: %s, merged, set aside: %s", graph.name, label, exc)
+                        continue
                     kernels, more = refine_plan(graph, cost, again.kernels)
                     plans.append((f"{label} + {moves} refinement moves, merged, {more} more",
                                   _named(graph, kernels, weight)))
