@@ -153,3 +153,22 @@ def test_a_second_process_skips_planning(tmp_path):
     assert first[:2] == ["1", "0"] and second[:2] == ["0", "1"]
     assert first[2] == second[2]
     assert list((tmp_path / "cache" / "plans").glob("*.json"))
+
+
+def test_module_metadata_attributes_do_not_change_the_fingerprint():
+    """XLA GPU's module carries frontend_attributes={fingerprint_before_lhs=...}, a hash taken
+    over the module with stitch's request token: new in every process (every plan missed)."""
+    from hlo_passes import parse_hlo
+    from stitch.explorer.plan_cache import module_fingerprint
+    body = """
+ENTRY e {
+  p = f32[8,16] parameter(0)
+  ROOT n = f32[8,16] negate(p)
+}"""
+    first = parse_hlo('HloModule m, frontend_attributes={fingerprint_before_lhs="8ad0"}' + body)
+    second = parse_hlo('HloModule m, frontend_attributes={fingerprint_before_lhs="28c4"}' + body)
+    other = parse_hlo('HloModule m, frontend_attributes={fingerprint_before_lhs="8ad0"}' +
+                      body.replace("negate", "exponential"))
+    assert module_fingerprint(first) == module_fingerprint(second)
+    assert module_fingerprint(first) != module_fingerprint(other)
+    assert "fingerprint_before_lhs" in first.attrs["frontend_attributes"]   # module untouched

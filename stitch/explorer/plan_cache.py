@@ -41,9 +41,18 @@ FORMAT = 1
 MEMORY_ENTRIES = 64
 
 
+# Module-level attributes that are compile metadata, not program: XLA's frontend attributes
+# carry `fingerprint_before_lhs`, a hash of the module *with* stitch's per-compile request
+# token, so it differs in every process and no plan was ever found again.
+_METADATA_ATTRS = ("frontend_attributes",)
+
+
 def module_fingerprint(module: HloModule) -> str:
-    """sha256 of the printed module (the printer's canonical text, not the input's)."""
-    return hashlib.sha256(print_hlo(module).encode("utf-8")).hexdigest()
+    """sha256 of the printed module (the printer's canonical text, not the input's), its
+    module-level metadata attributes left out."""
+    program = dataclasses.replace(module, attrs={k: v for k, v in module.attrs.items()
+                                                 if k not in _METADATA_ATTRS})
+    return hashlib.sha256(print_hlo(program).encode("utf-8")).hexdigest()
 
 
 def options_key(options: "ExplorerOptions") -> dict:
