@@ -320,12 +320,16 @@ def _hides_a_read_value(graph: OpGraph, kernels: dict[int, frozenset[int]], a: i
     copy inside hides the value from the other copies (kernel 0 reads rsqrt.26, which no
     kernel writes: fuzz seed 619)."""
     outputs = set(graph.outputs)
-    others = [g for k, g in kernels.items() if k not in (a, b)]
-    for m in union:
-        users = graph.nodes[m].users
-        if m in outputs or any(u not in union for u in users):
-            continue                                  # still written
-        if any(m not in g and any(u in g for u in users) for g in others):
+    # Members no longer written: every user is inside the union.
+    hidden = [m for m in union if m not in outputs
+              and all(u in union for u in graph.nodes[m].users)]
+    if not hidden:
+        return False
+    for k, g in kernels.items():
+        # Only a kernel sharing ops with the union can hold a user of a hidden member.
+        if k in (a, b) or g.isdisjoint(union):
+            continue
+        if any(m not in g and any(u in g for u in graph.nodes[m].users) for m in hidden):
             return True
     return False
 
