@@ -87,6 +87,15 @@ class GraphResult:
 
 SMALL_GRAPH_OPS = 400
 LARGE_GRAPH_PATTERN_OPS = 32
+# On graphs over SMALL_GRAPH_OPS, refinement leaves kernels over this many ops alone
+# (refine_plan's max_ops; bounded candidate set, see docs/benchmarks.md for its cost).
+LARGE_GRAPH_REFINE_OPS = 64
+LARGE_GRAPH_KERNEL_OPS = MAX_PATTERN_OPS
+
+
+def kernel_bound(graph: OpGraph) -> int:
+    """Ops per kernel that merging and packing may build on this graph."""
+    return MAX_PATTERN_OPS if len(graph.nodes) <= SMALL_GRAPH_OPS else LARGE_GRAPH_KERNEL_OPS
 
 
 def pattern_bound(graph: OpGraph, options: "ExplorerOptions") -> int:
@@ -173,11 +182,12 @@ def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origi
     if packing:
         mergeable = [_packable(graph, g, cost) for g in groups]
         origin_of = {g: o for g, o in zip(groups, origins)}
-        groups = merge_adjacent(graph, cost, groups, mergeable)
+        max_ops = kernel_bound(graph)
+        groups = merge_adjacent(graph, cost, groups, mergeable, max_ops)
         origins = [origin_of.get(g, "merged") for g in groups]
         packable = [_packable(graph, g, cost) for g in groups]
         origin_of = {g: o for g, o in zip(groups, origins)}
-        packed = pack_levels(graph, cost, groups, packable)
+        packed = pack_levels(graph, cost, groups, packable, max_ops)
         groups = [g for g, _ in packed]
         origins = ["packing" if merged else origin_of.get(g, "single") for g, merged in packed]
     kernels = [make_kernel(graph, cost, g, o) for g, o in zip(groups, origins)]
@@ -387,12 +397,14 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
             to_refine = [lp for lp in plans if not lp[0].startswith("beam")]
             if beam_plans:
                 to_refine.insert(0, min(beam_plans, key=lambda lp: lp[1].objective_s))
+        refine_ops = MAX_PATTERN_OPS if len(graph.nodes) <= SMALL_GRAPH_OPS \
+            else LARGE_GRAPH_REFINE_OPS
         for label, p in to_refine:
             key = frozenset(frozenset(k.members) for k in p.kernels)
             if key in refined_from:
                 continue
             refined_from.add(key)
-            kernels, moves = refine_plan(graph, cost, p.kernels)
+            kernels, moves = refine_plan(graph, cost, p.kernels, max_ops=refine_ops)
             if moves:
                 plans.append((f"{label} + {moves} refinement moves",
                               _named(graph, kernels, weight)))
@@ -403,7 +415,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                 if sum(map(len, groups)) == len(frozenset().union(*groups)):
                     again = _finish(graph, cost, groups, [k.origin for k in kernels],
                                     options.packing, weight)
-                    kernels, more = refine_plan(graph, cost, again.kernels)
+                    kernels, more = refine_plan(graph, cost, again.kernels,
+                                                max_ops=refine_ops)
                     plans.append((f"{label} + {moves} refinement moves, merged, {more} more",
                                   _named(graph, kernels, weight)))
     phases["refine_s"] = time.perf_counter() - mark
