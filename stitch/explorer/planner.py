@@ -91,6 +91,7 @@ LARGE_GRAPH_PATTERN_OPS = 32
 # (refine_plan's max_ops; bounded candidate set, see docs/benchmarks.md for its cost).
 LARGE_GRAPH_REFINE_OPS = 64
 LARGE_GRAPH_KERNEL_OPS = MAX_PATTERN_OPS
+LOOKAHEAD_ONLY_OPS = 1000
 
 
 def kernel_bound(graph: OpGraph) -> int:
@@ -371,8 +372,11 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     # rarely win there (bounded candidate set; small graphs keep every buffer).
     keep = options.beam_width if len(graph.nodes) <= SMALL_GRAPH_OPS else 1
     mark = time.perf_counter()
+    # On graphs over LOOKAHEAD_ONLY_OPS only the lookahead search runs (bounded candidate
+    # set: each plan costs a finish and a refinement; see docs/benchmarks.md for its cost).
+    plain = not options.lookahead_beam or len(graph.nodes) <= LOOKAHEAD_ONLY_OPS
     beams = beam_search(graph, patterns, options.beam_width, trim, lookahead=False,
-                        poll=poll)[:keep]
+                        poll=poll)[:keep] if plain else []
     if options.lookahead_beam:
         beams += beam_search(graph, patterns, options.beam_width, trim, lookahead=True,
                              poll=poll)[:keep]
