@@ -92,6 +92,10 @@ LARGE_GRAPH_PATTERN_OPS = 32
 LARGE_GRAPH_REFINE_OPS = 64
 LARGE_GRAPH_KERNEL_OPS = MAX_PATTERN_OPS
 LOOKAHEAD_ONLY_OPS = 1000
+# Remote fusion (the explorer's virtual producer of all vertices) runs on graphs up to this
+# many ops; above, independent kernels are still packed level by level (bounded candidate
+# set, see docs/benchmarks.md for its cost).
+REMOTE_FUSION_MAX_OPS = 1000
 
 
 def kernel_bound(graph: OpGraph) -> int:
@@ -345,7 +349,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                        prefix="b")
     start = time.perf_counter()
     explorer = PatternExplorer(graph, cost, options.top_k, options.group_size,
-                               options.remote_fusion, max_pattern_ops=pattern_bound(graph, options))
+                               options.remote_fusion and len(graph.nodes) <= REMOTE_FUSION_MAX_OPS,
+                               max_pattern_ops=pattern_bound(graph, options))
     candidates = explorer.explore()
     phases: dict[str, float] = {"explore_s": time.perf_counter() - start}
     patterns = candidates.all_patterns()

@@ -64,11 +64,19 @@ def _log2(n: int) -> int:
     return max(int(math.ceil(math.log2(max(n, 1)))), 0)
 
 
-def _registers(facts: PartFacts, vw: int, cached_values: int) -> int:
-    """Liveness estimate: the widest pass keeps about one value per op of its longest
-    dependency front live per vector lane, plus per-row values and cached elements."""
+def _register_terms(facts: PartFacts) -> tuple[int, int]:
+    """(values live per vector lane in the widest pass, per-row values) of a part."""
     widest = max((min(len(p.full_ops), 2 + p.loads) for p in facts.passes), default=1)
     per_row = sum(len(p.row_ops) + len(p.reductions) for p in facts.passes)
+    return widest, per_row
+
+
+def _registers(facts: PartFacts, vw: int, cached_values: int,
+               terms: tuple[int, int] | None = None) -> int:
+    """Liveness estimate: the widest pass keeps about one value per op of its longest
+    dependency front live per vector lane, plus per-row values and cached elements.
+    ``terms``: ``_register_terms(facts)`` when the caller has them."""
+    widest, per_row = terms or _register_terms(facts)
     return BASE_REGISTERS + widest * vw + per_row + cached_values
 
 
@@ -291,6 +299,7 @@ class _PartCache:
         self.graph, self.facts = graph, facts
         self.members = set(facts.members)
         self.written = written_values(graph, self.members)
+        self.register_terms = _register_terms(facts)
         self._groups: dict[tuple[str, bool], list[GroupSchedule]] = {}
         self._shared: dict[tuple[str, int, int], list[SharedBuffer]] = {}
 
@@ -322,7 +331,7 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
                 rejected.append(f"loop vw={vw}: {got}")
                 continue
             work, blocks = got
-            regs = _registers(facts, vw, 0)
+            regs = _registers(facts, vw, 0, cache.register_terms)
             launch = LaunchShape(blocks, tpb, min(regs, MAX_REGISTERS), 0)
             lat = evaluate(spec, launch, work)
             if lat.occupancy.blocks_per_sm == 0:
@@ -348,7 +357,7 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
                         rejected.append(f"{label}: {got}")
                         continue
                     work, blocks, rows_per_block, cached = got
-                    regs = _registers(facts, vw, cached)
+                    regs = _registers(facts, vw, cached, cache.register_terms)
                     if regs > MAX_REGISTERS:
                         rejected.append(f"{label}: needs about {regs} registers per thread")
                         continue
