@@ -96,6 +96,9 @@ LOOKAHEAD_ONLY_OPS = 1000
 # many ops; above, independent kernels are still packed level by level (bounded candidate
 # set, see docs/benchmarks.md for its cost).
 REMOTE_FUSION_MAX_OPS = 1000
+# Above this many ops the packed baseline is finished but not refined (it did not win on
+# any large zoo or corpus graph; same modeled time there, dlrm 2.0 -> 1.3 s cpu).
+BASELINE_REFINE_MAX_OPS = 1000
 
 
 def kernel_bound(graph: OpGraph) -> int:
@@ -403,7 +406,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
             # Large graphs: refine the best beam plan and the packed baseline only
             # (refinement costs seconds per plan there; bounded candidate set).
             beam_plans = [lp for lp in plans if lp[0].startswith("beam")]
-            to_refine = [lp for lp in plans if not lp[0].startswith("beam")]
+            to_refine = [lp for lp in plans if not lp[0].startswith("beam")
+                         and len(graph.nodes) <= BASELINE_REFINE_MAX_OPS]
             if beam_plans:
                 to_refine.insert(0, min(beam_plans, key=lambda lp: lp[1].objective_s))
         refine_ops = MAX_PATTERN_OPS if len(graph.nodes) <= SMALL_GRAPH_OPS \
