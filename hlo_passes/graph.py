@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 FREE_OPCODES = frozenset({"bitcast", "get-tuple-element", "tuple", "add-dependency", "domain",
                           "optimization-barrier", "after-all", "while", "conditional"})
 
+# Graphs up to this many nodes keep reachability bitmasks for ``OpGraph.is_convex``
+# (2 * n^2 bits: 32 MiB at 16,384 nodes); larger ones search.
+REACHABILITY_MAX_NODES = 16384
+
 # A value during construction: a node id, or a tuple of values (a tuple not materialized).
 Val = Union[int, tuple]
 
@@ -68,6 +72,9 @@ class OpGraph:
     outputs: list[int]        # leaves of the root, in order (repeats kept)
     trip_count: int | None = None   # known_trip_count of the while (the condition runs n+1 times)
     _names: dict[str, int] = field(default_factory=dict, repr=False)
+    # (node count, descendants, ancestors): per node, a bitmask of the nodes it reaches
+    # and of the nodes reaching it (``is_convex``); built on first use.
+    _reach: tuple[int, list[int], list[int]] | None = field(default=None, repr=False)
 
     def node(self, name: str) -> OpNode:
         if not self._names:
@@ -108,6 +115,18 @@ class OpGraph:
         members = set(ids)
         if not members:
             return True
+        reach = self._reachability()
+        if reach is not None:
+            # Not convex exactly when an outside node is both reached from a member and
+            # reaches one: 2 * |members| bitmask ORs instead of a walk over the nodes
+            # between the first and last member (the explorer asks thousands of times).
+            desc, anc = reach
+            below = above = inside = 0
+            for m in members:
+                below |= desc[m]
+                above |= anc[m]
+                inside |= 1 << m
+            return not (below & above & ~inside)
         last = max(members)
         stack = [u for m in members for u in self.nodes[m].users
                  if u not in members and u < last]
@@ -120,6 +139,28 @@ class OpGraph:
                     seen.add(u)
                     stack.append(u)
         return True
+
+    def _reachability(self) -> tuple[list[int], list[int]] | None:
+        """Descendant and ancestor bitmasks of every node (None above
+        REACHABILITY_MAX_NODES: two n-bit masks per node is n^2 / 4 bytes)."""
+        n = len(self.nodes)
+        if n > REACHABILITY_MAX_NODES:
+            return None
+        if self._reach is None or self._reach[0] != n:
+            desc = [0] * n
+            for node in reversed(self.nodes):
+                d = 0
+                for u in node.users:
+                    d |= desc[u] | (1 << u)
+                desc[node.id] = d
+            anc = [0] * n
+            for node in self.nodes:
+                a = 0
+                for o in node.operands:
+                    a |= anc[o] | (1 << o)
+                anc[node.id] = a
+            self._reach = (n, desc, anc)
+        return self._reach[1], self._reach[2]
 
     def hbm_bytes(self, ids: Iterable[int]) -> int:
         """Bytes a kernel made of ``ids`` moves through HBM: each outside value it reads,

@@ -276,7 +276,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.html or args.dot:
         from .explorer.render import to_dot, to_html
 
-        for out, render, what in ((args.html, to_html, "HTML"), (args.dot, to_dot, "DOT")):
+        def html_page(fusion_plan) -> str:
+            return to_html(fusion_plan, reasons=args.reasons)
+
+        for out, render, what in ((args.html, html_page, "HTML"), (args.dot, to_dot, "DOT")):
             if not out:
                 continue
             try:

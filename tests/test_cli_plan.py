@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 
 import pytest
 
@@ -156,6 +157,83 @@ def test_html_and_dot_files(capsys, tmp_path, model, config):
         done = subprocess.run(["dot", "-Tsvg"], input=dot, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0, done.stderr
+
+
+class _SvgPictures(HTMLParser):
+    """The dataflow pictures of a plan page: per <svg class="dataflow">, its op nodes (id ->
+    op name), its kernel clusters (kernel -> op names of the nodes inside) and its edges
+    (source id, destination id)."""
+
+    def __init__(self):
+        super().__init__()
+        self.svgs: list[dict] = []
+        self.stack: list[str | None] = []     # per open <g>: its kernel, else None
+        self.reasons = 0
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "svg" and "dataflow" in a.get("class", ""):
+            self.svgs.append({"side": a["data-side"], "nodes": {}, "kernels": {},
+                              "edges": []})
+        elif tag == "details" and "reasons" in a.get("class", ""):
+            self.reasons += 1
+        elif tag == "g" and self.svgs:
+            classes = a.get("class", "").split()
+            kernel = a.get("data-kernel") if "kernel" in classes else None
+            self.stack.append(kernel)
+            if kernel is not None:
+                self.svgs[-1]["kernels"][kernel] = []
+            if "op" in classes:
+                self.svgs[-1]["nodes"][a["id"]] = a["data-op"]
+                inside = [k for k in self.stack if k is not None]
+                assert len(inside) <= 1, "an op node inside two kernel clusters"
+                if inside:
+                    self.svgs[-1]["kernels"][inside[0]].append(a["data-op"])
+
+    def handle_startendtag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "line" and "edge" in a.get("class", "") and self.svgs:
+            self.svgs[-1]["edges"].append((a["data-src"], a["data-dst"]))
+        elif tag == "g":
+            self.handle_starttag(tag, attrs)
+            self.handle_endtag(tag)
+
+    def handle_endtag(self, tag):
+        if tag == "g" and self.stack:
+            self.stack.pop()
+
+
+@pytest.mark.parametrize("model,config", [("log_softmax_xent_train", "tiny"),
+                                          ("asr_infer", "tiny")])
+def test_html_dataflow_picture(capsys, tmp_path, model, config):
+    """``--html`` draws each plan as a dataflow graph: every op a node, every kernel a
+    cluster holding exactly its ops, an edge for every value read, the baseline beside the
+    stitched plan; ``--reasons`` adds why producers were not fused."""
+    html_path = tmp_path / "plan.html"
+    rc, _, err = _run(capsys, "--model", model, "--config", config, "--reasons",
+                      "--html", str(html_path))
+    assert rc == 0, err
+    page = _SvgPictures()
+    page.feed(html_path.read_text(encoding="utf-8"))
+    expected = _plan_fixture(model, config, "h100")
+    assert len(page.svgs) == 2 * len(expected.graphs)
+    assert page.reasons == len(expected.graphs)
+    for gi, result in enumerate(expected.graphs):
+        graph = result.graph
+        dataflow = {(graph.nodes[o].name, n.name) for n in graph.nodes for o in n.operands}
+        for svg, side in zip(page.svgs[2 * gi:2 * gi + 2], ("baseline", "stitched")):
+            assert svg["side"] == side
+            gplan = getattr(result, side)
+            # Every op is drawn; every kernel is a cluster of exactly its ops.
+            assert set(svg["nodes"].values()) == {n.name for n in graph.nodes}
+            assert len(svg["kernels"]) == len(gplan.kernels)
+            for ki, kernel in enumerate(gplan.kernels):
+                drawn = svg["kernels"][f"{side[0]}{ki}"]
+                assert sorted(drawn) == sorted(gplan.ops(kernel)), (side, ki)
+            # Edges join drawn nodes, and every value read is drawn as an edge.
+            names = svg["nodes"]
+            assert all(s in names and d in names for s, d in svg["edges"])
+            assert {(names[s], names[d]) for s, d in svg["edges"]} == dataflow
 
 
 def test_pre_fixture_uses_base_fusion(capsys):

@@ -327,3 +327,27 @@ def test_merging_kernels_with_duplicated_producers_never_closes_a_cycle():
                             [_packable(graph, g) for g in groups])
     assert len(merged) < len(groups)
     kernel_levels(graph, merged)           # raises on a cycle
+
+
+def test_is_convex_bitmasks_agree_with_the_search(monkeypatch):
+    """``OpGraph.is_convex`` answers from reachability bitmasks on graphs up to
+    REACHABILITY_MAX_NODES; the answers must equal the forward search's on random op sets
+    of a real graph (both convex and non-convex sets occur)."""
+    import random
+
+    import hlo_passes.graph as graph_module
+    from tests.fixtures import DATA
+
+    text = (DATA / "bert_layer_train" / "full.gpu-h100.hlo").read_text()
+    graph = build_op_graphs(parse_hlo(text))[0]
+    rng = random.Random(17)
+    n = len(graph.nodes)
+    sets = []
+    for _ in range(400):
+        start = rng.randrange(n)
+        sets.append({min(n - 1, start + rng.randint(0, 24)) for _ in range(rng.randint(1, 12))})
+    fast = [graph.is_convex(s) for s in sets]
+    monkeypatch.setattr(graph_module, "REACHABILITY_MAX_NODES", -1)
+    slow = [graph.is_convex(s) for s in sets]
+    assert fast == slow
+    assert any(slow) and not all(slow)

@@ -149,12 +149,18 @@ class CostModel:
             analysis = self.analysis(members)
         # Shared reductions are reduced row by row in full; the rest reads what it needs.
         whole = [r.node for r in analysis.shared] if analysis is not None else []
-        used = utilization(graph, members, whole)
-        nbytes = kernel_hbm_bytes(graph, members, whole, used)
+        # Who reads what inside the kernel, found once from the members' operands: walking
+        # the users of each value instead costs a value's whole fan-out (a parameter read
+        # by every op of a 2,000-op chain) for every pattern that reads it.
+        inside = inside_users(graph, members)
+        in_place = in_place_updates(graph, members)
+        used = utilization(graph, members, whole, inside, in_place)
+        nbytes = kernel_hbm_bytes(graph, members, whole, used, inside, in_place)
         per_component, smem_bytes = self._parallelism(members, analysis, used[0])
         threads = max(sum(per_component), 1)
         memory_s = self._memory_s(nbytes, threads)
-        compute_s = self._compute_s(self._instructions(members, analysis, used[0]), threads)
+        compute_s = self._compute_s(self._instructions(members, analysis, used[0], inside),
+                                    threads)
         if analysis is not None and len(analysis.components) > 1:
             # Packed parts run side by side on different blocks: the kernel cannot end
             # before its slowest part, which draws only the bandwidth and lanes its own
@@ -163,9 +169,10 @@ class CostModel:
                 comp = frozenset(comp)
                 # Parts share no values: the kernel's utilization holds for each.
                 memory_s = max(memory_s, self._memory_s(
-                    kernel_hbm_bytes(graph, comp, whole, used), comp_threads))
+                    kernel_hbm_bytes(graph, comp, whole, used, inside, in_place),
+                    comp_threads))
                 compute_s = max(compute_s, self._compute_s(
-                    self._instructions(comp, analysis, used[0]), comp_threads))
+                    self._instructions(comp, analysis, used[0], inside), comp_threads))
         memory_s += smem_bytes / spec.shared_memory_bandwidth
         total = launch + compute_s + memory_s - XLA_MEMORY_COMPUTE_PARALLELISM * min(
             compute_s, memory_s)
@@ -228,49 +235,53 @@ class CostModel:
         return max(int(self.elements[v] * used.get(v, 1.0)), 1)
 
     def _instructions(self, members: frozenset[int], analysis: PatternAnalysis | None,
-                      used: dict[int, float]) -> float:
+                      used: dict[int, float],
+                      inside: dict[int, list[int]] | None = None) -> float:
         """Thread instructions, with thread composition's recomputation. An op computes
         at least the elements the outputs need (``used``): all of them, except under a
-        gather, a slice or an in-place update."""
+        gather, a slice or an in-place update. ``inside``: ``inside_users`` of a kernel
+        holding ``members``."""
         graph = self.graph
-        outputs = graph_facts(graph).outputs
-        shared = {r.node for r in analysis.shared} if analysis else set()
+        facts = graph_facts(graph)
+        outputs = facts.outputs
+        elements, free = self.elements, self.free
+        reduction, expensive = facts.is_reduction, facts.is_expensive
+        n_users, count, per_element = facts.n_users, facts.count, facts.per_element
+        shared = {r.node for r in analysis.shared} if analysis else ()
+        if inside is None:
+            inside = inside_users(graph, members)
         factor: dict[int, float] = {}
         total = 0.0
+        no_users: list[int] = []
         for v in sorted(members, reverse=True):
-            node = graph.nodes[v]
-            if self.free[v]:
+            readers = inside.get(v, no_users)
+            if free[v]:
                 # Free ops pass their consumers' demand through.
-                need = max((factor.get(u, 0.0) * self.elements[u] / max(self.elements[v], 1)
-                            for u in node.users if u in members), default=1.0)
+                need = max((factor.get(u, 0.0) * elements[u] / max(elements[v], 1)
+                            for u in readers if u in members), default=1.0)
                 factor[v] = max(need, used[v])
                 continue
-            if node.op_class is OpClass.REDUCTION or v in shared:
+            if reduction[v] or v in shared:
                 r = 1.0
             else:
-                r = 1.0 if (v in outputs or not members.issuperset(node.users)) \
-                    else 0.0
-                for u in node.users:
+                r = 1.0 if (v in outputs or len(readers) < n_users[v]) else 0.0
+                ev = max(elements[v], 1)
+                for u in readers:
                     if u not in members:
                         continue
-                    un = graph.nodes[u]
-                    demand = factor.get(u, 1.0)
-                    if un.op_class is OpClass.REDUCTION:
+                    if reduction[u]:
                         demand = 1.0
                     else:
-                        demand *= self.elements[u] / max(self.elements[v], 1)
-                    r = max(r, demand)
-                if node.op_class is OpClass.EXPENSIVE and r > 1.0:
+                        demand = factor.get(u, 1.0)
+                        demand *= elements[u] / ev
+                    if demand > r:
+                        r = demand
+                if expensive[v] and r > 1.0:
                     r = 1.0            # expanded expensive op: a sub-root, computed once
-                r = max(r, used[v])
+                if used[v] > r:
+                    r = used[v]
             factor[v] = r
-            per_element = (EXPENSIVE_INSTRUCTIONS.get(node.opcode, 10.0)
-                           if node.op_class is OpClass.EXPENSIVE
-                           else INSTRUCTIONS_PER_ELEMENT.get(node.op_class, 2.0))
-            count = self.elements[v]
-            if node.op_class is OpClass.REDUCTION and node.operands:
-                count = self.elements[node.operands[0]]
-            total += count * r * per_element
+            total += count[v] * r * per_element[v]
         return total
 
     # --- the delta-evaluator -----------------------------------------------------------
@@ -297,6 +308,23 @@ class CostModel:
         return total - fused.total_s
 
 
+def inside_users(graph: OpGraph, members: Iterable[int]) -> dict[int, list[int]]:
+    """For every value a member reads (members and outside values alike): the distinct
+    members reading it, in increasing order (as ``OpNode.users`` lists them). Work
+    proportional to the members' operands, whatever the fan-out of what they read."""
+    nodes = graph.nodes
+    found: dict[int, list[int]] = {}
+    for w in sorted(members):
+        operands = nodes[w].operands
+        for o in (operands if len(operands) < 2 else dict.fromkeys(operands)):
+            got = found.get(o)
+            if got is None:
+                found[o] = [w]
+            else:
+                got.append(w)
+    return found
+
+
 def in_place_updates(graph: OpGraph, members: Iterable[int]) -> set[int]:
     """Dynamic-update-slices of ``members`` that run in place: the updated buffer is a value
     from outside the kernel (seen through free aliases) that nothing else in the kernel
@@ -305,12 +333,11 @@ def in_place_updates(graph: OpGraph, members: Iterable[int]) -> set[int]:
     writes only the update (IrEmitterUnnested's in-place dynamic-update-slice fusion);
     the rest of the buffer is neither read nor written."""
     members = members if isinstance(members, (set, frozenset)) else set(members)
-    outputs = graph_facts(graph).outputs
-    found = set()
-    for d in members:
+    facts = graph_facts(graph)
+    outputs = facts.outputs
+    found: set[int] = set()
+    for d in members & facts.updates:
         node = graph.nodes[d]
-        if node.opcode != "dynamic-update-slice" or len(node.operands) < 2:
-            continue
         if any(u in members for u in node.users):
             continue
         if not (d in outputs or not members.issuperset(node.users)):
@@ -352,6 +379,25 @@ class _GraphFacts:
                                                          and graph.is_free(n.id))) \
                     and self.byte_size[n.operands[0]] == self.byte_size[n.id]:
                 self.buffer[n.id] = self.buffer[n.operands[0]]
+        # Per-op terms of ``CostModel._instructions``: elements computed per pass (a
+        # reduction reads its input's) and instructions per element.
+        self.is_reduction = [n.op_class is OpClass.REDUCTION for n in graph.nodes]
+        self.is_expensive = [n.op_class is OpClass.EXPENSIVE for n in graph.nodes]
+        self.n_users = [len(n.users) for n in graph.nodes]
+        self.is_source = [n.op_class is OpClass.SOURCE for n in graph.nodes]
+        # A get-tuple-element reading an element of a tuple-shaped value.
+        self.tuple_gte = [n.opcode == "get-tuple-element" and bool(n.operands)
+                          and graph.nodes[n.operands[0]].shape.is_tuple for n in graph.nodes]
+        self.count = [self.elements[n.operands[0]]
+                      if n.op_class is OpClass.REDUCTION and n.operands else self.elements[n.id]
+                      for n in graph.nodes]
+        self.per_element = [EXPENSIVE_INSTRUCTIONS.get(n.opcode, 10.0)
+                            if n.op_class is OpClass.EXPENSIVE
+                            else INSTRUCTIONS_PER_ELEMENT.get(n.op_class, 2.0)
+                            for n in graph.nodes]
+        # The dynamic-update-slices that may run in place (``in_place_updates``).
+        self.updates = frozenset(n.id for n in graph.nodes
+                                 if n.opcode == "dynamic-update-slice" and len(n.operands) >= 2)
         # Consumers whose share of an operand is not the plain elementwise one.
         self.plain = [n.op_class not in (OpClass.COMPUTE, OpClass.OPAQUE)
                       and n.opcode not in ("reduce", "reduce-window", "gather",
@@ -369,10 +415,13 @@ def graph_facts(graph: OpGraph) -> _GraphFacts:
     return facts
 
 
-def utilization(graph: OpGraph, members: Iterable[int], whole: Iterable[int] = ()
+def utilization(graph: OpGraph, members: Iterable[int], whole: Iterable[int] = (),
+                inside: dict[int, list[int]] | None = None,
+                in_place: set[int] | None = None
                 ) -> tuple[dict[int, float], dict[int, float]]:
     """(fraction of each member's elements the kernel computes, fraction of each outside
-    value's elements it reads): see ``kernel_hbm_bytes``."""
+    value's elements it reads): see ``kernel_hbm_bytes``. ``inside`` and ``in_place``:
+    ``inside_users`` and ``in_place_updates`` of ``members`` when the caller has them."""
     members = members if isinstance(members, (set, frozenset)) else set(members)
     facts = graph_facts(graph)
     outputs = facts.outputs
@@ -380,8 +429,12 @@ def utilization(graph: OpGraph, members: Iterable[int], whole: Iterable[int] = (
     plain = facts.plain
     nodes = graph.nodes
     forced = set(whole)
-    in_place = in_place_updates(graph, members)
+    if inside is None:
+        inside = inside_users(graph, members)
+    if in_place is None:
+        in_place = in_place_updates(graph, members)
     used: dict[int, float] = {}
+    no_users: list[int] = []
 
     def share(w: int, v: int) -> float:
         """Fraction of v's elements consumer w reads."""
@@ -409,32 +462,45 @@ def utilization(graph: OpGraph, members: Iterable[int], whole: Iterable[int] = (
             best = max(best, min(1.0, uw * elems[w] * per_output / max(elems[v], 1)))
         return best
 
+    source, n_users = facts.is_source, facts.n_users
+    # ``share`` inlined for the common plain consumer (the same arithmetic).
     for m in sorted(members, reverse=True):
-        node = nodes[m]
-        out = node.op_class is not OpClass.SOURCE and (
-            m in outputs or not members.issuperset(node.users))
-        if out or m in forced:
+        readers = inside.get(m, no_users)
+        if (not source[m] and (m in outputs or len(readers) < n_users[m])) or m in forced:
             used[m] = 1.0
         else:
             total = 0.0
-            for u in node.users:
+            em = max(elems[m], 1)
+            for u in readers:
                 if u in members:
-                    total += share(u, m)
+                    if plain[u]:
+                        uw = used.get(u, 0.0)
+                        if uw > 0.0:
+                            total += min(1.0, uw * elems[u] / em)
+                    else:
+                        total += share(u, m)
             used[m] = min(1.0, total)
     read: dict[int, float] = {}
-    for m in members:
-        for o in nodes[m].operands:
-            if o not in members and o not in read:
-                total = 0.0
-                for u in nodes[o].users:
-                    if u in members:
+    for o, readers in inside.items():
+        if o not in members:
+            total = 0.0
+            eo = max(elems[o], 1)
+            for u in readers:
+                if u in members:
+                    if plain[u]:
+                        uw = used.get(u, 0.0)
+                        if uw > 0.0:
+                            total += min(1.0, uw * elems[u] / eo)
+                    else:
                         total += share(u, o)
-                read[o] = min(1.0, total)
+            read[o] = min(1.0, total)
     return used, read
 
 
 def kernel_hbm_bytes(graph: OpGraph, members: Iterable[int], whole: Iterable[int] = (),
-                     used: tuple[dict[int, float], dict[int, float]] | None = None) -> int:
+                     used: tuple[dict[int, float], dict[int, float]] | None = None,
+                     inside: dict[int, list[int]] | None = None,
+                     in_place: set[int] | None = None) -> int:
     """Bytes a kernel made of ``members`` moves through HBM, counting only what it reads:
     each outside value once, scaled by the fraction of its elements the kernel's outputs
     depend on, plus each value used outside or leaving the graph, once (the rules of
@@ -451,30 +517,42 @@ def kernel_hbm_bytes(graph: OpGraph, members: Iterable[int], whole: Iterable[int
     result is sliced the inputs of the kept outputs. An in-place dynamic-update-slice
     (``in_place_updates``) reads none of the buffer and writes only the update. ``whole``
     are ops computed in full whatever their consumers need (reductions a warp or block
-    reduces row by row). ``used`` is ``utilization``'s result when the caller has it."""
+    reduces row by row). ``used`` is ``utilization``'s result when the caller has it;
+    ``inside`` and ``in_place`` are ``inside_users`` and ``in_place_updates`` of a kernel
+    holding ``members`` (a packed kernel's parts share its maps: no edge joins two parts)."""
     members = members if isinstance(members, (set, frozenset)) else set(members)
     facts = graph_facts(graph)
     outputs = facts.outputs
     size = facts.byte_size
     buffer = facts.buffer
     nodes = graph.nodes
-    in_place = in_place_updates(graph, members)
-    used, read = utilization(graph, members, whole) if used is None else used
+    if inside is None:
+        inside = inside_users(graph, members)
+    if in_place is None:
+        in_place = in_place_updates(graph, members)
+    if used is None:
+        used = utilization(graph, members, whole, inside, in_place)
+    used, read = used
     written = 0
     reads: dict[tuple[int, int], float] = {}
+    no_users: list[int] = []
+    source, n_users, tuple_gte = facts.is_source, facts.n_users, facts.tuple_gte
+    # ``inside`` lists only readers inside ``members``: a member's readers inside the
+    # kernel are in its own connected part.
     for m in members:
-        node = nodes[m]
-        if node.op_class is OpClass.SOURCE:
-            if any(u in members for u in node.users):
+        readers = inside.get(m, no_users)
+        if source[m]:
+            if readers:
                 reads[(m, -1)] = size[m] * used[m]
             continue
-        if m in outputs or not members.issuperset(node.users):
+        node = nodes[m]
+        if m in outputs or len(readers) < n_users[m]:
             update = node.operands[1] if m in in_place else m
             written += size[update]
         for o in node.operands:
-            if o in members and nodes[o].op_class is not OpClass.SOURCE:
+            if o in members and not source[o]:
                 continue
-            if node.opcode == "get-tuple-element" and nodes[o].shape.is_tuple:
+            if tuple_gte[m]:
                 reads[(o, node.instruction.int("index"))] = size[m] * used[m]
             elif o in members:
                 reads[(o, -1)] = size[o] * used[o]

@@ -86,19 +86,28 @@ class Latency:
     bound: str                   # "throughput" | "latency" | "cannot launch"
 
 
+# cpi per spec (by id; each entry keeps its spec alive): the tuner asks for every
+# combination it tries.
+_CPI: dict[int, tuple[GpuSpec, dict[str, float]]] = {}
+
+
 def cpi(spec: GpuSpec) -> dict[str, float]:
     """Cycles of one SM per warp instruction of each class (see the module docstring)."""
-    return {"alu": spec.warp_size / spec.fp32_cores_per_sm,
+    got = _CPI.get(id(spec))
+    if got is None:
+        got = _CPI[id(spec)] = (spec, {
+            "alu": spec.warp_size / spec.fp32_cores_per_sm,
             "sfu": spec.warp_size / SFU_PER_SM,
             "shuffle": spec.warp_size / SHUFFLES_PER_SM_PER_CLOCK,
             "shared": spec.warp_size * 4 / SHARED_BYTES_PER_CLOCK,
-            "global_byte": 1.0 / spec.hbm_bytes_per_cycle_per_sm}
+            "global_byte": 1.0 / spec.hbm_bytes_per_cycle_per_sm})
+    return dict(got[1])
 
 
 def warp_compute_cycles(spec: GpuSpec, work: WarpWork) -> float:
     """SM cycles of one warp's arithmetic, special-function, shuffle and shared-memory
     instructions."""
-    table = cpi(spec)
+    table = _CPI[id(spec)][1] if id(spec) in _CPI else cpi(spec)
     return (work.alu * table["alu"] + work.sfu * table["sfu"]
             + work.shuffles * table["shuffle"] + work.shared_instr * table["shared"])
 
@@ -106,7 +115,8 @@ def warp_compute_cycles(spec: GpuSpec, work: WarpWork) -> float:
 def warp_memory_cycles(spec: GpuSpec, work: WarpWork) -> float:
     """SM cycles of one warp's HBM traffic: its bytes over the SM's share of the bandwidth,
     at least one cycle per global load/store instruction."""
-    return max(work.global_bytes * cpi(spec)["global_byte"], work.global_instr)
+    table = _CPI[id(spec)][1] if id(spec) in _CPI else cpi(spec)
+    return max(work.global_bytes * table["global_byte"], work.global_instr)
 
 
 def warp_issue_cycles(spec: GpuSpec, work: WarpWork) -> float:

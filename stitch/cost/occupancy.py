@@ -90,6 +90,14 @@ def _blocks_by_shared(spec: GpuSpec, allocation: int, carveout: int) -> int:
     return spec.max_blocks_per_sm if allocation == 0 else carveout // allocation
 
 
+# Results by (spec, block, registers, shared bytes, carve-out): the schedule tuner asks about
+# the same few launch shapes for every combination it tries. Keyed by the spec's id (hashing
+# a GpuSpec hashes all its fields); each entry keeps its spec alive, so the id stays its own.
+# Bounded: cleared when full.
+_MEMO: dict[tuple, tuple[GpuSpec, Occupancy]] = {}
+_MEMO_LIMIT = 65536
+
+
 def occupancy(spec: GpuSpec, threads_per_block: int, registers_per_thread: int,
               shared_bytes_per_block: int = 0, carveout_bytes: int | None = None) -> Occupancy:
     """Resident blocks and warps per SM for one kernel configuration (see the module rules).
@@ -97,6 +105,22 @@ def occupancy(spec: GpuSpec, threads_per_block: int, registers_per_thread: int,
     ``carveout_bytes`` None lets the carve-out be chosen (see below); otherwise it must be one
     of ``spec.shared_memory_carveouts`` and is used as given.
     """
+    key = (id(spec), type(threads_per_block), threads_per_block, type(registers_per_thread),
+           registers_per_thread, type(shared_bytes_per_block), shared_bytes_per_block,
+           carveout_bytes)
+    got = _MEMO.get(key)
+    if got is None:
+        result = _occupancy(spec, threads_per_block, registers_per_thread,
+                            shared_bytes_per_block, carveout_bytes)
+        if len(_MEMO) >= _MEMO_LIMIT:
+            _MEMO.clear()
+        _MEMO[key] = (spec, result)
+        return result
+    return got[1]
+
+
+def _occupancy(spec: GpuSpec, threads_per_block: int, registers_per_thread: int,
+               shared_bytes_per_block: int, carveout_bytes: int | None) -> Occupancy:
     _check_int("threads_per_block", threads_per_block, 1)
     _check_int("registers_per_thread", registers_per_thread, 1)
     _check_int("shared_bytes_per_block", shared_bytes_per_block, 0)

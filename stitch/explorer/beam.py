@@ -324,12 +324,16 @@ def _hides_a_read_value(graph: OpGraph, kernels: dict[int, frozenset[int]], a: i
     copy inside hides the value from the other copies (kernel 0 reads rsqrt.26, which no
     kernel writes: fuzz seed 619)."""
     outputs = set(graph.outputs)
-    others = [g for k, g in kernels.items() if k not in (a, b)]
-    for m in union:
-        users = graph.nodes[m].users
-        if m in outputs or any(u not in union for u in users):
-            continue                                  # still written
-        if any(m not in g and any(u in g for u in users) for g in others):
+    # Members no longer written: every user is inside the union.
+    hidden = [m for m in union if m not in outputs
+              and all(u in union for u in graph.nodes[m].users)]
+    if not hidden:
+        return False
+    for k, g in kernels.items():
+        # Only a kernel sharing ops with the union can hold a user of a hidden member.
+        if k in (a, b) or g.isdisjoint(union):
+            continue
+        if any(m not in g and any(u in g for u in graph.nodes[m].users) for m in hidden):
             return True
     return False
 
@@ -380,18 +384,33 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
     succ_cache: dict[int, frozenset[int]] = {}
 
     def find(k: int) -> int:
-        while k in merged_into:
-            k = merged_into[k]
-        return k
+        root = k
+        while root in merged_into:
+            root = merged_into[root]
+        while k != root:                      # path compression
+            nxt = merged_into[k]
+            merged_into[k] = root
+            k = nxt
+        return root
+
+    # Resolved successor sets, valid until the next merge renames kernels (``merges``).
+    resolved: dict[int, tuple[int, set[int]]] = {}
+    merges = 0
 
     def succ_of(k: int) -> set[int]:
+        got = resolved.get(k)
+        if got is not None and got[0] == merges:
+            return got[1]
         raw = succ_cache.get(k)
         if raw is None:
             users = (u for v in kernels[k] for u in graph.nodes[v].users) if k >= 0 \
                 else iter(graph.nodes[-1 - k].users)
             raw = succ_cache[k] = frozenset(owner[u] if owner[u] >= 0 else -1 - u
                                             for u in users)
-        return {find(x) for x in raw} - {k}
+        out = {find(x) for x in raw}
+        out.discard(k)
+        resolved[k] = (merges, out)
+        return out
 
     def other_path(a: int, b: int) -> bool:
         """Is b reachable from a other than through a direct edge? No bound by op ids: a
@@ -463,6 +482,7 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
             continue
         del kernels[a], kernels[b]
         merged_into[a] = merged_into[b] = next_id
+        merges += 1
         kernels[next_id] = union
         ok[next_id] = True
         for v in union:

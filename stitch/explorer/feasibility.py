@@ -21,6 +21,8 @@ The schedules issue replaces this with the real predicate of its schedule space.
 """
 from __future__ import annotations
 
+import weakref
+
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -123,6 +125,33 @@ def _reshape_row_map(src: Shape, dst: Shape, dims: tuple[int, ...]) -> Mapping:
 
 def _same(dims: tuple[int, ...], new: list[int] | tuple[int, ...]) -> Mapping:
     return [(d, (k,)) for k, d in enumerate(new)]
+
+
+def _first(entry: tuple) -> int:
+    return entry[0]
+
+
+# Per graph: (node, operand position, row dims) -> _transfer's mapping or its RowConflict.
+# A pure function of the node, asked again for every pattern holding the node (perf only).
+_TRANSFERS: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
+
+
+def _transfer_cached(graph: OpGraph, node: OpNode, position: int, dims: tuple[int, ...]
+                     ) -> Mapping:
+    memo = _TRANSFERS.get(graph)
+    if memo is None:
+        memo = _TRANSFERS[graph] = {}
+    key = (node.id, position, dims)
+    got = memo.get(key)
+    if got is None:
+        try:
+            got = _transfer(graph, node, position, dims)
+        except RowConflict as conflict:
+            got = conflict
+        memo[key] = got
+    if isinstance(got, RowConflict):
+        raise RowConflict(got.positions, got.reason)
+    return got
 
 
 def _transfer(graph: OpGraph, node: OpNode, position: int, dims: tuple[int, ...]) -> Mapping:
@@ -430,16 +459,19 @@ def _propagate(graph: OpGraph, members: list[int], member_set: set[int], shared:
                 continue
             dims = tuple(d for d, _ in entries)
             try:
-                mapping = _transfer(graph, node, position, dims)
+                mapping = _transfer_cached(graph, node, position, dims)
             except RowConflict as conflict:
                 positions = conflict.positions
                 if positions is None:
                     positions = tuple(range(len(entries)))
                 raise _Drop({lab for k in positions for lab in entries[k][1]},
                             conflict.reason) from None
-            mapped = tuple(sorted(
-                ((d, frozenset().union(*(entries[k][1] for k in ks))) for d, ks in mapping),
-                key=lambda e: e[0]))
+            # (A one-position entry keeps its label set as is: perf only.)
+            pairs = [(d, entries[ks[0]][1] if len(ks) == 1
+                      else frozenset().union(*(entries[k][1] for k in ks)))
+                     for d, ks in mapping]
+            pairs.sort(key=_first)
+            mapped = tuple(pairs)
             if result is None:
                 result = mapped
             elif [d for d, _ in mapped] != [d for d, _ in result]:
@@ -469,22 +501,33 @@ def infeasible_reason(graph: OpGraph, members: Iterable[int]) -> str | None:
 
 
 def _components(graph: OpGraph, members: list[int], member_set: set[int]) -> list[list[int]]:
-    """Weakly connected components through edges inside the pattern."""
-    parent = {v: v for v in members}
-
-    def find(v: int) -> int:
-        while parent[v] != v:
-            parent[v] = parent[parent[v]]
-            v = parent[v]
-        return v
-
+    """Weakly connected components through edges inside the pattern (in the order of their
+    first member, each ascending; ``members`` ascending)."""
+    # Union-find inlined (perf only: this runs for every pattern scored).
+    parent: dict[int, int] = {}
+    nodes = graph.nodes
     for v in members:
-        for o in graph.nodes[v].operands:
-            if o in member_set:
-                a, b = find(v), find(o)
-                if a != b:
-                    parent[a] = b
+        root = v
+        for o in nodes[v].operands:
+            if o in member_set and o in parent:
+                r = o
+                while parent[r] != r:
+                    parent[r] = parent[parent[r]]
+                    r = parent[r]
+                if root == v:
+                    root = r
+                elif r != root:
+                    parent[r] = root
+        parent[v] = root
     groups: dict[int, list[int]] = {}
     for v in members:
-        groups.setdefault(find(v), []).append(v)
+        r = v
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        got = groups.get(r)
+        if got is None:
+            groups[r] = [v]
+        else:
+            got.append(v)
     return list(groups.values())

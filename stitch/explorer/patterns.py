@@ -137,10 +137,7 @@ class PatternExplorer:
         unique: dict[frozenset[int], Pattern] = {}
         for p in patterns:
             unique.setdefault(p.members, p)
-        # Ties broken by size then by members, so results do not depend on set order.
-        ranked = sorted(unique.values(),
-                        key=lambda p: (-p.gain, -len(p.members), sorted(p.members)))
-        return ranked[:self.top_k]
+        return _ranked(unique.values(), self.top_k)
 
     # --- PatternReduction --------------------------------------------------------------
     def explore(self) -> Candidates:
@@ -245,6 +242,27 @@ class PatternExplorer:
             if len(p.members) > 1 and p.gain > 0:
                 unique.setdefault(p.members, p)
         return list(unique.values())
+
+
+def _ranked(patterns: Iterable[Pattern], k: int) -> list[Pattern]:
+    """The k best patterns by gain; ties broken by size then by members, so results do
+    not depend on set order. The members are sorted only for patterns tied on gain and
+    size (sorting every pattern's members for its key dominated this on large graphs)."""
+    ranked = sorted(patterns, key=lambda p: (-p.gain, -len(p.members)))
+    out: list[Pattern] = []
+    i = 0
+    while i < len(ranked) and len(out) < k:
+        j = i + 1
+        head = ranked[i]
+        while j < len(ranked) and ranked[j].gain == head.gain and \
+                len(ranked[j].members) == len(head.members):
+            j += 1
+        tied = ranked[i:j]
+        if len(tied) > 1:
+            tied.sort(key=lambda p: sorted(p.members))
+        out.extend(tied)
+        i = j
+    return out[:k]
 
 
 def _boundary_reason(graph: OpGraph, consumer: int) -> str:

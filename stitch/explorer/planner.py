@@ -87,6 +87,23 @@ class GraphResult:
 
 SMALL_GRAPH_OPS = 400
 LARGE_GRAPH_PATTERN_OPS = 32
+# On graphs over SMALL_GRAPH_OPS, refinement leaves kernels over this many ops alone
+# (refine_plan's max_ops; bounded candidate set, see docs/benchmarks.md for its cost).
+LARGE_GRAPH_REFINE_OPS = 64
+LARGE_GRAPH_KERNEL_OPS = MAX_PATTERN_OPS
+LOOKAHEAD_ONLY_OPS = 1000
+# Remote fusion (the explorer's virtual producer of all vertices) runs on graphs up to this
+# many ops; above, independent kernels are still packed level by level (bounded candidate
+# set, see docs/benchmarks.md for its cost).
+REMOTE_FUSION_MAX_OPS = 1000
+# Above this many ops the packed baseline is finished but not refined (it did not win on
+# any large zoo or corpus graph; same modeled time there, dlrm 2.0 -> 1.3 s cpu).
+BASELINE_REFINE_MAX_OPS = 1000
+
+
+def kernel_bound(graph: OpGraph) -> int:
+    """Ops per kernel that merging and packing may build on this graph."""
+    return MAX_PATTERN_OPS if len(graph.nodes) <= SMALL_GRAPH_OPS else LARGE_GRAPH_KERNEL_OPS
 
 
 def pattern_bound(graph: OpGraph, options: "ExplorerOptions") -> int:
@@ -173,11 +190,12 @@ def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origi
     if packing:
         mergeable = [_packable(graph, g, cost) for g in groups]
         origin_of = {g: o for g, o in zip(groups, origins)}
-        groups = merge_adjacent(graph, cost, groups, mergeable)
+        max_ops = kernel_bound(graph)
+        groups = merge_adjacent(graph, cost, groups, mergeable, max_ops)
         origins = [origin_of.get(g, "merged") for g in groups]
         packable = [_packable(graph, g, cost) for g in groups]
         origin_of = {g: o for g, o in zip(groups, origins)}
-        packed = pack_levels(graph, cost, groups, packable)
+        packed = pack_levels(graph, cost, groups, packable, max_ops)
         groups = [g for g, _ in packed]
         origins = ["packing" if merged else origin_of.get(g, "single") for g, merged in packed]
     kernels = [make_kernel(graph, cost, g, o) for g, o in zip(groups, origins)]
@@ -334,7 +352,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                        prefix="b")
     start = time.perf_counter()
     explorer = PatternExplorer(graph, cost, options.top_k, options.group_size,
-                               options.remote_fusion, max_pattern_ops=pattern_bound(graph, options))
+                               options.remote_fusion and len(graph.nodes) <= REMOTE_FUSION_MAX_OPS,
+                               max_pattern_ops=pattern_bound(graph, options))
     candidates = explorer.explore()
     phases: dict[str, float] = {"explore_s": time.perf_counter() - start}
     patterns = candidates.all_patterns()
@@ -361,8 +380,11 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     # rarely win there (bounded candidate set; small graphs keep every buffer).
     keep = options.beam_width if len(graph.nodes) <= SMALL_GRAPH_OPS else 1
     mark = time.perf_counter()
+    # On graphs over LOOKAHEAD_ONLY_OPS only the lookahead search runs (bounded candidate
+    # set: each plan costs a finish and a refinement; see docs/benchmarks.md for its cost).
+    plain = not options.lookahead_beam or len(graph.nodes) <= LOOKAHEAD_ONLY_OPS
     beams = beam_search(graph, patterns, options.beam_width, trim, lookahead=False,
-                        poll=poll)[:keep]
+                        poll=poll)[:keep] if plain else []
     if options.lookahead_beam:
         beams += beam_search(graph, patterns, options.beam_width, trim, lookahead=True,
                              poll=poll)[:keep]
@@ -389,15 +411,18 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
             # Large graphs: refine the best beam plan and the packed baseline only
             # (refinement costs seconds per plan there; bounded candidate set).
             beam_plans = [lp for lp in plans if lp[0].startswith("beam")]
-            to_refine = [lp for lp in plans if not lp[0].startswith("beam")]
+            to_refine = [lp for lp in plans if not lp[0].startswith("beam")
+                         and len(graph.nodes) <= BASELINE_REFINE_MAX_OPS]
             if beam_plans:
                 to_refine.insert(0, min(beam_plans, key=lambda lp: lp[1].objective_s))
+        refine_ops = MAX_PATTERN_OPS if len(graph.nodes) <= SMALL_GRAPH_OPS \
+            else LARGE_GRAPH_REFINE_OPS
         for label, p in to_refine:
             key = frozenset(frozenset(k.members) for k in p.kernels)
             if key in refined_from:
                 continue
             refined_from.add(key)
-            kernels, moves = refine_plan(graph, cost, p.kernels)
+            kernels, moves = refine_plan(graph, cost, p.kernels, max_ops=refine_ops)
             if moves:
                 plans.append((f"{label} + {moves} refinement moves",
                               _named(graph, kernels, weight)))
@@ -412,7 +437,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                     except KernelCycleError as exc:
                         log.info("graph %s: %s, merged, set aside: %s", graph.name, label, exc)
                         continue
-                    kernels, more = refine_plan(graph, cost, again.kernels)
+                    kernels, more = refine_plan(graph, cost, again.kernels,
+                                                max_ops=refine_ops)
                     plans.append((f"{label} + {moves} refinement moves, merged, {more} more",
                                   _named(graph, kernels, weight)))
     phases["refine_s"] = time.perf_counter() - mark

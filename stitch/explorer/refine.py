@@ -95,12 +95,15 @@ def _stitchable(graph: OpGraph, cost: CostModel, members: frozenset[int]) -> boo
 class _Refiner:
     """The plan being refined: kernels as member sets (emptied when a move removes one)."""
 
-    def __init__(self, graph: OpGraph, cost: CostModel, kernels: list[PlannedKernel]):
+    def __init__(self, graph: OpGraph, cost: CostModel, kernels: list[PlannedKernel],
+                 max_ops: int = MAX_PATTERN_OPS):
         self.graph, self.cost = graph, cost
         self.groups: list[frozenset[int]] = [frozenset(k.members) for k in kernels]
         self.origins = [k.origin for k in kernels]
-        # XLA groups holding an opaque op (kept whole), GEMM and control are not touched.
-        self.movable = [k.kind == "fused" and all(is_plannable(graph, v) for v in k.members)
+        # XLA groups holding an opaque op (kept whole), GEMM and control are not touched;
+        # nor are kernels over ``max_ops`` (a bound on the work per move, see refine_plan).
+        self.movable = [k.kind == "fused" and len(k.members) <= max_ops
+                        and all(is_plannable(graph, v) for v in k.members)
                         for k in kernels]
 
     def time(self, members: frozenset[int]) -> float:
@@ -247,10 +250,16 @@ def _descendants_within(graph: OpGraph, start: int, within: frozenset[int]) -> f
 
 
 def refine_plan(graph: OpGraph, cost: CostModel, kernels: list[PlannedKernel],
-                max_rounds: int = 4) -> tuple[list[PlannedKernel], int]:
+                max_rounds: int = 4, max_ops: int = MAX_PATTERN_OPS
+                ) -> tuple[list[PlannedKernel], int]:
     """Apply improving split and recomputation moves until none is left (or
-    ``max_rounds``). Returns the kernels in launch order and the number of moves kept."""
-    refiner = _Refiner(graph, cost, kernels)
+    ``max_rounds``). Returns the kernels in launch order and the number of moves kept.
+
+    Kernels of more than ``max_ops`` ops are neither split nor moved into or out of: every
+    move prices the kernels it touches afresh, in time linear in their size, and on large
+    graphs packed kernels of hundreds of ops made refinement the costliest phase while its
+    moves there saved a few hundredths of a percent."""
+    refiner = _Refiner(graph, cost, kernels, max_ops)
     moves = 0
     for _ in range(max_rounds):
         made = refiner.split_moves() + refiner.recompute_moves()

@@ -167,6 +167,13 @@ ol.ops .free { color: #999; }
 ol.ops .bnd { font-weight: bold; }
 a.x { color: #777; font-size: .9em; text-decoration: none; margin-left: .4em; }
 a.x:hover { text-decoration: underline; }
+.picture { overflow: auto; max-height: 40em; border: 1px solid #ddd; }
+svg.dataflow .edge { stroke: #888; stroke-width: 1; }
+svg.dataflow .kbox { fill-opacity: .75; stroke-width: 1.5; }
+svg.dataflow .op circle, svg.dataflow .op rect { fill: #fff; stroke: #333; }
+svg.dataflow .op.outside circle, svg.dataflow .op.outside rect { fill: #f4f4f4;
+  stroke: #bbb; stroke-dasharray: 2 2; }
+details.reasons { font-size: .85em; margin: .5em 0; }
 """
 
 _SUMMARY_ROWS = (
@@ -242,7 +249,11 @@ def _html_graph(result: GraphResult, gi: int) -> list[str]:
     out = [f'<section class="graph" id="g{gi}"><h2>{html.escape(graph.name)} '
            f'<span class="meta">({graph.kind}, {len(graph.nodes)} ops, runs '
            f'x{result.stitched.weight})</span></h2>',
-           f'<p class="meta">{html.escape(report_line(result))}</p>', '<div class="sides">']
+           f'<p class="meta">{html.escape(report_line(result))}</p>',
+           '<div class="sides pictures">']
+    out += [f'<div class="picture"><h3>{side}: dataflow</h3>{plan_svg(result, gi, side)}'
+            f'</div>' for side in SIDES]
+    out += ['</div>', '<div class="sides">']
     for side in SIDES:
         gplan = _side(result, side)
         other = where["stitched" if side == "baseline" else "baseline"]
@@ -258,9 +269,114 @@ def _html_graph(result: GraphResult, gi: int) -> list[str]:
     return out
 
 
-def to_html(plan: FusionPlan) -> str:
-    """A self-contained HTML page (inline CSS, no scripts): the summary table, then per
-    graph the baseline and stitched kernels side by side in launch order."""
+# ---------------------------------------------------------------------- dataflow SVG
+
+_NODE_GAP_X = 34         # px between op centres in a layer
+_NODE_GAP_Y = 46         # px between layers
+_NODE_R = 9
+_MARGIN = 24
+
+
+def _depths(graph: OpGraph) -> list[int]:
+    """Topological depth of every op: 0 for ops without operands, else one more than the
+    deepest operand (node ids are a topological order)."""
+    depth = [0] * len(graph.nodes)
+    for node in graph.nodes:
+        if node.operands:
+            depth[node.id] = 1 + max(depth[o] for o in node.operands)
+    return depth
+
+
+def plan_svg(result: GraphResult, gi: int, side: str) -> str:
+    """One plan of one graph as a dataflow picture laid out here (no dependency): ops are
+    nodes placed by topological depth (one row per depth), each kernel a cluster
+    (``<g class="kernel">`` holding exactly its ops, with a box around them), edges the
+    values read. An op recomputed in several kernels is drawn once per kernel; ops in no
+    kernel (parameters, constants, free plumbing) are drawn faint outside every cluster."""
+    graph, gplan = result.graph, _side(result, side)
+    where = _kernels_of(gplan)
+    depth = _depths(graph)
+    prefix = f"g{gi}{side[0]}"
+    # Node instances: (op, kernel index or None), placed row by row; within a row ops of
+    # one kernel sit together, kernels in launch order.
+    instances = [(v, ki) for v in range(len(graph.nodes)) for ki in where.get(v, [None])]
+    rows: dict[int, list[tuple[int, int | None]]] = {}
+    for v, ki in instances:
+        rows.setdefault(depth[v], []).append((v, ki))
+    pos: dict[tuple[int, int | None], tuple[float, float]] = {}
+    for d, row in rows.items():
+        row.sort(key=lambda inst: (inst[1] if inst[1] is not None else len(gplan.kernels),
+                                   inst[0]))
+        for i, inst in enumerate(row):
+            pos[inst] = (_MARGIN + i * _NODE_GAP_X, _MARGIN + d * _NODE_GAP_Y)
+    width = _MARGIN * 2 + max((len(r) for r in rows.values()), default=1) * _NODE_GAP_X
+    height = _MARGIN * 2 + (max(rows, default=0) + 1) * _NODE_GAP_Y
+
+    def node_id(v: int, ki: int | None) -> str:
+        return f"{prefix}n{v}" if ki is None else f"{prefix}k{ki}n{v}"
+
+    def node_svg(v: int, ki: int | None) -> str:
+        node = graph.nodes[v]
+        x, y = pos[(v, ki)]
+        cls = "op" if ki is not None else "op outside"
+        shape = (f'<rect x="{x - _NODE_R:.0f}" y="{y - _NODE_R:.0f}" width="{2 * _NODE_R}" '
+                 f'height="{2 * _NODE_R}"/>' if _is_boundary_op(graph, v)
+                 else f'<circle cx="{x:.0f}" cy="{y:.0f}" r="{_NODE_R}"/>')
+        return (f'<g class="{cls}" id="{node_id(v, ki)}" data-op="{html.escape(node.name)}">'
+                f'{shape}<title>{html.escape(node.name)} = {html.escape(node.opcode)}</title>'
+                f'</g>')
+
+    # Edges first (drawn under the nodes): a copy reads its producer from its own kernel
+    # when it is recomputed there, else from the first kernel (launch order) holding it.
+    edges = []
+    for v, ki in instances:
+        members = set(gplan.kernels[ki].members) if ki is not None else set()
+        for u in dict.fromkeys(graph.nodes[v].operands):
+            src = (u, ki) if u in members else (u, where[u][0] if u in where else None)
+            (x1, y1), (x2, y2) = pos[src], pos[(v, ki)]
+            edges.append(f'<line class="edge" data-src="{node_id(*src)}" '
+                         f'data-dst="{node_id(v, ki)}" x1="{x1:.0f}" y1="{y1:.0f}" '
+                         f'x2="{x2:.0f}" y2="{y2:.0f}"/>')
+    parts = [f'<svg class="dataflow" '
+             f'data-side="{side}" viewBox="0 0 {width:.0f} {height:.0f}" '
+             f'width="{width:.0f}" height="{height:.0f}">',
+             '<g class="edges">', *edges, "</g>"]
+    for ki, kernel in enumerate(gplan.kernels):
+        xs = [pos[(v, ki)][0] for v in kernel.members]
+        ys = [pos[(v, ki)][1] for v in kernel.members]
+        pad = _NODE_R + 4
+        box = (f'<rect class="kbox" x="{min(xs) - pad:.0f}" y="{min(ys) - pad:.0f}" '
+               f'width="{max(xs) - min(xs) + 2 * pad:.0f}" '
+               f'height="{max(ys) - min(ys) + 2 * pad:.0f}" rx="6" '
+               f'fill="{kernel_fill(kernel, ki)}" '
+               f'stroke="{_KIND_BORDER.get(kernel.kind, "#333333")}"/>')
+        label = (f"{side[0]}{ki} {kernel.name}: {kernel.kind}, {len(kernel.members)} ops, "
+                 f"{human_bytes(kernel.cost.hbm_bytes)}, {kernel_us(kernel):.2f} µs")
+        parts.append(f'<g class="kernel" id="{prefix}k{ki}" data-kernel="{side[0]}{ki}">'
+                     f'<title>{html.escape(label)}</title>{box}'
+                     + "".join(node_svg(v, ki) for v in kernel.members) + "</g>")
+    parts += [node_svg(v, None) for v in range(len(graph.nodes)) if v not in where]
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _html_reasons(all_reasons: list[str], result: GraphResult) -> list[str]:
+    """The graph's lines of ``FusionPlan.reasons`` (why a producer and its consumer ended
+    up in different stitched kernels)."""
+    head = f"{result.graph.name}: "
+    lines = [line[len(head):] for line in all_reasons if line.startswith(head)]
+    out = [f'<details class="reasons"><summary>why producers were not fused with their '
+           f'consumers ({len(lines)})</summary><ul>']
+    out += [f"<li>{html.escape(line)}</li>" for line in lines]
+    out.append("</ul></details>")
+    return out
+
+
+def to_html(plan: FusionPlan, reasons: bool = False) -> str:
+    """A self-contained HTML page (inline CSS and SVG, no scripts): the summary table, then
+    per graph the baseline and stitched plans side by side, each as a dataflow picture
+    (``plan_svg``) and as its kernels in launch order; ``reasons`` adds, per graph, why
+    producers were not fused with their consumers."""
     summary = plan.summary()
     title = f"stitch plan: {plan.module_name} on {plan.target}"
     rows = "".join(f'<tr><th>{html.escape(label)}</th><td class="n">{b}</td>'
@@ -275,8 +391,11 @@ def to_html(plan: FusionPlan) -> str:
            f'other side (b = baseline, s = stitched).</p>',
            '<table class="summary"><tr><th></th><th>baseline</th><th>stitched</th>'
            f'<th>stitched / baseline</th></tr>{rows}</table>']
+    all_reasons = plan.reasons() if reasons else []
     for gi, result in enumerate(plan.graphs):
         out += _html_graph(result, gi)
+        if reasons:
+            out[-1:-1] = _html_reasons(all_reasons, result)
     out.append("</body></html>")
     log.debug("rendered HTML for %s: %d graphs", plan.module_name, len(plan.graphs))
     return "\n".join(out) + "\n"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from hlo_passes.graph import OpGraph
 
@@ -43,21 +43,40 @@ class ScheduleError(StitchError):
 
 @dataclass
 class _Choice:
-    part: PartSchedule
     work: WarpWork
     launch: LaunchShape
     seconds: float
+    unit: str
+    vector_width: int
+    # Builds the part's schedule (groups, shared buffers): only the winners are built,
+    # not every one of the dozens of combinations tried.
+    build: Callable[[], PartSchedule]
+    _part: PartSchedule | None = None
+
+    @property
+    def part(self) -> PartSchedule:
+        if self._part is None:
+            self._part = self.build()
+        return self._part
 
 
 def _log2(n: int) -> int:
     return max(int(math.ceil(math.log2(max(n, 1)))), 0)
 
 
-def _registers(facts: PartFacts, vw: int, cached_values: int) -> int:
-    """Liveness estimate: the widest pass keeps about one value per op of its longest
-    dependency front live per vector lane, plus per-row values and cached elements."""
+def _register_terms(facts: PartFacts) -> tuple[int, int]:
+    """(values live per vector lane in the widest pass, per-row values) of a part."""
     widest = max((min(len(p.full_ops), 2 + p.loads) for p in facts.passes), default=1)
     per_row = sum(len(p.row_ops) + len(p.reductions) for p in facts.passes)
+    return widest, per_row
+
+
+def _registers(facts: PartFacts, vw: int, cached_values: int,
+               terms: tuple[int, int] | None = None) -> int:
+    """Liveness estimate: the widest pass keeps about one value per op of its longest
+    dependency front live per vector lane, plus per-row values and cached elements.
+    ``terms``: ``_register_terms(facts)`` when the caller has them."""
+    widest, per_row = terms or _register_terms(facts)
     return BASE_REGISTERS + widest * vw + per_row + cached_values
 
 
@@ -237,25 +256,31 @@ def _loop_work(facts: PartFacts, tpb: int, vw: int) -> tuple[WarpWork, int] | st
     return work, blocks
 
 
-def _groups(graph: OpGraph, facts: PartFacts, unit: str, sub_roots: bool
-            ) -> list[GroupSchedule]:
+def _groups(graph: OpGraph, facts: PartFacts, unit: str, sub_roots: bool,
+            written: set[int] | None = None) -> list[GroupSchedule]:
     """Groups rooted at sub-roots (reductions, per-row expensive ops when they are
     sub-roots) and at the part's roots; every other op joins the first group downstream
-    that needs it (index propagation)."""
+    that needs it (index propagation). ``written``: ``written_values`` of the part."""
     members = set(facts.members)
     roots = [r.node for r in facts.reductions]
     if sub_roots:
         roots += facts.per_row_expensive
-    written = written_values(graph, members)
-    roots += [v for v in facts.members if v not in roots and v in written]
+    if written is None:
+        written = written_values(graph, members)
+    root_set = set(roots)
+    roots += [v for v in facts.members if v not in root_set and v in written]
+    root_set = set(roots)
     assigned: set[int] = set()
     groups = []
-    for root in sorted(set(roots)):
+    for root in sorted(root_set):
         seen, stack = [root], [root]
+        seen_set = {root}
         while stack:
             for o in graph.nodes[stack.pop()].operands:
-                if o in members and o not in assigned and o not in seen and o not in roots:
+                if o in members and o not in assigned and o not in seen_set and \
+                        o not in root_set:
                     seen.append(o)
+                    seen_set.add(o)
                     stack.append(o)
         assigned.update(seen)
         is_sub_root = root in {r.node for r in facts.reductions} or (
@@ -265,9 +290,39 @@ def _groups(graph: OpGraph, facts: PartFacts, unit: str, sub_roots: bool
     return groups
 
 
+class _PartCache:
+    """What a part's schedules share across block sizes: its written values, its groups
+    per (unit, sub-roots) and its shared buffers per (unit, warps, rows per block), built
+    once per part instead of once per combination tried."""
+
+    def __init__(self, graph: OpGraph, facts: PartFacts):
+        self.graph, self.facts = graph, facts
+        self.members = set(facts.members)
+        self.written = written_values(graph, self.members)
+        self.register_terms = _register_terms(facts)
+        self._groups: dict[tuple[str, bool], list[GroupSchedule]] = {}
+        self._shared: dict[tuple[str, int, int], list[SharedBuffer]] = {}
+
+    def groups(self, unit: str, sub_roots: bool) -> list[GroupSchedule]:
+        key = (unit, sub_roots)
+        got = self._groups.get(key)
+        if got is None:
+            got = self._groups[key] = _groups(self.graph, self.facts, unit, sub_roots,
+                                              self.written)
+        return list(got)
+
+    def shared(self, unit: str, warps: int, rows_per_block: int) -> list[SharedBuffer]:
+        key = (unit, warps, rows_per_block)
+        got = self._shared.get(key)
+        if got is None:
+            got = self._shared[key] = _allocate_shared(self.graph, self.facts, unit, warps,
+                                                       rows_per_block, self.members)
+        return list(got)
+
+
 def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
-                  rejected: list[str]) -> list[_Choice]:
-    members = set(facts.members)
+                  rejected: list[str], cache: _PartCache | None = None) -> list[_Choice]:
+    cache = cache or _PartCache(graph, facts)
     choices: list[_Choice] = []
     if not facts.reductions:
         for vw in VECTOR_WIDTHS:
@@ -276,35 +331,37 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
                 rejected.append(f"loop vw={vw}: {got}")
                 continue
             work, blocks = got
-            regs = _registers(facts, vw, 0)
+            regs = _registers(facts, vw, 0, cache.register_terms)
             launch = LaunchShape(blocks, tpb, min(regs, MAX_REGISTERS), 0)
             lat = evaluate(spec, launch, work)
             if lat.occupancy.blocks_per_sm == 0:
                 rejected.append(f"loop tpb={tpb} vw={vw}: cannot launch ({lat.occupancy.reason})")
                 continue
-            part = PartSchedule(facts.members, "loop", "thread", facts.elements, 1, True, tpb,
-                                tpb * vw, vw, blocks, _groups(graph, facts, "thread", False),
-                                registers=regs, modeled_cycles=lat.cycles)
-            choices.append(_Choice(part, work, launch, lat.seconds))
+
+            def build(vw=vw, blocks=blocks, regs=regs, cycles=lat.cycles) -> PartSchedule:
+                return PartSchedule(facts.members, "loop", "thread", facts.elements, 1, True,
+                                    tpb, tpb * vw, vw, blocks, cache.groups("thread", False),
+                                    registers=regs, modeled_cycles=cycles)
+            choices.append(_Choice(work, launch, lat.seconds, "thread", vw, build))
         return choices
     sub_root_options = (True, False) if facts.per_row_expensive else (True,)
     cache_options = (False, True) if facts.multi_pass_expensive else (False,)
     for unit in ("warp", "block", "thread"):
         for vw in VECTOR_WIDTHS:
             for sub_roots in sub_root_options:
-                for cache in cache_options:
-                    label = f"{unit} tpb={tpb} vw={vw} sub_roots={sub_roots} cache={cache}"
-                    got = _row_work(graph, facts, unit, tpb, vw, sub_roots, cache)
+                for cached_values in cache_options:
+                    label = (f"{unit} tpb={tpb} vw={vw} sub_roots={sub_roots} "
+                             f"cache={cached_values}")
+                    got = _row_work(graph, facts, unit, tpb, vw, sub_roots, cached_values)
                     if isinstance(got, str):
                         rejected.append(f"{label}: {got}")
                         continue
                     work, blocks, rows_per_block, cached = got
-                    regs = _registers(facts, vw, cached)
+                    regs = _registers(facts, vw, cached, cache.register_terms)
                     if regs > MAX_REGISTERS:
                         rejected.append(f"{label}: needs about {regs} registers per thread")
                         continue
-                    buffers = _allocate_shared(graph, facts, unit, max(tpb // 32, 1),
-                                               rows_per_block, members)
+                    buffers = cache.shared(unit, max(tpb // 32, 1), rows_per_block)
                     smem = max((b.offset + b.bytes for b in buffers), default=0)
                     if smem > spec.shared_memory_per_block_optin:
                         rejected.append(f"{label}: needs {smem} bytes of shared memory")
@@ -314,12 +371,17 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
                     if lat.occupancy.blocks_per_sm == 0:
                         rejected.append(f"{label}: cannot launch ({lat.occupancy.reason})")
                         continue
-                    part = PartSchedule(
-                        facts.members, "row", unit, facts.rows, facts.row_length, facts.minor,
-                        tpb, rows_per_block, vw, blocks, _groups(graph, facts, unit, sub_roots),
-                        buffers, tuple(facts.multi_pass_expensive) if cache else (),
-                        registers=regs, modeled_cycles=lat.cycles)
-                    choices.append(_Choice(part, work, launch, lat.seconds))
+
+                    def build(unit=unit, vw=vw, sub_roots=sub_roots, cached=cached_values,
+                              rows_per_block=rows_per_block, blocks=blocks, buffers=buffers,
+                              regs=regs, cycles=lat.cycles) -> PartSchedule:
+                        return PartSchedule(
+                            facts.members, "row", unit, facts.rows, facts.row_length,
+                            facts.minor, tpb, rows_per_block, vw, blocks,
+                            cache.groups(unit, sub_roots), buffers,
+                            tuple(facts.multi_pass_expensive) if cached else (),
+                            registers=regs, modeled_cycles=cycles)
+                    choices.append(_Choice(work, launch, lat.seconds, unit, vw, build))
     return choices
 
 
@@ -330,7 +392,7 @@ def _preference(choice: _Choice) -> tuple[float, float, int]:
     """Fastest first; modeled times within 1% count as equal, then wider vectors win
     (fewer instructions than the model's issue bound shows)."""
     bucket = round(math.log(choice.seconds) / math.log1p(TIE)) if choice.seconds > 0 else 0
-    return (bucket, -choice.part.vector_width, choice.part.threads_per_block)
+    return (bucket, -choice.vector_width, choice.launch.threads_per_block)
 
 
 def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
@@ -351,12 +413,13 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
         raise ScheduleError(f"kernel at {graph.nodes[members[0]].name} computes nothing")
     rejected: list[str] = []
     best: KernelSchedule | None = None
+    caches = [_PartCache(graph, f) for f in facts]
     for tpb in THREADS_PER_BLOCK:
         picked: list[_Choice] = []
-        for f in facts:
-            options = _part_choices(graph, spec, f, tpb, rejected)
+        for f, cache in zip(facts, caches):
+            options = _part_choices(graph, spec, f, tpb, rejected, cache)
             if force and f.reductions:
-                options = [c for c in options if c.part.unit == force.get("unit", c.part.unit)]
+                options = [c for c in options if c.unit == force.get("unit", c.unit)]
             if not options:
                 break
             picked.append(min(options, key=_preference))
