@@ -220,7 +220,6 @@ def report_line(result: GraphResult) -> str:
 def _html_kernel(result: GraphResult, gi: int, side: str, ki: int, kernel: PlannedKernel,
                  other: dict[int, list[int]]) -> str:
     graph = result.graph
-    gplan = _side(result, side)
     other_side = "s" if side == "baseline" else "b"
     anchor = f"g{gi}{side[0]}k{ki}"
     ops = []
