@@ -65,6 +65,15 @@ def _keras_hub_llama():
     return step, (trainable, rest, batch)
 
 
+def _row(model: str, config: str, jax_s: float, stitched_s: float, report) -> dict:
+    return {"model": model, "config": config, "jax_s": jax_s, "stitched_s": stitched_s,
+            "plan_s": report.timings.get("plan_s", 0.0),
+            "build_s": report.timings.get("build_s", 0.0),
+            "pass_s": report.timings.get("pass_s", 0.0),
+            "kernels_xla": report.kernels_xla, "kernels_after": report.kernels_after,
+            "stitched": report.kernels_stitched}
+
+
 def measure_one(model: str, config: str) -> dict:
     """One function's compile times (this process; the caller sets STITCH_CACHE_DIR)."""
     import jax
@@ -81,12 +90,7 @@ def measure_one(model: str, config: str) -> dict:
     start = time.perf_counter()
     _, report = compile_with_pass(jax.jit(fn).lower(*args), request)
     stitched_s = time.perf_counter() - start
-    return {"model": model, "config": config, "jax_s": jax_s, "stitched_s": stitched_s,
-            "plan_s": report.timings.get("plan_s", 0.0),
-            "build_s": report.timings.get("build_s", 0.0),
-            "pass_s": report.timings.get("pass_s", 0.0),
-            "kernels_xla": report.kernels_xla, "kernels_after": report.kernels_after,
-            "stitched": report.kernels_stitched}
+    return _row(model, config, jax_s, stitched_s, report)
 
 
 def measure_one_gpu(model: str, config: str, target: str = "h100") -> dict:
@@ -112,12 +116,7 @@ def measure_one_gpu(model: str, config: str, target: str = "h100") -> dict:
     start = time.perf_counter()
     report = deviceless.compile_with_pass(jax.jit(fn).lower(*specs), model, target).report
     stitched_s = time.perf_counter() - start
-    return {"model": model, "config": config, "jax_s": jax_s, "stitched_s": stitched_s,
-            "plan_s": report.timings.get("plan_s", 0.0),
-            "build_s": report.timings.get("build_s", 0.0),
-            "pass_s": report.timings.get("pass_s", 0.0),
-            "kernels_xla": report.kernels_xla, "kernels_after": report.kernels_after,
-            "stitched": report.kernels_stitched}
+    return _row(model, config, jax_s, stitched_s, report)
 
 
 def _run_child(model: str, config: str, cache_dir: str, timeout: float,
