@@ -464,36 +464,27 @@ def utilization(graph: OpGraph, members: Iterable[int], whole: Iterable[int] = (
 
     source, n_users = facts.is_source, facts.n_users
     # ``share`` inlined for the common plain consumer (the same arithmetic).
+    def demand(v: int, readers) -> float:
+        """The fraction of ``v`` its member readers need (already-known readers' ``used``)."""
+        total = 0.0
+        ev = max(elems[v], 1)
+        for u in readers:
+            if u in members:
+                if plain[u]:
+                    uw = used.get(u, 0.0)
+                    if uw > 0.0:
+                        total += min(1.0, uw * elems[u] / ev)
+                else:
+                    total += share(u, v)
+        return min(1.0, total)
+
     for m in sorted(members, reverse=True):
         readers = inside.get(m, no_users)
         if (not source[m] and (m in outputs or len(readers) < n_users[m])) or m in forced:
             used[m] = 1.0
         else:
-            total = 0.0
-            em = max(elems[m], 1)
-            for u in readers:
-                if u in members:
-                    if plain[u]:
-                        uw = used.get(u, 0.0)
-                        if uw > 0.0:
-                            total += min(1.0, uw * elems[u] / em)
-                    else:
-                        total += share(u, m)
-            used[m] = min(1.0, total)
-    read: dict[int, float] = {}
-    for o, readers in inside.items():
-        if o not in members:
-            total = 0.0
-            eo = max(elems[o], 1)
-            for u in readers:
-                if u in members:
-                    if plain[u]:
-                        uw = used.get(u, 0.0)
-                        if uw > 0.0:
-                            total += min(1.0, uw * elems[u] / eo)
-                    else:
-                        total += share(u, o)
-            read[o] = min(1.0, total)
+            used[m] = demand(m, readers)
+    read = {o: demand(o, readers) for o, readers in inside.items() if o not in members}
     return used, read
 
 
