@@ -38,3 +38,28 @@ def compare_trees(got: object, want: object, rtol: float) -> str | None:
         if why is not None:
             return f"output {i}: {why}"
     return None
+
+
+def spread_check(stitched: np.ndarray, plain: np.ndarray, stock: np.ndarray,
+                 rtol: float) -> str | None:
+    """None when the stitched result is as close to XLA's own compile of the same module
+    (``plain``) as two correct compilers are to each other. ``stock`` is the result of the
+    other compiler (TF's XLA): an output that is rounding noise (a gradient that is zero in
+    exact arithmetic, e.g. an attention key bias) or that depends on implementation-defined
+    ops (``rng-bit-generator``'s bits differ between XLA versions) differs between them, and
+    the stitched result may differ from ``plain`` up to twice that spread; anything else must
+    match ``plain`` at ``rtol``."""
+    why = poison_check(stitched, plain, rtol)
+    if why is None:
+        return None
+    if poison_check(stock, plain, rtol) is None or stitched.dtype.kind not in "fc":
+        return why  # the compilers agree, or exact types: no spread to allow
+    s, p, t = (np.asarray(x, np.float64) for x in (stitched, plain, stock))
+    finite = np.isfinite(p)
+    if not (np.array_equal(finite, np.isfinite(s)) and np.array_equal(finite, np.isfinite(t))):
+        return "non-finite values at different positions"
+    spread = np.linalg.norm(t[finite] - p[finite])
+    diff = np.linalg.norm(s[finite] - p[finite])
+    if diff <= 2.0 * spread:
+        return None
+    return f"{why}; XLA's own compile differs from TF by {spread:.3g}, stitched by {diff:.3g}"

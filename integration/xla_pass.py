@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hlo_passes import HloModule, parse_hlo, print_hlo
+from hlo_passes.literals import ELIDED
 from stitch.errors import Cancelled, StitchError
 
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, find_site,
@@ -463,31 +464,47 @@ def _holding_kernels(executable: Any, report: PassReport) -> tuple[Any, PassRepo
     return executable, report
 
 
-def compile_hlo_text(text: str, request: PassRequest, platform: str = "cpu"
-                     ) -> tuple[Callable[..., list], PassReport]:
+def compile_hlo_text(text: str, request: PassRequest | None, platform: str = "cpu"
+                     ) -> tuple[Callable[..., list], PassReport | None]:
     """An HLO module (text, e.g. tf2xla's) compiled on jax's XLA client with the pass on:
     (call, report). ``call(*arrays)`` runs it on the first device and returns the root's
     leaves. The module is tagged with the request's token (a module-level frontend
-    attribute, which survives the conversion to StableHLO)."""
+    attribute, which survives the conversion to StableHLO). With ``request=None`` it is
+    XLA's own compile of the module (no pass, report None): the reference a stitched
+    program is checked against where the module came from another XLA (TF's)."""
     import jax
     import jax.extend.backend as jax_backend
     from jax._src.lib import _jax
 
     module = parse_hlo(text)
-    attrs = module.attrs.get("frontend_attributes", "{}").strip()
-    inner = attrs[1:-1].strip()
-    module.attrs["frontend_attributes"] = \
-        "{" + (inner + "," if inner else "") + f'{REQUEST_ATTR}="{request.token}"' + "}"
+    elided = [inst.name for _, inst in module.instructions()
+              if inst.opcode == "constant" and inst.literal == ELIDED]
+    if elided:
+        # XLA's parser reads an elided constant as zeros: the program would run wrong.
+        raise PassError(f"module {module.name!r}: {len(elided)} constant(s) printed without "
+                        f"their values ({ELIDED}), e.g. {elided[0]!r}; print the HLO with "
+                        f"print_large_constants=True")
+    if request is not None:
+        attrs = module.attrs.get("frontend_attributes", "{}").strip()
+        inner = attrs[1:-1].strip()
+        module.attrs["frontend_attributes"] = \
+            "{" + (inner + "," if inner else "") + f'{REQUEST_ATTR}="{request.token}"' + "}"
     proto = _to_proto(print_hlo(module, operand_shapes=True))
     stablehlo = _jax.mlir.hlo_to_stablehlo(proto)
     backend = jax_backend.get_backend(platform)
     device = backend.local_devices()[0]
     options = jax_backend.get_compile_options(num_replicas=1, num_partitions=1)
-    ensure_registered("cpu" if platform == "cpu" else "cuda")
-    with request:
+    if request is None:
         executable = backend.compile_and_load(stablehlo, _jax.DeviceList((device,)), options)
-    report = request.result()
+    else:
+        ensure_registered("cpu" if platform == "cpu" else "cuda")
+        with request:
+            executable = backend.compile_and_load(stablehlo, _jax.DeviceList((device,)),
+                                                  options)
 
     def call(*arrays: Any) -> list:
         return executable.execute([jax.device_put(a, device) for a in arrays])
+    if request is None:
+        return call, None
+    report = request.result()
     return _holding_kernels(call, report)

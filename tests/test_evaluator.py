@@ -991,3 +991,19 @@ def test_erf_without_scipy_is_accurate():
     got = _erf_float64(grid)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
     assert np.isnan(_erf_float64(np.array([np.nan])))[0]
+
+
+@pytest.mark.parametrize("body, args, want", [
+    ("ROOT r = u64[] shift-left(a, b)", ("u64", 5, 3), 40),
+    ("ROOT r = s32[] shift-right-logical(a, b)", ("s32", -40, 3), (2**32 - 40) >> 3),
+    ("ROOT r = s32[] shift-right-arithmetic(a, b)", ("s32", -40, 3), -5),
+    ("ROOT r = pred[] compare(a, b), direction=LT, type=TOTALORDER", ("f32", 1.5, -0.0), False),
+])
+def test_scalar_bit_ops_keep_the_scalar_shape(body, args, want):
+    """A scalar went 1-d through np.ascontiguousarray (tf2xla's philox seeding shifts u64[])."""
+    t, x, y = args
+    module = parse_hlo(f"HloModule s\nENTRY e {{\n  a = {t}[] parameter(0)\n"
+                       f"  b = {t}[] parameter(1)\n  {body}\n}}\n")
+    dtype = {"u64": np.uint64, "s32": np.int32, "f32": np.float32}[t]
+    got, = evaluate(module, [np.array(x, dtype), np.array(y, dtype)])
+    assert np.shape(got) == () and got == want

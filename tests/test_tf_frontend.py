@@ -148,9 +148,10 @@ def test_a_wrong_stitched_result_is_caught_by_the_first_call_check():
     fn = tf_frontend.stitch_function(step, async_compile=False, guard=False)
     real_run = tf_frontend.TFStitchedFunction._run_program
 
-    def swapped(self, entry, args, kwargs):          # a wrong first output
-        outs = real_run(self, entry, args, kwargs)
-        outs[0] = outs[0] + np.float32(1.0)
+    def swapped(self, entry, args, kwargs, call=None):   # a wrong first stitched output
+        outs = real_run(self, entry, args, kwargs, call)
+        if call is None:                                  # not XLA's own compile
+            outs[0] = outs[0] + np.float32(1.0)
         return outs
     fn._run_program = swapped.__get__(fn)
     got, got_vars = _train(fn, v, batches)
@@ -171,3 +172,68 @@ def test_patched_tf_function_wraps_only_jit_compile():
     assert isinstance(jitted, tf_frontend.TFStitchedFunction)
     assert isinstance(namespace.function(lambda x: x, None, True, True),   # positional
                       tf_frontend.TFStitchedFunction)
+
+
+def _step_with_a_large_constant():
+    """A tf2xla module with a 64-element constant: TF's ``stage="hlo"`` text elides it."""
+    rng = np.random.default_rng(3)
+    w = tf.Variable(rng.standard_normal((16, 16)).astype(np.float32), name="w")
+    table = rng.standard_normal((4, 16)).astype(np.float32)
+
+    def step(x):
+        h = tf.tanh(x @ w) * tf.constant(table)
+        h = h - tf.reduce_max(h, axis=-1, keepdims=True)
+        loss = tf.reduce_mean(tf.exp(h))
+        w.assign_sub(0.1 * tf.reduce_sum(h) * tf.ones_like(w))
+        return loss
+    return w, step
+
+
+def test_large_constants_keep_their_values_in_the_stitched_program():
+    """Llama on TF fell back on verify: tf2xla's text elided its rotary tables, which XLA
+    read back as zeros. The module stitch compiles carries every constant's values."""
+    w, step = _step_with_a_large_constant()
+    fn = tf.function(step, jit_compile=True)
+    x = np.random.default_rng(4).standard_normal((4, 16)).astype(np.float32)
+    text = tf_frontend.tf2xla_hlo_text(fn.experimental_get_compiler_ir(x))
+    assert "{...}" not in text
+    w_ref, step_ref = _step_with_a_large_constant()
+    want = [float(tf.function(step_ref, jit_compile=True)(x)) for _ in range(4)]
+    stitched = tf_frontend.stitch_function(step, async_compile=False, guard=False)
+    got = [float(stitched(x)) for _ in range(4)]
+    assert stitched.stats.fallbacks == [] and stitched.stats.stitched_calls == 3
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(w.numpy(), w_ref.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_elided_constant_is_refused_not_compiled_as_zeros():
+    from integration.xla_pass import PassError, PassRequest, compile_hlo_text
+
+    text = """HloModule elided
+ENTRY main {
+  p = f32[4,16] parameter(0)
+  c = f32[4,16] constant({...})
+  ROOT m = f32[4,16] multiply(p, c)
+}
+"""
+    with pytest.raises(PassError, match=r"constant\(s\) printed without their values"):
+        compile_hlo_text(text, PassRequest("elided", "h100", "cpu"))
+
+
+def test_spread_check_allows_what_two_xla_versions_disagree_on_and_nothing_more():
+    from integration.verify import spread_check
+
+    rng = np.random.default_rng(5)
+    plain = rng.standard_normal(64).astype(np.float32)
+    # an output that is rounding noise: TF's XLA and jax's differ wholly, so may stitch
+    noise_plain = (rng.standard_normal(64) * 1e-9).astype(np.float32)
+    noise_tf = (rng.standard_normal(64) * 1e-9).astype(np.float32)
+    noise_stitched = (rng.standard_normal(64) * 1e-9).astype(np.float32)
+    assert spread_check(noise_stitched, noise_plain, noise_tf, 1e-4) is None
+    # the compilers agree: the stitched result must match at rtol
+    assert spread_check(plain * 1.01, plain, plain, 1e-4) is not None
+    # they differ a little (dropout bits): a stitched result far outside that is refused
+    tf_out = plain * (1 + 1e-3)
+    assert spread_check(plain * (1 + 5e-4), plain, tf_out, 1e-4) is None
+    why = spread_check(plain * 1.1, plain, tf_out, 1e-4)
+    assert why is not None and "XLA's own compile differs from TF" in why

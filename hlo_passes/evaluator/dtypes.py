@@ -133,6 +133,12 @@ def int_limits(dtype: np.dtype) -> tuple[int, int]:
     return 0, (1 << bits) - 1
 
 
+def contiguous(value: object) -> np.ndarray:
+    """A C-contiguous array of ``value``'s shape (``np.ascontiguousarray`` makes a scalar 1-d,
+    and a view of it then has the wrong shape)."""
+    return np.ascontiguousarray(value).reshape(np.shape(value))
+
+
 def as_type(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``value`` cast to ``dtype`` (no copy when it already is), always an ndarray."""
     value = np.asarray(value)

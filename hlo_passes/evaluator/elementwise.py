@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from ..errors import HloEvaluationError, UnsupportedOpcodeError
-from .dtypes import (as_type, bit_width, compute_dtype, int_limits, int_of_width, is_complex,
+from .dtypes import (as_type, bit_width, contiguous, compute_dtype, int_limits, int_of_width, is_complex,
                      is_float, is_int, is_signed_int, numpy_dtype)
 from .registry import handles
 
@@ -168,7 +168,7 @@ def count_leading_zeros(ev, inst, ops):
 
 def _unsigned_view(x: np.ndarray) -> np.ndarray:
     """Integers/preds reinterpreted as unsigned ints of the same storage width."""
-    x = np.ascontiguousarray(x)
+    x = contiguous(x)
     if x.dtype == np.bool_:
         return x.astype(np.uint8)
     if is_int(x.dtype) and x.dtype.kind not in "iu":  # ml_dtypes sub-byte ints
@@ -325,7 +325,7 @@ def shift(ev, inst, ops):
 # --- compare / select / clamp ------------------------------------------------------------
 def _total_order_key(x: np.ndarray) -> np.ndarray:
     """Integers ordering floats as -NaN < -inf < ... < -0 < +0 < ... < inf < +NaN."""
-    x = np.ascontiguousarray(x)
+    x = contiguous(x)
     if is_complex(x.dtype):
         raise HloEvaluationError("TOTALORDER compare is not defined for complex values")
     signed = int_of_width(x.dtype.itemsize * 8, True)
@@ -415,7 +415,7 @@ def convert(ev, inst, ops):
 
 @handles("bitcast-convert", elementwise=True)
 def bitcast_convert(ev, inst, ops):
-    x = np.ascontiguousarray(ops[0])
+    x = contiguous(ops[0])
     dtype = out_dtype(inst)
     src_bits = bit_width(x.dtype)
     dst_bits = bit_width(dtype)
@@ -440,7 +440,7 @@ def reduce_precision_array(x: np.ndarray, exponent_bits: int, mantissa_bits: int
     dtype = x.dtype
     work = x if dtype in _FLOAT_LAYOUT else x.astype(np.float32)
     src_exp, src_mant, utype = _FLOAT_LAYOUT[work.dtype]
-    bits = np.ascontiguousarray(work).view(utype).copy()
+    bits = contiguous(work).view(utype).copy()
     u = utype
     if mantissa_bits < src_mant:
         drop = src_mant - mantissa_bits

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import HloEvaluationError, StitchError, UnsupportedOpcodeError
 from ..ir import Computation, HloModule, Instruction, Shape
 from ..literals import literal_to_numpy
-from .dtypes import numpy_dtype
+from .dtypes import contiguous, numpy_dtype
 from .registry import ELEMENTWISE, HANDLERS, TOKEN
 
 log = logging.getLogger("stitch.evaluator")
@@ -172,7 +172,7 @@ class Evaluator:
         if value.dtype != dtype:
             if inst.opcode != "bitcast" or value.dtype.itemsize != dtype.itemsize:
                 raise HloEvaluationError(f"{inst.name}: cannot reinterpret {value.dtype} as {dtype}")
-            value = np.ascontiguousarray(value).view(dtype)
+            value = contiguous(value).view(dtype)
         return value
 
     # --- scalar computations applied to arrays ------------------------------------------

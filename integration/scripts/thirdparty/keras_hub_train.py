@@ -66,11 +66,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=("gpt2", "llama", "vit"), required=True)
     parser.add_argument("--steps", type=int, default=5)
+    # Keras' jit_compile="auto" turns XLA off on a CPU-only machine (on a GPU it is on);
+    # with dropout, TF's own kernels and XLA draw different random masks.
+    parser.add_argument("--jit-compile", action="store_true")
     args = parser.parse_args()
     keras.utils.set_random_seed(0)
     model, x, y = {"gpt2": gpt2, "llama": llama, "vit": vit}[args.model]()
     model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=True if args.jit_compile else "auto")
     record = _StepLosses()
     start = time.perf_counter()
     model.fit(x, y, batch_size=BATCH, epochs=args.steps, shuffle=False, verbose=0,
