@@ -395,8 +395,11 @@ class Kernel:
         return {b.name: b for b in (*self.params, *self.shared)}
 
     def validate(self) -> "Kernel":
-        """Raise CodegenError (naming the kernel and the statement) if the kernel is malformed."""
-        _Checker(self).run()
+        """Raise CodegenError (naming the kernel and the statement) if the kernel is malformed.
+        A kernel is immutable: once it passed, later calls (lowering, each build) are free."""
+        if not self.__dict__.get("_valid", False):
+            _Checker(self).run()
+            object.__setattr__(self, "_valid", True)
         return self
 
 

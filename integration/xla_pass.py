@@ -31,6 +31,7 @@ the request (``PassRequest.result()`` raises it as a ``StitchError`` on the call
 """
 from __future__ import annotations
 
+import os
 import logging
 import re
 import threading
@@ -303,15 +304,16 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     built: dict[str, BuiltKernel] = {}
     launching: dict[str, int] = {}
     t1 = time.perf_counter()
-    # GPU: every kernel's PTX is emitted in one isolated child (started on the first miss),
-    # not a fresh interpreter per kernel.
-    ptx_worker = IsolatedWorker(name="stitch-ptx") if request.device == "gpu" else None
+    # GPU: PTX is emitted in isolated children (started on the first miss), one per build
+    # thread, not a fresh interpreter per kernel; ptxas runs in the same threads.
+    ptx_workers = ([IsolatedWorker(name=f"stitch-ptx-{i}") for i in range(build_threads())]
+                   if request.device == "gpu" else [])
     try:
         _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
-                       built, launching, ptx_worker)
+                       built, launching, ptx_workers)
     finally:
-        if ptx_worker is not None:
-            ptx_worker.close()
+        for worker in ptx_workers:
+            worker.close()
     timings["build_s"] = time.perf_counter() - t1
     rewrite = replace_kernels(module, graphs, placed, views)
     report.placed = rewrite.placed
@@ -327,14 +329,62 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     return report
 
 
+def build_threads() -> int:
+    """Threads (each with its own PTX child) that emit and assemble a module's GPU kernels:
+    ``STITCH_BUILD_THREADS``, else one per core up to MAX_BUILD_THREADS."""
+    configured = os.environ.get("STITCH_BUILD_THREADS", "").strip()
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return max(1, min(os.cpu_count() or 1, MAX_BUILD_THREADS))
+
+
+MAX_BUILD_THREADS = 8      # each PTX child holds an interpreter with llvmlite (~150 MB)
+
+
+def _prebuild_gpu(request: PassRequest, kernels: list, workers: list) -> list:
+    """Per kernel, its PTX (``codegen.gpu_cache.PtxBuild``) or the exception that stopped it:
+    emitted in ``workers``' children and, for a compile-only build, assembled by ptxas (into
+    the compile cache), on as many threads as there are workers. What needs llvmlite in this
+    process (the FFI handler) is left to the caller, under LLVM_LOCK."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    from codegen.gpu_cache import assemble_cached, emit_ptx_cached
+
+    arch = request.gpu_arch()
+    idle: queue.SimpleQueue = queue.SimpleQueue()
+    for worker in workers:
+        idle.put(worker)
+
+    def one(kernel: Any) -> Any:
+        worker = idle.get()
+        try:
+            request.check_cancelled()
+            built = emit_ptx_cached(kernel, arch, cache=compile_cache(), worker=worker)
+            if request.compile_only and compile_cache() is not None:
+                assemble_cached(built.ptx, arch, cache=compile_cache(), kernel_name=kernel.name)
+            return built
+        except Exception as exc:  # noqa: BLE001 - handed back per kernel
+            return exc
+        finally:
+            idle.put(worker)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(workers)),
+                            thread_name_prefix="stitch-build") as pool:
+        return list(pool.map(one, kernels))
+
+
 def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                    module: HloModule, spec: Any, evaluator: Any, placed: list,
-                   views: dict, built: dict, launching: dict, ptx_worker: Any) -> None:
+                   views: dict, built: dict, launching: dict, ptx_workers: list) -> None:
     """Snap, lower and build every stitched kernel of the plan; what builds is appended to
-    ``placed``/``built``, what does not to the report's skipped kernels and fallbacks."""
+    ``placed``/``built``, what does not to the report's skipped kernels and fallbacks.
+    Lowering runs in plan order; on the GPU the PTX and ptxas of all kernels then run in
+    parallel (``_prebuild_gpu``); the FFI targets are made and registered in order."""
     from codegen.errors import CodegenError
     from codegen.lower import lower_kernel
 
+    jobs: list[tuple[ComputationView, Any, Any, Any]] = []
     for gi, graph_plan in enumerate(fusion_plan.graphs):
         if not request.loop_bodies and graph_plan.graph.kind != "entry":
             report.skipped.extend((k.name, "in a loop body or branch: left to XLA on retry")
@@ -359,18 +409,34 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
             try:
                 with LLVM_LOCK:
                     lowered = lower_kernel(graph_plan.graph, evaluator, k.schedule, k.name)
-                    ffi_target = build_target(lowered.kernel, request.device,
-                                              arch=request.gpu_arch(),
-                                              compile_only=request.compile_only,
-                                              worker=ptx_worker)
             except (CodegenError, StitchError) as exc:
                 log.info("kernel %s stays with XLA: %s", k.name, exc)
                 report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
                 continue
-            placed.append(PlacedKernel(site, list(lowered.inputs), list(lowered.outputs),
-                                       ffi_target.name))
-            built[k.name] = BuiltKernel(k.name, lowered, ffi_target)
-            launching[k.name] = sum(1 for t in site.tops if view.launches(t))
+            jobs.append((view, k, site, lowered))
+    prebuilt = (_prebuild_gpu(request, [job[3].kernel for job in jobs], ptx_workers)
+                if request.device == "gpu" and jobs else [None] * len(jobs))
+    request.check_cancelled()
+    for (view, k, site, lowered), ptx in zip(jobs, prebuilt):
+        try:
+            if isinstance(ptx, Exception):
+                raise ptx
+            with LLVM_LOCK:
+                ffi_target = build_target(lowered.kernel, request.device,
+                                          arch=request.gpu_arch(),
+                                          compile_only=request.compile_only,
+                                          worker=ptx_workers[0] if ptx_workers else None,
+                                          ptx=ptx.ptx if ptx is not None else None)
+        except Cancelled:
+            raise
+        except (CodegenError, StitchError) as exc:
+            log.info("kernel %s stays with XLA: %s", k.name, exc)
+            report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
+            continue
+        placed.append(PlacedKernel(site, list(lowered.inputs), list(lowered.outputs),
+                                   ffi_target.name))
+        built[k.name] = BuiltKernel(k.name, lowered, ffi_target)
+        launching[k.name] = sum(1 for t in site.tops if view.launches(t))
 
 
 def compile_cache() -> Any:
@@ -388,13 +454,14 @@ _CACHE: Any = None
 
 
 def build_target(kernel: Any, device: str, *, arch: str | None = None,
-                 compile_only: bool = False, worker: Any = None) -> Any:
+                 compile_only: bool = False, worker: Any = None, ptx: str | None = None) -> Any:
     """The kernel as a registered XLA FFI target for ``device`` ("cpu" | "gpu"), its object
     code or PTX through the compile cache. GPU: PTX for ``arch`` (default: the device's);
     ``compile_only`` builds a target XLA compiles against without a device (ptxas checks
     the PTX; the handler never runs, see codegen.ffi_cuda.compile_only_cuda_target).
     ``worker``: a codegen.isolation.IsolatedWorker to emit PTX in (one child for all the
-    kernels of a module, instead of a fresh interpreter per kernel)."""
+    kernels of a module, instead of a fresh interpreter per kernel). ``ptx``: the kernel's
+    PTX for ``arch`` when already emitted (``_prebuild_gpu``)."""
     if device == "cpu":
         from codegen.ffi import host_ffi_target
         target = host_ffi_target(kernel, cache=compile_cache())
@@ -402,11 +469,12 @@ def build_target(kernel: Any, device: str, *, arch: str | None = None,
         from codegen.ffi_cuda import compile_only_cuda_target, cuda_ffi_target
         from codegen.gpu_cache import emit_ptx_cached
         arch = arch or gpu_arch()
-        built = emit_ptx_cached(kernel, arch, cache=compile_cache(), worker=worker)
+        if ptx is None:
+            ptx = emit_ptx_cached(kernel, arch, cache=compile_cache(), worker=worker).ptx
         if compile_only:
-            target = compile_only_cuda_target(kernel, built.ptx, arch, cache=compile_cache())
+            target = compile_only_cuda_target(kernel, ptx, arch, cache=compile_cache())
         else:
-            target = cuda_ffi_target(kernel, built.ptx)
+            target = cuda_ffi_target(kernel, ptx)
     else:
         raise PassError(f"device {device!r} is not supported (cpu, gpu)")
     target.register()
