@@ -260,3 +260,35 @@ def test_kernels_in_loop_bodies_do_not_write_into_the_loop_state_they_read():
     report = f.programs()[0]
     assert report.in_loop_bodies >= 1, report.skipped
     _close(got, jax.jit(step)(w, xs), rtol=1e-5)
+
+
+def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(monkeypatch,
+                                                                              tmp_path):
+    """_prebuild_gpu: PTX for every kernel on two build threads, results in kernel order, a
+    kernel whose emission fails hands back its error and the others still build."""
+    from codegen import gpu_cache
+    from codegen.errors import CodegenError
+    from codegen.isolation import IsolatedWorker
+    from integration import xla_pass
+    from tests.test_kir_nvptx import all_float_ops_kernel, half_kernel
+
+    monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(xla_pass, "_CACHE", None)
+    kernels = [all_float_ops_kernel("f32"), half_kernel("f16"), half_kernel("bf16")]
+    real_emit = gpu_cache.emit_ptx_cached
+
+    def emit(kernel, arch, **kwargs):
+        if kernel.name == kernels[1].name:
+            raise CodegenError(f"injected failure for {kernel.name}")
+        return real_emit(kernel, arch, **kwargs)
+    monkeypatch.setattr(gpu_cache, "emit_ptx_cached", emit)
+    request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True, arch="sm_90")
+    workers = [IsolatedWorker(name=f"t{i}") for i in range(2)]
+    try:
+        results = xla_pass._prebuild_gpu(request, kernels, workers)
+    finally:
+        for w in workers:
+            w.close()
+    assert isinstance(results[1], CodegenError) and "injected" in str(results[1])
+    for kernel, built in ((kernels[0], results[0]), (kernels[2], results[2])):
+        assert f".entry {kernel.name}(" in built.ptx
