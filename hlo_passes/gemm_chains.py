@@ -587,7 +587,8 @@ class _Recognizer:
             self.members.update(self.rename_members(d2, 0))
 
         # The program: the first GEMM's sum, its fusion epilogue / cuBLAS alpha...
-        acc = self.add(ChainOp("acc", "tile", "f32"))
+        dot_type = next(iter(d1.inst.shape.leaves())).element_type
+        acc = self.add(ChainOp("acc", "tile", dot_type))
         if d1.comp is not None and not d1.split:
             vals = self.fusion_values(d1, [None] * len(g.nodes[self.first].operands), None,
                                       {d1.inst.name, *self.dot_operands(d1)})

@@ -1,0 +1,210 @@
+"""GEMM chain kernels (codegen.gemm_chain): every MCFuser chain / attention model's tiny
+configuration lowered, run on the host target with fresh random inputs and NaN-poisoned
+outputs, against the reference evaluator (f32 1e-4, bf16 2e-2); tiles that do not divide
+the dims; and the PTX of tiny and full-size chains assembled by ptxas for sm_80 / sm_90
+without spills."""
+from __future__ import annotations
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from codegen.errors import CodegenError, ToolchainError
+from codegen.gemm_chain import ChainTiling, lower_gemm_chain
+from codegen.host import NUMPY_DTYPES, compile_host
+from hlo_passes.evaluator import evaluate
+from hlo_passes.evaluator.dtypes import numpy_dtype
+from hlo_passes.gemm_chains import GemmChain, find_gemm_chains
+from hlo_passes.graph import OpGraph, build_op_graphs
+from hlo_passes.ir import HloModule
+from hlo_passes.parser import parse_hlo
+from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS
+from tests.fixtures import DATA, REDUCERS
+
+MODELS = sorted([f"gemm_chain_{g}" for g in GEMM_CHAINS] + [f"attention_{a}" for a in ATTENTIONS])
+
+
+def _load(text: str) -> tuple[HloModule, OpGraph, GemmChain]:
+    module = parse_hlo(text)
+    graph = build_op_graphs(module)[0]
+    chains = find_gemm_chains(graph)
+    assert len(chains) == 1
+    return module, graph, chains[0]
+
+
+def _fixture(model: str, config: str, stage: str) -> str:
+    return (DATA / model / f"{config}.{stage}.hlo").read_text()
+
+
+def _random_args(module: HloModule, rng: np.random.Generator) -> list[np.ndarray]:
+    return [rng.standard_normal(p.shape.dims).astype(numpy_dtype(p.shape.element_type))
+            for p in module.entry.parameters]
+
+
+def run_chain(module: HloModule, graph: OpGraph, chain: GemmChain, args: list[np.ndarray],
+              tiling: ChainTiling | None = None) -> np.ndarray:
+    """The chain kernel's output (flat) on the host, its output buffer poisoned with NaN."""
+    lowered = lower_gemm_chain(graph, chain, tiling, name="chain")
+    kernel = compile_host(lowered.kernel)
+    params = lowered.kernel.params
+    ins = []
+    for p, v in zip(params, lowered.inputs):
+        number = graph.nodes[v].instruction.parameter_number
+        assert graph.nodes[v].opcode == "parameter", "test chains read parameters only"
+        ins.append(np.ascontiguousarray(args[number], dtype=NUMPY_DTYPES[p.dtype]).reshape(-1))
+    out = np.full(params[-1].size, np.nan, NUMPY_DTYPES[params[-1].dtype])
+    kernel(*ins, out)
+    return out.astype(np.float64)
+
+
+def _check(text: str, seed: int, tol: float, tiling: ChainTiling | None = None) -> GemmChain:
+    module, graph, chain = _load(text)
+    args = _random_args(module, np.random.default_rng(seed))
+    want = evaluate(module, args)[0].astype(np.float64).reshape(-1)
+    got = run_chain(module, graph, chain, args, tiling)
+    assert not np.isnan(got).any(), "the kernel left poisoned elements"
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    return chain
+
+
+@pytest.mark.parametrize("stage", ("gpu-h100", "gpu-a100"))
+@pytest.mark.parametrize("model", MODELS)
+def test_tiny_zoo_chain_matches_the_evaluator(model: str, stage: str) -> None:
+    chain = _check(_fixture(model, "tiny", stage), seed=sum(map(ord, model + stage)), tol=1e-4)
+    assert chain.softmax == model.startswith("attention_")
+
+
+def _bf16(text: str) -> str:
+    return re.sub(r"\bf32\[", "bf16[", text)
+
+
+@pytest.mark.parametrize("model", ("attention_bert_base", "gemm_chain_g1"))
+def test_bf16_chain_matches_the_evaluator(model: str) -> None:
+    text = _bf16(_fixture(model, "tiny", "gpu-h100"))
+    module, _, chain = _load(text)
+    assert chain.operand_dtype == "bf16"
+    assert module.entry.parameters[0].shape.element_type == "bf16"
+    _check(text, seed=11, tol=2e-2)
+
+
+# ------------------------------------------------------------------ edges and masks
+
+_EDGE = "HloModule edge\n" + REDUCERS + """
+ENTRY e {
+  a = f32[2,20,10] parameter(0)
+  b = f32[2,24,10] parameter(1)
+  c = f32[2,24,6] parameter(2)
+  mask = f32[2,20,24] parameter(3)
+  s = f32[2,20,24] dot(a, b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={2}
+  k = f32[] constant(0.3)
+  kb = f32[2,20,24] broadcast(k), dimensions={}
+  sc = f32[2,20,24] multiply(s, kb)
+  x = f32[2,20,24] add(sc, mask)
+  ninf = f32[] constant(-inf)
+  mx = f32[2,20] reduce(x, ninf), dimensions={2}, to_apply=max
+  mxb = f32[2,20,24] broadcast(mx), dimensions={0,1}
+  d = f32[2,20,24] subtract(x, mxb)
+  ex = f32[2,20,24] exponential(d)
+  zero = f32[] constant(0)
+  sm = f32[2,20] reduce(ex, zero), dimensions={2}, to_apply=add
+  smb = f32[2,20,24] broadcast(sm), dimensions={0,1}
+  p = f32[2,20,24] divide(ex, smb)
+  ROOT o = f32[2,20,6] dot(p, c), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+"""
+
+_GATED = "HloModule gated\n" + """
+ENTRY e {
+  a = f32[2,20,10] parameter(0)
+  b = f32[2,10,24] parameter(1)
+  c = f32[2,24,6] parameter(2)
+  gate = f32[2,20,24] parameter(3)
+  s = f32[2,20,24] dot(a, b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  t = f32[2,20,24] tanh(s)
+  p = f32[2,20,24] multiply(t, gate)
+  ROOT o = f32[2,20,6] dot(p, c), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+"""
+
+# Tiles that divide none of m=20, n=24, k=10, h=6 (two n steps, three k stages).
+_SMALL_TILES = ChainTiling(block_m=16, block_n=16, threads=32, thread_m=4, thread_n=2,
+                           block_k=4, block_h=8)
+
+
+def test_masked_softmax_chain_with_partial_tiles() -> None:
+    chain = _check(_EDGE, seed=5, tol=1e-4, tiling=_SMALL_TILES)
+    assert chain.softmax and (chain.m, chain.n, chain.k, chain.h) == (20, 24, 10, 6)
+    assert len(chain.inputs) == 4
+
+
+def test_gated_chain_with_partial_tiles() -> None:
+    chain = _check(_GATED, seed=6, tol=1e-4, tiling=_SMALL_TILES)
+    assert not chain.softmax
+
+
+def test_default_tiling_on_partial_tiles() -> None:
+    _check(_EDGE, seed=7, tol=1e-4)
+
+
+def test_masked_row_gives_zero_probability_not_nan() -> None:
+    """Columns masked with -inf drop out of the softmax; a whole n step masked keeps the
+    running max at -inf without NaNs (exp(-inf - -inf))."""
+    module, graph, chain = _load(_EDGE)
+    rng = np.random.default_rng(9)
+    args = _random_args(module, rng)
+    args[3][:, :, :16] = -np.inf           # the first n step (16 columns) fully masked
+    want = evaluate(module, args)[0].reshape(-1)
+    got = run_chain(module, graph, chain, args, _SMALL_TILES)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_tilings_are_refused() -> None:
+    with pytest.raises(CodegenError):
+        ChainTiling(block_m=16, block_n=16, threads=64, thread_m=4, thread_n=2).check()
+    with pytest.raises(CodegenError):     # 64 lanes per row: more than a warp
+        ChainTiling(block_m=4, block_n=64, threads=64, thread_m=4, thread_n=1).check()
+    with pytest.raises(CodegenError):     # > 48 KiB of shared memory
+        ChainTiling(block_m=64, block_n=64, threads=256, thread_m=4, thread_n=4,
+                    block_h=256).check()
+
+
+def test_row_reduction_other_than_softmax_is_refused() -> None:
+    text = _EDGE.replace("ex = f32[2,20,24] exponential(d)", "ex = f32[2,20,24] tanh(d)")
+    module, graph, chain = _load(text)
+    assert not chain.softmax
+    with pytest.raises(CodegenError, match="softmax"):
+        lower_gemm_chain(graph, chain)
+
+
+# ------------------------------------------------------------------ PTX
+
+
+def _ptxas_or_skip(arch: str) -> None:
+    from codegen.nvptx import default_libdevice_path
+    from codegen.toolchain import find_ptxas
+    if default_libdevice_path() is None:
+        pytest.skip("no libdevice")
+    try:
+        find_ptxas(arch)
+    except ToolchainError:
+        pytest.skip(f"no ptxas for {arch}")
+
+
+@pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
+@pytest.mark.parametrize("config", ("tiny", "full"))
+@pytest.mark.parametrize("model", MODELS)
+def test_chain_ptx_assembles_without_spills(model: str, config: str, arch: str) -> None:
+    _ptxas_or_skip(arch)
+    from codegen.nvptx import emit_ptx
+    from codegen.toolchain import assemble
+    _, graph, chain = _load(_fixture(model, config, "gpu-h100"))
+    lowered = lower_gemm_chain(graph, chain, name="chain", arch=arch)
+    ptx = emit_ptx(lowered.kernel, arch)
+    assert "bar.sync" in ptx
+    assert ("shfl.sync.bfly" in ptx) == chain.softmax    # the row max / sum butterflies
+    report = assemble(ptx, arch, kernel_name="chain")["chain"]
+    assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report
+    assert 0 < report.registers <= 128
+    assert report.shared_bytes == ChainTiling.default_for(chain, arch).shared_bytes()
