@@ -208,3 +208,71 @@ def test_chain_ptx_assembles_without_spills(model: str, config: str, arch: str) 
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report
     assert 0 < report.registers <= 128
     assert report.shared_bytes == ChainTiling.default_for(chain, arch).shared_bytes()
+
+
+# ------------------------------------------------------------------ tensor-core MMA
+
+
+def _mma_kernel(dtype: str, warps: int = 2):
+    """Each warp loads its own A[16x16], B[16x8], C[16x8] in the m16n8k16 fragment layout
+    (kir.MmaSync's docstring), runs one MmaSync and stores D by the same layout."""
+    from codegen.kir import (Binary, Kernel, Let, Load, MmaSync, Param, Ref, Store, ThreadIdx,
+                             i32)
+    a_buf, b_buf = Param("a", "f32", warps * 256), Param("b", "f32", warps * 128)
+    c_buf, d_buf = Param("c", "f32", warps * 128), Param("d", "f32", warps * 128, True)
+
+    def add(x, y):
+        return Binary("add", x, y)
+
+    def mul(x, y):
+        return Binary("mul", x, y)
+    t = ThreadIdx()
+    body = [Let("lane", Binary("rem", t, i32(32))), Let("warp", Binary("div", t, i32(32)))]
+    lane, warp = Ref("lane", "i32"), Ref("warp", "i32")
+    body += [Let("g", Binary("div", lane, i32(4))),
+             Let("q2", mul(Binary("rem", lane, i32(4)), i32(2)))]
+    g, q2 = Ref("g", "i32"), Ref("q2", "i32")
+    a = [Load(a_buf, add(mul(warp, i32(256)), add(mul(add(g, i32(8 * ((i // 2) % 2))), i32(16)),
+                                                  add(q2, i32(i % 2 + 8 * (i // 4))))))
+         for i in range(8)]
+    b = [Load(b_buf, add(mul(warp, i32(128)), add(mul(add(q2, i32(i % 2 + 8 * (i // 2))),
+                                                      i32(8)), g))) for i in range(4)]
+    places = [add(mul(warp, i32(128)), add(mul(add(g, i32(8 * (i // 2))), i32(8)),
+                                           add(q2, i32(i % 2)))) for i in range(4)]
+    c = [Load(c_buf, p) for p in places]
+    body.append(MmaSync(("d0", "d1", "d2", "d3"), a, b, c, dtype))
+    body += [Store("d", p, Ref(f"d{i}", "f32")) for i, p in enumerate(places)]
+    return Kernel("mma_test", (a_buf, b_buf, c_buf, d_buf), (), 1, 32 * warps, body).validate()
+
+
+@pytest.mark.parametrize("dtype", ("bf16", "f16"))
+def test_mma_sync_on_the_host_is_the_rounded_product(dtype: str) -> None:
+    kernel = compile_host(_mma_kernel(dtype))
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((2, 16, 16)).astype(np.float32)
+    b = rng.standard_normal((2, 16, 8)).astype(np.float32)
+    c = rng.standard_normal((2, 16, 8)).astype(np.float32)
+    d = np.full(256, np.nan, np.float32)
+    kernel(a.reshape(-1), b.reshape(-1), c.reshape(-1), d)
+    narrow = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}[dtype]
+    want = a.astype(narrow).astype(np.float64) @ b.astype(narrow).astype(np.float64) + c
+    np.testing.assert_allclose(d.reshape(2, 16, 8), want, rtol=1e-5, atol=1e-5)
+    # Unrounded operands would miss by far more than that.
+    assert np.abs(a.astype(np.float64) @ b + c - want).max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
+@pytest.mark.parametrize("dtype", ("bf16", "f16"))
+def test_mma_sync_ptx_is_the_tensor_core_instruction(dtype: str, arch: str) -> None:
+    _ptxas_or_skip(arch)
+    from codegen.nvptx import emit_ptx
+    from codegen.toolchain import assemble
+    ptx = emit_ptx(_mma_kernel(dtype), arch)
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32" in ptx
+    report = assemble(ptx, arch, kernel_name="mma_test")["mma_test"]
+    assert report.spill_store_bytes == 0
+
+
+def test_mma_sync_prints() -> None:
+    from codegen.printer import format_kernel
+    assert "mma_m16n8k16_bf16(" in format_kernel(_mma_kernel("bf16"))
