@@ -76,17 +76,22 @@ def test_tiny_zoo_chain_matches_the_evaluator(model: str, stage: str) -> None:
     assert chain.softmax == model.startswith("attention_")
 
 
-def _bf16(text: str) -> str:
-    return re.sub(r"\bf32\[", "bf16[", text)
+def _narrow(text: str, dtype: str) -> str:
+    return re.sub(r"\bf32\[", f"{dtype}[", text)
 
 
-@pytest.mark.parametrize("model", ("attention_bert_base", "gemm_chain_g1"))
-def test_bf16_chain_matches_the_evaluator(model: str) -> None:
-    text = _bf16(_fixture(model, "tiny", "gpu-h100"))
+@pytest.mark.parametrize("arch", ("sm_70", "sm_80"))       # FMA tiles / tensor cores
+@pytest.mark.parametrize("dtype", ("bf16", "f16"))
+@pytest.mark.parametrize("model", ("attention_bert_base", "attention_vit_huge",
+                                   "gemm_chain_g1", "gemm_chain_g5"))
+def test_narrow_chain_matches_the_evaluator(model: str, dtype: str, arch: str) -> None:
+    text = _narrow(_fixture(model, "tiny", "gpu-h100"), dtype)
     module, _, chain = _load(text)
-    assert chain.operand_dtype == "bf16"
-    assert module.entry.parameters[0].shape.element_type == "bf16"
-    _check(text, seed=11, tol=2e-2)
+    assert chain.operand_dtype == dtype
+    assert module.entry.parameters[0].shape.element_type == dtype
+    tiling = ChainTiling.default_for(chain, arch)
+    assert tiling.mma == (arch == "sm_80")
+    _check(text, seed=11, tol=2e-2, tiling=tiling)
 
 
 # ------------------------------------------------------------------ edges and masks
@@ -144,6 +149,23 @@ def test_gated_chain_with_partial_tiles() -> None:
     assert not chain.softmax
 
 
+# Tensor-core tiles: one warp, 16-wide n steps and k stages, 8-wide h blocks.
+_MMA_TILES = ChainTiling(block_m=16, block_n=16, threads=32, thread_m=1, thread_n=1,
+                         block_k=16, block_h=8, mma=True)
+
+
+@pytest.mark.parametrize("text", (_EDGE, _GATED), ids=("softmax", "gated"))
+def test_tensor_core_chain_with_partial_tiles(text: str) -> None:
+    chain = _check(_narrow(text, "bf16"), seed=12, tol=2e-2, tiling=_MMA_TILES)
+    assert chain.operand_dtype == "bf16"
+
+
+def test_tensor_cores_refuse_f32_chains() -> None:
+    _, graph, chain = _load(_GATED)
+    with pytest.raises(CodegenError, match="bf16/f16"):
+        lower_gemm_chain(graph, chain, _MMA_TILES)
+
+
 def test_default_tiling_on_partial_tiles() -> None:
     _check(_EDGE, seed=7, tol=1e-4)
 
@@ -193,17 +215,20 @@ def _ptxas_or_skip(arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
+@pytest.mark.parametrize("dtype", ("f32", "bf16"))
 @pytest.mark.parametrize("config", ("tiny", "full"))
 @pytest.mark.parametrize("model", MODELS)
-def test_chain_ptx_assembles_without_spills(model: str, config: str, arch: str) -> None:
+def test_chain_ptx_assembles_without_spills(model: str, config: str, dtype: str,
+                                            arch: str) -> None:
     _ptxas_or_skip(arch)
     from codegen.nvptx import emit_ptx
     from codegen.toolchain import assemble
-    _, graph, chain = _load(_fixture(model, config, "gpu-h100"))
+    _, graph, chain = _load(_narrow(_fixture(model, config, "gpu-h100"), dtype))
     lowered = lower_gemm_chain(graph, chain, name="chain", arch=arch)
     ptx = emit_ptx(lowered.kernel, arch)
     assert "bar.sync" in ptx
     assert ("shfl.sync.bfly" in ptx) == chain.softmax    # the row max / sum butterflies
+    assert ("mma.sync.aligned.m16n8k16" in ptx) == (dtype == "bf16")
     report = assemble(ptx, arch, kernel_name="chain")["chain"]
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report
     assert 0 < report.registers <= 128
