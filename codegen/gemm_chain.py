@@ -186,9 +186,17 @@ def _and(a: kir.Expr, b: kir.Expr) -> kir.Expr:
 
 
 def _offset(view: OperandView, b: kir.Expr, r: kir.Expr, c: kir.Expr) -> kir.Expr:
-    terms = [x if s == 1 else _mul(x, _c(s))
-             for x, s in ((b, view.batch_stride), (r, view.row_stride), (c, view.col_stride))
-             if s]
+    pairs = [(r, view.row_stride), (c, view.col_stride)]
+    if view.batch_dims:     # b's digits, minor first (OperandView.batch_offset)
+        inner = 1
+        for size, stride in reversed(view.batch_dims):
+            digit = kir.Binary("rem", kir.Binary("div", b, _c(inner)) if inner > 1 else b,
+                               _c(size))
+            pairs.append((digit, stride))
+            inner *= size
+    else:
+        pairs.append((b, view.batch_stride))
+    terms = [x if s == 1 else _mul(x, _c(s)) for x, s in pairs if s]
     if not terms:
         return _c(0)
     out = terms[0]

@@ -58,6 +58,19 @@ class OperandView:
     batch_stride: int
     row_stride: int
     col_stride: int
+    # When b is not one strided run (heads x batch through a transpose, a mask broadcast
+    # over heads): b's digits as (size, stride), major first; batch_stride is then 0.
+    batch_dims: tuple[tuple[int, int], ...] = ()
+
+    def batch_offset(self, b: int) -> int:
+        """The offset of batch ``b`` (what lowerings compute with index arithmetic)."""
+        if not self.batch_dims:
+            return b * self.batch_stride
+        offset = 0
+        for size, stride in reversed(self.batch_dims):
+            offset += (b % size) * stride
+            b //= size
+        return offset
 
 
 @dataclass(frozen=True)
@@ -183,20 +196,6 @@ def _strides(dims: tuple[int, ...]) -> list[int]:
     for i in range(len(dims) - 2, -1, -1):
         out[i] = out[i + 1] * dims[i + 1]
     return out
-
-
-def _collapse(dims: tuple[int, ...], group: list[int]) -> tuple[int, int]:
-    """(size, stride) of the dims ``group`` (major first) of a row-major array read as one
-    index; raises when they do not form one strided run."""
-    live = [d for d in group if dims[d] != 1]
-    size = math.prod(dims[d] for d in group)
-    if not live:
-        return size, 0
-    st = _strides(dims)
-    for a, b in zip(live, live[1:]):
-        if st[a] != st[b] * dims[b]:
-            raise _NotAChain(f"dims {group} of {list(dims)} are not one strided run")
-    return size, st[live[-1]]
 
 
 def _prefix_points(dims: tuple[int, ...], rows: int) -> list[int]:
@@ -370,12 +369,111 @@ def _groups(d: _Dot, side: str) -> tuple[list[int], list[int], list[int]]:
     return kept, _free(shape, batch, contract), moved + list(contract)
 
 
+# A value's element index along one dim as mixed-radix digits (size, stride), major first:
+# index i of a dim with digits ((s1, t1), (s2, t2)) lies at (i // s2) * t1 + (i % s2) * t2.
+Digits = tuple[tuple[int, int], ...]
+
+
+def _row_major_digits(dims: tuple[int, ...]) -> list[Digits]:
+    return [((d, st),) for d, st in zip(dims, _strides(dims))]
+
+
 def _view(node: int, shape: Shape, batch: list[int], rows: list[int], cols: list[int]
           ) -> tuple[OperandView, tuple[int, int, int]]:
+    """The view of a row-major value read directly (the second GEMM's lhs)."""
     if not _row_major(shape):
         raise _NotAChain("operand layout is not row-major")
-    (bs, bst), (rs, rst), (cs, cst) = (_collapse(shape.dims, g) for g in (batch, rows, cols))
-    return OperandView(node, bst, rst, cst), (bs, rs, cs)
+    return _strided_view(node, shape.dims, _row_major_digits(shape.dims), batch, rows, cols)
+
+
+_MOVES = frozenset({"bitcast", "reshape", "copy", "transpose", "broadcast"})
+
+
+def _regroup(src: list[Digits], dims: tuple[int, ...]) -> list[Digits] | None:
+    """The digits of a reshape to ``dims`` of a value with digits ``src`` (row-major
+    element order), splitting a digit where a new dim takes its major part; None when a
+    dim would need part of a digit that does not divide."""
+    atoms = [a for d in src for a in d if a[0] != 1]
+    out: list[Digits] = []
+    for size in dims:
+        need, digits = size, []
+        while need > 1:
+            if not atoms:
+                return None
+            s, t = atoms[0]
+            if need % s == 0:
+                digits.append((s, t))
+                atoms.pop(0)
+                need //= s
+            elif s % need == 0:
+                digits.append((need, t * (s // need)))
+                atoms[0] = (s // need, t)
+                need = 1
+            else:
+                return None
+        out.append(tuple(digits) or ((1, 0),))
+    return None if atoms else out
+
+
+def _strided(graph: OpGraph, nid: int, allowed: set[int]) -> tuple[int, list[Digits], list[int]]:
+    """(root, digits, moved): the value of node ``nid`` read straight from the row-major
+    buffer of ``root`` (per dim, ``Digits`` into it), looking through bitcasts, reshapes,
+    copies, transposes and broadcasts whose users are all ``allowed`` (``moved``: those
+    ops; a chain kernel absorbs them instead of reading their result)."""
+    node = graph.nodes[nid]
+    dims = node.shape.dims
+    here = (nid, _row_major_digits(dims), [])
+    if node.opcode not in _MOVES or len(node.operands) != 1 or not node.shape.is_array \
+            or any(u not in allowed for u in node.users):
+        return here
+    src = node.operands[0]
+    src_shape = graph.nodes[src].shape
+    if not src_shape.is_array:
+        return here
+    root, digits, moved = _strided(graph, src, allowed | {nid})
+    moved = moved + [nid]
+    if node.opcode in ("bitcast", "reshape"):
+        if node.opcode == "bitcast" and not (_row_major(src_shape) and _row_major(node.shape)):
+            return here
+        regrouped = _regroup(digits, dims)
+        return here if regrouped is None else (root, regrouped, moved)
+    if node.opcode == "copy":
+        return root, digits, moved
+    if node.opcode == "transpose":
+        return root, [digits[p] for p in node.instruction.ints("dimensions")], moved
+    table = list(node.instruction.ints("dimensions", ()))
+    return root, [digits[table.index(d)] if d in table else ((dims[d], 0),)
+                  for d in range(len(dims))], moved
+
+
+def _runs(digits: list[Digits], group: list[int]) -> list[tuple[int, int]]:
+    """The digits of the dims ``group`` (major first) read as one index, neighbours that
+    form one strided run merged."""
+    out: list[tuple[int, int]] = []
+    for d in group:
+        for size, stride in digits[d]:
+            if size == 1:
+                continue
+            if out and out[-1][1] == stride * size:
+                out[-1] = (out[-1][0] * size, stride)
+            else:
+                out.append((size, stride))
+    return out
+
+
+def _strided_view(node: int, dims: tuple[int, ...], digits: list[Digits], batch: list[int],
+                  rows: list[int], cols: list[int]) -> tuple[OperandView, tuple[int, int, int]]:
+    sizes = tuple(math.prod(dims[d] for d in g) for g in (batch, rows, cols))
+    row_cols = []
+    for g in (rows, cols):
+        runs = _runs(digits, g)
+        if len(runs) > 1:
+            raise _NotAChain(f"dims {g} of {list(dims)} are not one strided run")
+        row_cols.append(runs[0][1] if runs else 0)
+    runs = _runs(digits, batch)
+    if len(runs) > 1:
+        return OperandView(node, 0, row_cols[0], row_cols[1], tuple(runs)), sizes
+    return OperandView(node, runs[0][1] if runs else 0, *row_cols), sizes
 
 
 # ---------------------------------------------------------------------------- recognizer
@@ -427,16 +525,33 @@ class _Recognizer:
                 if all(u in self.members for u in self.g.nodes[v].users):
                     self.members.add(v)
             return self.add(ChainOp("const", "scalar", shape.element_type, value=value))
-        root, _ = _through_renames(self.g, nid)
-        if not _row_major(self.g.nodes[root].shape):
-            raise _NotAChain(f"{node.name}: outside operand layout is not row-major")
         rank = self.rank_of(shape)
-        _, m, n = self.dims
-        view = {"tile": OperandView(root, m * n, n, 1), "row": OperandView(root, m, 1, 0),
-                "scalar": OperandView(root, 0, 0, 0)}[rank]
+        root, digits, moved = _strided(self.g, nid, self.members)
+        if not self.g.nodes[root].shape.is_array or not _row_major(self.g.nodes[root].shape):
+            raise _NotAChain(f"{node.name}: outside operand layout is not row-major")
+        view = self.value_view(root, shape.dims, digits, rank)
+        self.members.update(moved)
         if root not in self.inputs:
             self.inputs.append(root)
         return self.add(ChainOp("input", rank, shape.element_type, view=view))
+
+    def value_view(self, root: int, dims: tuple[int, ...], digits: list[Digits],
+                   rank: str) -> OperandView:
+        """A tile / row / scalar value as [b, m, n] (rows: n = 0) over ``root``."""
+        b, m, _ = self.dims
+        if rank == "scalar":
+            return OperandView(root, 0, 0, 0)
+        everything = list(range(len(dims)))
+        for j1 in _prefix_points(dims, b):
+            ends = _prefix_points(dims, b * m) if rank == "tile" else [len(dims)]
+            for j2 in (j for j in ends if j >= j1):
+                try:
+                    view, _ = _strided_view(root, dims, digits, everything[:j1],
+                                            everything[j1:j2], everything[j2:])
+                    return view
+                except _NotAChain:
+                    continue
+        raise _NotAChain(f"a {rank} value over {list(dims)} is not [batch, m, n] strided")
 
     def spread_constant(self, nid: int) -> tuple[float, list[int]] | None:
         """(value, nodes) when ``nid`` is a scalar constant or broadcasts / renames of one
@@ -568,10 +683,10 @@ class _Recognizer:
         # First GEMM: A [b, m, k], B [b, k, n] over the nodes its operands rename.
         lb, lf, lk = _groups(d1, "lhs")
         rb, rf, rk = _groups(d1, "rhs")
-        a_node, a_renames = self.gemm_operand(d1, 0)
-        b_node, b_renames = self.gemm_operand(d1, 1)
-        a, (batch, m, k) = _view(a_node, d1.lhs_shape, lb, lf, lk)
-        b, (batch_b, k_b, n) = _view(b_node, d1.rhs_shape, rb, rk, rf)
+        a_node, a_digits, a_renames = self.gemm_operand(d1, 0)
+        b_node, b_digits, b_renames = self.gemm_operand(d1, 1)
+        a, (batch, m, k) = _strided_view(a_node, d1.lhs_shape.dims, a_digits, lb, lf, lk)
+        b, (batch_b, k_b, n) = _strided_view(b_node, d1.rhs_shape.dims, b_digits, rb, rk, rf)
         if (batch, k) != (batch_b, k_b):
             raise _NotAChain("first GEMM operands disagree on batch / contraction")
         self.dims = (batch, m, n)
@@ -622,8 +737,9 @@ class _Recognizer:
                                                    pview.col_stride) not in (
                 (m * n, n, 1), (0, n, 1)) or (batch > 1 and pview.batch_stride == 0):
             raise _NotAChain("the second GEMM does not contract over the first one's n")
-        c_node, c_renames = self.gemm_operand(d2, 1)
-        c, (batch_c, n_c, h) = _view(c_node, d2.rhs_shape, rb2, rk2, rf2)
+        c_node, c_digits, c_renames = self.gemm_operand(d2, 1)
+        c, (batch_c, n_c, h) = _strided_view(c_node, d2.rhs_shape.dims, c_digits, rb2, rk2,
+                                             rf2)
         if (batch_c, n_c) != (batch, n):
             raise _NotAChain("second GEMM rhs disagrees on batch / contraction")
         if c_node in self.members or self.depends_on_first(c_node):
@@ -692,8 +808,8 @@ class _Recognizer:
         if comp.root.name not in vals:
             raise _NotAChain(f"{comp.name}: the GEMM fusion's root does not follow the dot")
 
-    def gemm_operand(self, d: _Dot, which: int) -> tuple[int, list[int]]:
-        """The graph node operand ``which`` of GEMM ``d`` reads (through renames)."""
+    def gemm_operand(self, d: _Dot, which: int) -> tuple[int, list[Digits], list[int]]:
+        """(root, digits, moved ops) of operand ``which`` of GEMM ``d`` (see _strided)."""
         node = self.g.nodes[d.node]
         if d.comp is None:
             nid = node.operands[which]
@@ -703,10 +819,10 @@ class _Recognizer:
             if inst.opcode != "parameter":
                 raise _NotAChain(f"{node.name}: operand {which} is computed in the fusion")
             nid = node.operands[inst.parameter_number]
-        root, renames = _through_renames(self.g, nid)
-        renames = [r for r in renames if all(u in {d.node, *renames}
-                                             for u in self.g.nodes[r].users)]
-        return root, renames
+        root, digits, moved = _strided(self.g, nid, {d.node})
+        if not self.g.nodes[root].shape.is_array or not _row_major(self.g.nodes[root].shape):
+            raise _NotAChain(f"{node.name}: operand {which} layout is not row-major")
+        return root, digits, moved
 
     def rename_members(self, d: _Dot, which: int) -> list[int]:
         node = self.g.nodes[d.node]

@@ -72,7 +72,8 @@ def test_one_chain_with_the_tables_dims(model: str, config: str, stage: str) -> 
 
 def _gather(flat: np.ndarray, view: OperandView, dims: tuple[int, int, int]) -> np.ndarray:
     b, r, c = (np.arange(d) for d in dims)
-    index = (b[:, None, None] * view.batch_stride + r[None, :, None] * view.row_stride
+    batch = np.array([view.batch_offset(int(x)) for x in b])
+    index = (batch[:, None, None] + r[None, :, None] * view.row_stride
              + c[None, None, :] * view.col_stride)
     return flat[index]
 
@@ -218,3 +219,32 @@ def test_rhs_computed_from_first_gemm_is_not_a_chain() -> None:
         "t = f32[2,8,8] tanh(s)",
         "t = f32[2,8,8] tanh(s)\n  c = f32[2,8,6] slice(s), slice={[0:2], [0:8], [0:6]}")
     assert _chains(text) == []
+
+
+# ----------------------------------------------------------------------- real programs
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("config", ("full", "tiny"))
+def test_bert_layer_attention_is_a_chain(config: str, stage: str) -> None:
+    """The BERT layer's attention: Q/K/V transposed from the projections ([B, L, H, D] to
+    [B, H, L, D]) and the additive key mask broadcast over heads and query rows are read
+    through strided views (the transposes and broadcasts join the chain), b = B x H."""
+    module, graph = _load("bert_layer_infer", config, stage)
+    chains = find_gemm_chains(graph)
+    attention = [c for c in chains if c.softmax]
+    assert len(attention) == 1
+    chain = attention[0]
+    batch, heads, length, head_dim = (32, 12, 128, 64) if config == "full" else (2, 4, 8, 8)
+    assert (chain.batch, chain.m, chain.n, chain.k, chain.h) == (
+        batch * heads, length, length, head_dim, head_dim)
+    masks = [op.view for op in chain.program if op.kind == "input"]
+    assert len(masks) == 1              # v100's three mask broadcasts are one value
+    mask = masks[0]
+    assert graph.is_free(mask.node)     # the mask parameter (or a bitcast of it)
+    assert mask.batch_dims == ((batch, length), (heads, 0)) and mask.row_stride == 0
+    assert graph.is_convex(chain.members)
+    if stage == "pre":                  # jax's form: the FFN (dense, GELU, dense) too
+        (ffn,) = [c for c in chains if not c.softmax]
+        hidden = 768 if config == "full" else 32
+        assert (ffn.m, ffn.k, ffn.h) == (batch * length, hidden, hidden)

@@ -301,3 +301,43 @@ def test_mma_sync_ptx_is_the_tensor_core_instruction(dtype: str, arch: str) -> N
 def test_mma_sync_prints() -> None:
     from codegen.printer import format_kernel
     assert "mma_m16n8k16_bf16(" in format_kernel(_mma_kernel("bf16"))
+
+
+# ------------------------------------------------------------------ chains in a program
+
+
+@pytest.mark.parametrize("stage", ("gpu-v100", "gpu-a100", "gpu-h100", "pre"))
+def test_bert_layer_runs_with_its_chains_as_kernels(stage: str) -> None:
+    """The BERT layer (tiny) with every chain (attention with its mask; in jax's form the
+    FFN too) run as a chain kernel on the host, the rest by the reference ops, as the
+    compiler's runner does; outputs poisoned; against the evaluator on the whole module."""
+    from hlo_passes.graph_exec import GraphRunner, NumpyBackend, Unit
+    from hlo_passes.op_classes import OpClass
+    from codegen.values import leaf
+    module = parse_hlo(_fixture("bert_layer_infer", "tiny", stage))
+    graphs = build_op_graphs(module)
+    graph = graphs[0]
+    units = []
+    for index, chain in enumerate(find_gemm_chains(graph)):
+        lowered = lower_gemm_chain(graph, chain, name=f"chain{index}")
+        kernel = compile_host(lowered.kernel)
+        shape = leaf(graph.nodes[chain.output].shape)
+
+        def run(values, kernel=kernel, params=lowered.kernel.params, shape=shape):
+            ins = [np.ascontiguousarray(np.asarray(v), dtype=NUMPY_DTYPES[p.dtype]).reshape(-1)
+                   for p, v in zip(params, values)]
+            out = np.full(params[-1].size, np.nan, NUMPY_DTYPES[params[-1].dtype])
+            kernel(*ins, out)
+            return [out.reshape(shape.dims).astype(numpy_dtype(shape.element_type))]
+        members = frozenset(v for v in chain.members
+                            if graph.nodes[v].op_class is not OpClass.SOURCE
+                            or graph.nodes[v].opcode == "constant") - set(lowered.inputs)
+        units.append(Unit(members, tuple(lowered.inputs), tuple(lowered.outputs), run,
+                          f"chain{index}"))
+    assert len(units) == (2 if stage == "pre" else 1)
+    args = _random_args(module, np.random.default_rng(21))
+    want = evaluate(module, args)
+    got = GraphRunner(module, graphs, NumpyBackend(module), {0: units}).run(args)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64),
+                                   rtol=1e-4, atol=1e-4)
