@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 
 from .graph import OpGraph
@@ -123,7 +124,21 @@ class GemmChain:
 
 def find_gemm_chains(graph: OpGraph) -> list[GemmChain]:
     """Every chain of ``graph``, in topological order of their first GEMM; a GEMM belongs
-    to at most one chain (the earlier one wins)."""
+    to at most one chain (the earlier one wins). Cached per graph (graphs are not changed
+    after they are built; the planner and the lowering ask many times)."""
+    key = len(graph.nodes)
+    cached = _FOUND.get(graph)
+    if cached is None or cached[0] != key:
+        cached = (key, tuple(_find(graph)))
+        _FOUND[graph] = cached
+    return list(cached[1])
+
+
+_FOUND: "weakref.WeakKeyDictionary[OpGraph, tuple[int, tuple[GemmChain, ...]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _find(graph: OpGraph) -> list[GemmChain]:
     chains: list[GemmChain] = []
     taken: set[int] = set()
     for node in graph.nodes:
@@ -760,8 +775,7 @@ class _Recognizer:
             node = g.nodes[v]
             if v in g.outputs or any(u not in self.members for u in node.users):
                 raise _NotAChain(f"{node.name} is also read outside the chain")
-        inputs = [a_node, b_node, c_node] + [i for i in self.inputs
-                                             if i not in (a_node, b_node, c_node)]
+        inputs = list(dict.fromkeys([a_node, b_node, c_node, *self.inputs]))
         if set(inputs) & self.members:
             raise _NotAChain("a chain input is computed inside the chain")
         if not g.is_convex(self.members):

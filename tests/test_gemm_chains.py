@@ -248,3 +248,39 @@ def test_bert_layer_attention_is_a_chain(config: str, stage: str) -> None:
         (ffn,) = [c for c in chains if not c.softmax]
         hidden = 768 if config == "full" else 32
         assert (ffn.m, ffn.k, ffn.h) == (batch * length, hidden, hidden)
+
+
+SELF_ATTENTION = """HloModule self_attention
+add {
+  x = f32[] parameter(0)
+  y = f32[] parameter(1)
+  ROOT s = f32[] add(x, y)
+}
+max {
+  x = f32[] parameter(0)
+  y = f32[] parameter(1)
+  ROOT s = f32[] maximum(x, y)
+}
+ENTRY e {
+  x = f32[2,8,8] parameter(0)
+  s = f32[2,8,8] dot(x, x), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={2}
+  ninf = f32[] constant(-inf)
+  mx = f32[2,8] reduce(s, ninf), dimensions={2}, to_apply=max
+  mxb = f32[2,8,8] broadcast(mx), dimensions={0,1}
+  d = f32[2,8,8] subtract(s, mxb)
+  ex = f32[2,8,8] exponential(d)
+  zero = f32[] constant(0)
+  sm = f32[2,8] reduce(ex, zero), dimensions={2}, to_apply=add
+  smb = f32[2,8,8] broadcast(sm), dimensions={0,1}
+  p = f32[2,8,8] divide(ex, smb)
+  ROOT o = f32[2,8,8] dot(p, x), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+"""
+
+
+def test_operand_read_twice_is_one_input() -> None:
+    """softmax(X X^T) X: A, B and C are one buffer, so the kernel has one input."""
+    (chain,) = _chains(SELF_ATTENTION)
+    assert chain.softmax and len(chain.inputs) == 1
+    assert chain.a.node == chain.b.node == chain.c.node == chain.inputs[0]
+    assert (chain.b.row_stride, chain.b.col_stride) == (1, 8)      # B = X^T

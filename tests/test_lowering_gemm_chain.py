@@ -166,6 +166,12 @@ def test_tensor_cores_refuse_f32_chains() -> None:
         lower_gemm_chain(graph, chain, _MMA_TILES)
 
 
+def test_one_buffer_read_as_a_b_and_c() -> None:
+    from tests.test_gemm_chains import SELF_ATTENTION
+    chain = _check(SELF_ATTENTION, seed=13, tol=1e-4)
+    assert len(chain.inputs) == 1
+
+
 def test_default_tiling_on_partial_tiles() -> None:
     _check(_EDGE, seed=7, tol=1e-4)
 
