@@ -46,6 +46,8 @@ _NEG_INF = kir.f32(float("-inf"))
 # Ops whose f16/bf16 result XLA rounds to its element type (as values.py's _ROUNDS).
 _ROUNDED = (frozenset(_UNARY) - {"negate", "abs", "sign", "floor", "ceil"}
             | frozenset(_BINARY) - {"maximum", "minimum"} | {"convert", "logistic"})
+# What a column past n contributes to a row reduction.
+_IDENTITY = {"add": 0.0, "multiply": 1.0, "maximum": float("-inf"), "minimum": float("inf")}
 # Shared memory one block may use without opting in to more (bytes).
 SHARED_LIMIT = 48 * 1024
 
@@ -231,9 +233,10 @@ class _ChainKernel:
         self.sc = kir.Shared("tile_c", _F32, t.block_n * t.block_h)
         self.shared = [self.sa, self.sb, self.sc]
         self.softmax = softmax_parts(chain.program)
-        if any(op.kind == "reduce" for op in chain.program) and self.softmax is None:
-            raise CodegenError(f"{name}: row reductions other than one softmax are not "
-                               "lowered in a chain kernel")
+        # Row reductions other than a softmax's: one pass over n each (S recomputed),
+        # before the pass that feeds the second GEMM.
+        self.reductions = [] if self.softmax is not None else \
+            [i for i, op in enumerate(chain.program) if op.kind == "reduce"]
         self.names = 0
         self.rows: list[kir.Expr] = []
         self.cols: list[kir.Expr] = []
@@ -303,6 +306,12 @@ class _ChainKernel:
             for i in range(len(self.rows)):
                 body.append(kir.Local(f"mx_{i}", _F32, _NEG_INF))
                 body.append(kir.Local(f"sum_{i}", _F32, kir.f32(0.0)))
+        for r in self.reductions:
+            init = kir.f32(float(ch.program[r].value))
+            for i in range(len(self.rows)):
+                body.append(kir.Local(f"red{r}_{i}", _F32, init))
+            body.append(kir.For("n0", _c(0), _c(ch.n), _c(t.block_n),
+                                tuple(self.reduction_step(r))))
         body.append(kir.For("n0", _c(0), _c(ch.n), _c(t.block_n), tuple(self.n_step())))
         body.extend(self.store())
         return kir.Kernel(self.name, (*self.params.values(), self.out), tuple(self.shared),
@@ -318,18 +327,39 @@ class _ChainKernel:
                     p: list[list[kir.Expr]]) -> None:
         raise NotImplementedError
 
-    def n_step(self) -> list[kir.Stmt]:
-        ch = self.chain
-        out: list[kir.Stmt] = []
+    def s_step(self, out: list[kir.Stmt]) -> tuple[list[kir.Expr], "_Program"]:
+        """S of this n step, in registers; the columns' validity and the program on them."""
         n0 = kir.Ref("n0", "i32")
         for row in self.s:
             for name in row:
                 out.append(kir.Assign(name, kir.f32(0.0)))
         self.first_gemm(out, n0)
-        # The program on the thread's S elements, then P (online softmax).
         n_cols = [self.let(out, "n", _add(n0, c)) for c in self.cols]
-        valid_n = [self.let(out, "vn", _lt(n, _c(ch.n))) for n in n_cols]
-        program = _Program(self, out, n_cols)
+        valid_n = [self.let(out, "vn", _lt(n, _c(self.chain.n))) for n in n_cols]
+        return valid_n, _Program(self, out, n_cols)
+
+    def reduction_step(self, r: int) -> list[kir.Stmt]:
+        """One n step of the pass computing row reduction ``r`` (program index) into the
+        Locals red{r}_i; columns past n add the reducer's identity."""
+        op = self.chain.program[r]
+        code = _BINARY[op.opcode]
+        identity = kir.f32(_IDENTITY[op.opcode])
+        out: list[kir.Stmt] = []
+        valid_n, program = self.s_step(out)
+        for i in range(len(self.rows)):
+            values = [self.let(out, "v", kir.Select(valid_n[j], program.value(op.args[0], i, j),
+                                                    identity)) for j in range(len(self.cols))]
+            total = self.row_reduce(out, code, values)
+            name = f"red{r}_{i}"
+            out.append(kir.Assign(name, kir.Binary(code, kir.Ref(name, _F32), total)))
+        return out
+
+    def n_step(self) -> list[kir.Stmt]:
+        ch = self.chain
+        out: list[kir.Stmt] = []
+        n0 = kir.Ref("n0", "i32")
+        # S, the program on the thread's S elements, then P (online softmax).
+        valid_n, program = self.s_step(out)
         if self.softmax is None:
             last = len(ch.program) - 1
             p = [[self.let(out, "p", kir.Select(valid_n[j], program.value(last, i, j),
@@ -570,7 +600,11 @@ class _Program:
         key = (index, i, j if op.rank == "tile" else -1)
         got = self.memo.get(key)
         if got is None:
-            got = self.k.let(self.out, op.kind, self.compute(op, i, j))
+            if op.kind == "reduce" and index in self.k.reductions:
+                expr = self.rounded(op, kir.Ref(f"red{index}_{i}", _F32))
+            else:
+                expr = self.compute(op, i, j)
+            got = self.k.let(self.out, op.kind, expr)
             self.memo[key] = got
         return got
 
@@ -611,6 +645,6 @@ class _Program:
     def rounded(op: ChainOp, expr: kir.Expr) -> kir.Expr:
         """f16/bf16 results rounded as XLA rounds each op's result."""
         if op.dtype in ("f16", "bf16") and expr.dtype == _F32 and (
-                op.kind == "acc" or op.opcode in _ROUNDED):
+                op.kind in ("acc", "reduce") or op.opcode in _ROUNDED):
             return kir.Unary(f"round_to_{op.dtype}", expr)
         return expr

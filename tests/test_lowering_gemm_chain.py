@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from codegen import kir
 from codegen.errors import CodegenError, ToolchainError
 from codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from codegen.host import NUMPY_DTYPES, compile_host
@@ -198,12 +199,53 @@ def test_bad_tilings_are_refused() -> None:
                     block_h=256).check()
 
 
-def test_row_reduction_other_than_softmax_is_refused() -> None:
-    text = _EDGE.replace("ex = f32[2,20,24] exponential(d)", "ex = f32[2,20,24] tanh(d)")
-    module, graph, chain = _load(text)
+_NORMALIZED = "HloModule normalized\n" + REDUCERS + """
+ENTRY e {
+  a = f32[2,20,10] parameter(0)
+  b = f32[2,10,24] parameter(1)
+  c = f32[2,24,6] parameter(2)
+  s = f32[2,20,24] dot(a, b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  zero = f32[] constant(0)
+  inv_n = f32[] constant(0.041666668)
+  inv_nb = f32[2,20] broadcast(inv_n), dimensions={}
+  total = f32[2,20] reduce(s, zero), dimensions={2}, to_apply=add
+  mean = f32[2,20] multiply(total, inv_nb)
+  meanb = f32[2,20,24] broadcast(mean), dimensions={0,1}
+  centered = f32[2,20,24] subtract(s, meanb)
+  squares = f32[2,20,24] multiply(centered, centered)
+  sq = f32[2,20] reduce(squares, zero), dimensions={2}, to_apply=add
+  var = f32[2,20] multiply(sq, inv_nb)
+  eps = f32[] constant(1e-05)
+  epsb = f32[2,20] broadcast(eps), dimensions={}
+  ve = f32[2,20] add(var, epsb)
+  rs = f32[2,20] rsqrt(ve)
+  rsb = f32[2,20,24] broadcast(rs), dimensions={0,1}
+  p = f32[2,20,24] multiply(centered, rsb)
+  ROOT o = f32[2,20,6] dot(p, c), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+"""
+
+
+def test_row_normalization_between_gemms_takes_a_pass_per_reduction() -> None:
+    """A layer norm over n between the GEMMs: the mean's and the variance's passes over n
+    (S recomputed), then the pass feeding the second GEMM; tiles that divide nothing."""
+    chain = _check(_NORMALIZED, seed=14, tol=1e-4, tiling=_SMALL_TILES)
     assert not chain.softmax
-    with pytest.raises(CodegenError, match="softmax"):
-        lower_gemm_chain(graph, chain)
+    assert sum(op.kind == "reduce" for op in chain.program) == 2
+    _, graph, _ = _load(_NORMALIZED)
+    kernel = lower_gemm_chain(graph, chain, _SMALL_TILES).kernel
+    assert sum(isinstance(s, kir.For) and s.var == "n0" for s in kernel.body) == 3
+
+
+def test_row_normalization_on_tensor_cores() -> None:
+    _check(_narrow(_NORMALIZED, "bf16"), seed=15, tol=3e-2, tiling=_MMA_TILES)
+
+
+def test_max_and_tanh_sum_are_not_a_softmax_but_lower() -> None:
+    text = _EDGE.replace("ex = f32[2,20,24] exponential(d)", "ex = f32[2,20,24] tanh(d)")
+    _, _, chain = _load(text)
+    assert not chain.softmax
+    _check(text, seed=16, tol=1e-4, tiling=_SMALL_TILES)
 
 
 # ------------------------------------------------------------------ PTX
