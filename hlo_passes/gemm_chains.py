@@ -153,6 +153,13 @@ def _find(graph: OpGraph) -> list[GemmChain]:
                 log.debug("%s: %s -> %s is not a GEMM chain: %s", graph.name, node.name,
                           graph.nodes[second].name, why)
                 continue
+            except (KeyError, ValueError, IndexError, TypeError, ZeroDivisionError) as exc:
+                # An HLO form the recognizer does not expect (odd attributes or configs):
+                # no chain, never a failed plan.
+                log.warning("%s: %s -> %s: GEMM chain recognition failed (%s: %s); "
+                            "treated as no chain", graph.name, node.name,
+                            graph.nodes[second].name, type(exc).__name__, exc)
+                continue
             if taken & set(chain.members):
                 log.debug("%s: chain %s -> %s overlaps an earlier chain", graph.name,
                           node.name, graph.nodes[second].name)
