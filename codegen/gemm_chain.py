@@ -6,7 +6,7 @@ The kernel has FlashAttention's / MCFuser's shape. A block owns batch ``b``, row
 
 1. the first GEMM's tile S[block_m, block_n]: k in steps of ``block_k``, the block loads A
    and B tiles into shared memory together (zeros past the edges), then every thread adds
-   its ``thread_m x thread_n`` register tile (f32 FMA);
+   its register tile (f32 FMA, or tensor-core MMAs);
 2. the chain program (scale, mask, activation...) on the thread's S elements, in registers;
 3. with a softmax, the online softmax: the tile's row maximum (the ``lanes`` threads of a
    row are consecutive lanes of one warp: an xor-shuffle butterfly), a running maximum
@@ -20,9 +20,15 @@ Rows, columns and contractions that do not fill a tile are handled by loading ze
 clamped index keeps every load in bounds), masking S columns past n (-inf before a softmax,
 0 otherwise) and not storing rows / columns past the edges.
 
-Threads: ``t = ty * lanes + tx``; thread (ty, tx) owns tile rows ``ty * thread_m + i`` and
-tile columns ``tx + j * lanes`` (interleaved, so a warp's shared-memory reads of one row
-hit consecutive words).
+Two thread layouts. FMA (f32, or any type before sm_80): ``t = ty * lanes + tx``; thread
+(ty, tx) owns tile rows ``ty * thread_m + i`` and tile columns ``tx + j * lanes``
+(interleaved, so a warp's shared-memory reads of one row hit consecutive words); P goes
+through shared memory. Tensor cores (``ChainTiling.mma``, bf16/f16): ``kir.MmaSync``
+m16n8k16, a warp per 16 rows, S in the MMA's accumulator layout, P handed to the second
+GEMM from registers (see ``_MmaChainKernel``).
+
+Row reductions that are not a softmax's (e.g. a layer norm over n) get a pass over n each
+before the main one, S recomputed per pass: the row values are then known in the main pass.
 """
 from __future__ import annotations
 
