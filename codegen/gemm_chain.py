@@ -270,20 +270,26 @@ class _ChainKernel:
                          source: OperandView, row0: kir.Expr, col0: kir.Expr,
                          row_limit: int, col_limit: int) -> None:
         """tile[r * cols + c] = source[b, row0 + r, col0 + c] (0 past the limits), the
-        block's threads striding over the tile."""
+        block's threads striding over the tile: along the source's unit-stride dim, so
+        neighbouring threads read neighbouring words (K^T of attention: along rows)."""
         self.names += 1
         var = f"e{self.names}"
         body: list[kir.Stmt] = []
         e = kir.Ref(var, "i32")
-        r = self.let(body, "r", kir.Binary("div", e, _c(cols)))
-        c = self.let(body, "c", kir.Binary("rem", e, _c(cols)))
+        if source.row_stride == 1 and source.col_stride != 1:
+            r = self.let(body, "r", kir.Binary("rem", e, _c(rows)))
+            c = self.let(body, "c", kir.Binary("div", e, _c(rows)))
+        else:
+            r = self.let(body, "r", kir.Binary("div", e, _c(cols)))
+            c = self.let(body, "c", kir.Binary("rem", e, _c(cols)))
+        slot = _add(_mul(r, _c(cols)), c)
         row = self.let(body, "row", _add(row0, r))
         col = self.let(body, "col", _add(col0, c))
         valid = _and(_lt(row, _c(row_limit)), _lt(col, _c(col_limit)))
         index = _offset(source, self.batch, _min(row, _c(row_limit - 1)),
                         _min(col, _c(col_limit - 1)))
         value = kir.Load(self.param(source.node), index)
-        body.append(kir.Store(tile.name, e, kir.Select(valid, value, kir.f32(0.0))))
+        body.append(kir.Store(tile.name, slot, kir.Select(valid, value, kir.f32(0.0))))
         out.append(kir.For(var, kir.ThreadIdx(), _c(rows * cols), _c(self.t.threads),
                            tuple(body)))
 
@@ -419,10 +425,11 @@ class _ChainKernel:
     def store(self) -> list[kir.Stmt]:
         ch = self.chain
         out: list[kir.Stmt] = []
+        scale = kir.f32(ch.output_scale)
         for i, row in enumerate(self.rows):
-            inv = None
+            inv = None if ch.output_scale == 1.0 else scale
             if self.softmax is not None:
-                inv = self.let(out, "inv", kir.Binary("div", kir.f32(1.0),
+                inv = self.let(out, "inv", kir.Binary("div", scale,
                                                       kir.Ref(f"sum_{i}", _F32)))
             for name, h in self.acc[i]:
                 value: kir.Expr = kir.Ref(name, _F32)

@@ -117,6 +117,7 @@ class GemmChain:
     out: OperandView | None = None      # the result      [b, m, h] over ``output``
     program: tuple[ChainOp, ...] = ()   # element ops from S to P (P is the last one)
     output_dtype: str = "f32"           # HLO element type of ``output``
+    output_scale: float = 1.0           # the second GEMM's cuBLAS alpha
 
 
 # ---------------------------------------------------------------------------- public
@@ -774,8 +775,8 @@ class _Recognizer:
         out = OperandView(d2.result, m * h, h, 1)
         if d2.comp is not None and d2.comp.root is not d2.inst:
             raise _NotAChain("an epilogue after the second GEMM")
-        if d2.alpha != 1.0:
-            raise _NotAChain("a scaled second cuBLAS GEMM")
+        if d2.alpha != 1.0 and d2.split:
+            raise _NotAChain("a scaled split-K second GEMM")
 
         # Every intermediate value stays inside; constants only the chain reads join it.
         for v in self.members - {d2.result}:
@@ -795,7 +796,7 @@ class _Recognizer:
             between=tuple(sorted(v for v in between
                                  if g.nodes[v].op_class is not OpClass.SOURCE)),
             inputs=tuple(inputs), output=d2.result, a=a, b=b, c=c, out=out,
-            program=program, output_dtype=output.shape.element_type)
+            program=program, output_dtype=output.shape.element_type, output_scale=d2.alpha)
 
     def reordered(self, last: int) -> tuple[ChainOp, ...]:
         """The program with ``last`` moved to the end (ops it does not need dropped)."""

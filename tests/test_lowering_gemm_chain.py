@@ -167,6 +167,18 @@ def test_tensor_cores_refuse_f32_chains() -> None:
         lower_gemm_chain(graph, chain, _MMA_TILES)
 
 
+@pytest.mark.parametrize("model", ("attention_vit_base", "gemm_chain_g2"))
+def test_scaled_second_cublas_gemm(model: str) -> None:
+    """cuBLAS alpha on the second GEMM scales the stored result."""
+    text = _fixture(model, "tiny", "gpu-v100")
+    first = text.index('"alpha_real":')
+    second = text.index('"alpha_real":', first + 1)
+    end = text.index(",", second)
+    text = text[:second] + '"alpha_real":0.75' + text[end:]
+    chain = _check(text, seed=17, tol=1e-4)
+    assert chain.output_scale == 0.75
+
+
 def test_one_buffer_read_as_a_b_and_c() -> None:
     from tests.test_gemm_chains import SELF_ATTENTION
     chain = _check(SELF_ATTENTION, seed=13, tol=1e-4)
