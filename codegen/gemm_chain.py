@@ -167,6 +167,7 @@ def lower_gemm_chain(graph: OpGraph, chain: GemmChain, tiling: ChainTiling | Non
             f"({'online softmax' if chain.softmax else 'no softmax'}), tiles "
             f"m{tiling.block_m} n{tiling.block_n} k{tiling.block_k} h{tiling.block_h}, "
             f"{tiling.threads} threads{', tensor cores' if tiling.mma else ''}")
+    log.debug("%s: %s", name, note)
     return LoweredKernel(kernel, list(chain.inputs), [chain.output], ["gemm_chain"], [note])
 
 
