@@ -209,6 +209,8 @@ class HostTarget(Target):
             self._shuffle(em, s, scope)
         elif isinstance(s, kir.WarpReduce):
             self._reduce(em, s, scope)
+        elif isinstance(s, kir.MmaSync):
+            self._mma(em, s, scope)
         else:
             raise CodegenError(f"host: unexpected collective {s!r}")
 
@@ -266,6 +268,69 @@ class HostTarget(Target):
         em.loop(ir.Constant(I32, 0), ir.Constant(I32, em.kernel.block // 32), one, per_warp,
                 name="warp")
         scope.vars[s.dest] = dest
+
+
+    def _mma(self, em: KernelEmitter, s: kir.MmaSync, scope: Scope) -> None:
+        """The tensor-core MMA of each warp: the lanes' fragments gathered into A, B and C
+        by the PTX layout (see kir.MmaSync), A and B rounded to s.dtype, D = A B + C in f32
+        (k in order), D scattered back as every lane's four results. A wrong fragment
+        index in a kernel gives wrong numbers here, as it would on the GPU."""
+        f32 = value_type("f32")
+        mats = {"a": em.alloca(f32, 256), "b": em.alloca(f32, 128), "c": em.alloca(f32, 128)}
+        acc = em.alloca(f32)
+        dests = [Binding("f32", "slots", self.slots(em, "f32")) for _ in s.dest]
+        c = functools.partial(ir.Constant, I32)
+
+        def at(name: str, index: ir.Value) -> ir.Value:
+            return em.builder.gep(mats[name], [index], source_etype=f32)
+
+        def rounded(v: ir.Value) -> ir.Value:
+            return em.from_storage(em.to_storage(v, s.dtype), s.dtype)
+
+        def per_warp(warp: ir.Value) -> None:
+            b = em.builder
+            base = b.mul(warp, c(32))
+
+            def places(lane: ir.Value) -> tuple[ir.Value, ir.Value]:
+                return b.lshr(lane, c(2)), b.shl(b.and_(lane, c(3)), c(1))   # g, 2q
+
+            def gather(lane: ir.Value) -> None:
+                ctx = Ctx(b.add(base, lane))
+                g, q2 = places(lane)
+                for i, e in enumerate(s.a):      # A[g + 8 (i//2 odd)][2q + i%2 + 8 (i >= 4)]
+                    row = b.add(g, c(8 * ((i // 2) % 2)))
+                    col = b.add(q2, c(i % 2 + 8 * (i // 4)))
+                    b.store(rounded(em.expr(e, scope, ctx)),
+                            at("a", b.add(b.mul(row, c(16)), col)))
+                for i, e in enumerate(s.b):      # B[2q + i%2 + 8 (i >= 2)][g]
+                    k = b.add(q2, c(i % 2 + 8 * (i // 2)))
+                    b.store(rounded(em.expr(e, scope, ctx)), at("b", b.add(b.mul(k, c(8)), g)))
+                for i, e in enumerate(s.c):      # C[g + 8 (i >= 2)][2q + i%2]
+                    row = b.add(g, c(8 * (i // 2)))
+                    b.store(em.expr(e, scope, ctx),
+                            at("c", b.add(b.mul(row, c(8)), b.add(q2, c(i % 2)))))
+            em.loop(c(0), c(32), c(1), gather, name="mma.gather")
+
+            def element(row: ir.Value, col: ir.Value) -> None:
+                slot = at("c", b.add(b.mul(row, c(8)), col))
+                b.store(b.load(slot, typ=f32), acc)
+                em.loop(c(0), c(16), c(1), lambda k: b.store(b.fadd(b.load(acc, typ=f32), b.fmul(
+                    b.load(at("a", b.add(b.mul(row, c(16)), k)), typ=f32),
+                    b.load(at("b", b.add(b.mul(k, c(8)), col)), typ=f32))), acc), name="mma.k")
+                b.store(b.load(acc, typ=f32), slot)
+            em.loop(c(0), c(16), c(1), lambda row: em.loop(
+                c(0), c(8), c(1), lambda col: element(row, col), name="mma.col"), name="mma.row")
+
+            def scatter(lane: ir.Value) -> None:
+                g, q2 = places(lane)
+                for i, dest in enumerate(dests):
+                    row = b.add(g, c(8 * (i // 2)))
+                    value = b.load(at("c", b.add(b.mul(row, c(8)), b.add(q2, c(i % 2)))), typ=f32)
+                    em.write(dest, value, Ctx(b.add(base, lane)))
+            em.loop(c(0), c(32), c(1), scatter, name="mma.scatter")
+        em.loop(c(0), c(em.kernel.block // 32), c(1), per_warp, name="warp")
+        for name, dest in zip(s.dest, dests):
+            scope.vars[name] = dest
 
 
 @dataclass

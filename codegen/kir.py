@@ -336,7 +336,32 @@ class WarpReduce(Stmt):
             raise CodegenError(f"unknown warp reduce op {self.op!r}")
 
 
-COLLECTIVES = (Barrier, WarpShuffle, WarpReduce)
+MMA_DTYPES = frozenset({"bf16", "f16"})
+
+
+@dataclass(frozen=True)
+class MmaSync(Stmt):
+    """Warp-wide D = A x B + C on tensor cores (PTX ``mma.sync.aligned.m16n8k16.row.col``,
+    f32 accumulate): A is 16x16, B 16x8, C and D 16x8. Every lane passes its fragment as
+    f32 values, A's and B's rounded to ``dtype`` (bf16 / f16) first; ``dest`` names the
+    lane's four D values (f32). Fragment layout, g = lane >> 2, q = lane & 3 (PTX ISA):
+    a[0..1] = A[g][2q..2q+1], a[2..3] = A[g+8][2q..2q+1], a[4..5] = A[g][2q+8..2q+9],
+    a[6..7] = A[g+8][2q+8..2q+9]; b[0..1] = B[2q..2q+1][g], b[2..3] = B[2q+8..2q+9][g];
+    c[0..1] / dest[0..1] = C[g][2q..2q+1], c[2..3] / dest[2..3] = C[g+8][2q..2q+1]."""
+    dest: tuple[str, ...]
+    a: tuple[Expr, ...]
+    b: tuple[Expr, ...]
+    c: tuple[Expr, ...]
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for attr in ("dest", "a", "b", "c"):
+            object.__setattr__(self, attr, _tuple(getattr(self, attr)))
+        if self.dtype not in MMA_DTYPES:
+            raise CodegenError(f"MmaSync dtype {self.dtype!r} not one of {sorted(MMA_DTYPES)}")
+
+
+COLLECTIVES = (Barrier, WarpShuffle, WarpReduce, MmaSync)
 
 
 def has_collective(stmt: Stmt) -> bool:
@@ -692,3 +717,14 @@ class _Checker:
             if s.value.dtype not in _NUMERIC:
                 self.fail(where, f"WarpReduce does not take {s.value.dtype}")
             self._define(scopes, s.dest, _Var(s.value.dtype, "lane", True, id(s)), where)
+        elif isinstance(s, MmaSync):
+            for part, want in (("a", 8), ("b", 4), ("c", 4), ("dest", 4)):
+                if len(getattr(s, part)) != want:
+                    self.fail(where, f"MmaSync {part} has {len(getattr(s, part))} values, "
+                                     f"m16n8k16 takes {want}")
+            for e in (*s.a, *s.b, *s.c):
+                self._expr(e, scopes, where)
+                if e.dtype != "f32":
+                    self.fail(where, f"MmaSync fragment value has dtype {e.dtype}, need f32")
+            for name in s.dest:
+                self._define(scopes, name, _Var("f32", "lane", True, id(s)), where)

@@ -134,6 +134,34 @@ class Target:
         """Shuffle an i32 or float across the warp (full mask)."""
         raise CodegenError(f"target {self.name} cannot emit a shuffle inline")
 
+    def mma(self, em: "KernelEmitter", s: kir.MmaSync, a: list[ir.Value], b: list[ir.Value],
+            c: list[ir.Value]) -> list[ir.Value]:
+        """One lane's D fragment of a warp MMA. SIMT-native default: the NVVM intrinsic."""
+        return nvvm_mma(em, s.dtype, a, b, c)
+
+
+def _pack_pair(em: "KernelEmitter", dtype: str, lo: ir.Value, hi: ir.Value) -> ir.Value:
+    """Two f32 fragment values as the 32-bit register mma.sync reads (first value low)."""
+    b = em.builder
+    if dtype == "bf16":
+        lo16, hi16 = (b.zext(em.to_storage(v, "bf16"), I32) for v in (lo, hi))
+        return b.or_(lo16, b.shl(hi16, ir.Constant(I32, 16)))
+    vec = ir.Constant(ir.VectorType(F16, 2), ir.Undefined)
+    vec = b.insert_element(vec, b.fptrunc(lo, F16), ir.Constant(I32, 0))
+    return b.insert_element(vec, b.fptrunc(hi, F16), ir.Constant(I32, 1))
+
+
+def nvvm_mma(em: "KernelEmitter", dtype: str, a: list[ir.Value], b: list[ir.Value],
+             c: list[ir.Value]) -> list[ir.Value]:
+    """``llvm.nvvm.mma.m16n8k16.row.col`` (bf16 or f16 in, f32 accumulate): sm_80+."""
+    name = ("llvm.nvvm.mma.m16n8k16.row.col.bf16" if dtype == "bf16"
+            else "llvm.nvvm.mma.m16n8k16.row.col.f32.f32")
+    args = [_pack_pair(em, dtype, a[i], a[i + 1]) for i in range(0, 8, 2)]
+    args += [_pack_pair(em, dtype, b[i], b[i + 1]) for i in range(0, 4, 2)]
+    args += list(c)
+    result = em.call(name, ir.LiteralStructType([F32] * 4), args)
+    return [em.builder.extract_value(result, i) for i in range(4)]
+
 
 class KernelEmitter:
     """Lowers one validated kernel into a function of `module`."""
@@ -304,6 +332,10 @@ class KernelEmitter:
         elif isinstance(s, kir.WarpReduce):
             value = self.warp_reduce(self.expr(s.value, scope, ctx), s.value.dtype, s.op)
             self.define(scope, s.dest, s.value.dtype, value, mutable=False, top=top, ctx=ctx)
+        elif isinstance(s, kir.MmaSync):
+            frags = [[self.expr(e, scope, ctx) for e in part] for part in (s.a, s.b, s.c)]
+            for name, value in zip(s.dest, self.target.mma(self, s, *frags)):
+                self.define(scope, name, "f32", value, mutable=False, top=top, ctx=ctx)
         else:
             raise CodegenError(f"cannot emit statement {s!r}")
 

@@ -90,6 +90,11 @@ def _stmts(body: tuple[kir.Stmt, ...], indent: int, out: list[str]) -> None:
         elif isinstance(s, kir.WarpReduce):
             out.append(f"{pad}const {C_TYPES[s.value.dtype]} {s.dest} = warp_reduce_{s.op}("
                        f"{format_expr(s.value)});")
+        elif isinstance(s, kir.MmaSync):
+            frags = "; ".join("{" + ", ".join(format_expr(e) for e in part) + "}"
+                              for part in (s.a, s.b, s.c))
+            out.append(f"{pad}float {', '.join(s.dest)}; mma_m16n8k16_{s.dtype}("
+                       f"{frags});")
         else:
             raise CodegenError(f"cannot print statement {s!r}")
 
