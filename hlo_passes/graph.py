@@ -75,6 +75,9 @@ class OpGraph:
     # (node count, descendants, ancestors): per node, a bitmask of the nodes it reaches
     # and of the nodes reaching it (``is_convex``); built on first use.
     _reach: tuple[int, list[int], list[int]] | None = field(default=None, repr=False)
+    # The module's computations by name (shared by all graphs of a module): what a GEMM
+    # fusion kept as one node computes, and reducers' to_apply (hlo_passes.gemm_chains).
+    computations: dict[str, Computation] = field(default_factory=dict, repr=False)
 
     def node(self, name: str) -> OpNode:
         if not self._names:
@@ -290,7 +293,7 @@ class _GraphBuilder:
                 if not users or users[-1] != node.id:
                     users.append(node.id)
         return OpGraph(self.comp.name, self.kind, self.nodes, self.inputs, _leaves(root),
-                       self.trip_count)
+                       self.trip_count, computations=self.owner.comps)
 
     # --- naming and node creation ------------------------------------------------------
     def unique(self, name: str, scope: str) -> str:
