@@ -94,6 +94,8 @@ def _tile_options(dim: int) -> list[int]:
 def _legal(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> bool:
     if s.threads % spec.warp_size or s.threads > spec.max_threads_per_block:
         return False
+    if s.threads < spec.fp32_cores_per_sm:
+        return False            # a block narrower than an SM's FP32 lanes leaves lanes idle
     if s.mma and not dims.mma_allowed(spec):
         return False
     if s.hoist_a and s.block_k != dims.k:
@@ -116,6 +118,14 @@ def _legal(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> bool:
     if chain_smem_bytes(dims, s) > SHARED_MEMORY_SLACK * spec.shared_memory_per_block_optin:
         return False
     return chain_registers(dims, s) <= spec.max_registers_per_thread
+
+
+def objective(spec: GpuSpec, cost: TileCost) -> float:
+    """What the search minimizes: the modeled time times MCFuser's slowdown factor
+    alpha = (N_block + N_SM) / N_block (its equation (5)): a grid of few blocks leaves SMs
+    idle whenever the model's per-block figures are off, so between schedules of
+    similar time the one filling the GPU wins."""
+    return cost.seconds * (cost.blocks + spec.sm_count) / max(cost.blocks, 1)
 
 
 def enumerate_schedules(spec: GpuSpec, dims: ChainDims) -> Iterator[GemmChainSchedule]:
@@ -158,7 +168,7 @@ def exhaustive(spec: GpuSpec, dims: ChainDims) -> SearchResult:
     count = 0
     for s in enumerate_schedules(spec, dims):
         count += 1
-        t = chain_cost(spec, dims, s).seconds
+        t = objective(spec, chain_cost(spec, dims, s))
         if best is None or t < best[0]:
             best = (t, s)
     if best is None:
@@ -199,7 +209,7 @@ class ChainSearchSpace:
         if not self.legal(s):
             return math.inf
         self.evaluations += 1
-        return chain_cost(self.spec, self.dims, s).seconds
+        return objective(self.spec, chain_cost(self.spec, self.dims, s))
 
     def actions(self, s: GemmChainSchedule, level: int) -> Sequence[tuple[str, GemmChainSchedule]]:
         d = self.dims
