@@ -350,6 +350,12 @@ def chain_patterns(graph: OpGraph, cost: CostModel, locked: list[Pattern]) -> li
             log.debug("graph %s: chain at %s overlaps a locked XLA fusion", graph.name,
                       graph.nodes[chain.first].name)
             continue
+        try:
+            chain_price(graph, chain, cost.spec)
+        except ValueError as exc:           # no legal schedule for these dims
+            log.debug("graph %s: chain at %s has no schedule: %s", graph.name,
+                      graph.nodes[chain.first].name, exc)
+            continue
         gain = cost.gain(members)
         if gain <= 0:
             log.debug("graph %s: chain at %s is modeled slower than its ops apart (%.3g s)",

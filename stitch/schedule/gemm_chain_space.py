@@ -35,6 +35,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Iterator, Sequence
 
 from ..cost.gemm_tile import (ChainDims, GemmChainSchedule, TileCost, chain_cost,
@@ -76,7 +77,8 @@ def pruned_expressions() -> dict[str, list[str]]:
     return {sub: exprs for sub, exprs in classes.items() if sub != "kn"}
 
 
-def _tile_options(dim: int) -> list[int]:
+@lru_cache(maxsize=1024)
+def _tile_options(dim: int) -> tuple[int, ...]:
     """Rule 3: tiles dividing a power-of-two dim; else padding within PADDING_LIMIT. A dim
     below the smallest tile is taken whole."""
     options = []
@@ -88,17 +90,22 @@ def _tile_options(dim: int) -> list[int]:
         if (power_of_two and dim % t == 0) or (not power_of_two and
                                                (padded - dim) / dim <= PADDING_LIMIT):
             options.append(t)
-    return options or [dim]
+    return tuple(options) or (dim,)
 
 
 def _legal(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> bool:
     if s.threads % spec.warp_size or s.threads > spec.max_threads_per_block:
         return False
-    if s.threads < spec.fp32_cores_per_sm:
+    if s.threads < min(spec.fp32_cores_per_sm, s.block_m * s.block_n):
         return False            # a block narrower than an SM's FP32 lanes leaves lanes idle
     if s.mma and not dims.mma_allowed(spec):
         return False
     if s.hoist_a and s.block_k != dims.k:
+        return False
+    # Tiles from the Rule 3 options (k may also be taken whole: the hoisting).
+    if s.block_m not in _tile_options(dims.m) or s.block_n not in _tile_options(dims.n) or \
+            s.block_k not in (*_tile_options(dims.k), dims.k) or \
+            s.block_h not in (*_tile_options(dims.h), dims.h):
         return False
     if not s.mma:
         if s.threads * s.thread_m * s.thread_n != s.block_m * s.block_n:
@@ -109,8 +116,12 @@ def _legal(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> bool:
         if second % (s.threads * s.thread_m):
             return False
     else:
-        # mma.sync m16n8: every warp owns whole 16 x 8 fragments of both GEMMs' tiles.
+        # mma.sync m16n8k8 (TF32) / m16n8k16: every warp owns whole 16 x 8 fragments of
+        # both GEMMs' tiles, and the contractions (k, n) and h come in whole fragments.
         warps = s.threads // spec.warp_size
+        step = 8 if dims.itemsize == 4 else 16
+        if dims.k % step or dims.n % step or dims.h % 8:
+            return False
         if s.block_m * s.block_n < warps * 128 or s.block_m < 16:
             return False
         if (s.thread_m, s.thread_n) != (1, 1):
@@ -132,7 +143,7 @@ def enumerate_schedules(spec: GpuSpec, dims: ChainDims) -> Iterator[GemmChainSch
     """Every schedule of the pruned space (module docstring), each per-block form once."""
     ms, ns, ks = _tile_options(dims.m), _tile_options(dims.n), _tile_options(dims.k)
     hs = _tile_options(dims.h)
-    k_choices = sorted(set(ks + [dims.k]))
+    k_choices = sorted(set(ks) | {dims.k})
     mma_choices = (False, True) if dims.mma_allowed(spec) else (False,)
     for sub in pruned_expressions():
         expression = "nk" if sub == "nk" else "n(k,h)"
@@ -140,7 +151,8 @@ def enumerate_schedules(spec: GpuSpec, dims: ChainDims) -> Iterator[GemmChainSch
             # Deep "nk" binds h to blocks; its h tile must be below h (else it is the
             # flat kernel: Rule 1's dedup). The flat kernel stages D in h-tiles of
             # min(h, 64) columns.
-            h_tiles = [t for t in hs if t < dims.h] if expression == "nk" else [min(dims.h, 64)]
+            h_tiles = [t for t in hs if t < dims.h] if expression == "nk" else \
+                [max((t for t in hs if t <= 64), default=dims.h)]
             for bh, threads, mma, stages in itertools.product(h_tiles, THREADS, mma_choices,
                                                               STAGES):
                 for hoist in ((False, True) if bk == dims.k else (False,)):
@@ -196,8 +208,8 @@ class ChainSearchSpace:
         bm = min(64, max(_tile_options(d.m)))
         bn = min(64, max(_tile_options(d.n)))
         bk = min(32, max(_tile_options(d.k)))
-        return GemmChainSchedule("n(k,h)", bm, bn, bk, min(d.h, 64), 128, 4, 4, False, 1,
-                                 False)
+        bh = max((t for t in _tile_options(d.h) if t <= 64), default=d.h)
+        return GemmChainSchedule("n(k,h)", bm, bn, bk, bh, 128, 4, 4, False, 1, False)
 
     def legal(self, s: GemmChainSchedule) -> bool:
         got = self._legal.get(s)
@@ -291,6 +303,12 @@ def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 16, max_steps: in
     starts = []
     if dims.mma_allowed(spec):
         starts.append(replace(space.initial(), mma=True, thread_m=1, thread_n=1))
+    if not any(space.legal(s) for s in [space.initial(), *starts]):
+        # Small chains (tiles below the default ones): start from the first legal
+        # schedule of the pruned space.
+        first = next(enumerate_schedules(spec, dims), None)
+        if first is not None:
+            starts.append(first)
     result: MarkovResult = construct(space, walks=walks, max_steps=max_steps, seed=seed,
                                      starts=starts)
     if not math.isfinite(result.best_cost):
