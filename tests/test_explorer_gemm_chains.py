@@ -97,3 +97,13 @@ def test_render_and_summary_accept_the_new_kind():
     assert plan.summary()["stitched"]["kernels"] == 1
     assert "gemm_chain" in to_html(plan, reasons=True)
     assert "gemm_chain" in to_dot(plan)
+
+
+def test_cli_json_carries_the_chain_schedule(capsys):
+    from stitch.cli import main
+    rc = main(["plan", "--model", "attention_bert_base", "--config", "full", "--target",
+               "h100", "--json"])
+    doc = __import__("json").loads(capsys.readouterr().out)
+    assert rc in (0, None)
+    chains = [k for g in doc["graphs"] for k in g["stitched"] if k["kind"] == "gemm_chain"]
+    assert len(chains) == 1 and chains[0]["chain_schedule"]["block_m"] >= 16
