@@ -12,8 +12,9 @@ from those probabilities. As in Gensor's annealing, the cache action's weight is
 by 3 / (1 + exp(-ln(5)/10 * (t - 10))) as the walk's step t grows, so a walk descends the
 memory levels and ends when it caches past the last level (or after ``max_steps``). The
 Markov property holds because a state's benefit depends only on the state, not on the path
-to it. ``walks`` walks run from one seeded RNG (reproducible); the best state seen on any
-walk wins. Every state's cost is computed once (memoized), so a search costs at most
+to it. ``walks`` walks run from one seeded RNG (reproducible): the first half start from the
+initial states, the second half from the best state found so far; the best state seen on
+any walk wins. Every state's cost is computed once (memoized), so a search costs at most
 walks x max_steps x actions cost-model calls and far fewer in practice.
 
 Using it for another space: implement :class:`ScheduleSpace` (``initial``, ``levels``,
@@ -89,7 +90,9 @@ def construct(space: ScheduleSpace[S], walks: int = 16, max_steps: int = 48, see
     best_cost = cost(best)
     steps = 0
     for w in range(walks):
-        state = origins[w % len(origins)]
+        # The first half of the walks start from the initial states, the rest from the
+        # best state found so far (Gensor keeps its top results and builds on them).
+        state = origins[w % len(origins)] if w < (walks + 1) // 2 else best
         level = 0
         here = cost(state)
         if here < best_cost:
