@@ -97,3 +97,22 @@ def test_xla_tile_from_backend_config():
     assert (tile.block_m, tile.block_n, tile.block_k, tile.split_k, tile.warps) == \
         (64, 32, 16, 2, 4)
     assert xla_gemm_tile({}).source == "assumed"
+
+
+def test_other_inputs_of_the_ops_between_are_read():
+    spec = get_spec("a100")
+    masked = replace(ATTENTION, input_bytes=4.0 * ATTENTION.batch * ATTENTION.m * ATTENTION.n)
+    plain, more = chain_cost(spec, ATTENTION, FLAT), chain_cost(spec, masked, FLAT)
+    assert more.hbm_bytes - plain.hbm_bytes == pytest.approx(masked.input_bytes)
+    assert more.seconds > plain.seconds
+
+
+def test_executed_flops_count_the_deep_tilings_recompute():
+    spec = get_spec("h100")
+    deep = replace(FLAT, expression="nk", block_h=16, hoist_a=True)
+    flat = chain_cost(spec, ATTENTION, FLAT)
+    assert flat.flops == pytest.approx(ATTENTION.flops)
+    # Four h-blocks each compute the first GEMM for their rows.
+    d = ATTENTION
+    first, second = 2.0 * d.batch * d.m * d.n * d.k, 2.0 * d.batch * d.m * d.n * d.h
+    assert chain_cost(spec, ATTENTION, deep).flops == pytest.approx(4 * first + second)

@@ -111,12 +111,27 @@ def _between_instructions(graph: OpGraph, chain: GemmChain) -> float:
     return total
 
 
+def _input_bytes(chain: GemmChain) -> float:
+    """HBM bytes of the values the chain program reads besides the GEMM operands: the
+    distinct elements of each view (a stride of 0 broadcasts along that dim)."""
+    total = 0.0
+    for op in chain.program:
+        if op.kind != "input" or op.view is None:
+            continue
+        v = op.view
+        elements = (chain.batch if v.batch_stride else 1) * (chain.m if v.row_stride else 1)
+        if op.rank == "tile":
+            elements *= chain.n if v.col_stride else 1
+        total += elements * OPERAND_BYTES.get(op.dtype, 4)
+    return total
+
+
 def chain_dims(graph: OpGraph, chain: GemmChain) -> ChainDims:
     return ChainDims(chain.batch, chain.m, chain.n, chain.k, chain.h, chain.operand_dtype,
                      chain.softmax, _between_instructions(graph, chain),
                      allows_tf32(graph, graph.nodes[chain.first]) and
                      allows_tf32(graph, graph.nodes[chain.second]),
-                     OPERAND_BYTES.get(chain.output_dtype, 4))
+                     OPERAND_BYTES.get(chain.output_dtype, 4), _input_bytes(chain))
 
 
 @dataclass(frozen=True)

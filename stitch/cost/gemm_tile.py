@@ -92,6 +92,9 @@ class ChainDims:
     between_instructions: float = 0.0
     tf32: bool = True               # the dots allow TF32 (DEFAULT precision)
     result_bytes: int = 4           # bytes per element of the chain's result
+    # HBM bytes (all batches) of other values the ops between read: a mask, a bias, a
+    # gate; each distinct element read once.
+    input_bytes: float = 0.0
 
     @property
     def itemsize(self) -> int:
@@ -105,7 +108,8 @@ class ChainDims:
     @property
     def key(self) -> tuple:
         return (self.batch, self.m, self.n, self.k, self.h, self.operand_dtype, self.softmax,
-                round(self.between_instructions, 3), self.tf32, self.result_bytes)
+                round(self.between_instructions, 3), self.tf32, self.result_bytes,
+                round(self.input_bytes))
 
     def mma_allowed(self, spec: GpuSpec) -> bool:
         if tensor_flops_per_clock_per_sm(spec, self.operand_dtype) is None:
@@ -357,9 +361,12 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
     else:
         hbm_rhs, l2_rhs = rhs, 0.0
     a_rereads = 0.0 if s.hoist_a else a_bytes * (n_tiles - 1)
-    hbm = a_bytes / h_blocks + hbm_rhs + bm * hb * dims.result_bytes
-    l2 = a_bytes * (1 - 1 / h_blocks) + l2_rhs + a_rereads
-    loads = a_bytes + a_rereads + rhs
+    # Other inputs of the ops between: each block's share once from HBM, again from L2
+    # by the other h-blocks of its rows (deep tiling).
+    extra = dims.input_bytes / (dims.batch * m_blocks)
+    hbm = a_bytes / h_blocks + hbm_rhs + bm * hb * dims.result_bytes + extra / h_blocks
+    l2 = a_bytes * (1 - 1 / h_blocks) + l2_rhs + a_rereads + extra * (1 - 1 / h_blocks)
+    loads = a_bytes + a_rereads + rhs + extra
     steps = n_tiles * (k_tiles + 1)
     global_instr = (loads + bm * hb * dims.result_bytes) / (spec.warp_size * 16)
     if s.mma:
@@ -375,9 +382,10 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
                          other_instr=shared_instr + global_instr + shuffles,
                          hbm_bytes=hbm, l2_bytes=l2, steps=steps, stages=s.stages,
                          inflight_bytes=loads / steps * s.stages)
-    return tile_kernel_time(spec, work, chain_grid(dims, s), threads,
-                            chain_registers(dims, s), chain_smem_bytes(dims, s),
-                            flops=dims.flops)
+    blocks = chain_grid(dims, s)
+    # Flops executed: padding and the deep tiling's recomputed first GEMM included.
+    return tile_kernel_time(spec, work, blocks, threads, chain_registers(dims, s),
+                            chain_smem_bytes(dims, s), flops=(flops1 + flops2) * blocks)
 
 
 # --- XLA's GEMM kernels ----------------------------------------------------------------
