@@ -64,6 +64,7 @@ class MarkovResult(Generic[S]):
     evaluations: int           # distinct states costed
     steps: int                 # actions taken over all walks
     seconds: float
+    visited: dict = None       # every state costed -> its cost
 
 
 def annealed_cache_factor(step: int) -> float:
@@ -133,4 +134,4 @@ def construct(space: ScheduleSpace[S], walks: int = 16, max_steps: int = 48, see
     seconds = time.perf_counter() - start
     log.debug("markov construction: best %.3g s after %d walks, %d steps, %d states in %.3f s",
               best_cost, walks, steps, len(memo), seconds)
-    return MarkovResult(best, best_cost, len(memo), steps, seconds)
+    return MarkovResult(best, best_cost, len(memo), steps, seconds, memo)
