@@ -27,8 +27,6 @@ returns (``settle``) and search time (measured on this machine).
 """
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,7 +35,7 @@ from bench.report import geomean
 from bench.xla_cost_formula import DEVICES, XlaDevice, kernel_flops, kernel_time
 from hlo_passes.graph import OpGraph
 from hlo_passes.op_classes import OpClass
-from stitch.cost.chain_pricing import chain_for, chain_price, graph_chains, xla_gemm_cost
+from stitch.cost.chain_pricing import chain_price, graph_chains, xla_gemm_cost
 from stitch.cost.delta import CostModel, kernel_hbm_bytes
 from stitch.cost.gemm_tile import GemmTile, TileCost
 from stitch.cost.gpu_specs import get_spec

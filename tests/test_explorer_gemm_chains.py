@@ -9,8 +9,6 @@ import pytest
 
 import stitch
 from bench.gemm_chains import chain_models, compare
-from hlo_passes.graph import build_op_graphs
-from hlo_passes.parser import parse_hlo
 from stitch.cost.chain_pricing import graph_chains
 from stitch.cost.gemm_tile import GemmChainSchedule
 from stitch.explorer.plan import validate
@@ -107,3 +105,26 @@ def test_cli_json_carries_the_chain_schedule(capsys):
     assert rc in (0, None)
     chains = [k for g in doc["graphs"] for k in g["stitched"] if k["kind"] == "gemm_chain"]
     assert len(chains) == 1 and chains[0]["chain_schedule"]["block_m"] >= 16
+
+
+def test_one_model_prices_the_chain_and_the_gemms_it_replaces():
+    from hlo_passes.graph import build_op_graphs
+    from hlo_passes.parser import parse_hlo
+    from stitch.cost.chain_pricing import chain_price, xla_gemm_cost
+    from stitch.cost.delta import CostModel
+    from stitch.cost.gpu_specs import get_spec
+    spec = get_spec("h100")
+    graph = build_op_graphs(parse_hlo(_fixture("attention_bert_base", "gpu-h100")))[0]
+    cost = CostModel(graph, spec)
+    chain = graph_chains(graph).chains[0]
+    for g in (chain.first, chain.second):
+        assert cost.singleton(g).total_s == pytest.approx(xla_gemm_cost(graph, g, spec).seconds)
+    fused = cost.kernel(chain.members)
+    assert fused.total_s == pytest.approx(chain_price(graph, chain, spec).cost.seconds)
+    assert cost.gain(frozenset(chain.members)) > 0
+    # A GEMM in no chain keeps the FP32 roofline.
+    other = build_op_graphs(parse_hlo((DATA / "bert_layer_train" / "full.gpu-h100.hlo")
+                                      .read_text()))[0]
+    gemms = [n.id for n in other.nodes if n.op_class.name == "COMPUTE"
+             and n.id not in graph_chains(other).by_gemm]
+    assert gemms and xla_gemm_cost(other, gemms[0], spec) is None
