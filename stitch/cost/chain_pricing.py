@@ -60,7 +60,7 @@ def graph_chains(graph: OpGraph) -> GraphChains:
 
 def chain_for(graph: OpGraph, members) -> GemmChain | None:
     """The chain exactly these members form (free nodes aside), else None."""
-    if not any(graph.nodes[v].op_class is OpClass.COMPUTE for v in members):
+    if sum(graph.nodes[v].op_class is OpClass.COMPUTE for v in members) != 2:
         return None
     return graph_chains(graph).by_members.get(_core(graph, members))
 

@@ -83,8 +83,12 @@ def _no_poll() -> None:
 class CostModel:
     """Kernel times of op sets of one graph on one GPU, cached by member set."""
 
-    def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None):
+    def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None,
+                 gemm_chains: bool = True):
         self.graph = graph
+        # Price GEMM chains and their GEMMs with the GEMM-tile model (chain_pricing); off:
+        # every GEMM keeps the FP32 roofline and no chain is recognized.
+        self.gemm_chains = gemm_chains
         # Called at every kernel scored or pattern analyzed: the planner's cancellation
         # poll (stitch.explorer.cancel), which raises to stop planning.
         self.poll: Callable[[], None] = poll or _no_poll
@@ -137,7 +141,8 @@ class CostModel:
         if not work:
             return KernelCost(0, 0, 0.0, 0.0, 0, 0.0)
         launch = spec.kernel_launch_overhead_s
-        if len(work) > 1 and any(graph.nodes[v].op_class is OpClass.COMPUTE for v in work):
+        if self.gemm_chains and len(work) > 1 and \
+                sum(graph.nodes[v].op_class is OpClass.COMPUTE for v in work) == 2:
             chain = self._chain_kernel(members)
             if chain is not None:
                 return chain
@@ -207,10 +212,11 @@ class CostModel:
         the chain kernel that may replace them (XLA's Triton tile from the fusion's backend
         config), so chain and unfused GEMMs compare under one model."""
         spec = self.spec
-        from .chain_pricing import xla_gemm_cost
-        tile = xla_gemm_cost(self.graph, node.id, spec)
-        if tile is not None:
-            return _tile_kernel_cost(spec, tile, nbytes)
+        if self.gemm_chains:
+            from .chain_pricing import xla_gemm_cost
+            tile = xla_gemm_cost(self.graph, node.id, spec)
+            if tile is not None:
+                return _tile_kernel_cost(spec, tile, nbytes)
         memory_s = nbytes / spec.hbm_bandwidth
         compute_s = _flops(self.graph, node) / spec.fp32_flops
         total = spec.kernel_launch_overhead_s + compute_s + memory_s - \

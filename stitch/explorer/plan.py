@@ -99,7 +99,8 @@ class GraphPlan:
 
 
 def kernel_kind(graph: OpGraph, members: tuple[int, ...]) -> str:
-    if len(members) > 1 and any(graph.nodes[v].op_class is OpClass.COMPUTE for v in members):
+    if len(members) > 1 and sum(graph.nodes[v].op_class is OpClass.COMPUTE
+                                for v in members) == 2:
         from ..cost.chain_pricing import chain_for
         if chain_for(graph, members) is not None:
             return "gemm_chain"

@@ -385,7 +385,7 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                options: ExplorerOptions, weight: int = 1,
                poll: CancelPoll | None = None) -> GraphResult:
     poll = poll or CancelPoll(options.cancel)
-    cost = CostModel(graph, spec, poll)
+    cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains)
     base_groups = baseline_groups(graph, baseline_source)
     baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight,
                        prefix="b")
@@ -577,7 +577,7 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
     try:
         results = []
         for graph, weight, (sets, origins) in zip(graphs, weights, kernel_sets(entry, graphs)):
-            cost = CostModel(graph, spec, poll)
+            cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains)
             base_groups = baseline_groups(graph, source)
             baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups),
                                False, weight, prefix="b")
