@@ -32,7 +32,7 @@ from typing import Callable
 from bench import plans as plans_mod
 from bench.report import machine, stamp, write_section
 
-SECTIONS = ("plans", "planner", "planner-scale", "compile", "runtime", "gpu")
+SECTIONS = ("plans", "planner", "planner-scale", "compile", "runtime", "gpu", "gemm-chains")
 EXTRA_SECTIONS = ("corpus",)  # run only when named
 LEGACY = [("<!-- plan-report:start -->", "<!-- plan-report:end -->")]
 TITLES = {
@@ -43,6 +43,8 @@ TITLES = {
     "runtime": "Step time on this CPU: stitch.jit vs jax.jit (measured)",
     "gpu": "On a GPU (measured)",
     "corpus": "XLA's own test modules through every stage (counted outcomes)",
+    "gemm-chains": "GEMM chains and attention in one kernel vs XLA's kernels; schedule search "
+                   "(modeled, search time measured)",
 }
 
 
@@ -185,7 +187,19 @@ def run_corpus(report: Report) -> None:
                  seconds)
 
 
-RUNNERS = {"plans": run_plans, "planner": run_planner, "planner-scale": run_planner_scale,
+def run_gemm_chains(report: Report) -> None:
+    from bench import gemm_chains
+    args = report.args
+    start = time.perf_counter()
+    targets = tuple(t for t in args.targets if t in gemm_chains.TARGETS) or gemm_chains.TARGETS
+    rows = gemm_chains.collect(None, targets, log)
+    search = gemm_chains.search_rows(targets, log)
+    seconds = time.perf_counter() - start
+    report.seconds["gemm-chains"] = seconds
+    report.write("gemm-chains", gemm_chains.markdown(rows, search), seconds)
+
+
+RUNNERS = {"gemm-chains": run_gemm_chains, "plans": run_plans, "planner": run_planner, "planner-scale": run_planner_scale,
            "compile": run_compile, "runtime": run_runtime, "gpu": run_gpu,
            "corpus": run_corpus}
 

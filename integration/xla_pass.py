@@ -31,8 +31,9 @@ the request (``PassRequest.result()`` raises it as a ``StitchError`` on the call
 """
 from __future__ import annotations
 
-import os
+import dataclasses
 import logging
+import os
 import re
 import threading
 import time
@@ -281,6 +282,12 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
     return print_hlo(module, operand_shapes=True)
 
 
+def _without_chains(options: Any) -> Any:
+    """GEMM-chain kernels off until codegen lowers them (stitch ExplorerOptions.gemm_chains)."""
+    from stitch.explorer.planner import ExplorerOptions
+    return dataclasses.replace(options or ExplorerOptions(), gemm_chains=False)
+
+
 def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     """Plan ``module``, build the kernels that fit, put them in (module docstring)."""
     from codegen.isolation import IsolatedWorker
@@ -290,7 +297,7 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    fusion_plan = make_plan(module, request.target, options=request.options,
+    fusion_plan = make_plan(module, request.target, options=_without_chains(request.options),
                             cancel=request.cancel, cache=True)
     timings["plan_s"] = time.perf_counter() - t0
     summary = fusion_plan.summary()

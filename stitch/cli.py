@@ -10,6 +10,7 @@ This module is the user interface, so it writes to stdout; library code logs ins
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -178,6 +179,8 @@ def _kernel_json(gplan, kernel) -> dict:
                     "bound": kernel.schedule.bound})
     elif kernel.schedule_note:
         out["schedule_note"] = kernel.schedule_note
+    if kernel.chain_schedule is not None:
+        out["chain_schedule"] = dataclasses.asdict(kernel.chain_schedule)
     return out
 
 

@@ -250,7 +250,8 @@ def _plan_with_retries(module: HloModule, target: str, options: ExplorerOptions 
     """The fusion plan; a planner failure (a bug, not bad input: PlanError and unknown
     targets are the caller's) is retried without kernel packing, then given up (None: the
     module runs through the evaluator). Each failure is logged and noted."""
-    attempts = [options or ExplorerOptions()]
+    # GEMM-chain kernels stay off until codegen lowers them.
+    attempts = [dataclasses.replace(options or ExplorerOptions(), gemm_chains=False)]
     if attempts[0].packing:
         attempts.append(dataclasses.replace(attempts[0], packing=False))
     for i, opts in enumerate(attempts):

@@ -55,7 +55,7 @@ def test_json_numbers_equal_plan_summary(capsys, model, config, target, planner)
             assert [k["hbm_bytes"] for k in got[side]] == [k.cost.hbm_bytes
                                                            for k in gplan.kernels]
             for k in got[side]:
-                assert k["kind"] in ("fused", "gemm", "opaque", "control")
+                assert k["kind"] in ("fused", "gemm", "gemm_chain", "opaque", "control")
                 assert k["origin"] and k["modeled_us"] >= 0
     if planner == "blp":
         assert all(g["report"]["status"] for g in doc["graphs"])

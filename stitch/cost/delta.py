@@ -83,8 +83,12 @@ def _no_poll() -> None:
 class CostModel:
     """Kernel times of op sets of one graph on one GPU, cached by member set."""
 
-    def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None):
+    def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None,
+                 gemm_chains: bool = True):
         self.graph = graph
+        # Price GEMM chains and their GEMMs with the GEMM-tile model (chain_pricing); off:
+        # every GEMM keeps the FP32 roofline and no chain is recognized.
+        self.gemm_chains = gemm_chains
         # Called at every kernel scored or pattern analyzed: the planner's cancellation
         # poll (stitch.explorer.cancel), which raises to stop planning.
         self.poll: Callable[[], None] = poll or _no_poll
@@ -137,6 +141,11 @@ class CostModel:
         if not work:
             return KernelCost(0, 0, 0.0, 0.0, 0, 0.0)
         launch = spec.kernel_launch_overhead_s
+        if self.gemm_chains and len(work) > 1 and \
+                sum(graph.nodes[v].op_class is OpClass.COMPUTE for v in work) == 2:
+            chain = self._chain_kernel(members)
+            if chain is not None:
+                return chain
         if len(members) == 1:
             node = graph.nodes[work[0]]
             if node.op_class is OpClass.COMPUTE:
@@ -187,9 +196,27 @@ class CostModel:
             spec.sm_count * spec.fp32_cores_per_sm))
         return instructions / (lanes * spec.clock_hz)
 
+    def _chain_kernel(self, members: frozenset[int]) -> KernelCost | None:
+        """A GEMM chain (``stitch.cost.chain_pricing``): the chain kernel at its best
+        schedule under the GEMM-tile latency model; None when the members form no chain."""
+        from .chain_pricing import chain_for, chain_price
+        chain = chain_for(self.graph, members)
+        if chain is None:
+            return None
+        tile = chain_price(self.graph, chain, self.spec).cost
+        return _tile_kernel_cost(self.spec, tile, kernel_hbm_bytes(self.graph, members))
+
     def _compute_kernel(self, node: OpNode, nbytes: int) -> KernelCost:
-        """GEMM/conv: a roofline at peak FP32 (the same on both sides of any comparison)."""
+        """GEMM/conv: a roofline at peak FP32 (the same on both sides of any comparison),
+        except the GEMMs of a GEMM chain: those are priced by the same GEMM-tile model as
+        the chain kernel that may replace them (XLA's Triton tile from the fusion's backend
+        config), so chain and unfused GEMMs compare under one model."""
         spec = self.spec
+        if self.gemm_chains:
+            from .chain_pricing import xla_gemm_cost
+            tile = xla_gemm_cost(self.graph, node.id, spec)
+            if tile is not None:
+                return _tile_kernel_cost(spec, tile, nbytes)
         memory_s = nbytes / spec.hbm_bandwidth
         compute_s = _flops(self.graph, node) / spec.fp32_flops
         total = spec.kernel_launch_overhead_s + compute_s + memory_s - \
@@ -306,6 +333,16 @@ class CostModel:
                 t = single[v] = self.singleton(v).total_s
             total += t
         return total - fused.total_s
+
+
+def _tile_kernel_cost(spec: GpuSpec, tile, nbytes: int) -> KernelCost:
+    """A KernelCost from a ``gemm_tile.TileCost`` (bytes as counted by kernel_hbm_bytes)."""
+    pipes = tile.pipes
+    memory_s = pipes.get("memory", 0.0) / spec.clock_hz
+    compute_s = max((v for k, v in pipes.items() if k not in ("memory", "latency")),
+                    default=0.0) / spec.clock_hz
+    return KernelCost(nbytes, 1, memory_s, compute_s, tile.blocks * tile.threads,
+                      tile.seconds)
 
 
 def inside_users(graph: OpGraph, members: Iterable[int]) -> dict[int, list[int]]:

@@ -21,6 +21,7 @@ from .patterns import CONTROL_OPCODES
 
 if TYPE_CHECKING:
     from ..cost.occupancy import Occupancy
+    from ..cost.gemm_tile import GemmChainSchedule
     from ..schedule.kernel_schedule import KernelSchedule
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class PlanValidationError(StitchError):
 @dataclass
 class PlannedKernel:
     members: tuple[int, ...]        # node ids, ascending
-    kind: str                       # "fused" | "gemm" | "opaque" | "control"
+    kind: str                       # "fused" | "gemm" | "gemm_chain" | "opaque" | "control"
     cost: KernelCost
     # Where the kernel came from: "dp" / "remote" / "trimmed" (explorer patterns), "merged"
     # (refinement), "packing", "baseline" (an XLA or base-fusion group), "single", "blp".
@@ -43,6 +44,8 @@ class PlannedKernel:
     # The stitching schedule (stitched kernels of the final plan); why there is none.
     schedule: "KernelSchedule | None" = None
     schedule_note: str = ""
+    # A "gemm_chain" kernel's schedule (stitch.cost.gemm_tile.GemmChainSchedule).
+    chain_schedule: "GemmChainSchedule | None" = None
 
     @property
     def schemes(self) -> list[str]:
@@ -96,6 +99,11 @@ class GraphPlan:
 
 
 def kernel_kind(graph: OpGraph, members: tuple[int, ...]) -> str:
+    if len(members) > 1 and sum(graph.nodes[v].op_class is OpClass.COMPUTE
+                                for v in members) == 2:
+        from ..cost.chain_pricing import chain_for
+        if chain_for(graph, members) is not None:
+            return "gemm_chain"
     if len(members) == 1:
         node = graph.nodes[members[0]]
         if node.opcode in CONTROL_OPCODES:
@@ -199,7 +207,7 @@ def validate(graph: OpGraph, kernels: list[PlannedKernel]) -> None:
             boundary = [v for v in members if kernel_kind(graph, (v,)) != "fused"]
             # XLA's own fusions may hold a scatter or a GEMM epilogue: kept whole, they run
             # as XLA compiled them.
-            if boundary and k.origin != "baseline":
+            if boundary and k.origin != "baseline" and k.kind != "gemm_chain":
                 raise PlanValidationError(
                     f"graph {graph.name}: kernel with {graph.nodes[boundary[0]].name} "
                     "fuses a GEMM/conv, opaque or control op with other ops")

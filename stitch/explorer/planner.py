@@ -27,6 +27,7 @@ from hlo_passes.ir import HloModule
 from hlo_passes.op_classes import OpClass
 from hlo_passes.parser import parse_hlo
 
+from ..cost.chain_pricing import chain_for, chain_price, graph_chains
 from ..cost.delta import CostModel
 from ..cost.gpu_specs import GpuSpec, get_spec
 from ..errors import StitchError
@@ -64,6 +65,11 @@ class ExplorerOptions:
     final_pick: str = "delta"
     recompute: bool = True          # refine each plan by split/recomputation moves
     blp_time_limit_s: float = 30.0
+    # Candidate kernels of two GEMMs with the memory-intensive ops between them
+    # (hlo_passes.gemm_chains; kind "gemm_chain"), priced by stitch.cost.gemm_tile at the
+    # schedule the Markov-guided search finds. The compile paths turn them off until
+    # codegen lowers them.
+    gemm_chains: bool = True
     # Ops per explored pattern (None: MAX_PATTERN_OPS on graphs of at most
     # SMALL_GRAPH_OPS ops, LARGE_GRAPH_PATTERN_OPS above). Scoring a pattern costs time
     # linear in its size and a long chain makes every vertex's patterns that large, so
@@ -238,6 +244,11 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
     for k in plan.kernels:
         if poll is not None:
             poll()
+        if k.kind == "gemm_chain":
+            chain = chain_for(graph, k.members)
+            if chain is not None:
+                k.chain_schedule = chain_price(graph, chain, spec).schedule
+            continue
         if k.kind != "fused" or not k.cost.launches:
             continue
         if not all(is_plannable(graph, v) for v in k.members):
@@ -326,6 +337,34 @@ def latency_objective_s(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
     return total
 
 
+def chain_patterns(graph: OpGraph, cost: CostModel, locked: list[Pattern]) -> list[Pattern]:
+    """A candidate pattern per GEMM chain of the graph (hlo_passes.gemm_chains) whose
+    kernel the GEMM-tile model finds faster than its ops run apart (f > 0), and that takes
+    no op of a locked XLA fusion. Free members only a chain reads stay in it; the beam
+    and the BLP weigh the pattern like any other."""
+    taken = frozenset().union(*(p.members for p in locked)) if locked else frozenset()
+    found: list[Pattern] = []
+    for chain in graph_chains(graph).chains:
+        members = frozenset(chain.members)
+        if members & taken:
+            log.debug("graph %s: chain at %s overlaps a locked XLA fusion", graph.name,
+                      graph.nodes[chain.first].name)
+            continue
+        try:
+            chain_price(graph, chain, cost.spec)
+        except ValueError as exc:           # no legal schedule for these dims
+            log.debug("graph %s: chain at %s has no schedule: %s", graph.name,
+                      graph.nodes[chain.first].name, exc)
+            continue
+        gain = cost.gain(members)
+        if gain <= 0:
+            log.debug("graph %s: chain at %s is modeled slower than its ops apart (%.3g s)",
+                      graph.name, graph.nodes[chain.first].name, gain)
+            continue
+        found.append(Pattern(members, gain, "gemm_chain"))
+    return found
+
+
 def _complete(graph: OpGraph, patterns: list[Pattern]) -> tuple[list[frozenset[int]], list[str]]:
     covered = {v for p in patterns for v in p.members}
     groups = [p.members for p in patterns]
@@ -346,7 +385,7 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                options: ExplorerOptions, weight: int = 1,
                poll: CancelPoll | None = None) -> GraphResult:
     poll = poll or CancelPoll(options.cancel)
-    cost = CostModel(graph, spec, poll)
+    cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains)
     base_groups = baseline_groups(graph, baseline_source)
     baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight,
                        prefix="b")
@@ -367,6 +406,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     if locked:
         taken = frozenset().union(*(p.members for p in locked))
         patterns = [p for p in patterns if not p.members & taken]
+    if options.gemm_chains:
+        patterns += chain_patterns(graph, cost, locked)
     plans: list[tuple[str, GraphPlan]] = []
     def trim(members: frozenset[int]) -> Pattern | None:
         got = explorer.evaluate(members, "trimmed")
@@ -536,7 +577,7 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
     try:
         results = []
         for graph, weight, (sets, origins) in zip(graphs, weights, kernel_sets(entry, graphs)):
-            cost = CostModel(graph, spec, poll)
+            cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains)
             base_groups = baseline_groups(graph, source)
             baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups),
                                False, weight, prefix="b")

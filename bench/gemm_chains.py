@@ -1,0 +1,288 @@
+"""GEMM chains and attention (issue 20): stitch's gemm_chain kernel against XLA's own
+kernels for the same ops, and the schedule search against exhaustive enumeration
+(``python -m bench gemm-chains``).
+
+Per zoo model (``gemm_chain_g1..g12``, ``attention_*``, full size) and target, from the
+committed XLA-optimized fixture: stitch plans it (``stitch.plan``, GEMM chains on); the
+chain kernel's members are matched with the XLA kernels that compute the same ops (the
+baseline groups holding them: the two GEMM fusions or cuBLAS calls, the softmax kernel, a
+split-K reduce). Both sides are modeled twice:
+
+- latency-evaluator: the chain kernel by ``stitch.cost.gemm_tile.chain_cost`` at the
+  schedule the Markov-guided search finds; XLA's GEMMs by ``gemm_cost`` with the Triton
+  tile of their backend config (the fixture's: XLA compiled them deviceless, without
+  autotuning) and, as a second yardstick, the best of ``AUTOTUNE_TILES`` (what autotuning
+  could pick); XLA's memory kernels by stitch's schedule tuner (``schedule_kernel``), as
+  bench/plans.py schedules XLA's fusions;
+- XLA's cost formula (bench/xla_cost_formula.py): T = 1 us + C + M - 0.95 min(C, M) per
+  launch, M = counted HBM bytes / bandwidth, C = flops / (active SMs x active FPUs x 2 x
+  clock) with XLA's ComputeTime scaling (min(blocks, SMs), min(threads per block, FPUs per
+  SM)), GEMM flops 2 m n k (FP32 FPUs: XLA's formula has no tensor cores), memory ops
+  counted by ``kernel_flops``.
+
+The search comparison: per chain (G1-G12, S1-S9) and target, exhaustive enumeration of
+the pruned space vs the Markov-guided construction (16 walks, seed 0): the space's optimum against the
+fastest schedule the walks cost (quality, 1.00 = the optimum found), the schedule each
+returns (``settle``) and search time (measured on this machine).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import stitch
+from bench.report import geomean
+from bench.xla_cost_formula import DEVICES, XlaDevice, kernel_flops, kernel_time
+from hlo_passes.graph import OpGraph
+from hlo_passes.op_classes import OpClass
+from stitch.cost.chain_pricing import chain_price, graph_chains, xla_gemm_cost
+from stitch.cost.delta import CostModel, kernel_hbm_bytes
+from stitch.cost.gemm_tile import GemmTile, TileCost
+from stitch.cost.gpu_specs import get_spec
+from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS
+from stitch.schedule.gemm_chain_space import exhaustive, markov_search
+from stitch.schedule.tuner import ScheduleError, schedule_kernel
+from tests.fixtures import DATA
+
+TARGETS = ("a100", "h100")
+GOAL = 1.5
+# Triton tiles autotuning could pick (block_m, block_n, block_k, warps, stages).
+AUTOTUNE_TILES = tuple(GemmTile(m, n, k, w, s, 1, "autotune")
+                       for m, n, k, w, s in ((16, 16, 32, 2, 1), (32, 32, 32, 4, 2),
+                                             (64, 32, 32, 4, 3), (64, 64, 32, 4, 3),
+                                             (128, 64, 32, 4, 3), (64, 128, 32, 4, 3),
+                                             (128, 128, 32, 8, 3), (128, 64, 64, 8, 2)))
+Progress = Callable[[str], None]
+
+
+def chain_models() -> list[str]:
+    return [f"gemm_chain_{g}" for g in GEMM_CHAINS] + [f"attention_{a}" for a in ATTENTIONS]
+
+
+@dataclass
+class Side:
+    kernels: list[str] = field(default_factory=list)
+    latency_us: float = 0.0
+    formula_us: float = 0.0
+    tuned_latency_us: float = 0.0      # XLA's GEMMs at the best AUTOTUNE_TILES tile
+
+
+@dataclass
+class ChainRow:
+    model: str
+    target: str
+    dims: str
+    planned: bool                      # the plan holds a gemm_chain kernel
+    schedule: str
+    mbci: bool                         # unfused chain below the ridge (MCFuser's MBCI)
+    intensity: float                   # flops per unfused HBM byte
+    ridge: float
+    stitch: Side
+    xla: Side
+    registers: int = 0
+    smem_bytes: int = 0
+
+    @property
+    def latency_ratio(self) -> float:
+        return self.xla.latency_us / self.stitch.latency_us
+
+    @property
+    def tuned_ratio(self) -> float:
+        return self.xla.tuned_latency_us / self.stitch.latency_us
+
+    @property
+    def formula_ratio(self) -> float:
+        return self.xla.formula_us / self.stitch.formula_us
+
+
+def _formula_gemm(device: XlaDevice, tile: TileCost, nbytes: float) -> float:
+    """XLA's formula for a GEMM launch with its ComputeTime scaling (module docstring)."""
+    fpus = min(tile.blocks, device.core_count) * min(tile.threads, device.fpus_per_core)
+    compute = tile.flops / (fpus * 2 * device.clock_rate_ghz * 1e9)
+    memory = nbytes / device.memory_bandwidth
+    return (1e-6 + compute + memory - 0.95 * min(compute, memory)) * 1e6
+
+
+def _memory_latency_us(graph: OpGraph, spec, cost: CostModel, members: frozenset[int]) -> float:
+    try:
+        return schedule_kernel(graph, members, spec).modeled_us
+    except ScheduleError:
+        return cost.kernel(members).total_s * 1e6
+
+
+def compare(model: str, target: str) -> ChainRow | None:
+    """One model on one target (module docstring); None without a fixture or a chain."""
+    path = DATA / model / f"full.gpu-{target}.hlo"
+    if not path.exists():
+        return None
+    plan = stitch.plan(path.read_text(), target)
+    spec, device = get_spec(target), DEVICES[target]
+    for result in plan.graphs:
+        graph = result.graph
+        chains = graph_chains(graph).chains
+        if not chains:
+            continue
+        chain = chains[0]
+        planned = next((k for k in result.stitched.kernels if k.kind == "gemm_chain"), None)
+        price = chain_price(graph, chain, spec)
+        cost = CostModel(graph, spec)
+        core = {v for v in chain.members if not graph.is_free(v)}
+        xla = Side()
+        for k in result.baseline.kernels:
+            members = frozenset(k.members)
+            if not members & core or not k.cost.launches:
+                continue
+            xla.kernels.append(k.name.split(".")[-1] + ":" + k.kind)
+            nbytes = kernel_hbm_bytes(graph, members)
+            gemm = next((v for v in members if graph.nodes[v].op_class is OpClass.COMPUTE),
+                        None)
+            if gemm is not None:
+                tile = xla_gemm_cost(graph, gemm, spec)
+                xla.latency_us += tile.us
+                xla.tuned_latency_us += min(
+                    [tile.us] + [xla_gemm_cost(graph, gemm, spec, t).us for t in AUTOTUNE_TILES])
+                xla.formula_us += _formula_gemm(device, tile, nbytes)
+            else:
+                t = _memory_latency_us(graph, spec, cost, members)
+                xla.latency_us += t
+                xla.tuned_latency_us += t
+                xla.formula_us += kernel_time(device, kernel_flops(graph, members),
+                                              nbytes).total_s * 1e6
+        members = frozenset(chain.members)
+        between = [v for v in chain.between if not graph.is_free(v)]
+        chain_tile = price.cost
+        flops = chain_tile.flops + kernel_flops(graph, between)
+        fpus = min(chain_tile.blocks, device.core_count) * min(chain_tile.threads,
+                                                                device.fpus_per_core)
+        compute = flops / (fpus * 2 * device.clock_rate_ghz * 1e9)
+        memory = kernel_hbm_bytes(graph, members) / device.memory_bandwidth
+        ours = Side([f"gemm_chain ({len(members)} ops)"], chain_tile.us,
+                    (1e-6 + compute + memory - 0.95 * min(compute, memory)) * 1e6,
+                    chain_tile.us)
+        d = price.dims
+        score = d.batch * d.m * d.n * 4
+        unfused = (kernel_hbm_bytes(graph, members) + 2 * score
+                   + (2 * score if chain.softmax else 0))
+        rate = (1024.0 if d.mma_allowed(spec) else spec.fp32_cores_per_sm * 2.0) \
+            * spec.sm_count * spec.clock_hz
+        intensity = d.flops / unfused
+        ridge = rate / spec.hbm_bandwidth
+        return ChainRow(model, target,
+                        f"b{d.batch} m{d.m} n{d.n} k{d.k} h{d.h}{' softmax' if d.softmax else ''}",
+                        planned is not None, price.schedule.text(), intensity < ridge,
+                        intensity, ridge, ours, xla, chain_tile.registers,
+                        chain_tile.smem_bytes)
+    return None
+
+
+@dataclass
+class SearchRow:
+    name: str
+    target: str
+    exhaustive_us: float
+    markov_us: float
+    space: int
+    markov_evaluated: int
+    exhaustive_s: float
+    markov_s: float
+    fastest_us: float               # the optimum of the space (exhaustive)
+    markov_fastest_us: float        # the fastest schedule the walks costed
+
+    @property
+    def quality(self) -> float:
+        """Search quality: the space's optimum over the fastest the walks found."""
+        return self.fastest_us / self.markov_fastest_us
+
+
+def search_rows(targets=TARGETS, progress: Progress | None = None) -> list[SearchRow]:
+    from stitch.cost.gemm_tile import ChainDims
+    rows = []
+    shapes = [(g.upper(), s, False) for g, s in GEMM_CHAINS.items()] + \
+        [(sid, s, True) for sid, _, s in ATTENTIONS.values()]
+    for target in targets:
+        spec = get_spec(target)
+        for name, s, softmax in shapes:
+            dims = ChainDims(s.batch, s.m, s.n, s.k, s.h, "f32", softmax)
+            ex = exhaustive(spec, dims)
+            mk = markov_search(spec, dims)
+            rows.append(SearchRow(name, target, ex.cost.us, mk.cost.us, ex.space,
+                                  mk.evaluated, ex.seconds, mk.seconds, ex.fastest_s * 1e6,
+                                  mk.fastest_s * 1e6))
+            if progress:
+                progress(f"search {name} {target}: exhaustive {ex.cost.us:.2f} us "
+                         f"({ex.seconds:.2f} s), markov {mk.cost.us:.2f} us ({mk.seconds:.2f} s)")
+    return rows
+
+
+def collect(models: list[str] | None = None, targets=TARGETS,
+            progress: Progress | None = None) -> list[ChainRow]:
+    rows = []
+    for model in models or chain_models():
+        for target in targets:
+            row = compare(model, target)
+            if row is not None:
+                rows.append(row)
+                if progress:
+                    progress(f"{model} {target}: {row.latency_ratio:.2f}x latency, "
+                             f"{row.formula_ratio:.2f}x formula")
+    return rows
+
+
+def markdown(rows: list[ChainRow], search: list[SearchRow]) -> list[str]:
+    ok = [r for r in rows if r.planned and r.latency_ratio >= GOAL and r.formula_ratio >= GOAL]
+    lines = [
+        "All times modeled (no GPU): per zoo model (full size, fixture `full.gpu-<target>.hlo`), "
+        "the `gemm_chain` kernel stitch plans against XLA's kernels for the same ops. "
+        "Latency-evaluator: `stitch.cost.gemm_tile` for both sides' GEMM tiles (XLA's Triton "
+        "tiles as the fixture's backend config gives them: deviceless XLA does not autotune; "
+        "\"XLA tuned\" takes the best of 8 common Triton tiles per GEMM instead), stitch's schedule "
+        "tuner for XLA's softmax / split-K reduce kernels. XLA formula: "
+        "bench/xla_cost_formula.py with XLA's ComputeTime scaling, FP32 FPUs on both sides. "
+        "f32 GEMMs run TF32 tensor cores on both sides under the latency-evaluator (XLA's "
+        "default precision; the chain's `mma` schedules assume codegen emits TF32 mma.sync "
+        "for f32). MBCI: the unfused chain's flops per HBM byte below the ridge of its math "
+        "unit (MCFuser's memory-bound compute-intensive chains).",
+        "",
+        f"Goal ≥ {GOAL}× under both models with a planned `gemm_chain` kernel: "
+        f"{len(ok)} of {len(rows)} model × target rows.",
+        "",
+        "| model | target | dims | MBCI (flop/B vs ridge) | planned | schedule | regs | smem KiB "
+        "| chain µs | XLA µs (kernels) | × latency | XLA tuned µs | × vs tuned | chain µs formula "
+        "| XLA µs formula | × formula |",
+        "|---|---|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {r.target} | {r.dims} | {'yes' if r.mbci else 'no'} "
+            f"({r.intensity:.0f} vs {r.ridge:.0f}) | {'yes' if r.planned else 'NO'} | "
+            f"`{r.schedule}` | {r.registers} | {r.smem_bytes / 1024:.0f} | "
+            f"{r.stitch.latency_us:.2f} | {r.xla.latency_us:.2f} ({len(r.xla.kernels)}: "
+            f"{', '.join(r.xla.kernels)}) | {r.latency_ratio:.2f}× | "
+            f"{r.xla.tuned_latency_us:.2f} | {r.tuned_ratio:.2f}× | {r.stitch.formula_us:.2f} | "
+            f"{r.xla.formula_us:.2f} | {r.formula_ratio:.2f}× |")
+    for target in sorted({r.target for r in rows}):
+        sub = [r for r in rows if r.target == target]
+        lines.append(f"| geomean | {target} | | | | | | | | | "
+                     f"{geomean(r.latency_ratio for r in sub):.2f}× | | "
+                     f"{geomean(r.tuned_ratio for r in sub):.2f}× | | | "
+                     f"{geomean(r.formula_ratio for r in sub):.2f}× |")
+    lines += [
+        "", "Schedule search per chain (f32, the zoo's dims): exhaustive enumeration of "
+        "MCFuser's pruned space vs Gensor's Markov-guided construction (16 walks of at most 48 "
+        "steps, seed 0). Quality = the space's fastest modeled time / the fastest the walks "
+        "costed (1.000: the optimum found). Each search then returns, among the schedules it "
+        "costed within 10% of its fastest, the one whose busiest SM executes the fewest flops "
+        "(`settle`; chosen µs). Search times measured on this machine.", "",
+        "| chain | target | space | optimum µs | exhaustive chosen µs | exhaustive s | Markov "
+        "fastest µs | Markov chosen µs | states costed | Markov s | quality |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in search:
+        lines.append(f"| {s.name} | {s.target} | {s.space} | {s.fastest_us:.2f} | "
+                     f"{s.exhaustive_us:.2f} | {s.exhaustive_s:.2f} | "
+                     f"{s.markov_fastest_us:.2f} | {s.markov_us:.2f} | {s.markov_evaluated} | "
+                     f"{s.markov_s:.3f} | {s.quality:.3f} |")
+    if search:
+        lines += ["", f"Markov quality geomean {geomean(s.quality for s in search):.3f}, worst "
+                  f"{min(s.quality for s in search):.3f}; search time per chain: Markov max "
+                  f"{max(s.markov_s for s in search):.3f} s, exhaustive max "
+                  f"{max(s.exhaustive_s for s in search):.2f} s."]
+    return lines

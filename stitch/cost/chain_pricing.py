@@ -1,0 +1,188 @@
+"""GEMM chains of an op graph priced for the planner: the chain kernel at its best
+schedule (``gemm_tile.chain_cost`` after the Markov-guided search), and the chain's GEMMs as
+XLA runs them (``gemm_tile.gemm_cost`` with the Triton tile of the fusion's backend config;
+cuBLAS calls and plain dots an assumed library tile). The delta cost model asks here for a
+member set holding a GEMM, so one model prices a chain and the kernels it replaces.
+
+Chains are recognized once per graph (``hlo_passes.gemm_chains.find_gemm_chains``), and
+each chain's search result is cached per chain dims and target (``best_schedule``).
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+from hlo_passes.gemm_chains import GemmChain, find_gemm_chains
+from hlo_passes.graph import OpGraph, OpNode
+from hlo_passes.op_classes import OpClass
+
+from .gemm_tile import (OPERAND_BYTES, ChainDims, GemmChainSchedule, TileCost, gemm_cost,
+                        xla_gemm_tile)
+from .gpu_specs import GpuSpec
+
+log = logging.getLogger(__name__)
+
+# Thread instructions per element of ops between the GEMMs (delta.py's classes: light 1,
+# expensive by opcode), without the softmax's own ops, which the chain model counts.
+_LIGHT_INSTRUCTIONS = 1.0
+_SOFTMAX_OPS = frozenset({"reduce", "subtract", "exponential", "divide", "broadcast"})
+
+
+@dataclass(frozen=True)
+class GraphChains:
+    chains: tuple[GemmChain, ...]
+    by_members: dict            # frozenset(core members) -> chain
+    by_gemm: dict               # GEMM node id -> chain
+
+
+_CHAINS: "weakref.WeakKeyDictionary[OpGraph, GraphChains]" = weakref.WeakKeyDictionary()
+
+
+def _core(graph: OpGraph, members) -> frozenset[int]:
+    return frozenset(v for v in members if not graph.is_free(v))
+
+
+def graph_chains(graph: OpGraph) -> GraphChains:
+    """The graph's chains, recognized once (a recognizer error means no chains, logged)."""
+    got = _CHAINS.get(graph)
+    if got is None:
+        try:
+            chains = tuple(find_gemm_chains(graph))
+        except Exception:  # noqa: BLE001 - a recognizer bug must not stop planning
+            log.warning("graph %s: GEMM chain recognition failed", graph.name, exc_info=True)
+            chains = ()
+        got = _CHAINS[graph] = GraphChains(
+            chains, {_core(graph, c.members): c for c in chains},
+            {g: c for c in chains for g in (c.first, c.second)})
+    return got
+
+
+def chain_for(graph: OpGraph, members) -> GemmChain | None:
+    """The chain exactly these members form (free nodes aside), else None."""
+    if sum(graph.nodes[v].op_class is OpClass.COMPUTE for v in members) != 2:
+        return None
+    return graph_chains(graph).by_members.get(_core(graph, members))
+
+
+def _dot_instruction(graph: OpGraph, node: OpNode):
+    if node.opcode == "dot":
+        return node.instruction
+    for name in node.instruction.called_computations:
+        comp = graph.computations.get(name)
+        if comp is None:
+            continue
+        for inst in comp.instructions:
+            if inst.opcode == "dot":
+                return inst
+    return None
+
+
+def allows_tf32(graph: OpGraph, node: OpNode) -> bool:
+    """An f32 GEMM may run on TF32 tensor cores: DEFAULT precision and no f32 algorithm
+    (XLA's and jax's default; gemm_tile's module docstring)."""
+    inst = _dot_instruction(graph, node)
+    texts = []
+    if inst is not None:
+        texts += [inst.attrs.get("operand_precision", ""), inst.attrs.get("algorithm", "")]
+    config = node.instruction.backend_config if node.opcode == "custom-call" else {}
+    if isinstance(config, dict):
+        gemm = config.get("gemm_backend_config", {})
+        if isinstance(gemm, dict):
+            texts.append(str(gemm.get("precision_config", "")))
+            texts.append(str(gemm.get("algorithm", "")))
+    text = " ".join(texts).lower()
+    return "highest" not in text and "f32_f32_f32" not in text
+
+
+def _between_instructions(graph: OpGraph, chain: GemmChain) -> float:
+    from .delta import EXPENSIVE_INSTRUCTIONS
+    total = 0.0
+    for v in chain.between:
+        node = graph.nodes[v]
+        if graph.is_free(v) or node.op_class is OpClass.SOURCE:
+            continue
+        if chain.softmax and node.opcode in _SOFTMAX_OPS:
+            continue
+        if node.op_class is OpClass.EXPENSIVE:
+            total += EXPENSIVE_INSTRUCTIONS.get(node.opcode, 10.0)
+        elif node.op_class in (OpClass.LIGHT, OpClass.LAYOUT):
+            total += _LIGHT_INSTRUCTIONS
+    return total
+
+
+def _input_bytes(chain: GemmChain) -> float:
+    """HBM bytes of the values the chain program reads besides the GEMM operands: the
+    distinct elements of each view (a stride of 0 broadcasts along that dim)."""
+    total = 0.0
+    for op in chain.program:
+        if op.kind != "input" or op.view is None:
+            continue
+        v = op.view
+        elements = (chain.batch if v.batch_stride else 1) * (chain.m if v.row_stride else 1)
+        if op.rank == "tile":
+            elements *= chain.n if v.col_stride else 1
+        total += elements * OPERAND_BYTES.get(op.dtype, 4)
+    return total
+
+
+def chain_dims(graph: OpGraph, chain: GemmChain) -> ChainDims:
+    return ChainDims(chain.batch, chain.m, chain.n, chain.k, chain.h, chain.operand_dtype,
+                     chain.softmax, _between_instructions(graph, chain),
+                     allows_tf32(graph, graph.nodes[chain.first]) and
+                     allows_tf32(graph, graph.nodes[chain.second]),
+                     OPERAND_BYTES.get(chain.output_dtype, 4), _input_bytes(chain))
+
+
+@dataclass(frozen=True)
+class ChainPrice:
+    chain: GemmChain
+    dims: ChainDims
+    schedule: GemmChainSchedule
+    cost: TileCost
+    search_seconds: float
+    evaluated: int
+
+
+_PRICES: dict[tuple, ChainPrice] = {}
+
+
+def chain_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec,
+                method: str = "markov") -> ChainPrice:
+    """The chain kernel at the best schedule the search finds (cached per dims/target)."""
+    from ..schedule.gemm_chain_space import best_schedule
+    dims = chain_dims(graph, chain)
+    key = (dims.key, spec.name, method)
+    got = _PRICES.get(key)
+    if got is None:
+        found = best_schedule(spec, dims, method)
+        got = _PRICES[key] = ChainPrice(chain, dims, found.schedule, found.cost,
+                                        found.seconds, found.evaluated)
+    return ChainPrice(chain, got.dims, got.schedule, got.cost, got.search_seconds,
+                      got.evaluated)
+
+
+def _leaf_elements(node: OpNode) -> int:
+    shape = node.shape
+    if shape.is_tuple:
+        return max((s.num_elements for s in shape.leaves() if s.is_array), default=1)
+    return max(shape.num_elements, 1)
+
+
+def xla_gemm_cost(graph: OpGraph, nid: int, spec: GpuSpec, tile=None) -> TileCost | None:
+    """A chain GEMM (first or second) as XLA runs it alone, tiled as its backend config
+    says (or ``tile``); None for GEMMs in no chain. A split second GEMM computes its
+    splits as batch (the split-K reduce is a kernel of its own)."""
+    chain = graph_chains(graph).by_gemm.get(nid)
+    if chain is None:
+        return None
+    node = graph.nodes[nid]
+    tile = tile or xla_gemm_tile(node.instruction.backend_config)
+    tf32 = allows_tf32(graph, node)
+    if nid == chain.first:
+        return gemm_cost(spec, chain.batch, chain.m, chain.n, chain.k, tile,
+                         chain.operand_dtype, tf32, 4)
+    split = max(_leaf_elements(node) // max(chain.batch * chain.m * chain.h, 1), 1)
+    return gemm_cost(spec, chain.batch * split, chain.m, chain.h, max(chain.n // split, 1),
+                     tile, chain.operand_dtype, tf32,
+                     4 if split > 1 else OPERAND_BYTES.get(chain.output_dtype, 4))

@@ -1,0 +1,130 @@
+"""The planner with GEMM-chain candidates: every MCFuser zoo chain and attention (full size)
+plans one gemm_chain kernel on A100 and H100, beam and BLP alike; the option turns them
+off (and is part of the plan-cache key); graphs without chains plan as before."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import stitch
+from bench.gemm_chains import chain_models, compare
+from stitch.cost.chain_pricing import graph_chains
+from stitch.cost.gemm_tile import GemmChainSchedule
+from stitch.explorer.plan import validate
+from stitch.explorer.plan_cache import options_key, plan_key
+from stitch.explorer.planner import ExplorerOptions
+from tests.fixtures import DATA
+
+MODELS = chain_models()
+
+
+def _fixture(model: str, stage: str) -> str:
+    return (DATA / model / f"full.{stage}.hlo").read_text()
+
+
+@pytest.mark.parametrize("target", ["a100", "h100"])
+@pytest.mark.parametrize("model", MODELS)
+def test_zoo_chain_plans_one_gemm_chain_kernel(model, target):
+    plan = stitch.plan(_fixture(model, f"gpu-{target}"), target)
+    graph = plan.graphs[0].graph
+    chains = graph_chains(graph).chains
+    assert len(chains) == 1
+    kernels = [k for k in plan.kernels if k.kind == "gemm_chain"]
+    assert len(kernels) == 1
+    k = kernels[0]
+    assert set(k.members) == set(chains[0].members)
+    assert isinstance(k.chain_schedule, GemmChainSchedule)
+    assert k.schedule is None and k.modeled_us == pytest.approx(k.cost.total_s * 1e6)
+    validate(graph, plan.graphs[0].stitched.kernels)
+    # Faster than the baseline plan under the planner's own objective.
+    assert plan.graphs[0].stitched.objective_s < plan.graphs[0].baseline.objective_s
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if m.startswith("attention_")])
+def test_attention_is_modeled_at_least_1_5x_faster_than_xla(model):
+    for target in ("a100", "h100"):
+        row = compare(model, target)
+        assert row.planned
+        assert row.latency_ratio >= 1.5, (target, row.latency_ratio)
+        assert row.tuned_ratio >= 1.5, (target, row.tuned_ratio)
+
+
+def test_option_off_keeps_gemms_apart_and_changes_the_cache_key():
+    text = _fixture("attention_bert_base", "gpu-h100")
+    off = ExplorerOptions(gemm_chains=False)
+    plan = stitch.plan(text, "h100", options=off)
+    assert not [k for k in plan.kernels if k.kind == "gemm_chain"]
+    assert [k.kind for k in plan.kernels].count("gemm") == 2
+    assert options_key(off) != options_key(ExplorerOptions())
+    assert plan_key("m", "v", "h100", "beam", off) != plan_key("m", "v", "h100", "beam",
+                                                               ExplorerOptions())
+
+
+def test_blp_weighs_the_chain_like_any_kernel():
+    plan = stitch.plan(_fixture("attention_vit_base", "gpu-a100"), "a100", planner="blp")
+    assert [k.kind for k in plan.kernels].count("gemm_chain") == 1
+
+
+def test_pre_optimization_hlo_plans_the_chain_too():
+    plan = stitch.plan(_fixture("attention_bert_small", "pre"), "h100")
+    assert [k.kind for k in plan.kernels].count("gemm_chain") == 1
+
+
+def test_graphs_without_chains_plan_as_before():
+    text = (DATA / "softmax" / "full.gpu-h100.hlo").read_text()
+    on = stitch.plan(text, "h100")
+    off = stitch.plan(text, "h100", options=ExplorerOptions(gemm_chains=False))
+    assert [k.members for k in on.kernels] == [k.members for k in off.kernels]
+    assert on.summary()["stitched"] == off.summary()["stitched"]
+
+
+def test_compile_paths_turn_chains_off():
+    import inspect
+    import integration.xla_pass as xla_pass
+    import stitch.compiler as compiler
+    assert "gemm_chains=False" in inspect.getsource(compiler._plan_with_retries)
+    opts = xla_pass._without_chains(None)
+    assert opts.gemm_chains is False
+    assert dataclasses.replace(opts, top_k=5).gemm_chains is False
+
+
+def test_render_and_summary_accept_the_new_kind():
+    from stitch.explorer.render import to_dot, to_html
+    plan = stitch.plan(_fixture("gemm_chain_g1", "gpu-h100"), "h100")
+    assert plan.summary()["stitched"]["kernels"] == 1
+    assert "gemm_chain" in to_html(plan, reasons=True)
+    assert "gemm_chain" in to_dot(plan)
+
+
+def test_cli_json_carries_the_chain_schedule(capsys):
+    from stitch.cli import main
+    rc = main(["plan", "--model", "attention_bert_base", "--config", "full", "--target",
+               "h100", "--json"])
+    doc = __import__("json").loads(capsys.readouterr().out)
+    assert rc in (0, None)
+    chains = [k for g in doc["graphs"] for k in g["stitched"] if k["kind"] == "gemm_chain"]
+    assert len(chains) == 1 and chains[0]["chain_schedule"]["block_m"] >= 16
+
+
+def test_one_model_prices_the_chain_and_the_gemms_it_replaces():
+    from hlo_passes.graph import build_op_graphs
+    from hlo_passes.parser import parse_hlo
+    from stitch.cost.chain_pricing import chain_price, xla_gemm_cost
+    from stitch.cost.delta import CostModel
+    from stitch.cost.gpu_specs import get_spec
+    spec = get_spec("h100")
+    graph = build_op_graphs(parse_hlo(_fixture("attention_bert_base", "gpu-h100")))[0]
+    cost = CostModel(graph, spec)
+    chain = graph_chains(graph).chains[0]
+    for g in (chain.first, chain.second):
+        assert cost.singleton(g).total_s == pytest.approx(xla_gemm_cost(graph, g, spec).seconds)
+    fused = cost.kernel(chain.members)
+    assert fused.total_s == pytest.approx(chain_price(graph, chain, spec).cost.seconds)
+    assert cost.gain(frozenset(chain.members)) > 0
+    # A GEMM in no chain keeps the FP32 roofline.
+    other = build_op_graphs(parse_hlo((DATA / "bert_layer_train" / "full.gpu-h100.hlo")
+                                      .read_text()))[0]
+    gemms = [n.id for n in other.nodes if n.op_class.name == "COMPUTE"
+             and n.id not in graph_chains(other).by_gemm]
+    assert gemms and xla_gemm_cost(other, gemms[0], spec) is None
