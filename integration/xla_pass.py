@@ -31,7 +31,6 @@ the request (``PassRequest.result()`` raises it as a ``StitchError`` on the call
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -282,12 +281,6 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
     return print_hlo(module, operand_shapes=True)
 
 
-def _without_chains(options: Any) -> Any:
-    """GEMM-chain kernels off until codegen lowers them (stitch ExplorerOptions.gemm_chains)."""
-    from stitch.explorer.planner import ExplorerOptions
-    return dataclasses.replace(options or ExplorerOptions(), gemm_chains=False)
-
-
 def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     """Plan ``module``, build the kernels that fit, put them in (module docstring)."""
     from codegen.isolation import IsolatedWorker
@@ -297,7 +290,7 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    fusion_plan = make_plan(module, request.target, options=_without_chains(request.options),
+    fusion_plan = make_plan(module, request.target, options=request.options,
                             cancel=request.cancel, cache=True)
     timings["plan_s"] = time.perf_counter() - t0
     summary = fusion_plan.summary()
@@ -381,6 +374,41 @@ def _prebuild_gpu(request: PassRequest, kernels: list, workers: list) -> list:
         return list(pool.map(one, kernels))
 
 
+def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView, gi: int,
+                graph_plan: Any, snapped: list) -> list:
+    """The graph's GEMM-chain kernels, lowered, as (view, kernel, site, lowered) jobs. A
+    chain replaces whole XLA instructions (its GEMM fusions, the softmax fusion, split-K
+    reduces) that no other stitched kernel touches; else it is left to XLA."""
+    from codegen.errors import CodegenError
+    from stitch.compiler import lower_chain_kernel
+
+    taken = {view.top_of(m) for k in snapped for m in k.members}
+    jobs = []
+    for k in graph_plan.stitched.kernels:
+        if k.kind != "gemm_chain":
+            continue
+        try:
+            site = find_site(view, gi, k.name, frozenset(k.members))
+            if taken & set(site.tops):
+                raise NotPlaceable("shares XLA instructions with another stitched kernel")
+        except NotPlaceable as exc:
+            report.skipped.append((k.name, str(exc)))
+            continue
+        request.check_cancelled()
+        try:
+            with LLVM_LOCK:
+                lowered = lower_chain_kernel(graph_plan.graph, k, request.gpu_arch() if
+                                             request.device == "gpu" else "sm_70",
+                                             fma=request.device != "gpu")
+        except (CodegenError, StitchError) as exc:
+            log.info("kernel %s stays with XLA: %s", k.name, exc)
+            report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
+            continue
+        taken |= set(site.tops)
+        jobs.append((view, k, site, lowered))
+    return jobs
+
+
 def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                    module: HloModule, spec: Any, evaluator: Any, placed: list,
                    views: dict, built: dict, launching: dict, ptx_workers: list) -> None:
@@ -406,6 +434,7 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
         scheduled = [k for k in graph_plan.stitched.kernels if k.schedule is not None]
         snapped, left_out = snap_kernels(view, scheduled, spec)
         report.skipped.extend(left_out)
+        jobs.extend(_chain_jobs(request, report, view, gi, graph_plan, snapped))
         for k in snapped:
             try:
                 site = find_site(view, gi, k.name, k.members)

@@ -250,8 +250,7 @@ def _plan_with_retries(module: HloModule, target: str, options: ExplorerOptions 
     """The fusion plan; a planner failure (a bug, not bad input: PlanError and unknown
     targets are the caller's) is retried without kernel packing, then given up (None: the
     module runs through the evaluator). Each failure is logged and noted."""
-    # GEMM-chain kernels stay off until codegen lowers them.
-    attempts = [dataclasses.replace(options or ExplorerOptions(), gemm_chains=False)]
+    attempts = [options or ExplorerOptions()]
     if attempts[0].packing:
         attempts.append(dataclasses.replace(attempts[0], packing=False))
     for i, opts in enumerate(attempts):
@@ -268,8 +267,27 @@ def _plan_with_retries(module: HloModule, target: str, options: ExplorerOptions 
     return None
 
 
+def lower_chain_kernel(graph: OpGraph, k, arch: str, *, fma: bool = False) -> LoweredKernel:
+    """A planned ``gemm_chain`` kernel in Kernel IR, tiled as the planner scheduled it;
+    ``fma``: codegen's default FMA tiling instead of tensor cores (a kernel that runs on the
+    host in production, where emulated MMA only costs time)."""
+    from codegen.gemm_chain import ChainTiling, lower_gemm_chain
+    from hlo_passes.gemm_chains import chain_of
+
+    from .schedule.chain_tiling import tiling_for
+
+    chain = chain_of(graph, tuple(k.members))
+    if chain is None:
+        raise CodegenError(f"{k.name}: its members are no longer one GEMM chain")
+    tiling = tiling_for(k.chain_schedule, chain.h) if k.chain_schedule is not None else None
+    if fma and (tiling is None or tiling.mma):
+        tiling = ChainTiling.default_for(chain, "sm_70")
+    safe = "".join(ch if ch.isalnum() else "_" for ch in k.name)   # as lower_kernel names it
+    return lower_gemm_chain(graph, chain, tiling, safe, arch)
+
+
 def _build_kernel(k, gi: int, graph: OpGraph, evaluator: Evaluator,
-                  store: CompileCache | None) -> CompiledKernel | Fallback:
+                  store: CompileCache | None, arch: str = "sm_80") -> CompiledKernel | Fallback:
     """Lower and build one planned kernel; any failure becomes a Fallback with its reason
     (CodegenError: a known limit, logged at info; anything else is a bug: warning)."""
     def failed(stage: str, exc: Exception) -> Fallback:
@@ -281,8 +299,11 @@ def _build_kernel(k, gi: int, graph: OpGraph, evaluator: Evaluator,
 
     t0 = time.perf_counter()
     try:
-        # The runner fills LoweredKernel.initial buffers (atomic scatters) before a launch.
-        lowered = lower_kernel(graph, evaluator, k.schedule, k.name, in_place=True)
+        if k.kind == "gemm_chain":
+            lowered = lower_chain_kernel(graph, k, arch)
+        else:
+            # The runner fills LoweredKernel.initial buffers (atomic scatters) first.
+            lowered = lower_kernel(graph, evaluator, k.schedule, k.name, in_place=True)
     except Exception as exc:  # noqa: BLE001 - one kernel must not stop compilation
         return failed("lowering", exc)
     t1 = time.perf_counter()
@@ -328,7 +349,7 @@ def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
     fallbacks: list[Fallback] = []
     for gi, g in enumerate(fusion_plan.graphs if fusion_plan is not None else []):
         for k in g.stitched.kernels:
-            if k.schedule is None:
+            if k.schedule is None and k.kind != "gemm_chain":
                 if k.kind == "fused" and k.schedule_note and \
                         all(is_plannable(g.graph, v) for v in k.members):
                     # A stitched kernel the planner chose but could not schedule (a planner
@@ -336,7 +357,7 @@ def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
                     fallbacks.append(Fallback(k.name, gi, f"no schedule: {k.schedule_note}",
                                               "ScheduleError"))
                 continue
-            built = _build_kernel(k, gi, g.graph, evaluator, store)
+            built = _build_kernel(k, gi, g.graph, evaluator, store, arch_of(target))
             if isinstance(built, Fallback):
                 fallbacks.append(built)
                 continue

@@ -292,3 +292,20 @@ def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(mo
     assert isinstance(results[1], CodegenError) and "injected" in str(results[1])
     for kernel, built in ((kernels[0], results[0]), (kernels[2], results[2])):
         assert f".entry {kernel.name}(" in built.ptx
+
+
+def _attention(q, k, v):
+    s = jnp.einsum("bmd,bnd->bmn", q, k) * 0.125
+    return jnp.einsum("bmn,bnh->bmh", jax.nn.softmax(s, axis=-1), v)
+
+
+def test_attention_is_one_gemm_chain_kernel_inside_xla_and_matches():
+    """The GEMM, softmax and GEMM XLA runs apart become one stitched chain kernel (online
+    softmax, the score matrix never written) placed into XLA's module."""
+    q, k, v = _rand(4, 128, 64, seed=1), _rand(4, 96, 64, seed=2), _rand(4, 96, 64, seed=3)
+    compiled, report = _compile_with_pass(_attention, q, k, v)
+    kinds = [k.kind for g in report.plan.graphs for k in g.stitched.kernels
+             if k.name in set(report.placed)]
+    assert kinds.count("gemm_chain") == 1, (kinds, report.skipped, report.fallbacks)
+    assert "dot(" not in compiled.as_text()          # both GEMMs are inside the kernel
+    _close(compiled(q, k, v), jax.jit(_attention)(q, k, v), rtol=1e-5)

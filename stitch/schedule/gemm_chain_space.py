@@ -45,6 +45,7 @@ from typing import Iterator, Sequence
 from ..cost.gemm_tile import (ChainDims, GemmChainSchedule, TileCost, chain_cost,
                               chain_registers, chain_smem_bytes)
 from ..cost.gpu_specs import GpuSpec
+from .chain_tiling import buildable
 from .markov import MarkovResult, construct
 
 __all__ = ["GemmChainSchedule", "TILING_EXPRESSIONS", "block_expression", "pruned_expressions",
@@ -132,7 +133,9 @@ def _legal(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> bool:
             return False
     if chain_smem_bytes(dims, s) > SHARED_MEMORY_SLACK * spec.shared_memory_per_block_optin:
         return False
-    return chain_registers(dims, s) <= spec.max_registers_per_thread
+    if chain_registers(dims, s) > spec.max_registers_per_thread:
+        return False
+    return buildable(dims, s)     # only what codegen builds as planned
 
 
 def objective(spec: GpuSpec, cost: TileCost) -> float:

@@ -1,0 +1,39 @@
+"""A planned GEMM-chain schedule as the tiling codegen builds (codegen.gemm_chain).
+
+The planner's schedule (stitch.cost.gemm_tile.GemmChainSchedule) names MCFuser's tiling
+expression; codegen's ``ChainTiling`` has the same tiles. The flat expression "n(k,h)"
+keeps every result column of its m rows in one block (``block_h`` = h); the deep "nk"
+binds h-tiles to blocks, which codegen does whenever ``block_h`` < h (each block recomputes
+the first GEMM). The search only keeps schedules codegen can build (``buildable``), so the
+kernel that runs is the one the cost model priced.
+
+Not carried over: ``stages`` (codegen stages each tile once, no cp.async pipeline) and
+``hoist_a`` (codegen reloads A's k-slices per n step); both change speed, not results.
+"""
+from __future__ import annotations
+
+from codegen.errors import CodegenError
+from codegen.gemm_chain import ChainTiling
+
+from ..cost.gemm_tile import ChainDims, GemmChainSchedule
+
+
+def tiling_for(schedule: GemmChainSchedule, h: int) -> ChainTiling:
+    """The codegen tiling of ``schedule`` for a chain with ``h`` result columns."""
+    block_h = h if schedule.expression != "nk" else schedule.block_h
+    return ChainTiling(block_m=schedule.block_m, block_n=schedule.block_n,
+                       threads=schedule.threads, thread_m=schedule.thread_m,
+                       thread_n=schedule.thread_n, block_k=schedule.block_k,
+                       block_h=block_h, mma=schedule.mma)
+
+
+def buildable(dims: ChainDims, schedule: GemmChainSchedule) -> bool:
+    """Whether codegen builds ``schedule`` as planned (its tiling passes codegen's checks;
+    tensor cores only for bf16/f16 operands: codegen has no TF32 path yet)."""
+    if schedule.mma and dims.operand_dtype == "f32":
+        return False
+    try:
+        tiling_for(schedule, dims.h).check()
+    except CodegenError:
+        return False
+    return True
