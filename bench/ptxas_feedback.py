@@ -43,20 +43,35 @@ class Row:
     note: str = ""
 
 
-def _assemble(graph, evaluator, schedule, name: str, arch: str, cache):
+def _assemble(graph, evaluator, schedule, name: str, arch: str, cache, worker):
     from codegen.gpu_cache import assemble_cached, emit_ptx_cached
     from codegen.lower import lower_kernel
 
     lowered = lower_kernel(graph, evaluator, schedule, name)
-    ptx = emit_ptx_cached(lowered.kernel, arch, cache=cache).ptx
+    ptx = emit_ptx_cached(lowered.kernel, arch, cache=cache, worker=worker).ptx
     return assemble_cached(ptx, arch, cache=cache,
                            kernel_name=lowered.kernel.name).reports[lowered.kernel.name]
 
 
 def collect(models: list[str], targets: tuple[str, ...], progress=lambda s: None
             ) -> tuple[list[Row], list[str]]:
-    import stitch
     from codegen.cache import CompileCache
+    from codegen.isolation import IsolatedWorker
+
+    cache = CompileCache()
+    rows: list[Row] = []
+    problems: list[str] = []
+    # One child process emits all PTX (a fresh one per kernel costs an import each).
+    with IsolatedWorker(name="stitch-ptx") as worker:
+        for target in targets:
+            _collect_target(models, target, cache, worker, rows, problems, progress)
+    return rows, problems
+
+
+def _collect_target(models: list[str], target: str, cache, worker, rows: list[Row],
+                    problems: list[str], progress) -> None:
+    """Rows for every scheduled kernel of ``models`` on ``target`` (appended to ``rows``)."""
+    import stitch
     from hlo_passes import parse_hlo
     from hlo_passes.evaluator.interpreter import Evaluator
     from stitch.compiler import arch_of
@@ -64,50 +79,46 @@ def collect(models: list[str], targets: tuple[str, ...], progress=lambda s: None
     from stitch.schedule import schedule_kernel
     from stitch.schedule.ptxas_feedback import revise
 
-    cache = CompileCache()
-    rows: list[Row] = []
-    problems: list[str] = []
-    for target in targets:
-        spec, arch = get_spec(target), arch_of(target)
-        for model in models:
-            path = DATA / model / f"full.gpu-{target}.hlo"
-            if not path.exists():
-                continue
-            start = time.perf_counter()
-            module = parse_hlo(path.read_text())
-            evaluator = Evaluator(module)
-            plan = stitch.plan(module, target)
-            for g in plan.graphs:
-                for k in g.stitched.kernels:
-                    if k.schedule is None:
-                        continue
-                    name = k.name.replace(".", "_").replace("-", "_")
+    spec, arch = get_spec(target), arch_of(target)
+    for model in models:
+        path = DATA / model / f"full.gpu-{target}.hlo"
+        if not path.exists():
+            continue
+        start = time.perf_counter()
+        module = parse_hlo(path.read_text())
+        evaluator = Evaluator(module)
+        plan = stitch.plan(module, target)
+        for g in plan.graphs:
+            for k in g.stitched.kernels:
+                if k.schedule is None:
+                    continue
+                name = k.name.replace(".", "_").replace("-", "_")
+                try:
+                    report = _assemble(g.graph, evaluator, k.schedule, name, arch, cache,
+                                       worker)
+                except Exception as exc:  # a row of the report, not a crash
+                    problems.append(f"{model} {target} {k.name}: "
+                                    f"{type(exc).__name__}: {exc}"[:200])
+                    continue
+                rev = revise(g.graph, k.schedule, spec, report.registers,
+                             spills=report.spill_store_bytes + report.spill_load_bytes)
+                row = Row(model, target, k.name, rev.estimate, rev.measured, rev.spills,
+                          rev.before_us, rev.after_us, rev.changed,
+                          " ".join(rev.before), " ".join(rev.after), note=rev.note)
+                if rev.changed:
                     try:
-                        report = _assemble(g.graph, evaluator, k.schedule, name, arch, cache)
-                    except Exception as exc:  # a row of the report, not a crash
-                        problems.append(f"{model} {target} {k.name}: "
-                                        f"{type(exc).__name__}: {exc}"[:200])
-                        continue
-                    rev = revise(g.graph, k.schedule, spec, report.registers,
-                                 spills=report.spill_store_bytes + report.spill_load_bytes)
-                    row = Row(model, target, k.name, rev.estimate, rev.measured, rev.spills,
-                              rev.before_us, rev.after_us, rev.changed,
-                              " ".join(rev.before), " ".join(rev.after), note=rev.note)
-                    if rev.changed:
-                        try:
-                            again = _assemble(g.graph, evaluator, rev.schedule, name, arch,
-                                              cache)
-                            row.rebuilt_registers = again.registers
-                            plain = schedule_kernel(g.graph, k.members, spec, pin=rev.schedule)
-                            held = schedule_kernel(
-                                g.graph, k.members, spec, pin=rev.schedule,
-                                register_scale=again.registers / max(plain.regs_estimate, 1))
-                            row.confirmed_us = held.modeled_us
-                        except Exception as exc:  # noqa: BLE001
-                            row.note = f"rebuild: {type(exc).__name__}: {exc}"[:200]
-                    rows.append(row)
-            progress(f"{model} {target}: {time.perf_counter() - start:.1f} s")
-    return rows, problems
+                        again = _assemble(g.graph, evaluator, rev.schedule, name, arch,
+                                          cache, worker)
+                        row.rebuilt_registers = again.registers
+                        plain = schedule_kernel(g.graph, k.members, spec, pin=rev.schedule)
+                        held = schedule_kernel(
+                            g.graph, k.members, spec, pin=rev.schedule,
+                            register_scale=again.registers / max(plain.regs_estimate, 1))
+                        row.confirmed_us = held.modeled_us
+                    except Exception as exc:  # noqa: BLE001
+                        row.note = f"rebuild: {type(exc).__name__}: {exc}"[:200]
+                rows.append(row)
+        progress(f"{model} {target}: {time.perf_counter() - start:.1f} s")
 
 
 def markdown(rows: list[Row], problems: list[str], command: str, seconds: float) -> str:
