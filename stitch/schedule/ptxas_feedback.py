@@ -21,6 +21,7 @@ assembles every kernel, revises, rebuilds what changed and returns the new Execu
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,23 +77,26 @@ def revise(graph: OpGraph, schedule: KernelSchedule, spec: GpuSpec, measured: in
                     _describe(schedule), False)
     try:
         as_modeled = schedule_kernel(graph, members, spec, pin=schedule)
-        base.estimate = as_modeled.regs_estimate
-        scale = measured / max(as_modeled.regs_estimate, 1)
-        current = schedule_kernel(graph, members, spec, register_scale=scale, pin=schedule)
-        base.before_us = base.after_us = current.modeled_us
-        best = schedule_kernel(graph, members, spec, register_scale=scale)
-    except ScheduleError as exc:
-        # e.g. the built schedule cannot launch at ptxas's count and nothing else can.
+    except ScheduleError as exc:      # not a schedule this tuner makes: nothing to compare
         base.note = str(exc)[:300]
         return base
-    base.after_us = best.modeled_us
-    base.after = _describe(best)
+    base.estimate = as_modeled.regs_estimate
+    scale = measured / max(as_modeled.regs_estimate, 1)
+    try:
+        current_us = schedule_kernel(graph, members, spec, register_scale=scale,
+                                     pin=schedule).modeled_us
+    except ScheduleError:             # the built schedule cannot launch at ptxas's count
+        current_us = math.inf
+    base.before_us = base.after_us = current_us
+    try:
+        best = schedule_kernel(graph, members, spec, register_scale=scale)
+    except ScheduleError as exc:      # nothing launches at the corrected counts
+        base.note = str(exc)[:300]
+        return base
     base.changed = (schedule_signature(best) != schedule_signature(schedule)
-                    and best.modeled_us < current.modeled_us * (1 - TIE))
+                    and best.modeled_us < current_us * (1 - TIE))
     if base.changed:
-        base.schedule = best
-    else:
-        base.after_us, base.after = current.modeled_us, base.before
+        base.schedule, base.after_us, base.after = best, best.modeled_us, _describe(best)
     return base
 
 
@@ -138,6 +142,9 @@ def apply_to_executable(exe: "Executable", evaluator: "Evaluator",
             kernels.append(ck)
             continue
         rev.rebuilt = True
+        exe.stats.lower_s += built.lower_s
+        exe.stats.host_build_s += built.build_s
+        exe.stats.host_cache_hits += built.from_cache
         log.info("kernel %s: ptxas %d registers (estimate %d): %s -> %s, %.2f -> %.2f us",
                  ck.name, rev.measured, rev.estimate, rev.before, rev.after, rev.before_us,
                  rev.after_us)
