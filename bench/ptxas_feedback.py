@@ -47,7 +47,8 @@ def _assemble(graph, evaluator, schedule, name: str, arch: str, cache, worker):
     from codegen.gpu_cache import assemble_cached, emit_ptx_cached
     from codegen.lower import lower_kernel
 
-    lowered = lower_kernel(graph, evaluator, schedule, name)
+    # in_place: as stitch.compiler builds kernels (atomic scatters add into their operand).
+    lowered = lower_kernel(graph, evaluator, schedule, name, in_place=True)
     ptx = emit_ptx_cached(lowered.kernel, arch, cache=cache, worker=worker).ptx
     return assemble_cached(ptx, arch, cache=cache,
                            kernel_name=lowered.kernel.name).reports[lowered.kernel.name]
