@@ -161,3 +161,14 @@ def test_real_ptxas_counts_are_fed_back_once_per_kernel(tmp_path):
     for rev in exe.ptxas_feedback:
         assert rev.measured == reports[rev.kernel].registers > 0
         assert rev.rebuilt == rev.changed
+
+
+@needs_ptxas
+def test_bench_counts_revisions_per_target():
+    from bench import ptxas_feedback as bench
+
+    rows, problems = bench.collect(["softmax"], ("h100",))
+    assert not problems and rows
+    assert all(r.target == "h100" and r.measured > 0 and r.estimate > 0 for r in rows)
+    text = bench.markdown(rows, problems, "cmd", 1.0)
+    assert f"| h100 | {len(rows)} |" in text
