@@ -93,7 +93,8 @@ def markdown(rows: list[PlanRow], errors: list[ErrorRow], command: str, seconds:
         rs = [r for r in rows if r.target == target]
         if not rs:
             continue
-        lines += [f"#### {target.upper()}", "", head, "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [f"#### {target.upper()}", "", head,
+                  "|---|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in rs:
             lines.append(f"| {r.model} | " + _cells(r))
         for label, pick in (("sum f32", lambda m: not m.endswith(SUFFIX)),
