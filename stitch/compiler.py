@@ -18,6 +18,11 @@ in ``exe.stats``.
 If the planner itself fails on a graph (a planner bug, not bad input), the module is
 planned again without kernel packing, and failing that runs wholly through the evaluator;
 ``exe.plan_notes`` says what happened.
+
+``compile(..., ptxas_feedback=True)`` assembles every kernel after its first build and
+re-tunes its schedule with ptxas's register count; kernels another schedule now wins are
+rebuilt once (stitch/schedule/ptxas_feedback.py; ``exe.ptxas_feedback`` lists each kernel's
+revision).
 """
 from __future__ import annotations
 
@@ -138,6 +143,8 @@ class Executable:
         # a kernel never writes cannot pass for a right one (tests; costs a fill per call).
         self.poison_outputs = poison_outputs
         self._ptx: dict[str, str] | None = None
+        # One ptxas_feedback.Revision per kernel when compiled with ptxas_feedback=True.
+        self.ptxas_feedback: list = []
         self.graphs: list[OpGraph] = graphs if graphs is not None else \
             [g.graph for g in plan.graphs]
         units: dict[int, list[Unit]] = {}
@@ -319,13 +326,15 @@ def _build_kernel(k, gi: int, graph: OpGraph, evaluator: Evaluator,
 def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
             plan: FusionPlan | None = None, options: ExplorerOptions | None = None,
             cache: CompileCache | None | bool = True,
-            poison_outputs: bool = False) -> Executable:
+            poison_outputs: bool = False, ptxas_feedback: bool = False) -> Executable:
     """Plan ``hlo`` for ``target`` and build its stitched kernels for ``device`` ("cpu": the
     host target; the kernels' PTX for the target is ``Executable.ptx``).
 
     ``cache``: True for the default on-disk cache ($STITCH_CACHE_DIR), a CompileCache, or
     False/None for none. ``poison_outputs``: kernel output buffers start as NaN / a
-    sentinel (for tests: an unwritten element cannot look right).
+    sentinel (for tests: an unwritten element cannot look right). ``ptxas_feedback``: assemble
+    each kernel for the target and rebuild it once when ptxas's register count makes another
+    schedule win (needs ptxas; ToolchainError without it).
     Raises CompileError for an unknown device or target and for text that does not parse.
     """
     if device not in DEVICES:
@@ -370,8 +379,12 @@ def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
              "plan %.2fs, lower %.2fs, host build %.2fs (%d from the cache)",
              module.name, target, len(kernels), len(fallbacks), stats.plan_s, stats.lower_s,
              stats.host_build_s, stats.host_cache_hits)
-    return Executable(module, fusion_plan, target, kernels, fallbacks, stats, store,
-                      graphs=graphs, plan_notes=notes, poison_outputs=poison_outputs)
+    exe = Executable(module, fusion_plan, target, kernels, fallbacks, stats, store,
+                     graphs=graphs, plan_notes=notes, poison_outputs=poison_outputs)
+    if ptxas_feedback:
+        from .schedule.ptxas_feedback import apply_to_executable
+        exe = apply_to_executable(exe, evaluator, store)
+    return exe
 
 
 __all__ = ["CompileError", "CompileStats", "CompiledKernel", "Executable", "Fallback", "arch_of",

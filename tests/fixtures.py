@@ -24,6 +24,19 @@ def fixture_id(path: pathlib.Path) -> str:
     return f"{path.parent.name}/{path.name}"
 
 
+# Relative error allowed where a module computes in bf16 (the zoo's *_bf16 variants): bf16
+# keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3) and XLA rounds every bf16 op's result,
+# so two correct evaluations that round at other points (fused or not, f32 sums in another
+# order) differ by a few roundoffs per value; 2e-2 is about ten.
+BF16_TOLERANCE = 2e-2
+
+
+def uses_bf16(module) -> bool:
+    """Whether any instruction of ``module`` (an hlo_passes HloModule) yields bf16."""
+    return any(i.shape.is_array and i.shape.element_type == "bf16"
+               for _, i in module.instructions())
+
+
 def zoo_fixture(model: str, config: str, stage: str) -> pathlib.Path:
     """``stage`` is 'pre' or 'gpu-<target>'."""
     return DATA / model / f"{config}.{stage}.hlo"

@@ -16,17 +16,21 @@ from codegen.errors import CodegenError, ToolchainError
 from stitch import compiler
 from stitch.compiler import CompileError
 from stitch.errors import StitchError
-from tests.fixtures import DATA, GPU_TARGETS, zoo_fixture
+from tests.fixtures import BF16_TOLERANCE, DATA, GPU_TARGETS, uses_bf16, zoo_fixture
 
 jax = pytest.importorskip("jax")
 models = pytest.importorskip("stitch.models")
 
 # transformer_train compiles ~110 kernels (~25 s per target on a 2-core CPU) from the same
 # layer-norm / softmax / bias-GELU blocks bert_layer_train has: h100 only, for test time.
-LARGE = {"transformer_train": ("h100",)}
+LARGE = {"transformer_train": ("h100",), "transformer_train_bf16": ("h100",)}
 # Planner bugs compile() works around (planned again without packing); the note must say so.
 # (log_softmax_xent_train was one until base fusion gave recomputed producers a writer.)
 KNOWN_PLANNER_FAILURES: set[str] = set()
+# Codegen limits a kernel may still fall back for (it then runs in the evaluator, checked
+# like the rest): the embedding gradients of the *_bf16 models scatter-add bf16 rows with
+# collisions, and codegen has no bf16 atomic add yet.
+KNOWN_FALLBACKS = ("atomic scatter-add of bf16 is not generated",)
 _HEAVY_OPS = ("reduce", "dot", "convolution", "custom-call", "reduce-window", "while")
 
 CASES = [(m, t) for m in models.list_models() for t in LARGE.get(m, GPU_TARGETS)]
@@ -43,7 +47,10 @@ def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
 
 
 def tolerance(module) -> float:
-    """1e-5 for elementwise-only modules; 1e-4 where reductions (or GEMMs) reorder sums."""
+    """1e-5 for elementwise-only modules; 1e-4 where reductions (or GEMMs) reorder sums;
+    BF16_TOLERANCE for modules that compute in bf16 (tests/fixtures.py says why)."""
+    if uses_bf16(module):
+        return BF16_TOLERANCE
     heavy = any(i.opcode in _HEAVY_OPS for _, i in module.instructions())
     return 1e-4 if heavy else 1e-5
 
@@ -95,7 +102,8 @@ def test_zoo_model_matches_evaluator_and_jax(model, target, compiled):
     assert [tuple(p.shape.dims) for p in params] == [tuple(s.shape) for s in inst.arg_specs]
     args = inst.random_args(_seed(model, target))
     assert all(np.any(a != 0) for a in args if a.size > 1), "inputs must not be zeros"
-    assert not [f for f in exe.fallbacks], exe.fallbacks
+    assert not [f for f in exe.fallbacks
+                if not any(known in f.reason for known in KNOWN_FALLBACKS)], exe.fallbacks
     if model in KNOWN_PLANNER_FAILURES:
         assert all("without packing" in n for n in exe.plan_notes), exe.plan_notes
     else:

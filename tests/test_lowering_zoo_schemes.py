@@ -5,7 +5,8 @@ the reference evaluator. Kernel packing is exercised by the plans themselves (36
 117 kernels checked in test_lowering.py have several parts); forced schedules of packed
 kernels keep their parts, so packing is forced together with each unit here too.
 
-transformer_train is left out for test time (its kernels are bert_layer_train's blocks);
+transformer_train (and its bf16 variant) is left out for test time (its kernels are
+bert_layer_train's blocks);
 variants equal to the tuned schedule are skipped (test_lowering.py runs those), and the
 host build uses LLVM speed level 0 (3x faster to build; this checks the lowering)."""
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import stitch
+from codegen.errors import CodegenError
 from codegen.lower import lower_kernel, reference_values, run_on_host
 from hlo_passes import parse_hlo
 from codegen.values import leaf
@@ -24,13 +26,15 @@ from hlo_passes.evaluator.interpreter import Evaluator
 from hlo_passes.graph_exec import GraphRunner
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import ScheduleError, schedule_kernel
-from tests.fixtures import zoo_fixture
+from tests.fixtures import BF16_TOLERANCE, zoo_fixture
 
 models = pytest.importorskip("stitch.models")
 
 MODELS = [m for m in models.list_models()
-          if m != "transformer_train" and not m.startswith("gemm_chain")]
+          if not m.startswith(("transformer_train", "gemm_chain"))]
 UNITS = ("thread", "warp", "block")
+# A codegen limit (the *_bf16 models' embedding gradients): such kernels are not checked.
+KNOWN_LIMIT = "atomic scatter-add of bf16 is not generated"
 
 
 class _Recorder(GraphRunner):
@@ -86,6 +90,8 @@ def test_forced_schemes_on_zoo_kernels(model):
             g.graph.nodes[v].opcode == "reduce" for v in k.members)]
         for k in reducing:
             seen = {_units(k.schedule)}
+            bf16 = any(leaf(g.graph.nodes[v].shape).element_type == "bf16" for v in k.members
+                       if g.graph.nodes[v].shape.is_array)
             for unit in UNITS:
                 try:
                     forced = schedule_kernel(g.graph, k.members, spec, force={"unit": unit})
@@ -94,7 +100,12 @@ def test_forced_schemes_on_zoo_kernels(model):
                 if _units(forced) in seen:
                     continue
                 seen.add(_units(forced))
-                lowered = lower_kernel(g.graph, evaluator, forced, f"{k.name}_{unit}")
+                try:
+                    lowered = lower_kernel(g.graph, evaluator, forced, f"{k.name}_{unit}")
+                except CodegenError as exc:
+                    if KNOWN_LIMIT in str(exc):
+                        continue
+                    raise
                 row_units = {p.unit for p in forced.parts if p.kind == "row"}
                 if unit != "thread" and unit in row_units:
                     # Lowered as scheduled, or a note says why not.
@@ -112,7 +123,9 @@ def test_forced_schemes_on_zoo_kernels(model):
                     assert np.array_equal(np.isnan(out), np.isnan(ref)), name
                     ok = ~np.isnan(ref)
                     err = np.linalg.norm(out[ok] - ref[ok]) / max(np.linalg.norm(ref[ok]), 1e-5)
-                    assert err <= 1e-4, f"{name}: relative error {err:.2e}"
+                    # A bf16 value summed in another order can round to a neighbour.
+                    tol = BF16_TOLERANCE if bf16 else 1e-4
+                    assert err <= tol, f"{name}: relative error {err:.2e}"
                 checked += 1
     if checked == 0:
         pytest.skip(f"{model}: no kernel has a legal scheme other than its tuned one")

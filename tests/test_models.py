@@ -23,6 +23,7 @@ TINY_OUT = {
     "bias_gelu_tanh": [(16, 64)],
     "log_softmax_xent": [()],
     "log_softmax_xent_train": [(), (16, 64)],
+    "log_softmax_xent_train_bf16": [(), (16, 64)],
     "layer_norm_nonminor": [(2, 16, 8)],
     "column_reduce_broadcast": [(16, 32)],
     "bert_layer_infer": [(2, 8, 32)],
@@ -119,10 +120,12 @@ def test_tiny_runs_finite_with_expected_shapes(name):
     assert len(inst.arg_kinds) == n
     args = inst.random_args(seed=1)
     assert len(args) == n
+    # The *_bf16 mixed-precision variants take bf16 data and may return bf16 gradients.
+    floats = (np.float32, jax.numpy.bfloat16) if name.endswith("_bf16") else (np.float32,)
     for arg, spec, kind in zip(args, inst.arg_specs, inst.arg_kinds):
         assert arg.shape == tuple(spec.shape) and arg.dtype == spec.dtype
         if kind == "float":
-            assert arg.dtype == np.float32 and np.all(arg != 0)
+            assert arg.dtype in floats and np.all(arg != 0)
         else:
             high = int(kind.split(":")[1])
             assert arg.dtype == np.int32 and arg.min() >= 0 and arg.max() < high
@@ -130,8 +133,8 @@ def test_tiny_runs_finite_with_expected_shapes(name):
     outs = _outputs(jitted(*args))
     assert [tuple(o.shape) for o in outs] == _expected_tiny(inst)
     for o in outs:
-        assert o.dtype == np.float32
-        assert np.all(np.isfinite(np.asarray(o)))
+        assert o.dtype in floats
+        assert np.all(np.isfinite(np.asarray(o, np.float32)))
     hlo = jitted.lower(*inst.arg_specs).as_text(dialect="hlo")
     assert "ENTRY" in hlo
 
@@ -146,13 +149,15 @@ def test_random_args_deterministic_per_seed():
 def test_training_outputs_are_loss_then_params():
     for name in TRAINING:
         inst = models.build(name)
-        if name == "log_softmax_xent_train":
+        if name.startswith("log_softmax_xent_train"):  # and its bf16 variant
             continue  # returns (loss, dlogits) by design
         assert inst.param_argnums, name
         assert inst.param_argnums == tuple(range(inst.param_argnums[0], len(inst.arg_specs)))
 
 
-@pytest.mark.parametrize("name", ["bert_layer_train", "dien_train", "transformer_train"])
+@pytest.mark.parametrize("name", ["bert_layer_train", "dien_train", "transformer_train",
+                                  "bert_layer_train_bf16", "dien_train_bf16",
+                                  "transformer_train_bf16"])
 def test_training_loss_decreases(name):
     inst = models.build(name)
     step = jax.jit(inst.fn)

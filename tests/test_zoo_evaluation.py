@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hlo_passes import evaluate, parse_hlo
-from tests.fixtures import DATA, GPU_TARGETS, zoo_fixture
+from tests.fixtures import BF16_TOLERANCE, DATA, GPU_TARGETS, uses_bf16, zoo_fixture
 
 jax = pytest.importorskip("jax")
 models = pytest.importorskip("stitch.models")
@@ -28,7 +28,10 @@ def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
 
 
 def tolerance(module) -> float:
-    """1e-5 for elementwise-only modules; 1e-4 where reductions or GEMMs reorder sums."""
+    """1e-5 for elementwise-only modules; 1e-4 where reductions or GEMMs reorder sums;
+    BF16_TOLERANCE for modules that compute in bf16 (tests/fixtures.py says why)."""
+    if uses_bf16(module):
+        return BF16_TOLERANCE
     heavy = any(i.opcode in _HEAVY_OPS for _, i in module.instructions())
     return 1e-4 if heavy else 1e-5
 

@@ -306,7 +306,12 @@ def cublas_gemm(ev, inst, ops):
     if epilogue.startswith("BIAS"):
         if not rest:
             raise HloEvaluationError(f"{inst.name}: epilogue {epilogue} but no bias operand")
-        value = value + rest.pop(0).astype(acc)
+        bias = rest.pop(0).astype(acc)
+        if bias.ndim == 1 and value.ndim and bias.shape[0] < value.shape[-1]:
+            # XLA pads a GEMM's N for alignment (bf16) but not its bias: the padded columns
+            # are sliced away afterwards, so they get no bias here.
+            bias = np.pad(bias, (0, value.shape[-1] - bias.shape[0]))
+        value = value + bias
     if rest:
         raise UnsupportedOpcodeError(f"custom-call {inst.string('custom_call_target')} "
                                      f"({len(ops)} operands)", inst.name)

@@ -87,7 +87,8 @@ def _build_infer(config: str) -> ModelInstance:
     return t.instance("bert_layer_infer", config, fn)
 
 
-def _build_train(config: str) -> ModelInstance:
+def train_parts(config: str) -> tuple[ArgTable, blocks.Loss]:
+    """The training step's args and loss(params, data) (shared with the bf16 variant)."""
     s = pick_config("bert_layer_train", CONFIG_TABLE, config)
     t = _args(s, with_target=True)
 
@@ -96,6 +97,11 @@ def _build_train(config: str) -> ModelInstance:
         diff = out - d["target"]
         return (diff * diff).mean()
 
+    return t, loss
+
+
+def _build_train(config: str) -> ModelInstance:
+    t, loss = train_parts(config)
     fn = blocks.sgd_step(loss, t.data_names, t.param_names)
     return t.instance("bert_layer_train", config, fn)
 

@@ -15,6 +15,8 @@ from jax import lax
 
 Array = jax.Array
 Params = Mapping[str, Array]
+# loss(params, data) -> scalar: what a training step differentiates.
+Loss = Callable[[Params, Params], Array]
 
 SGD_LR = 0.01
 # Additive mask value: large but finite so a fully masked row gives a uniform softmax, not NaN.
@@ -130,11 +132,11 @@ def padding_bias(mask_add: Array) -> Array:
     return mask_add[:, None, None, :]
 
 
-def causal_bias(length: int) -> Array:
+def causal_bias(length: int, dtype=jnp.float32) -> Array:
     """[1, 1, L, L] additive mask hiding future positions (built from iota, not a literal)."""
     row = lax.broadcasted_iota(jnp.int32, (length, length), 0)
     col = lax.broadcasted_iota(jnp.int32, (length, length), 1)
-    return jnp.where(col <= row, 0.0, MASK_NEG).astype(jnp.float32)[None, None]
+    return jnp.where(col <= row, 0.0, MASK_NEG).astype(dtype)[None, None]
 
 
 # ----------------------------------------------------------------------------- recurrences
@@ -218,7 +220,7 @@ def max_pool_nhwc(x: Array, window: tuple[int, int], stride: tuple[int, int]) ->
 
 
 def sgd_step(
-    loss_fn: Callable[[dict[str, Array], dict[str, Array]], Array],
+    loss_fn: Loss,
     data_names: Sequence[str],
     param_names: Sequence[str],
     lr: float = SGD_LR,

@@ -83,7 +83,8 @@ def _logits(p: blocks.Params, d: dict[str, jax.Array], s: DienSize) -> jax.Array
     target = embed(d["target_item"], d["target_cat"])  # [B, 2E]
     hist = embed(d["hist_items"], d["hist_cats"])  # [B, T, 2E]
     steps = lax.broadcasted_iota(jnp.int32, (s.batch, s.history), 1)
-    mask = (steps <= d["hist_len_m1"][:, None]).astype(jnp.float32)  # [B, T]
+    # [B, T] in the embeddings' dtype: an f32 mask would widen bf16 activations.
+    mask = (steps <= d["hist_len_m1"][:, None]).astype(p["item_emb"].dtype)
 
     # Interest extractor: GRU over the behaviour sequence (time-major for scan).
     states = blocks.gru_scan(hist.transpose(1, 0, 2), p, "gru", mask=mask.T)  # [T, B, H]
@@ -117,13 +118,19 @@ def _build_infer(config: str) -> ModelInstance:
     return t.instance("dien_infer", config, fn)
 
 
-def _build_train(config: str) -> ModelInstance:
+def train_parts(config: str) -> tuple[ArgTable, blocks.Loss]:
+    """The training step's args and loss(params, data) (shared with the bf16 variant)."""
     s = pick_config("dien_train", CONFIG_TABLE, config)
     t = _args(s, with_labels=True)
 
     def loss(p, d):
         return blocks.cross_entropy(_logits(p, d, s), d["labels"])
 
+    return t, loss
+
+
+def _build_train(config: str) -> ModelInstance:
+    t, loss = train_parts(config)
     fn = blocks.sgd_step(loss, t.data_names, t.param_names)
     return t.instance("dien_train", config, fn)
 

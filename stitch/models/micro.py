@@ -65,7 +65,7 @@ class XentSize:
 _XENT = {"full": XentSize(4096, 32000), "tiny": XentSize(16, 64)}
 
 
-def _xent_args(name: str, config: str) -> ArgTable:
+def xent_args(name: str, config: str) -> ArgTable:
     s = pick_config(name, _XENT, config)
     t = ArgTable()
     t.data("logits", (s.tokens, s.vocab), scale=2.0)  # wider logits: a less flat softmax
@@ -74,12 +74,12 @@ def _xent_args(name: str, config: str) -> ArgTable:
 
 
 def _log_softmax_xent(config: str) -> ModelInstance:
-    t = _xent_args("log_softmax_xent", config)
+    t = xent_args("log_softmax_xent", config)
     return t.instance("log_softmax_xent", config, blocks.cross_entropy)
 
 
 def _log_softmax_xent_train(config: str) -> ModelInstance:
-    t = _xent_args("log_softmax_xent_train", config)
+    t = xent_args("log_softmax_xent_train", config)
 
     def fn(logits, labels):
         # The backward of the loss w.r.t. the logits: softmax - one_hot, scaled by 1/N.

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from . import asr, bert, crnn, dien, mcfuser, micro, transformer
+from . import asr, bert, crnn, dien, mcfuser, micro, mixed_precision, transformer
 from .spec import ModelInstance, ModelSpec
 
-# Order of listing: micro patterns first, then whole models, then MCFuser subgraphs.
-_MODULES = (micro, bert, transformer, dien, asr, crnn, mcfuser)
+# Order of listing: micro patterns first, then whole models, then MCFuser subgraphs, then the
+# bf16 mixed-precision training variants.
+_MODULES = (micro, bert, transformer, dien, asr, crnn, mcfuser, mixed_precision)
 
 
 @lru_cache(maxsize=1)

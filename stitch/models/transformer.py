@@ -49,7 +49,7 @@ def _add_decoder_params(t: ArgTable, prefix: str, d: int, ffn: int) -> None:
 def _decoder_layer(
     y: jax.Array, memory: jax.Array, p: blocks.Params, prefix: str, heads: int
 ) -> jax.Array:
-    causal = blocks.causal_bias(y.shape[1])
+    causal = blocks.causal_bias(y.shape[1], y.dtype)
     a = blocks.multi_head_attention(y, y, p, f"{prefix}self", heads, causal)
     y = blocks.layer_norm(y + a, p[f"{prefix}ln1_gamma"], p[f"{prefix}ln1_beta"])
     c = blocks.multi_head_attention(y, memory, p, f"{prefix}cross", heads)
@@ -68,10 +68,13 @@ def _positions(length: int, d: int) -> jax.Array:
 
 def _embed(ids: jax.Array, table: jax.Array) -> jax.Array:
     d = table.shape[1]
-    return jnp.take(table, ids, axis=0) * math.sqrt(d) + _positions(ids.shape[1], d)
+    looked_up = jnp.take(table, ids, axis=0) * math.sqrt(d)
+    # Positions in the table's dtype: an f32 constant would widen bf16 activations.
+    return looked_up + _positions(ids.shape[1], d).astype(table.dtype)
 
 
-def _build(config: str) -> ModelInstance:
+def train_parts(config: str) -> tuple[ArgTable, blocks.Loss]:
+    """The training step's args and loss(params, data) (shared with the bf16 variant)."""
     s = pick_config("transformer_train", CONFIG_TABLE, config)
     t = ArgTable()
     t.ints("src_ids", (s.batch, s.seq), s.vocab)
@@ -94,6 +97,11 @@ def _build(config: str) -> ModelInstance:
         logits = jnp.einsum("bld,vd->blv", y, emb)  # tied output projection
         return blocks.cross_entropy(logits, d["labels"])
 
+    return t, loss
+
+
+def _build(config: str) -> ModelInstance:
+    t, loss = train_parts(config)
     fn = blocks.sgd_step(loss, t.data_names, t.param_names)
     return t.instance("transformer_train", config, fn)
 

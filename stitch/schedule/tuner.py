@@ -72,12 +72,15 @@ def _register_terms(facts: PartFacts) -> tuple[int, int]:
 
 
 def _registers(facts: PartFacts, vw: int, cached_values: int,
-               terms: tuple[int, int] | None = None) -> int:
+               terms: tuple[int, int] | None = None, scale: float = 1.0) -> int:
     """Liveness estimate: the widest pass keeps about one value per op of its longest
     dependency front live per vector lane, plus per-row values and cached elements.
-    ``terms``: ``_register_terms(facts)`` when the caller has them."""
+    ``terms``: ``_register_terms(facts)`` when the caller has them. ``scale``: ptxas's
+    count over this estimate for a kernel already built (stitch/schedule/ptxas_feedback.py),
+    applied to every candidate of that kernel."""
     widest, per_row = terms or _register_terms(facts)
-    return BASE_REGISTERS + widest * vw + per_row + cached_values
+    regs = BASE_REGISTERS + widest * vw + per_row + cached_values
+    return regs if scale == 1.0 else max(math.ceil(regs * scale), 1)
 
 
 def _allocate_shared(graph: OpGraph, facts: PartFacts, unit: str, warps: int,
@@ -321,7 +324,8 @@ class _PartCache:
 
 
 def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
-                  rejected: list[str], cache: _PartCache | None = None) -> list[_Choice]:
+                  rejected: list[str], cache: _PartCache | None = None,
+                  register_scale: float = 1.0) -> list[_Choice]:
     cache = cache or _PartCache(graph, facts)
     choices: list[_Choice] = []
     if not facts.reductions:
@@ -331,7 +335,7 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
                 rejected.append(f"loop vw={vw}: {got}")
                 continue
             work, blocks = got
-            regs = _registers(facts, vw, 0, cache.register_terms)
+            regs = _registers(facts, vw, 0, cache.register_terms, register_scale)
             launch = LaunchShape(blocks, tpb, min(regs, MAX_REGISTERS), 0)
             lat = evaluate(spec, launch, work)
             if lat.occupancy.blocks_per_sm == 0:
@@ -357,7 +361,7 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
                         rejected.append(f"{label}: {got}")
                         continue
                     work, blocks, rows_per_block, cached = got
-                    regs = _registers(facts, vw, cached, cache.register_terms)
+                    regs = _registers(facts, vw, cached, cache.register_terms, register_scale)
                     if regs > MAX_REGISTERS:
                         rejected.append(f"{label}: needs about {regs} registers per thread")
                         continue
@@ -388,6 +392,18 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
 TIE = 0.01
 
 
+def part_signature(part: PartSchedule) -> tuple:
+    """What the tuner chose for a part (block size, unit, vector width, groups and their
+    schemes, cached values): equal signatures lower to the same code."""
+    groups = tuple((g.root, g.scheme, g.sub_root) for g in part.groups)
+    return (part.kind, part.unit, part.threads_per_block, part.vector_width, groups,
+            part.cached)
+
+
+def schedule_signature(schedule: KernelSchedule) -> tuple:
+    return (schedule.block, tuple(part_signature(p) for p in schedule.parts))
+
+
 def _preference(choice: _Choice) -> tuple[float, float, int]:
     """Fastest first; modeled times within 1% count as equal, then wider vectors win
     (fewer instructions than the model's issue bound shows)."""
@@ -396,12 +412,17 @@ def _preference(choice: _Choice) -> tuple[float, float, int]:
 
 
 def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
-                    force: dict[str, str] | None = None) -> KernelSchedule:
+                    force: dict[str, str] | None = None, *, register_scale: float = 1.0,
+                    pin: KernelSchedule | None = None) -> KernelSchedule:
     """The fastest legal schedule of the stitched kernel ``members`` on ``spec``.
 
     ``force`` = {"unit": "warp"} (or "block"/"thread") keeps only schedules whose row parts
-    use that unit (tests, and forcing schemes in codegen checks). Raises ScheduleError when
-    nothing is legal, listing why."""
+    use that unit (tests, and forcing schemes in codegen checks). ``register_scale``
+    multiplies every register estimate (ptxas feedback: the measured count over the
+    estimate of the kernel as built). ``pin``: only ``pin``'s own choices (block size and,
+    per part, unit, vector width, groups, cached values), re-evaluated: what that schedule
+    costs under ``register_scale``. Raises ScheduleError when nothing is legal, listing
+    why."""
     members = sorted(set(members))
     try:
         analysis = analyze_pattern(graph, members)
@@ -414,12 +435,18 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
     rejected: list[str] = []
     best: KernelSchedule | None = None
     caches = [_PartCache(graph, f) for f in facts]
-    for tpb in THREADS_PER_BLOCK:
+    if pin is not None and len(pin.parts) != len(facts):
+        raise ScheduleError(f"kernel at {graph.nodes[members[0]].name}: the pinned schedule "
+                            f"has {len(pin.parts)} parts, the kernel {len(facts)}")
+    for tpb in THREADS_PER_BLOCK if pin is None else (pin.block,):
         picked: list[_Choice] = []
-        for f, cache in zip(facts, caches):
-            options = _part_choices(graph, spec, f, tpb, rejected, cache)
+        for i, (f, cache) in enumerate(zip(facts, caches)):
+            options = _part_choices(graph, spec, f, tpb, rejected, cache, register_scale)
             if force and f.reductions:
                 options = [c for c in options if c.unit == force.get("unit", c.unit)]
+            if pin is not None:
+                want = part_signature(pin.parts[i])
+                options = [c for c in options if part_signature(c.part) == want]
             if not options:
                 break
             picked.append(min(options, key=_preference))
