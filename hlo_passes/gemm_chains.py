@@ -621,8 +621,11 @@ class _Recognizer:
             raise _NotAChain(f"{name}: {op} is not an element op a chain holds")
         order = {"scalar": 0, "row": 1, "tile": 2}
         arg_rank = max((self.ops[a].rank for a in args), key=order.__getitem__)
-        if arg_rank != rank:
+        if order[arg_rank] > order[rank]:
             raise _NotAChain(f"{name}: {op} of {arg_rank} values gives a {rank}")
+        # An element op on broadcast values (a row sum converted after its broadcast, as
+        # bf16 softmax does) is the op on the narrower value, broadcast: keep its rank.
+        rank = arg_rank
         direction = inst.attrs.get("direction", "") if op == "compare" else ""
         return self.add(ChainOp("elementwise", rank, shape.element_type, op, tuple(args),
                                 direction=direction))

@@ -79,14 +79,20 @@ def test_graphs_without_chains_plan_as_before():
     assert on.summary()["stitched"] == off.summary()["stitched"]
 
 
-def test_compile_paths_turn_chains_off():
-    import inspect
-    import integration.xla_pass as xla_pass
-    import stitch.compiler as compiler
-    assert "gemm_chains=False" in inspect.getsource(compiler._plan_with_retries)
-    opts = xla_pass._without_chains(None)
-    assert opts.gemm_chains is False
-    assert dataclasses.replace(opts, top_k=5).gemm_chains is False
+def test_compile_builds_the_planned_chain_kernel_and_it_matches():
+    """stitch.compile lowers a gemm_chain kernel as planned (codegen.gemm_chain) and the host
+    run matches the evaluator with poisoned outputs."""
+    import hlo_passes
+    from stitch import models
+    from tests.test_compile import assert_close
+    text = (DATA / "gemm_chain_g2" / "tiny.gpu-h100.hlo").read_text()
+    exe = stitch.compile(text, "h100", poison_outputs=True, cache=False)
+    chains = [k for k in exe.plan.kernels if k.kind == "gemm_chain"]
+    assert len(chains) == 1 and exe.fallbacks == []
+    assert chains[0].name in {k.name for k in exe.kernels} or \
+        any(k.members == tuple(chains[0].members) for k in exe.kernels)
+    args = models.build("gemm_chain_g2", "tiny").random_args(7)
+    assert_close(exe(*args), hlo_passes.evaluate(exe.module, args), 1e-4, "g2 tiny")
 
 
 def test_render_and_summary_accept_the_new_kind():
