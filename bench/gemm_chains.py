@@ -39,6 +39,7 @@ from stitch.cost.chain_pricing import chain_price, graph_chains, xla_gemm_cost
 from stitch.cost.delta import CostModel, kernel_hbm_bytes
 from stitch.cost.gemm_tile import GemmTile, TileCost
 from stitch.cost.gpu_specs import get_spec
+from stitch.explorer.planner import ExplorerOptions
 from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS
 from stitch.schedule.gemm_chain_space import exhaustive, markov_search
 from stitch.schedule.tuner import ScheduleError, schedule_kernel
@@ -110,12 +111,16 @@ def _memory_latency_us(graph: OpGraph, spec, cost: CostModel, members: frozenset
         return cost.kernel(members).total_s * 1e6
 
 
-def compare(model: str, target: str) -> ChainRow | None:
-    """One model on one target (module docstring); None without a fixture or a chain."""
+def compare(model: str, target: str, tf32: bool | None = None) -> ChainRow | None:
+    """One model on one target (module docstring); None without a fixture or a chain.
+    ``tf32``: chain kernels may use TF32 tensor cores (ExplorerOptions.chain_tf32; default:
+    what the GPU compile path plans with)."""
+    from integration.xla_pass import GPU_CHAIN_TF32
+    tf32 = GPU_CHAIN_TF32 if tf32 is None else tf32
     path = DATA / model / f"full.gpu-{target}.hlo"
     if not path.exists():
         return None
-    plan = stitch.plan(path.read_text(), target)
+    plan = stitch.plan(path.read_text(), target, options=ExplorerOptions(chain_tf32=tf32))
     spec, device = get_spec(target), DEVICES[target]
     for result in plan.graphs:
         graph = result.graph
@@ -124,8 +129,8 @@ def compare(model: str, target: str) -> ChainRow | None:
             continue
         chain = chains[0]
         planned = next((k for k in result.stitched.kernels if k.kind == "gemm_chain"), None)
-        price = chain_price(graph, chain, spec)
-        cost = CostModel(graph, spec)
+        price = chain_price(graph, chain, spec, tf32=tf32)
+        cost = CostModel(graph, spec, chain_tf32=tf32)
         core = {v for v in chain.members if not graph.is_free(v)}
         xla = Side()
         for k in result.baseline.kernels:

@@ -31,6 +31,7 @@ the request (``PassRequest.result()`` raises it as a ``StitchError`` on the call
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -281,6 +282,11 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
     return print_hlo(module, operand_shapes=True)
 
 
+# GEMM-chain kernels of f32 dots that allow TF32 use TF32 tensor cores on the GPU path
+# (codegen.gemm_chain's m16n8k8 MMA); host paths keep f32 exact.
+GPU_CHAIN_TF32 = False
+
+
 def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     """Plan ``module``, build the kernels that fit, put them in (module docstring)."""
     from codegen.isolation import IsolatedWorker
@@ -290,7 +296,12 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    fusion_plan = make_plan(module, request.target, options=request.options,
+    options = request.options
+    if request.device == "gpu" and GPU_CHAIN_TF32:
+        # XLA GPU runs f32 dots of DEFAULT precision on TF32 tensor cores: so may a chain.
+        from stitch.explorer.planner import ExplorerOptions
+        options = dataclasses.replace(options or ExplorerOptions(), chain_tf32=True)
+    fusion_plan = make_plan(module, request.target, options=options,
                             cancel=request.cancel, cache=True)
     timings["plan_s"] = time.perf_counter() - t0
     summary = fusion_plan.summary()

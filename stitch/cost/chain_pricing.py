@@ -126,10 +126,12 @@ def _input_bytes(chain: GemmChain) -> float:
     return total
 
 
-def chain_dims(graph: OpGraph, chain: GemmChain) -> ChainDims:
+def chain_dims(graph: OpGraph, chain: GemmChain, tf32: bool = False) -> ChainDims:
+    """``tf32``: the chain kernel may use TF32 tensor cores where its dots allow them (the
+    GPU compile paths; host paths compute f32 exactly, as XLA CPU does)."""
     return ChainDims(chain.batch, chain.m, chain.n, chain.k, chain.h, chain.operand_dtype,
                      chain.softmax, _between_instructions(graph, chain),
-                     allows_tf32(graph, graph.nodes[chain.first]) and
+                     tf32 and allows_tf32(graph, graph.nodes[chain.first]) and
                      allows_tf32(graph, graph.nodes[chain.second]),
                      OPERAND_BYTES.get(chain.output_dtype, 4), _input_bytes(chain))
 
@@ -148,10 +150,11 @@ _PRICES: dict[tuple, ChainPrice] = {}
 
 
 def chain_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec,
-                method: str = "markov") -> ChainPrice:
-    """The chain kernel at the best schedule the search finds (cached per dims/target)."""
+                method: str = "markov", tf32: bool = False) -> ChainPrice:
+    """The chain kernel at the best schedule the search finds (cached per dims/target);
+    ``tf32`` as in ``chain_dims``."""
     from ..schedule.gemm_chain_space import best_schedule
-    dims = chain_dims(graph, chain)
+    dims = chain_dims(graph, chain, tf32)
     key = (dims.key, spec.name, method)
     got = _PRICES.get(key)
     if got is None:

@@ -84,8 +84,10 @@ class CostModel:
     """Kernel times of op sets of one graph on one GPU, cached by member set."""
 
     def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None,
-                 gemm_chains: bool = True):
+                 gemm_chains: bool = True, chain_tf32: bool = False):
         self.graph = graph
+        # Chain kernels may use TF32 tensor cores for f32 dots that allow them (GPU paths).
+        self.chain_tf32 = chain_tf32
         # Price GEMM chains and their GEMMs with the GEMM-tile model (chain_pricing); off:
         # every GEMM keeps the FP32 roofline and no chain is recognized.
         self.gemm_chains = gemm_chains
@@ -203,7 +205,7 @@ class CostModel:
         chain = chain_for(self.graph, members)
         if chain is None:
             return None
-        tile = chain_price(self.graph, chain, self.spec).cost
+        tile = chain_price(self.graph, chain, self.spec, tf32=self.chain_tf32).cost
         return _tile_kernel_cost(self.spec, tile, kernel_hbm_bytes(self.graph, members))
 
     def _compute_kernel(self, node: OpNode, nbytes: int) -> KernelCost:
