@@ -25,6 +25,10 @@ model, cheap enough to call thousands of times:
   per block, or, for reductions over non-minor dimensions, 32 columns per block of 1024
   threads; a pattern without one runs one thread per output element.
 
+A pattern the global scope stitches (a persistent kernel with grid barriers, issue 19) is
+timed by that scope's schedule model (``stitch.schedule.global_scope``); where the block
+scopes stitch it too, the faster of the two counts.
+
 T_reduced_mem = sum M(op) - M(P); T_reduced_calls = (launches(ops) - 1) * launch;
 T_penalty is the rest of the difference (recomputation, lost parallelism, overlap).
 """
@@ -106,7 +110,7 @@ class CostModel:
         if got is None:
             self.poll()
             try:
-                got = analyze_pattern(self.graph, key)
+                got = analyze_pattern(self.graph, key, allow_global=True)
             except Infeasible as exc:
                 got = str(exc)
             self._feasible[key] = got
@@ -147,6 +151,30 @@ class CostModel:
                 return KernelCost(nbytes, 1, memory_s, 0.0, 0, launch + memory_s)
         if analysis is None:
             analysis = self.analysis(members)
+        if analysis is not None and analysis.global_phases is not None:
+            rival = self._global_kernel(members, analysis)
+            if analysis.scope == "global":
+                return rival
+        else:
+            rival = None
+        block = self._block_kernel(members, analysis, launch)
+        return block if rival is None or block.total_s <= rival.total_s else rival
+
+    def _global_kernel(self, members: frozenset[int], analysis: PatternAnalysis) -> KernelCost:
+        """The global scope's persistent kernel, timed by its schedule's model (phases on
+        the resident grid plus grid barriers; ``stitch.schedule.global_scope``)."""
+        from ..schedule.global_scope import estimate     # the schedules import this module
+        got = estimate(self.graph, members, self.spec, analysis.global_phases)
+        if got is None:
+            return KernelCost(0, 1, math.inf, 0.0, 0, math.inf)
+        seconds, nbytes = got
+        memory_s = nbytes / self.spec.hbm_bandwidth
+        return KernelCost(nbytes, 1, memory_s, max(seconds - memory_s, 0.0),
+                          self.spec.sm_count * SATURATING_THREADS_PER_SM, seconds)
+
+    def _block_kernel(self, members: frozenset[int], analysis: PatternAnalysis | None,
+                      launch: float) -> KernelCost:
+        graph, spec = self.graph, self.spec
         # Shared reductions are reduced row by row in full; the rest reads what it needs.
         whole = [r.node for r in analysis.shared] if analysis is not None else []
         # Who reads what inside the kernel, found once from the members' operands: walking
