@@ -4,6 +4,8 @@ lowered as persistent kernels with grid barriers — run on the host against the
 evaluator with poisoned outputs and fresh random inputs."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -125,3 +127,168 @@ def test_grid_barrier_ptx_assembles_without_spills(arch):
         assert f"{kernel.name}__grid_sync" in ptx
         info = assemble(ptx, arch)
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0
+
+
+# ---------------------------------------------------------------- stitched kernels
+
+from codegen.lower import lower_kernel, reference_values, run_on_host  # noqa: E402
+from codegen.values import leaf  # noqa: E402
+from hlo_passes import parse_hlo  # noqa: E402
+from hlo_passes.evaluator.dtypes import numpy_dtype  # noqa: E402
+from hlo_passes.evaluator.interpreter import Evaluator  # noqa: E402
+from hlo_passes.graph import build_op_graphs  # noqa: E402
+from stitch.cost.gpu_specs import get_spec  # noqa: E402
+from stitch.explorer.feasibility import analyze_pattern, infeasible_reason  # noqa: E402
+from stitch.schedule import schedule_kernel  # noqa: E402
+
+HEAD = """HloModule m
+add { a = f32[] parameter(0)  b = f32[] parameter(1)  ROOT s = f32[] add(a, b) }
+max { a = f32[] parameter(0)  b = f32[] parameter(1)  ROOT s = f32[] maximum(a, b) }
+ENTRY e {
+"""
+
+
+def _graph(body: str):
+    module = parse_hlo(HEAD + body + "\n}\n")
+    graph = build_op_graphs(module)[0]
+    members = [n.id for n in graph.nodes if n.op_class.name != "SOURCE"
+               and n.opcode != "constant" or (n.opcode == "constant" and n.users)]
+    members = [v for v in members if graph.nodes[v].op_class.name != "SOURCE"]
+    return module, graph, members
+
+
+def _random_inputs(graph, lowered, rng):
+    out = {}
+    for v in lowered.inputs:
+        shape = leaf(graph.nodes[v].shape)
+        dtype = numpy_dtype(shape.element_type)
+        if dtype.kind == "f":
+            out[v] = rng.standard_normal(shape.dims).astype(dtype)
+        else:
+            out[v] = rng.integers(0, shape.dims[-1] if shape.dims else 4, shape.dims
+                                  ).astype(dtype)
+    return out
+
+
+def _run_global(module, graph, members, target="h100", inputs=None, tol=1e-4, rng=None):
+    rng = rng or np.random.default_rng()
+    schedule = schedule_kernel(graph, members, get_spec(target), force={"scope": "global"})
+    part = schedule.parts[0]
+    assert part.kind == "global" and schedule.grid <= part.scope.resident_blocks
+    lowered = lower_kernel(graph, Evaluator(module), schedule, "global_k")
+    assert kir.has_grid_barrier(lowered.kernel)
+    inputs = inputs if inputs is not None else _random_inputs(graph, lowered, rng)
+    want = reference_values(graph, Evaluator(module), sorted(members), inputs)
+    got = run_on_host(lowered, graph, inputs, poison=True, opt=0)
+    for v, value in got.items():
+        ref = np.asarray(want[v], np.float64)
+        val = value.astype(np.float64)
+        assert not np.isnan(val).any(), graph.nodes[v].name
+        err = np.linalg.norm(val - ref) / max(np.linalg.norm(ref), 1e-30)
+        assert err <= tol, f"{graph.nodes[v].name}: relative error {err:.2e}"
+    return schedule, lowered
+
+
+NORMALIZE = """
+  x = f32[300,257] parameter(0)
+  z = f32[] constant(0)
+  s = f32[] reduce(x, z), dimensions={0,1}, to_apply=add
+  sb = f32[300,257] broadcast(s), dimensions={}
+  ROOT y = f32[300,257] divide(x, sb)"""
+
+
+def test_x_over_sum_x_is_one_persistent_kernel_matching_the_evaluator():
+    module, graph, members = _graph(NORMALIZE)
+    # The block scopes refuse it (one block would own all 77k elements) ...
+    assert "every block" in infeasible_reason(graph, members)
+    # ... the global scope takes it.
+    analysis = analyze_pattern(graph, members, allow_global=True)
+    assert analysis.scope == "global" and analysis.global_phases.phases == 2
+    schedule, lowered = _run_global(module, graph, members)
+    assert schedule.grid > 1 and len(kir.grid_phases(lowered.kernel.body)) == 2
+
+
+LOSS = """
+  x = f32[64,1000] parameter(0)
+  lab = s32[64] parameter(1)
+  ninf = f32[] constant(-inf)
+  mx = f32[64] reduce(x, ninf), dimensions={1}, to_apply=max
+  mxb = f32[64,1000] broadcast(mx), dimensions={0}
+  sh = f32[64,1000] subtract(x, mxb)
+  ex = f32[64,1000] exponential(sh)
+  z = f32[] constant(0)
+  se = f32[64] reduce(ex, z), dimensions={1}, to_apply=add
+  lse = f32[64] log(se)
+  lseb = f32[64,1000] broadcast(lse), dimensions={0}
+  ls = f32[64,1000] subtract(sh, lseb)
+  io = s32[64,1] iota(), iota_dimension=0
+  labr = s32[64,1] reshape(lab)
+  idx = s32[64,2] concatenate(io, labr), dimensions={1}
+  g = f32[64] gather(ls, idx), offset_dims={}, collapsed_slice_dims={0,1},
+    start_index_map={0,1}, index_vector_dim=1, slice_sizes={1,1}
+  tot = f32[] reduce(g, z), dimensions={0}, to_apply=add
+  n = f32[] constant(-0.015625)
+  loss = f32[] multiply(tot, n)
+  ROOT t = (f32[], f32[64,1000]) tuple(loss, ls)"""
+
+
+def test_loss_gathering_full_log_softmax_rows_runs_in_one_kernel():
+    module, graph, members = _graph(LOSS)
+    members = [v for v in members if graph.nodes[v].opcode != "tuple"]
+    # The mean over rows needs every block's rows: the block scopes refuse it.
+    assert "every block" in (infeasible_reason(graph, members) or "")
+    analysis = analyze_pattern(graph, members, allow_global=True)
+    assert analysis.scope == "global" and analysis.global_phases.phases == 4
+    schedule, lowered = _run_global(module, graph, members)
+    assert len(kir.grid_phases(lowered.kernel.body)) >= 4
+
+
+def _column_stats(rows: int, cols: int) -> str:
+    """The zoo's column_reduce_broadcast (batch-norm statistics): two column reductions,
+    each consumed by a broadcast along the rows."""
+    return f"""
+  x = f32[{rows},{cols}] parameter(0)
+  scale = f32[{cols}] parameter(1)
+  z = f32[] constant(0)
+  s1 = f32[{cols}] reduce(x, z), dimensions={{0}}, to_apply=add
+  inv = f32[{cols}] broadcast(f32[] constant({1.0 / rows})), dimensions={{}}
+  mean = f32[{cols}] multiply(s1, inv)
+  mb = f32[{rows},{cols}] broadcast(mean), dimensions={{1}}
+  c = f32[{rows},{cols}] subtract(x, mb)
+  sq = f32[{rows},{cols}] multiply(c, c)
+  s2 = f32[{cols}] reduce(sq, z), dimensions={{0}}, to_apply=add
+  var = f32[{cols}] multiply(s2, inv)
+  eps = f32[{cols}] broadcast(f32[] constant(1e-5)), dimensions={{}}
+  ve = f32[{cols}] add(var, eps)
+  r = f32[{cols}] rsqrt(ve)
+  rb = f32[{rows},{cols}] broadcast(r), dimensions={{1}}
+  n = f32[{rows},{cols}] multiply(c, rb)
+  sb = f32[{rows},{cols}] broadcast(scale), dimensions={{1}}
+  ROOT y = f32[{rows},{cols}] multiply(n, sb)"""
+
+
+@pytest.mark.parametrize("rows,cols,target", [(2048, 96, "h100"), (777, 40, "v100"),
+                                              (4096, 768, "a100")])
+def test_row_split_column_reductions_match_the_evaluator(rows, cols, target):
+    module, graph, members = _graph(_column_stats(rows, cols))
+    schedule, lowered = _run_global(module, graph, members, target)
+    scope = schedule.parts[0].scope
+    # Each column reduction is split across blocks (more blocks than 32-column tiles).
+    assert all(not r.minor and r.splits > 1 for r in scope.reductions), scope.reductions
+    assert schedule.grid > math.ceil(cols / 32)
+    assert scope.stages == 2
+
+
+def test_zoo_column_reduce_broadcast_runs_globally_and_the_tuner_prefers_it():
+    from tests.fixtures import DATA
+    module = parse_hlo((DATA / "column_reduce_broadcast" / "tiny.gpu-h100.hlo").read_text())
+    graph = build_op_graphs(module)[0]
+    members = [n.id for n in graph.nodes if n.op_class.name != "SOURCE"]
+    _run_global(module, graph, members)
+    # On the full-size graph the latency-evaluator picks the global scope for the whole
+    # batch-norm (it uses every SM; column tiling ran on 24 of 132).
+    full = parse_hlo((DATA / "column_reduce_broadcast" / "full.gpu-h100.hlo").read_text())
+    fgraph = build_op_graphs(full)[0]
+    fmembers = [n.id for n in fgraph.nodes if n.op_class.name != "SOURCE"]
+    best = schedule_kernel(fgraph, fmembers, get_spec("h100"))
+    assert best.parts[0].kind == "global" and best.grid >= 132
