@@ -292,3 +292,27 @@ def test_zoo_column_reduce_broadcast_runs_globally_and_the_tuner_prefers_it():
     fmembers = [n.id for n in fgraph.nodes if n.op_class.name != "SOURCE"]
     best = schedule_kernel(fgraph, fmembers, get_spec("h100"))
     assert best.parts[0].kind == "global" and best.grid >= 132
+
+
+@pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_90"])
+def test_global_kernels_ptx_assembles_without_spills(arch):
+    from codegen.nvptx import default_libdevice_path, emit_ptx
+    if default_libdevice_path() is None:
+        pytest.skip("no libdevice")
+    from tests.test_kir_nvptx import assemble
+    target = {"sm_70": "v100", "sm_80": "a100", "sm_90": "h100"}[arch]
+    for body in (NORMALIZE, LOSS, _column_stats(4096, 768)):
+        module, graph, members = _graph(body)
+        members = [v for v in members if graph.nodes[v].opcode != "tuple"]
+        schedule = schedule_kernel(graph, members, get_spec(target), force={"scope": "global"})
+        lowered = lower_kernel(graph, Evaluator(module), schedule, "global_k")
+        ptx = emit_ptx(lowered.kernel, arch)
+        assert "__grid_sync" in ptx
+        info = assemble(ptx, arch)
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info
+        # The residency the schedule relied on holds with ptxas's real register count.
+        from stitch.cost.occupancy import occupancy
+        occ = occupancy(get_spec(target), schedule.block, info["registers"],
+                        schedule.smem_bytes)
+        assert schedule.grid <= occ.blocks_per_sm * get_spec(target).sm_count, (
+            info, schedule.grid)
