@@ -151,20 +151,32 @@ class CostModel:
                 return KernelCost(nbytes, 1, memory_s, 0.0, 0, launch + memory_s)
         if analysis is None:
             analysis = self.analysis(members)
-        if analysis is not None and analysis.global_phases is not None:
-            rival = self._global_kernel(members, analysis)
-            if analysis.scope == "global":
-                return rival
-        else:
-            rival = None
+        if analysis is not None and analysis.scope == "global":
+            return self._global_kernel(members, analysis)
         block = self._block_kernel(members, analysis, launch)
-        return block if rival is None or block.total_s <= rival.total_s else rival
+        # The global scope re-reads inputs per phase: it can only win by the parallelism
+        # the block scopes lack (a few rows or column tiles for the whole machine).
+        if analysis is None or analysis.global_phases is None or \
+                block.threads >= self.saturation:
+            return block
+        rival = self._global_kernel(members, analysis)
+        return block if block.total_s <= rival.total_s else rival
+
+    def block_scope_kernel(self, members: Iterable[int]) -> KernelCost:
+        """The kernel's cost under the block scopes alone (warp/block/thread units; a
+        pattern only the global scope stitches is costed as a plain loop kernel)."""
+        key = frozenset(members)
+        analysis = self.analysis(key)
+        if analysis is not None and analysis.scope == "global":
+            analysis = None
+        return self._block_kernel(key, analysis, self.spec.kernel_launch_overhead_s)
 
     def _global_kernel(self, members: frozenset[int], analysis: PatternAnalysis) -> KernelCost:
         """The global scope's persistent kernel, timed by its schedule's model (phases on
         the resident grid plus grid barriers; ``stitch.schedule.global_scope``)."""
         from ..schedule.global_scope import estimate     # the schedules import this module
-        got = estimate(self.graph, members, self.spec, analysis.global_phases)
+        got = estimate(self.graph, members, self.spec, analysis.global_phases,
+                       block_sizes=(512,))
         if got is None:
             return KernelCost(0, 1, math.inf, 0.0, 0, math.inf)
         seconds, nbytes = got

@@ -233,22 +233,24 @@ def _phase_cycles(spec: GpuSpec, phase: _Phase, grid: int, tpb: int, regs: int, 
 
 
 def schedule_global(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
-                    phases: GlobalPhases) -> KernelSchedule | None:
+                    phases: GlobalPhases, block_sizes: tuple[int, ...] = BLOCK_SIZES
+                    ) -> KernelSchedule | None:
     """The fastest persistent-kernel schedule of ``members`` under the global scope, or None
     when no block size can launch."""
     member_set = set(members)
     best: KernelSchedule | None = None
-    for tpb in BLOCK_SIZES:
+    for tpb in block_sizes:
         got = _schedule(graph, member_set, spec, phases, tpb)
         if got is not None and (best is None or got.modeled_us < best.modeled_us):
             best = got
     return best
 
 
-def estimate(graph: OpGraph, members: Iterable[int], spec: GpuSpec, phases: GlobalPhases
-             ) -> tuple[float, int] | None:
-    """(modeled seconds, HBM bytes) of the best global-scope schedule, for the cost model."""
-    got = schedule_global(graph, members, spec, phases)
+def estimate(graph: OpGraph, members: Iterable[int], spec: GpuSpec, phases: GlobalPhases,
+             block_sizes: tuple[int, ...] = BLOCK_SIZES) -> tuple[float, int] | None:
+    """(modeled seconds, HBM bytes) of the best global-scope schedule, for the cost model
+    (which asks for one block size: it scores thousands of patterns)."""
+    got = schedule_global(graph, members, spec, phases, block_sizes)
     if got is None:
         return None
     return got.modeled_us * 1e-6, got.parts[0].scope.hbm_bytes
