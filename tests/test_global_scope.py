@@ -316,3 +316,21 @@ def test_global_kernels_ptx_assembles_without_spills(arch):
                         schedule.smem_bytes)
         assert schedule.grid <= occ.blocks_per_sm * get_spec(target).sm_count, (
             info, schedule.grid)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_ffi_host_handler_runs_the_whole_grid_in_one_worker(threads):
+    from codegen import ffi
+    from tests.test_ffi import FakeXla
+    kernel = normalize_kernel(3000, 6, 64)
+    target = ffi.host_ffi_target(kernel, threads=threads)
+    x = np.random.default_rng().random(3000, dtype=np.float32) + 0.5
+    out = np.full(3000, np.nan, np.float32)
+    assert FakeXla().call(target.address, [x], [out]) is None
+    np.testing.assert_allclose(out, x / x.astype(np.float64).sum(), rtol=1e-5)
+
+
+def test_cuda_handler_refuses_grid_barriers_until_cooperative_launch():
+    from codegen import ffi_cuda
+    with pytest.raises(CodegenError, match="cooperative launch"):
+        ffi_cuda.cuda_ffi_target(normalize_kernel(256, 2, 32), "")
