@@ -334,3 +334,23 @@ def test_cuda_handler_refuses_grid_barriers_until_cooperative_launch():
     from codegen import ffi_cuda
     with pytest.raises(CodegenError, match="cooperative launch"):
         ffi_cuda.cuda_ffi_target(normalize_kernel(256, 2, 32), "")
+
+
+def test_rows_and_columns_of_one_tensor_in_one_kernel():
+    """Two reductions partitioning the same tensor differently (rows and columns): no
+    block scope holds both, the global scope reduces both in one phase."""
+    module, graph, members = _graph("""
+  x = f32[300,70] parameter(0)
+  zero = f32[] constant(0)
+  e = f32[300,70] exponential(x)
+  rows = f32[300] reduce(e, zero), dimensions={1}, to_apply=add
+  cols = f32[70] reduce(e, zero), dimensions={0}, to_apply=add
+  rb = f32[300,70] broadcast(rows), dimensions={0}
+  cb = f32[300,70] broadcast(cols), dimensions={1}
+  y1 = f32[300,70] divide(e, rb)
+  y2 = f32[300,70] divide(e, cb)
+  ROOT out = (f32[300,70], f32[300,70]) tuple(y1, y2)""")
+    members = [v for v in members if graph.nodes[v].opcode != "tuple"]
+    assert "different block partitions" in infeasible_reason(graph, members)
+    schedule, _ = _run_global(module, graph, members, "v100")
+    assert {r.minor for r in schedule.parts[0].scope.reductions} == {True, False}
