@@ -9,7 +9,7 @@ from hlo_passes.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.cost.latency import LaunchShape, WarpWork, evaluate
 from stitch.explorer.feasibility import infeasible_reason
-from stitch.schedule import ScheduleError, schedule_kernel
+from stitch.schedule import schedule_kernel
 from tests.fixtures import DATA, REDUCERS
 
 HEAD = "HloModule m\n" + REDUCERS
