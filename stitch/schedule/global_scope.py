@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from hlo_passes.graph import OpGraph
-from hlo_passes.op_classes import OpClass
 
 from ..cost.gpu_specs import GpuSpec
 from ..cost.latency import UNROLL, LaunchShape, WarpWork, grid_barrier_cycles, part_cycles
