@@ -182,7 +182,15 @@ class GlobalLowering:
         return kir.Ref(acc, init.dtype)
 
     def _read(self, em: ValueEmitter, r, index: tuple[kir.Expr, ...]) -> kir.Expr:
-        """Reduction ``r``'s result at ``index`` in a later phase."""
+        """Reduction ``r``'s result at ``index`` in a later phase, rounded to an f16/bf16
+        result type as XLA rounds it (the partials are folded in f32)."""
+        got = self._result(em, r, index)
+        element = leaf(self.b.graph.nodes[r.node].shape).element_type
+        if element in ("f16", "bf16") and got.dtype == "f32":
+            return kir.Unary(f"round_to_{element}", got)
+        return got
+
+    def _result(self, em: ValueEmitter, r, index: tuple[kir.Expr, ...]) -> kir.Expr:
         dims = leaf(self.b.graph.nodes[r.node].shape).dims
         if r.node in self.results:
             return kir.Load(self.results[r.node], linearize(index, dims))

@@ -354,3 +354,18 @@ def test_rows_and_columns_of_one_tensor_in_one_kernel():
     assert "different block partitions" in infeasible_reason(graph, members)
     schedule, _ = _run_global(module, graph, members, "v100")
     assert {r.minor for r in schedule.parts[0].scope.reductions} == {True, False}
+
+
+def test_bf16_reduction_results_are_rounded_like_xla():
+    body = NORMALIZE.replace("f32[300,257]", "bf16[300,257]").replace(
+        "s = f32[] reduce", "s = bf16[] reduce").replace("z = f32[] constant(0)",
+                                                         "z = bf16[] constant(0)")
+    head = HEAD.replace("ENTRY e {", """addb { a = bf16[] parameter(0)  b = bf16[] parameter(1)
+  ROOT s = bf16[] add(a, b) }
+ENTRY e {""")
+    module = parse_hlo(head + body.replace("to_apply=add", "to_apply=addb") + "\n}\n")
+    graph = build_op_graphs(module)[0]
+    members = [n.id for n in graph.nodes if n.op_class.name != "SOURCE"]
+    rng = np.random.default_rng()
+    x = (rng.random((300, 257)) + 0.5).astype(numpy_dtype("bf16"))
+    _run_global(module, graph, members, inputs={graph.node("x").id: x}, tol=2e-2)
