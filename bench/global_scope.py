@@ -6,6 +6,7 @@ scopes alone, as before it existed) and on.
     python -m bench.global_scope measure off OUT_OFF.json     # ~3 min each on 2 busy cores
     python -m bench.global_scope measure on OUT_ON.json
     python -m bench.global_scope render OUT_OFF.json OUT_ON.json   # markdown to stdout
+    python -m bench.global_scope kernels        # the global-scope kernels of the plans
 
 "off" replaces ``feasibility.global_phases`` by a refusal, so neither the explorer nor the
 tuner sees the global scope. XLA's fusions are scheduled by the same tuner (bench.plans), so
@@ -59,11 +60,43 @@ def render(off_path: str, on_path: str) -> str:
     return "\n".join(lines)
 
 
+def kernels() -> str:
+    """Per model x target: stitched kernels with a global-scope schedule, how many only the
+    global scope can stitch (the block scopes refuse them), their modeled µs, and how many a
+    chain of kernels (a launch per phase instead of a grid barrier) would model faster."""
+    import stitch
+    from stitch.explorer.feasibility import infeasible_reason
+    from tests.fixtures import DATA
+    lines = ["| model | target | global kernels | block scopes refuse | their µs (sum) | "
+             "barriers | chain faster |", "|---|---|---:|---:|---:|---:|---:|"]
+    for model in MODELS:
+        for target in TARGETS:
+            plan = stitch.plan((DATA / model / f"full.gpu-{target}.hlo").read_text(),
+                               target=target)
+            found = refused = barriers = chain = 0
+            seconds = 0.0
+            for g in plan.graphs:
+                for k in g.stitched.kernels:
+                    if k.schedule is None or k.schedule.parts[0].kind != "global":
+                        continue
+                    scope = k.schedule.parts[0].scope
+                    found += 1
+                    refused += infeasible_reason(g.graph, k.members) is not None
+                    barriers += scope.barriers
+                    chain += scope.chain_us < k.schedule.modeled_us
+                    seconds += k.modeled_us * g.stitched.weight
+            lines.append(f"| {model} | {target} | {found} | {refused} | {seconds:.0f} | "
+                         f"{barriers} | {chain} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["measure"] and len(argv) == 3 and argv[1] in ("on", "off"):
         measure(argv[1], argv[2])
     elif argv[:1] == ["render"] and len(argv) == 3:
         print(render(argv[1], argv[2]))
+    elif argv == ["kernels"]:
+        print(kernels())
     else:
         raise SystemExit(__doc__)
 
