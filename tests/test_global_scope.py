@@ -369,3 +369,17 @@ ENTRY e {""")
     rng = np.random.default_rng()
     x = (rng.random((300, 257)) + 0.5).astype(numpy_dtype("bf16"))
     _run_global(module, graph, members, inputs={graph.node("x").id: x}, tol=2e-2)
+
+
+def test_compile_plans_and_runs_the_global_kernel_end_to_end():
+    import hlo_passes
+    from stitch import compiler
+    module = parse_hlo(HEAD + NORMALIZE + "\n}\n")
+    exe = compiler.compile(module, "h100", cache=False, poison_outputs=True)
+    assert not exe.fallbacks and not exe.plan_notes
+    kernels = [k for g in exe.plan.graphs for k in g.stitched.kernels if k.schedule]
+    assert len(kernels) == 1 and "global" in kernels[0].schemes
+    x = np.random.default_rng().standard_normal((300, 257)).astype(np.float32)
+    got, = exe(x)
+    want, = hlo_passes.evaluate(module, [x])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
