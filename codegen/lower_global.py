@@ -10,7 +10,8 @@ through ``kir.GlobalScratch`` buffers (partials and folded results).
   owns column 32 t + l, the warps stride over the split's rows, the shared-memory slots
   (warp x column) combine them, warp 0 stores the partials of its columns.
 - Combine step (a reduction with several outputs and splits): grid-stride over the outputs,
-  each folded once into result[o].
+  each folded once into result[o] (and into the output buffer when the reduction is
+  written; when that leaves the last phase nothing to store, the kernel ends there).
 - Later phases read a reduction at any index: result[o], or partial[o] when it has one
   split per output, or — one output — every thread folds the partials once (loop-invariant,
   computed before the loops that use it).
@@ -48,6 +49,7 @@ class GlobalLowering:
         self.partials: dict[int, kir.GlobalScratch] = {}
         self.results: dict[int, kir.GlobalScratch] = {}
         self.ready: list = []           # reductions whose results later phases may read
+        self.stored: set[int] = set()   # outputs a combine step already stored
 
     # --- scratch -----------------------------------------------------------------------
     def _buffer(self, kind: str, v: int, dtype: str, size: int) -> kir.GlobalScratch:
@@ -75,9 +77,13 @@ class GlobalLowering:
                 body += em.pop()
                 body.append(kir.GridBarrier())
             self.ready += mine
+        rest = [v for v in self.b.outputs if v not in self.stored]
+        if not rest:
+            body.pop()      # the combine steps stored every output: no phase after them
+            return body, list(self.scratch.values())
         em = self._emitter()
         gtid = em.let("gtid", iadd(imul(kir.BlockIdx(), self.tpb), kir.ThreadIdx()))
-        for v in self.b.outputs:
+        for v in rest:
             self.b._strided_store(em, v, gtid, self.grid * self.tpb)
         body += em.pop()
         return body, list(self.scratch.values())
@@ -159,16 +165,28 @@ class GlobalLowering:
         em.emit(kir.For(w, kir.BlockIdx(), _c(units * r.splits), _c(self.grid), em.pop()))
 
     def _combine(self, em: ValueEmitter, r) -> None:
-        """result[o] = the fold of o's partials, grid-stride over the outputs."""
-        node = self.b.graph.nodes[r.node]
+        """result[o] = the fold of o's partials, grid-stride over the outputs; a written
+        reduction is stored to its output here too (and a result buffer only kept when a
+        later phase reads it)."""
+        graph = self.b.graph
+        node = graph.nodes[r.node]
         op = em.reducer(node)
         init = self._init(em, r)
-        result = self.results[r.node] = self._buffer("gr", r.node, init.dtype, r.outputs)
+        read_later = any(u in self.b.computed for u in node.users)
+        written = r.node in self.b.outputs
         gtid = em.let("gtid", iadd(imul(kir.BlockIdx(), self.tpb), kir.ThreadIdx()))
         o = em.fresh("o")
         em.push(o)
         folded = self._fold(em, r, kir.Ref(o, "i32"), init, op)
-        em.emit(kir.Store(result.name, kir.Ref(o, "i32"), folded))
+        if read_later or not written:
+            result = self.results[r.node] = self._buffer("gr", r.node, init.dtype, r.outputs)
+            em.emit(kir.Store(result.name, kir.Ref(o, "i32"), folded))
+        if written:
+            element = leaf(node.shape).element_type
+            value = kir.Unary(f"round_to_{element}", folded) \
+                if element in ("f16", "bf16") and folded.dtype == "f32" else folded
+            em.emit(kir.Store(self.b.params[r.node].name, kir.Ref(o, "i32"), value))
+            self.stored.add(r.node)
         em.emit(kir.For(o, gtid, _c(r.outputs), _c(self.grid * self.tpb), em.pop()))
 
     def _fold(self, em: ValueEmitter, r, out: kir.Expr, init: kir.Expr, op: str) -> kir.Expr:

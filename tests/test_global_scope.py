@@ -383,3 +383,16 @@ def test_compile_plans_and_runs_the_global_kernel_end_to_end():
     got, = exe(x)
     want, = hlo_passes.evaluate(module, [x])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_root_column_reduction_is_stored_by_its_combine_step():
+    module, graph, members = _graph("""
+  x = f32[3000,80] parameter(0)
+  z = f32[] constant(0)
+  ROOT s = f32[80] reduce(x, z), dimensions={0}, to_apply=add""")
+    schedule, lowered = _run_global(module, graph, members, "a100")
+    (r,) = schedule.parts[0].scope.reductions
+    assert r.combine and r.splits > 1
+    # Partials, a barrier, the combine writing the output: no phase after it.
+    assert len(kir.grid_phases(lowered.kernel.body)) == 2
+    assert schedule.parts[0].scope.barriers == 1

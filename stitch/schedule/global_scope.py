@@ -148,8 +148,11 @@ def plan_reductions(graph: OpGraph, phases: GlobalPhases, grid: int, tpb: int
 def _phases(graph: OpGraph, members: set[int], reductions: tuple[GlobalReduction, ...],
             stages: int) -> list[_Phase]:
     """The work of each phase: reduction stages, combine steps (after a stage with a
-    combined reduction), the final phase."""
+    combined reduction; a written reduction is stored there), the final phase (none when
+    the combine steps stored every output)."""
     by_node = {r.node: r for r in reductions}
+    written = written_values(graph, members)
+    stored: set[int] = set()
     out: list[_Phase] = []
 
     def account(phase: _Phase, ops: set[int], inputs: set[int], elements: float) -> None:
@@ -191,10 +194,14 @@ def _phases(graph: OpGraph, members: set[int], reductions: tuple[GlobalReduction
                 step.accesses += r.outputs * (r.splits + 1)
                 step.alu += r.outputs * r.splits
                 step.nbytes += r.outputs * PARTIAL_BYTES * 2
+                if r.node in written:           # stored to its output here
+                    step.nbytes += _bytes(graph, r.node)
+                    stored.add(r.node)
             out.append(step)
     final = _Phase()
-    written = written_values(graph, members)
-    for v in sorted(written):
+    if written <= stored:
+        return out          # the combine steps stored every output: no last phase
+    for v in sorted(written - stored):
         if v in by_node:
             r = by_node[v]
             final.elements += r.outputs
