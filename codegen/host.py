@@ -1,8 +1,9 @@
 """Host target: a Kernel IR kernel run on the CPU as a SIMT program (MCJIT via llvmlite).
 
 The compiled function runs blocks [begin, end); a kernel with grid barriers (or global
-scratch) runs its whole grid, phase after phase, in the call that is given block 0. A block's body is split at barriers and warp
-collectives into regions; each region is a loop over the block's threads. Variables defined
+scratch) runs its whole grid, phase after phase, in the call that is given block 0. A
+block's body is split at barriers and warp collectives into regions; each region is a loop
+over the block's threads. Variables defined
 in the block-level statement lists live in per-thread slots (arrays of `block` elements in a
 scratch buffer), so they survive from one region to the next; variables of nested scopes stay
 in registers. A For / If that contains a collective runs once per block (validation makes its

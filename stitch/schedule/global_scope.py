@@ -102,7 +102,8 @@ def reduction_geometry(graph: OpGraph, v: int) -> tuple[int, int, bool]:
     return outputs, max(src.num_elements // outputs, 1), order[:len(kept)] == kept
 
 
-def _closure(graph: OpGraph, targets: Iterable[int], members: set[int]) -> tuple[set[int], set[int]]:
+def _closure(graph: OpGraph, targets: Iterable[int], members: set[int]
+             ) -> tuple[set[int], set[int]]:
     """(ops computed for ``targets``, outside values they read), not walking past reduces
     (their results come from the scratch)."""
     ops: set[int] = set()
