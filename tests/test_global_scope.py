@@ -396,3 +396,33 @@ def test_root_column_reduction_is_stored_by_its_combine_step():
     # Partials, a barrier, the combine writing the output: no phase after it.
     assert len(kir.grid_phases(lowered.kernel.body)) == 2
     assert schedule.parts[0].scope.barriers == 1
+
+
+def test_a_value_two_units_write_is_read_from_the_first():
+    """Regression (seen when the global scope changed bert_layer_train's plan): a
+    broadcast recomputed and written by two kernels was keyed by the later one, so a kernel
+    between them that reads it seemed to wait for a kernel that waits for it."""
+    from hlo_passes.graph_exec import GraphRunner, Unit
+    module = parse_hlo("""HloModule m
+ENTRY e {
+  x = f32[4] parameter(0)
+  k = f32[] constant(2)
+  bc = f32[4] broadcast(k), dimensions={}
+  a1 = f32[4] multiply(x, bc)
+  m1 = f32[4] add(a1, bc)
+  b1 = f32[4] multiply(m1, bc)
+  ROOT t = (f32[4], f32[4]) tuple(m1, b1)
+}
+""")
+    graph = build_op_graphs(module)[0]
+    n = {name: graph.node(name).id for name in ("x", "k", "bc", "a1", "m1", "b1")}
+    units = [Unit(frozenset({n["k"], n["bc"], n["a1"]}), (n["x"],), (n["bc"], n["a1"]),
+                  lambda v: [np.full(4, 2.0, np.float32), v[0] * 2], "first"),
+             Unit(frozenset({n["m1"]}), (n["a1"], n["bc"]), (n["m1"],),
+                  lambda v: [v[0] + v[1]], "middle"),
+             Unit(frozenset({n["k"], n["bc"], n["b1"]}), (n["m1"],), (n["bc"], n["b1"]),
+                  lambda v: [np.full(4, 2.0, np.float32), v[0] * 2], "last")]
+    x = np.random.default_rng().standard_normal(4).astype(np.float32)
+    m1, b1 = GraphRunner(module, [graph], units={0: units}).run([x])
+    np.testing.assert_allclose(m1, x * 2 + 2, rtol=1e-6)
+    np.testing.assert_allclose(b1, (x * 2 + 2) * 2, rtol=1e-6)
