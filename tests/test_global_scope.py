@@ -426,3 +426,24 @@ ENTRY e {
     m1, b1 = GraphRunner(module, [graph], units={0: units}).run([x])
     np.testing.assert_allclose(m1, x * 2 + 2, rtol=1e-6)
     np.testing.assert_allclose(b1, (x * 2 + 2) * 2, rtol=1e-6)
+
+
+def test_stitch_jit_runs_a_global_kernel_inside_xla_cpu():
+    """Through the XLA pass: x / sum(x) becomes one custom call whose host program has a
+    grid barrier (the FFI handler runs the whole grid in one worker)."""
+    jnp = pytest.importorskip("jax.numpy")
+    import stitch
+
+    def f(x):
+        return x / jnp.sum(x)
+    stitched = stitch.jit(f, target="h100", async_compile=False, guard=False)
+    x = np.random.default_rng().standard_normal((300, 257)).astype(np.float32)
+    stitched(x)
+    assert stitched.wait()
+    y = np.asarray(stitched(x))
+    stats = stitched.stats
+    assert stats.stitched_calls == 2 and stats.kernels_after == 1, stats
+    report = stitched.programs()[0]
+    assert any("global" in k.schemes for g in report.plan.graphs
+               for k in g.stitched.kernels if k.schedule)
+    np.testing.assert_allclose(y, x / x.astype(np.float64).sum(), rtol=1e-4, atol=1e-6)
