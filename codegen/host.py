@@ -353,7 +353,7 @@ class HostKernel:
 
     def _check_errors(self, record: np.ndarray) -> None:
         if record[0]:
-            buffers = (*self.kernel.params, *self.kernel.shared)
+            buffers = (*self.kernel.params, *self.kernel.shared, *self.kernel.scratch)
             buf = buffers[int(record[0]) - 1]
             raise CodegenError(f"kernel {self.kernel.name!r}: out-of-bounds access "
                                f"{buf.name}[{int(record[1])}] (size {buf.size}) in block "

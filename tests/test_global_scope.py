@@ -447,3 +447,21 @@ def test_stitch_jit_runs_a_global_kernel_inside_xla_cpu():
     assert any("global" in k.schemes for g in report.plan.graphs
                for k in g.stitched.kernels if k.schedule)
     np.testing.assert_allclose(y, x / x.astype(np.float64).sum(), rtol=1e-4, atol=1e-6)
+
+
+def test_out_of_bounds_scratch_access_is_named():
+    out = Param("out", "f32", 64, is_output=True)
+    scratch = GlobalScratch("parts", "f32", 4)
+    kernel = Kernel("oob_scratch", (out,), (), 2, 32,
+                    (Store("parts", Binary("add", kir.BlockIdx(), i32(3)), kir.f32(1.0)),
+                     GridBarrier(),
+                     Store("out", ThreadIdx(), Load(scratch, i32(0)))), (scratch,))
+    with pytest.raises(CodegenError, match=r"parts\[4\]"):
+        compile_host(kernel)(np.zeros(64, np.float32))
+    from codegen import ffi
+    from tests.test_ffi import FakeXla
+    target = ffi.host_ffi_target(kernel, threads=2)
+    xla = FakeXla()
+    assert xla.call(target.address, [], [np.zeros(64, np.float32)]) is not None
+    (text, _, _), = xla.errors
+    assert "out-of-bounds access parts[4] (size 4) in block 1" in text
