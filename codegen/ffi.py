@@ -701,7 +701,7 @@ def _check_out_of_bounds(h: HandlerEmitter, kernel: kir.Kernel, record: ir.Value
     b = h.b
     words = [b.load(element(b, record, I64, i), typ=I64) for i in range(_RECORD_WORDS)]
     with b.if_then(b.icmp_signed("!=", words[0], ir.Constant(I64, 0)), likely=False):
-        buffers = (*kernel.params, *kernel.shared)
+        buffers = (*kernel.params, *kernel.shared, *kernel.scratch)
         names = global_constant(h.module, ir.Constant(ir.ArrayType(PTR, len(buffers)), [
             h.string(buf.name) for buf in buffers]), "buffer_names")
         sizes = global_constant(h.module, ir.Constant(ir.ArrayType(I64, len(buffers)), [

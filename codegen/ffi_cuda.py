@@ -286,6 +286,11 @@ def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
     """The kernel's cubin / PTX `image` (entry `kernel.name`, params in kernel.params order as
     global pointers, as codegen.nvptx emits them) behind an XLA FFI handler for "CUDA"."""
     kernel.validate()
+    if kir.has_grid_barrier(kernel):
+        # Its blocks must be co-resident: only a cooperative launch guarantees that on a
+        # shared GPU, and this handler calls cuLaunchKernel (the kernel runs elsewhere).
+        raise CodegenError(f"kernel {kernel.name!r}: grid barriers need a cooperative launch, "
+                           "which the CUDA handler does not make yet")
     for p in kernel.params:
         if p.dtype not in FFI_DTYPES:
             raise CodegenError(f"kernel {kernel.name!r}: param {p.name!r} dtype {p.dtype} "

@@ -1,7 +1,9 @@
 """Host target: a Kernel IR kernel run on the CPU as a SIMT program (MCJIT via llvmlite).
 
-The compiled function runs blocks [begin, end). A block's body is split at barriers and warp
-collectives into regions; each region is a loop over the block's threads. Variables defined
+The compiled function runs blocks [begin, end); a kernel with grid barriers (or global
+scratch) runs its whole grid, phase after phase, in the call that is given block 0. A
+block's body is split at barriers and warp collectives into regions; each region is a loop
+over the block's threads. Variables defined
 in the block-level statement lists live in per-thread slots (arrays of `block` elements in a
 scratch buffer), so they survive from one region to the next; variables of nested scopes stay
 in registers. A For / If that contains a collective runs once per block (validation makes its
@@ -107,9 +109,11 @@ class HostTarget(Target):
             slot = em.entry.gep(fn.args[0], [ir.Constant(I64, i)], inbounds=True,
                                 source_etype=ptr)
             self.buffers[p.name] = em.entry.load(slot, typ=ptr)
-        for s in k.shared:
+        for s in (*k.shared, *k.scratch):
+            # Global scratch lives in the call's scratch too: the grid runs in one worker
+            # (see emit_body), so every block sees the same copy.
             self.buffers[s.name] = self._carve(em, s.size * STORAGE_BYTES[s.dtype])
-        for i, b in enumerate((*k.params, *k.shared)):
+        for i, b in enumerate((*k.params, *k.shared, *k.scratch)):
             self.buffer_ids[b.name] = i
 
     def slots(self, em: KernelEmitter, dtype: str) -> ir.Value:
@@ -132,6 +136,13 @@ class HostTarget(Target):
 
     def buffer_ptr(self, em: KernelEmitter, name: str) -> ir.Value:
         return self.buffers[name]
+
+    def scratch_ptr(self, em: KernelEmitter, buf: kir.GlobalScratch) -> ir.Value:
+        return self.buffers[buf.name]
+
+    def grid_barrier(self, em: KernelEmitter) -> None:
+        raise CodegenError("host: a grid barrier is a phase boundary (emit_body), never "
+                           "emitted inline")
 
     def math(self, em: KernelEmitter, fname: str, dtype: str,
              args: list[ir.Value]) -> ir.Value:
@@ -166,6 +177,22 @@ class HostTarget(Target):
 
     def emit_body(self, em: KernelEmitter) -> None:
         begin, end = em.fn.args[1], em.fn.args[2]
+        k = em.kernel
+        if grid_synchronized(k):
+            # Grid barriers: the phases between them run one after another, each for every
+            # block of the grid (a barrier holds when no block starts phase p+1 before all
+            # finished phase p). The whole grid runs in the worker given block 0 (one copy
+            # of the global scratch); other workers return at once. No variable crosses a
+            # grid barrier (validated), so each phase starts with a fresh scope.
+            b = em.builder
+            with b.if_then(b.icmp_signed("==", begin, ir.Constant(I32, 0))):
+                for phase in kir.grid_phases(k.body):
+                    def one_block(block: ir.Value, phase: tuple = phase) -> None:
+                        self.block = block
+                        self._regions(em, phase, em.root.child())
+                    em.loop(ir.Constant(I32, 0), ir.Constant(I32, k.grid), ir.Constant(I32, 1),
+                            one_block, name="block")
+            return
 
         def one_block(block: ir.Value) -> None:
             self.block = block
@@ -333,6 +360,12 @@ class HostTarget(Target):
             scope.vars[name] = dest
 
 
+def grid_synchronized(kernel: kir.Kernel) -> bool:
+    """A kernel whose blocks share global scratch or wait for each other: its whole grid
+    runs on one host worker."""
+    return bool(kernel.scratch) or kir.has_grid_barrier(kernel)
+
+
 @dataclass
 class HostKernel:
     """A compiled host kernel; call it with numpy arrays in param order (outputs written in
@@ -353,7 +386,7 @@ class HostKernel:
         for p, a in zip(k.params, arrays):
             self._check_array(p, a)
         pointers = (ctypes.c_void_p * max(1, len(arrays)))(*(a.ctypes.data for a in arrays))
-        workers = max(1, min(threads or self.threads, k.grid))
+        workers = 1 if grid_synchronized(k) else max(1, min(threads or self.threads, k.grid))
         bounds = np.linspace(0, k.grid, workers + 1).astype(int)
         scratches = [np.zeros(self.scratch_bytes + _ALIGN, np.uint8) for _ in range(workers)]
         addrs = [s.ctypes.data + (-s.ctypes.data) % _ALIGN for s in scratches]
@@ -385,7 +418,7 @@ class HostKernel:
 
     def _check_errors(self, record: np.ndarray) -> None:
         if record[0]:
-            buffers = (*self.kernel.params, *self.kernel.shared)
+            buffers = (*self.kernel.params, *self.kernel.shared, *self.kernel.scratch)
             buf = buffers[int(record[0]) - 1]
             raise CodegenError(f"kernel {self.kernel.name!r}: out-of-bounds access "
                                f"{buf.name}[{int(record[1])}] (size {buf.size}) in block "

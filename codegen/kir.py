@@ -90,11 +90,22 @@ class Shared:
     size: int
 
 
-Buffer = Union[Param, Shared]
+@dataclass(frozen=True)
+class GlobalScratch:
+    """A kernel-owned global-memory buffer every block sees (values that cross a
+    `GridBarrier`: per-block partials of a reduction). Not a param: NVPTX makes it a module
+    global (addrspace 1), the host carves it from the call's scratch. Its contents are
+    undefined when the kernel starts: a kernel writes an element before it reads it."""
+    name: str
+    dtype: str
+    size: int
+
+
+Buffer = Union[Param, Shared, GlobalScratch]
 
 
 def _buffer_name(buffer: "str | Buffer") -> str:
-    return buffer.name if isinstance(buffer, (Param, Shared)) else buffer
+    return buffer.name if isinstance(buffer, (Param, Shared, GlobalScratch)) else buffer
 
 
 # ---------------------------------------------------------------- expressions
@@ -153,7 +164,7 @@ class Load(Expr):
     dtype: str = ""
 
     def __post_init__(self) -> None:
-        if isinstance(self.buffer, (Param, Shared)):
+        if isinstance(self.buffer, (Param, Shared, GlobalScratch)):
             object.__setattr__(self, "dtype", value_dtype(self.buffer.dtype))
             object.__setattr__(self, "buffer", self.buffer.name)
         elif not self.dtype:
@@ -361,7 +372,33 @@ class MmaSync(Stmt):
             raise CodegenError(f"MmaSync dtype {self.dtype!r} not one of {sorted(MMA_DTYPES)}")
 
 
+@dataclass(frozen=True)
+class GridBarrier(Stmt):
+    """Grid-wide barrier: every block's writes before it are visible to every block after
+    it. Only in the kernel's top-level statement list (uniform across the grid), and no
+    variable crosses it (values go through a `GlobalScratch` or an output). Valid only when
+    every block of the grid is resident at once: the schedule keeps the grid within the
+    occupancy limit (a cooperative launch is the runtime's guarantee on a GPU); the host
+    target runs the phases between grid barriers one after another for every block."""
+
+
 COLLECTIVES = (Barrier, WarpShuffle, WarpReduce, MmaSync)
+
+
+def has_grid_barrier(kernel: "Kernel") -> bool:
+    """True if the kernel synchronises its grid (its blocks must all be resident)."""
+    return any(isinstance(s, GridBarrier) for s in kernel.body)
+
+
+def grid_phases(body: tuple[Stmt, ...]) -> list[tuple[Stmt, ...]]:
+    """The top-level statements between grid barriers, in order (one phase without any)."""
+    phases: list[tuple[Stmt, ...]] = [()]
+    for s in body:
+        if isinstance(s, GridBarrier):
+            phases.append(())
+        else:
+            phases[-1] = (*phases[-1], s)
+    return phases
 
 
 def has_collective(stmt: Stmt) -> bool:
@@ -410,14 +447,15 @@ class Kernel:
     grid: int
     block: int
     body: tuple[Stmt, ...]
+    scratch: tuple[GlobalScratch, ...] = ()
 
     def __post_init__(self) -> None:
-        for attr in ("params", "shared", "body"):
+        for attr in ("params", "shared", "body", "scratch"):
             object.__setattr__(self, attr, _tuple(getattr(self, attr)))
 
     @property
     def buffers(self) -> dict[str, Buffer]:
-        return {b.name: b for b in (*self.params, *self.shared)}
+        return {b.name: b for b in (*self.params, *self.shared, *self.scratch)}
 
     def validate(self) -> "Kernel":
         """Raise CodegenError (naming the kernel and the statement) if the kernel is malformed.
@@ -516,9 +554,9 @@ class _Checker:
             self.fail("launch", f"grid {k.grid!r} must be a positive int")
         if not isinstance(k.block, int) or k.block % 32 or not 32 <= k.block <= 1024:
             self.fail("launch", f"block {k.block!r} must be a multiple of 32 in [32, 1024]")
-        for kind, bufs in (("param", k.params), ("shared", k.shared)):
+        for kind, bufs in (("param", k.params), ("shared", k.shared), ("scratch", k.scratch)):
             for b in bufs:
-                cls = Param if kind == "param" else Shared
+                cls = {"param": Param, "shared": Shared, "scratch": GlobalScratch}[kind]
                 if not isinstance(b, cls):
                     self.fail(kind, f"{b!r} is not a {cls.__name__}")
                 if not is_identifier(b.name):
@@ -527,6 +565,8 @@ class _Checker:
                     self.fail(kind, f"buffer {b.name!r} defined twice")
                 if b.dtype not in STORAGE_DTYPES:
                     self.fail(kind, f"buffer {b.name!r} has unknown dtype {b.dtype!r}")
+                if kind == "scratch" and b.dtype not in VALUE_DTYPES - {"i1"}:
+                    self.fail(kind, f"scratch {b.name!r} must hold a value dtype, not {b.dtype}")
                 if not isinstance(b.size, int) or b.size < 1:
                     self.fail(kind, f"buffer {b.name!r} size {b.size!r} must be a positive int")
                 self.buffers[b.name] = b
@@ -609,8 +649,16 @@ class _Checker:
 
     def _body(self, body: tuple[Stmt, ...], scopes: list[dict[str, _Var]],
               divergent: str | None, path: str, frame: dict[str, _Var] | None = None) -> None:
+        top = not scopes
         scopes = [*scopes, dict(frame or {})]
         for i, s in enumerate(body):
+            if isinstance(s, GridBarrier):
+                if not top:
+                    self.fail(f"{path}[{i}] GridBarrier", "a grid barrier must be a top-level "
+                              "statement of the kernel (uniform across the grid)")
+                # No variable crosses a grid barrier: values go through global memory.
+                scopes = [{}]
+                continue
             self._stmt(s, scopes, divergent, f"{path}[{i}]")
 
     def _stmt(self, s: Stmt, scopes: list[dict[str, _Var]], divergent: str | None,

@@ -140,6 +140,67 @@ class Target:
         return nvvm_mma(em, s.dtype, a, b, c)
 
 
+    # Address space of global memory on SIMT-native targets (NVPTX's 1).
+    global_addrspace = 1
+
+    def _module_global(self, em: "KernelEmitter", name: str, ty: ir.Type) -> ir.Value:
+        """A zero-initialised global of the module (found again by name)."""
+        gv = em.module.globals.get(name)
+        if gv is None:
+            gv = ir.GlobalVariable(em.module, ty, name, addrspace=self.global_addrspace)
+            gv.linkage = "internal"
+            gv.initializer = ir.Constant(ty, None)
+            gv.align = 16
+        return gv
+
+    def scratch_ptr(self, em: "KernelEmitter", buf: kir.GlobalScratch) -> ir.Value:
+        """Element pointer of a kernel-owned global scratch buffer: a module global on a
+        SIMT-native target (no launcher involvement; undefined contents at kernel start)."""
+        arr = ir.ArrayType(storage_type(buf.dtype), buf.size)
+        gv = self._module_global(em, f"{em.kernel.name}__{buf.name}", arr)
+        zero = ir.Constant(I32, 0)
+        return gv.gep([zero, zero])
+
+    def grid_barrier(self, em: "KernelEmitter") -> None:
+        """Software grid barrier on a module-global (arrivals, generation) pair; every block
+        must be resident (the schedule's grid is within the occupancy limit). The block's
+        threads meet at a block barrier; thread 0 reads the generation, fences (its block's
+        writes before its arrival, fence.acq_rel.gpu / membar.gl) and counts itself in with
+        an atomic add; the last block to arrive resets the count to 0 and bumps the
+        generation, the others spin on a relaxed (volatile) load until it changes; a fence,
+        and a block barrier releases the block. The count is back at 0 after every barrier
+        and the generation only grows, so the pair never needs zeroing between launches:
+        the loader's zero initialisation is enough (two launches of one kernel must not run
+        at once, which in-order streams ensure)."""
+        b = em.builder
+        sync = self._module_global(em, f"{em.kernel.name}__grid_sync", ir.ArrayType(I32, 2))
+        zero = ir.Constant(I32, 0)
+        count = sync.gep([zero, zero])
+        generation = sync.gep([zero, ir.Constant(I32, 1)])
+        self.barrier(em)
+        tid = self.thread_idx(em, Ctx())
+        with b.if_then(b.icmp_unsigned("==", tid, zero)):
+            seen = b.load_atomic(generation, "monotonic", 4, typ=I32)
+            b.fence("acq_rel", "device")
+            arrived = b.atomic_rmw("add", count, ir.Constant(I32, 1), "monotonic")
+            last = b.icmp_unsigned("==", arrived, ir.Constant(I32, em.kernel.grid - 1))
+            with b.if_else(last) as (on_last, on_other):
+                with on_last:
+                    b.store_atomic(zero, count, "monotonic", 4)
+                    b.fence("acq_rel", "device")
+                    b.atomic_rmw("add", generation, ir.Constant(I32, 1), "monotonic")
+                with on_other:
+                    spin = em.fn.append_basic_block("grid_sync.spin")
+                    done = em.fn.append_basic_block("grid_sync.done")
+                    b.branch(spin)
+                    b.position_at_end(spin)
+                    now = b.load_atomic(generation, "monotonic", 4, typ=I32)
+                    b.cbranch(b.icmp_unsigned("==", now, seen), spin, done)
+                    b.position_at_end(done)
+            b.fence("acq_rel", "device")
+        self.barrier(em)
+
+
 def _pack_pair(em: "KernelEmitter", dtype: str, lo: ir.Value, hi: ir.Value) -> ir.Value:
     """Two f32 fragment values as the 32-bit register mma.sync reads (first value low)."""
     b = em.builder
@@ -325,6 +386,8 @@ class KernelEmitter:
                         if s.orelse else None)
         elif isinstance(s, kir.Barrier):
             self.target.barrier(self)
+        elif isinstance(s, kir.GridBarrier):
+            self.target.grid_barrier(self)
         elif isinstance(s, kir.WarpShuffle):
             lane = self.expr(s.lane, scope, ctx)
             value = self.shuffle(self.expr(s.value, scope, ctx), s.value.dtype, lane, s.mode)
@@ -365,7 +428,9 @@ class KernelEmitter:
 
     def element_ptr(self, buf: kir.Buffer, index: ir.Value, ctx: Ctx) -> ir.Value:
         index = self.target.guard_index(self, buf, index, ctx)
-        return self.builder.gep(self.target.buffer_ptr(self, buf.name), [index], inbounds=True,
+        base = self.target.scratch_ptr(self, buf) if isinstance(buf, kir.GlobalScratch) \
+            else self.target.buffer_ptr(self, buf.name)
+        return self.builder.gep(base, [index], inbounds=True,
                                 source_etype=storage_type(buf.dtype))
 
     def from_storage(self, raw: ir.Value, dtype: str) -> ir.Value:

@@ -19,6 +19,9 @@ Per part of the schedule (kernel packing: a part owns a range of the grid's bloc
   memory (a slot per warp and row, a barrier, each thread folds its row's slots, a
   barrier before the buffer is reused).
 
+A part of kind "global" (the global stitching scope: a persistent kernel with grid barriers
+between reduction stages, partials in global scratch) is lowered by ``lower_global.py``.
+
 Warp/block composition is lowered where the part's row layout is proven on index arrays
 (``_row_layout``): the row id of every element (or -1 where the element does not depend
 on any row's result) is pushed from the reductions through the part with the reference
@@ -337,6 +340,8 @@ class _KernelBuilder:
     # --- parts ---------------------------------------------------------------------------
     def build(self) -> LoweredKernel:
         sched = self.schedule
+        if any(p.kind == "global" for p in sched.parts):
+            return self._build_global()
         body: list[kir.Stmt] = []
         schemes = []
         # A written value in no part (a free op, e.g. a reshape of a parameter the module
@@ -389,6 +394,24 @@ class _KernelBuilder:
         kernel.validate()
         return LoweredKernel(kernel, list(self.inputs), list(self.outputs), schemes, self.notes,
                              dict(self.atomic))
+
+    def _build_global(self) -> LoweredKernel:
+        """A global-scope kernel: phases and grid barriers (``lower_global``)."""
+        from .lower_global import GlobalLowering
+        sched = self.schedule
+        if len(sched.parts) != 1:
+            raise CodegenError(f"kernel {self.name}: a global-scope kernel has one part")
+        if self.atomic:
+            raise CodegenError(f"kernel {self.name}: atomic scatters are not generated in a "
+                               "global-scope kernel")
+        body, scratch = GlobalLowering(self, sched.parts[0]).body()
+        params = [self.params[v] for v in self.inputs] + [self.params[v] for v in self.outputs]
+        shared = [kir.Shared(f"partials_{dtype}", dtype, size)
+                  for dtype, size in sorted(self.shared_sizes.items())]
+        kernel = kir.Kernel(self.name, params, shared, sched.grid, sched.block, body, scratch)
+        kernel.validate()
+        return LoweredKernel(kernel, list(self.inputs), list(self.outputs), ["global"],
+                             self.notes, {})
 
     def _thread_part(self, em: ValueEmitter, part, written: list[int], bid: kir.Expr) -> None:
         tpb = self.schedule.block

@@ -84,6 +84,8 @@ def _stmts(body: tuple[kir.Stmt, ...], indent: int, out: list[str]) -> None:
             out.append(f"{pad}}}")
         elif isinstance(s, kir.Barrier):
             out.append(f"{pad}__syncthreads();")
+        elif isinstance(s, kir.GridBarrier):
+            out.append(f"{pad}grid_sync();  // every block of the grid")
         elif isinstance(s, kir.WarpShuffle):
             out.append(f"{pad}const {C_TYPES[s.value.dtype]} {s.dest} = __shfl_{s.mode}_sync("
                        f"0xffffffff, {format_expr(s.value)}, {format_expr(s.lane)});")
@@ -107,6 +109,8 @@ def format_kernel(kernel: kir.Kernel) -> str:
     out = [f"// launch: grid={kernel.grid} block={kernel.block}",
            f"__global__ void {kernel.name}({params}) {{"]
     out += [f"  __shared__ {C_TYPES[s.dtype]} {s.name}[{s.size}];" for s in kernel.shared]
+    out += [f"  __device__ {C_TYPES[s.dtype]} {s.name}[{s.size}];  // global scratch"
+            for s in kernel.scratch]
     _stmts(kernel.body, 1, out)
     out.append("}")
     return "\n".join(out) + "\n"

@@ -161,7 +161,14 @@ class GraphRunner:
         owner: dict[int, int] = {}
         for i, u in enumerate(units):
             for v in u.members:
-                owner[v] = i
+                owner.setdefault(v, i)
+        # A value several units compute (recomputation) is read from the first unit (in
+        # launch order) writing it: keying it by a later one can make the unit graph cyclic.
+        writer: dict[int, int] = {}
+        for i, u in enumerate(units):
+            for v in u.outputs:
+                writer.setdefault(v, i)
+        owner.update(writer)
         key = lambda v: ("u", owner[v]) if v in owner else ("n", v)  # noqa: E731
 
         def deps(k) -> list[int]:

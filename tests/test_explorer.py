@@ -148,14 +148,19 @@ def test_fusion_that_would_create_a_cycle_is_rejected():
     assert "a -> d" in reasons and "GEMM" in reasons
 
 
-def test_reduce_whose_consumers_need_cross_block_data_is_not_stitched():
+def test_reduce_whose_consumers_need_cross_block_data_is_stitched_in_global_scope():
     graph = _graph(GLOBAL_NORM)
+    # The block scopes cannot stitch it ...
     reason = infeasible_reason(graph, _ids(graph, "s", "sb", "y"))
     assert reason is not None and "cross-block" in reason
+    # ... the global scope (a persistent kernel with a grid barrier) can (issue 19).
+    assert infeasible_reason(graph, _ids(graph, "s", "sb", "y"), allow_global=True) is None
     p = stitch.plan(GLOBAL_NORM, target="v100")
     where = {graph.nodes[v].name: i for i, k in enumerate(p.graphs[0].stitched.kernels)
              for v in k.members}
-    assert where["s"] != where["y"]
+    assert where["s"] == where["y"]
+    kernel = p.graphs[0].stitched.kernels[where["y"]]
+    assert kernel.schedule.parts[0].kind == "global"
 
 
 # --- feasibility: block partitions ---------------------------------------------------------
@@ -215,10 +220,17 @@ def test_single_block_reduction_is_penalised():
     must read."""
     graph = _graph(COLUMN_NORM)
     cost = CostModel(graph, get_spec("h100"))
-    fused = cost.kernel(_ids(graph, "s", "sb", "y"))
+    fused = cost.block_scope_kernel(_ids(graph, "s", "sb", "y"))
     # 1024 columns in tiles of 32: 32 blocks of 1024 threads - below saturation.
     assert fused.threads == 32 * 1024
     assert fused.memory_s > fused.hbm_bytes / get_spec("h100").hbm_bandwidth
+    # The global scope splits the column reduction across every SM (issue 19): its
+    # schedule wins under the latency-evaluator.
+    from stitch.schedule import schedule_kernel
+    members = _ids(graph, "s", "sb", "y")
+    best = schedule_kernel(graph, members, get_spec("h100"))
+    block = schedule_kernel(graph, members, get_spec("h100"), force={"unit": "block"})
+    assert best.parts[0].kind == "global" and best.modeled_us < block.modeled_us
 
 
 # --- planners, validation ------------------------------------------------------------------

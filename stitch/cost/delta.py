@@ -25,6 +25,10 @@ model, cheap enough to call thousands of times:
   per block, or, for reductions over non-minor dimensions, 32 columns per block of 1024
   threads; a pattern without one runs one thread per output element.
 
+A pattern only the global scope stitches (a persistent kernel with grid barriers, issue 19)
+is timed by that scope's schedule model (``stitch.schedule.global_scope``); with
+``GLOBAL_RIVAL`` a pattern the block scopes stitch too is timed by the faster of the two.
+
 T_reduced_mem = sum M(op) - M(P); T_reduced_calls = (launches(ops) - 1) * launch;
 T_penalty is the rest of the difference (recomputation, lost parallelism, overlap).
 """
@@ -56,6 +60,12 @@ EXPENSIVE_INSTRUCTIONS = {
 }
 SATURATING_THREADS_PER_SM = 1024
 WARP_ROW_LIMIT = 256         # rows up to this length are reduced by one warp each
+# Cost a pattern the block scopes stitch under the global scope too, keeping the faster.
+# Off: over the zoo's training graphs the plans it led to modeled 0.3-1% slower under the
+# latency-evaluator (delta's block-scope times of column reductions are optimistic, so
+# the two disagree on which plan wins); the schedules still pick the global scope for a
+# kernel where the latency-evaluator says it is faster (docs/benchmarks.md, global scope).
+GLOBAL_RIVAL = False
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,7 @@ class CostModel:
         if got is None:
             self.poll()
             try:
-                got = analyze_pattern(self.graph, key)
+                got = analyze_pattern(self.graph, key, allow_global=True)
             except Infeasible as exc:
                 got = str(exc)
             self._feasible[key] = got
@@ -158,6 +168,42 @@ class CostModel:
                 return KernelCost(nbytes, 1, memory_s, 0.0, 0, launch + memory_s)
         if analysis is None:
             analysis = self.analysis(members)
+        if analysis is not None and analysis.scope == "global":
+            return self._global_kernel(members, analysis)
+        block = self._block_kernel(members, analysis, launch)
+        # The global scope re-reads inputs per phase: it can only win by the parallelism
+        # the block scopes lack (a few rows or column tiles for the whole machine).
+        if not GLOBAL_RIVAL or analysis is None or analysis.global_phases is None or \
+                block.threads >= self.saturation:
+            return block
+        rival = self._global_kernel(members, analysis)
+        return block if block.total_s <= rival.total_s else rival
+
+    def block_scope_kernel(self, members: Iterable[int]) -> KernelCost:
+        """The kernel's cost under the block scopes alone (warp/block/thread units; a
+        pattern only the global scope stitches is costed as a plain loop kernel)."""
+        key = frozenset(members)
+        analysis = self.analysis(key)
+        if analysis is not None and analysis.scope == "global":
+            analysis = None
+        return self._block_kernel(key, analysis, self.spec.kernel_launch_overhead_s)
+
+    def _global_kernel(self, members: frozenset[int], analysis: PatternAnalysis) -> KernelCost:
+        """The global scope's persistent kernel, timed by its schedule's model (phases on
+        the resident grid plus grid barriers; ``stitch.schedule.global_scope``)."""
+        from ..schedule.global_scope import estimate     # the schedules import this module
+        got = estimate(self.graph, members, self.spec, analysis.global_phases,
+                       block_sizes=(512,))
+        if got is None:
+            return KernelCost(0, 1, math.inf, 0.0, 0, math.inf)
+        seconds, nbytes = got
+        memory_s = nbytes / self.spec.hbm_bandwidth
+        return KernelCost(nbytes, 1, memory_s, max(seconds - memory_s, 0.0),
+                          self.spec.sm_count * SATURATING_THREADS_PER_SM, seconds)
+
+    def _block_kernel(self, members: frozenset[int], analysis: PatternAnalysis | None,
+                      launch: float) -> KernelCost:
+        graph, spec = self.graph, self.spec
         # Shared reductions are reduced row by row in full; the rest reads what it needs.
         whole = [r.node for r in analysis.shared] if analysis is not None else []
         # Who reads what inside the kernel, found once from the members' operands: walking

@@ -20,6 +20,8 @@ has two bounds and the larger one wins:
   shuffles, barriers and shared-memory accesses, each at its latency.
 
 So L = N_wave × max(A × L_warp(throughput), L_warp(latency)) cycles, plus the launch.
+A global-scope kernel (``stitch.schedule.global_scope``) adds its phases' parts and
+``grid_barrier_cycles`` per grid barrier.
 
 CPI per warp instruction (cycles of one SM, full throughput), from the CUDA C++
 Programming Guide's "Arithmetic Instructions" throughput table (results per clock per SM):
@@ -52,6 +54,11 @@ SHUFFLE_LATENCY_CYCLES = 30
 BARRIER_LATENCY_CYCLES = 30
 SHARED_LATENCY_CYCLES = 30
 ALU_LATENCY_CYCLES = 4
+# L2 hit latency (same microbenchmark papers, rounded): a grid barrier's atomics and polls
+# are served by the L2.
+L2_LATENCY_CYCLES = {7: 200, 8: 200, 9: 260}
+# Arrivals at one counter serialise at its L2 slice: about this many cycles apart.
+SAME_ADDRESS_ATOMIC_CYCLES = 2
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,15 @@ def warp_chain_cycles(spec: GpuSpec, work: WarpWork) -> float:
             + work.chain_alu * ALU_LATENCY_CYCLES
             # every instruction issues at least one cycle after the previous one
             + work.alu + work.sfu + work.global_instr)
+
+
+def grid_barrier_cycles(spec: GpuSpec, blocks: int) -> float:
+    """A software grid barrier (``kir.GridBarrier``): two block barriers, thread 0's
+    fence and atomic arrival (an L2 round trip), the arrivals of every block serialised on
+    one counter, the last one's generation bump and the others' poll seeing it (two more
+    L2 round trips). An assumption built from the latencies above, not a measurement."""
+    l2 = L2_LATENCY_CYCLES.get(spec.compute_capability[0], 260)
+    return 2 * BARRIER_LATENCY_CYCLES + 3 * l2 + blocks * SAME_ADDRESS_ATOMIC_CYCLES
 
 
 def part_cycles(spec: GpuSpec, launch: LaunchShape, work: WarpWork, occ: Occupancy

@@ -17,7 +17,11 @@ transform row maps (broadcast, transpose, reshape...). A pattern is rejected whe
 - two operands of one op carry different row maps (two incompatible block partitions), or
 - it contains a kernel boundary (GEMM/conv, opaque op, control flow) or a source.
 
-The schedules issue replaces this with the real predicate of its schedule space.
+The *global scope* (issue 19; AStitch's global stitching scope) gets around the first two:
+with ``analyze_pattern(..., allow_global=True)`` a pattern the block scopes refuse for
+cross-block data is stitched as one persistent kernel with grid barriers between reduction
+stages (``GlobalPhases``); kernel boundaries and atomic scatters still end a kernel
+(``KernelEnds``). A pattern both scopes can stitch carries both and its schedule picks.
 """
 from __future__ import annotations
 
@@ -36,12 +40,37 @@ class Infeasible(Exception):
     """Internal: raised with the reason a pattern cannot be stitched."""
 
 
+class KernelEnds(Infeasible):
+    """A reason no stitching scope gets around: a kernel boundary inside, or an atomic
+    scatter that must end its kernel."""
+
+
 @dataclass(frozen=True)
 class SharedReduction:
     node: int
     rows: int            # kept elements (rows of the block partition)
     row_length: int      # reduced elements per row
     minor: bool          # row dims lead the physical order: a block's data is contiguous
+
+
+@dataclass(frozen=True)
+class GlobalPhases:
+    """The global stitching scope of a pattern (AStitch's global scope): one persistent
+    kernel whose phases are separated by grid barriers. Phase k reduces the stage-k
+    reductions (stage = reductions on the longest path to an op inside the pattern) into
+    per-block partials in global scratch; later phases fold the partials of any output
+    they need, so a consumer may read a reduction's result at any index. The last phase
+    computes the written values."""
+
+    stages: tuple[tuple[int, ...], ...]     # reduce ids finished in phase k, k = 0, 1, ...
+
+    @property
+    def phases(self) -> int:
+        return len(self.stages) + 1
+
+    @property
+    def reductions(self) -> tuple[int, ...]:
+        return tuple(v for stage in self.stages for v in stage)
 
 
 @dataclass
@@ -51,6 +80,48 @@ class PatternAnalysis:
     components: list[list[int]]                       # connected parts (packing if > 1)
     shared: list[SharedReduction] = field(default_factory=list)
     component_of: dict[int, int] = field(default_factory=dict)
+    # "block": the row partition keeps every shared reduction in a block (warp/block
+    # scopes); "global": only the global scope stitches it (``global_phases``).
+    scope: str = "block"
+    # The global scope's phases where it also applies (both scopes: the schedule picks).
+    global_phases: GlobalPhases | None = None
+
+
+# Most grid barriers a global-scope kernel may have (reduction stages).
+MAX_GLOBAL_STAGES = 4
+
+
+def global_phases(graph: OpGraph, members: Iterable[int]) -> GlobalPhases | str:
+    """The global scope's phases of a pattern, or why it does not apply: every reduce must
+    be a single-input one (partials fold with its reducer), no other reduction's result may
+    be shared (reduce-window is computed per element as anywhere), at most
+    ``MAX_GLOBAL_STAGES`` reduction stages, and at least one reduce with a consumer inside
+    or a row partition too coarse to fill the machine (else the block scopes do it)."""
+    member_set = set(members)
+    stage: dict[int, int] = {}
+    reduces: list[int] = []
+    for v in sorted(member_set):
+        node = graph.nodes[v]
+        s = 0
+        for o in node.operands:
+            if o in member_set:
+                s = max(s, stage[o] + (graph.nodes[o].opcode == "reduce"))
+        stage[v] = s
+        if node.opcode == "reduce":
+            if len(node.operands) != 2:
+                return f"{node.name}: a variadic reduce has no global partials"
+            reduces.append(v)
+        elif node.op_class is OpClass.REDUCTION and node.opcode != "reduce-window" and \
+                any(u in member_set for u in node.users):
+            return f"{node.name} ({node.opcode}) result cannot be shared inside a kernel"
+        elif node.opcode == "scatter" and scatter_form(graph, v).kind != "row":
+            return f"{node.name}: a scatter with colliding updates ends a block-scope kernel"
+    if not reduces:
+        return "no reduction: nothing for a grid barrier to separate"
+    depth = max(stage[v] for v in reduces) + 1
+    if depth > MAX_GLOBAL_STAGES:
+        return f"{depth} reduction stages need more than {MAX_GLOBAL_STAGES - 1} grid barriers"
+    return GlobalPhases(tuple(tuple(v for v in reduces if stage[v] == k) for k in range(depth)))
 
 
 def _leaf(shape: Shape) -> Shape:
@@ -326,8 +397,35 @@ def _atomic_scatter_problem(graph: OpGraph, v: int, member_set: set[int]) -> str
     return None
 
 
-def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
+def analyze_pattern(graph: OpGraph, members: Iterable[int], allow_global: bool = False
+                    ) -> PatternAnalysis:
     """The analysis of a stitchable pattern; raises Infeasible(reason) otherwise.
+    ``allow_global``: a pattern the block scopes cannot stitch (its consumers need data
+    from every block, reductions partitioning differently) is stitched by the global scope
+    (``global_phases``) where that applies; a pattern both can stitch carries both."""
+    members = sorted(set(members))
+    try:
+        analysis = _analyze_block_scope(graph, members)
+    except Infeasible as exc:
+        if not allow_global or isinstance(exc, KernelEnds):
+            raise
+        phases = global_phases(graph, members)
+        if isinstance(phases, str):
+            raise Infeasible(f"{exc}; global scope: {phases}") from None
+        analysis = PatternAnalysis(components=[members], scope="global",
+                                   global_phases=phases)
+        analysis.component_of = {v: 0 for v in members}
+        return analysis
+    if allow_global and any(graph.nodes[v].opcode == "reduce" for v in members):
+        phases = global_phases(graph, members)
+        if not isinstance(phases, str):
+            analysis.global_phases = phases
+    return analysis
+
+
+
+def _analyze_block_scope(graph: OpGraph, members: list[int]) -> PatternAnalysis:
+    """The block scopes' analysis (warp/block units own rows; see ``analyze_pattern``).
 
     Each shared reduction starts with every kept dimension as a row dimension. When an op
     downstream cannot keep some rows apart (it reduces over them, slices them, joins two
@@ -341,11 +439,11 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int]) -> PatternAnalysis:
     for v in members:
         node = graph.nodes[v]
         if node.op_class in (OpClass.COMPUTE, OpClass.OPAQUE, OpClass.SOURCE):
-            raise Infeasible(f"{node.name} ({node.opcode}) is a kernel boundary")
+            raise KernelEnds(f"{node.name} ({node.opcode}) is a kernel boundary")
         if node.opcode == "scatter":
             problem = _atomic_scatter_problem(graph, v, member_set)
             if problem:
-                raise Infeasible(problem)
+                raise KernelEnds(problem)
     # A reduce-window is computed per output element by the thread that needs it (thread
     # composition, as XLA's loop fusions do): only reduce results are shared.
     shared_ids = [v for v in members if graph.nodes[v].opcode == "reduce"
@@ -491,10 +589,12 @@ def _propagate(graph: OpGraph, members: list[int], member_set: set[int], shared:
     return row_maps
 
 
-def infeasible_reason(graph: OpGraph, members: Iterable[int]) -> str | None:
-    """None when the pattern can be stitched, else why not."""
+def infeasible_reason(graph: OpGraph, members: Iterable[int], allow_global: bool = False
+                      ) -> str | None:
+    """None when the pattern can be stitched (by the block scopes; ``allow_global``: by
+    any scope), else why not."""
     try:
-        analyze_pattern(graph, members)
+        analyze_pattern(graph, members, allow_global)
     except Infeasible as exc:
         return str(exc)
     return None

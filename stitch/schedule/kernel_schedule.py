@@ -11,7 +11,10 @@ ops computed once per row) and at the part's roots; each group has a scheme:
 
 - ``thread``: every thread computes what it needs itself (recomputation, XLA's way);
 - ``warp``: a warp reduces the row, the result is shared through register shuffles;
-- ``block``: the block reduces the row, the result is shared through shared memory.
+- ``block``: the block reduces the row, the result is shared through shared memory;
+- ``global``: the grid reduces it (a part of kind "global": a persistent kernel whose
+  phases are separated by grid barriers, partials in global scratch; see
+  ``global_scope.py``, whose ``GlobalScope`` the part carries).
 
 ``KernelSchedule.schemes`` lists them, with ``packing`` first when the kernel has more than
 one part.
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ..cost.occupancy import Occupancy
 
-SCHEMES = ("packing", "thread", "warp", "block")
+SCHEMES = ("packing", "thread", "warp", "block", "global")
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class SharedBuffer:
 @dataclass
 class PartSchedule:
     members: tuple[int, ...]
-    kind: str                       # "loop" | "row"
+    kind: str                       # "loop" | "row" | "global"
     unit: str                       # "thread" | "warp" | "block": who owns a row (or element)
     rows: int                       # rows (row parts) or elements (loop parts)
     row_length: int                 # reduced elements per row (1 for loops)
@@ -59,6 +62,7 @@ class PartSchedule:
     block_offset: int = 0           # first block of this part in the kernel's grid
     registers: int = 0
     modeled_cycles: float = 0.0
+    scope: object | None = None     # kind "global": its global_scope.GlobalScope
 
     @property
     def smem_bytes(self) -> int:
@@ -75,7 +79,7 @@ class KernelSchedule:
     regs_estimate: int
     occupancy: Occupancy
     modeled_us: float
-    bound: str = ""                 # "throughput" | "latency"
+    bound: str = ""                 # "throughput" | "latency" | "global" (phases)
     rejected: list[str] = field(default_factory=list)   # discarded combinations, why
 
     @property
