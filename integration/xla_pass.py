@@ -385,6 +385,21 @@ def _prebuild_gpu(request: PassRequest, kernels: list, workers: list) -> list:
         return list(pool.map(one, kernels))
 
 
+def _global_scope(schedule: Any) -> bool:
+    return any(part.kind == "global" for part in getattr(schedule, "parts", ()))
+
+
+def _block_scope_schedule(graph: Any, members: Any, spec: Any) -> Any:
+    """The kernel's best schedule without the global scope: a grid barrier needs a
+    cooperative launch, which the CUDA handler does not make yet (codegen.ffi_cuda)."""
+    from stitch.schedule.tuner import ScheduleError, schedule_kernel
+    try:
+        return schedule_kernel(graph, members, spec, force={"scope": "block"})
+    except ScheduleError as exc:
+        raise PassError(f"only a global-scope (grid barrier) schedule, which needs a "
+                        f"cooperative launch on the GPU: {exc}") from exc
+
+
 def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView, gi: int,
                 graph_plan: Any, snapped: list) -> list:
     """The graph's GEMM-chain kernels, lowered, as (view, kernel, site, lowered) jobs. A
@@ -454,8 +469,11 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                 continue
             request.check_cancelled()
             try:
+                schedule = k.schedule
+                if request.device == "gpu" and _global_scope(schedule):
+                    schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
                 with LLVM_LOCK:
-                    lowered = lower_kernel(graph_plan.graph, evaluator, k.schedule, k.name)
+                    lowered = lower_kernel(graph_plan.graph, evaluator, schedule, k.name)
             except (CodegenError, StitchError) as exc:
                 log.info("kernel %s stays with XLA: %s", k.name, exc)
                 report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
