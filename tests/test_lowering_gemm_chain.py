@@ -628,6 +628,26 @@ def test_mma_sync_ptx_is_the_tensor_core_instruction(dtype: str, arch: str) -> N
     assert report.spill_store_bytes == 0
 
 
+def test_mma_sync_fragment_sizes_follow_the_shape() -> None:
+    """tf32 (m16n8k8) takes 4 A and 2 B values per lane, bf16 (m16n8k16) 8 and 4: the
+    validator refuses one shape's fragments under the other's type."""
+    from codegen.kir import Kernel, MmaSync, Param, Ref, Store, ThreadIdx, f32
+    out = Param("d", "f32", 128, True)
+
+    def kernel(dtype: str, a: int, b: int) -> Kernel:
+        mma = MmaSync(("d0", "d1", "d2", "d3"), [f32(1.5)] * a, [f32(0.5)] * b,
+                      [f32(0.25)] * 4, dtype)
+        return Kernel("k", (out,), (), 1, 32, [mma, Store("d", ThreadIdx(), Ref("d0", "f32"))])
+    kernel("tf32", 4, 2).validate()
+    kernel("bf16", 8, 4).validate()
+    with pytest.raises(CodegenError, match="m16n8k8"):
+        kernel("tf32", 8, 4).validate()
+    with pytest.raises(CodegenError, match="m16n8k16"):
+        kernel("bf16", 4, 2).validate()
+    with pytest.raises(CodegenError, match="dtype"):
+        MmaSync(("d0", "d1", "d2", "d3"), [f32(1.0)] * 4, [f32(1.0)] * 2, [f32(1.0)] * 4, "f32")
+
+
 def test_mma_sync_prints() -> None:
     from codegen.printer import format_kernel
     assert "mma_m16n8k16_bf16(" in format_kernel(_mma_kernel("bf16"))
