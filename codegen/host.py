@@ -357,8 +357,10 @@ def round_tf32(em: KernelEmitter, value: ir.Value) -> ir.Value:
     zero, i.e. add half a tf32 ulp (bit 12) to the magnitude bits and clear bits 0..12.
     Subnormals round the same way (tf32 keeps f32's exponent range); the largest finite
     values round up to inf; inf stays inf; a NaN stays a (quiet) NaN with its upper
-    payload. The lowered bits match the SASS ptxas emits for the cvt on sm_80+ for every
-    non-NaN input."""
+    payload. For non-NaN inputs this is the same bit arithmetic as the SASS published
+    disassemblies show for the cvt on sm_8x (add 0x1000 unless |x| >= inf, then clear the
+    low 13 bits; not checked here: no disassembler on this machine); a NaN whose payload
+    lies only in the dropped bits would come out of that SASS as inf, here as a NaN."""
     b = em.builder
     c = functools.partial(ir.Constant, I32)
     bits = b.bitcast(value, I32)
