@@ -23,9 +23,10 @@ clamped index keeps every load in bounds), masking S columns past n (-inf before
 Two thread layouts. FMA (f32, or any type before sm_80): ``t = ty * lanes + tx``; thread
 (ty, tx) owns tile rows ``ty * thread_m + i`` and tile columns ``tx + j * lanes``
 (interleaved, so a warp's shared-memory reads of one row hit consecutive words); P goes
-through shared memory. Tensor cores (``ChainTiling.mma``, bf16/f16): ``kir.MmaSync``
-m16n8k16, a warp per 16 rows, S in the MMA's accumulator layout, P handed to the second
-GEMM from registers (see ``_MmaChainKernel``).
+through shared memory. Tensor cores (``ChainTiling.mma``): ``kir.MmaSync`` m16n8k16 for
+bf16/f16 operands, m16n8k8 TF32 for f32 operands (where the chain's dots allow TF32, as
+XLA's DEFAULT precision does on sm_80+), a warp per 16 rows, S in the MMA's accumulator
+layout, P handed to the second GEMM from registers (see ``_MmaChainKernel``).
 
 Row reductions that are not a softmax's (e.g. a layer norm over n) get a pass over n each
 before the main one, S recomputed per pass: the row values are then known in the main pass.
@@ -72,7 +73,8 @@ class ChainTiling:
     thread_n: int = 4       # ... and S columns
     block_k: int = 16       # K per shared-memory stage of the first GEMM
     block_h: int = 64       # result columns per block (H is split over blocks beyond it)
-    mma: bool = False       # tensor cores (bf16/f16 operands): a warp owns 16 rows
+    mma: bool = False       # tensor cores (bf16/f16 operands; f32 ones as TF32): a warp
+                            # owns 16 rows
 
     @property
     def lanes(self) -> int:
@@ -89,7 +91,9 @@ class ChainTiling:
         return 4 * (self.block_m * self.block_k + self.block_k * self.block_n + p_tile
                     + self.block_n * self.block_h)
 
-    def check(self) -> None:
+    def check(self, operand_dtype: str | None = None) -> None:
+        """Refuse tilings the lowering cannot lay out; with ``operand_dtype`` also the MMA
+        shape's own steps (bf16/f16 m16n8k16: n and k in 16s; f32 as TF32 m16n8k8: 8s)."""
         def bad(why: str) -> CodegenError:
             return CodegenError(f"chain tiling {self}: {why}")
         for name in ("block_m", "block_n", "threads", "thread_m", "thread_n", "block_k",
@@ -97,8 +101,11 @@ class ChainTiling:
             if getattr(self, name) < 1:
                 raise bad(f"{name} must be positive")
         if self.mma:
-            if self.block_m % 16 or self.block_n % 16 or self.block_k % 16 or self.block_h % 8:
-                raise bad("MMA tiles: block_m, block_n, block_k multiples of 16, block_h of 8")
+            step = 8 if operand_dtype in (None, _F32) else 16
+            if self.block_m % 16 or self.block_n % step or self.block_k % step \
+                    or self.block_h % 8:
+                raise bad(f"MMA tiles ({operand_dtype or 'any'} operands): block_m a multiple "
+                          f"of 16, block_n and block_k of {step}, block_h of 8")
             if self.threads != 2 * self.block_m:
                 raise bad("MMA: one warp per 16 rows (threads = 2 * block_m)")
         else:
@@ -117,19 +124,26 @@ class ChainTiling:
             raise bad(f"{self.shared_bytes()} bytes of shared memory (limit {SHARED_LIMIT})")
 
     @staticmethod
-    def default_for(chain: GemmChain, arch: str = "sm_80") -> "ChainTiling":
+    def default_for(chain: GemmChain, arch: str = "sm_80",
+                    allow_tf32: bool = False) -> "ChainTiling":
         """A tiling that fits the chain's dims. f32 (or before sm_80): 64 x 64 tiles, 4 x 4
         register tiles and 256 threads for large chains (ptxas keeps these at <= 80
         registers without spills on sm_80 and sm_90 for every MCFuser shape), smaller tiles
         where m / n are small; H in blocks of up to 64 columns. bf16/f16 on sm_80+: tensor
         cores, 4 warps of 16 rows, 32-wide n steps, k in stages of 16 (<= 128 registers, no
-        spills on sm_80 / sm_90 for the MCFuser shapes in bf16)."""
-        if chain.operand_dtype in ("bf16", "f16") and _sm(arch) >= 80:
+        spills on sm_80 / sm_90 for the MCFuser shapes in bf16). f32 with ``allow_tf32`` on
+        sm_80+ where the chain's dots allow it (``GemmChain.tf32``): the same on TF32 tensor
+        cores (m16n8k8), n and k in multiples of 8."""
+        tf32 = (chain.operand_dtype == _F32 and allow_tf32 and chain.tf32)
+        if (chain.operand_dtype in ("bf16", "f16") or tf32) and _sm(arch) >= 80:
+            step = 8 if tf32 else 16
             block_m = 64 if chain.m >= 64 else 16 * -(-chain.m // 16)
-            block_n = 32 if chain.n >= 32 else 16 * -(-chain.n // 16)
+            block_n = 32 if chain.n >= 32 else step * -(-chain.n // step)
+            block_k = 16 if chain.k >= 16 else step * -(-chain.k // step)
             block_h = 64 if chain.h >= 64 else 8 * -(-chain.h // 8)
-            tiling = ChainTiling(block_m, block_n, 2 * block_m, 1, 1, 16, block_h, mma=True)
-            tiling.check()
+            tiling = ChainTiling(block_m, block_n, 2 * block_m, 1, 1, block_k, block_h,
+                                 mma=True)
+            tiling.check(chain.operand_dtype)
             return tiling
         block_m = 64 if chain.m >= 64 else max(16, _pow2_at_least(chain.m))
         block_n = 64 if chain.n >= 64 else max(8, _pow2_at_least(chain.n))
@@ -146,6 +160,12 @@ class ChainTiling:
         return tiling
 
 
+def _math_note(chain: GemmChain, tiling: ChainTiling) -> str:
+    if not tiling.mma:
+        return ""
+    return ", TF32 tensor cores" if chain.operand_dtype == _F32 else ", tensor cores"
+
+
 def _sm(arch: str) -> int:
     try:
         return int(arch.removeprefix("sm_").rstrip("a"))
@@ -157,16 +177,19 @@ def lower_gemm_chain(graph: OpGraph, chain: GemmChain, tiling: ChainTiling | Non
                      name: str = "gemm_chain", arch: str = "sm_80") -> LoweredKernel:
     """One Kernel IR kernel computing ``chain`` (params: ``chain.inputs`` then the output)."""
     tiling = tiling or ChainTiling.default_for(chain, arch)
-    tiling.check()
-    if tiling.mma and chain.operand_dtype not in ("bf16", "f16"):
-        raise CodegenError(f"{name}: tensor-core MMA takes bf16/f16 operands, the chain's "
-                           f"are {chain.operand_dtype}")
+    tiling.check(chain.operand_dtype)
+    if tiling.mma and _sm(arch) < 80:
+        raise CodegenError(f"{name}: tensor-core MMA (mma.sync bf16/f16/tf32) needs sm_80+, "
+                           f"not {arch}")
+    if tiling.mma and chain.operand_dtype == _F32 and not chain.tf32:
+        raise CodegenError(f"{name}: the chain's dots ask for full f32 precision (HIGHEST or "
+                           f"an f32 algorithm): no TF32 tensor cores")
     layout = _MmaChainKernel if tiling.mma else _FmaChainKernel
     kernel = layout(graph, chain, tiling, name).build()
     note = (f"gemm chain {chain.batch}x{chain.m}x{chain.n}x{chain.k}x{chain.h} "
             f"({'online softmax' if chain.softmax else 'no softmax'}), tiles "
             f"m{tiling.block_m} n{tiling.block_n} k{tiling.block_k} h{tiling.block_h}, "
-            f"{tiling.threads} threads{', tensor cores' if tiling.mma else ''}")
+            f"{tiling.threads} threads{_math_note(chain, tiling)}")
     log.debug("%s: %s", name, note)
     return LoweredKernel(kernel, list(chain.inputs), [chain.output], ["gemm_chain"], [note])
 
@@ -516,19 +539,25 @@ class _FmaChainKernel(_ChainKernel):
 
 
 class _MmaChainKernel(_ChainKernel):
-    """Tensor cores (kir.MmaSync, m16n8k16): warp w owns tile rows 16 w .. 16 w + 15; lane
+    """Tensor cores (kir.MmaSync): warp w owns tile rows 16 w .. 16 w + 15; lane
     (g = lane >> 2, q = lane & 3) holds rows g and g + 8 of every 16x8 S tile at columns
-    2q, 2q + 1 (the MMA's D layout). Two neighbouring S tiles are exactly the A fragment
-    of a 16x16 P block, so P goes from registers straight into the second GEMM (as in
-    FlashAttention-2); a row's four lanes meet by xor shuffles 1 and 2."""
+    2q, 2q + 1 (the MMA's D layout, the same for both shapes); a row's four lanes meet by
+    xor shuffles 1 and 2. P goes from registers straight into the second GEMM (as in
+    FlashAttention-2): bf16/f16 (m16n8k16) take two neighbouring S tiles as exactly the A
+    fragment of a 16x16 P block; TF32 (m16n8k8) wants A columns q and q + 4 where the lane
+    holds 2q and 2q + 1, so one S tile feeds one MMA with its 8 columns renumbered
+    (physical 2q -> MMA k q, 2q + 1 -> q + 4) and C's rows read in the same order: a
+    contraction does not care how its index is numbered."""
 
     def layout(self, body: list[kir.Stmt]) -> None:
         t = self.t
+        self.dtype = "tf32" if self.chain.operand_dtype == _F32 else self.chain.operand_dtype
         tid = kir.ThreadIdx()
         lane = self.let(body, "lane", kir.Binary("rem", tid, _c(32)))
         warp_row = self.let(body, "wrow", _mul(kir.Binary("div", tid, _c(32)), _c(16)))
         self.g = self.let(body, "g", kir.Binary("div", lane, _c(4)))
-        self.q2 = self.let(body, "q2", _mul(kir.Binary("rem", lane, _c(4)), _c(2)))
+        self.q = self.let(body, "q", kir.Binary("rem", lane, _c(4)))
+        self.q2 = self.let(body, "q2", _mul(self.q, _c(2)))
         self.warp_row = warp_row
         self.rows = [_add(self.m0, _add(warp_row, _add(self.g, _c(8 * i)))) for i in range(2)]
         n_tiles, h_tiles = t.block_n // 8, t.block_h // 8
@@ -543,27 +572,36 @@ class _MmaChainKernel(_ChainKernel):
             acc: list[str]) -> None:
         self.names += 1
         dest = tuple(f"d{self.names}_{r}" for r in range(4))
-        out.append(kir.MmaSync(dest, a, b, [kir.Ref(n, _F32) for n in acc],
-                               self.chain.operand_dtype))
+        out.append(kir.MmaSync(dest, a, b, [kir.Ref(n, _F32) for n in acc], self.dtype))
         for name, d in zip(acc, dest):
             out.append(kir.Assign(name, kir.Ref(d, _F32)))
 
     def a_fragment(self, tile: kir.Shared, width: int, k0: int) -> list[kir.Expr]:
-        """A[warp rows, k0 .. k0 + 15] of a row-major [block_m, width] shared tile."""
+        """A[warp rows, k0 .. k0 + depth - 1] of a row-major [block_m, width] shared tile,
+        in the PTX fragment order of the MMA shape."""
         out = []
-        for i in range(8):
-            row = _add(self.warp_row, _add(self.g, _c(8 * ((i // 2) % 2))))
-            col = _add(self.q2, _c(k0 + i % 2 + 8 * (i // 4)))
+        if self.dtype == "tf32":     # a[i] = A[g + 8 (i odd)][q + 4 (i >= 2)]
+            places = [(8 * (i % 2), self.q, 4 * (i // 2)) for i in range(4)]
+        else:                        # a[i] = A[g + 8 (i//2 odd)][2q + i%2 + 8 (i >= 4)]
+            places = [(8 * ((i // 2) % 2), self.q2, i % 2 + 8 * (i // 4)) for i in range(8)]
+        for dr, lane_col, dc in places:
+            row = _add(self.warp_row, _add(self.g, _c(dr)))
+            col = _add(lane_col, _c(k0 + dc))
             out.append(kir.Load(tile, _add(_mul(row, _c(width)), col)))
         return out
 
     def b_fragment(self, tile: kir.Shared, width: int, k0: int, n0: int) -> list[kir.Expr]:
-        """B[k0 .. k0 + 15, n0 .. n0 + 7] of a row-major [k, width] shared tile."""
-        out = []
-        for i in range(4):
-            k = _add(self.q2, _c(k0 + i % 2 + 8 * (i // 2)))
-            out.append(kir.Load(tile, _add(_mul(k, _c(width)), _add(self.g, _c(n0)))))
-        return out
+        """B[k0 .. k0 + depth - 1, n0 .. n0 + 7] of a row-major [k, width] shared tile."""
+        if self.dtype == "tf32":     # b[i] = B[q + 4 i][g]
+            ks = [_add(self.q, _c(k0 + 4 * i)) for i in range(2)]
+        else:                        # b[i] = B[2q + i%2 + 8 (i >= 2)][g]
+            ks = [_add(self.q2, _c(k0 + i % 2 + 8 * (i // 2))) for i in range(4)]
+        return [kir.Load(tile, _add(_mul(k, _c(width)), _add(self.g, _c(n0)))) for k in ks]
+
+    @property
+    def depth(self) -> int:
+        """k of one MMA."""
+        return kir.MMA_SHAPES[self.dtype][2]
 
     def first_gemm(self, out: list[kir.Stmt], n0: kir.Expr) -> None:
         ch, t = self.chain, self.t
@@ -573,7 +611,7 @@ class _MmaChainKernel(_ChainKernel):
                               ch.m, ch.k)
         self.cooperative_load(k_body, self.sb, t.block_k, t.block_n, ch.b, k0, n0, ch.k, ch.n)
         k_body.append(kir.Barrier())
-        for kc in range(0, t.block_k, 16):
+        for kc in range(0, t.block_k, self.depth):
             a = self.a_fragment(self.sa, t.block_k, kc)
             for nt in range(t.block_n // 8):
                 self.mma(k_body, a, self.b_fragment(self.sb, t.block_n, kc, 8 * nt),
@@ -586,14 +624,27 @@ class _MmaChainKernel(_ChainKernel):
         ch, t = self.chain, self.t
         self.cooperative_load(out, self.sc, t.block_n, t.block_h, ch.c, n0, self.h0, ch.n, ch.h)
         out.append(kir.Barrier())
-        for chunk in range(t.block_n // 16):
-            # S tiles 2 chunk and 2 chunk + 1 (columns j = 4 chunk + ...) as A's fragment.
-            j0 = 4 * chunk
-            a = [p[0][j0], p[0][j0 + 1], p[1][j0], p[1][j0 + 1],
-                 p[0][j0 + 2], p[0][j0 + 3], p[1][j0 + 2], p[1][j0 + 3]]
+        for chunk in range(t.block_n // self.depth):
+            if self.dtype == "tf32":
+                # S tile `chunk`, renumbered: a[i] = P[g + 8 (i odd)][2q + (i >= 2)], and
+                # b[i] = C[chunk rows 2q + i][g] to match.
+                j0 = 2 * chunk
+                a = [p[0][j0], p[1][j0], p[0][j0 + 1], p[1][j0 + 1]]
+                rows = [_add(self.q2, _c(8 * chunk + i)) for i in range(2)]
+            else:
+                # S tiles 2 chunk and 2 chunk + 1 (columns j = 4 chunk + ...) as A's fragment.
+                j0 = 4 * chunk
+                a = [p[0][j0], p[0][j0 + 1], p[1][j0], p[1][j0 + 1],
+                     p[0][j0 + 2], p[0][j0 + 3], p[1][j0 + 2], p[1][j0 + 3]]
+                rows = None
             for ht in range(t.block_h // 8):
                 names = [self.acc[r // 2][2 * ht + r % 2][0] for r in range(4)]
-                self.mma(out, a, self.b_fragment(self.sc, t.block_h, 16 * chunk, 8 * ht), names)
+                if rows is None:
+                    b = self.b_fragment(self.sc, t.block_h, 16 * chunk, 8 * ht)
+                else:
+                    b = [kir.Load(self.sc, _add(_mul(r, _c(t.block_h)), _add(self.g, _c(8 * ht))))
+                         for r in rows]
+                self.mma(out, a, b, names)
         out.append(kir.Barrier())
 
 

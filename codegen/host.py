@@ -298,12 +298,15 @@ class HostTarget(Target):
 
 
     def _mma(self, em: KernelEmitter, s: kir.MmaSync, scope: Scope) -> None:
-        """The tensor-core MMA of each warp: the lanes' fragments gathered into A, B and C
-        by the PTX layout (see kir.MmaSync), A and B rounded to s.dtype, D = A B + C in f32
-        (k in order), D scattered back as every lane's four results. A wrong fragment
-        index in a kernel gives wrong numbers here, as it would on the GPU."""
+        """The tensor-core MMA of each warp: the lanes' fragments gathered into A (16 x k),
+        B (k x 8) and C by the PTX layout of s.dtype's shape (see kir.MmaSync), A and B
+        rounded to s.dtype (tf32: as cvt.rna.tf32.f32, see round_tf32), D = A B + C in f32
+        (k in order), D scattered back as every lane's four results. A wrong fragment index
+        in a kernel gives wrong numbers here, as it would on the GPU."""
         f32 = value_type("f32")
-        mats = {"a": em.alloca(f32, 256), "b": em.alloca(f32, 128), "c": em.alloca(f32, 128)}
+        _, _, depth = s.shape
+        mats = {"a": em.alloca(f32, 16 * depth), "b": em.alloca(f32, depth * 8),
+                "c": em.alloca(f32, 128)}
         acc = em.alloca(f32)
         dests = [Binding("f32", "slots", self.slots(em, "f32")) for _ in s.dest]
         c = functools.partial(ir.Constant, I32)
@@ -312,44 +315,44 @@ class HostTarget(Target):
             return em.builder.gep(mats[name], [index], source_etype=f32)
 
         def rounded(v: ir.Value) -> ir.Value:
+            if s.dtype == "tf32":
+                return round_tf32(em, v)
             return em.from_storage(em.to_storage(v, s.dtype), s.dtype)
 
         def per_warp(warp: ir.Value) -> None:
             b = em.builder
             base = b.mul(warp, c(32))
 
-            def places(lane: ir.Value) -> tuple[ir.Value, ir.Value]:
-                return b.lshr(lane, c(2)), b.shl(b.and_(lane, c(3)), c(1))   # g, 2q
-
             def gather(lane: ir.Value) -> None:
                 ctx = Ctx(b.add(base, lane))
-                g, q2 = places(lane)
-                for i, e in enumerate(s.a):      # A[g + 8 (i//2 odd)][2q + i%2 + 8 (i >= 4)]
-                    row = b.add(g, c(8 * ((i // 2) % 2)))
-                    col = b.add(q2, c(i % 2 + 8 * (i // 4)))
+                g, q = b.lshr(lane, c(2)), b.and_(lane, c(3))
+                for i, e in enumerate(s.a):
+                    dr, q_times, dc = mma_a_place(s.dtype, i)
+                    row, col = b.add(g, c(dr)), b.add(b.mul(q, c(q_times)), c(dc))
                     b.store(rounded(em.expr(e, scope, ctx)),
-                            at("a", b.add(b.mul(row, c(16)), col)))
-                for i, e in enumerate(s.b):      # B[2q + i%2 + 8 (i >= 2)][g]
-                    k = b.add(q2, c(i % 2 + 8 * (i // 2)))
+                            at("a", b.add(b.mul(row, c(depth)), col)))
+                for i, e in enumerate(s.b):
+                    q_times, dk = mma_b_place(s.dtype, i)
+                    k = b.add(b.mul(q, c(q_times)), c(dk))
                     b.store(rounded(em.expr(e, scope, ctx)), at("b", b.add(b.mul(k, c(8)), g)))
                 for i, e in enumerate(s.c):      # C[g + 8 (i >= 2)][2q + i%2]
                     row = b.add(g, c(8 * (i // 2)))
-                    b.store(em.expr(e, scope, ctx),
-                            at("c", b.add(b.mul(row, c(8)), b.add(q2, c(i % 2)))))
+                    col = b.add(b.shl(q, c(1)), c(i % 2))
+                    b.store(em.expr(e, scope, ctx), at("c", b.add(b.mul(row, c(8)), col)))
             em.loop(c(0), c(32), c(1), gather, name="mma.gather")
 
             def element(row: ir.Value, col: ir.Value) -> None:
                 slot = at("c", b.add(b.mul(row, c(8)), col))
                 b.store(b.load(slot, typ=f32), acc)
-                em.loop(c(0), c(16), c(1), lambda k: b.store(b.fadd(b.load(acc, typ=f32), b.fmul(
-                    b.load(at("a", b.add(b.mul(row, c(16)), k)), typ=f32),
+                em.loop(c(0), c(depth), c(1), lambda k: b.store(b.fadd(b.load(acc, typ=f32), b.fmul(
+                    b.load(at("a", b.add(b.mul(row, c(depth)), k)), typ=f32),
                     b.load(at("b", b.add(b.mul(k, c(8)), col)), typ=f32))), acc), name="mma.k")
                 b.store(b.load(acc, typ=f32), slot)
             em.loop(c(0), c(16), c(1), lambda row: em.loop(
                 c(0), c(8), c(1), lambda col: element(row, col), name="mma.col"), name="mma.row")
 
             def scatter(lane: ir.Value) -> None:
-                g, q2 = places(lane)
+                g, q2 = b.lshr(lane, c(2)), b.shl(b.and_(lane, c(3)), c(1))
                 for i, dest in enumerate(dests):
                     row = b.add(g, c(8 * (i // 2)))
                     value = b.load(at("c", b.add(b.mul(row, c(8)), b.add(q2, c(i % 2)))), typ=f32)
@@ -364,6 +367,42 @@ def grid_synchronized(kernel: kir.Kernel) -> bool:
     """A kernel whose blocks share global scratch or wait for each other: its whole grid
     runs on one host worker."""
     return bool(kernel.scratch) or kir.has_grid_barrier(kernel)
+
+
+def mma_a_place(dtype: str, i: int) -> tuple[int, int, int]:
+    """Where A fragment value ``i`` sits (PTX ISA): (dr, f, dc) with row = g + dr and
+    col = f * q + dc (g = lane >> 2, q = lane & 3)."""
+    if dtype == "tf32":      # m16n8k8: A[g + 8 (i odd)][q + 4 (i >= 2)]
+        return 8 * (i % 2), 1, 4 * (i // 2)
+    # m16n8k16: A[g + 8 (i//2 odd)][2q + i%2 + 8 (i >= 4)]
+    return 8 * ((i // 2) % 2), 2, i % 2 + 8 * (i // 4)
+
+
+def mma_b_place(dtype: str, i: int) -> tuple[int, int]:
+    """Where B fragment value ``i`` sits: (f, dk) with row k = f * q + dk, column g."""
+    if dtype == "tf32":      # m16n8k8: B[q + 4 i][g]
+        return 1, 4 * i
+    return 2, i % 2 + 8 * (i // 2)      # m16n8k16: B[2q + i%2 + 8 (i >= 2)][g]
+
+
+def round_tf32(em: KernelEmitter, value: ir.Value) -> ir.Value:
+    """``cvt.rna.tf32.f32`` on an f32: keep 10 mantissa bits, to nearest with ties away from
+    zero, i.e. add half a tf32 ulp (bit 12) to the magnitude bits and clear bits 0..12.
+    Subnormals round the same way (tf32 keeps f32's exponent range); the largest finite
+    values round up to inf; inf stays inf; a NaN stays a (quiet) NaN with its upper
+    payload. For non-NaN inputs this is the same bit arithmetic as the SASS published
+    disassemblies show for the cvt on sm_8x (add 0x1000 unless |x| >= inf, then clear the
+    low 13 bits; not checked here: no disassembler on this machine); a NaN whose payload
+    lies only in the dropped bits would come out of that SASS as inf, here as a NaN."""
+    b = em.builder
+    c = functools.partial(ir.Constant, I32)
+    bits = b.bitcast(value, I32)
+    finite = b.icmp_unsigned("!=", b.and_(bits, c(0x7F800000)), c(0x7F800000))
+    rounded = b.and_(b.add(bits, c(0x1000)), c(0xFFFFE000 - (1 << 32)))
+    kept = b.and_(bits, c(0xFFFFE000 - (1 << 32)))
+    nan = b.fcmp_unordered("uno", value, value)
+    special = b.select(nan, b.or_(kept, c(0x00400000)), kept)
+    return b.bitcast(b.select(finite, rounded, special), value.type)
 
 
 @dataclass

@@ -347,18 +347,27 @@ class WarpReduce(Stmt):
             raise CodegenError(f"unknown warp reduce op {self.op!r}")
 
 
-MMA_DTYPES = frozenset({"bf16", "f16"})
+MMA_DTYPES = frozenset({"bf16", "f16", "tf32"})
+# (m, n, k) of the PTX mma.sync shape each operand type uses.
+MMA_SHAPES = {"bf16": (16, 8, 16), "f16": (16, 8, 16), "tf32": (16, 8, 8)}
 
 
 @dataclass(frozen=True)
 class MmaSync(Stmt):
-    """Warp-wide D = A x B + C on tensor cores (PTX ``mma.sync.aligned.m16n8k16.row.col``,
-    f32 accumulate): A is 16x16, B 16x8, C and D 16x8. Every lane passes its fragment as
-    f32 values, A's and B's rounded to ``dtype`` (bf16 / f16) first; ``dest`` names the
-    lane's four D values (f32). Fragment layout, g = lane >> 2, q = lane & 3 (PTX ISA):
+    """Warp-wide D = A x B + C on tensor cores (PTX ``mma.sync.aligned.row.col``, f32
+    accumulate). Every lane passes its fragment as f32 values, A's and B's rounded to
+    ``dtype`` first; ``dest`` names the lane's four D values (f32). g = lane >> 2,
+    q = lane & 3 (PTX ISA, "Matrix Fragments for mma.m16n8k16 / m16n8k8").
+
+    bf16 / f16: m16n8k16, A 16x16, B 16x8, inputs rounded to nearest even.
     a[0..1] = A[g][2q..2q+1], a[2..3] = A[g+8][2q..2q+1], a[4..5] = A[g][2q+8..2q+9],
-    a[6..7] = A[g+8][2q+8..2q+9]; b[0..1] = B[2q..2q+1][g], b[2..3] = B[2q+8..2q+9][g];
-    c[0..1] / dest[0..1] = C[g][2q..2q+1], c[2..3] / dest[2..3] = C[g+8][2q..2q+1]."""
+    a[6..7] = A[g+8][2q+8..2q+9]; b[0..1] = B[2q..2q+1][g], b[2..3] = B[2q+8..2q+9][g].
+
+    tf32: m16n8k8, A 16x8, B 8x8, inputs rounded as ``cvt.rna.tf32.f32`` (10 mantissa bits,
+    to nearest, ties away from zero). a[0] = A[g][q], a[1] = A[g+8][q], a[2] = A[g][q+4],
+    a[3] = A[g+8][q+4]; b[0] = B[q][g], b[1] = B[q+4][g].
+
+    Both: c[0..1] / dest[0..1] = C[g][2q..2q+1], c[2..3] / dest[2..3] = C[g+8][2q..2q+1]."""
     dest: tuple[str, ...]
     a: tuple[Expr, ...]
     b: tuple[Expr, ...]
@@ -370,6 +379,17 @@ class MmaSync(Stmt):
             object.__setattr__(self, attr, _tuple(getattr(self, attr)))
         if self.dtype not in MMA_DTYPES:
             raise CodegenError(f"MmaSync dtype {self.dtype!r} not one of {sorted(MMA_DTYPES)}")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(m, n, k) of one MMA."""
+        return MMA_SHAPES[self.dtype]
+
+    @property
+    def fragment_sizes(self) -> dict[str, int]:
+        """Values per lane of each operand: A has m k / 32, B k n / 32, C and D 4."""
+        m, n, k = self.shape
+        return {"a": m * k // 32, "b": k * n // 32, "c": 4, "dest": 4}
 
 
 @dataclass(frozen=True)
@@ -766,10 +786,11 @@ class _Checker:
                 self.fail(where, f"WarpReduce does not take {s.value.dtype}")
             self._define(scopes, s.dest, _Var(s.value.dtype, "lane", True, id(s)), where)
         elif isinstance(s, MmaSync):
-            for part, want in (("a", 8), ("b", 4), ("c", 4), ("dest", 4)):
+            m, n, k = s.shape
+            for part, want in s.fragment_sizes.items():
                 if len(getattr(s, part)) != want:
                     self.fail(where, f"MmaSync {part} has {len(getattr(s, part))} values, "
-                                     f"m16n8k16 takes {want}")
+                                     f"m{m}n{n}k{k} ({s.dtype}) takes {want}")
             for e in (*s.a, *s.b, *s.c):
                 self._expr(e, scopes, where)
                 if e.dtype != "f32":

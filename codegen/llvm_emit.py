@@ -214,11 +214,18 @@ def _pack_pair(em: "KernelEmitter", dtype: str, lo: ir.Value, hi: ir.Value) -> i
 
 def nvvm_mma(em: "KernelEmitter", dtype: str, a: list[ir.Value], b: list[ir.Value],
              c: list[ir.Value]) -> list[ir.Value]:
-    """``llvm.nvvm.mma.m16n8k16.row.col`` (bf16 or f16 in, f32 accumulate): sm_80+."""
-    name = ("llvm.nvvm.mma.m16n8k16.row.col.bf16" if dtype == "bf16"
-            else "llvm.nvvm.mma.m16n8k16.row.col.f32.f32")
-    args = [_pack_pair(em, dtype, a[i], a[i + 1]) for i in range(0, 8, 2)]
-    args += [_pack_pair(em, dtype, b[i], b[i + 1]) for i in range(0, 4, 2)]
+    """The NVVM ``mma`` intrinsic (f32 accumulate, sm_80+): ``m16n8k16.row.col`` for bf16 /
+    f16 (two values packed per 32-bit register), ``m16n8k8.row.col.tf32`` for tf32 (one
+    value per register, each rounded by ``cvt.rna.tf32.f32``: the MMA itself would only
+    drop the low 13 bits)."""
+    if dtype == "tf32":
+        name = "llvm.nvvm.mma.m16n8k8.row.col.tf32"
+        args = [em.call("llvm.nvvm.f2tf32.rna", I32, [v]) for v in (*a, *b)]
+    else:
+        name = ("llvm.nvvm.mma.m16n8k16.row.col.bf16" if dtype == "bf16"
+                else "llvm.nvvm.mma.m16n8k16.row.col.f32.f32")
+        args = [_pack_pair(em, dtype, a[i], a[i + 1]) for i in range(0, 8, 2)]
+        args += [_pack_pair(em, dtype, b[i], b[i + 1]) for i in range(0, 4, 2)]
     args += list(c)
     result = em.call(name, ir.LiteralStructType([F32] * 4), args)
     return [em.builder.extract_value(result, i) for i in range(4)]

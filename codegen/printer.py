@@ -95,7 +95,8 @@ def _stmts(body: tuple[kir.Stmt, ...], indent: int, out: list[str]) -> None:
         elif isinstance(s, kir.MmaSync):
             frags = "; ".join("{" + ", ".join(format_expr(e) for e in part) + "}"
                               for part in (s.a, s.b, s.c))
-            out.append(f"{pad}float {', '.join(s.dest)}; mma_m16n8k16_{s.dtype}("
+            m, n, k = s.shape
+            out.append(f"{pad}float {', '.join(s.dest)}; mma_m{m}n{n}k{k}_{s.dtype}("
                        f"{frags});")
         else:
             raise CodegenError(f"cannot print statement {s!r}")

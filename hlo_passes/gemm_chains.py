@@ -118,6 +118,9 @@ class GemmChain:
     program: tuple[ChainOp, ...] = ()   # element ops from S to P (P is the last one)
     output_dtype: str = "f32"           # HLO element type of ``output``
     output_scale: float = 1.0           # the second GEMM's cuBLAS alpha
+    # --- added by tf32 (default only) ----------------------------------------------------
+    tf32: bool = False                  # both dots let f32 operands run as TF32 (no HIGHEST
+                                        # operand precision, no algorithm but TF32's)
 
 
 # ---------------------------------------------------------------------------- public
@@ -305,6 +308,26 @@ def _describe_gemm(graph: OpGraph, nid: int) -> _Dot:
     return _Dot(nid, dot, comp, lhs, rhs, list(dot.ints("lhs_batch_dims", ())),
                 list(dot.ints("lhs_contracting_dims", ())),
                 list(dot.ints("rhs_batch_dims", ())), list(dot.ints("rhs_contracting_dims", ())))
+
+
+def _allows_tf32(d: _Dot) -> bool:
+    """XLA may run this GEMM's f32 operands on TF32 tensor cores (sm_80+): no operand asks
+    for HIGHEST precision (DEFAULT and HIGH allow TF32, as jax's default precision does)
+    and the dot names no algorithm other than TF32's."""
+    inst = d.inst
+    if inst.opcode == "custom-call":
+        cfg = inst.backend_config.get("gemm_backend_config", {})
+        config = cfg.get("precision_config", {}) if isinstance(cfg, dict) else {}
+        config = config if isinstance(config, dict) else {}
+        precisions = [str(p) for p in config.get("operand_precision", [])]
+        algorithm = str(config.get("algorithm", ""))
+    else:
+        precisions = str(inst.attrs.get("operand_precision", "")).strip("{}").split(",")
+        algorithm = str(inst.attrs.get("algorithm", ""))
+    if any(p.strip().lower() == "highest" for p in precisions):
+        return False
+    return algorithm.lower().removeprefix("alg_").removeprefix("dot_") in (
+        "", "unset", "tf32_tf32_f32")
 
 
 def _through_renames(graph: OpGraph, nid: int) -> tuple[int, list[int]]:
@@ -799,7 +822,8 @@ class _Recognizer:
             between=tuple(sorted(v for v in between
                                  if g.nodes[v].op_class is not OpClass.SOURCE)),
             inputs=tuple(inputs), output=d2.result, a=a, b=b, c=c, out=out,
-            program=program, output_dtype=output.shape.element_type, output_scale=d2.alpha)
+            program=program, output_dtype=output.shape.element_type, output_scale=d2.alpha,
+            tf32=_allows_tf32(d1) and _allows_tf32(d2))
 
     def reordered(self, last: int) -> tuple[ChainOp, ...]:
         """The program with ``last`` moved to the end (ops it does not need dropped)."""
