@@ -284,7 +284,7 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
 
 # GEMM-chain kernels of f32 dots that allow TF32 use TF32 tensor cores on the GPU path
 # (codegen.gemm_chain's m16n8k8 MMA); host paths keep f32 exact.
-GPU_CHAIN_TF32 = False
+GPU_CHAIN_TF32 = True
 
 
 def stitch_module(module: HloModule, request: PassRequest) -> PassReport:

@@ -131,8 +131,7 @@ def chain_dims(graph: OpGraph, chain: GemmChain, tf32: bool = False) -> ChainDim
     GPU compile paths; host paths compute f32 exactly, as XLA CPU does)."""
     return ChainDims(chain.batch, chain.m, chain.n, chain.k, chain.h, chain.operand_dtype,
                      chain.softmax, _between_instructions(graph, chain),
-                     tf32 and allows_tf32(graph, graph.nodes[chain.first]) and
-                     allows_tf32(graph, graph.nodes[chain.second]),
+                     tf32 and chain.tf32,     # the recognizer's rule, as codegen checks it
                      OPERAND_BYTES.get(chain.output_dtype, 4), _input_bytes(chain))
 
 

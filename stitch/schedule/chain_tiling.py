@@ -28,12 +28,13 @@ def tiling_for(schedule: GemmChainSchedule, h: int) -> ChainTiling:
 
 
 def buildable(dims: ChainDims, schedule: GemmChainSchedule) -> bool:
-    """Whether codegen builds ``schedule`` as planned (its tiling passes codegen's checks;
-    tensor cores only for bf16/f16 operands: codegen has no TF32 path yet)."""
-    if schedule.mma and dims.operand_dtype == "f32":
+    """Whether codegen builds ``schedule`` as planned: its tiling passes codegen's checks
+    for the operand type (tensor cores: bf16/f16 m16n8k16; f32 as TF32 m16n8k8, only where
+    ``dims.tf32`` — the dots allow it and the caller asked for it)."""
+    if schedule.mma and dims.operand_dtype == "f32" and not dims.tf32:
         return False
     try:
-        tiling_for(schedule, dims.h).check()
+        tiling_for(schedule, dims.h).check(dims.operand_dtype)
     except CodegenError:
         return False
     return True
