@@ -244,8 +244,9 @@ def markdown(rows: list[ChainRow], search: list[SearchRow]) -> list[str]:
         "tuner for XLA's softmax / split-K reduce kernels. XLA formula: "
         "bench/xla_cost_formula.py with XLA's ComputeTime scaling, FP32 FPUs on both sides. "
         "f32 GEMMs run TF32 tensor cores on both sides under the latency-evaluator (XLA's "
-        "default precision; the chain's `mma` schedules assume codegen emits TF32 mma.sync "
-        "for f32). MBCI: the unfused chain's flops per HBM byte below the ridge of its math "
+        "default precision; the chain's `mma` schedules are codegen's TF32 mma.sync m16n8k8, "
+        "as the GPU pass plans them, ExplorerOptions.chain_tf32; only schedules codegen "
+        "builds are searched, stitch/schedule/chain_tiling.py). MBCI: the unfused chain's flops per HBM byte below the ridge of its math "
         "unit (MCFuser's memory-bound compute-intensive chains).",
         "",
         f"Goal ≥ {GOAL}× under both models with a planned `gemm_chain` kernel: "

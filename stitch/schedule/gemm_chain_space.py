@@ -254,7 +254,7 @@ class ChainSearchSpace:
             if nxt != s:
                 moves.append((name, nxt))
 
-        for f in (2, 0.5):
+        for f in (2, 0.5) if not s.mma else ():     # codegen's MMA: a warp per 16 rows
             threads = int(s.threads * f)
             if 32 <= threads <= 1024:
                 # Virtual threads: the same block tile over more (fewer) threads, the
@@ -294,7 +294,8 @@ class ChainSearchSpace:
                     add("stages", replace(s, stages=st))
         else:
             if self.dims.mma_allowed(self.spec):
-                add("mma", replace(s, mma=not s.mma, thread_m=1, thread_n=1) if not s.mma
+                add("mma", self._fit_threads(replace(s, mma=True, thread_m=1, thread_n=1), "")
+                    if not s.mma
                     else self._fit_threads(replace(s, mma=False, thread_m=4, thread_n=4), ""))
             if not s.mma:
                 for field_ in ("thread_m", "thread_n"):
@@ -310,9 +311,11 @@ class ChainSearchSpace:
 
     def _fit_threads(self, s: GemmChainSchedule, changed: str) -> GemmChainSchedule:
         """After a block tile changes, keep the register tile and move the thread count
-        so threads x thread tile = block tile (FMA); MMA keeps its warps."""
+        so threads x thread tile = block tile (FMA); MMA: a warp per 16 rows of the block
+        tile, as codegen lays it out (stitch.schedule.chain_tiling)."""
         if s.mma:
-            return s
+            threads = 2 * s.block_m
+            return replace(s, threads=threads) if 32 <= threads <= 1024 else s
         threads = s.block_m * s.block_n // max(s.thread_m * s.thread_n, 1)
         if threads > 1024:
             return s
@@ -325,7 +328,8 @@ def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 16, max_steps: in
     space = ChainSearchSpace(spec, dims)
     starts = []
     if dims.mma_allowed(spec):
-        starts.append(replace(space.initial(), mma=True, thread_m=1, thread_n=1))
+        starts.append(space._fit_threads(replace(space.initial(), mma=True, thread_m=1,
+                                                 thread_n=1), ""))
     if not any(space.legal(s) for s in [space.initial(), *starts]):
         # Small chains (tiles below the default ones): start from the first legal
         # schedule of the pruned space.
