@@ -81,6 +81,7 @@ class ChainRow:
     stitch: Side
     xla: Side
     registers: int = 0
+    ptxas_registers: str = ""          # ptxas -v of the planned schedule as codegen builds it
     smem_bytes: int = 0
 
     @property
@@ -111,7 +112,28 @@ def _memory_latency_us(graph: OpGraph, spec, cost: CostModel, members: frozenset
         return cost.kernel(members).total_s * 1e6
 
 
-def compare(model: str, target: str, tf32: bool | None = None) -> ChainRow | None:
+def _ptxas_registers(graph: OpGraph, chain, schedule, target: str) -> str:
+    """ptxas's registers per thread (and spills) of the chain kernel codegen builds for
+    ``schedule`` on ``target``'s arch; a failure is reported in the cell."""
+    from codegen.errors import CodegenError
+    from codegen.gemm_chain import lower_gemm_chain
+    from codegen.nvptx import emit_ptx
+    from codegen.toolchain import assemble
+    from stitch.compiler import arch_of
+    from stitch.schedule.chain_tiling import tiling_for
+    arch = arch_of(target)
+    try:
+        kernel = lower_gemm_chain(graph, chain, tiling_for(schedule, chain.h), "chain",
+                                  arch).kernel
+        report = assemble(emit_ptx(kernel, arch), arch, kernel_name="chain")["chain"]
+    except CodegenError as exc:
+        return f"({type(exc).__name__})"
+    spills = report.spill_store_bytes + report.spill_load_bytes
+    return f"{report.registers}" + (f" (spills {spills} B)" if spills else "")
+
+
+def compare(model: str, target: str, tf32: bool | None = None,
+            ptxas: bool = False) -> ChainRow | None:
     """One model on one target (module docstring); None without a fixture or a chain.
     ``tf32``: chain kernels may use TF32 tensor cores (ExplorerOptions.chain_tf32; default:
     what the GPU compile path plans with)."""
@@ -175,8 +197,10 @@ def compare(model: str, target: str, tf32: bool | None = None) -> ChainRow | Non
         return ChainRow(model, target,
                         f"b{d.batch} m{d.m} n{d.n} k{d.k} h{d.h}{' softmax' if d.softmax else ''}",
                         planned is not None, price.schedule.text(), intensity < ridge,
-                        intensity, ridge, ours, xla, chain_tile.registers,
-                        chain_tile.smem_bytes)
+                        intensity, ridge, ours, xla, registers=chain_tile.registers,
+                        smem_bytes=chain_tile.smem_bytes,
+                        ptxas_registers=_ptxas_registers(graph, chain, price.schedule, target)
+                        if ptxas else "")
     return None
 
 
@@ -224,7 +248,7 @@ def collect(models: list[str] | None = None, targets=TARGETS,
     rows = []
     for model in models or chain_models():
         for target in targets:
-            row = compare(model, target)
+            row = compare(model, target, ptxas=True)
             if row is not None:
                 rows.append(row)
                 if progress:
@@ -252,7 +276,7 @@ def markdown(rows: list[ChainRow], search: list[SearchRow]) -> list[str]:
         f"Goal ≥ {GOAL}× under both models with a planned `gemm_chain` kernel: "
         f"{len(ok)} of {len(rows)} model × target rows.",
         "",
-        "| model | target | dims | MBCI (flop/B vs ridge) | planned | schedule | regs | smem KiB "
+        "| model | target | dims | MBCI (flop/B vs ridge) | planned | schedule | regs (model / ptxas) | smem KiB "
         "| chain µs | XLA µs (kernels) | × latency | XLA tuned µs | × vs tuned | chain µs formula "
         "| XLA µs formula | × formula |",
         "|---|---|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -260,7 +284,7 @@ def markdown(rows: list[ChainRow], search: list[SearchRow]) -> list[str]:
         lines.append(
             f"| {r.model} | {r.target} | {r.dims} | {'yes' if r.mbci else 'no'} "
             f"({r.intensity:.0f} vs {r.ridge:.0f}) | {'yes' if r.planned else 'NO'} | "
-            f"`{r.schedule}` | {r.registers} | {r.smem_bytes / 1024:.0f} | "
+            f"`{r.schedule}` | {r.registers} / {r.ptxas_registers or '–'} | {r.smem_bytes / 1024:.0f} | "
             f"{r.stitch.latency_us:.2f} | {r.xla.latency_us:.2f} ({len(r.xla.kernels)}: "
             f"{', '.join(r.xla.kernels)}) | {r.latency_ratio:.2f}× | "
             f"{r.xla.tuned_latency_us:.2f} | {r.tuned_ratio:.2f}× | {r.stitch.formula_us:.2f} | "
