@@ -19,14 +19,16 @@ from hlo_passes.evaluator.dtypes import numpy_dtype
 from hlo_passes.evaluator.interpreter import Evaluator
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import ScheduleError, schedule_kernel
-from tests.fixtures import DATA, REDUCERS
+from tests.fixtures import BF16_TOLERANCE, DATA, REDUCERS
 
 # transformer_train is left out for test time (its ~180 kernels compile for minutes on
 # the host and are the same layer-norm/softmax/bias blocks bert_layer_train checks).
 MODELS = sorted(d.name for d in DATA.iterdir() if (d / "tiny.gpu-h100.hlo").exists()
                 and d.name != "transformer_train")
 # Ops the generator does not emit yet: kernels holding them fall back to XLA.
-UNSUPPORTED: tuple[str, ...] = ()
+# Codegen limits a zoo kernel may still hit (it then runs through the evaluator): bf16 has no
+# atomic add in Kernel IR (dien_train_bf16, transformer_train_bf16's embedding gradients).
+UNSUPPORTED: tuple[str, ...] = ("atomic scatter-add of bf16 is not generated",)
 
 
 def _inputs(graph, lowered, rng) -> dict[int, np.ndarray]:
@@ -52,6 +54,9 @@ def _check(graph, evaluator, members, lowered, rng, inputs=None) -> None:
     got = run_on_host(lowered, graph, inputs)
     reduces = any(graph.nodes[v].opcode in ("reduce", "reduce-window") for v in members)
     tol = 1e-4 if reduces else 1e-5
+    if any(leaf(graph.nodes[v].shape).element_type == "bf16" for v in members):
+        # Every bf16 op rounds: a reduction in another order flips roundings downstream.
+        tol = BF16_TOLERANCE
     for v, value in got.items():
         ref = np.asarray(want[v], dtype=np.float64)
         val = value.astype(np.float64)
