@@ -465,6 +465,18 @@ class _ChainKernel:
         return out
 
 
+    def stage_first_gemm_tiles(self, k0: kir.Expr, n0: kir.Expr) -> list[kir.Stmt]:
+        """The k-stage's A tile (rows m0.., k0..) and B tile (k0.., n0..) into shared
+        memory, then a barrier: how both layouts start a step of the first GEMM."""
+        ch, t = self.chain, self.t
+        body: list[kir.Stmt] = []
+        self.cooperative_load(body, self.sa, t.block_m, t.block_k, ch.a, self.m0, k0,
+                              ch.m, ch.k)
+        self.cooperative_load(body, self.sb, t.block_k, t.block_n, ch.b, k0, n0, ch.k, ch.n)
+        body.append(kir.Barrier())
+        return body
+
+
 class _FmaChainKernel(_ChainKernel):
     """f32 FMA: thread (ty, tx) owns tile rows ty * thread_m + i and S columns
     tx + j * lanes; P goes through shared memory to the second GEMM."""
@@ -494,12 +506,8 @@ class _FmaChainKernel(_ChainKernel):
     def first_gemm(self, out: list[kir.Stmt], n0: kir.Expr) -> None:
         """S = A[rows, :] x B[:, n0 + cols], k in shared-memory stages."""
         ch, t = self.chain, self.t
-        k_body: list[kir.Stmt] = []
         k0 = kir.Ref("k0", "i32")
-        self.cooperative_load(k_body, self.sa, t.block_m, t.block_k, ch.a, self.m0, k0,
-                              ch.m, ch.k)
-        self.cooperative_load(k_body, self.sb, t.block_k, t.block_n, ch.b, k0, n0, ch.k, ch.n)
-        k_body.append(kir.Barrier())
+        k_body = self.stage_first_gemm_tiles(k0, n0)
         inner: list[kir.Stmt] = []
         kk = kir.Ref("kk", "i32")
         a = [self.let(inner, "a", kir.Load(self.sa, _add(_mul(r, _c(t.block_k)), kk)))
@@ -605,12 +613,8 @@ class _MmaChainKernel(_ChainKernel):
 
     def first_gemm(self, out: list[kir.Stmt], n0: kir.Expr) -> None:
         ch, t = self.chain, self.t
-        k_body: list[kir.Stmt] = []
         k0 = kir.Ref("k0", "i32")
-        self.cooperative_load(k_body, self.sa, t.block_m, t.block_k, ch.a, self.m0, k0,
-                              ch.m, ch.k)
-        self.cooperative_load(k_body, self.sb, t.block_k, t.block_n, ch.b, k0, n0, ch.k, ch.n)
-        k_body.append(kir.Barrier())
+        k_body = self.stage_first_gemm_tiles(k0, n0)
         for kc in range(0, t.block_k, self.depth):
             a = self.a_fragment(self.sa, t.block_k, kc)
             for nt in range(t.block_n // 8):
