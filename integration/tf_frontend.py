@@ -350,9 +350,9 @@ class TFStitchedFunction(SwitchingFunction):
         (which updates the variables); outputs and new variable values must agree. Where TF's
         result and the stitched one differ, XLA's own compile of the same module on jax's
         client (run on the same values) decides: the stitched result must be as close to it
-        as TF's XLA is (``verify.spread_check``): two XLA versions round differently and
-        expand ``rng-bit-generator`` differently (keras_hub GPT2's dropout), stitch's kernels
-        must not add to that."""
+        as TF's result is (``verify.spread_check``): TF's own kernels (Keras on a CPU-only
+        machine runs without XLA) draw other dropout masks than XLA, and compilers round
+        differently; stitch's kernels must not add to that."""
         import tensorflow as tf
 
         try:

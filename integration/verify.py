@@ -44,9 +44,10 @@ def spread_check(stitched: np.ndarray, plain: np.ndarray, stock: np.ndarray,
                  rtol: float) -> str | None:
     """None when the stitched result is as close to XLA's own compile of the same module
     (``plain``) as two correct compilers are to each other. ``stock`` is the result of the
-    other compiler (TF's XLA): an output that is rounding noise (a gradient that is zero in
-    exact arithmetic, e.g. an attention key bias) or that depends on implementation-defined
-    ops (``rng-bit-generator``'s bits differ between XLA versions) differs between them, and
+    other program (TF's: its own kernels or its XLA): an output that is rounding noise (a
+    gradient that is zero in exact arithmetic, e.g. an attention key bias) or that depends on
+    how random numbers are drawn (TF's kernels and XLA draw other dropout masks) differs
+    between them, and
     the stitched result may differ from ``plain`` up to twice that spread; anything else must
     match ``plain`` at ``rtol``."""
     why = poison_check(stitched, plain, rtol)
