@@ -311,10 +311,13 @@ def _describe_gemm(graph: OpGraph, nid: int) -> _Dot:
 
 
 def _allows_tf32(d: _Dot) -> bool:
-    """XLA may run this GEMM's f32 operands on TF32 tensor cores (sm_80+): no operand asks
-    for HIGHEST precision (DEFAULT and HIGH allow TF32, as jax's default precision does)
-    and the dot names no algorithm other than TF32's."""
-    inst = d.inst
+    return allows_tf32(d.inst)
+
+
+def allows_tf32(inst: Instruction) -> bool:
+    """XLA may run this GEMM's (a ``dot`` or a cuBLAS custom call) f32 operands on TF32
+    tensor cores (sm_80+): no operand asks for HIGHEST precision (DEFAULT and HIGH allow
+    TF32, as jax's default precision does) and it names no algorithm other than TF32's."""
     if inst.opcode == "custom-call":
         cfg = inst.backend_config.get("gemm_backend_config", {})
         config = cfg.get("precision_config", {}) if isinstance(cfg, dict) else {}

@@ -14,6 +14,7 @@ import weakref
 from dataclasses import dataclass
 
 from hlo_passes.gemm_chains import GemmChain, find_gemm_chains
+from hlo_passes.gemm_chains import allows_tf32 as dot_allows_tf32
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.op_classes import OpClass
 
@@ -79,20 +80,12 @@ def _dot_instruction(graph: OpGraph, node: OpNode):
 
 
 def allows_tf32(graph: OpGraph, node: OpNode) -> bool:
-    """An f32 GEMM may run on TF32 tensor cores: DEFAULT precision and no f32 algorithm
-    (XLA's and jax's default; gemm_tile's module docstring)."""
+    """An f32 GEMM node (a dot, a GEMM fusion, a cuBLAS call) may run on TF32 tensor cores:
+    the recognizer's rule (``hlo_passes.gemm_chains.allows_tf32``) on its dot."""
     inst = _dot_instruction(graph, node)
-    texts = []
-    if inst is not None:
-        texts += [inst.attrs.get("operand_precision", ""), inst.attrs.get("algorithm", "")]
-    config = node.instruction.backend_config if node.opcode == "custom-call" else {}
-    if isinstance(config, dict):
-        gemm = config.get("gemm_backend_config", {})
-        if isinstance(gemm, dict):
-            texts.append(str(gemm.get("precision_config", "")))
-            texts.append(str(gemm.get("algorithm", "")))
-    text = " ".join(texts).lower()
-    return "highest" not in text and "f32_f32_f32" not in text
+    if inst is None and node.opcode == "custom-call":
+        inst = node.instruction
+    return inst is None or dot_allows_tf32(inst)
 
 
 def _between_instructions(graph: OpGraph, chain: GemmChain) -> float:
