@@ -805,15 +805,21 @@ class _KernelBuilder:
         return out - 1
 
 
+def kernel_identifier(name: str) -> str:
+    """A planned kernel's name (``main.3.k0``) as a Kernel IR / PTX identifier."""
+    safe = "".join(ch if ch.isalnum() else "_" for ch in name)
+    if not safe or not (safe[0].isalpha() or safe[0] == "_"):
+        safe = "k_" + safe
+    return safe
+
+
 def lower_kernel(graph: OpGraph, module: HloModule | Evaluator, schedule, name: str,
                  in_place: bool = False) -> LoweredKernel:
     """Kernel IR for the stitched kernel ``schedule`` (a KernelSchedule) of ``graph``.
     ``in_place``: the caller fills the buffers of ``LoweredKernel.initial`` before the
     launch, so scatters with colliding updates are generated (else refused)."""
     evaluator = module if isinstance(module, Evaluator) else Evaluator(module)
-    safe = "".join(ch if ch.isalnum() else "_" for ch in name)
-    if not safe or not (safe[0].isalpha() or safe[0] == "_"):
-        safe = "k_" + safe
+    safe = kernel_identifier(name)
     try:
         return _KernelBuilder(graph, evaluator, schedule, safe, in_place).build()
     except CodegenError:

@@ -38,7 +38,7 @@ from codegen.errors import CodegenError
 from codegen.gpu_cache import assemble_cached, emit_ptx_cached
 from codegen.host import NUMPY_DTYPES, HostKernel, compile_host
 from codegen.nvptx import emit_ptx
-from codegen.lower import LoweredKernel, lower_kernel
+from codegen.lower import LoweredKernel, kernel_identifier, lower_kernel
 from codegen.values import leaf
 from hlo_passes import HloModule, HloParseError, parse_hlo
 from hlo_passes.evaluator.dtypes import numpy_dtype
@@ -289,8 +289,7 @@ def lower_chain_kernel(graph: OpGraph, k, arch: str, *, fma: bool = False) -> Lo
     tiling = tiling_for(k.chain_schedule, chain.h) if k.chain_schedule is not None else None
     if fma and (tiling is None or tiling.mma):
         tiling = ChainTiling.default_for(chain, "sm_70")
-    safe = "".join(ch if ch.isalnum() else "_" for ch in k.name)   # as lower_kernel names it
-    return lower_gemm_chain(graph, chain, tiling, safe, arch)
+    return lower_gemm_chain(graph, chain, tiling, kernel_identifier(k.name), arch)
 
 
 def _build_kernel(k, gi: int, graph: OpGraph, evaluator: Evaluator,
