@@ -6,8 +6,11 @@ answers XLA's metadata probe; decodes the call frame exactly like the CPU handle
 dtypes, element counts; errors name the kernel); fetches the CUDA stream of the call through
 the FFI API's XLA_FFI_Stream_Get; picks the device's CUfunction (XLA_FFI_DeviceOrdinal_Get
 when more than one device is loaded); makes the module's context current if it is not; and
-calls cuLaunchKernel(grid, block, dynamic shared bytes, stream) from native code. A failed
-launch comes back as an XLA error carrying cuGetErrorName's text.
+calls cuLaunchKernel(grid, block, dynamic shared bytes, stream) from native code — or, for a
+kernel with grid barriers, cuLaunchCooperativeKernel, the driver's guarantee that all its blocks
+are resident at once (checked when the module is loaded: the device supports cooperative
+launches and occupancy x SMs holds the grid, else CodegenError). A failed launch comes back as
+an XLA error carrying cuGetErrorName's text.
 
 The driver entry points the handler calls are resolved with llvmlite's
 `load_library_permanently("libcuda.so.1")` + `address_of_symbol` and baked into the IR as
@@ -18,7 +21,9 @@ Importing this module needs neither CUDA nor jax.
 
 CUDA driver API facts used (cuda.h): CUresult is an int enum, 0 = CUDA_SUCCESS; CUfunction,
 CUcontext, CUstream, CUmodule are pointers; CUdevice is an int; cuCtxPushCurrent /
-cuCtxPopCurrent are exported as the `_v2` symbols.
+cuCtxPopCurrent are exported as the `_v2` symbols; cuLaunchCooperativeKernel takes
+cuLaunchKernel's arguments without `extra`; CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16,
+CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH = 95.
 """
 from __future__ import annotations
 
@@ -42,11 +47,15 @@ LOG = logging.getLogger(__name__)
 
 LIBCUDA = "libcuda.so.1"
 CUDA_SUCCESS = 0
+CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH = 95
 # Per-block limit on dynamic shared memory without opting in (cuFuncSetAttribute).
 DYNAMIC_SHARED_DEFAULT_LIMIT = 48 * 1024
 
 # Driver function types (CUresult is i32; unsigned int launch dims are i32 too).
 _LAUNCH_TYPE = ir.FunctionType(I32, [PTR, I32, I32, I32, I32, I32, I32, I32, PTR, PTR, PTR])
+_COOPERATIVE_LAUNCH_TYPE = ir.FunctionType(I32, [PTR, I32, I32, I32, I32, I32, I32, I32, PTR,
+                                                 PTR])
 _ERROR_NAME_TYPE = ir.FunctionType(I32, [I32, PTR])
 _CTX_GET_TYPE = ir.FunctionType(I32, [PTR])
 _CTX_PUSH_TYPE = ir.FunctionType(I32, [PTR])
@@ -61,6 +70,7 @@ class DriverSymbols:
     cuCtxGetCurrent: int
     cuCtxPushCurrent_v2: int
     cuCtxPopCurrent_v2: int
+    cuLaunchCooperativeKernel: int
 
     @classmethod
     def resolve(cls) -> "DriverSymbols":
@@ -142,13 +152,18 @@ def emit_cuda_handler_ir(kernel: kir.Kernel, name: str, functions: Sequence[Load
         b.store(slot, element(b, params, PTR, i))
     dims = [ir.Constant(I32, v) for v in (kernel.grid, 1, 1, kernel.block, 1, 1,
                                           dynamic_shared_bytes)]
-    result = b.call(driver("cuLaunchKernel", _LAUNCH_TYPE),
-                    [function, *dims, stream, params, h.null])
+    cooperative = kir.has_grid_barrier(kernel)
+    launch = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
+    if cooperative:     # every block resident at once, or the launch fails (never hangs)
+        result = b.call(driver(launch, _COOPERATIVE_LAUNCH_TYPE),
+                        [function, *dims, stream, params])
+    else:
+        result = b.call(driver(launch, _LAUNCH_TYPE), [function, *dims, stream, params, h.null])
 
     with b.if_then(switch, likely=False):
         b.call(driver("cuCtxPopCurrent_v2", _CTX_POP_TYPE), [h.alloca(PTR, "popped")])
     with b.if_then(b.icmp_signed("!=", result, ir.Constant(I32, CUDA_SUCCESS)), likely=False):
-        fail_cu(f"cuLaunchKernel(grid {kernel.grid}, block {kernel.block})", result)
+        fail_cu(f"{launch}(grid {kernel.grid}, block {kernel.block})", result)
     b.ret(h.null)
     return str(module)
 
@@ -225,6 +240,9 @@ class _Driver:
             "cuModuleLoadData": [pvp, ctypes.c_char_p],
             "cuModuleGetFunction": [pvp, vp, ctypes.c_char_p],
             "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+            "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(ctypes.c_int), vp,
+                                                            ctypes.c_int, ctypes.c_size_t],
         }
         for fname, argtypes in signatures.items():
             fn = getattr(self.lib, fname)
@@ -237,7 +255,32 @@ class _Driver:
             text = name.value.decode() if name.value else "unknown"
             raise CodegenError(f"{what} failed: {text} (CUresult {result})")
 
-    def load(self, image: bytes, entry: str, ordinal: int) -> LoadedFunction:
+    def attribute(self, attribute: int, device: int) -> int:
+        value = ctypes.c_int()
+        self.check(self.lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, device),
+                   f"cuDeviceGetAttribute({attribute}, device {device})")
+        return value.value
+
+    def check_co_resident(self, function: ctypes.c_void_p, entry: str, device: int,
+                          grid: int, block: int, dynamic_shared_bytes: int) -> None:
+        """CodegenError unless a cooperative launch of `grid` blocks can run on `device`:
+        a grid barrier waits for every block, so all must be resident at once."""
+        if not self.attribute(CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH, device):
+            raise CodegenError(f"kernel {entry!r} has grid barriers but device {device} does "
+                               "not support cooperative launches")
+        per_sm = ctypes.c_int()
+        self.check(self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(per_sm), function, block, dynamic_shared_bytes),
+            f"cuOccupancyMaxActiveBlocksPerMultiprocessor({entry!r})")
+        resident = per_sm.value * self.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                                 device)
+        if grid > resident:
+            raise CodegenError(f"kernel {entry!r} has grid barriers and a grid of {grid} "
+                               f"blocks, but only {resident} blocks of {block} threads can be "
+                               f"resident on device {device} ({per_sm.value} per SM)")
+
+    def load(self, image: bytes, entry: str, ordinal: int,
+             co_resident: tuple[int, int, int] | None = None) -> LoadedFunction:
         lib = self.lib
         self.check(lib.cuInit(0), "cuInit")
         device = ctypes.c_int()
@@ -253,21 +296,25 @@ class _Driver:
                        f"cuModuleLoadData(device {ordinal})")
             self.check(lib.cuModuleGetFunction(ctypes.byref(function), module, entry.encode()),
                        f"cuModuleGetFunction({entry!r})")
+            if co_resident is not None:
+                self.check_co_resident(function, entry, device.value, *co_resident)
         finally:
             lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
         return LoadedFunction(ordinal, context.value or 0, module.value or 0,
                               function.value or 0)
 
 
-def load_cuda_functions(image: bytes | str, entry: str,
-                        ordinals: Sequence[int]) -> list[LoadedFunction]:
+def load_cuda_functions(image: bytes | str, entry: str, ordinals: Sequence[int], *,
+                        co_resident: tuple[int, int, int] | None = None
+                        ) -> list[LoadedFunction]:
     """Load a cubin (ELF) or PTX image into each device's primary context; `entry`'s
-    CUfunction per device."""
+    CUfunction per device. ``co_resident`` = (grid, block, dynamic shared bytes) of a kernel
+    launched cooperatively: each device must hold the whole grid at once (CodegenError)."""
     data = image.encode() if isinstance(image, str) else bytes(image)
     if not data.startswith(b"\x7fELF") and not data.endswith(b"\0"):
         data += b"\0"  # PTX text must be NUL-terminated for cuModuleLoadData
     driver = _Driver()
-    return [driver.load(data, entry, o) for o in ordinals]
+    return [driver.load(data, entry, o, co_resident) for o in ordinals]
 
 
 def gpu_ordinals() -> list[int]:
@@ -286,11 +333,6 @@ def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
     """The kernel's cubin / PTX `image` (entry `kernel.name`, params in kernel.params order as
     global pointers, as codegen.nvptx emits them) behind an XLA FFI handler for "CUDA"."""
     kernel.validate()
-    if kir.has_grid_barrier(kernel):
-        # Its blocks must be co-resident: only a cooperative launch guarantees that on a
-        # shared GPU, and this handler calls cuLaunchKernel (the kernel runs elsewhere).
-        raise CodegenError(f"kernel {kernel.name!r}: grid barriers need a cooperative launch, "
-                           "which the CUDA handler does not make yet")
     for p in kernel.params:
         if p.dtype not in FFI_DTYPES:
             raise CodegenError(f"kernel {kernel.name!r}: param {p.name!r} dtype {p.dtype} "
@@ -303,8 +345,11 @@ def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
     name = target_name("cuda", kernel, data, repr(ordinals), str(dynamic_shared_bytes),
                        str(command_buffer_compatible))
 
+    co_resident = ((kernel.grid, kernel.block, dynamic_shared_bytes)
+                   if kir.has_grid_barrier(kernel) else None)
+
     def build(name: str) -> FfiTarget:
-        functions = load_cuda_functions(data, kernel.name, ordinals)
+        functions = load_cuda_functions(data, kernel.name, ordinals, co_resident=co_resident)
         symbols = DriverSymbols.resolve()
         handler_ir = emit_cuda_handler_ir(kernel, name, functions, symbols,
                                           dynamic_shared_bytes=dynamic_shared_bytes,

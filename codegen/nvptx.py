@@ -26,6 +26,9 @@ TRIPLE = "nvptx64-nvidia-cuda"
 ARCHS = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 DEFAULT_PTX_VERSION = 78  # PTX ISA 7.8: the first with sm_90; CUDA >= 11.8 drivers load it
 STATIC_SHARED_LIMIT = 48 * 1024  # bytes of static __shared__ per block
+# Register cap (.maxnreg) of a kernel with grid barriers: the global scope sizes its grid for
+# this many (stitch.schedule.global_scope.GLOBAL_REGISTERS; a test keeps the two equal).
+GRID_BARRIER_MAX_REGISTERS = 64
 GLOBAL, SHARED = 1, 3  # NVPTX address spaces
 
 _UNARY_LIBDEVICE = {"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sin", "cos",
@@ -83,6 +86,11 @@ class NvptxTarget(Target):
         ann = em.module.add_named_metadata("nvvm.annotations")
         ann.add(em.module.add_metadata([fn, ir.MetaDataString(em.module, "maxntidx"),
                                         ir.Constant(I32, k.block)]))
+        if kir.has_grid_barrier(k):
+            # -> .maxnreg: ptxas keeps to the registers the schedule sized the resident grid
+            # for (spilling if it must), so every block fits at once and the barrier opens.
+            ann.add(em.module.add_metadata([fn, ir.MetaDataString(em.module, "maxnreg"),
+                                            ir.Constant(I32, GRID_BARRIER_MAX_REGISTERS)]))
         em.start_function(fn)
 
     def _sreg(self, em: KernelEmitter, reg: str) -> ir.Value:

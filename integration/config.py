@@ -10,6 +10,9 @@ STITCH_STATS    a path: at exit, JSON with one record per stitched function sign
 STITCH_GUARD    0/false: keep the stitched kernels even where they time slower than stock
                 XLA over the first calls after the switch (default 1: keep the faster)
 STITCH_CACHE_DIR  the on-disk compile cache (codegen/cache.py)
+STITCH_GRID_BARRIER  1/true: on the GPU, keep global-scope kernels (grid barriers, launched
+                cooperatively; codegen/ffi_cuda.py). Default 0 until they have run on a GPU:
+                the pass builds the block scopes' schedule instead
 STITCH_INJECT_FAILURE  testing aid: ``compile`` makes every stitched compile fail (the
                 fallback path), ``run`` every stitched call
 STITCH_LOG      a logging level (debug, info, warning...) for the ``stitch`` logger, printed to
@@ -65,6 +68,11 @@ class Settings:
         return cls(enable=env_flag("STITCH_ENABLE", False),
                    async_compile=env_flag("STITCH_ASYNC", True), target=target, device=device,
                    verify=verify_setting(), guard=env_flag("STITCH_GUARD", True))
+
+
+def grid_barriers_on_gpu() -> bool:
+    """STITCH_GRID_BARRIER: whether the GPU pass keeps global-scope (grid barrier) kernels."""
+    return env_flag("STITCH_GRID_BARRIER", False)
 
 
 def verify_setting() -> bool | int:

@@ -45,6 +45,7 @@ from hlo_passes import HloModule, parse_hlo, print_hlo
 from hlo_passes.literals import ELIDED
 from stitch.errors import Cancelled, StitchError
 
+from .config import grid_barriers_on_gpu
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, find_site,
                           replace_kernels)
 from .snap import snap_kernels
@@ -390,8 +391,9 @@ def _global_scope(schedule: Any) -> bool:
 
 
 def _block_scope_schedule(graph: Any, members: Any, spec: Any) -> Any:
-    """The kernel's best schedule without the global scope: a grid barrier needs a
-    cooperative launch, which the CUDA handler does not make yet (codegen.ffi_cuda)."""
+    """The kernel's best schedule without the global scope. Grid-barrier kernels are launched
+    cooperatively (codegen.ffi_cuda) but have not run on a GPU yet, so the GPU pass keeps
+    them only where STITCH_GRID_BARRIER=1 (integration.config.grid_barriers_on_gpu)."""
     from stitch.schedule.tuner import ScheduleError, schedule_kernel
     try:
         return schedule_kernel(graph, members, spec, force={"scope": "block"})
@@ -470,7 +472,8 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
             request.check_cancelled()
             try:
                 schedule = k.schedule
-                if request.device == "gpu" and _global_scope(schedule):
+                if (request.device == "gpu" and _global_scope(schedule)
+                        and not grid_barriers_on_gpu()):
                     schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
                 with LLVM_LOCK:
                     lowered = lower_kernel(graph_plan.graph, evaluator, schedule, k.name)

@@ -397,7 +397,7 @@ def test_bad_requests() -> None:
 
 @dataclass
 class FakeDriver:
-    """cuLaunchKernel & co as ctypes callbacks that record their arguments."""
+    """cuLaunchKernel, cuLaunchCooperativeKernel & co as ctypes callbacks that record their arguments."""
     current: int = 0
     launch_result: int = 0
     n_params: int = 0
@@ -414,7 +414,18 @@ class FakeDriver:
             values = [ctypes.cast(params[i], ctypes.POINTER(c_void_p))[0]
                       for i in range(self.n_params)]
             self.launches.append(dict(f=f, grid=(gx, gy, gz), block=(bx, by, bz), shm=shm,
-                                      stream=stream, params=values, extra=extra))
+                                      stream=stream, params=values, extra=extra,
+                                      cooperative=False))
+            return self.launch_result
+
+        @ctypes.CFUNCTYPE(c_int, c_void_p, *([ctypes.c_uint] * 7), c_void_p,
+                          ctypes.POINTER(c_void_p))
+        def launch_cooperative(f, gx, gy, gz, bx, by, bz, shm, stream, params):
+            values = [ctypes.cast(params[i], ctypes.POINTER(c_void_p))[0]
+                      for i in range(self.n_params)]
+            self.launches.append(dict(f=f, grid=(gx, gy, gz), block=(bx, by, bz), shm=shm,
+                                      stream=stream, params=values, extra=None,
+                                      cooperative=True))
             return self.launch_result
 
         @ctypes.CFUNCTYPE(c_int, c_int, ctypes.POINTER(ctypes.c_char_p))
@@ -439,7 +450,7 @@ class FakeDriver:
         def pop(out):
             self.pops += 1
             return 0
-        self._callbacks = (launch, error_name, get_current, push, pop)
+        self._callbacks = (launch, error_name, get_current, push, pop, launch_cooperative)
         self.symbols = ffi_cuda.DriverSymbols(
             *(ctypes.cast(cb, c_void_p).value for cb in self._callbacks))
 

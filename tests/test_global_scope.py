@@ -330,10 +330,43 @@ def test_ffi_host_handler_runs_the_whole_grid_in_one_worker(threads):
     np.testing.assert_allclose(out, x / x.astype(np.float64).sum(), rtol=1e-5)
 
 
-def test_cuda_handler_refuses_grid_barriers_until_cooperative_launch():
-    from codegen import ffi_cuda
-    with pytest.raises(CodegenError, match="cooperative launch"):
-        ffi_cuda.cuda_ffi_target(normalize_kernel(256, 2, 32), "")
+def test_cuda_handler_launches_grid_barrier_kernels_cooperatively():
+    """A grid barrier needs every block resident: the handler makes a cooperative launch
+    (the driver's guarantee) for such a kernel and a plain launch for any other."""
+    from codegen import ffi, ffi_cuda
+    from tests.test_ffi import FakeDriver, FakeXla
+    from tests.test_kir_host import elementwise_kernel, mul
+    driver = FakeDriver(current=0x10)
+    loaded = [ffi_cuda.LoadedFunction(0, 0x10, 0x20, 0x30)]
+    kernel = normalize_kernel(3000, 6, 64)
+    text = ffi_cuda.emit_cuda_handler_ir(kernel, "coop_test", loaded, driver.symbols)
+    engine, address = ffi.compile_handler("coop_test", kernel, [text])
+    driver.n_params = len(kernel.params)
+    x, out = np.ones(3000, np.float32), np.full(3000, np.nan, np.float32)
+    assert FakeXla(stream=0x5EA).call(address, [x], [out]) is None
+    (launch,) = driver.launches
+    assert launch["cooperative"] and launch["grid"] == (6, 1, 1) and launch["stream"] == 0x5EA
+    assert launch["params"] == [x.ctypes.data, out.ctypes.data]
+    plain = elementwise_kernel("plain", ["f32"], "f32", 100, lambda a: mul(a, a))
+    text = ffi_cuda.emit_cuda_handler_ir(plain, "plain_test", loaded, driver.symbols)
+    engine2, address = ffi.compile_handler("plain_test", plain, [text])
+    driver.n_params = len(plain.params)
+    a = np.ones(100, np.float32)
+    assert FakeXla().call(address, [a], [a.copy()]) is None
+    assert not driver.launches[-1]["cooperative"]
+    del engine, engine2
+
+
+def test_grid_barrier_kernels_are_capped_at_the_registers_the_grid_was_sized_for():
+    from codegen.nvptx import GRID_BARRIER_MAX_REGISTERS, default_libdevice_path, emit_ptx
+    from stitch.schedule.global_scope import GLOBAL_REGISTERS
+    assert GRID_BARRIER_MAX_REGISTERS == GLOBAL_REGISTERS
+    if default_libdevice_path() is None:
+        pytest.skip("no libdevice")
+    assert f".maxnreg {GLOBAL_REGISTERS}" in emit_ptx(normalize_kernel(4096, 8, 128), "sm_90")
+    from tests.test_kir_host import elementwise_kernel, mul
+    plain = elementwise_kernel("plain", ["f32"], "f32", 100, lambda a: mul(a, a))
+    assert ".maxnreg" not in emit_ptx(plain, "sm_90")
 
 
 def test_rows_and_columns_of_one_tensor_in_one_kernel():

@@ -313,11 +313,7 @@ def test_attention_is_one_gemm_chain_kernel_in_xla_gpus_module(h100_mesh, dtype)
         assert "mma.sync.aligned.m16n8k16" in chain.target.ptx
 
 
-def test_gpu_kernels_never_hold_a_grid_barrier(h100_mesh):
-    """x / sum(x) plans as a global-scope (grid barrier) kernel, which needs a cooperative
-    launch the CUDA handler does not make yet: on the GPU path the pass builds the block
-    scopes' schedule instead, or leaves the ops to XLA with that reason."""
-    from codegen import kir
+def _normalize_on_h100(h100_mesh):
     spec = jax.ShapeDtypeStruct((2048, 1024), jnp.float32,
                                 sharding=NamedSharding(h100_mesh, P()))
     result = deviceless.compile_with_pass(
@@ -326,8 +322,37 @@ def test_gpu_kernels_never_hold_a_grid_barrier(h100_mesh):
     planned = [k for g in report.plan.graphs for k in g.stitched.kernels
                if k.schedule is not None and any(p.kind == "global" for p in k.schedule.parts)]
     assert planned, "the plan has no global-scope kernel: the test no longer tests anything"
+    return result
+
+
+def test_gpu_kernels_hold_no_grid_barrier_by_default(h100_mesh, monkeypatch):
+    """x / sum(x) plans as a global-scope (grid barrier) kernel; until such kernels have run
+    on a GPU the pass builds the block scopes' schedule instead (STITCH_GRID_BARRIER unset),
+    or leaves the ops to XLA with that reason."""
+    from codegen import kir
+    monkeypatch.delenv("STITCH_GRID_BARRIER", raising=False)
+    report = _normalize_on_h100(h100_mesh).report
     for kernel in report.kernels:
         assert not kir.has_grid_barrier(kernel.lowered.kernel), kernel.name
         assert "grid_sync" not in kernel.target.ptx
     left = [why for _, why in report.fallbacks]
     assert report.kernels or any("cooperative launch" in why for why in left), report.summary()
+
+
+def test_grid_barrier_kernels_with_cooperative_launch_opted_in(h100_mesh, monkeypatch):
+    """STITCH_GRID_BARRIER=1: the global-scope kernel is built as planned — grid barriers in
+    the PTX, registers capped (.maxnreg) at what the schedule sized its resident grid for, and
+    ptxas's count within it (the CUDA handler launches it cooperatively on a GPU)."""
+    from codegen import kir
+    from codegen.nvptx import GRID_BARRIER_MAX_REGISTERS
+    monkeypatch.setenv("STITCH_GRID_BARRIER", "1")
+    result = _normalize_on_h100(h100_mesh)
+    report = result.report
+    barriers = [k for k in report.kernels if kir.has_grid_barrier(k.lowered.kernel)]
+    assert barriers, report.summary()
+    check_assembled(result)
+    for kernel in barriers:
+        assert "grid_sync" in kernel.target.ptx
+        assert f".maxnreg {GRID_BARRIER_MAX_REGISTERS}" in kernel.target.ptx
+        info = kernel.target.ptxas[kernel.lowered.kernel.name]
+        assert 0 < info.registers <= GRID_BARRIER_MAX_REGISTERS, info

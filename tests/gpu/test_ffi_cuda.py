@@ -142,3 +142,26 @@ def test_per_call_overhead(gpu) -> None:
     np.testing.assert_array_equal(np.asarray(y), np.arange(32, dtype=np.float32))
     LOG.warning("CUDA FFI: %.2f us per custom call in a chain of %d inside one jit",
                 best / chain * 1e6, chain)
+
+
+@pytest.mark.skipif(default_libdevice_path() is None, reason="no libdevice.10.bc")
+def test_grid_barrier_kernel_runs_under_a_cooperative_launch(gpu) -> None:
+    """x / sum(x) in one kernel with a grid barrier between its phases, twice in a row (the
+    barrier's counter must come back to its start state), against the host program."""
+    from tests.test_global_scope import normalize_kernel
+    sms = int(getattr(gpu, "core_count", 0) or 0) or 8
+    k = normalize_kernel(50_000, sms, 128)
+    t = _target(k, gpu)
+    fn = jax.jit(lambda v: t.call(v)[0])
+    for seed in (7, 8):
+        x = (RNG(seed).random(50_000) + 0.5).astype(np.float32)
+        out = np.asarray(fn(x))
+        np.testing.assert_allclose(out, host_reference(k, x)[0], rtol=1e-5)
+        np.testing.assert_allclose(out, x / x.astype(np.float64).sum(), rtol=1e-4)
+
+
+def test_grid_barrier_kernel_with_a_grid_too_large_is_refused_at_load(gpu) -> None:
+    from tests.test_global_scope import normalize_kernel
+    k = normalize_kernel(1 << 20, 1 << 16, 1024)   # far more blocks than can be resident
+    with pytest.raises(CodegenError, match="can be resident"):
+        _target(k, gpu)
