@@ -279,7 +279,9 @@ class Store(Stmt):
 class AtomicAdd(Stmt):
     """buffer[index] += value as one atomic read-modify-write (relaxed ordering): threads
     of any block may add to the same element (a scatter whose updates collide). Global
-    buffers of f32/f64/i32/i64/u32 only (what `atomicrmw add/fadd` takes on both targets)."""
+    buffers of f32/f64/i32/i64/u32 (`atomicrmw add/fadd` on both targets) and bf16/f16 (a
+    compare-and-swap loop on the element's 16 bits; the value is f32, each add rounds to the
+    buffer's type)."""
     buffer: str
     index: Expr
     value: Expr
@@ -288,7 +290,7 @@ class AtomicAdd(Stmt):
         object.__setattr__(self, "buffer", _buffer_name(self.buffer))
 
 
-ATOMIC_DTYPES = frozenset({"f32", "f64", "i32", "i64", "u32"})
+ATOMIC_DTYPES = frozenset({"f32", "f64", "i32", "i64", "u32", "bf16", "f16"})
 
 
 @dataclass(frozen=True)
@@ -753,8 +755,9 @@ class _Checker:
         self._expr(s.value, scopes, where)
         if s.index.dtype not in INDEX_DTYPES:
             self.fail(where, f"index has dtype {s.index.dtype}, need i32/i64")
-        if s.value.dtype != buf.dtype:
-            self.fail(where, f"value has dtype {s.value.dtype}, buffer {buf.name!r} is {buf.dtype}")
+        if s.value.dtype != value_dtype(buf.dtype):
+            self.fail(where, f"value has dtype {s.value.dtype}, buffer {buf.name!r} "
+                             f"({buf.dtype}) takes {value_dtype(buf.dtype)}")
 
     def _for(self, s: For, scopes: list[dict[str, _Var]], divergent: str | None, path: str,
              where: str) -> None:

@@ -1011,3 +1011,56 @@ def test_scalar_bit_ops_keep_the_scalar_shape(body, args, want):
     dtype = {"u64": np.uint64, "s32": np.int32, "f32": np.float32}[t]
     got, = evaluate(module, [np.array(x, dtype), np.array(y, dtype)])
     assert np.shape(got) == () and got == want
+
+
+def _combiner_module(narrow: str, wide: str, op: str, swap: bool = False,
+                     same_param: bool = False) -> str:
+    first, second = ("b", "a") if swap else ("a", "b")
+    if same_param:
+        second = first
+    return f"""HloModule m
+comb {{
+  a = {narrow}[] parameter(0)
+  b = {narrow}[] parameter(1)
+  wa = {wide}[] convert({first})
+  wb = {wide}[] convert({second})
+  r = {wide}[] {op}(wa, wb)
+  ROOT n = {narrow}[] convert(r)
+}}
+ENTRY e {{
+  x = {narrow}[8,64] parameter(0)
+  z = {narrow}[] constant(0)
+  ROOT s = {narrow}[8] reduce(x, z), dimensions={{1}}, to_apply=comb
+}}"""
+
+
+@pytest.mark.parametrize("narrow,wide,op,swap,same,want", [
+    ("bf16", "f32", "add", False, False, "add"),        # XLA GPU's bf16 scatter-add combiner
+    ("bf16", "f32", "maximum", True, False, "maximum"),
+    ("f16", "f32", "multiply", False, False, "multiply"),
+    ("f32", "f64", "add", False, False, "add"),
+    ("f16", "bf16", "add", False, False, None),         # bf16 is narrower than f16's 2p+2
+    ("bf16", "f32", "subtract", False, False, None),    # not a reduction op
+    ("bf16", "f32", "add", False, True, None),          # a + a is not the combiner
+])
+def test_widened_float_combiner_is_its_op(narrow, wide, op, swap, same, want):
+    """convert(op(convert(a), convert(b))) computed in a float wide enough to round once is
+    the narrow op correctly rounded: recognized as that op (codegen then lowers XLA GPU's bf16
+    scatter-adds and reductions), and the evaluator's fast path agrees with interpreting it."""
+    from hlo_passes.evaluator.interpreter import Evaluator
+    module = parse_hlo(_combiner_module(narrow, wide, op, swap, same))
+    assert Evaluator(module).binary_kind("comb") == want
+    if want is None:
+        return
+    dtype = numpy_dtype(narrow)
+    x = np.random.default_rng().standard_normal((8, 64)).astype(dtype)
+    (got,) = evaluate(module, [x])
+    got = np.asarray(got).astype(np.float64)
+    ufunc = {"add": np.add, "maximum": np.maximum, "multiply": np.multiply}[op]
+    x64 = x.astype(np.float64)
+    ref = ufunc.reduce(np.concatenate([np.zeros((8, 1)), x64], axis=1), axis=1)
+    tol = {"bf16": 2e-2, "f16": 2e-3, "f32": 1e-6}[narrow]
+    if op == "multiply":         # zero init: the product is zero, whatever the rounding
+        assert not got.any()
+    else:
+        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(x64).sum(1).max())

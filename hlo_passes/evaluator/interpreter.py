@@ -230,7 +230,9 @@ class Evaluator:
 
     def binary_kind(self, comp: Computation | str) -> str | None:
         """``add``/``multiply``/``maximum``/``minimum``/``and``/``or``/``xor`` when the
-        two-parameter computation is exactly that op on its parameters; ``assign`` when it
+        two-parameter computation is exactly that op on its parameters — or, for floats, that
+        op on the parameters widened to a wider float and converted back (XLA GPU computes a
+        bf16 combiner in f32 that way: the same correctly rounded result); ``assign`` when it
         returns parameter 1, ``keep`` for parameter 0; None otherwise."""
         comp = self.computation(comp)
         if comp.name in self._binary_kinds:
@@ -247,8 +249,39 @@ class Evaluator:
             elif (same_type and root.opcode in _BINARY_KINDS
                   and sorted(root.operands) == sorted([p0, p1])):
                 kind = root.opcode
+            elif same_type:
+                kind = _widened_float_kind(comp, p0, p1)
         self._binary_kinds[comp.name] = kind
         return kind
+
+
+# Float significand bits: an op computed in a type with at least 2p + 2 of them and rounded
+# back equals the op correctly rounded in the narrow type (+ and *; max/min are exact).
+_FLOAT_BITS = {"f16": 11, "bf16": 8, "f32": 24, "f64": 53}
+_WIDENED_KINDS = frozenset({"add", "multiply", "maximum", "minimum"})
+
+
+def _widened_float_kind(comp: Computation, p0: str, p1: str) -> str | None:
+    """The op of ``convert(op(convert(p0), convert(p1)))`` computed in a float wide enough
+    to round exactly once (bf16 in f32), else None."""
+    root = comp.root
+    narrow = root.shape.element_type
+    if root.opcode != "convert" or narrow not in _FLOAT_BITS:
+        return None
+    by_name = comp.by_name()
+    inner = by_name.get(root.operands[0])
+    if inner is None or inner.opcode not in _WIDENED_KINDS:
+        return None
+    wide = inner.shape.element_type
+    if wide not in _FLOAT_BITS or _FLOAT_BITS[wide] < 2 * _FLOAT_BITS[narrow] + 2:
+        return None
+    widened = []
+    for name in inner.operands:
+        op = by_name.get(name)
+        if op is None or op.opcode != "convert" or op.shape.element_type != wide:
+            return None
+        widened.append(op.operands[0])
+    return inner.opcode if sorted(widened) == sorted([p0, p1]) else None
 
 
 def _leaves(value: object) -> list:
