@@ -73,7 +73,7 @@ def test_stitched_run_matches_plain(script, plain_runs, workdir, request):
         pytest.fail("the plain run failed, nothing to compare:\n" + plain.diagnosis())
     stitched = harness.run_script(script, stitched=True, workdir=workdir)
     assert stitched.ok, stitched.diagnosis()
-    mismatch = harness.loss_mismatch(plain.losses, stitched.losses)
+    mismatch = harness.loss_mismatch(plain.losses, stitched.losses, script.loss_rtol)
     assert mismatch is None, f"{mismatch}\n{stitched.diagnosis()}"
     if script.checks_donation:
         assert stitched.result["donated_deleted"] is True, \

@@ -69,7 +69,10 @@ def main() -> None:
     # Keras' jit_compile="auto" turns XLA off on a CPU-only machine (on a GPU it is on);
     # with dropout, TF's own kernels and XLA draw different random masks.
     parser.add_argument("--jit-compile", action="store_true")
+    parser.add_argument("--dtype-policy", default="float32",
+                        help="Keras dtype policy, e.g. mixed_bfloat16")
     args = parser.parse_args()
+    keras.mixed_precision.set_global_policy(args.dtype_policy)
     keras.utils.set_random_seed(0)
     model, x, y = {"gpt2": gpt2, "llama": llama, "vit": vit}[args.model]()
     model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3),
@@ -81,7 +84,7 @@ def main() -> None:
               callbacks=[record])
     print("STITCH_TEST_RESULT " + json.dumps({
         "losses": record.losses, "donated_deleted": None,
-        "backend": keras.backend.backend(), "train_s": time.perf_counter() - start}))
+        "backend": keras.backend.backend(), "dtype_policy": args.dtype_policy, "train_s": time.perf_counter() - start}))
 
 
 if __name__ == "__main__":
