@@ -29,9 +29,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS_DIR = Path(__file__).resolve().parent / "scripts" / "thirdparty"
 RESULT_MARK = "STITCH_TEST_RESULT "
 LOSS_RTOL = 1e-4
-# bf16 steps: activations carry 8 significand bits (unit roundoff 2^-9 = 2e-3); a loss after a
-# few optimizer steps may differ by a few of those where a kernel rounds at other points.
-BF16_LOSS_RTOL = 1e-2
+# bf16 steps: stitched kernels round to bf16 where XLA does, so losses agreed to 1.1e-7 on
+# keras_hub Llama (2026-11-24); the bound is one bf16 unit roundoff (2^-9), for a kernel
+# that rounds an intermediate XLA keeps in f32 (or the reverse).
+BF16_LOSS_RTOL = 2e-3
 # A stitched run compiles synchronously (STITCH_ASYNC=0) on a loaded 2-core machine.
 PLAIN_TIMEOUT_S = float(os.environ.get("STITCH_THIRDPARTY_PLAIN_TIMEOUT", "300"))
 STITCHED_TIMEOUT_S = float(os.environ.get("STITCH_THIRDPARTY_TIMEOUT", "900"))
@@ -53,8 +54,7 @@ class ThirdPartyScript:
     checks_donation: bool = False
     # The stitched function(s) that must have run stitched kernels, matched in `function`.
     train_step: str = "train_step"
-    # Relative loss agreement, plain vs stitched: f32 programs 1e-4; bf16 ones round every
-    # activation to 8 bits where XLA does, but stitched kernels keep f32 inside a kernel.
+    # Relative loss agreement, plain vs stitched (LOSS_RTOL; BF16_LOSS_RTOL for bf16 steps).
     loss_rtol: float = LOSS_RTOL
 
     def missing_modules(self) -> list[str]:
