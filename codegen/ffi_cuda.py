@@ -6,10 +6,11 @@ answers XLA's metadata probe; decodes the call frame exactly like the CPU handle
 dtypes, element counts; errors name the kernel); fetches the CUDA stream of the call through
 the FFI API's XLA_FFI_Stream_Get; picks the device's CUfunction (XLA_FFI_DeviceOrdinal_Get
 when more than one device is loaded); makes the module's context current if it is not; and
-calls cuLaunchKernel(grid, block, dynamic shared bytes, stream) from native code — or, for a
-kernel with grid barriers, cuLaunchCooperativeKernel, the driver's guarantee that all its blocks
-are resident at once (checked when the module is loaded: the device supports cooperative
-launches and occupancy x SMs holds the grid, else CodegenError). A failed launch comes back as
+calls cuLaunchKernel(grid, block, dynamic shared bytes, stream) from native code — once per
+phase for a grid-barrier kernel in "relaunch" mode (kir.launches), or, for one in "barrier"
+mode, cuLaunchCooperativeKernel, the driver's guarantee that all its blocks are resident at
+once (checked when the module is loaded: the device supports cooperative launches and
+occupancy x SMs holds the grid, else CodegenError). A failed launch comes back as
 an XLA error carrying cuGetErrorName's text.
 
 The driver entry points the handler calls are resolved with llvmlite's
@@ -152,20 +153,34 @@ def emit_cuda_handler_ir(kernel: kir.Kernel, name: str, functions: Sequence[Load
         b.store(slot, element(b, params, PTR, i))
     dims = [ir.Constant(I32, v) for v in (kernel.grid, 1, 1, kernel.block, 1, 1,
                                           dynamic_shared_bytes)]
-    cooperative = kir.has_grid_barrier(kernel)
+    cooperative = _cooperative(kernel)
     launch = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
-    if cooperative:     # every block resident at once, or the launch fails (never hangs)
-        result = b.call(driver(launch, _COOPERATIVE_LAUNCH_TYPE),
-                        [function, *dims, stream, params])
-    else:
-        result = b.call(driver(launch, _LAUNCH_TYPE), [function, *dims, stream, params, h.null])
+    # A "relaunch" kernel runs one phase per launch, in stream order (kir.launches).
+    for n in range(kir.launches(kernel)):
+        if cooperative:     # every block resident at once, or the launch fails (never hangs)
+            result = b.call(driver(launch, _COOPERATIVE_LAUNCH_TYPE),
+                            [function, *dims, stream, params])
+        else:
+            result = b.call(driver(launch, _LAUNCH_TYPE),
+                            [function, *dims, stream, params, h.null])
+        with b.if_then(b.icmp_signed("!=", result, ir.Constant(I32, CUDA_SUCCESS)),
+                       likely=False):
+            with b.if_then(switch, likely=False):
+                b.call(driver("cuCtxPopCurrent_v2", _CTX_POP_TYPE), [h.alloca(PTR, "popped")])
+            fail_cu(f"{launch}(grid {kernel.grid}, block {kernel.block})"
+                    + (f", launch {n + 1} of {kir.launches(kernel)}"
+                       if kir.launches(kernel) > 1 else ""), result)
 
     with b.if_then(switch, likely=False):
         b.call(driver("cuCtxPopCurrent_v2", _CTX_POP_TYPE), [h.alloca(PTR, "popped")])
-    with b.if_then(b.icmp_signed("!=", result, ir.Constant(I32, CUDA_SUCCESS)), likely=False):
-        fail_cu(f"{launch}(grid {kernel.grid}, block {kernel.block})", result)
     b.ret(h.null)
     return str(module)
+
+
+def _cooperative(kernel: kir.Kernel) -> bool:
+    """A persistent grid-barrier kernel: its blocks wait for each other, so all must be
+    resident at once (cuLaunchCooperativeKernel)."""
+    return kir.has_grid_barrier(kernel) and kernel.grid_sync == "barrier"
 
 
 def _call_api(h: HandlerEmitter, fname: str, struct: CStruct,
@@ -346,7 +361,7 @@ def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
                        str(command_buffer_compatible))
 
     co_resident = ((kernel.grid, kernel.block, dynamic_shared_bytes)
-                   if kir.has_grid_barrier(kernel) else None)
+                   if _cooperative(kernel) else None)
 
     def build(name: str) -> FfiTarget:
         functions = load_cuda_functions(data, kernel.name, ordinals, co_resident=co_resident)

@@ -412,6 +412,20 @@ def has_grid_barrier(kernel: "Kernel") -> bool:
     return any(isinstance(s, GridBarrier) for s in kernel.body)
 
 
+# "barrier": one persistent launch, a software grid barrier between phases (every block must
+# be resident: a cooperative launch). "relaunch": the launcher launches the kernel once per
+# phase on one stream; each launch runs the next phase (stream order is the barrier), so any
+# grid runs, at a launch per phase instead of a barrier.
+GRID_SYNC_MODES = ("barrier", "relaunch")
+
+
+def launches(kernel: "Kernel") -> int:
+    """Launches a GPU makes of the kernel per call (a phase each in "relaunch" mode)."""
+    if kernel.grid_sync == "relaunch" and has_grid_barrier(kernel):
+        return len(grid_phases(kernel.body))
+    return 1
+
+
 def grid_phases(body: tuple[Stmt, ...]) -> list[tuple[Stmt, ...]]:
     """The top-level statements between grid barriers, in order (one phase without any)."""
     phases: list[tuple[Stmt, ...]] = [()]
@@ -470,6 +484,8 @@ class Kernel:
     block: int
     body: tuple[Stmt, ...]
     scratch: tuple[GlobalScratch, ...] = ()
+    # How a GPU meets the grid barriers (`GRID_SYNC_MODES`); the host ignores it.
+    grid_sync: str = "barrier"
 
     def __post_init__(self) -> None:
         for attr in ("params", "shared", "body", "scratch"):
@@ -576,6 +592,8 @@ class _Checker:
             self.fail("launch", f"grid {k.grid!r} must be a positive int")
         if not isinstance(k.block, int) or k.block % 32 or not 32 <= k.block <= 1024:
             self.fail("launch", f"block {k.block!r} must be a multiple of 32 in [32, 1024]")
+        if k.grid_sync not in GRID_SYNC_MODES:
+            self.fail("launch", f"grid_sync {k.grid_sync!r} is not one of {GRID_SYNC_MODES}")
         for kind, bufs in (("param", k.params), ("shared", k.shared), ("scratch", k.scratch)):
             for b in bufs:
                 cls = {"param": Param, "shared": Shared, "scratch": GlobalScratch}[kind]

@@ -161,6 +161,35 @@ class Target:
         zero = ir.Constant(I32, 0)
         return gv.gep([zero, zero])
 
+    def emit_relaunched_body(self, em: "KernelEmitter") -> None:
+        """A kernel with grid_sync="relaunch", launched once per phase on one stream: every
+        thread reads the phase number (the module-global generation) and runs that phase;
+        after a block barrier each block's thread 0 counts its block in, and the last block
+        of the launch resets the count and advances the phase (mod the phase count). Every
+        block has read the phase before the last one arrives, and the next launch starts
+        after this one ends (stream order), so no block waits on another: any grid runs."""
+        b = em.builder
+        phases = kir.grid_phases(em.kernel.body)
+        sync = self._module_global(em, f"{em.kernel.name}__grid_sync", ir.ArrayType(I32, 2))
+        zero = ir.Constant(I32, 0)
+        count = sync.gep([zero, zero])
+        generation = sync.gep([zero, ir.Constant(I32, 1)])
+        phase = b.load_atomic(generation, "monotonic", 4, typ=I32)
+        for i, body in enumerate(phases):
+            with b.if_then(b.icmp_unsigned("==", phase, ir.Constant(I32, i))):
+                em.stmts(body, em.root.child(), Ctx(), top=True)
+        self.barrier(em)
+        tid = self.thread_idx(em, Ctx())
+        with b.if_then(b.icmp_unsigned("==", tid, zero)):
+            b.fence("acq_rel", "device")
+            arrived = b.atomic_rmw("add", count, ir.Constant(I32, 1), "monotonic")
+            with b.if_then(b.icmp_unsigned("==", arrived, ir.Constant(I32, em.kernel.grid - 1))):
+                b.store_atomic(zero, count, "monotonic", 4)
+                after = b.add(phase, ir.Constant(I32, 1))
+                wrapped = b.select(b.icmp_unsigned("==", after, ir.Constant(I32, len(phases))),
+                                   zero, after)
+                b.store_atomic(wrapped, generation, "monotonic", 4)
+
     def grid_barrier(self, em: "KernelEmitter") -> None:
         """Software grid barrier on a module-global (arrivals, generation) pair; every block
         must be resident (the schedule's grid is within the occupancy limit). The block's

@@ -86,12 +86,18 @@ class NvptxTarget(Target):
         ann = em.module.add_named_metadata("nvvm.annotations")
         ann.add(em.module.add_metadata([fn, ir.MetaDataString(em.module, "maxntidx"),
                                         ir.Constant(I32, k.block)]))
-        if kir.has_grid_barrier(k):
+        if kir.has_grid_barrier(k) and k.grid_sync == "barrier":
             # -> .maxnreg: ptxas keeps to the registers the schedule sized the resident grid
             # for (spilling if it must), so every block fits at once and the barrier opens.
             ann.add(em.module.add_metadata([fn, ir.MetaDataString(em.module, "maxnreg"),
                                             ir.Constant(I32, GRID_BARRIER_MAX_REGISTERS)]))
         em.start_function(fn)
+
+    def emit_body(self, em: KernelEmitter) -> None:
+        if em.kernel.grid_sync == "relaunch" and kir.has_grid_barrier(em.kernel):
+            self.emit_relaunched_body(em)
+        else:
+            super().emit_body(em)
 
     def _sreg(self, em: KernelEmitter, reg: str) -> ir.Value:
         return em.call(f"llvm.nvvm.read.ptx.sreg.{reg}.x", I32, [])

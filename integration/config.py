@@ -10,9 +10,10 @@ STITCH_STATS    a path: at exit, JSON with one record per stitched function sign
 STITCH_GUARD    0/false: keep the stitched kernels even where they time slower than stock
                 XLA over the first calls after the switch (default 1: keep the faster)
 STITCH_CACHE_DIR  the on-disk compile cache (codegen/cache.py)
-STITCH_GRID_BARRIER  1/true: on the GPU, keep global-scope kernels (grid barriers, launched
-                cooperatively; codegen/ffi_cuda.py). Default 0 until they have run on a GPU:
-                the pass builds the block scopes' schedule instead
+STITCH_GRID_SYNC  how the GPU runs global-scope kernels (grid barriers): ``off`` (default, until
+                they have run on a GPU: the pass builds the block scopes' schedule instead),
+                ``relaunch`` (one launch per phase on the stream), ``barrier`` (one persistent
+                launch, cooperative, a software grid barrier between phases)
 STITCH_INJECT_FAILURE  testing aid: ``compile`` makes every stitched compile fail (the
                 fallback path), ``run`` every stitched call
 STITCH_LOG      a logging level (debug, info, warning...) for the ``stitch`` logger, printed to
@@ -70,9 +71,17 @@ class Settings:
                    verify=verify_setting(), guard=env_flag("STITCH_GUARD", True))
 
 
-def grid_barriers_on_gpu() -> bool:
-    """STITCH_GRID_BARRIER: whether the GPU pass keeps global-scope (grid barrier) kernels."""
-    return env_flag("STITCH_GRID_BARRIER", False)
+GRID_SYNC_SETTINGS = ("off", "relaunch", "barrier")
+
+
+def grid_sync_on_gpu() -> str:
+    """STITCH_GRID_SYNC: how the GPU pass builds global-scope (grid barrier) kernels — "off"
+    (not at all: the block scopes' schedule) or a codegen.kir.GRID_SYNC_MODES mode."""
+    raw = os.environ.get("STITCH_GRID_SYNC", "off").strip().lower() or "off"
+    if raw not in GRID_SYNC_SETTINGS:
+        raise ConfigError(f"STITCH_GRID_SYNC={raw!r}: expected one of "
+                          f"{', '.join(GRID_SYNC_SETTINGS)}")
+    return raw
 
 
 def verify_setting() -> bool | int:

@@ -45,7 +45,7 @@ from hlo_passes import HloModule, parse_hlo, print_hlo
 from hlo_passes.literals import ELIDED
 from stitch.errors import Cancelled, StitchError
 
-from .config import grid_barriers_on_gpu
+from .config import grid_sync_on_gpu
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, find_site,
                           replace_kernels)
 from .snap import snap_kernels
@@ -391,9 +391,9 @@ def _global_scope(schedule: Any) -> bool:
 
 
 def _block_scope_schedule(graph: Any, members: Any, spec: Any) -> Any:
-    """The kernel's best schedule without the global scope. Grid-barrier kernels are launched
-    cooperatively (codegen.ffi_cuda) but have not run on a GPU yet, so the GPU pass keeps
-    them only where STITCH_GRID_BARRIER=1 (integration.config.grid_barriers_on_gpu)."""
+    """The kernel's best schedule without the global scope. Grid-barrier kernels (a launch
+    per phase, or one cooperative launch: codegen.ffi_cuda) have not run on a GPU yet, so
+    the GPU pass keeps them only where STITCH_GRID_SYNC asks (config.grid_sync_on_gpu)."""
     from stitch.schedule.tuner import ScheduleError, schedule_kernel
     try:
         return schedule_kernel(graph, members, spec, force={"scope": "block"})
@@ -444,6 +444,7 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
     ``placed``/``built``, what does not to the report's skipped kernels and fallbacks.
     Lowering runs in plan order; on the GPU the PTX and ptxas of all kernels then run in
     parallel (``_prebuild_gpu``); the FFI targets are made and registered in order."""
+    from codegen import kir
     from codegen.errors import CodegenError
     from codegen.lower import lower_kernel
 
@@ -472,11 +473,14 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
             request.check_cancelled()
             try:
                 schedule = k.schedule
-                if (request.device == "gpu" and _global_scope(schedule)
-                        and not grid_barriers_on_gpu()):
+                grid_sync = grid_sync_on_gpu() if request.device == "gpu" else "barrier"
+                if _global_scope(schedule) and grid_sync == "off":
                     schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
                 with LLVM_LOCK:
                     lowered = lower_kernel(graph_plan.graph, evaluator, schedule, k.name)
+                if grid_sync == "relaunch" and kir.has_grid_barrier(lowered.kernel):
+                    lowered = dataclasses.replace(lowered, kernel=dataclasses.replace(
+                        lowered.kernel, grid_sync="relaunch"))
             except (CodegenError, StitchError) as exc:
                 log.info("kernel %s stays with XLA: %s", k.name, exc)
                 report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))

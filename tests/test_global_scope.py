@@ -357,6 +357,64 @@ def test_cuda_handler_launches_grid_barrier_kernels_cooperatively():
     del engine, engine2
 
 
+def test_cuda_handler_relaunches_a_relaunch_kernel_once_per_phase():
+    """grid_sync="relaunch": plain launches, one per phase, in order on the call's stream; a
+    failed launch stops the sequence and names which launch failed."""
+    import dataclasses
+
+    from codegen import ffi, ffi_cuda
+    from tests.test_ffi import FakeDriver, FakeXla
+    driver = FakeDriver(current=0x10)
+    loaded = [ffi_cuda.LoadedFunction(0, 0x10, 0x20, 0x30)]
+    kernel = dataclasses.replace(two_barrier_kernel(512, 4, 64), grid_sync="relaunch")
+    assert kir.launches(kernel) == 3
+    text = ffi_cuda.emit_cuda_handler_ir(kernel, "relaunch_test", loaded, driver.symbols)
+    engine, address = ffi.compile_handler("relaunch_test", kernel, [text])
+    driver.n_params = len(kernel.params)
+    from codegen.host import NUMPY_DTYPES
+    arrays = [np.ones(p.size, NUMPY_DTYPES[p.dtype]) for p in kernel.params]
+    inputs = [a for a, p in zip(arrays, kernel.params) if not p.is_output]
+    outputs = [a for a, p in zip(arrays, kernel.params) if p.is_output]
+    assert FakeXla(stream=0x5EA).call(address, inputs, outputs) is None
+    assert [(l["cooperative"], l["grid"], l["stream"]) for l in driver.launches] == \
+        [(False, (4, 1, 1), 0x5EA)] * 3
+    driver.launch_result = 701
+    xla = FakeXla()
+    assert xla.call(address, inputs, outputs) is not None
+    assert "launch 1 of 3" in xla.errors[0][0] and len(driver.launches) == 4
+    del engine
+
+
+@pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_90"])
+def test_relaunch_ptx_runs_one_phase_per_launch_without_waiting(arch):
+    """The relaunch form's PTX: no register cap and no spin (no block waits on another), the
+    phase counter advanced by the last block to arrive; assembles without spills."""
+    import dataclasses
+
+    from codegen.nvptx import default_libdevice_path, emit_ptx
+    if default_libdevice_path() is None:
+        pytest.skip("no libdevice")
+    from tests.test_kir_nvptx import assemble
+    for kernel in (normalize_kernel(4096, 8, 128), two_barrier_kernel(512, 4, 64)):
+        relaunch = dataclasses.replace(kernel, grid_sync="relaunch")
+        ptx = emit_ptx(relaunch, arch)
+        assert ".maxnreg" not in ptx
+        # The phase (generation) is read once, at the start: no spin re-reads it; the last
+        # block stores the next phase (the persistent form bumps it with an atomic add).
+        generation = f"[{kernel.name}__grid_sync+4]"
+        reads = [l for l in ptx.splitlines() if l.strip().startswith("ld.") and generation in l]
+        stores = [l for l in ptx.splitlines() if l.strip().startswith("st.") and generation in l]
+        assert len(reads) == 1 and len(stores) == 1, (reads, stores)
+        persistent = emit_ptx(kernel, arch)
+        barriers = len(kir.grid_phases(kernel.body)) - 1     # a read and a spin read each
+        assert len([l for l in persistent.splitlines()
+                    if l.strip().startswith("ld.") and generation in l]) == 2 * barriers
+        info = assemble(ptx, arch)
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0
+    with pytest.raises(CodegenError, match="grid_sync"):
+        dataclasses.replace(normalize_kernel(64, 2, 32), grid_sync="sometimes").validate()
+
+
 def test_grid_barrier_kernels_are_capped_at_the_registers_the_grid_was_sized_for():
     from codegen.nvptx import GRID_BARRIER_MAX_REGISTERS, default_libdevice_path, emit_ptx
     from stitch.schedule.global_scope import GLOBAL_REGISTERS

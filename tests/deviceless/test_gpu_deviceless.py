@@ -327,10 +327,10 @@ def _normalize_on_h100(h100_mesh):
 
 def test_gpu_kernels_hold_no_grid_barrier_by_default(h100_mesh, monkeypatch):
     """x / sum(x) plans as a global-scope (grid barrier) kernel; until such kernels have run
-    on a GPU the pass builds the block scopes' schedule instead (STITCH_GRID_BARRIER unset),
+    on a GPU the pass builds the block scopes' schedule instead (STITCH_GRID_SYNC unset),
     or leaves the ops to XLA with that reason."""
     from codegen import kir
-    monkeypatch.delenv("STITCH_GRID_BARRIER", raising=False)
+    monkeypatch.delenv("STITCH_GRID_SYNC", raising=False)
     report = _normalize_on_h100(h100_mesh).report
     for kernel in report.kernels:
         assert not kir.has_grid_barrier(kernel.lowered.kernel), kernel.name
@@ -339,20 +339,37 @@ def test_gpu_kernels_hold_no_grid_barrier_by_default(h100_mesh, monkeypatch):
     assert report.kernels or any("cooperative launch" in why for why in left), report.summary()
 
 
-def test_grid_barrier_kernels_with_cooperative_launch_opted_in(h100_mesh, monkeypatch):
-    """STITCH_GRID_BARRIER=1: the global-scope kernel is built as planned — grid barriers in
-    the PTX, registers capped (.maxnreg) at what the schedule sized its resident grid for, and
-    ptxas's count within it (the CUDA handler launches it cooperatively on a GPU)."""
+def test_grid_barrier_kernels_as_one_cooperative_launch(h100_mesh, monkeypatch):
+    """STITCH_GRID_SYNC=barrier: the global-scope kernel is built as planned — grid barriers
+    in the PTX, registers capped (.maxnreg) at what the schedule sized its resident grid for,
+    and ptxas's count within it (the CUDA handler launches it cooperatively on a GPU)."""
     from codegen import kir
     from codegen.nvptx import GRID_BARRIER_MAX_REGISTERS
-    monkeypatch.setenv("STITCH_GRID_BARRIER", "1")
+    monkeypatch.setenv("STITCH_GRID_SYNC", "barrier")
     result = _normalize_on_h100(h100_mesh)
     report = result.report
     barriers = [k for k in report.kernels if kir.has_grid_barrier(k.lowered.kernel)]
     assert barriers, report.summary()
     check_assembled(result)
     for kernel in barriers:
+        assert kernel.lowered.kernel.grid_sync == "barrier"
         assert "grid_sync" in kernel.target.ptx
         assert f".maxnreg {GRID_BARRIER_MAX_REGISTERS}" in kernel.target.ptx
         info = kernel.target.ptxas[kernel.lowered.kernel.name]
         assert 0 < info.registers <= GRID_BARRIER_MAX_REGISTERS, info
+
+
+def test_grid_barrier_kernels_relaunched_per_phase(h100_mesh, monkeypatch):
+    """STITCH_GRID_SYNC=relaunch: the global-scope kernel is built as planned, in the form
+    the CUDA handler launches once per phase (no register cap, no residency needed)."""
+    from codegen import kir
+    monkeypatch.setenv("STITCH_GRID_SYNC", "relaunch")
+    result = _normalize_on_h100(h100_mesh)
+    report = result.report
+    phased = [k for k in report.kernels if kir.has_grid_barrier(k.lowered.kernel)]
+    assert phased, report.summary()
+    check_assembled(result)
+    for kernel in phased:
+        assert kernel.lowered.kernel.grid_sync == "relaunch"
+        assert kir.launches(kernel.lowered.kernel) >= 2
+        assert ".maxnreg" not in kernel.target.ptx

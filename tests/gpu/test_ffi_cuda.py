@@ -145,12 +145,16 @@ def test_per_call_overhead(gpu) -> None:
 
 
 @pytest.mark.skipif(default_libdevice_path() is None, reason="no libdevice.10.bc")
-def test_grid_barrier_kernel_runs_under_a_cooperative_launch(gpu) -> None:
-    """x / sum(x) in one kernel with a grid barrier between its phases, twice in a row (the
-    barrier's counter must come back to its start state), against the host program."""
+@pytest.mark.parametrize("grid_sync", ["barrier", "relaunch"])
+def test_grid_barrier_kernel_runs(gpu, grid_sync) -> None:
+    """x / sum(x) in one kernel with a grid barrier between its phases — one cooperative
+    launch, or a launch per phase — twice in a row (the phase/barrier counters must come
+    back to their start state), against the host program."""
+    import dataclasses
+
     from tests.test_global_scope import normalize_kernel
     sms = int(getattr(gpu, "core_count", 0) or 0) or 8
-    k = normalize_kernel(50_000, sms, 128)
+    k = dataclasses.replace(normalize_kernel(50_000, sms, 128), grid_sync=grid_sync)
     t = _target(k, gpu)
     fn = jax.jit(lambda v: t.call(v)[0])
     for seed in (7, 8):
