@@ -253,15 +253,29 @@ def choose_layouts(graph: OpGraph, kernels: list, spec: GpuSpec) -> GraphLayouts
     return result
 
 
-def apply_layouts(plan, target: str | GpuSpec | None = None) -> list[GraphLayouts]:
-    """Choose the layouts of every graph of a ``FusionPlan`` and give the kernels touching
-    them their re-tuned schedules. Returns one ``GraphLayouts`` per graph (plan order)."""
+def apply_layouts(plan, target: str | GpuSpec | None = None, *, assign: bool = True
+                  ) -> list[GraphLayouts]:
+    """Choose the layouts of every graph of a ``FusionPlan``; with ``assign`` the kernels
+    touching them take their re-tuned schedules (the compiler passes False and lowers
+    with ``GraphLayouts.schedules``, leaving a cached plan as planned). Returns one
+    ``GraphLayouts`` per graph (plan order)."""
     spec = target if isinstance(target, GpuSpec) else get_spec(target or plan.target)
     out = []
     for g in plan.graphs:
         got = choose_layouts(g.graph, g.stitched.kernels, spec)
-        for k in g.stitched.kernels:
-            if k.name in got.schedules:
-                k.schedule = got.schedules[k.name]
+        if assign:
+            for k in g.stitched.kernels:
+                if k.name in got.schedules:
+                    k.schedule = got.schedules[k.name]
         out.append(got)
     return out
+
+
+def drop_layouts(graph: OpGraph, chosen: GraphLayouts, values) -> set[int]:
+    """Return ``values``' buffers to the row-major layout (a kernel touching them runs
+    through the evaluator, which reads logical buffers); the node ids dropped."""
+    dropped = {v for v in values if v in chosen.layouts}
+    for v in dropped:
+        del chosen.layouts[v]
+    chosen.choices = [c for c in chosen.choices if c.value not in dropped]
+    return dropped
