@@ -57,6 +57,26 @@ class LayoutChoice:
     after_us: float                # ... with this layout
 
 
+@dataclass(frozen=True)
+class LayoutCandidate:
+    """One candidate priced for one value (chosen or not): the producer's and the readers'
+    modeled µs at the default layout and with the candidate (None: no block schedule)."""
+    value: int
+    name: str
+    layout: Layout
+    reason: str
+    producer_us: tuple[float, float | None]
+    readers_us: tuple[float, float | None]
+
+    @property
+    def delta_us(self) -> float | None:
+        """Modeled µs the candidate saves (negative: it costs)."""
+        if self.producer_us[1] is None or self.readers_us[1] is None:
+            return None
+        return sum(x[0] for x in (self.producer_us, self.readers_us)) - \
+            self.producer_us[1] - self.readers_us[1]
+
+
 @dataclass
 class GraphLayouts:
     """The layouts of one graph plan: ``layouts`` (node -> layout, identities left out),
@@ -65,6 +85,7 @@ class GraphLayouts:
     layouts: dict[int, Layout] = field(default_factory=dict)
     choices: list[LayoutChoice] = field(default_factory=list)
     considered: int = 0
+    candidates: list[LayoutCandidate] = field(default_factory=list)
     schedules: dict[str, KernelSchedule] = field(default_factory=dict)
     before_us: float = 0.0         # modeled µs of the kernels re-tuned, as planned
     after_us: float = 0.0          # ... with the layouts
@@ -227,8 +248,13 @@ def choose_layouts(graph: OpGraph, kernels: list, spec: GpuSpec) -> GraphLayouts
         if base is None:
             continue
         best: tuple[float, Layout, str] | None = None
+        base_producer = base[1][producer].modeled_us
         for layout, reason in candidates:
             got = _priced(graph, spec, kernels, affected, {**chosen, v: layout}, laid_out)
+            producer_us = got[1][producer].modeled_us if got else None
+            result.candidates.append(LayoutCandidate(
+                v, graph.nodes[v].name, layout, reason, (base_producer, producer_us),
+                (base[0] - base_producer, got[0] - producer_us if got else None)))
             if got is not None and (best is None or got[0] < best[0]):
                 best = (got[0], layout, reason)
         if best is None or best[0] >= base[0] * (1 - TIE):
