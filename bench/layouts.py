@@ -69,7 +69,7 @@ def measure(model: str, target: str) -> LayoutRow:
     row.considered = sum(g.considered for g in chosen)
     row.priced = len(candidates)
     row.chosen = sum(len(g.choices) for g in chosen)
-    row.choices = [f"{c.name} {c.shape} as {c.layout} ({c.reason}): "
+    row.choices = [f"{model}/{target}: {c.name} {c.shape} as {c.layout} ({c.reason}): "
                    f"{c.before_us:.1f} → {c.after_us:.1f} µs" for g in chosen for c in g.choices]
     chosen_ids = {(id(g), c.value) for g in chosen for c in g.choices}
     rest = [c for g in chosen for c in g.candidates if (id(g), c.value) not in chosen_ids]
@@ -119,16 +119,21 @@ def markdown(rows: list[LayoutRow]) -> list[str]:
         "(its schedule model does not price layouts; column_reduce_broadcast's one value "
         "between kernels is written by one), values some evaluator, GEMM, XLA kernel or "
         "module output reads, and values several kernels write (recomputation).", "",
-        "Why the zoo keeps its layouts: the crossing values a reader column-reduces are "
-        "written by warp-per-row kernels (layer-norm backward's producers), whose lanes walk "
-        "a row; storing the value transposed makes every lane's store its own sector, and "
-        "the model charges more for that than the reader gains by reducing rows (its column "
-        "reduction is already coalesced, one lane per column; what it gains is parallelism). "
-        "A producer that stages its transposed tile through shared memory would store "
-        "coalesced; codegen does not do that yet, so the pass does not price it. Where the "
-        "producer walks the value's own order (a loop part, thread composition) the layout "
-        "wins: tests/test_layouts.py's hand-built plans (column reduction, transpose and "
-        "bitcast readers) choose it, run it on the host and assemble it for sm_70/80/90."]
+        "Where it wins: the reader's column reduction becomes a row reduction (more rows in "
+        "flight than 32-column tiles) and the producer can write the transpose without "
+        "paying more than that: a loop part (thread composition walks the buffer's own "
+        "order), or a producer whose stores are a small part of its time "
+        "(transformer_train's layer-norm-backward sums over [128,32,512] on A100/H100, "
+        "dien_train's small [256,80] values). Why most values keep their layout: the crossing "
+        "values a reader column-reduces are mostly written by warp-per-row kernels "
+        "(bert_layer_train's layer-norm-backward producers), whose lanes walk a row; storing "
+        "the value transposed makes every lane's store its own sector, and the model charges "
+        "more for that than the reader gains (its column reduction is already coalesced, one "
+        "lane per column; what it gains is parallelism, and in packed kernels another part "
+        "often sets the time). A producer staging its transposed tile through shared memory "
+        "would store coalesced; codegen does not do that yet, so the pass does not price "
+        "it. Layout changes never change the bytes: the mem MB column is the same with and "
+        "without."]
     return lines
 
 
