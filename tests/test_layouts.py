@@ -13,6 +13,7 @@ between kernels, whichever plan has them.
 """
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -278,8 +279,8 @@ def test_a_reader_falling_back_returns_the_value_to_row_major(tmp_path, monkeypa
                                rtol=3e-4, atol=3e-4)
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None and not __import__("os").environ.get(
-    "STITCH_PTXAS"), reason="ptxas not found")
+@pytest.mark.skipif(shutil.which("ptxas") is None and not os.environ.get("STITCH_PTXAS"),
+                    reason="ptxas not found")
 @pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_90"])
 def test_relaid_kernels_assemble(arch, tmp_path, monkeypatch):
     from codegen.toolchain import ToolchainError, assemble
