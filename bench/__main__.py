@@ -33,7 +33,7 @@ from bench import plans as plans_mod
 from bench.report import machine, stamp, write_section
 
 SECTIONS = ("plans", "planner", "planner-scale", "compile", "runtime", "gpu", "gemm-chains")
-EXTRA_SECTIONS = ("corpus",)  # run only when named
+EXTRA_SECTIONS = ("corpus", "layouts")  # run only when named
 LEGACY = [("<!-- plan-report:start -->", "<!-- plan-report:end -->")]
 TITLES = {
     "plans": "Stitched plans vs XLA's GPU fusion decisions (counted kernels and bytes, modeled time)",
@@ -43,6 +43,7 @@ TITLES = {
     "runtime": "Step time on this CPU: stitch.jit vs jax.jit (measured)",
     "gpu": "On a GPU (measured)",
     "corpus": "XLA's own test modules through every stage (counted outcomes)",
+    "layouts": "Layouts chosen with the schedules (ALT; modeled)",
     "gemm-chains": "GEMM chains and attention in one kernel vs XLA's kernels; schedule search "
                    "(modeled, search time measured)",
 }
@@ -201,7 +202,7 @@ def run_gemm_chains(report: Report) -> None:
 
 RUNNERS = {"gemm-chains": run_gemm_chains, "plans": run_plans, "planner": run_planner, "planner-scale": run_planner_scale,
            "compile": run_compile, "runtime": run_runtime, "gpu": run_gpu,
-           "corpus": run_corpus}
+           "corpus": run_corpus, "layouts": lambda r: __import__("bench.layouts").layouts.run(r)}
 
 
 def overview(report: Report, total_s: float) -> list[str]:

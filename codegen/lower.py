@@ -53,7 +53,8 @@ from hlo_passes.scatter_forms import (gather_index_map, known_index_values, scat
 
 from . import kir
 from .errors import CodegenError
-from .values import ValueEmitter, delinearize, iadd, imul, leaf, linearize, storage_dtype
+from .values import (ValueEmitter, delinearize, iadd, imul, leaf, linearize, logical_index,
+                     physical_offset, storage_dtype)
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,9 @@ class LoweredKernel:
     # Written values whose buffer must hold a copy of an input before the launch (output
     # node -> input node): a scatter whose colliding updates are added atomically in place.
     initial: dict[int, int] = field(default_factory=dict)
+    # Params (node ids) whose buffer is laid out by stitch (``stitch.schedule.layouts``):
+    # logical dims, major to minor. Every other buffer is row-major.
+    layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 def _literal(node: OpNode) -> np.ndarray:
@@ -235,7 +239,7 @@ def _constant_scalar(node: OpNode) -> object | None:
 
 class _KernelBuilder:
     def __init__(self, graph: OpGraph, evaluator: Evaluator, schedule, name: str,
-                 in_place: bool = False):
+                 in_place: bool = False, layouts: dict[int, tuple[int, ...]] | None = None):
         self.in_place = in_place
         self.graph = graph
         self.evaluator = evaluator
@@ -278,6 +282,37 @@ class _KernelBuilder:
                 self._param(v, True)
                 self.outputs.append(v)
         self.atomic = self._atomic_scatters()
+        self.layouts = self._check_layouts(layouts or {})
+
+    def _check_layouts(self, layouts: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+        """The given layouts of this kernel's params (identity layouts dropped); a layout
+        that is not a permutation of the value's dims, or one of an atomic scatter's
+        buffers, is refused."""
+        mine: dict[int, tuple[int, ...]] = {}
+        for v, layout in layouts.items():
+            if v not in self.params:
+                continue
+            layout = tuple(layout)
+            rank = leaf(self.graph.nodes[v].shape).rank
+            if sorted(layout) != list(range(rank)):
+                raise CodegenError(f"{self.graph.nodes[v].name}: layout {layout} is not a "
+                                   f"permutation of {rank} dims")
+            if layout == tuple(range(rank)):
+                continue
+            if v in self.atomic or v in self.atomic.values():
+                raise CodegenError(f"{self.graph.nodes[v].name}: an atomic scatter's buffer "
+                                   "keeps the row-major layout")
+            mine[v] = layout
+        return mine
+
+    def output_offset(self, v: int, logical: kir.Expr) -> kir.Expr:
+        """Where the element at row-major offset ``logical`` of written value v goes in its
+        buffer (v's layout)."""
+        layout = self.layouts.get(v)
+        if layout is None:
+            return logical
+        dims = leaf(self.graph.nodes[v].shape).dims
+        return physical_offset(delinearize(logical, dims), dims, layout)
 
     def _atomic_scatters(self) -> dict[int, int]:
         """Scatters whose updates may collide (form "atomic"): scatter -> its operand. The
@@ -334,8 +369,10 @@ class _KernelBuilder:
         return self.evaluator.binary_kind(comp) if comp else None
 
     def emitter(self) -> ValueEmitter:
-        return ValueEmitter(self.graph, self.computed, self.params.get, self.reducer_kind,
-                            _constant_scalar)
+        em = ValueEmitter(self.graph, self.computed, self.params.get, self.reducer_kind,
+                          _constant_scalar)
+        em.layouts = {v: layout for v, layout in self.layouts.items() if v in self.inputs}
+        return em
 
     # --- parts ---------------------------------------------------------------------------
     def build(self) -> LoweredKernel:
@@ -393,7 +430,7 @@ class _KernelBuilder:
         kernel = kir.Kernel(self.name, params, shared, sched.grid, sched.block, body)
         kernel.validate()
         return LoweredKernel(kernel, list(self.inputs), list(self.outputs), schemes, self.notes,
-                             dict(self.atomic))
+                             dict(self.atomic), dict(self.layouts))
 
     def _build_global(self) -> LoweredKernel:
         """A global-scope kernel: phases and grid barriers (``lower_global``)."""
@@ -411,7 +448,7 @@ class _KernelBuilder:
         kernel = kir.Kernel(self.name, params, shared, sched.grid, sched.block, body, scratch)
         kernel.validate()
         return LoweredKernel(kernel, list(self.inputs), list(self.outputs), ["global"],
-                             self.notes, {})
+                             self.notes, {}, dict(self.layouts))
 
     def _thread_part(self, em: ValueEmitter, part, written: list[int], bid: kir.Expr) -> None:
         tpb = self.schedule.block
@@ -437,7 +474,7 @@ class _KernelBuilder:
                 em.overrides[v] = lambda idx, r=result: r
                 if v in written:
                     em.push()
-                    em.emit(kir.Store(self.params[v].name, rowc, result))
+                    em.emit(kir.Store(self.params[v].name, self.output_offset(v, rowc), result))
                     store = em.pop()
                     owner = kir.Compare("eq", unit.first, _c(0))
                     em.emit(kir.If(kir.Binary("and", valid, owner), store))
@@ -459,7 +496,8 @@ class _KernelBuilder:
             index = split.index(rowc, kir.Ref(var, "i32"), shape.dims)
             value = em.value(v, index)
             em.push()
-            em.emit(kir.Store(self.params[v].name, linearize(index, shape.dims), value))
+            em.emit(kir.Store(self.params[v].name,
+                              physical_offset(index, shape.dims, self.layouts.get(v)), value))
             store = em.pop()
             em.emit(kir.If(valid, store))
             loop = em.pop()
@@ -531,7 +569,10 @@ class _KernelBuilder:
         var = em.fresh("e")
         em.push(var)
         e = kir.Ref(var, "i32")
-        em.emit(kir.Store(self.params[v].name, e, em.value(v, delinearize(e, shape.dims))))
+        # A buffer in a layout of stitch's choosing is walked in its own (physical) order:
+        # the stores stay coalesced, the loads follow the logical index.
+        index = logical_index(e, shape.dims, self.layouts.get(v))
+        em.emit(kir.Store(self.params[v].name, e, em.value(v, index)))
         em.emit(kir.For(var, start, _c(max(shape.num_elements, 1)), _c(total), em.pop()))
 
     def _unit_reduce(self, em: ValueEmitter, node: OpNode, unit: "_Unit", rowc: kir.Expr,
@@ -814,14 +855,18 @@ def kernel_identifier(name: str) -> str:
 
 
 def lower_kernel(graph: OpGraph, module: HloModule | Evaluator, schedule, name: str,
-                 in_place: bool = False) -> LoweredKernel:
+                 in_place: bool = False, layouts: dict[int, tuple[int, ...]] | None = None
+                 ) -> LoweredKernel:
     """Kernel IR for the stitched kernel ``schedule`` (a KernelSchedule) of ``graph``.
     ``in_place``: the caller fills the buffers of ``LoweredKernel.initial`` before the
-    launch, so scatters with colliding updates are generated (else refused)."""
+    launch, so scatters with colliding updates are generated (else refused). ``layouts``:
+    values between stitched kernels whose buffers stitch lays out (node -> logical dims,
+    major to minor; ``stitch.schedule.layouts``): this kernel's loads and stores of them
+    index through the permutation; the caller keeps every other reader off them."""
     evaluator = module if isinstance(module, Evaluator) else Evaluator(module)
     safe = kernel_identifier(name)
     try:
-        return _KernelBuilder(graph, evaluator, schedule, safe, in_place).build()
+        return _KernelBuilder(graph, evaluator, schedule, safe, in_place, layouts).build()
     except CodegenError:
         raise
     except (KeyError, ValueError, IndexError) as exc:
@@ -866,7 +911,8 @@ def run_on_host(lowered: LoweredKernel, graph: OpGraph, inputs: dict[int, np.nda
                 poison: bool = True, opt: int = 2) -> dict[int, np.ndarray]:
     """Compile ``lowered`` for the host target (LLVM speed level ``opt``: 0 builds ~3x
     faster, for tests of the lowering itself) and run it on ``inputs`` (node id -> array,
-    logical shapes); returns the written values by node id. Float outputs start as NaN so
+    logical shapes; buffers in ``lowered.layouts`` are transposed into and out of their
+    layout here); returns the written values by node id, logical shapes. Float outputs start as NaN so
     an element the kernel never writes cannot pass for a right one."""
     from .host import NUMPY_DTYPES, compile_host
 
@@ -874,7 +920,11 @@ def run_on_host(lowered: LoweredKernel, graph: OpGraph, inputs: dict[int, np.nda
     params = lowered.kernel.params
     args = []
     for p, v in zip(params, lowered.inputs):
-        args.append(np.ascontiguousarray(inputs[v], dtype=NUMPY_DTYPES[p.dtype]).reshape(-1))
+        value = np.asarray(inputs[v])
+        if v in lowered.layouts:        # the buffer holds the value transposed by its layout
+            value = np.transpose(value.reshape(leaf(graph.nodes[v].shape).dims),
+                                 lowered.layouts[v])
+        args.append(np.ascontiguousarray(value, dtype=NUMPY_DTYPES[p.dtype]).reshape(-1))
     outs = []
     for p, v in zip(params[len(lowered.inputs):], lowered.outputs):
         out = np.empty(p.size, NUMPY_DTYPES[p.dtype])
@@ -886,5 +936,10 @@ def run_on_host(lowered: LoweredKernel, graph: OpGraph, inputs: dict[int, np.nda
             out[:] = 1
         outs.append(out)
     compiled(*args, *outs)
-    return {v: out.reshape(leaf(graph.nodes[v].shape).dims)
-            for v, out in zip(lowered.outputs, outs)}
+    values = {}
+    for v, out in zip(lowered.outputs, outs):
+        dims = leaf(graph.nodes[v].shape).dims
+        layout = lowered.layouts.get(v)
+        values[v] = out.reshape(dims) if layout is None else np.transpose(
+            out.reshape(tuple(dims[d] for d in layout)), np.argsort(layout))
+    return values

@@ -185,7 +185,8 @@ class GlobalLowering:
             element = leaf(node.shape).element_type
             value = kir.Unary(f"round_to_{element}", folded) \
                 if element in ("f16", "bf16") and folded.dtype == "f32" else folded
-            em.emit(kir.Store(self.b.params[r.node].name, kir.Ref(o, "i32"), value))
+            em.emit(kir.Store(self.b.params[r.node].name,
+                              self.b.output_offset(r.node, kir.Ref(o, "i32")), value))
             self.stored.add(r.node)
         em.emit(kir.For(o, gtid, _c(r.outputs), _c(self.grid * self.tpb), em.pop()))
 

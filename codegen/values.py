@@ -136,6 +136,29 @@ def linearize(index: tuple[Expr, ...], dims: tuple[int, ...]) -> Expr:
     return out
 
 
+def physical_offset(index: tuple[Expr, ...], dims: tuple[int, ...],
+                    layout: tuple[int, ...] | None) -> Expr:
+    """Linear offset of a logical index in a buffer laid out as ``layout`` (the logical
+    dims, major to minor; None or the identity: row-major). A buffer stitch lays out
+    between two of its kernels (``stitch.schedule.layouts``) holds the transpose of the
+    value by ``layout``."""
+    if layout is None:
+        return linearize(index, dims)
+    return linearize(tuple(index[d] for d in layout), tuple(dims[d] for d in layout))
+
+
+def logical_index(offset: Expr, dims: tuple[int, ...], layout: tuple[int, ...] | None
+                  ) -> tuple[Expr, ...]:
+    """The logical index stored at ``offset`` of a buffer laid out as ``layout``."""
+    if layout is None:
+        return delinearize(offset, dims)
+    physical = delinearize(offset, tuple(dims[d] for d in layout))
+    out: list[Expr] = [_c(0)] * len(dims)
+    for position, d in enumerate(layout):
+        out[d] = physical[position]
+    return tuple(out)
+
+
 def delinearize(offset: Expr, dims: tuple[int, ...]) -> tuple[Expr, ...]:
     """Logical index of a row-major linear offset."""
     out: list[Expr] = []
@@ -202,6 +225,9 @@ class ValueEmitter:
         self.constant_of = constant_of        # scalar constants -> python value, else None
         self.scopes: list[_Scope] = []
         self.overrides: dict[int, Callable[[tuple[Expr, ...]], Expr]] = {}
+        # Input buffers in a layout of stitch's choosing (node -> logical dims, major to
+        # minor); the others are row-major.
+        self.layouts: dict[int, tuple[int, ...]] = {}
         self._names = 0
 
     # --- scopes ---------------------------------------------------------------------
@@ -287,7 +313,8 @@ class ValueEmitter:
         if param is None:
             raise CodegenError(f"{node.name} ({node.opcode}) is neither computed in the kernel "
                                "nor one of its inputs")
-        return kir.Load(param, linearize(index, leaf(node.shape).dims))
+        return kir.Load(param, physical_offset(index, leaf(node.shape).dims,
+                                               self.layouts.get(node.id)))
 
     def _compute(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
         if node.id not in self.members:

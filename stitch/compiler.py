@@ -145,6 +145,8 @@ class Executable:
         self._ptx: dict[str, str] | None = None
         # One ptxas_feedback.Revision per kernel when compiled with ptxas_feedback=True.
         self.ptxas_feedback: list = []
+        # One schedule.layouts.GraphLayouts per graph when compiled with layouts=True.
+        self.layouts: list = []
         self.graphs: list[OpGraph] = graphs if graphs is not None else \
             [g.graph for g in plan.graphs]
         units: dict[int, list[Unit]] = {}
@@ -293,7 +295,9 @@ def lower_chain_kernel(graph: OpGraph, k, arch: str, *, fma: bool = False) -> Lo
 
 
 def _build_kernel(k, gi: int, graph: OpGraph, evaluator: Evaluator,
-                  store: CompileCache | None, arch: str = "sm_80") -> CompiledKernel | Fallback:
+                  store: CompileCache | None, arch: str = "sm_80", *, schedule=None,
+                  layouts: dict[int, tuple[int, ...]] | None = None
+                  ) -> CompiledKernel | Fallback:
     """Lower and build one planned kernel; any failure becomes a Fallback with its reason
     (CodegenError: a known limit, logged at info; anything else is a bug: warning)."""
     def failed(stage: str, exc: Exception) -> Fallback:
@@ -309,7 +313,8 @@ def _build_kernel(k, gi: int, graph: OpGraph, evaluator: Evaluator,
             lowered = lower_chain_kernel(graph, k, arch)
         else:
             # The runner fills LoweredKernel.initial buffers (atomic scatters) first.
-            lowered = lower_kernel(graph, evaluator, k.schedule, k.name, in_place=True)
+            lowered = lower_kernel(graph, evaluator, schedule or k.schedule, k.name,
+                                   in_place=True, layouts=layouts)
     except Exception as exc:  # noqa: BLE001 - one kernel must not stop compilation
         return failed("lowering", exc)
     t1 = time.perf_counter()
@@ -325,7 +330,8 @@ def _build_kernel(k, gi: int, graph: OpGraph, evaluator: Evaluator,
 def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
             plan: FusionPlan | None = None, options: ExplorerOptions | None = None,
             cache: CompileCache | None | bool = True,
-            poison_outputs: bool = False, ptxas_feedback: bool = False) -> Executable:
+            poison_outputs: bool = False, ptxas_feedback: bool = False,
+            layouts: bool = False) -> Executable:
     """Plan ``hlo`` for ``target`` and build its stitched kernels for ``device`` ("cpu": the
     host target; the kernels' PTX for the target is ``Executable.ptx``).
 
@@ -333,7 +339,10 @@ def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
     False/None for none. ``poison_outputs``: kernel output buffers start as NaN / a
     sentinel (for tests: an unwritten element cannot look right). ``ptxas_feedback``: assemble
     each kernel for the target and rebuild it once when ptxas's register count makes another
-    schedule win (needs ptxas; ToolchainError without it).
+    schedule win (needs ptxas; ToolchainError without it). ``layouts``: values between
+    stitched kernels get the layouts ``schedule.layouts`` chooses with the kernels'
+    schedules (``Executable.layouts``); a value whose producer or reader falls back to the
+    evaluator keeps the row-major layout.
     Raises CompileError for an unknown device or target and for text that does not parse.
     """
     if device not in DEVICES:
@@ -355,6 +364,8 @@ def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
     evaluator = Evaluator(module)
     kernels: list[CompiledKernel] = []
     fallbacks: list[Fallback] = []
+    chosen = _choose_layouts(fusion_plan, target) if layouts and fusion_plan is not None \
+        else []
     for gi, g in enumerate(fusion_plan.graphs if fusion_plan is not None else []):
         for k in g.stitched.kernels:
             if k.schedule is None and k.kind != "gemm_chain":
@@ -365,14 +376,19 @@ def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
                     fallbacks.append(Fallback(k.name, gi, f"no schedule: {k.schedule_note}",
                                               "ScheduleError"))
                 continue
-            built = _build_kernel(k, gi, g.graph, evaluator, store, arch_of(target))
+            built = _build_kernel(k, gi, g.graph, evaluator, store, arch_of(target),
+                                  **_layout_args(chosen, gi, g.graph, k))
             if isinstance(built, Fallback):
                 fallbacks.append(built)
                 continue
-            stats.lower_s += built.lower_s
-            stats.host_build_s += built.build_s
-            stats.host_cache_hits += built.from_cache
             kernels.append(built)
+    if chosen:
+        kernels = _keep_layouts_off_fallbacks(fusion_plan, chosen, kernels, fallbacks,
+                                              evaluator, store, target)
+    for built in kernels:
+        stats.lower_s += built.lower_s
+        stats.host_build_s += built.build_s
+        stats.host_cache_hits += built.from_cache
     graphs = None if fusion_plan is not None else build_op_graphs(module)
     log.info("compiled %s for %s: %d stitched kernels, %d through the evaluator, "
              "plan %.2fs, lower %.2fs, host build %.2fs (%d from the cache)",
@@ -380,10 +396,65 @@ def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
              stats.host_build_s, stats.host_cache_hits)
     exe = Executable(module, fusion_plan, target, kernels, fallbacks, stats, store,
                      graphs=graphs, plan_notes=notes, poison_outputs=poison_outputs)
+    exe.layouts = chosen
     if ptxas_feedback:
         from .schedule.ptxas_feedback import apply_to_executable
         exe = apply_to_executable(exe, evaluator, store)
     return exe
+
+
+def _choose_layouts(plan: FusionPlan, target: str) -> list:
+    from .schedule.layouts import apply_layouts
+    return apply_layouts(plan, target, assign=False)
+
+
+def _layout_args(chosen: list, gi: int, graph: OpGraph, k) -> dict:
+    """The re-tuned schedule and the layouts of kernel k (none without layouts)."""
+    if not chosen or not chosen[gi].layouts:
+        return {}
+    from .schedule.layouts import kernel_layouts
+    return {"schedule": chosen[gi].schedules.get(k.name),
+            "layouts": kernel_layouts(graph, chosen[gi].layouts, k.members)}
+
+
+def _keep_layouts_off_fallbacks(plan: FusionPlan, chosen: list, kernels: list[CompiledKernel],
+                                fallbacks: list[Fallback], evaluator: Evaluator,
+                                store: CompileCache | None, target: str
+                                ) -> list[CompiledKernel]:
+    """A kernel that runs through the evaluator reads and writes row-major buffers: the
+    values it touches go back to the row-major layout and the built kernels touching them
+    are lowered again (until nothing changes; a rebuild that fails falls back too)."""
+    from .schedule.layouts import drop_layouts, kernel_layouts
+    by_name = {(gi, k.name): k for gi, g in enumerate(plan.graphs) for k in g.stitched.kernels}
+    # Built kernels carry the plan kernel's members (their names are sanitized).
+    by_members = {(gi, tuple(k.members)): k for gi, g in enumerate(plan.graphs)
+                  for k in g.stitched.kernels}
+    while True:
+        dropped: set[tuple[int, int]] = set()
+        for f in fallbacks:
+            g = plan.graphs[f.graph_index]
+            k = by_name.get((f.graph_index, f.name))
+            if k is None:
+                continue
+            touched = kernel_layouts(g.graph, chosen[f.graph_index].layouts, k.members)
+            dropped |= {(f.graph_index, v)
+                        for v in drop_layouts(g.graph, chosen[f.graph_index], touched)}
+        if not dropped:
+            return kernels
+        log.info("layouts: %d values back to row-major (a kernel touching them falls back)",
+                 len(dropped))
+        kept = []
+        for ck in kernels:
+            graph = plan.graphs[ck.graph_index].graph
+            if not any((ck.graph_index, v) in dropped for v in ck.lowered.layouts):
+                kept.append(ck)
+                continue
+            k = by_members[(ck.graph_index, tuple(ck.members))]
+            rebuilt = _build_kernel(k, ck.graph_index, graph, evaluator, store,
+                                    arch_of(target), **_layout_args(chosen, ck.graph_index,
+                                                                    graph, k))
+            (fallbacks if isinstance(rebuilt, Fallback) else kept).append(rebuilt)
+        kernels = kept
 
 
 __all__ = ["CompileError", "CompileStats", "CompiledKernel", "Executable", "Fallback", "arch_of",

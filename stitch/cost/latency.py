@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
+from .gpu_specs import XLA_L2_CACHE_SPEEDUP, XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
 from .occupancy import Occupancy, occupancy
 
 UNROLL = 4                       # loads in flight per thread in a loop (codegen unrolls)
@@ -74,6 +74,10 @@ class WarpWork:
     shuffles: float = 0.0
     barriers: float = 0.0
     chain_alu: float = 0.0       # arithmetic on the critical path (e.g. reduction trees)
+    # Strided accesses (lanes on different 32-byte sectors): the sectors they move through
+    # the L2. Their DRAM bytes are in global_bytes; the L2 merges partial sectors, so these
+    # cost at the L2's speed (XLA's kL2CacheSpeedup over HBM).
+    sector_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -120,10 +124,12 @@ def warp_compute_cycles(spec: GpuSpec, work: WarpWork) -> float:
 
 
 def warp_memory_cycles(spec: GpuSpec, work: WarpWork) -> float:
-    """SM cycles of one warp's HBM traffic: its bytes over the SM's share of the bandwidth,
-    at least one cycle per global load/store instruction."""
+    """SM cycles of one warp's HBM traffic: its bytes over the SM's share of the bandwidth
+    (sectors of strided accesses at the L2's speed), at least one cycle per global
+    load/store instruction."""
     table = _CPI[id(spec)][1] if id(spec) in _CPI else cpi(spec)
-    return max(work.global_bytes * table["global_byte"], work.global_instr)
+    moved = work.global_bytes + work.sector_bytes / XLA_L2_CACHE_SPEEDUP
+    return max(moved * table["global_byte"], work.global_instr)
 
 
 def warp_issue_cycles(spec: GpuSpec, work: WarpWork) -> float:

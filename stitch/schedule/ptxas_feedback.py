@@ -134,7 +134,9 @@ def apply_to_executable(exe: "Executable", evaluator: "Evaluator",
             continue
         old_schedule = k.schedule
         k.schedule = rev.schedule
-        built = _build_kernel(k, ck.graph_index, graph, evaluator, store)
+        # A kernel reading or writing a re-laid-out buffer keeps indexing it so.
+        built = _build_kernel(k, ck.graph_index, graph, evaluator, store,
+                              layouts=ck.lowered.layouts or None)
         if isinstance(built, Fallback):
             # The revised schedule does not lower: keep the kernel as first built.
             k.schedule = old_schedule
@@ -154,6 +156,7 @@ def apply_to_executable(exe: "Executable", evaluator: "Evaluator",
                      exe.cache, graphs=exe.graphs, plan_notes=exe.plan_notes,
                      poison_outputs=exe.poison_outputs)
     new.ptxas_feedback = revisions
+    new.layouts = exe.layouts
     if rebuilt:
         _assemble_rebuilt(exe, new, rebuilt, revisions)
     return new

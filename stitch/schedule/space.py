@@ -69,6 +69,9 @@ class PartFacts:
     # Thread composition computes only the elements the written values need (a reduction
     # whose result is sliced reduces only the kept outputs): at most ``hbm_bytes``.
     thread_bytes: int = 0
+    # Sector traffic of strided reads/writes of buffers in a layout stitch chose
+    # (``layout_access.apply_layouts``; 0 without layouts).
+    sector_bytes: float = 0.0
 
     @property
     def reduction_length(self) -> dict[int, int]:

@@ -24,6 +24,7 @@ from ..errors import StitchError
 from ..explorer.feasibility import Infeasible, analyze_pattern
 from .global_scope import schedule_global
 from .kernel_schedule import GroupSchedule, KernelSchedule, PartSchedule, SharedBuffer
+from .layout_access import apply_layouts
 from .space import PartFacts, op_instructions, part_facts, written_values
 
 log = logging.getLogger(__name__)
@@ -243,7 +244,8 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
     nbytes = facts.thread_bytes if unit == "thread" else facts.hbm_bytes
     work = WarpWork(alu=alu, sfu=sfu, global_bytes=nbytes / max(total_warps, 1),
                     global_instr=instr, memory_rounds=max(rounds, 1.0), shared_instr=shared,
-                    shuffles=shuffles, barriers=barriers, chain_alu=chain)
+                    shuffles=shuffles, barriers=barriers, chain_alu=chain,
+                    sector_bytes=facts.sector_bytes / max(total_warps, 1))
     return work, blocks, rows_per_block, cached_regs
 
 
@@ -256,7 +258,8 @@ def _loop_work(facts: PartFacts, tpb: int, vw: int) -> tuple[WarpWork, int] | st
     warps = blocks * max(tpb // 32, 1)
     work = WarpWork(alu=p.alu * vw, sfu=p.sfu * vw,
                     global_bytes=facts.hbm_bytes / max(warps, 1),
-                    global_instr=p.loads + p.stores, memory_rounds=1.0)
+                    global_instr=p.loads + p.stores, memory_rounds=1.0,
+                    sector_bytes=facts.sector_bytes / max(warps, 1))
     return work, blocks
 
 
@@ -414,7 +417,8 @@ def _preference(choice: _Choice) -> tuple[float, float, int]:
 
 def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
                     force: dict[str, str] | None = None, *, register_scale: float = 1.0,
-                    pin: KernelSchedule | None = None) -> KernelSchedule:
+                    pin: KernelSchedule | None = None,
+                    layouts: dict[int, tuple[int, ...]] | None = None) -> KernelSchedule:
     """The fastest legal schedule of the stitched kernel ``members`` on ``spec``.
 
     ``force`` = {"unit": "warp"} (or "block"/"thread") keeps only schedules whose row parts
@@ -423,7 +427,10 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
     estimate (ptxas feedback: the measured count over the estimate of the kernel as built).
     ``pin``: only ``pin``'s own choices (block size and, per part, unit, vector width,
     groups, cached values), re-evaluated: what that schedule costs under
-    ``register_scale``. Raises ScheduleError when nothing is legal, listing why."""
+    ``register_scale``. ``layouts``: buffers whose layout stitch chooses (node -> logical
+    dims, major to minor; ``layouts.py``): their reads and writes are priced by access
+    order (``layout_access.apply_layouts``). Raises ScheduleError when nothing is legal,
+    listing why."""
     members = sorted(set(members))
     try:
         analysis = analyze_pattern(graph, members, allow_global=True)
@@ -442,6 +449,8 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
         return rival
     facts = [part_facts(graph, comp, analysis) for comp in analysis.components
              if any(not graph.is_free(v) for v in comp)]
+    if layouts:
+        facts = [apply_layouts(graph, f, layouts) for f in facts]
     if not facts:
         raise ScheduleError(f"kernel at {graph.nodes[members[0]].name} computes nothing")
     rejected: list[str] = []
