@@ -163,6 +163,60 @@ def crossing_bytes(result, target: str) -> Counter:
     return out
 
 
+@dataclass
+class Crossing:
+    """One value a stitched memory-intensive kernel writes and others read (``kind``
+    "crossing"), or an outside value (graph input, GEMM result) several memory-intensive
+    kernels read (``kind`` "re-read"): its bytes above the one-kernel bound, per step."""
+    graph: str
+    value: str
+    kind: str
+    nbytes: float
+    producer: str
+    readers: tuple[str, ...]
+    reason: str
+
+
+def crossing_values(result) -> list[Crossing]:
+    """Every byte of a graph's stitched plan above its one-kernel bound, by value: values
+    crossing between memory-intensive kernels (1 write + 1 read per reading kernel, with the
+    explorer's reason the producer and its first such consumer stayed apart) and outside
+    values read by more than one memory-intensive kernel (each read after the first).
+    Sizes are the values' logical bytes (the delta model also counts partial reads), so the
+    sum approximates, not equals, plan bytes minus the bound."""
+    graph, plan = result.graph, result.stitched
+    mem = [k for k in plan.kernels if k.is_memory]
+    owners: dict[int, set[int]] = {}
+    for i, k in enumerate(mem):
+        for v in k.members:
+            owners.setdefault(v, set()).add(i)
+    out: list[Crossing] = []
+    for v, node in enumerate(graph.nodes):
+        if graph.is_free(v) and v in owners:
+            continue
+        ks = owners.get(v, set())
+        readers: set[int] = set()
+        reason = ""
+        for u in _users_through_free(graph, v):
+            uk = owners.get(u, set())
+            if not uk or uk & ks:
+                continue
+            readers |= uk
+            if ks and not reason:
+                reason = reason_kind(result.reasons.get(
+                    (v, u), "another pattern scored higher in beam search"))
+        names = tuple(sorted(mem[i].name for i in readers))
+        if ks and readers:
+            out.append(Crossing(graph.name, node.name, "crossing",
+                                node.shape.byte_size * (1 + len(readers)) * plan.weight,
+                                mem[min(ks)].name, names, reason))
+        elif not ks and len(readers) > 1 and node.shape.byte_size:
+            out.append(Crossing(graph.name, node.name, "re-read",
+                                node.shape.byte_size * (len(readers) - 1) * plan.weight,
+                                node.opcode, names, "read by several kernels"))
+    return sorted(out, key=lambda c: -c.nbytes)
+
+
 def plan_model(model: str, target: str) -> PlanRow:
     text = (DATA / model / f"full.gpu-{target}.hlo").read_text()
     start = time.perf_counter()
