@@ -216,3 +216,26 @@ def test_bf16_cross_entropy_step_is_not_slower_than_xla(target):
 
     row = plan_model("log_softmax_xent_train_bf16", target)
     assert row.stitch.latency_us < row.xla.latency_us
+
+
+def test_crossing_values_marks_activations_a_gemm_separates_as_forced():
+    """e = exp(x) feeds a GEMM and, after it, an add with the GEMM's result: e must be
+    written and read back whatever the plan (forced); the one-kernel bound does not count
+    it, ``PlanRow.forced_bytes`` does."""
+    from bench.plans import crossing_values
+
+    text = """HloModule m
+ENTRY e {
+  x = f32[256,512] parameter(0)
+  w = f32[512,512] parameter(1)
+  e = f32[256,512] exponential(x)
+  d = f32[256,512] dot(e, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT y = f32[256,512] add(e, d)
+}
+"""
+    plan = stitch.plan(text, target="h100")
+    result = plan.graphs[0]
+    found = [c for c in crossing_values(result) if c.value == "e"]
+    assert len(found) == 1 and found[0].forced, found
+    # Written once, read once by the add's kernel.
+    assert found[0].nbytes == pytest.approx(2 * 256 * 512 * 4)
