@@ -21,7 +21,8 @@ import stitch
 from bench.report import fit_exponent, geomean, ratio
 from bench.synthetic import synthetic_hlo
 from bench.xla_cost_formula import DEVICES, KernelTime, kernel_flops, kernel_time
-from stitch.cost.delta import kernel_hbm_bytes
+from hlo_passes.op_classes import OpClass
+from stitch.cost.delta import graph_facts, kernel_hbm_bytes, utilization
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.plan import GraphPlan, kernel_kind
 from stitch.explorer.planner import schedule_plan
@@ -80,6 +81,9 @@ class PlanRow:
     # Mem bytes if every mem op of each graph were one kernel: only values crossing GEMMs,
     # opaque ops and graph edges move (a lower bound for plans that keep GEMMs apart).
     bytes_bound: float = 0.0
+    # Bytes of values a GEMM or opaque op separates from their readers (saved activations,
+    # ``Crossing.forced``): the one-kernel bound does not count them, no plan avoids them.
+    forced_bytes: float = 0.0
 
 
 def measure(plan: GraphPlan, side: Side, target: str) -> None:
@@ -163,6 +167,111 @@ def crossing_bytes(result, target: str) -> Counter:
     return out
 
 
+@dataclass
+class Crossing:
+    """A value a stitched memory-intensive kernel writes and others read (``kind``
+    "crossing"), or an outside value (graph input, GEMM result) several memory-intensive
+    kernels read (``kind`` "re-read"): its bytes above the one-kernel bound, per step.
+    ``forced``: every reader is behind a GEMM or opaque op on some path from the value
+    (an activation saved for the backward pass): no plan that keeps GEMMs apart can
+    avoid writing and reading it, though the one-kernel bound does not count it."""
+    graph: str
+    value: str
+    kind: str
+    nbytes: float
+    producer: str
+    readers: tuple[str, ...]
+    reason: str
+    forced: bool = False
+
+
+_BOUNDARY = (OpClass.COMPUTE, OpClass.OPAQUE)
+
+
+def _boundary_between(graph, v: int, u: int) -> bool:
+    """Whether some path from v to u passes a GEMM/opaque op: one lies both downstream of v
+    and upstream of u (node ids are topological)."""
+    def walk(start: int, step, inside) -> set[int]:
+        seen, stack = {start}, [start]
+        while stack:
+            for x in step(stack.pop()):
+                if x not in seen and inside(x):
+                    seen.add(x)
+                    stack.append(x)
+        return seen
+    down = walk(v, lambda w: graph.nodes[w].users, lambda x: x < u)
+    up = walk(u, lambda w: graph.nodes[w].operands, lambda x: x > v)
+    return any(graph.nodes[w].op_class in _BOUNDARY for w in (down & up) - {v, u})
+
+
+def crossing_values(result) -> list[Crossing]:
+    """Every byte of a graph's stitched plan above its one-kernel bound, by value: values
+    crossing between memory-intensive kernels (1 write + 1 read per reading kernel, with the
+    explorer's reason the producer and its first such consumer stayed apart; readers behind
+    a GEMM listed apart as forced) and outside values read by more than one memory-intensive
+    kernel (each read but the largest). Reads are the delta model's (the fraction of a
+    buffer a kernel's outputs depend on); the sum approximates, not equals, plan bytes minus
+    the bound (the bound reads partially used values in part too). Node ids are topological (``build_op_graphs``)."""
+    graph, plan = result.graph, result.stitched
+    mem = [k for k in plan.kernels if k.is_memory]
+    owners: dict[int, set[int]] = {}
+    for i, k in enumerate(mem):
+        for v in k.members:
+            owners.setdefault(v, set()).add(i)
+    buffer = graph_facts(graph).buffer
+    reads: dict[int, dict[int, float]] = {}
+
+    def read_bytes(i: int, v: int) -> float:
+        """Bytes of v's buffer kernel i reads (the delta model's utilization: a slice,
+        a dynamic-slice or a gather reads part of it)."""
+        if i not in reads:
+            reads[i] = utilization(graph, set(mem[i].members))[1]
+        fraction = max((f for o, f in reads[i].items() if buffer[o] == buffer[v]),
+                       default=1.0)
+        return graph.nodes[v].shape.byte_size * fraction
+
+    out: list[Crossing] = []
+    for v, node in enumerate(graph.nodes):
+        if graph.is_free(v) and v in owners:
+            continue
+        ks = owners.get(v, set())
+        forced: set[int] = set()
+        free: set[int] = set()
+        reason = ""
+        for u in _users_through_free(graph, v):
+            uk = owners.get(u, set())
+            if not uk or uk & ks:
+                continue
+            if ks and _boundary_between(graph, v, u):
+                forced |= uk
+                continue
+            free |= uk
+            if ks and not reason:
+                reason = reason_kind(result.reasons.get(
+                    (v, u), "another pattern scored higher in beam search"))
+        forced -= free
+        w = plan.weight
+        size = node.shape.byte_size
+        if ks and (free or forced):
+            first = mem[min(ks)].name
+            if free:
+                out.append(Crossing(graph.name, node.name, "crossing",
+                                    w * (size + sum(read_bytes(i, v) for i in free)),
+                                    first, tuple(sorted(mem[i].name for i in free)), reason))
+            if forced:
+                write = 0 if free else size
+                out.append(Crossing(graph.name, node.name, "crossing",
+                                    w * (write + sum(read_bytes(i, v) for i in forced)),
+                                    first, tuple(sorted(mem[i].name for i in forced)),
+                                    "a GEMM or opaque op lies between", True))
+        elif not ks and len(free) > 1 and size:
+            each = sorted(read_bytes(i, v) for i in free)
+            out.append(Crossing(graph.name, node.name, "re-read", w * sum(each[:-1]),
+                                node.opcode, tuple(sorted(mem[i].name for i in free)),
+                                "read by several kernels"))
+    return sorted(out, key=lambda c: -c.nbytes)
+
+
 def plan_model(model: str, target: str) -> PlanRow:
     text = (DATA / model / f"full.gpu-{target}.hlo").read_text()
     start = time.perf_counter()
@@ -180,7 +289,8 @@ def plan_model(model: str, target: str) -> PlanRow:
     for g in p.graphs:
         members = {v for k in g.baseline.kernels if k.is_memory for v in k.members}
         bound += kernel_hbm_bytes(g.graph, members) * g.baseline.weight if members else 0
-    return PlanRow(model, target, xla, st, seconds, crossing, bound)
+    forced = sum(c.nbytes for g in p.graphs for c in crossing_values(g) if c.forced)
+    return PlanRow(model, target, xla, st, seconds, crossing, bound, forced)
 
 
 def collect_plans(names: list[str], targets=TARGETS, progress: Progress = lambda _: None

@@ -456,10 +456,11 @@ def _analyze_block_scope(graph: OpGraph, members: list[int]) -> PatternAnalysis:
                              "kernel")
     dropped: set[tuple[int, int]] = set()
     last_reason = ""
+    row_maps: dict[int, tuple[Entry, ...]] = {}
     # Without a shared reduction no row map starts anywhere: nothing to propagate.
     for _ in range(4 * len(members) + 8 if shared_ids else 0):
         try:
-            _propagate(graph, members, member_set, set(shared_ids), dropped)
+            row_maps = _propagate(graph, members, member_set, set(shared_ids), dropped)
         except _Drop as drop:
             if drop.labels <= dropped:
                 raise Infeasible(drop.reason) from None
@@ -475,7 +476,10 @@ def _analyze_block_scope(graph: OpGraph, members: list[int]) -> PatternAnalysis:
         node = graph.nodes[v]
         src = _leaf(graph.nodes[node.operands[0]].shape)
         out = _leaf(node.shape)
-        kept_rows = [k for k in range(out.rank) if (v, k) not in dropped]
+        # The row dims are the ones its row map carries: a reduction downstream of another
+        # shared reduction inherits that partition (its own kept dims are not all rows:
+        # log-softmax's two-level max then sum(exp) over [rows,128,250] own whole rows).
+        kept_rows = [d for d, _ in row_maps.get(v, ())]
         rows = 1
         for k in kept_rows:
             rows *= out.dims[k]

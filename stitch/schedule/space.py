@@ -46,6 +46,11 @@ class PassWork:
     row_stores: int = 0         # per-row values written once per row
     alu: float = 0.0            # per element
     sfu: float = 0.0            # per element
+    # Per element of the row a warp/block unit walks: ops with fewer elements per row run
+    # that many times (loop-invariant motion). Thread composition counts per consumer
+    # element instead (``alu``/``sfu``).
+    walk_alu: float = 0.0
+    walk_sfu: float = 0.0
     reductions: list[int] = field(default_factory=list)     # reductions finishing this pass
     elements: int = 0           # elements of the largest full-size value the pass writes
 
@@ -167,6 +172,12 @@ def part_facts(graph: OpGraph, members: list[int], analysis: PatternAnalysis) ->
     last_full = max((stage[v] for v in order if v not in per_row and v not in reduction_ids
                      and not graph.is_free(v)), default=0)
     n_passes = max(n_passes, last_full + 1)
+    # A pass walks a row's ``row_length`` elements; an op with fewer elements per row (the
+    # label's index math, a split reduction's second level over 128 partials) runs that
+    # many times, not once per element: codegen computes a value in the outermost loop
+    # whose variable its index reads (loop-invariant motion). A reduce works per input.
+    row_elements = max(rows * row_length, 1)
+    per_element = {v: min(_work_elements(graph, v) / row_elements, 1.0) for v in order}
     passes = []
     needed_in: dict[int, set[int]] = {}
     for p in range(n_passes):
@@ -177,13 +188,24 @@ def part_facts(graph: OpGraph, members: list[int], analysis: PatternAnalysis) ->
             needed_in.setdefault(v, set()).add(p)
         rows_here = [v for v in targets if v in per_row]
         finishing = [v for v in targets if v in reduction_ids]
-        passes.append(_pass_work(graph, member_set, full, rows_here, written, finishing))
+        passes.append(_pass_work(graph, member_set, full, rows_here, written, finishing,
+                                 walk=per_element))
     expensive = [v for v in order if graph.nodes[v].op_class is OpClass.EXPENSIVE]
     return PartFacts(tuple(order), reductions, rows, row_length, primary.minor or mixed,
                      rows * row_length, passes,
                      [v for v in expensive if v in per_row],
                      [v for v in expensive if len(needed_in.get(v, ())) > 1], hbm, error,
                      mixed, thread_hbm)
+
+
+def _work_elements(graph: OpGraph, v: int) -> int:
+    """Elements op v computes: a reduce accumulates its inputs; a broadcast's index math
+    depends only on its operand's index, so it is hoisted with its operand (a per-row
+    value broadcast along the row costs nothing per element)."""
+    node = graph.nodes[v]
+    if node.opcode in ("reduce", "broadcast") and node.operands:
+        return _elements(graph, node.operands[0])
+    return _elements(graph, v)
 
 
 def _closure(graph: OpGraph, targets: list[int], members: set[int], stop: set[int]
@@ -252,10 +274,12 @@ def _reads_per_element(graph: OpGraph, w: int, v: int) -> float:
 
 def _pass_work(graph: OpGraph, members: set[int], full: list[int], rows_here: list[int],
                written: set[int], finishing: list[int],
-               evaluations: dict[int, float] | None = None) -> PassWork:
+               evaluations: dict[int, float] | None = None,
+               walk: dict[int, float] | None = None) -> PassWork:
     """The pass's loads, stores and instructions per element; ``evaluations`` weighs each
     op's instructions by its evaluations per element (loop parts), else each op counts
-    once."""
+    once. ``walk`` (row parts): each op's share of a row element, for ``walk_alu``/
+    ``walk_sfu``; a scalar input there (a reduction's init value) is loaded once per row."""
     work = PassWork(full_ops=[v for v in full if not graph.is_free(v)], row_ops=rows_here,
                     reductions=finishing)
     full_set = set(full)
@@ -265,7 +289,8 @@ def _pass_work(graph: OpGraph, members: set[int], full: list[int], rows_here: li
         for o in graph.nodes[v].operands:
             if o in members:
                 continue
-            (row_inputs if v in rows_here else inputs).add(o)
+            per_row = v in rows_here or (walk is not None and _elements(graph, o) <= 1)
+            (row_inputs if per_row else inputs).add(o)
     work.loads = len(inputs)
     work.row_loads = len(row_inputs)
     work.stores = sum(1 for v in full_set if v in written)
@@ -277,4 +302,7 @@ def _pass_work(graph: OpGraph, members: set[int], full: list[int], rows_here: li
         weight = 1.0 if evaluations is None else evaluations.get(v, 1.0)
         work.alu += alu * weight
         work.sfu += sfu * weight
+        share = 1.0 if walk is None else walk.get(v, 1.0)
+        work.walk_alu += alu * share
+        work.walk_sfu += sfu * share
     return work

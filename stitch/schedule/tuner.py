@@ -201,7 +201,7 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
         else:
             iters = math.ceil(L / (threads_per_row * vw))
             lanes = vw
-        elem_alu, elem_sfu = p.alu, p.sfu
+        elem_alu, elem_sfu = (p.alu, p.sfu) if unit == "thread" else (p.walk_alu, p.walk_sfu)
         if cache and index > 0 and unit != "thread":
             # Cached expensive values are read from registers instead of recomputed.
             for v in facts.multi_pass_expensive:
