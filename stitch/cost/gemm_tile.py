@@ -300,18 +300,40 @@ def _thread_cols_second(dims: ChainDims, s: GemmChainSchedule) -> float:
     return s.block_m * hb / (s.threads * s.thread_m)
 
 
+# Registers per thread of codegen's chain kernels, calibrated against ptxas -v (sm_80 and
+# sm_90, 294 distinct schedules: the zoo's planned ones plus 6 random legal ones per chain
+# and target; ``python -m bench.gemm_chains_registers``). MMA: ptxas keeps the S and E
+# accumulators (block_n / 2 + block_h / 2 per thread) and hoists the unrolled MMA steps'
+# fragment loads as far as the registers allow, the more the fewer threads share an SM's
+# register file. FMA: the register tiles of both GEMMs, scaled (ptxas unrolls the kk loop).
+MMA_REGISTERS_BASE = 60.0
+MMA_REGISTERS_PER_ACCUMULATOR = 0.9
+MMA_REGISTERS_SOFTMAX = 10.4
+MMA_REGISTERS_PER_FRAGMENT = 0.31     # per fragment register of one stage, x 64 / threads
+FMA_REGISTERS_BASE = 30.0
+FMA_REGISTERS_PER_ACCUMULATOR = 1.38
+FMA_REGISTERS_SOFTMAX = 4.4
+FMA_REGISTERS_THREADS = 17.0          # x 128 / threads
+
+
 def chain_registers(dims: ChainDims, s: GemmChainSchedule) -> int:
-    """Registers per thread: accumulators of both GEMMs (the second's for all the block's
-    h columns: they live across the n loop), operand fragments, softmax row state."""
+    """Registers per thread of the chain kernel codegen builds for ``s`` (calibrated above;
+    against ptxas: MMA mean error 10%, 95% of schedules within 20%; FMA mean 17%)."""
     hb = _block_h(dims, s)
-    acc_c = s.block_m * s.block_n / s.threads
-    acc_e = s.block_m * hb / s.threads
+    softmax = 1.0 if dims.softmax else 0.0
     if s.mma:
-        fragments = 8.0 if dims.itemsize == 4 else 6.0
+        depth = 8 if dims.itemsize == 4 else 16          # k of one mma.sync
+        accumulators = s.block_n / 2 + hb / 2             # a warp's 16 rows over 32 lanes
+        first = (s.block_k / depth) * (4 + s.block_n / 8 * 2)     # A and B fragments
+        second = (s.block_n / depth) * (hb / 8) * 2               # C fragments
+        estimate = (MMA_REGISTERS_BASE + MMA_REGISTERS_PER_ACCUMULATOR * accumulators
+                    + MMA_REGISTERS_SOFTMAX * softmax
+                    + MMA_REGISTERS_PER_FRAGMENT * (first + second) * 64 / s.threads)
     else:
-        fragments = s.thread_m + max(s.thread_n, _thread_cols_second(dims, s))
-    rows = 2.0 * s.thread_m if dims.softmax else 0.0
-    return int(math.ceil(BASE_REGISTERS + acc_c + acc_e + fragments + rows))
+        accumulators = s.thread_m * s.thread_n + s.thread_m * _thread_cols_second(dims, s)
+        estimate = (FMA_REGISTERS_BASE + FMA_REGISTERS_PER_ACCUMULATOR * accumulators
+                    + FMA_REGISTERS_SOFTMAX * softmax + FMA_REGISTERS_THREADS * 128 / s.threads)
+    return int(math.ceil(estimate))
 
 
 def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost:
