@@ -177,6 +177,15 @@ class SearchResult:
     seconds: float
     method: str
     fastest_s: float = math.inf     # the fastest modeled time among the schedules costed
+    costed: dict | None = None      # every schedule costed -> its modeled seconds
+
+    def without(self, spec: GpuSpec, dims: ChainDims,
+                rejected: frozenset[GemmChainSchedule]) -> "SearchResult":
+        """The result ``settle`` gives once ``rejected`` schedules (e.g. ones ptxas spills)
+        are struck from the costed ones; ValueError when none is left."""
+        remaining = {s: t for s, t in (self.costed or {}).items() if s not in rejected}
+        best = settle(spec, dims, remaining)
+        return replace(self, schedule=best, cost=chain_cost(spec, dims, best))
 
 
 # Schedules modeled within this fraction of the fastest are equivalent to the model: among
@@ -209,7 +218,7 @@ def exhaustive(spec: GpuSpec, dims: ChainDims) -> SearchResult:
         costed[s] = objective(spec, chain_cost(spec, dims, s))
     best = settle(spec, dims, costed)
     return SearchResult(best, chain_cost(spec, dims, best), len(costed), len(costed),
-                        time.perf_counter() - start, "exhaustive", min(costed.values()))
+                        time.perf_counter() - start, "exhaustive", min(costed.values()), costed)
 
 
 class ChainSearchSpace:
@@ -342,7 +351,7 @@ def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 16, max_steps: in
         raise ValueError(f"no legal schedule found for chain {dims}")
     best = settle(spec, dims, result.visited)
     return SearchResult(best, chain_cost(spec, dims, best), space.evaluations,
-                        0, result.seconds, "markov", result.best_cost)
+                        0, result.seconds, "markov", result.best_cost, result.visited)
 
 
 _BEST: dict[tuple, SearchResult] = {}
