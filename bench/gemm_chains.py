@@ -133,6 +133,7 @@ class FormulaView:
 
     chosen: FormulaLaunch
     space_best: FormulaLaunch
+    near_best: FormulaLaunch       # the formula's favourite within 10% of the fastest latency
     min_flops: float
     min_bytes: float
     bound_us: float
@@ -175,14 +176,18 @@ def formula_view(spec, device: XlaDevice, dims, between_flops: float, nbytes: fl
                  chosen) -> FormulaView:
     """The chain kernel under XLA's formula: the chosen schedule, the formula's favourite
     of the searched space, and the bound of any one kernel (``FormulaView``)."""
-    from stitch.schedule.gemm_chain_space import enumerate_schedules
-    best = min((_formula_launch(spec, device, dims, between_flops, nbytes, s)
-                for s in enumerate_schedules(spec, dims)), key=lambda f: f.us)
+    from stitch.schedule.gemm_chain_space import EQUIVALENT_WITHIN, enumerate_schedules
+    launches = [_formula_launch(spec, device, dims, between_flops, nbytes, s)
+                for s in enumerate_schedules(spec, dims)]
+    best = min(launches, key=lambda f: f.us)
+    fastest = min(f.latency_us for f in launches)
+    near = min((f for f in launches if f.latency_us <= fastest * (1 + EQUIVALENT_WITHIN)),
+               key=lambda f: f.us)
     min_flops = dims.flops + between_flops
     bound = _formula_launch_us(device, min_flops, nbytes, device.core_count,
                                device.fpus_per_core)
     return FormulaView(_formula_launch(spec, device, dims, between_flops, nbytes, chosen),
-                       best, min_flops, nbytes, bound, device.core_count,
+                       best, near, min_flops, nbytes, bound, device.core_count,
                        device.fpus_per_core)
 
 
@@ -352,7 +357,9 @@ def formula_markdown(rows: list[ChainRow]) -> list[str]:
         "inputs read once, the result written once) on every SM and every FPU; XLA µs / bound "
         "is the most any chain kernel can reach under the formula. *Space's best*: the "
         "schedule of the searched space the formula likes best (with its latency-evaluator "
-        "time next to the chosen one's): the search keeps choosing by the latency-evaluator.",
+        "time next to the chosen one's): the search keeps choosing by the latency-evaluator. "
+        "*Near best*: the formula's favourite among the schedules within 10% of the space's "
+        "fastest under the latency-evaluator (what a formula-aware tie-break could take).",
         "",
         f"Rows whose ceiling is below {GOAL}× (no one kernel can reach the goal under XLA's "
         f"formula: its compute term alone, on the whole GPU, exceeds XLA's kernels' time / "
@@ -362,8 +369,8 @@ def formula_markdown(rows: list[ChainRow]) -> list[str]:
         "",
         "| model | target | chosen under the formula | chain µs formula | bound µs | XLA µs "
         "formula | × formula | ceiling × | space's best under the formula | its µs formula "
-        "| its latency µs (chosen's) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+        "| its latency µs (chosen's) | near best µs formula (×) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         f = r.formula
         lines.append(
@@ -372,7 +379,8 @@ def formula_markdown(rows: list[ChainRow]) -> list[str]:
             f"{r.formula_ceiling:.2f}×{'' if r.formula_ceiling >= GOAL else ' (capped)'} | "
             f"`{f.space_best.schedule}` ({f.space_best.blocks}×t{f.space_best.threads}) | "
             f"{f.space_best.us:.2f} | {f.space_best.latency_us:.2f} "
-            f"({r.stitch.latency_us:.2f}) |")
+            f"({r.stitch.latency_us:.2f}) | {f.near_best.us:.2f} "
+            f"({r.xla.formula_us / f.near_best.us:.2f}×) |")
     return lines
 
 
