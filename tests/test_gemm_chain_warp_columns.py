@@ -82,3 +82,23 @@ def test_full_size_warp_columns_assemble_without_spills(model: str, arch: str) -
     report = assemble(emit_ptx(kernel, arch), arch, kernel_name="chain")["chain"]
     assert report.spill_store_bytes == report.spill_load_bytes == 0
     assert report.registers <= 255
+
+
+def test_search_space_holds_warp_columns_only_where_codegen_builds_them() -> None:
+    from dataclasses import replace
+
+    from stitch.cost.gemm_tile import ChainDims, chain_cost, warp_columns
+    from stitch.cost.gpu_specs import get_spec
+    from stitch.schedule.gemm_chain_space import enumerate_schedules
+    spec = get_spec("h100")
+    dims = ChainDims(16, 256, 256, 80, 80, softmax=True)
+    columns = [s for s in enumerate_schedules(spec, dims) if warp_columns(s) > 1]
+    assert columns, "warp-column schedules are searched"
+    s = columns[0]
+    one = replace(s, threads=2 * s.block_m)
+    # Same flops and grid, more threads, the fold's shared memory on top.
+    assert chain_cost(spec, dims, s).flops == chain_cost(spec, dims, one).flops
+    assert chain_cost(spec, dims, s).blocks == chain_cost(spec, dims, one).blocks
+    assert chain_cost(spec, dims, s).smem_bytes > chain_cost(spec, dims, one).smem_bytes
+    normalized = replace(dims, softmax=False, row_reductions=True)
+    assert not any(warp_columns(x) > 1 for x in enumerate_schedules(spec, normalized))

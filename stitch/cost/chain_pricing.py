@@ -13,7 +13,7 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-from hlo_passes.gemm_chains import GemmChain, find_gemm_chains
+from hlo_passes.gemm_chains import GemmChain, find_gemm_chains, softmax_parts
 from hlo_passes.gemm_chains import allows_tf32 as dot_allows_tf32
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.op_classes import OpClass
@@ -125,7 +125,9 @@ def chain_dims(graph: OpGraph, chain: GemmChain, tf32: bool = False) -> ChainDim
     return ChainDims(chain.batch, chain.m, chain.n, chain.k, chain.h, chain.operand_dtype,
                      chain.softmax, _between_instructions(graph, chain),
                      tf32 and chain.tf32,     # the recognizer's rule, as codegen checks it
-                     OPERAND_BYTES.get(chain.output_dtype, 4), _input_bytes(chain))
+                     OPERAND_BYTES.get(chain.output_dtype, 4), _input_bytes(chain),
+                     softmax_parts(chain.program) is None
+                     and any(op.kind == "reduce" for op in chain.program))
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ Plus what a register tile needs: threads x thread tile = block tile, at most 255
 Search. ``enumerate_schedules`` lists the pruned space; ``exhaustive`` costs every one;
 ``markov_search`` walks it (states = schedules, actions = tile/inverse-tile of m, n, k, h at
 the block level, of the thread tile at the register level, caching A (the hoisting) and
-more pipeline stages at the shared level, virtual threads = doubling/halving threads, MMA
-on/off). Both minimize the modeled time; each then returns, among the schedules it costed
+more pipeline stages at the shared level, virtual threads = doubling/halving threads (on
+tensor cores: warp columns, warps sharing 16 rows that split each n step), MMA on/off).
+Both minimize the modeled time; each then returns, among the schedules it costed
 within ``EQUIVALENT_WITHIN`` (10%) of its fastest, the one whose busiest SM executes the
 fewest flops (``settle``: no recomputed first GEMM where it costs nothing, every SM busy),
 the choice least exposed to the model's error about math throughput. ``best_schedule``
@@ -226,7 +227,8 @@ class ChainSearchSpace:
 
     Levels: 0 global (block tiles m, n, k, h of the tiling expression; switching the
     expression), 1 shared (caching A: the hoisting; pipeline stages), 2 registers (thread
-    tile, MMA on/off). Virtual threads (threads x2 / /2) are legal on every level."""
+    tile, MMA on/off). Virtual threads (threads x2 / /2) are legal on every level (on tensor
+    cores, where they are warp columns, on the register level)."""
 
     levels = 3
 
@@ -263,7 +265,9 @@ class ChainSearchSpace:
             if nxt != s:
                 moves.append((name, nxt))
 
-        for f in (2, 0.5) if not s.mma else ():     # codegen's MMA: a warp per 16 rows
+        # Virtual threads on every level; on tensor cores (more / fewer warp columns over
+        # the same rows) at the register level only, where the MMA action lives.
+        for f in (2, 0.5) if not s.mma or level == 2 else ():
             threads = int(s.threads * f)
             if 32 <= threads <= 1024:
                 # Virtual threads: the same block tile over more (fewer) threads, the
