@@ -291,8 +291,13 @@ class ChainSearchSpace:
                         nxt = replace(s, **{field_: size})
                         if field_ == "block_k" and size != d.k:
                             nxt = replace(nxt, hoist_a=False)
-                        nxt = self._fit_threads(nxt, field_)
-                        add(("tile " if f == 2 else "invtile ") + name, nxt)
+                        kept = self._fit_threads(nxt, field_)
+                        add(("tile " if f == 2 else "invtile ") + name, kept)
+                        if s.mma and field_ == "block_m":
+                            # Also the one-warp-column layout of the new rows.
+                            one = replace(nxt, threads=2 * size)
+                            if one != kept and 32 <= one.threads <= 1024:
+                                add(("tile " if f == 2 else "invtile ") + name, one)
             other = "nk" if s.expression == "n(k,h)" else "n(k,h)"
             bh = s.block_h if other == "n(k,h)" else min(s.block_h, max(d.h // 2, 16))
             add("expression", replace(s, expression=other, block_h=bh))
@@ -324,10 +329,15 @@ class ChainSearchSpace:
 
     def _fit_threads(self, s: GemmChainSchedule, changed: str) -> GemmChainSchedule:
         """After a block tile changes, keep the register tile and move the thread count
-        so threads x thread tile = block tile (FMA); MMA: a warp per 16 rows of the block
-        tile, as codegen lays it out (stitch.schedule.chain_tiling)."""
+        so threads x thread tile = block tile (FMA); MMA: warps of 16 rows, the threads kept
+        as warp columns where they fit, as codegen lays it out (stitch.schedule.chain_tiling)."""
         if s.mma:
-            threads = 2 * s.block_m
+            # Keep the block's threads as warp columns where they divide into whole rows of
+            # warps (a smaller block_m at the same threads: more warp columns), else one.
+            columns = s.threads // (2 * s.block_m)
+            whole = s.threads % (2 * s.block_m) == 0 and columns >= 1 and \
+                columns & (columns - 1) == 0
+            threads = s.threads if whole else 2 * s.block_m
             return replace(s, threads=threads) if 32 <= threads <= 1024 else s
         threads = s.block_m * s.block_n // max(s.thread_m * s.thread_n, 1)
         if threads > 1024:
@@ -341,8 +351,10 @@ def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 16, max_steps: in
     space = ChainSearchSpace(spec, dims)
     starts = []
     if dims.mma_allowed(spec):
-        starts.append(space._fit_threads(replace(space.initial(), mma=True, thread_m=1,
-                                                 thread_n=1), ""))
+        mma = space._fit_threads(replace(space.initial(), mma=True, thread_m=1, thread_n=1),
+                                 "")
+        # Tensor cores with one and with two warp columns (warps sharing 16 rows).
+        starts += [mma, replace(mma, threads=2 * mma.threads)]
     if not any(space.legal(s) for s in [space.initial(), *starts]):
         # Small chains (tiles below the default ones): start from the first legal
         # schedule of the pruned space.
