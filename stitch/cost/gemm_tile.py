@@ -311,15 +311,17 @@ def _thread_cols_second(dims: ChainDims, s: GemmChainSchedule) -> float:
 
 
 # Registers per thread of codegen's chain kernels, calibrated against ptxas -v (sm_80 and
-# sm_90, 294 distinct schedules: the zoo's planned ones plus 6 random legal ones per chain
-# and target; ``python -m bench.gemm_chains_registers``). MMA: ptxas keeps the S and E
-# accumulators (block_n / 2 + block_h / 2 per thread) and hoists the unrolled MMA steps'
-# fragment loads as far as the registers allow, the more the fewer threads share an SM's
-# register file. FMA: the register tiles of both GEMMs, scaled (ptxas unrolls the kk loop).
-MMA_REGISTERS_BASE = 60.0
-MMA_REGISTERS_PER_ACCUMULATOR = 0.9
-MMA_REGISTERS_SOFTMAX = 10.4
-MMA_REGISTERS_PER_FRAGMENT = 0.31     # per fragment register of one stage, x 64 / threads
+# sm_90; ``python -m bench.gemm_chains_registers``: the zoo's planned schedules plus random
+# legal ones per chain and target; FMA on 236 schedules, MMA on 123 distinct ones, 54 of
+# them with warp columns). MMA: ptxas keeps the S and E accumulators (a warp's n slice / 2
+# + block_h / 2 per thread) and hoists the unrolled MMA steps' fragment loads as far as the
+# registers allow, the more the fewer threads share an SM's register file. FMA: the register
+# tiles of both GEMMs, scaled (ptxas unrolls the kk loop).
+MMA_REGISTERS_BASE = 47.3
+MMA_REGISTERS_PER_ACCUMULATOR = 1.0
+MMA_REGISTERS_SOFTMAX = 2.3
+MMA_REGISTERS_PER_FRAGMENT = 0.28     # per fragment register of one stage, x 64 / threads
+MMA_REGISTERS_THREADS = 13.8          # x 128 / threads
 FMA_REGISTERS_BASE = 30.0
 FMA_REGISTERS_PER_ACCUMULATOR = 1.38
 FMA_REGISTERS_SOFTMAX = 4.4
@@ -328,7 +330,7 @@ FMA_REGISTERS_THREADS = 17.0          # x 128 / threads
 
 def chain_registers(dims: ChainDims, s: GemmChainSchedule) -> int:
     """Registers per thread of the chain kernel codegen builds for ``s`` (calibrated above;
-    against ptxas: MMA mean error 10%, 95% of schedules within 20%; FMA mean 17%)."""
+    against ptxas: MMA mean error 13%, 82% of schedules within 20%; FMA mean 17%)."""
     hb = _block_h(dims, s)
     softmax = 1.0 if dims.softmax else 0.0
     if s.mma:
@@ -339,7 +341,8 @@ def chain_registers(dims: ChainDims, s: GemmChainSchedule) -> int:
         second = (slice_n / depth) * (hb / 8) * 2                 # C fragments
         estimate = (MMA_REGISTERS_BASE + MMA_REGISTERS_PER_ACCUMULATOR * accumulators
                     + MMA_REGISTERS_SOFTMAX * softmax
-                    + MMA_REGISTERS_PER_FRAGMENT * (first + second) * 64 / s.threads)
+                    + MMA_REGISTERS_PER_FRAGMENT * (first + second) * 64 / s.threads
+                    + MMA_REGISTERS_THREADS * 128 / s.threads)
     else:
         accumulators = s.thread_m * s.thread_n + s.thread_m * _thread_cols_second(dims, s)
         estimate = (FMA_REGISTERS_BASE + FMA_REGISTERS_PER_ACCUMULATOR * accumulators
