@@ -24,12 +24,13 @@ Why the chain kernel's formula time is high (``FormulaView``, second table): its
 threads (the SMs and FPU lanes ComputeTime credits), its executed flops over the chain's
 (deep tilings recompute the first GEMM per h-block), and the formula's bound for any one
 kernel doing the chain (flops once, minimal bytes, every SM and FPU): XLA's formula time
-over that bound is the ceiling no schedule can pass. With codegen's MMA layout (a warp per
-16 rows, threads = 2 x block_m) a flat kernel's blocks x threads is 2 x batch x m whatever
-the tiles, so batch-1 chains get a small share of the GPU under the formula unless h is
-split (recomputing the first GEMM) or n is split across blocks (a cross-block sum: it needs
-a zeroed output for atomics or a grid barrier, and the CUDA FFI path makes no cooperative
-launch: not built).
+over that bound is the ceiling no schedule can pass. With one warp per 16 rows (threads =
+2 x block_m) a flat kernel's blocks x threads is 2 x batch x m whatever the tiles, so
+batch-1 chains got a small share of the GPU under the formula unless h is split
+(recomputing the first GEMM); warp columns (several warps per 16 rows, each on a slice of
+n, folded at the end) give small block_m tiles a full SM's threads. Splitting n across
+blocks (a cross-block sum) is not built: it needs a zeroed output for atomics or a grid
+barrier, and the CUDA FFI path makes no cooperative launch.
 
 The search comparison: per chain (G1-G12, S1-S9) and target, exhaustive enumeration of
 the pruned space vs the Markov-guided construction (16 walks, seed 0): the space's optimum against the
