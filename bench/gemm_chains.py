@@ -20,6 +20,18 @@ split-K reduce). Both sides are modeled twice:
   SM)), GEMM flops 2 m n k (FP32 FPUs: XLA's formula has no tensor cores), memory ops
   counted by ``kernel_flops``.
 
+Why the chain kernel's formula time is high (``FormulaView``, second table): its blocks and
+threads (the SMs and FPU lanes ComputeTime credits), its executed flops over the chain's
+(deep tilings recompute the first GEMM per h-block), and the formula's bound for any one
+kernel doing the chain (flops once, minimal bytes, every SM and FPU): XLA's formula time
+over that bound is the ceiling no schedule can pass. With one warp per 16 rows (threads =
+2 x block_m) a flat kernel's blocks x threads is 2 x batch x m whatever the tiles, so
+batch-1 chains got a small share of the GPU under the formula unless h is split
+(recomputing the first GEMM); warp columns (several warps per 16 rows, each on a slice of
+n, folded at the end) give small block_m tiles a full SM's threads. Splitting n across
+blocks (a cross-block sum) is not built: it needs a zeroed output for atomics or a grid
+barrier, and the CUDA FFI path makes no cooperative launch.
+
 The search comparison: per chain (G1-G12, S1-S9) and target, exhaustive enumeration of
 the pruned space vs the Markov-guided construction (16 walks, seed 0): the space's optimum against the
 fastest schedule the walks cost (quality, 1.00 = the optimum found), the schedule each
@@ -27,7 +39,8 @@ returns (``settle``) and search time (measured on this machine).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import stitch
@@ -83,6 +96,7 @@ class ChainRow:
     registers: int = 0
     ptxas_registers: str = ""          # ptxas -v of the planned schedule as codegen builds it
     smem_bytes: int = 0
+    formula: "FormulaView | None" = None
 
     @property
     def latency_ratio(self) -> float:
@@ -96,13 +110,97 @@ class ChainRow:
     def formula_ratio(self) -> float:
         return self.xla.formula_us / self.stitch.formula_us
 
+    @property
+    def formula_ceiling(self) -> float:
+        """The most any one chain kernel can reach under XLA's formula (FormulaView)."""
+        return self.xla.formula_us / self.formula.bound_us if self.formula else math.inf
+
 
 def _formula_gemm(device: XlaDevice, tile: TileCost, nbytes: float) -> float:
     """XLA's formula for a GEMM launch with its ComputeTime scaling (module docstring)."""
-    fpus = min(tile.blocks, device.core_count) * min(tile.threads, device.fpus_per_core)
-    compute = tile.flops / (fpus * 2 * device.clock_rate_ghz * 1e9)
+    return _formula_launch_us(device, tile.flops, nbytes, tile.blocks, tile.threads)
+
+
+@dataclass(frozen=True)
+class FormulaLaunch:
+    """One chain kernel launch under XLA's formula, with what its ComputeTime scaling saw."""
+
+    schedule: str
+    blocks: int
+    threads: int
+    flops: float                   # executed: padding and recomputed first GEMMs included
+    us: float
+    latency_us: float              # the same schedule under the latency-evaluator
+
+
+@dataclass(frozen=True)
+class FormulaView:
+    """Why the chain kernel's formula time is what it is (issue 20, item 1).
+
+    ``chosen``: the planned schedule. ``space_best``: the schedule of the searched space the
+    formula likes best. ``bound_us``: the least time XLA's formula gives ANY one kernel that
+    does the chain's flops (no recomputation, no padding) and moves its minimal bytes, on
+    every SM with every FPU busy; ``xla_us / bound_us`` is the most any chain kernel can
+    reach against XLA's kernels under that formula."""
+
+    chosen: FormulaLaunch
+    space_best: FormulaLaunch
+    near_best: FormulaLaunch       # the formula's favourite within 10% of the fastest latency
+    min_flops: float
+    min_bytes: float
+    bound_us: float
+    sms: int
+    fpus_per_sm: int
+
+    def why(self) -> str:
+        """blocks x threads, the SMs and FPU lanes the formula credits, flops over minimal."""
+        c = self.chosen
+        sms = min(c.blocks, self.sms)
+        lanes = min(c.threads, self.fpus_per_sm) / self.fpus_per_sm
+        return (f"{c.blocks}×t{c.threads}: {sms}/{self.sms} SMs × {lanes:.0%} FPUs, "
+                f"flops {c.flops / self.min_flops:.2f}× min")
+
+
+def _formula_launch_us(device: XlaDevice, flops: float, nbytes: float, blocks: int,
+                       threads: int) -> float:
+    """T = 1 us + C + M - 0.95 min(C, M), C on min(blocks, SMs) x min(threads, FPUs/SM)."""
+    fpus = min(blocks, device.core_count) * min(threads, device.fpus_per_core)
+    compute = flops / (fpus * 2 * device.clock_rate_ghz * 1e9)
     memory = nbytes / device.memory_bandwidth
     return (1e-6 + compute + memory - 0.95 * min(compute, memory)) * 1e6
+
+
+def _formula_launch(spec, device: XlaDevice, dims, between_flops: float, nbytes: float,
+                    schedule) -> FormulaLaunch:
+    from stitch.cost.gemm_tile import chain_cost, chain_grid
+    cost = chain_cost(spec, dims, schedule)
+    # The ops between the GEMMs run once per score element per h-block (deep tilings
+    # recompute them with the first GEMM).
+    h_blocks = chain_grid(dims, schedule) // max(chain_grid(dims, replace(
+        schedule, expression="n(k,h)")), 1)
+    flops = cost.flops + between_flops * h_blocks
+    return FormulaLaunch(schedule.text(), cost.blocks, cost.threads, flops,
+                         _formula_launch_us(device, flops, nbytes, cost.blocks, cost.threads),
+                         cost.us)
+
+
+def formula_view(spec, device: XlaDevice, dims, between_flops: float, nbytes: float,
+                 chosen) -> FormulaView:
+    """The chain kernel under XLA's formula: the chosen schedule, the formula's favourite
+    of the searched space, and the bound of any one kernel (``FormulaView``)."""
+    from stitch.schedule.gemm_chain_space import EQUIVALENT_WITHIN, enumerate_schedules
+    launches = [_formula_launch(spec, device, dims, between_flops, nbytes, s)
+                for s in enumerate_schedules(spec, dims)]
+    best = min(launches, key=lambda f: f.us)
+    fastest = min(f.latency_us for f in launches)
+    near = min((f for f in launches if f.latency_us <= fastest * (1 + EQUIVALENT_WITHIN)),
+               key=lambda f: f.us)
+    min_flops = dims.flops + between_flops
+    bound = _formula_launch_us(device, min_flops, nbytes, device.core_count,
+                               device.fpus_per_core)
+    return FormulaView(_formula_launch(spec, device, dims, between_flops, nbytes, chosen),
+                       best, near, min_flops, nbytes, bound, device.core_count,
+                       device.fpus_per_core)
 
 
 def _memory_latency_us(graph: OpGraph, spec, cost: CostModel, members: frozenset[int]) -> float:
@@ -178,13 +276,11 @@ def compare(model: str, target: str, tf32: bool | None = None,
         members = frozenset(chain.members)
         between = [v for v in chain.between if not graph.is_free(v)]
         chain_tile = price.cost
-        flops = chain_tile.flops + kernel_flops(graph, between)
-        fpus = min(chain_tile.blocks, device.core_count) * min(chain_tile.threads,
-                                                                device.fpus_per_core)
-        compute = flops / (fpus * 2 * device.clock_rate_ghz * 1e9)
-        memory = kernel_hbm_bytes(graph, members) / device.memory_bandwidth
-        ours = Side([f"gemm_chain ({len(members)} ops)"], chain_tile.us,
-                    (1e-6 + compute + memory - 0.95 * min(compute, memory)) * 1e6,
+        between_flops = kernel_flops(graph, between)
+        chain_bytes = kernel_hbm_bytes(graph, members)
+        view = formula_view(spec, device, price.dims, between_flops, chain_bytes,
+                            price.schedule)
+        ours = Side([f"gemm_chain ({len(members)} ops)"], chain_tile.us, view.chosen.us,
                     chain_tile.us)
         d = price.dims
         score = d.batch * d.m * d.n * 4
@@ -200,7 +296,7 @@ def compare(model: str, target: str, tf32: bool | None = None,
                         intensity, ridge, ours, xla, registers=chain_tile.registers,
                         smem_bytes=chain_tile.smem_bytes,
                         ptxas_registers=_ptxas_registers(graph, chain, price.schedule, target)
-                        if ptxas else "")
+                        if ptxas else "", formula=view)
     return None
 
 
@@ -257,6 +353,49 @@ def collect(models: list[str] | None = None, targets=TARGETS,
     return rows
 
 
+def formula_markdown(rows: list[ChainRow]) -> list[str]:
+    """Why the chain kernels lose under XLA's formula, and the bound of any one kernel."""
+    rows = [r for r in rows if r.formula is not None]
+    if not rows:
+        return []
+    capped = [r for r in rows if r.formula_ceiling < GOAL]
+    lines = [
+        "", "Under XLA's formula (issue 20, item 1). C = executed flops / (min(blocks, SMs) × "
+        "min(threads per block, FPUs per SM) × 2 × clock): a chain kernel with few blocks "
+        "(batch 1, m / block_m row tiles) or thin blocks is charged its flops on a fraction "
+        "of the GPU, and a deep tiling (`nk`, h bound to blocks) executes the first GEMM once "
+        "per h-block. *Bound*: the least time the formula gives any one kernel doing the "
+        "chain's flops once and moving its minimal HBM bytes (A, B, D and the ops' other "
+        "inputs read once, the result written once) on every SM and every FPU; XLA µs / bound "
+        "is the most any chain kernel can reach under the formula. *Space's best*: the "
+        "schedule of the searched space the formula likes best (with its latency-evaluator "
+        "time next to the chosen one's): the search keeps choosing by the latency-evaluator. "
+        "*Near best*: the formula's favourite among the schedules within 10% of the space's "
+        "fastest under the latency-evaluator (what a formula-aware tie-break could take).",
+        "",
+        f"Rows whose ceiling is below {GOAL}× (no one kernel can reach the goal under XLA's "
+        f"formula: its compute term alone, on the whole GPU, exceeds XLA's kernels' time / "
+        f"{GOAL}): {len(capped)} of {len(rows)}"
+        + (" (" + ", ".join(f"{r.model} {r.target}" for r in capped) + ")" if capped else "")
+        + ".",
+        "",
+        "| model | target | chosen under the formula | chain µs formula | bound µs | XLA µs "
+        "formula | × formula | ceiling × | space's best under the formula | its µs formula "
+        "| its latency µs (chosen's) | near best µs formula (×) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        f = r.formula
+        lines.append(
+            f"| {r.model} | {r.target} | {f.why()} | {r.stitch.formula_us:.2f} | "
+            f"{f.bound_us:.2f} | {r.xla.formula_us:.2f} | {r.formula_ratio:.2f}× | "
+            f"{r.formula_ceiling:.2f}×{'' if r.formula_ceiling >= GOAL else ' (capped)'} | "
+            f"`{f.space_best.schedule}` ({f.space_best.blocks}×t{f.space_best.threads}) | "
+            f"{f.space_best.us:.2f} | {f.space_best.latency_us:.2f} "
+            f"({r.stitch.latency_us:.2f}) | {f.near_best.us:.2f} "
+            f"({r.xla.formula_us / f.near_best.us:.2f}×) |")
+    return lines
+
+
 def markdown(rows: list[ChainRow], search: list[SearchRow]) -> list[str]:
     ok = [r for r in rows if r.planned and r.latency_ratio >= GOAL and r.formula_ratio >= GOAL]
     lines = [
@@ -295,6 +434,7 @@ def markdown(rows: list[ChainRow], search: list[SearchRow]) -> list[str]:
                      f"{geomean(r.latency_ratio for r in sub):.2f}× | | "
                      f"{geomean(r.tuned_ratio for r in sub):.2f}× | | | "
                      f"{geomean(r.formula_ratio for r in sub):.2f}× |")
+    lines += formula_markdown(rows)
     lines += [
         "", "Schedule search per chain (f32, the zoo's dims): exhaustive enumeration of "
         "MCFuser's pruned space vs Gensor's Markov-guided construction (16 walks of at most 48 "

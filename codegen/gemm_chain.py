@@ -77,6 +77,13 @@ class ChainTiling:
                             # owns 16 rows
 
     @property
+    def warp_cols(self) -> int:
+        """MMA: warps sharing the same 16 rows, each on its own slice of every n step
+        (threads = 2 * block_m * warp_cols); their partial results meet in shared memory
+        at the end. FMA: 1."""
+        return max(self.threads // (2 * self.block_m), 1) if self.mma else 1
+
+    @property
     def lanes(self) -> int:
         """Threads sharing a tile row (consecutive lanes of one warp)."""
         return 4 if self.mma else self.block_n // self.thread_n
@@ -86,10 +93,12 @@ class ChainTiling:
         return self.block_h // self.lanes
 
     def shared_bytes(self) -> int:
-        """A, B, (FMA: P,) and C tiles, f32."""
+        """A, B, (FMA: P,) and C tiles, f32; MMA with warp columns: the partial results
+        (and softmax row states) of all but the first."""
         p_tile = 0 if self.mma else self.block_m * self.block_n
+        partials = (self.warp_cols - 1) * self.block_m * (self.block_h + 2)
         return 4 * (self.block_m * self.block_k + self.block_k * self.block_n + p_tile
-                    + self.block_n * self.block_h)
+                    + self.block_n * self.block_h + partials)
 
     def check(self, operand_dtype: str | None = None) -> None:
         """Refuse tilings the lowering cannot lay out; with ``operand_dtype`` also the MMA
@@ -106,8 +115,13 @@ class ChainTiling:
                     or self.block_h % 8:
                 raise bad(f"MMA tiles ({operand_dtype or 'any'} operands): block_m a multiple "
                           f"of 16, block_n and block_k of {step}, block_h of 8")
-            if self.threads != 2 * self.block_m:
-                raise bad("MMA: one warp per 16 rows (threads = 2 * block_m)")
+            cols = self.warp_cols
+            if self.threads != 2 * self.block_m * cols or cols & (cols - 1):
+                raise bad("MMA: warp_cols (a power of two) warps per 16 rows "
+                          "(threads = 2 * block_m * warp_cols)")
+            if self.block_n % (cols * step):
+                raise bad(f"MMA: each of the {cols} warp columns takes whole {step}-wide "
+                          f"slices of block_n")
         else:
             if self.block_m % self.thread_m or self.block_n % self.thread_n:
                 raise bad("thread tiles must divide the block tile")
@@ -184,6 +198,10 @@ def lower_gemm_chain(graph: OpGraph, chain: GemmChain, tiling: ChainTiling | Non
     if tiling.mma and chain.operand_dtype == _F32 and not chain.tf32:
         raise CodegenError(f"{name}: the chain's dots ask for full f32 precision (HIGHEST or "
                            f"an f32 algorithm): no TF32 tensor cores")
+    if tiling.warp_cols > 1 and softmax_parts(chain.program) is None and any(
+            op.kind == "reduce" for op in chain.program):
+        raise CodegenError(f"{name}: warp columns split n, and a row reduction other than a "
+                           f"softmax's needs all of n in one warp")
     layout = _MmaChainKernel if tiling.mma else _FmaChainKernel
     kernel = layout(graph, chain, tiling, name).build()
     note = (f"gemm chain {chain.batch}x{chain.m}x{chain.n}x{chain.k}x{chain.h} "
@@ -562,19 +580,88 @@ class _MmaChainKernel(_ChainKernel):
         self.dtype = "tf32" if self.chain.operand_dtype == _F32 else self.chain.operand_dtype
         tid = kir.ThreadIdx()
         lane = self.let(body, "lane", kir.Binary("rem", tid, _c(32)))
-        warp_row = self.let(body, "wrow", _mul(kir.Binary("div", tid, _c(32)), _c(16)))
+        warp = kir.Binary("div", tid, _c(32))
+        # Warp w: rows 16 (w / warp_cols), n slice w % warp_cols of every n step.
+        self.slice_n = t.block_n // t.warp_cols
+        self.wcol = self.let(body, "wcol", kir.Binary("rem", warp, _c(t.warp_cols)))
+        self.slice0 = self.let(body, "ns0", _mul(self.wcol, _c(self.slice_n)))
+        warp_row = self.let(body, "wrow", _mul(kir.Binary("div", warp, _c(t.warp_cols)),
+                                               _c(16)))
         self.g = self.let(body, "g", kir.Binary("div", lane, _c(4)))
         self.q = self.let(body, "q", kir.Binary("rem", lane, _c(4)))
         self.q2 = self.let(body, "q2", _mul(self.q, _c(2)))
         self.warp_row = warp_row
         self.rows = [_add(self.m0, _add(warp_row, _add(self.g, _c(8 * i)))) for i in range(2)]
-        n_tiles, h_tiles = t.block_n // 8, t.block_h // 8
+        n_tiles, h_tiles = self.slice_n // 8, t.block_h // 8
         # Column j = 2 nt + parity of row i: element 2 i + parity of S tile nt.
-        self.cols = [_add(self.q2, _c(8 * (j // 2) + j % 2)) for j in range(2 * n_tiles)]
+        self.cols = [_add(self.slice0, _add(self.q2, _c(8 * (j // 2) + j % 2)))
+                     for j in range(2 * n_tiles)]
         self.s = [[f"s_{j // 2}_{2 * i + j % 2}" for j in range(2 * n_tiles)] for i in range(2)]
         self.acc = [[(f"o_{ht}_{2 * i + par}", _add(self.h0, _add(self.q2, _c(8 * ht + par))))
                      for ht in range(h_tiles) for par in range(2)] for i in range(2)]
         self.shuffle_lanes = 4
+        if t.warp_cols > 1:
+            # Partial results of warp columns 1.. (rows of the block x block_h), and their
+            # softmax row states (max, sum), for the first column to fold in at the end.
+            self.so = kir.Shared("tile_o", _F32, (t.warp_cols - 1) * t.block_m * t.block_h)
+            self.sstat = kir.Shared("tile_stat", _F32, (t.warp_cols - 1) * t.block_m * 2)
+            self.shared += [self.so, self.sstat]
+
+    def store(self) -> list[kir.Stmt]:
+        """With warp columns, the first folds the others' partial results in (a sum; with
+        a softmax each partial is rescaled to the common row maximum, FlashAttention's
+        split-KV combine) and stores; else every warp stores its own rows."""
+        t = self.t
+        if t.warp_cols == 1:
+            return super().store()
+        out: list[kir.Stmt] = []
+        in_block = [_add(self.warp_row, _add(self.g, _c(8 * i))) for i in range(2)]
+        local_h = [_add(self.q2, _c(8 * (k // 2) + k % 2)) for k in range(len(self.acc[0]))]
+
+        def slot(c: kir.Expr, i: int) -> kir.Expr:
+            return _add(_mul(c, _c(t.block_m)), in_block[i])
+
+        write: list[kir.Stmt] = []
+        mine = self.let(write, "wslot", _add(self.wcol, _c(-1)))
+        for i in range(2):
+            row = slot(mine, i)
+            for k, (name, _) in enumerate(self.acc[i]):
+                write.append(kir.Store(self.so.name, _add(_mul(row, _c(t.block_h)), local_h[k]),
+                                       kir.Ref(name, _F32)))
+            if self.softmax is not None:
+                write.append(kir.Store(self.sstat.name, _mul(row, _c(2)),
+                                       kir.Ref(f"mx_{i}", _F32)))
+                write.append(kir.Store(self.sstat.name, _add(_mul(row, _c(2)), _c(1)),
+                                       kir.Ref(f"sum_{i}", _F32)))
+        out.append(kir.If(kir.Compare("ne", self.wcol, _c(0)), tuple(write)))
+        out.append(kir.Barrier())
+        fold: list[kir.Stmt] = []
+        for c in range(t.warp_cols - 1):
+            for i in range(2):
+                row = slot(_c(c), i)
+                if self.softmax is not None:
+                    mx, total = kir.Ref(f"mx_{i}", _F32), kir.Ref(f"sum_{i}", _F32)
+                    other = self.let(fold, "omx", kir.Load(self.sstat, _mul(row, _c(2))))
+                    other_sum = self.let(fold, "osum", kir.Load(
+                        self.sstat, _add(_mul(row, _c(2)), _c(1))))
+                    new = self.let(fold, "cmx", kir.Binary("max", mx, other))
+                    dead = self.let(fold, "dead", kir.Compare("eq", new, _NEG_INF))
+                    own = self.let(fold, "sown", kir.Select(dead, kir.f32(1.0), kir.Unary(
+                        "exp", kir.Binary("sub", mx, new))))
+                    theirs = self.let(fold, "soth", kir.Select(dead, kir.f32(0.0), kir.Unary(
+                        "exp", kir.Binary("sub", other, new))))
+                    fold.append(kir.Assign(f"sum_{i}", _add(_mul(total, own),
+                                                            _mul(other_sum, theirs))))
+                    fold.append(kir.Assign(f"mx_{i}", new))
+                for k, (name, _) in enumerate(self.acc[i]):
+                    part = kir.Load(self.so, _add(_mul(row, _c(t.block_h)), local_h[k]))
+                    acc = kir.Ref(name, _F32)
+                    value = _add(_mul(acc, own), _mul(part, theirs)) \
+                        if self.softmax is not None else _add(acc, part)
+                    fold.append(kir.Assign(name, value))
+        fold.extend(super().store())
+        out.append(kir.If(kir.Compare("eq", self.wcol, _c(0)), tuple(fold)))
+        return out
 
     def mma(self, out: list[kir.Stmt], a: list[kir.Expr], b: list[kir.Expr],
             acc: list[str]) -> None:
@@ -598,13 +685,19 @@ class _MmaChainKernel(_ChainKernel):
             out.append(kir.Load(tile, _add(_mul(row, _c(width)), col)))
         return out
 
-    def b_fragment(self, tile: kir.Shared, width: int, k0: int, n0: int) -> list[kir.Expr]:
-        """B[k0 .. k0 + depth - 1, n0 .. n0 + 7] of a row-major [k, width] shared tile."""
+    def b_fragment(self, tile: kir.Shared, width: int, k0: int, n0: int,
+                   row0: kir.Expr | None = None, col0: kir.Expr | None = None
+                   ) -> list[kir.Expr]:
+        """B[k0 .. k0 + depth - 1, n0 .. n0 + 7] of a row-major [k, width] shared tile
+        (rows from ``row0``, columns from ``col0``: a warp column's slice)."""
         if self.dtype == "tf32":     # b[i] = B[q + 4 i][g]
             ks = [_add(self.q, _c(k0 + 4 * i)) for i in range(2)]
         else:                        # b[i] = B[2q + i%2 + 8 (i >= 2)][g]
             ks = [_add(self.q2, _c(k0 + i % 2 + 8 * (i // 2))) for i in range(4)]
-        return [kir.Load(tile, _add(_mul(k, _c(width)), _add(self.g, _c(n0)))) for k in ks]
+        if row0 is not None:
+            ks = [_add(row0, k) for k in ks]
+        col = _add(self.g, _c(n0)) if col0 is None else _add(col0, _add(self.g, _c(n0)))
+        return [kir.Load(tile, _add(_mul(k, _c(width)), col)) for k in ks]
 
     @property
     def depth(self) -> int:
@@ -617,8 +710,9 @@ class _MmaChainKernel(_ChainKernel):
         k_body = self.stage_first_gemm_tiles(k0, n0)
         for kc in range(0, t.block_k, self.depth):
             a = self.a_fragment(self.sa, t.block_k, kc)
-            for nt in range(t.block_n // 8):
-                self.mma(k_body, a, self.b_fragment(self.sb, t.block_n, kc, 8 * nt),
+            for nt in range(self.slice_n // 8):
+                self.mma(k_body, a, self.b_fragment(self.sb, t.block_n, kc, 8 * nt,
+                                                    col0=self.slice0),
                          [f"s_{nt}_{r}" for r in range(4)])
         k_body.append(kir.Barrier())
         out.append(kir.For("k0", _c(0), _c(ch.k), _c(t.block_k), tuple(k_body)))
@@ -628,13 +722,14 @@ class _MmaChainKernel(_ChainKernel):
         ch, t = self.chain, self.t
         self.cooperative_load(out, self.sc, t.block_n, t.block_h, ch.c, n0, self.h0, ch.n, ch.h)
         out.append(kir.Barrier())
-        for chunk in range(t.block_n // self.depth):
+        for chunk in range(self.slice_n // self.depth):
             if self.dtype == "tf32":
                 # S tile `chunk`, renumbered: a[i] = P[g + 8 (i odd)][2q + (i >= 2)], and
                 # b[i] = C[chunk rows 2q + i][g] to match.
                 j0 = 2 * chunk
                 a = [p[0][j0], p[1][j0], p[0][j0 + 1], p[1][j0 + 1]]
-                rows = [_add(self.q2, _c(8 * chunk + i)) for i in range(2)]
+                rows = [_add(self.slice0, _add(self.q2, _c(8 * chunk + i)))
+                        for i in range(2)]
             else:
                 # S tiles 2 chunk and 2 chunk + 1 (columns j = 4 chunk + ...) as A's fragment.
                 j0 = 4 * chunk
@@ -644,7 +739,8 @@ class _MmaChainKernel(_ChainKernel):
             for ht in range(t.block_h // 8):
                 names = [self.acc[r // 2][2 * ht + r % 2][0] for r in range(4)]
                 if rows is None:
-                    b = self.b_fragment(self.sc, t.block_h, 16 * chunk, 8 * ht)
+                    b = self.b_fragment(self.sc, t.block_h, 16 * chunk, 8 * ht,
+                                        row0=self.slice0)
                 else:
                     b = [kir.Load(self.sc, _add(_mul(r, _c(t.block_h)), _add(self.g, _c(8 * ht))))
                          for r in rows]

@@ -13,7 +13,7 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-from hlo_passes.gemm_chains import GemmChain, find_gemm_chains
+from hlo_passes.gemm_chains import GemmChain, find_gemm_chains, softmax_parts
 from hlo_passes.gemm_chains import allows_tf32 as dot_allows_tf32
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.op_classes import OpClass
@@ -125,7 +125,9 @@ def chain_dims(graph: OpGraph, chain: GemmChain, tf32: bool = False) -> ChainDim
     return ChainDims(chain.batch, chain.m, chain.n, chain.k, chain.h, chain.operand_dtype,
                      chain.softmax, _between_instructions(graph, chain),
                      tf32 and chain.tf32,     # the recognizer's rule, as codegen checks it
-                     OPERAND_BYTES.get(chain.output_dtype, 4), _input_bytes(chain))
+                     OPERAND_BYTES.get(chain.output_dtype, 4), _input_bytes(chain),
+                     softmax_parts(chain.program) is None
+                     and any(op.kind == "reduce" for op in chain.program))
 
 
 @dataclass(frozen=True)
@@ -139,18 +141,67 @@ class ChainPrice:
 
 
 _PRICES: dict[tuple, ChainPrice] = {}
+# Schedules ptxas spills are struck and the search settles again, at most this many times.
+SPILL_RETRIES = 4
+
+
+def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
+                spec: GpuSpec) -> int | None:
+    """ptxas's spill bytes (stores + loads) of the kernel codegen builds for ``schedule`` on
+    ``spec``'s arch; None where there is no ptxas or no build (nothing to judge by)."""
+    from codegen.errors import CodegenError
+    from codegen.gemm_chain import lower_gemm_chain
+    from codegen.nvptx import emit_ptx
+    from codegen.toolchain import assemble, find_ptxas
+
+    from ..schedule.chain_tiling import tiling_for
+    major, minor = spec.compute_capability
+    arch = f"sm_{major}{minor}"
+    try:
+        find_ptxas(arch)
+        kernel = lower_gemm_chain(graph, chain, tiling_for(schedule, chain.h), "chain",
+                                  arch).kernel
+        report = assemble(emit_ptx(kernel, arch), arch, kernel_name="chain")["chain"]
+    except (CodegenError, OSError) as exc:
+        log.debug("chain %s: no ptxas check of %s (%s)", chain.first, schedule.text(), exc)
+        return None
+    return report.spill_store_bytes + report.spill_load_bytes
 
 
 def chain_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec,
-                method: str = "markov", tf32: bool = False) -> ChainPrice:
+                method: str = "markov", tf32: bool = False,
+                check_spills: bool = True) -> ChainPrice:
     """The chain kernel at the best schedule the search finds (cached per dims/target);
-    ``tf32`` as in ``chain_dims``."""
+    ``tf32`` as in ``chain_dims``. ``check_spills``: where ptxas is installed, the chosen
+    schedule is built and assembled for the target's arch, and a schedule ptxas spills is
+    struck and the search settles on the next (the register model cannot see ptxas's own
+    heuristics: it spilled 16-96 bytes at 64-255 registers on schedules the model puts well
+    inside the register file)."""
+    from ..schedule.chain_tiling import tiling_for
     from ..schedule.gemm_chain_space import best_schedule
     dims = chain_dims(graph, chain, tf32)
-    key = (dims.key, spec.name, method)
+    key = (dims.key, spec.name, method, check_spills)
     got = _PRICES.get(key)
     if got is None:
         found = best_schedule(spec, dims, method)
+        if check_spills:
+            rejected: set[GemmChainSchedule] = set()
+            for _ in range(SPILL_RETRIES):
+                spilled = spill_bytes(graph, chain, found.schedule, spec)
+                if not spilled:
+                    break
+                log.info("chain on %s: ptxas spills %d B at %s; settling again", spec.name,
+                         spilled, found.schedule.text())
+                # Every costed schedule codegen builds as this one (stages and the A
+                # hoisting are not carried over) is the same kernel.
+                tiling = tiling_for(found.schedule, chain.h)
+                rejected.update(x for x in (found.costed or {})
+                                if tiling_for(x, chain.h) == tiling)
+                rejected.add(found.schedule)
+                try:
+                    found = found.without(spec, dims, frozenset(rejected))
+                except ValueError:
+                    break
         got = _PRICES[key] = ChainPrice(chain, dims, found.schedule, found.cost,
                                         found.seconds, found.evaluated)
     return ChainPrice(chain, got.dims, got.schedule, got.cost, got.search_seconds,

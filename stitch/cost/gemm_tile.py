@@ -95,6 +95,9 @@ class ChainDims:
     # HBM bytes (all batches) of other values the ops between read: a mask, a bias, a
     # gate; each distinct element read once.
     input_bytes: float = 0.0
+    # A row reduction between the GEMMs other than a softmax's (a layer norm over n): it
+    # needs all of n in one warp (no warp columns).
+    row_reductions: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -109,7 +112,7 @@ class ChainDims:
     def key(self) -> tuple:
         return (self.batch, self.m, self.n, self.k, self.h, self.operand_dtype, self.softmax,
                 round(self.between_instructions, 3), self.tf32, self.result_bytes,
-                round(self.input_bytes))
+                round(self.input_bytes), self.row_reductions)
 
     def mma_allowed(self, spec: GpuSpec) -> bool:
         if tensor_flops_per_clock_per_sm(spec, self.operand_dtype) is None:
@@ -269,6 +272,12 @@ def _warp_tile(rows: int, cols: int, warps: int) -> tuple[float, float]:
     return wm, area / wm
 
 
+def warp_columns(s: GemmChainSchedule) -> int:
+    """MMA: warps sharing the same 16 rows, each on a slice of every n step (codegen's
+    ``ChainTiling.warp_cols``); FMA: 1."""
+    return max(s.threads // (2 * s.block_m), 1) if s.mma else 1
+
+
 def chain_grid(dims: ChainDims, s: GemmChainSchedule) -> int:
     blocks = dims.batch * _ceil_div(dims.m, s.block_m)
     if s.expression == "nk":
@@ -291,7 +300,8 @@ def chain_smem_bytes(dims: ChainDims, s: GemmChainSchedule) -> int:
     b = s.stages * s.block_k * s.block_n * isz
     d = s.stages * s.block_n * min(s.block_h, hb) * isz
     p = s.block_m * s.block_n * 4
-    return a + b + d + p
+    partials = (warp_columns(s) - 1) * s.block_m * (hb + 2) * 4    # the warp columns' fold
+    return a + b + d + p + partials
 
 
 def _thread_cols_second(dims: ChainDims, s: GemmChainSchedule) -> float:
@@ -300,18 +310,44 @@ def _thread_cols_second(dims: ChainDims, s: GemmChainSchedule) -> float:
     return s.block_m * hb / (s.threads * s.thread_m)
 
 
+# Registers per thread of codegen's chain kernels, calibrated against ptxas -v (sm_80 and
+# sm_90; ``python -m bench.gemm_chains_registers``: the zoo's planned schedules plus random
+# legal ones per chain and target; FMA on 236 schedules, MMA on 123 distinct ones, 54 of
+# them with warp columns). MMA: ptxas keeps the S and E accumulators (a warp's n slice / 2
+# + block_h / 2 per thread) and hoists the unrolled MMA steps' fragment loads as far as the
+# registers allow, the more the fewer threads share an SM's register file. FMA: the register
+# tiles of both GEMMs, scaled (ptxas unrolls the kk loop).
+MMA_REGISTERS_BASE = 47.3
+MMA_REGISTERS_PER_ACCUMULATOR = 1.0
+MMA_REGISTERS_SOFTMAX = 2.3
+MMA_REGISTERS_PER_FRAGMENT = 0.28     # per fragment register of one stage, x 64 / threads
+MMA_REGISTERS_THREADS = 13.8          # x 128 / threads
+FMA_REGISTERS_BASE = 30.0
+FMA_REGISTERS_PER_ACCUMULATOR = 1.38
+FMA_REGISTERS_SOFTMAX = 4.4
+FMA_REGISTERS_THREADS = 17.0          # x 128 / threads
+
+
 def chain_registers(dims: ChainDims, s: GemmChainSchedule) -> int:
-    """Registers per thread: accumulators of both GEMMs (the second's for all the block's
-    h columns: they live across the n loop), operand fragments, softmax row state."""
+    """Registers per thread of the chain kernel codegen builds for ``s`` (calibrated above;
+    against ptxas: MMA mean error 13%, 82% of schedules within 20%; FMA mean 17%)."""
     hb = _block_h(dims, s)
-    acc_c = s.block_m * s.block_n / s.threads
-    acc_e = s.block_m * hb / s.threads
+    softmax = 1.0 if dims.softmax else 0.0
     if s.mma:
-        fragments = 8.0 if dims.itemsize == 4 else 6.0
+        depth = 8 if dims.itemsize == 4 else 16          # k of one mma.sync
+        slice_n = s.block_n / warp_columns(s)             # a warp's share of an n step
+        accumulators = slice_n / 2 + hb / 2               # a warp's 16 rows over 32 lanes
+        first = (s.block_k / depth) * (4 + slice_n / 8 * 2)       # A and B fragments
+        second = (slice_n / depth) * (hb / 8) * 2                 # C fragments
+        estimate = (MMA_REGISTERS_BASE + MMA_REGISTERS_PER_ACCUMULATOR * accumulators
+                    + MMA_REGISTERS_SOFTMAX * softmax
+                    + MMA_REGISTERS_PER_FRAGMENT * (first + second) * 64 / s.threads
+                    + MMA_REGISTERS_THREADS * 128 / s.threads)
     else:
-        fragments = s.thread_m + max(s.thread_n, _thread_cols_second(dims, s))
-    rows = 2.0 * s.thread_m if dims.softmax else 0.0
-    return int(math.ceil(BASE_REGISTERS + acc_c + acc_e + fragments + rows))
+        accumulators = s.thread_m * s.thread_n + s.thread_m * _thread_cols_second(dims, s)
+        estimate = (FMA_REGISTERS_BASE + FMA_REGISTERS_PER_ACCUMULATOR * accumulators
+                    + FMA_REGISTERS_SOFTMAX * softmax + FMA_REGISTERS_THREADS * 128 / s.threads)
+    return int(math.ceil(estimate))
 
 
 def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost:
@@ -338,11 +374,16 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
         th = _thread_cols_second(dims, s)
         read = n_tiles * threads * ((s.thread_m + s.thread_n) * k_pad * isz
                                     + (s.thread_m + th) * bn * 4)
+    # Warp columns: all but the first write their partial results (and softmax row
+    # states) to shared memory once, after a barrier the first reads and folds them in.
+    folded = (warp_columns(s) - 1) * bm * hb
+    stored += folded * 4
+    read += folded * 4
     vector = 16 if min(s.thread_m, s.thread_n) >= 4 or s.mma else 4
     shared_instr = (stored + read) / (spec.warp_size * vector)
     # Ops between the GEMMs, per score element, and the online softmax's row state.
     scores = bm * n_pad
-    alu = scores * dims.between_instructions
+    alu = scores * dims.between_instructions + folded * (2.0 if dims.softmax else 1.0)
     sfu = 0.0
     shuffles = 0.0
     if dims.softmax:
@@ -367,7 +408,7 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
     hbm = a_bytes / h_blocks + hbm_rhs + bm * hb * dims.result_bytes + extra / h_blocks
     l2 = a_bytes * (1 - 1 / h_blocks) + l2_rhs + a_rereads + extra * (1 - 1 / h_blocks)
     loads = a_bytes + a_rereads + rhs + extra
-    steps = n_tiles * (k_tiles + 1)
+    steps = n_tiles * (k_tiles + 1) + (1 if folded else 0)
     global_instr = (loads + bm * hb * dims.result_bytes) / (spec.warp_size * 16)
     if s.mma:
         work = BlockWork(alu_instr=alu / 32, mma_flops=flops1 + flops2,

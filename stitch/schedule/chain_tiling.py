@@ -15,7 +15,7 @@ from __future__ import annotations
 from codegen.errors import CodegenError
 from codegen.gemm_chain import ChainTiling
 
-from ..cost.gemm_tile import ChainDims, GemmChainSchedule
+from ..cost.gemm_tile import ChainDims, GemmChainSchedule, warp_columns
 
 
 def tiling_for(schedule: GemmChainSchedule, h: int) -> ChainTiling:
@@ -33,6 +33,8 @@ def buildable(dims: ChainDims, schedule: GemmChainSchedule) -> bool:
     ``dims.tf32`` — the dots allow it and the caller asked for it)."""
     if schedule.mma and dims.operand_dtype == "f32" and not dims.tf32:
         return False
+    if dims.row_reductions and warp_columns(schedule) > 1:
+        return False            # codegen refuses: the reduction needs all of n in one warp
     try:
         tiling_for(schedule, dims.h).check(dims.operand_dtype)
     except CodegenError:

@@ -25,8 +25,9 @@ Plus what a register tile needs: threads x thread tile = block tile, at most 255
 Search. ``enumerate_schedules`` lists the pruned space; ``exhaustive`` costs every one;
 ``markov_search`` walks it (states = schedules, actions = tile/inverse-tile of m, n, k, h at
 the block level, of the thread tile at the register level, caching A (the hoisting) and
-more pipeline stages at the shared level, virtual threads = doubling/halving threads, MMA
-on/off). Both minimize the modeled time; each then returns, among the schedules it costed
+more pipeline stages at the shared level, virtual threads = doubling/halving threads (on
+tensor cores: warp columns, warps sharing 16 rows that split each n step), MMA on/off).
+Both minimize the modeled time; each then returns, among the schedules it costed
 within ``EQUIVALENT_WITHIN`` (10%) of its fastest, the one whose busiest SM executes the
 fewest flops (``settle``: no recomputed first GEMM where it costs nothing, every SM busy),
 the choice least exposed to the model's error about math throughput. ``best_schedule``
@@ -177,6 +178,15 @@ class SearchResult:
     seconds: float
     method: str
     fastest_s: float = math.inf     # the fastest modeled time among the schedules costed
+    costed: dict | None = None      # every schedule costed -> its modeled seconds
+
+    def without(self, spec: GpuSpec, dims: ChainDims,
+                rejected: frozenset[GemmChainSchedule]) -> "SearchResult":
+        """The result ``settle`` gives once ``rejected`` schedules (e.g. ones ptxas spills)
+        are struck from the costed ones; ValueError when none is left."""
+        remaining = {s: t for s, t in (self.costed or {}).items() if s not in rejected}
+        best = settle(spec, dims, remaining)
+        return replace(self, schedule=best, cost=chain_cost(spec, dims, best))
 
 
 # Schedules modeled within this fraction of the fastest are equivalent to the model: among
@@ -209,7 +219,7 @@ def exhaustive(spec: GpuSpec, dims: ChainDims) -> SearchResult:
         costed[s] = objective(spec, chain_cost(spec, dims, s))
     best = settle(spec, dims, costed)
     return SearchResult(best, chain_cost(spec, dims, best), len(costed), len(costed),
-                        time.perf_counter() - start, "exhaustive", min(costed.values()))
+                        time.perf_counter() - start, "exhaustive", min(costed.values()), costed)
 
 
 class ChainSearchSpace:
@@ -217,7 +227,8 @@ class ChainSearchSpace:
 
     Levels: 0 global (block tiles m, n, k, h of the tiling expression; switching the
     expression), 1 shared (caching A: the hoisting; pipeline stages), 2 registers (thread
-    tile, MMA on/off). Virtual threads (threads x2 / /2) are legal on every level."""
+    tile, MMA on/off). Virtual threads (threads x2 / /2) are legal on every level (on tensor
+    cores, where they are warp columns, on the register level)."""
 
     levels = 3
 
@@ -254,7 +265,9 @@ class ChainSearchSpace:
             if nxt != s:
                 moves.append((name, nxt))
 
-        for f in (2, 0.5) if not s.mma else ():     # codegen's MMA: a warp per 16 rows
+        # Virtual threads on every level; on tensor cores (more / fewer warp columns over
+        # the same rows) at the register level only, where the MMA action lives.
+        for f in (2, 0.5) if not s.mma or level == 2 else ():
             threads = int(s.threads * f)
             if 32 <= threads <= 1024:
                 # Virtual threads: the same block tile over more (fewer) threads, the
@@ -278,8 +291,13 @@ class ChainSearchSpace:
                         nxt = replace(s, **{field_: size})
                         if field_ == "block_k" and size != d.k:
                             nxt = replace(nxt, hoist_a=False)
-                        nxt = self._fit_threads(nxt, field_)
-                        add(("tile " if f == 2 else "invtile ") + name, nxt)
+                        kept = self._fit_threads(nxt, field_)
+                        add(("tile " if f == 2 else "invtile ") + name, kept)
+                        if s.mma and field_ == "block_m":
+                            # Also the one-warp-column layout of the new rows.
+                            one = replace(nxt, threads=2 * size)
+                            if one != kept and 32 <= one.threads <= 1024:
+                                add(("tile " if f == 2 else "invtile ") + name, one)
             other = "nk" if s.expression == "n(k,h)" else "n(k,h)"
             bh = s.block_h if other == "n(k,h)" else min(s.block_h, max(d.h // 2, 16))
             add("expression", replace(s, expression=other, block_h=bh))
@@ -311,10 +329,15 @@ class ChainSearchSpace:
 
     def _fit_threads(self, s: GemmChainSchedule, changed: str) -> GemmChainSchedule:
         """After a block tile changes, keep the register tile and move the thread count
-        so threads x thread tile = block tile (FMA); MMA: a warp per 16 rows of the block
-        tile, as codegen lays it out (stitch.schedule.chain_tiling)."""
+        so threads x thread tile = block tile (FMA); MMA: warps of 16 rows, the threads kept
+        as warp columns where they fit, as codegen lays it out (stitch.schedule.chain_tiling)."""
         if s.mma:
-            threads = 2 * s.block_m
+            # Keep the block's threads as warp columns where they divide into whole rows of
+            # warps (a smaller block_m at the same threads: more warp columns), else one.
+            columns = s.threads // (2 * s.block_m)
+            whole = s.threads % (2 * s.block_m) == 0 and columns >= 1 and \
+                columns & (columns - 1) == 0
+            threads = s.threads if whole else 2 * s.block_m
             return replace(s, threads=threads) if 32 <= threads <= 1024 else s
         threads = s.block_m * s.block_n // max(s.thread_m * s.thread_n, 1)
         if threads > 1024:
@@ -328,8 +351,10 @@ def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 16, max_steps: in
     space = ChainSearchSpace(spec, dims)
     starts = []
     if dims.mma_allowed(spec):
-        starts.append(space._fit_threads(replace(space.initial(), mma=True, thread_m=1,
-                                                 thread_n=1), ""))
+        mma = space._fit_threads(replace(space.initial(), mma=True, thread_m=1, thread_n=1),
+                                 "")
+        # Tensor cores with one and with two warp columns (warps sharing 16 rows).
+        starts += [mma, replace(mma, threads=2 * mma.threads)]
     if not any(space.legal(s) for s in [space.initial(), *starts]):
         # Small chains (tiles below the default ones): start from the first legal
         # schedule of the pruned space.
@@ -342,7 +367,7 @@ def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 16, max_steps: in
         raise ValueError(f"no legal schedule found for chain {dims}")
     best = settle(spec, dims, result.visited)
     return SearchResult(best, chain_cost(spec, dims, best), space.evaluations,
-                        0, result.seconds, "markov", result.best_cost)
+                        0, result.seconds, "markov", result.best_cost, result.visited)
 
 
 _BEST: dict[tuple, SearchResult] = {}
