@@ -249,7 +249,7 @@ def compare(model: str, target: str, tf32: bool | None = None,
             continue
         chain = chains[0]
         planned = next((k for k in result.stitched.kernels if k.kind == "gemm_chain"), None)
-        price = chain_price(graph, chain, spec, tf32=tf32)
+        price = chain_price(graph, chain, spec, tf32=tf32, check_spills=True)  # as the GPU pass
         cost = CostModel(graph, spec, chain_tf32=tf32)
         core = {v for v in chain.members if not graph.is_free(v)}
         xla = Side()

@@ -301,7 +301,9 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     if request.device == "gpu" and GPU_CHAIN_TF32:
         # XLA GPU runs f32 dots of DEFAULT precision on TF32 tensor cores: so may a chain.
         from stitch.explorer.planner import ExplorerOptions
-        options = dataclasses.replace(options or ExplorerOptions(), chain_tf32=True)
+        # And its chain schedules are assembled by ptxas, spilling ones struck.
+        options = dataclasses.replace(options or ExplorerOptions(), chain_tf32=True,
+                                      chain_spill_check=True)
     fusion_plan = make_plan(module, request.target, options=options,
                             cancel=request.cancel, cache=True)
     timings["plan_s"] = time.perf_counter() - t0

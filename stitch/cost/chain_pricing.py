@@ -151,7 +151,7 @@ def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
     ``spec``'s arch; None where there is no ptxas or no build (nothing to judge by)."""
     from codegen.errors import CodegenError
     from codegen.gemm_chain import lower_gemm_chain
-    from codegen.nvptx import emit_ptx
+    from codegen.gpu_cache import emit_ptx_cached
     from codegen.toolchain import assemble, find_ptxas
 
     from ..schedule.chain_tiling import tiling_for
@@ -161,7 +161,9 @@ def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
         find_ptxas(arch)
         kernel = lower_gemm_chain(graph, chain, tiling_for(schedule, chain.h), "chain",
                                   arch).kernel
-        report = assemble(emit_ptx(kernel, arch), arch, kernel_name="chain")["chain"]
+        # Emitted in an isolated child: an LLVM abort must not take the planning process down.
+        ptx = emit_ptx_cached(kernel, arch, cache=None).ptx
+        report = assemble(ptx, arch, kernel_name="chain")["chain"]
     except (CodegenError, OSError) as exc:
         log.debug("chain %s: no ptxas check of %s (%s)", chain.first, schedule.text(), exc)
         return None
@@ -170,7 +172,7 @@ def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
 
 def chain_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec,
                 method: str = "markov", tf32: bool = False,
-                check_spills: bool = True) -> ChainPrice:
+                check_spills: bool = False) -> ChainPrice:
     """The chain kernel at the best schedule the search finds (cached per dims/target);
     ``tf32`` as in ``chain_dims``. ``check_spills``: where ptxas is installed, the chosen
     schedule is built and assembled for the target's arch, and a schedule ptxas spills is

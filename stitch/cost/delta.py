@@ -94,8 +94,11 @@ class CostModel:
     """Kernel times of op sets of one graph on one GPU, cached by member set."""
 
     def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None,
-                 gemm_chains: bool = True, chain_tf32: bool = False):
+                 gemm_chains: bool = True, chain_tf32: bool = False,
+                 chain_spill_check: bool = False):
         self.graph = graph
+        # Chain schedules ptxas spills are struck (ExplorerOptions.chain_spill_check).
+        self.chain_spill_check = chain_spill_check
         # Chain kernels may use TF32 tensor cores for f32 dots that allow them (GPU paths).
         self.chain_tf32 = chain_tf32
         # Price GEMM chains and their GEMMs with the GEMM-tile model (chain_pricing); off:
@@ -251,7 +254,8 @@ class CostModel:
         chain = chain_for(self.graph, members)
         if chain is None:
             return None
-        tile = chain_price(self.graph, chain, self.spec, tf32=self.chain_tf32).cost
+        tile = chain_price(self.graph, chain, self.spec, tf32=self.chain_tf32,
+                           check_spills=self.chain_spill_check).cost
         return _tile_kernel_cost(self.spec, tile, kernel_hbm_bytes(self.graph, members))
 
     def _compute_kernel(self, node: OpNode, nbytes: int) -> KernelCost:

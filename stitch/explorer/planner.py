@@ -74,6 +74,10 @@ class ExplorerOptions:
     # precision: what XLA GPU does for them too). The GPU compile path turns it on; host
     # paths keep f32 exact, as XLA CPU computes it.
     chain_tf32: bool = False
+    # Build each chosen chain schedule and assemble it with ptxas (when installed), striking
+    # schedules ptxas spills (chain_pricing.chain_price): a second or so per distinct chain.
+    # The GPU compile path turns it on; host paths never run the PTX.
+    chain_spill_check: bool = False
     # Ops per explored pattern (None: MAX_PATTERN_OPS on graphs of at most
     # SMALL_GRAPH_OPS ops, LARGE_GRAPH_PATTERN_OPS above). Scoring a pattern costs time
     # linear in its size and a long chain makes every vertex's patterns that large, so
@@ -240,7 +244,8 @@ def _tuned(graph: OpGraph, spec: GpuSpec, members: frozenset[int], cache: Schedu
 
 def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
                   cache: ScheduleCache | None = None,
-                  poll: Callable[[], None] | None = None, chain_tf32: bool = False) -> None:
+                  poll: Callable[[], None] | None = None, chain_tf32: bool = False,
+                  chain_spill_check: bool = False) -> None:
     """Attach the tuned stitching schedule to every stitched kernel of ``plan``. GEMM/conv,
     opaque ops, control flow and XLA's kept fusions around opaque ops run as XLA compiles
     them and get none."""
@@ -251,7 +256,8 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
         if k.kind == "gemm_chain":
             chain = chain_for(graph, k.members)
             if chain is not None:
-                k.chain_schedule = chain_price(graph, chain, spec, tf32=chain_tf32).schedule
+                k.chain_schedule = chain_price(graph, chain, spec, tf32=chain_tf32,
+                                               check_spills=chain_spill_check).schedule
             continue
         if k.kind != "fused" or not k.cost.launches:
             continue
@@ -320,7 +326,8 @@ def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: G
         log.debug("graph %s: splitting unschedulable kernels gave no valid plan: %s",
                   graph.name, exc)
         return None
-    schedule_plan(graph, spec, repaired, cache, chain_tf32=cost.chain_tf32)
+    schedule_plan(graph, spec, repaired, cache, chain_tf32=cost.chain_tf32,
+                  chain_spill_check=cost.chain_spill_check)
     return repaired
 
 
@@ -355,7 +362,8 @@ def chain_patterns(graph: OpGraph, cost: CostModel, locked: list[Pattern]) -> li
                       graph.nodes[chain.first].name)
             continue
         try:
-            chain_price(graph, chain, cost.spec, tf32=cost.chain_tf32)
+            chain_price(graph, chain, cost.spec, tf32=cost.chain_tf32,
+                        check_spills=cost.chain_spill_check)
         except ValueError as exc:           # no legal schedule for these dims
             log.debug("graph %s: chain at %s has no schedule: %s", graph.name,
                       graph.nodes[chain.first].name, exc)
@@ -390,7 +398,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                poll: CancelPoll | None = None) -> GraphResult:
     poll = poll or CancelPoll(options.cancel)
     cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains,
-                             chain_tf32=options.chain_tf32)
+                             chain_tf32=options.chain_tf32,
+                             chain_spill_check=options.chain_spill_check)
     base_groups = baseline_groups(graph, baseline_source)
     baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight,
                        prefix="b")
@@ -542,7 +551,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                                     "beam_objective_s": report.objective_s})
     if options.schedules:
         start_schedules = time.perf_counter()
-        schedule_plan(graph, spec, best, schedules, poll, chain_tf32=options.chain_tf32)
+        schedule_plan(graph, spec, best, schedules, poll, chain_tf32=options.chain_tf32,
+                      chain_spill_check=options.chain_spill_check)
         repaired = _split_unschedulable(graph, spec, cost, best, schedules, weight)
         if repaired is not None:
             best = repaired
@@ -583,14 +593,16 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
         results = []
         for graph, weight, (sets, origins) in zip(graphs, weights, kernel_sets(entry, graphs)):
             cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains,
-                             chain_tf32=options.chain_tf32)
+                             chain_tf32=options.chain_tf32,
+                             chain_spill_check=options.chain_spill_check)
             base_groups = baseline_groups(graph, source)
             baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups),
                                False, weight, prefix="b")
             kernels = [make_kernel(graph, cost, m, o) for m, o in zip(sets, origins)]
             stitched = _named(graph, launch_order(graph, kernels), weight)
             if options.schedules:
-                schedule_plan(graph, spec, stitched, {}, poll, chain_tf32=options.chain_tf32)
+                schedule_plan(graph, spec, stitched, {}, poll, chain_tf32=options.chain_tf32,
+                              chain_spill_check=options.chain_spill_check)
             report = PlannerReport(planner, stitched.objective_s, 0.0, status="cached")
             results.append(GraphResult(graph, baseline, stitched, report))
     except (StaleEntry, PlanValidationError) as exc:
