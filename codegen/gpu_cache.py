@@ -20,6 +20,7 @@ import functools
 import importlib.metadata
 import json
 import logging
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,48 @@ def emit_ptx_cached(kernel: kir.Kernel, arch: str, *, cache: CompileCache | None
     key = ptx_key(kernel, arch, ptx_version=ptx_version, libdevice=libdevice)
     payload = cache.get_or_create(key, build, validate=_ptx_validator(kernel.name))
     return PtxBuild(payload.decode("utf-8"), not built)
+
+
+# Kernels that differ only by their names and their parameters' names (XLA modules repeat a
+# fusion per layer; a training step's forward and backward share many) are emitted once:
+# under CANONICAL_NAME, then renamed. A parameter's name never reaches the PTX (NVPTX names
+# parameters <entry>_param_<i>); the kernel's name does, in its entry and the identifiers
+# made from it (parameters, shared arrays).
+CANONICAL_NAME = "stitch_canonical_kernel"
+_CANONICAL = re.compile(r"(?<![A-Za-z0-9_$])" + CANONICAL_NAME + r"(?![A-Za-z0-9$])")
+
+
+def canonical_kernel(kernel: kir.Kernel) -> kir.Kernel:
+    """``kernel`` under CANONICAL_NAME (its PTX is the kernel's, renamed)."""
+    return dataclasses.replace(kernel, name=CANONICAL_NAME)
+
+
+def renamed_ptx(ptx: str, name: str) -> str:
+    """The canonical kernel's PTX (``canonical_kernel``) for the kernel called ``name``: its
+    entry and every identifier made from its name renamed."""
+    return _CANONICAL.sub(name, ptx)
+
+
+def structure_key(kernel: kir.Kernel) -> str:
+    """Equal for kernels whose PTX differs only by the kernel's name: the Kernel IR's text
+    under CANONICAL_NAME with each parameter's name (quoted, wherever it is used) replaced
+    by its position. Names are identifiers, so the quoted forms cannot clash."""
+    text = kernel_ir_text(canonical_kernel(kernel))
+    if not kernel.params:
+        return text
+    position = {repr(p.name): f"'#{i}'" for i, p in enumerate(kernel.params)}
+    pattern = re.compile("|".join(re.escape(quoted) for quoted in position))
+    return pattern.sub(lambda m: position[m.group(0)], text)
+
+
+def distinct_kernels(kernels: list[kir.Kernel]) -> tuple[list[kir.Kernel], list[list[int]]]:
+    """One canonical kernel (``canonical_kernel`` of the first) per group of ``kernels`` with
+    equal ``structure_key``, in first-seen order, and for each the indices of its group."""
+    groups: dict[str, list[int]] = {}
+    for i, kernel in enumerate(kernels):
+        groups.setdefault(structure_key(kernel), []).append(i)
+    members = list(groups.values())
+    return [canonical_kernel(kernels[group[0]]) for group in members], members
 
 
 @dataclass(frozen=True)

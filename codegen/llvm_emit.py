@@ -536,6 +536,13 @@ class KernelEmitter:
     def _int_divrem(self, op: str, dtype: str, a: ir.Value, c: ir.Value) -> ir.Value:
         """XLA semantics, never trapping: x/0 = -1 (all ones), x%0 = x, MIN/-1 = MIN, MIN%-1 = 0."""
         b, ty = self.builder, a.type
+        if isinstance(c, ir.Constant) and isinstance(c.constant, int) and c.constant != 0 \
+                and (dtype in UNSIGNED or c.constant != -1):
+            # A constant divisor (index arithmetic: nearly every div/rem a kernel has) cannot
+            # trap: one instruction, not the guarded sequence (emission time is Python's).
+            if op == "div":
+                return (b.udiv if dtype in UNSIGNED else b.sdiv)(a, c)
+            return (b.urem if dtype in UNSIGNED else b.srem)(a, c)
         zero = b.icmp_unsigned("==", c, ir.Constant(ty, 0))
         bad = zero
         if dtype not in UNSIGNED:

@@ -355,34 +355,48 @@ MAX_BUILD_THREADS = 8      # each PTX child holds an interpreter with llvmlite (
 def _prebuild_gpu(request: PassRequest, kernels: list, workers: list) -> list:
     """Per kernel, its PTX (``codegen.gpu_cache.PtxBuild``) or the exception that stopped it:
     emitted in ``workers``' children and, for a compile-only build, assembled by ptxas (into
-    the compile cache), on as many threads as there are workers. What needs llvmlite in this
-    process (the FFI handler) is left to the caller, under LLVM_LOCK."""
+    the compile cache), on as many threads as there are workers. Kernels that differ only
+    by name are emitted once (``gpu_cache.distinct_kernels``) and renamed. What needs
+    llvmlite in this process (the FFI handler) is left to the caller, under LLVM_LOCK."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
-    from codegen.gpu_cache import assemble_cached, emit_ptx_cached
+    from codegen.gpu_cache import (PtxBuild, assemble_cached, distinct_kernels,
+                                   emit_ptx_cached, renamed_ptx)
 
     arch = request.gpu_arch()
     idle: queue.SimpleQueue = queue.SimpleQueue()
     for worker in workers:
         idle.put(worker)
+    distinct, groups = distinct_kernels(kernels)
+    results: list[Any] = [None] * len(kernels)
 
-    def one(kernel: Any) -> Any:
+    def one(canonical: Any, members: list[int]) -> None:
         worker = idle.get()
         try:
             request.check_cancelled()
-            built = emit_ptx_cached(kernel, arch, cache=compile_cache(), worker=worker)
-            if request.compile_only and compile_cache() is not None:
-                assemble_cached(built.ptx, arch, cache=compile_cache(), kernel_name=kernel.name)
-            return built
+            built = emit_ptx_cached(canonical, arch, cache=compile_cache(), worker=worker)
         except Exception as exc:  # noqa: BLE001 - handed back per kernel
-            return exc
+            for i in members:
+                results[i] = exc
+            return
         finally:
             idle.put(worker)
+        for i in members:
+            kernel = kernels[i]
+            try:
+                ptx = renamed_ptx(built.ptx, kernel.name)
+                if request.compile_only and compile_cache() is not None:
+                    assemble_cached(ptx, arch, cache=compile_cache(), kernel_name=kernel.name)
+                results[i] = PtxBuild(ptx, built.from_cache)
+            except Exception as exc:  # noqa: BLE001 - handed back per kernel
+                results[i] = exc
 
+    log.debug("%s: %d GPU kernels, %d distinct", request.function, len(kernels), len(distinct))
     with ThreadPoolExecutor(max_workers=max(1, len(workers)),
                             thread_name_prefix="stitch-build") as pool:
-        return list(pool.map(one, kernels))
+        list(pool.map(one, distinct, groups))
+    return results
 
 
 def _global_scope(schedule: Any) -> bool:
@@ -445,6 +459,7 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
     from codegen.errors import CodegenError
     from codegen.lower import lower_kernel
 
+    start = time.perf_counter()
     jobs: list[tuple[ComputationView, Any, Any, Any]] = []
     for gi, graph_plan in enumerate(fusion_plan.graphs):
         if not request.loop_bodies and graph_plan.graph.kind != "entry":
@@ -479,8 +494,12 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                 report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
                 continue
             jobs.append((view, k, site, lowered))
+    report.timings["lower_s"] = time.perf_counter() - start
+    mark = time.perf_counter()
     prebuilt = (_prebuild_gpu(request, [job[3].kernel for job in jobs], ptx_workers)
                 if request.device == "gpu" and jobs else [None] * len(jobs))
+    report.timings["ptx_s"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     request.check_cancelled()
     for (view, k, site, lowered), ptx in zip(jobs, prebuilt):
         try:
@@ -502,6 +521,7 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                                    ffi_target.name))
         built[k.name] = BuiltKernel(k.name, lowered, ffi_target)
         launching[k.name] = sum(1 for t in site.tops if view.launches(t))
+    report.timings["targets_s"] = time.perf_counter() - mark
 
 
 def compile_cache() -> Any:
