@@ -290,11 +290,32 @@ GPU_CHAIN_TF32 = True
 def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     """Plan ``module``, build the kernels that fit, put them in (module docstring)."""
     from codegen.isolation import IsolatedWorker
+
+    timings: dict[str, float] = {}
+    # GPU: PTX is emitted in isolated children, one per build thread, not a fresh
+    # interpreter per kernel; ptxas runs in the same threads. They start now, so their
+    # start-up (an interpreter, llvmlite) overlaps planning.
+    ptx_workers = ([IsolatedWorker(name=f"stitch-ptx-{i}", preload=PTX_CHILD_PRELOAD)
+                    for i in range(build_threads())] if request.device == "gpu" else [])
+    try:
+        for worker in ptx_workers:
+            worker.start()
+        return _plan_and_build(module, request, timings, ptx_workers)
+    finally:
+        for worker in ptx_workers:
+            worker.close()
+
+
+# What a PTX child imports as it starts (codegen.gpu_cache.emit_ptx_cached's work).
+PTX_CHILD_PRELOAD = ("codegen.nvptx",)
+
+
+def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, float],
+                    ptx_workers: list) -> PassReport:
     from hlo_passes.evaluator.interpreter import Evaluator
     from stitch.cost.gpu_specs import get_spec
     from stitch.explorer.planner import plan as make_plan
 
-    timings: dict[str, float] = {}
     t0 = time.perf_counter()
     options = request.options
     if request.device == "gpu" and GPU_CHAIN_TF32:
@@ -315,16 +336,8 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     built: dict[str, BuiltKernel] = {}
     launching: dict[str, int] = {}
     t1 = time.perf_counter()
-    # GPU: PTX is emitted in isolated children (started on the first miss), one per build
-    # thread, not a fresh interpreter per kernel; ptxas runs in the same threads.
-    ptx_workers = ([IsolatedWorker(name=f"stitch-ptx-{i}") for i in range(build_threads())]
-                   if request.device == "gpu" else [])
-    try:
-        _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
-                       built, launching, ptx_workers)
-    finally:
-        for worker in ptx_workers:
-            worker.close()
+    _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
+                   built, launching, ptx_workers)
     timings["build_s"] = time.perf_counter() - t1
     rewrite = replace_kernels(module, graphs, placed, views)
     report.placed = rewrite.placed
