@@ -6,7 +6,7 @@ caching, the per-key build lock and crash isolation by calling them:
 - ``emit_ptx_cached(kernel, arch, cache=...)`` -> ``PtxBuild``: PTX from LLVM's NVPTX back end,
   emitted in an isolated child (an LLVM abort cannot take the caller down). Keyed by the
   Kernel IR (its complete repr), arch, PTX ISA version, libdevice (path, size, mtime), the
-  llvmlite version and the stitch version.
+  llvmlite version, the stitch version and a digest of codegen's source (``source_digest``).
 - ``assemble_cached(ptx, arch, cache=...)`` -> ``CubinBuild``: ptxas's cubin and per-entry
   resource reports. Keyed by the PTX text, arch, options, the ptxas binary and its version.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from codegen import kir
-from codegen.cache import CompileCache, cache_key
+from codegen.cache import CODEGEN_PACKAGES, CompileCache, cache_key, source_digest
 from codegen.errors import CodegenError
 from codegen.isolation import IsolatedWorker, run_isolated
 from codegen.nvptx import DEFAULT_PTX_VERSION, default_libdevice_path, emit_ptx
@@ -66,7 +66,8 @@ def ptx_key(kernel: kir.Kernel, arch: str, *, ptx_version: int = DEFAULT_PTX_VER
             libdevice: str | Path | None = None) -> str:
     import llvmlite
     return cache_key("ptx", kernel_ir_text(kernel), arch, str(ptx_version),
-                     libdevice_identity(libdevice), llvmlite.__version__, stitch_version())
+                     libdevice_identity(libdevice), llvmlite.__version__, stitch_version(),
+                     source_digest(CODEGEN_PACKAGES))
 
 
 @dataclass(frozen=True)
