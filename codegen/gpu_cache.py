@@ -143,6 +143,18 @@ def structure_key(kernel: kir.Kernel) -> str:
     return pattern.sub(lambda m: position[m.group(0)], text)
 
 
+def renamed_cubin_build(build: "CubinBuild", name: str) -> "CubinBuild":
+    """ptxas's result for a canonical kernel's PTX (``canonical_kernel``), as the result for
+    the kernel called ``name``: its resource report filed under ``name`` (ptxas's text
+    renamed too). The cubin itself is
+    the canonical one (its entry keeps CANONICAL_NAME): registers, spills and the machine
+    code are those of the renamed PTX, which differs only by identifiers."""
+    reports = {name if entry == CANONICAL_NAME else entry:
+               dataclasses.replace(report, raw=_CANONICAL.sub(name, report.raw))
+               for entry, report in build.reports.items()}
+    return CubinBuild(build.cubin, reports, build.from_cache)
+
+
 def distinct_kernels(kernels: list[kir.Kernel]) -> tuple[list[kir.Kernel], list[list[int]]]:
     """One canonical kernel (``canonical_kernel`` of the first) per group of ``kernels`` with
     equal ``structure_key``, in first-seen order, and for each the indices of its group."""

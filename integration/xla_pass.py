@@ -365,17 +365,26 @@ def build_threads() -> int:
 MAX_BUILD_THREADS = 8      # each PTX child holds an interpreter with llvmlite (~150 MB)
 
 
+@dataclass
+class GpuBuild:
+    """A kernel's GPU build products from ``_prebuild_gpu``: its PTX and, for a compile-only
+    build, ptxas's result (``codegen.gpu_cache.CubinBuild``)."""
+    ptx: str
+    assembled: Any = None
+
+
 def _prebuild_gpu(request: PassRequest, kernels: list, workers: list) -> list:
-    """Per kernel, its PTX (``codegen.gpu_cache.PtxBuild``) or the exception that stopped it:
-    emitted in ``workers``' children and, for a compile-only build, assembled by ptxas (into
-    the compile cache), on as many threads as there are workers. Kernels that differ only
-    by name are emitted once (``gpu_cache.distinct_kernels``) and renamed. What needs
-    llvmlite in this process (the FFI handler) is left to the caller, under LLVM_LOCK."""
+    """Per kernel, its ``GpuBuild`` or the exception that stopped it: PTX emitted in
+    ``workers``' children and, for a compile-only build, assembled by ptxas, on as many
+    threads as there are workers. Kernels that differ only by name (and their parameters')
+    are emitted and assembled once (``gpu_cache.distinct_kernels``), then renamed. What
+    needs llvmlite in this process (the FFI handler) is left to the caller, under
+    LLVM_LOCK."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
-    from codegen.gpu_cache import (PtxBuild, assemble_cached, distinct_kernels,
-                                   emit_ptx_cached, renamed_ptx)
+    from codegen.gpu_cache import (CANONICAL_NAME, assemble_cached, distinct_kernels,
+                                   emit_ptx_cached, renamed_cubin_build, renamed_ptx)
 
     arch = request.gpu_arch()
     idle: queue.SimpleQueue = queue.SimpleQueue()
@@ -395,15 +404,19 @@ def _prebuild_gpu(request: PassRequest, kernels: list, workers: list) -> list:
             return
         finally:
             idle.put(worker)
-        for i in members:
-            kernel = kernels[i]
-            try:
-                ptx = renamed_ptx(built.ptx, kernel.name)
-                if request.compile_only and compile_cache() is not None:
-                    assemble_cached(ptx, arch, cache=compile_cache(), kernel_name=kernel.name)
-                results[i] = PtxBuild(ptx, built.from_cache)
-            except Exception as exc:  # noqa: BLE001 - handed back per kernel
+        assembled = None
+        try:
+            if request.compile_only:
+                assembled = assemble_cached(built.ptx, arch, cache=compile_cache(),
+                                            kernel_name=CANONICAL_NAME)
+        except Exception as exc:  # noqa: BLE001 - handed back per kernel
+            for i in members:
                 results[i] = exc
+            return
+        for i in members:
+            name = kernels[i].name
+            results[i] = GpuBuild(renamed_ptx(built.ptx, name),
+                                  renamed_cubin_build(assembled, name) if assembled else None)
 
     log.debug("%s: %d GPU kernels, %d distinct", request.function, len(kernels), len(distinct))
     with ThreadPoolExecutor(max_workers=max(1, len(workers)),
@@ -523,7 +536,9 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                                           arch=request.gpu_arch(),
                                           compile_only=request.compile_only,
                                           worker=ptx_workers[0] if ptx_workers else None,
-                                          ptx=ptx.ptx if ptx is not None else None)
+                                          ptx=ptx.ptx if ptx is not None else None,
+                                          assembled=ptx.assembled if ptx is not None
+                                          else None)
         except Cancelled:
             raise
         except (CodegenError, StitchError) as exc:
@@ -552,14 +567,16 @@ _CACHE: Any = None
 
 
 def build_target(kernel: Any, device: str, *, arch: str | None = None,
-                 compile_only: bool = False, worker: Any = None, ptx: str | None = None) -> Any:
+                 compile_only: bool = False, worker: Any = None, ptx: str | None = None,
+                 assembled: Any = None) -> Any:
     """The kernel as a registered XLA FFI target for ``device`` ("cpu" | "gpu"), its object
     code or PTX through the compile cache. GPU: PTX for ``arch`` (default: the device's);
     ``compile_only`` builds a target XLA compiles against without a device (ptxas checks
     the PTX; the handler never runs, see codegen.ffi_cuda.compile_only_cuda_target).
     ``worker``: a codegen.isolation.IsolatedWorker to emit PTX in (one child for all the
     kernels of a module, instead of a fresh interpreter per kernel). ``ptx``: the kernel's
-    PTX for ``arch`` when already emitted (``_prebuild_gpu``)."""
+    PTX for ``arch`` when already emitted (``_prebuild_gpu``), ``assembled`` ptxas's result
+    for it (compile-only)."""
     if device == "cpu":
         from codegen.ffi import host_ffi_target
         target = host_ffi_target(kernel, cache=compile_cache())
@@ -570,7 +587,8 @@ def build_target(kernel: Any, device: str, *, arch: str | None = None,
         if ptx is None:
             ptx = emit_ptx_cached(kernel, arch, cache=compile_cache(), worker=worker).ptx
         if compile_only:
-            target = compile_only_cuda_target(kernel, ptx, arch, cache=compile_cache())
+            target = compile_only_cuda_target(kernel, ptx, arch, cache=compile_cache(),
+                                              assembled=assembled)
         else:
             target = cuda_ffi_target(kernel, ptx)
     else:

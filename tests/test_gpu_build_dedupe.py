@@ -128,3 +128,25 @@ def test_constant_divisors_keep_xla_semantics(dtype: str) -> None:
             out = run_elementwise([a], [dtype], dtype,
                                   lambda x, op=op, c=c: Binary(op, x, Const(int(c), dtype)))
             np.testing.assert_array_equal(out, expected.astype(nd), err_msg=f"{op} {c}")
+
+
+@needs_libdevice
+def test_one_ptxas_run_stands_for_the_renamed_copies() -> None:
+    """``renamed_cubin_build``: ptxas's report of the canonical PTX is the report of each
+    renamed copy's own PTX (same registers, spills, shared memory), filed under its name."""
+    from codegen.errors import ToolchainError
+    from codegen.gpu_cache import assemble_cached, canonical_kernel, renamed_cubin_build
+    from codegen.toolchain import find_ptxas
+    try:
+        find_ptxas("sm_90")
+    except ToolchainError:
+        pytest.skip("no ptxas for sm_90")
+    kernel = _renamed_params(warp_softmax_kernel(7, 300, "xor"), "softmax_k9", "_d")
+    ptx = nvptx.emit_ptx(canonical_kernel(kernel), "sm_90")
+    group = assemble_cached(ptx, "sm_90", cache=None, kernel_name=CANONICAL_NAME)
+    own = assemble_cached(renamed_ptx(ptx, kernel.name), "sm_90", cache=None,
+                          kernel_name=kernel.name)
+    renamed = renamed_cubin_build(group, kernel.name)
+    assert renamed.reports == own.reports and list(renamed.reports) == [kernel.name]
+    from codegen.objcheck import cubin_problem
+    assert cubin_problem(renamed.cubin) is None     # a valid sm_90 cubin (canonical names)

@@ -301,6 +301,9 @@ def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(mo
         assert f".entry {kernel.name}(" in built.ptx
     # The renamed copy is emitted once with the first (kernels differing only by name).
     assert len(emitted) == 3
+    for kernel, built in ((kernels[0], results[0]), (kernels[3], results[3])):
+        assert list(built.assembled.reports) == [kernel.name]
+        assert built.assembled.cubin[:4] == b"\x7fELF"
     assert results[3].ptx == results[0].ptx.replace(first.name, "another_layers_copy")
 
 
