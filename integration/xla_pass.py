@@ -373,56 +373,83 @@ class GpuBuild:
     assembled: Any = None
 
 
-def _prebuild_gpu(request: PassRequest, kernels: list, workers: list) -> list:
-    """Per kernel, its ``GpuBuild`` or the exception that stopped it: PTX emitted in
-    ``workers``' children and, for a compile-only build, assembled by ptxas, on as many
-    threads as there are workers. Kernels that differ only by name (and their parameters')
-    are emitted and assembled once (``gpu_cache.distinct_kernels``), then renamed. What
-    needs llvmlite in this process (the FFI handler) is left to the caller, under
-    LLVM_LOCK."""
-    import queue
-    from concurrent.futures import ThreadPoolExecutor
+class GpuPrebuild:
+    """PTX (and, compile-only, ptxas) of a module's GPU kernels, built while the caller goes
+    on lowering the next ones: ``submit`` each lowered kernel, then ``results()``. Emission
+    runs in ``workers``' children on as many threads; kernels that differ only by name (and
+    their parameters') are emitted and assembled once (``gpu_cache.structure_key``), then
+    renamed. What needs llvmlite in this process (the FFI handler) is left to the caller,
+    under LLVM_LOCK. Use as a context manager (the threads are joined on exit)."""
 
-    from codegen.gpu_cache import (CANONICAL_NAME, assemble_cached, distinct_kernels,
-                                   emit_ptx_cached, renamed_cubin_build, renamed_ptx)
+    def __init__(self, request: PassRequest, workers: list) -> None:
+        import queue
+        from concurrent.futures import ThreadPoolExecutor
 
-    arch = request.gpu_arch()
-    idle: queue.SimpleQueue = queue.SimpleQueue()
-    for worker in workers:
-        idle.put(worker)
-    distinct, groups = distinct_kernels(kernels)
-    results: list[Any] = [None] * len(kernels)
+        self.request = request
+        self.arch = request.gpu_arch()
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        for worker in workers:
+            self._idle.put(worker)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(workers)),
+                                        thread_name_prefix="stitch-build")
+        self._groups: dict[str, Any] = {}                 # structure key -> Future
+        self._kernels: list[tuple[Any, Any]] = []         # (kernel, its group's Future)
 
-    def one(canonical: Any, members: list[int]) -> None:
-        worker = idle.get()
+    def __enter__(self) -> "GpuPrebuild":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def submit(self, kernel: Any) -> None:
+        from codegen.gpu_cache import canonical_kernel, structure_key
+        key = structure_key(kernel)
+        future = self._groups.get(key)
+        if future is None:
+            future = self._groups[key] = self._pool.submit(self._build,
+                                                           canonical_kernel(kernel))
+        self._kernels.append((kernel, future))
+
+    def _build(self, canonical: Any) -> tuple[str, Any]:
+        """The canonical kernel's PTX and, compile-only, ptxas's result for it."""
+        from codegen.gpu_cache import CANONICAL_NAME, assemble_cached, emit_ptx_cached
+        worker = self._idle.get()
         try:
-            request.check_cancelled()
-            built = emit_ptx_cached(canonical, arch, cache=compile_cache(), worker=worker)
-        except Exception as exc:  # noqa: BLE001 - handed back per kernel
-            for i in members:
-                results[i] = exc
-            return
+            self.request.check_cancelled()
+            built = emit_ptx_cached(canonical, self.arch, cache=compile_cache(), worker=worker)
         finally:
-            idle.put(worker)
+            self._idle.put(worker)
         assembled = None
-        try:
-            if request.compile_only:
-                assembled = assemble_cached(built.ptx, arch, cache=compile_cache(),
-                                            kernel_name=CANONICAL_NAME)
-        except Exception as exc:  # noqa: BLE001 - handed back per kernel
-            for i in members:
-                results[i] = exc
-            return
-        for i in members:
-            name = kernels[i].name
-            results[i] = GpuBuild(renamed_ptx(built.ptx, name),
-                                  renamed_cubin_build(assembled, name) if assembled else None)
+        if self.request.compile_only:
+            assembled = assemble_cached(built.ptx, self.arch, cache=compile_cache(),
+                                        kernel_name=CANONICAL_NAME)
+        return built.ptx, assembled
 
-    log.debug("%s: %d GPU kernels, %d distinct", request.function, len(kernels), len(distinct))
-    with ThreadPoolExecutor(max_workers=max(1, len(workers)),
-                            thread_name_prefix="stitch-build") as pool:
-        list(pool.map(one, distinct, groups))
-    return results
+    def results(self) -> list:
+        """Per submitted kernel, in order: its ``GpuBuild`` or the exception that stopped
+        its group's build."""
+        from codegen.gpu_cache import renamed_cubin_build, renamed_ptx
+        out: list[Any] = []
+        for kernel, future in self._kernels:
+            try:
+                ptx, assembled = future.result()
+            except Exception as exc:  # noqa: BLE001 - handed back per kernel
+                out.append(exc)
+                continue
+            out.append(GpuBuild(renamed_ptx(ptx, kernel.name),
+                                renamed_cubin_build(assembled, kernel.name)
+                                if assembled is not None else None))
+        log.debug("%s: %d GPU kernels, %d distinct", self.request.function,
+                  len(self._kernels), len(self._groups))
+        return out
+
+
+def _prebuild_gpu(request: PassRequest, kernels: list, workers: list) -> list:
+    """``GpuPrebuild``'s results for ``kernels`` submitted at once."""
+    with GpuPrebuild(request, workers) as prebuild:
+        for kernel in kernels:
+            prebuild.submit(kernel)
+        return prebuild.results()
 
 
 def _global_scope(schedule: Any) -> bool:
@@ -475,18 +502,21 @@ def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView,
     return jobs
 
 
-def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
-                   module: HloModule, spec: Any, evaluator: Any, placed: list,
-                   views: dict, built: dict, launching: dict, ptx_workers: list) -> None:
-    """Snap, lower and build every stitched kernel of the plan; what builds is appended to
-    ``placed``/``built``, what does not to the report's skipped kernels and fallbacks.
-    Lowering runs in plan order; on the GPU the PTX and ptxas of all kernels then run in
-    parallel (``_prebuild_gpu``); the FFI targets are made and registered in order."""
+def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
+                module: HloModule, spec: Any, evaluator: Any, views: dict,
+                submit: Callable[[Any], None] | None) -> list:
+    """The plan's placeable kernels lowered to Kernel IR, as (view, kernel, site, lowered)
+    jobs in plan order; ``submit(kernel IR)`` is called for each as soon as it is lowered."""
     from codegen.errors import CodegenError
     from codegen.lower import lower_kernel
 
-    start = time.perf_counter()
     jobs: list[tuple[ComputationView, Any, Any, Any]] = []
+
+    def add(job: tuple) -> None:
+        jobs.append(job)
+        if submit is not None:
+            submit(job[3].kernel)
+
     for gi, graph_plan in enumerate(fusion_plan.graphs):
         if not request.loop_bodies and graph_plan.graph.kind != "entry":
             report.skipped.extend((k.name, "in a loop body or branch: left to XLA on retry")
@@ -501,7 +531,8 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
         scheduled = [k for k in graph_plan.stitched.kernels if k.schedule is not None]
         snapped, left_out = snap_kernels(view, scheduled, spec)
         report.skipped.extend(left_out)
-        jobs.extend(_chain_jobs(request, report, view, gi, graph_plan, snapped))
+        for job in _chain_jobs(request, report, view, gi, graph_plan, snapped):
+            add(job)
         for k in snapped:
             try:
                 site = find_site(view, gi, k.name, k.members)
@@ -519,12 +550,34 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                 log.info("kernel %s stays with XLA: %s", k.name, exc)
                 report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
                 continue
-            jobs.append((view, k, site, lowered))
-    report.timings["lower_s"] = time.perf_counter() - start
-    mark = time.perf_counter()
-    prebuilt = (_prebuild_gpu(request, [job[3].kernel for job in jobs], ptx_workers)
-                if request.device == "gpu" and jobs else [None] * len(jobs))
-    report.timings["ptx_s"] = time.perf_counter() - mark
+            add((view, k, site, lowered))
+    return jobs
+
+
+def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
+                   module: HloModule, spec: Any, evaluator: Any, placed: list,
+                   views: dict, built: dict, launching: dict, ptx_workers: list) -> None:
+    """Snap, lower and build every stitched kernel of the plan; what builds is appended to
+    ``placed``/``built``, what does not to the report's skipped kernels and fallbacks.
+    Lowering runs in plan order; on the GPU each lowered kernel's PTX and ptxas start at
+    once, in parallel with the lowering of the next (``GpuPrebuild``); the FFI targets are
+    made and registered in order."""
+    from codegen.errors import CodegenError
+
+    start = time.perf_counter()
+    if request.device == "gpu":
+        with GpuPrebuild(request, ptx_workers) as prebuild:
+            jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views,
+                               prebuild.submit)
+            report.timings["lower_s"] = time.perf_counter() - start
+            mark = time.perf_counter()
+            prebuilt = prebuild.results()
+        # The PTX and ptxas left to wait for once every kernel was lowered.
+        report.timings["ptx_s"] = time.perf_counter() - mark
+    else:
+        jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views, None)
+        report.timings["lower_s"] = time.perf_counter() - start
+        prebuilt = [None] * len(jobs)
     mark = time.perf_counter()
     request.check_cancelled()
     for (view, k, site, lowered), ptx in zip(jobs, prebuilt):
