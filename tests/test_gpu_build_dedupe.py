@@ -6,7 +6,9 @@
 - libdevice is linked as the subset a kernel calls (``codegen.nvptx._libdevice_subset``):
   the PTX is the PTX of linking all of libdevice;
 - a constant integer divisor is emitted without the divide-by-zero guard: XLA's semantics
-  still hold (checked on the host target against numpy).
+  still hold (checked on the host target against numpy);
+- Kernel IR validation walks a subexpression shared within one expression once (lowering
+  builds DAGs), and still finds what is wrong inside it.
 """
 from __future__ import annotations
 
@@ -150,3 +152,28 @@ def test_one_ptxas_run_stands_for_the_renamed_copies() -> None:
     assert renamed.reports == own.reports and list(renamed.reports) == [kernel.name]
     from codegen.objcheck import cubin_problem
     assert cubin_problem(renamed.cubin) is None     # a valid sm_90 cubin (canonical names)
+
+
+def _doubling_dag(depth: int, leaf: kir.Expr) -> kir.Expr:
+    """An expression DAG of ``depth`` levels, each using the one below twice: 2**depth
+    paths, ``depth`` objects (as lowering builds guarded concatenates and index math)."""
+    e = leaf
+    for _ in range(depth):
+        e = Binary("add", e, e)
+    return e
+
+
+def test_validation_walks_shared_subexpressions_once() -> None:
+    import time
+    from codegen.errors import CodegenError
+    from codegen.kir import Ref
+    kernel = elementwise_kernel("dag", ["f32"], "f32", 256,
+                                lambda x: _doubling_dag(40, x))   # 2**40 paths
+    start = time.perf_counter()
+    kernel.validate()
+    assert time.perf_counter() - start < 2.0
+    # An error inside the shared part is still found (and named).
+    bad = elementwise_kernel("dag_bad", ["f32"], "f32", 256,
+                             lambda x: _doubling_dag(40, Binary("add", x, Ref("nowhere", "f32"))))
+    with pytest.raises(CodegenError, match="undefined variable 'nowhere'"):
+        bad.validate()
