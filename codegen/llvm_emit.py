@@ -238,6 +238,8 @@ class KernelEmitter:
         self.kernel = kernel
         self.target = target
         self.module = module
+        self._expr_depth = 0                        # expr's recursion depth
+        self._emitted: dict[int, ir.Value] = {}     # id -> value, within one top-level expr
         self.root = Scope()
         self.fn: ir.Function | None = None
         self.builder: ir.IRBuilder = ir.IRBuilder()
@@ -478,6 +480,25 @@ class KernelEmitter:
         return ir.Constant(ty, v)
 
     def expr(self, e: kir.Expr, scope: Scope, ctx: Ctx) -> ir.Value:
+        """``e``'s value. Lowered expressions are DAGs: a subexpression object met again
+        within one top-level expression reuses the value already emitted (emission time is
+        Python's, and LLVM would merge the copies anyway). Safe: an expression emits no
+        blocks and no stores, so the first value dominates every later use."""
+        if self._expr_depth == 0:
+            self._emitted = {}
+        key = id(e)
+        got = self._emitted.get(key)
+        if got is not None:
+            return got
+        self._expr_depth += 1
+        try:
+            value = self._expr(e, scope, ctx)
+        finally:
+            self._expr_depth -= 1
+        self._emitted[key] = value
+        return value
+
+    def _expr(self, e: kir.Expr, scope: Scope, ctx: Ctx) -> ir.Value:
         b = self.builder
         if isinstance(e, kir.Const):
             return self.const(e.value, e.dtype)
