@@ -28,7 +28,7 @@ from __future__ import annotations
 import weakref
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import Shape, parse_padding, parse_slice
@@ -83,8 +83,27 @@ class PatternAnalysis:
     # "block": the row partition keeps every shared reduction in a block (warp/block
     # scopes); "global": only the global scope stitches it (``global_phases``).
     scope: str = "block"
-    # The global scope's phases where it also applies (both scopes: the schedule picks).
-    global_phases: GlobalPhases | None = None
+    # The global scope's phases where it also applies (both scopes: the schedule picks);
+    # see ``global_phases``.
+    _global_phases: GlobalPhases | None = field(default=None, repr=False)
+    # For a block-scope pattern with a reduce, the phases are found when first asked
+    # (``analyze_pattern``): only the schedules of chosen kernels ask, and the explorer
+    # analyzes thousands of patterns (perf only).
+    _phases_of: Callable[[], GlobalPhases | str] | None = field(default=None, repr=False,
+                                                                compare=False)
+
+    @property
+    def global_phases(self) -> GlobalPhases | None:
+        if self._phases_of is not None:
+            phases = self._phases_of()
+            self._phases_of = None
+            self._global_phases = None if isinstance(phases, str) else phases
+        return self._global_phases
+
+    @global_phases.setter
+    def global_phases(self, phases: GlobalPhases | None) -> None:
+        self._phases_of = None
+        self._global_phases = phases
 
 
 # Most grid barriers a global-scope kernel may have (reduction stages).
@@ -412,14 +431,12 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int], allow_global: bool =
         phases = global_phases(graph, members)
         if isinstance(phases, str):
             raise Infeasible(f"{exc}; global scope: {phases}") from None
-        analysis = PatternAnalysis(components=[members], scope="global",
-                                   global_phases=phases)
+        analysis = PatternAnalysis(components=[members], scope="global")
+        analysis.global_phases = phases
         analysis.component_of = {v: 0 for v in members}
         return analysis
     if allow_global and any(graph.nodes[v].opcode == "reduce" for v in members):
-        phases = global_phases(graph, members)
-        if not isinstance(phases, str):
-            analysis.global_phases = phases
+        analysis._phases_of = lambda: global_phases(graph, members)
     return analysis
 
 
