@@ -367,7 +367,7 @@ MAX_BUILD_THREADS = 8      # each PTX child holds an interpreter with llvmlite (
 
 @dataclass
 class GpuBuild:
-    """A kernel's GPU build products from ``_prebuild_gpu``: its PTX and, for a compile-only
+    """A kernel's GPU build products from ``GpuPrebuild``: its PTX and, for a compile-only
     build, ptxas's result (``codegen.gpu_cache.CubinBuild``)."""
     ptx: str
     assembled: Any = None
