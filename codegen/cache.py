@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import hmac
 import logging
@@ -82,6 +83,30 @@ def _length_prefixed(h: "hashlib._Hash | hmac.HMAC", *parts: str | bytes) -> Non
         data = part.encode("utf-8") if isinstance(part, str) else bytes(part)
         h.update(struct.pack("<Q", len(data)))
         h.update(data)
+
+
+# The packages whose code decides what a cached plan or PTX holds (``source_digest``).
+PLANNING_PACKAGES = ("hlo_passes", "stitch")
+CODEGEN_PACKAGES = ("hlo_passes", "codegen")
+_SOURCE_ROOT = pathlib.Path(__file__).resolve().parent.parent   # the dir holding codegen/
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest(packages: tuple[str, ...], root: pathlib.Path = _SOURCE_ROOT) -> str:
+    """sha256 (first 16 hex digits) over the ``.py`` files of ``packages`` under ``root``
+    (relative path and bytes, in path order): a version that changes with any edit to the
+    code, where the distribution's version string does not (an editable install, a
+    checkout between releases). Once per process: ~1 MB read, a few milliseconds."""
+    h = hashlib.sha256()
+    for package in packages:
+        base = root / package
+        for path in sorted(base.rglob("*.py")):
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue
+            _length_prefixed(h, path.relative_to(root).as_posix(), data)
+    return h.hexdigest()[:16]
 
 
 def cache_key(*parts: str | bytes) -> str:

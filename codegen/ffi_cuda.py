@@ -419,10 +419,12 @@ class CompileOnlyCudaTarget(FfiTarget):
 
 
 def compile_only_cuda_target(kernel: kir.Kernel, ptx: str, arch: str, *,
-                             cache: Any = None) -> CompileOnlyCudaTarget:
+                             cache: Any = None, assembled: Any = None) -> CompileOnlyCudaTarget:
     """The kernel's PTX assembled by ptxas for ``arch`` (CodegenError if ptxas rejects it)
     behind a compile-only FFI handler for "CUDA" (see CompileOnlyCudaTarget). ``cache`` is a
-    codegen.cache.CompileCache for ptxas's result."""
+    codegen.cache.CompileCache for ptxas's result. ``assembled``: ptxas's result when the
+    caller has it already (``gpu_cache.renamed_cubin_build`` of a kernel that differs only
+    by name)."""
     from codegen.gpu_cache import assemble_cached
 
     kernel.validate()
@@ -433,7 +435,9 @@ def compile_only_cuda_target(kernel: kir.Kernel, ptx: str, arch: str, *,
     name = target_name("cudacheck", kernel, ptx, arch)
 
     def build(name: str) -> FfiTarget:
-        assembled = assemble_cached(ptx, arch, cache=cache, kernel_name=kernel.name)
+        nonlocal assembled
+        if assembled is None:
+            assembled = assemble_cached(ptx, arch, cache=cache, kernel_name=kernel.name)
         handler_ir = emit_compile_only_handler_ir(kernel, name, arch)
         engine, address = compile_handler(name, kernel, [handler_ir])
         LOG.debug("kernel %s: compile-only CUDA target %s (%s, %d cubin bytes)", kernel.name,

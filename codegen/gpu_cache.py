@@ -6,7 +6,7 @@ caching, the per-key build lock and crash isolation by calling them:
 - ``emit_ptx_cached(kernel, arch, cache=...)`` -> ``PtxBuild``: PTX from LLVM's NVPTX back end,
   emitted in an isolated child (an LLVM abort cannot take the caller down). Keyed by the
   Kernel IR (its complete repr), arch, PTX ISA version, libdevice (path, size, mtime), the
-  llvmlite version and the stitch version.
+  llvmlite version, the stitch version and a digest of codegen's source (``source_digest``).
 - ``assemble_cached(ptx, arch, cache=...)`` -> ``CubinBuild``: ptxas's cubin and per-entry
   resource reports. Keyed by the PTX text, arch, options, the ptxas binary and its version.
 
@@ -20,12 +20,13 @@ import functools
 import importlib.metadata
 import json
 import logging
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from codegen import kir
-from codegen.cache import CompileCache, cache_key
+from codegen.cache import CODEGEN_PACKAGES, CompileCache, cache_key, source_digest
 from codegen.errors import CodegenError
 from codegen.isolation import IsolatedWorker, run_isolated
 from codegen.nvptx import DEFAULT_PTX_VERSION, default_libdevice_path, emit_ptx
@@ -65,7 +66,8 @@ def ptx_key(kernel: kir.Kernel, arch: str, *, ptx_version: int = DEFAULT_PTX_VER
             libdevice: str | Path | None = None) -> str:
     import llvmlite
     return cache_key("ptx", kernel_ir_text(kernel), arch, str(ptx_version),
-                     libdevice_identity(libdevice), llvmlite.__version__, stitch_version())
+                     libdevice_identity(libdevice), llvmlite.__version__, stitch_version(),
+                     source_digest(CODEGEN_PACKAGES))
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,60 @@ def emit_ptx_cached(kernel: kir.Kernel, arch: str, *, cache: CompileCache | None
     key = ptx_key(kernel, arch, ptx_version=ptx_version, libdevice=libdevice)
     payload = cache.get_or_create(key, build, validate=_ptx_validator(kernel.name))
     return PtxBuild(payload.decode("utf-8"), not built)
+
+
+# Kernels that differ only by their names and their parameters' names (XLA modules repeat a
+# fusion per layer; a training step's forward and backward share many) are emitted once:
+# under CANONICAL_NAME, then renamed. A parameter's name never reaches the PTX (NVPTX names
+# parameters <entry>_param_<i>); the kernel's name does, in its entry and the identifiers
+# made from it (parameters, shared arrays).
+CANONICAL_NAME = "stitch_canonical_kernel"
+_CANONICAL = re.compile(r"(?<![A-Za-z0-9_$])" + CANONICAL_NAME + r"(?![A-Za-z0-9$])")
+
+
+def canonical_kernel(kernel: kir.Kernel) -> kir.Kernel:
+    """``kernel`` under CANONICAL_NAME (its PTX is the kernel's, renamed)."""
+    return dataclasses.replace(kernel, name=CANONICAL_NAME)
+
+
+def renamed_ptx(ptx: str, name: str) -> str:
+    """The canonical kernel's PTX (``canonical_kernel``) for the kernel called ``name``: its
+    entry and every identifier made from its name renamed."""
+    return _CANONICAL.sub(name, ptx)
+
+
+def structure_key(kernel: kir.Kernel) -> str:
+    """Equal for kernels whose PTX differs only by the kernel's name: the Kernel IR's text
+    under CANONICAL_NAME with each parameter's name (quoted, wherever it is used) replaced
+    by its position. Names are identifiers, so the quoted forms cannot clash."""
+    text = kernel_ir_text(canonical_kernel(kernel))
+    if not kernel.params:
+        return text
+    position = {repr(p.name): f"'#{i}'" for i, p in enumerate(kernel.params)}
+    pattern = re.compile("|".join(re.escape(quoted) for quoted in position))
+    return pattern.sub(lambda m: position[m.group(0)], text)
+
+
+def renamed_cubin_build(build: "CubinBuild", name: str) -> "CubinBuild":
+    """ptxas's result for a canonical kernel's PTX (``canonical_kernel``), as the result for
+    the kernel called ``name``: its resource report filed under ``name`` (ptxas's text
+    renamed too). The cubin itself is
+    the canonical one (its entry keeps CANONICAL_NAME): registers, spills and the machine
+    code are those of the renamed PTX, which differs only by identifiers."""
+    reports = {name if entry == CANONICAL_NAME else entry:
+               dataclasses.replace(report, raw=_CANONICAL.sub(name, report.raw))
+               for entry, report in build.reports.items()}
+    return CubinBuild(build.cubin, reports, build.from_cache)
+
+
+def distinct_kernels(kernels: list[kir.Kernel]) -> tuple[list[kir.Kernel], list[list[int]]]:
+    """One canonical kernel (``canonical_kernel`` of the first) per group of ``kernels`` with
+    equal ``structure_key``, in first-seen order, and for each the indices of its group."""
+    groups: dict[str, list[int]] = {}
+    for i, kernel in enumerate(kernels):
+        groups.setdefault(structure_key(kernel), []).append(i)
+    members = list(groups.values())
+    return [canonical_kernel(kernels[group[0]]) for group in members], members
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ def _child_env() -> dict[str, str]:
 class _Child:
     """One child process and its two pipe ends."""
 
-    def __init__(self, stderr_path: str) -> None:
+    def __init__(self, stderr_path: str, preload: tuple[str, ...] = ()) -> None:
         with open(stderr_path, "ab") as stderr:
             self.proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", _CHILD_MODULE], stdin=subprocess.PIPE,
@@ -157,7 +157,7 @@ class _Child:
         self.proc.stdout.close()
         setup = {"sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path
                               if isinstance(p, str)],
-                 "preload": list(_preload)}
+                 "preload": list(_preload) + [m for m in preload if m not in _preload]}
         self.outbox.send_bytes(pickle.dumps(setup))
 
     @property
@@ -230,9 +230,11 @@ class IsolatedWorker:
     interruption of a call (KeyboardInterrupt included) kills the child: its reply would be
     out of step with the next call."""
 
-    def __init__(self, *, max_calls: int | None = None, name: str = "stitch-isolated-worker") -> None:
+    def __init__(self, *, max_calls: int | None = None, name: str = "stitch-isolated-worker",
+                 preload: tuple[str, ...] = ()) -> None:
         self.max_calls = max_calls
         self.name = name
+        self.preload = preload    # modules this worker's children import at start
         self.starts = 0  # children started so far (restarts = starts - 1)
         self._child: _Child | None = None
         self._stderr_path: str | None = None
@@ -251,11 +253,21 @@ class IsolatedWorker:
 
     def _start(self) -> _Child:
         self._stderr_path = self._stderr_path or _new_stderr_file()
-        child = _Child(self._stderr_path)
+        child = _Child(self._stderr_path, self.preload)
         self._child, self._calls_in_child = child, 0
         self.starts += 1
         log.debug("%s: started child pid %s (start #%d)", self.name, child.pid, self.starts)
         return child
+
+    def start(self) -> None:
+        """Start the child now, without waiting for it: its interpreter start and imports
+        (``preload``) then overlap the caller's own work instead of delaying the first call."""
+        if not isolation_enabled():
+            return
+        with self._lock:
+            if self._child is None or not self._child.alive():
+                self._discard_child()
+                self._start()
 
     def _discard_child(self) -> None:
         if self._child is not None:
@@ -296,7 +308,12 @@ class IsolatedWorker:
 
     def _stop_child(self) -> None:
         if self._child is not None:
-            self._child.stop()
+            if self._calls_in_child == 0:
+                # Started ahead (``start``) and never used: it holds nothing, and asking it
+                # to exit would wait for its imports to finish.
+                self._child.kill()
+            else:
+                self._child.stop()
         self._child = None
 
     def close(self) -> None:

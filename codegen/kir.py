@@ -570,6 +570,8 @@ class _Checker:
         self.varying_locals: set[int] = set()
         self.changed = False
         self.final = False
+        self._depth = 0                          # _expr's recursion depth
+        self._seen: dict[int, bool] = {}         # id -> varying, within one top-level expr
 
     def fail(self, where: str, msg: str) -> None:
         raise CodegenError(f"kernel {self.k.name!r}: {where}: {msg}")
@@ -630,7 +632,26 @@ class _Checker:
     # ------------------------------------------------------------ expressions
 
     def _expr(self, e: Expr, scopes: list[dict[str, _Var]], where: str) -> bool:
-        """Type-check `e`; return whether its value may differ between threads."""
+        """Type-check `e`; return whether its value may differ between threads.
+
+        Lowered expressions are DAGs (a guarded concatenate reuses its index expression in
+        every arm): a subexpression object met again within one top-level expression is
+        not walked again (perf only; nothing a walk depends on changes inside one)."""
+        if self._depth == 0:
+            self._seen = {}
+        key = id(e)
+        got = self._seen.get(key)
+        if got is not None:
+            return got
+        self._depth += 1
+        try:
+            varying = self._expr_uncached(e, scopes, where)
+        finally:
+            self._depth -= 1
+        self._seen[key] = varying
+        return varying
+
+    def _expr_uncached(self, e: Expr, scopes: list[dict[str, _Var]], where: str) -> bool:
         if not isinstance(e, Expr):
             self.fail(where, f"{e!r} is not an expression")
         if e.dtype not in VALUE_DTYPES:

@@ -267,6 +267,8 @@ class KernelEmitter:
         self.kernel = kernel
         self.target = target
         self.module = module
+        self._expr_depth = 0                        # expr's recursion depth
+        self._emitted: dict[int, ir.Value] = {}     # id -> value, within one top-level expr
         self.root = Scope()
         self.fn: ir.Function | None = None
         self.builder: ir.IRBuilder = ir.IRBuilder()
@@ -534,6 +536,25 @@ class KernelEmitter:
         return ir.Constant(ty, v)
 
     def expr(self, e: kir.Expr, scope: Scope, ctx: Ctx) -> ir.Value:
+        """``e``'s value. Lowered expressions are DAGs: a subexpression object met again
+        within one top-level expression reuses the value already emitted (emission time is
+        Python's, and LLVM would merge the copies anyway). Safe: an expression emits no
+        blocks and no stores, so the first value dominates every later use."""
+        if self._expr_depth == 0:
+            self._emitted = {}
+        key = id(e)
+        got = self._emitted.get(key)
+        if got is not None:
+            return got
+        self._expr_depth += 1
+        try:
+            value = self._expr(e, scope, ctx)
+        finally:
+            self._expr_depth -= 1
+        self._emitted[key] = value
+        return value
+
+    def _expr(self, e: kir.Expr, scope: Scope, ctx: Ctx) -> ir.Value:
         b = self.builder
         if isinstance(e, kir.Const):
             return self.const(e.value, e.dtype)
@@ -592,6 +613,13 @@ class KernelEmitter:
     def _int_divrem(self, op: str, dtype: str, a: ir.Value, c: ir.Value) -> ir.Value:
         """XLA semantics, never trapping: x/0 = -1 (all ones), x%0 = x, MIN/-1 = MIN, MIN%-1 = 0."""
         b, ty = self.builder, a.type
+        if isinstance(c, ir.Constant) and isinstance(c.constant, int) and c.constant != 0 \
+                and (dtype in UNSIGNED or c.constant != -1):
+            # A constant divisor (index arithmetic: nearly every div/rem a kernel has) cannot
+            # trap: one instruction, not the guarded sequence (emission time is Python's).
+            if op == "div":
+                return (b.udiv if dtype in UNSIGNED else b.sdiv)(a, c)
+            return (b.urem if dtype in UNSIGNED else b.srem)(a, c)
         zero = b.icmp_unsigned("==", c, ir.Constant(ty, 0))
         bad = zero
         if dtype not in UNSIGNED:

@@ -203,11 +203,18 @@ def _all(conds: list[Expr]) -> Expr:
 
 
 def _names(e: Expr, out: set[str]) -> set[str]:
-    """Names of the variables ``e`` reads."""
-    if isinstance(e, kir.Ref):
-        out.add(e.name)
-    for sub in kir.sub_exprs(e):
-        _names(sub, out)
+    """Names of the variables ``e`` reads. Index expressions are DAGs: each subexpression
+    object is visited once (perf only)."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, kir.Ref):
+            out.add(x.name)
+        stack.extend(kir.sub_exprs(x))
     return out
 
 

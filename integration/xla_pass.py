@@ -291,11 +291,32 @@ GPU_CHAIN_TF32 = True
 def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     """Plan ``module``, build the kernels that fit, put them in (module docstring)."""
     from codegen.isolation import IsolatedWorker
+
+    timings: dict[str, float] = {}
+    # GPU: PTX is emitted in isolated children, one per build thread, not a fresh
+    # interpreter per kernel; ptxas runs in the same threads. They start now, so their
+    # start-up (an interpreter, llvmlite) overlaps planning.
+    ptx_workers = ([IsolatedWorker(name=f"stitch-ptx-{i}", preload=PTX_CHILD_PRELOAD)
+                    for i in range(build_threads())] if request.device == "gpu" else [])
+    try:
+        for worker in ptx_workers:
+            worker.start()
+        return _plan_and_build(module, request, timings, ptx_workers)
+    finally:
+        for worker in ptx_workers:
+            worker.close()
+
+
+# What a PTX child imports as it starts (codegen.gpu_cache.emit_ptx_cached's work).
+PTX_CHILD_PRELOAD = ("codegen.nvptx",)
+
+
+def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, float],
+                    ptx_workers: list) -> PassReport:
     from hlo_passes.evaluator.interpreter import Evaluator
     from stitch.cost.gpu_specs import get_spec
     from stitch.explorer.planner import plan as make_plan
 
-    timings: dict[str, float] = {}
     t0 = time.perf_counter()
     options = request.options
     if request.device == "gpu" and GPU_CHAIN_TF32:
@@ -318,16 +339,8 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     built: dict[str, BuiltKernel] = {}
     launching: dict[str, int] = {}
     t1 = time.perf_counter()
-    # GPU: PTX is emitted in isolated children (started on the first miss), one per build
-    # thread, not a fresh interpreter per kernel; ptxas runs in the same threads.
-    ptx_workers = ([IsolatedWorker(name=f"stitch-ptx-{i}") for i in range(build_threads())]
-                   if request.device == "gpu" else [])
-    try:
-        _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
-                       built, launching, ptx_workers)
-    finally:
-        for worker in ptx_workers:
-            worker.close()
+    _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
+                   built, launching, ptx_workers)
     timings["build_s"] = time.perf_counter() - t1
     rewrite = replace_kernels(module, graphs, placed, views)
     report.placed = rewrite.placed
@@ -355,37 +368,91 @@ def build_threads() -> int:
 MAX_BUILD_THREADS = 8      # each PTX child holds an interpreter with llvmlite (~150 MB)
 
 
-def _prebuild_gpu(request: PassRequest, kernels: list, workers: list) -> list:
-    """Per kernel, its PTX (``codegen.gpu_cache.PtxBuild``) or the exception that stopped it:
-    emitted in ``workers``' children and, for a compile-only build, assembled by ptxas (into
-    the compile cache), on as many threads as there are workers. What needs llvmlite in this
-    process (the FFI handler) is left to the caller, under LLVM_LOCK."""
-    import queue
-    from concurrent.futures import ThreadPoolExecutor
+@dataclass
+class GpuBuild:
+    """A kernel's GPU build products from ``GpuPrebuild``: its PTX and, for a compile-only
+    build, ptxas's result (``codegen.gpu_cache.CubinBuild``)."""
+    ptx: str
+    assembled: Any = None
 
-    from codegen.gpu_cache import assemble_cached, emit_ptx_cached
 
-    arch = request.gpu_arch()
-    idle: queue.SimpleQueue = queue.SimpleQueue()
-    for worker in workers:
-        idle.put(worker)
+class GpuPrebuild:
+    """PTX (and, compile-only, ptxas) of a module's GPU kernels, built while the caller goes
+    on lowering the next ones: ``submit`` each lowered kernel, then ``results()``. Emission
+    runs in ``workers``' children on as many threads; kernels that differ only by name (and
+    their parameters') are emitted and assembled once (``gpu_cache.structure_key``), then
+    renamed. What needs llvmlite in this process (the FFI handler) is left to the caller,
+    under LLVM_LOCK. Use as a context manager (the threads are joined on exit)."""
 
-    def one(kernel: Any) -> Any:
-        worker = idle.get()
+    def __init__(self, request: PassRequest, workers: list) -> None:
+        import queue
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.request = request
+        self.arch = request.gpu_arch()
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        for worker in workers:
+            self._idle.put(worker)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(workers)),
+                                        thread_name_prefix="stitch-build")
+        self._groups: dict[str, Any] = {}                 # structure key -> Future
+        self._kernels: list[tuple[Any, Any]] = []         # (kernel, its group's Future)
+
+    def __enter__(self) -> "GpuPrebuild":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def submit(self, kernel: Any) -> None:
+        from codegen.gpu_cache import canonical_kernel, structure_key
+        key = structure_key(kernel)
+        future = self._groups.get(key)
+        if future is None:
+            future = self._groups[key] = self._pool.submit(self._build,
+                                                           canonical_kernel(kernel))
+        self._kernels.append((kernel, future))
+
+    def _build(self, canonical: Any) -> tuple[str, Any]:
+        """The canonical kernel's PTX and, compile-only, ptxas's result for it."""
+        from codegen.gpu_cache import CANONICAL_NAME, assemble_cached, emit_ptx_cached
+        worker = self._idle.get()
         try:
-            request.check_cancelled()
-            built = emit_ptx_cached(kernel, arch, cache=compile_cache(), worker=worker)
-            if request.compile_only and compile_cache() is not None:
-                assemble_cached(built.ptx, arch, cache=compile_cache(), kernel_name=kernel.name)
-            return built
-        except Exception as exc:  # noqa: BLE001 - handed back per kernel
-            return exc
+            self.request.check_cancelled()
+            built = emit_ptx_cached(canonical, self.arch, cache=compile_cache(), worker=worker)
         finally:
-            idle.put(worker)
+            self._idle.put(worker)
+        assembled = None
+        if self.request.compile_only:
+            assembled = assemble_cached(built.ptx, self.arch, cache=compile_cache(),
+                                        kernel_name=CANONICAL_NAME)
+        return built.ptx, assembled
 
-    with ThreadPoolExecutor(max_workers=max(1, len(workers)),
-                            thread_name_prefix="stitch-build") as pool:
-        return list(pool.map(one, kernels))
+    def results(self) -> list:
+        """Per submitted kernel, in order: its ``GpuBuild`` or the exception that stopped
+        its group's build."""
+        from codegen.gpu_cache import renamed_cubin_build, renamed_ptx
+        out: list[Any] = []
+        for kernel, future in self._kernels:
+            try:
+                ptx, assembled = future.result()
+            except Exception as exc:  # noqa: BLE001 - handed back per kernel
+                out.append(exc)
+                continue
+            out.append(GpuBuild(renamed_ptx(ptx, kernel.name),
+                                renamed_cubin_build(assembled, kernel.name)
+                                if assembled is not None else None))
+        log.debug("%s: %d GPU kernels, %d distinct", self.request.function,
+                  len(self._kernels), len(self._groups))
+        return out
+
+
+def _prebuild_gpu(request: PassRequest, kernels: list, workers: list) -> list:
+    """``GpuPrebuild``'s results for ``kernels`` submitted at once."""
+    with GpuPrebuild(request, workers) as prebuild:
+        for kernel in kernels:
+            prebuild.submit(kernel)
+        return prebuild.results()
 
 
 def _global_scope(schedule: Any) -> bool:
@@ -439,18 +506,22 @@ def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView,
     return jobs
 
 
-def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
-                   module: HloModule, spec: Any, evaluator: Any, placed: list,
-                   views: dict, built: dict, launching: dict, ptx_workers: list) -> None:
-    """Snap, lower and build every stitched kernel of the plan; what builds is appended to
-    ``placed``/``built``, what does not to the report's skipped kernels and fallbacks.
-    Lowering runs in plan order; on the GPU the PTX and ptxas of all kernels then run in
-    parallel (``_prebuild_gpu``); the FFI targets are made and registered in order."""
+def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
+                module: HloModule, spec: Any, evaluator: Any, views: dict,
+                submit: Callable[[Any], None] | None) -> list:
+    """The plan's placeable kernels lowered to Kernel IR, as (view, kernel, site, lowered)
+    jobs in plan order; ``submit(kernel IR)`` is called for each as soon as it is lowered."""
     from codegen import kir
     from codegen.errors import CodegenError
     from codegen.lower import lower_kernel
 
     jobs: list[tuple[ComputationView, Any, Any, Any]] = []
+
+    def add(job: tuple) -> None:
+        jobs.append(job)
+        if submit is not None:
+            submit(job[3].kernel)
+
     for gi, graph_plan in enumerate(fusion_plan.graphs):
         if not request.loop_bodies and graph_plan.graph.kind != "entry":
             report.skipped.extend((k.name, "in a loop body or branch: left to XLA on retry")
@@ -465,7 +536,8 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
         scheduled = [k for k in graph_plan.stitched.kernels if k.schedule is not None]
         snapped, left_out = snap_kernels(view, scheduled, spec)
         report.skipped.extend(left_out)
-        jobs.extend(_chain_jobs(request, report, view, gi, graph_plan, snapped))
+        for job in _chain_jobs(request, report, view, gi, graph_plan, snapped):
+            add(job)
         for k in snapped:
             try:
                 site = find_site(view, gi, k.name, k.members)
@@ -487,9 +559,35 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                 log.info("kernel %s stays with XLA: %s", k.name, exc)
                 report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
                 continue
-            jobs.append((view, k, site, lowered))
-    prebuilt = (_prebuild_gpu(request, [job[3].kernel for job in jobs], ptx_workers)
-                if request.device == "gpu" and jobs else [None] * len(jobs))
+            add((view, k, site, lowered))
+    return jobs
+
+
+def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
+                   module: HloModule, spec: Any, evaluator: Any, placed: list,
+                   views: dict, built: dict, launching: dict, ptx_workers: list) -> None:
+    """Snap, lower and build every stitched kernel of the plan; what builds is appended to
+    ``placed``/``built``, what does not to the report's skipped kernels and fallbacks.
+    Lowering runs in plan order; on the GPU each lowered kernel's PTX and ptxas start at
+    once, in parallel with the lowering of the next (``GpuPrebuild``); the FFI targets are
+    made and registered in order."""
+    from codegen.errors import CodegenError
+
+    start = time.perf_counter()
+    if request.device == "gpu":
+        with GpuPrebuild(request, ptx_workers) as prebuild:
+            jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views,
+                               prebuild.submit)
+            report.timings["lower_s"] = time.perf_counter() - start
+            mark = time.perf_counter()
+            prebuilt = prebuild.results()
+        # The PTX and ptxas left to wait for once every kernel was lowered.
+        report.timings["ptx_s"] = time.perf_counter() - mark
+    else:
+        jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views, None)
+        report.timings["lower_s"] = time.perf_counter() - start
+        prebuilt = [None] * len(jobs)
+    mark = time.perf_counter()
     request.check_cancelled()
     for (view, k, site, lowered), ptx in zip(jobs, prebuilt):
         try:
@@ -500,7 +598,9 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                                           arch=request.gpu_arch(),
                                           compile_only=request.compile_only,
                                           worker=ptx_workers[0] if ptx_workers else None,
-                                          ptx=ptx.ptx if ptx is not None else None)
+                                          ptx=ptx.ptx if ptx is not None else None,
+                                          assembled=ptx.assembled if ptx is not None
+                                          else None)
         except Cancelled:
             raise
         except (CodegenError, StitchError) as exc:
@@ -511,6 +611,7 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                                    ffi_target.name))
         built[k.name] = BuiltKernel(k.name, lowered, ffi_target)
         launching[k.name] = sum(1 for t in site.tops if view.launches(t))
+    report.timings["targets_s"] = time.perf_counter() - mark
 
 
 def compile_cache() -> Any:
@@ -528,14 +629,16 @@ _CACHE: Any = None
 
 
 def build_target(kernel: Any, device: str, *, arch: str | None = None,
-                 compile_only: bool = False, worker: Any = None, ptx: str | None = None) -> Any:
+                 compile_only: bool = False, worker: Any = None, ptx: str | None = None,
+                 assembled: Any = None) -> Any:
     """The kernel as a registered XLA FFI target for ``device`` ("cpu" | "gpu"), its object
     code or PTX through the compile cache. GPU: PTX for ``arch`` (default: the device's);
     ``compile_only`` builds a target XLA compiles against without a device (ptxas checks
     the PTX; the handler never runs, see codegen.ffi_cuda.compile_only_cuda_target).
     ``worker``: a codegen.isolation.IsolatedWorker to emit PTX in (one child for all the
     kernels of a module, instead of a fresh interpreter per kernel). ``ptx``: the kernel's
-    PTX for ``arch`` when already emitted (``_prebuild_gpu``)."""
+    PTX for ``arch`` when already emitted (``_prebuild_gpu``), ``assembled`` ptxas's result
+    for it (compile-only)."""
     if device == "cpu":
         from codegen.ffi import host_ffi_target
         target = host_ffi_target(kernel, cache=compile_cache())
@@ -546,7 +649,8 @@ def build_target(kernel: Any, device: str, *, arch: str | None = None,
         if ptx is None:
             ptx = emit_ptx_cached(kernel, arch, cache=compile_cache(), worker=worker).ptx
         if compile_only:
-            target = compile_only_cuda_target(kernel, ptx, arch, cache=compile_cache())
+            target = compile_only_cuda_target(kernel, ptx, arch, cache=compile_cache(),
+                                              assembled=assembled)
         else:
             target = cuda_ffi_target(kernel, ptx)
     else:

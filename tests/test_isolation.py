@@ -272,3 +272,28 @@ def test_ctrl_c_stops_the_caller_and_its_child(tmp_path):
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child), "the isolated child outlived its caller"
+
+
+def modules_loaded(*names: str) -> list[bool]:
+    return [name in sys.modules for name in names]
+
+
+def test_worker_started_ahead_preloads_and_serves_calls():
+    """``start`` spawns the child before the first call (its imports overlap the caller's
+    work); that child, with ``preload`` imported, serves the calls."""
+    with IsolatedWorker(preload=("codegen.nvptx",)) as worker:
+        worker.start()
+        pid = worker.pid
+        assert pid is not None and pid != os.getpid()
+        assert worker.call(modules_loaded, "codegen.nvptx", "llvmlite.binding") == [True, True]
+        assert worker.call(child_pid) == pid and worker.starts == 1
+
+
+def test_worker_started_but_unused_closes_without_waiting():
+    worker = IsolatedWorker(preload=("codegen.nvptx", "numpy"))
+    worker.start()
+    child = worker._child
+    start = time.perf_counter()
+    worker.close()
+    assert time.perf_counter() - start < 2.0
+    assert child is not None and not child.alive()

@@ -172,3 +172,37 @@ ENTRY e {
     assert module_fingerprint(first) == module_fingerprint(second)
     assert module_fingerprint(first) != module_fingerprint(other)
     assert "fingerprint_before_lhs" in first.attrs["frontend_attributes"]   # module untouched
+
+
+def test_source_digest_follows_every_source_edit(tmp_path):
+    """The version part of the keys: a digest of the code's own files, so an edit (no
+    release bump) makes earlier plans and PTX unreachable."""
+    from codegen.cache import source_digest
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "a.py").write_text("X = 1\n")
+    (package / "sub" / "b.py").write_text("Y = 2\n")
+    (package / "notes.txt").write_text("not code")
+    first = source_digest(("pkg",), tmp_path)
+    source_digest.cache_clear()
+    (package / "notes.txt").write_text("still not code")
+    assert source_digest(("pkg",), tmp_path) == first
+    source_digest.cache_clear()
+    (package / "sub" / "b.py").write_text("Y = 3\n")
+    assert source_digest(("pkg",), tmp_path) != first
+    source_digest.cache_clear()
+    (package / "sub" / "b.py").write_text("Y = 2\n")
+    (package / "sub" / "c.py").write_text("")
+    assert source_digest(("pkg",), tmp_path) != first
+
+
+def test_a_code_change_misses_the_plans_of_the_old_code(tmp_path, monkeypatch):
+    from stitch.explorer import plan_cache
+    directory = tmp_path / "plans"
+    stitch.plan(SOFTMAX, "h100", cache=PlanCache(directory))
+    assert plan_cache.code_version().startswith(stitch.__version__ + "+src.")
+    monkeypatch.setattr(plan_cache, "code_version", lambda: stitch.__version__ + "+src.edited")
+    fresh = PlanCache(directory)
+    stitch.plan(SOFTMAX, "h100", cache=fresh)
+    assert fresh.misses == 1 and fresh.disk_hits == 0
+    assert len(list(directory.glob("*.json"))) == 2

@@ -4,6 +4,8 @@ broke the old re-emission path (rng, u64 keys, opt-barrier from remat, donation,
 numpy-vs-jax signatures) just works."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -274,11 +276,15 @@ def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(mo
 
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(xla_pass, "_CACHE", None)
-    kernels = [all_float_ops_kernel("f32"), half_kernel("f16"), half_kernel("bf16")]
+    first = all_float_ops_kernel("f32")
+    kernels = [first, half_kernel("f16"), half_kernel("bf16"),
+               dataclasses.replace(first, name="another_layers_copy")]
     real_emit = gpu_cache.emit_ptx_cached
+    emitted = []
 
     def emit(kernel, arch, **kwargs):
-        if kernel.name == kernels[1].name:
+        emitted.append(kernel)
+        if gpu_cache.structure_key(kernel) == gpu_cache.structure_key(kernels[1]):
             raise CodegenError(f"injected failure for {kernel.name}")
         return real_emit(kernel, arch, **kwargs)
     monkeypatch.setattr(gpu_cache, "emit_ptx_cached", emit)
@@ -290,8 +296,15 @@ def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(mo
         for w in workers:
             w.close()
     assert isinstance(results[1], CodegenError) and "injected" in str(results[1])
-    for kernel, built in ((kernels[0], results[0]), (kernels[2], results[2])):
+    for kernel, built in ((kernels[0], results[0]), (kernels[2], results[2]),
+                          (kernels[3], results[3])):
         assert f".entry {kernel.name}(" in built.ptx
+    # The renamed copy is emitted once with the first (kernels differing only by name).
+    assert len(emitted) == 3
+    for kernel, built in ((kernels[0], results[0]), (kernels[3], results[3])):
+        assert list(built.assembled.reports) == [kernel.name]
+        assert built.assembled.cubin[:4] == b"\x7fELF"
+    assert results[3].ptx == results[0].ptx.replace(first.name, "another_layers_copy")
 
 
 def _attention(q, k, v):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import weakref
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import Shape, parse_padding, parse_slice
@@ -83,8 +83,27 @@ class PatternAnalysis:
     # "block": the row partition keeps every shared reduction in a block (warp/block
     # scopes); "global": only the global scope stitches it (``global_phases``).
     scope: str = "block"
-    # The global scope's phases where it also applies (both scopes: the schedule picks).
-    global_phases: GlobalPhases | None = None
+    # The global scope's phases where it also applies (both scopes: the schedule picks);
+    # see ``global_phases``.
+    _global_phases: GlobalPhases | None = field(default=None, repr=False)
+    # For a block-scope pattern with a reduce, the phases are found when first asked
+    # (``analyze_pattern``): only the schedules of chosen kernels ask, and the explorer
+    # analyzes thousands of patterns (perf only).
+    _phases_of: Callable[[], GlobalPhases | str] | None = field(default=None, repr=False,
+                                                                compare=False)
+
+    @property
+    def global_phases(self) -> GlobalPhases | None:
+        if self._phases_of is not None:
+            phases = self._phases_of()
+            self._phases_of = None
+            self._global_phases = None if isinstance(phases, str) else phases
+        return self._global_phases
+
+    @global_phases.setter
+    def global_phases(self, phases: GlobalPhases | None) -> None:
+        self._phases_of = None
+        self._global_phases = phases
 
 
 # Most grid barriers a global-scope kernel may have (reduction stages).
@@ -412,16 +431,17 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int], allow_global: bool =
         phases = global_phases(graph, members)
         if isinstance(phases, str):
             raise Infeasible(f"{exc}; global scope: {phases}") from None
-        analysis = PatternAnalysis(components=[members], scope="global",
-                                   global_phases=phases)
+        analysis = PatternAnalysis(components=[members], scope="global")
+        analysis.global_phases = phases
         analysis.component_of = {v: 0 for v in members}
         return analysis
     if allow_global and any(graph.nodes[v].opcode == "reduce" for v in members):
-        phases = global_phases(graph, members)
-        if not isinstance(phases, str):
-            analysis.global_phases = phases
+        analysis._phases_of = lambda: global_phases(graph, members)
     return analysis
 
+
+
+_BOUNDARY_CLASSES = (OpClass.COMPUTE, OpClass.OPAQUE, OpClass.SOURCE)
 
 
 def _analyze_block_scope(graph: OpGraph, members: list[int]) -> PatternAnalysis:
@@ -436,24 +456,32 @@ def _analyze_block_scope(graph: OpGraph, members: list[int]) -> PatternAnalysis:
     """
     members = sorted(set(members))
     member_set = set(members)
+    nodes = graph.nodes
+    # One pass (perf only): kernel boundaries raise at once, in member order; the first
+    # non-reduce reduction shared inside is raised only after them, as before.
+    # A reduce-window is computed per output element by the thread that needs it (thread
+    # composition, as XLA's loop fusions do): only reduce results are shared.
+    shared_ids: list[int] = []
+    unshareable: OpNode | None = None
     for v in members:
-        node = graph.nodes[v]
-        if node.op_class in (OpClass.COMPUTE, OpClass.OPAQUE, OpClass.SOURCE):
+        node = nodes[v]
+        op_class = node.op_class
+        if op_class in _BOUNDARY_CLASSES:
             raise KernelEnds(f"{node.name} ({node.opcode}) is a kernel boundary")
-        if node.opcode == "scatter":
+        opcode = node.opcode
+        if opcode == "scatter":
             problem = _atomic_scatter_problem(graph, v, member_set)
             if problem:
                 raise KernelEnds(problem)
-    # A reduce-window is computed per output element by the thread that needs it (thread
-    # composition, as XLA's loop fusions do): only reduce results are shared.
-    shared_ids = [v for v in members if graph.nodes[v].opcode == "reduce"
-                  and any(u in member_set for u in graph.nodes[v].users)]
-    for v in members:
-        node = graph.nodes[v]
-        if node.op_class is OpClass.REDUCTION and node.opcode not in ("reduce", "reduce-window") \
-                and any(u in member_set for u in node.users):
-            raise Infeasible(f"{node.name} ({node.opcode}) result cannot be shared inside a "
-                             "kernel")
+        if opcode == "reduce":
+            if any(u in member_set for u in node.users):
+                shared_ids.append(v)
+        elif op_class is OpClass.REDUCTION and opcode != "reduce-window" and \
+                unshareable is None and any(u in member_set for u in node.users):
+            unshareable = node
+    if unshareable is not None:
+        raise Infeasible(f"{unshareable.name} ({unshareable.opcode}) result cannot be shared "
+                         "inside a kernel")
     dropped: set[tuple[int, int]] = set()
     last_reason = ""
     row_maps: dict[int, tuple[Entry, ...]] = {}
@@ -549,47 +577,68 @@ def _rows_are_major(shape: Shape, row_dims: list[int]) -> bool:
     return order[:len(rows)] == rows
 
 
+# Per graph: (node, operand position, row dims) -> the transfer's mapping sorted by output
+# dim (stably, as the row maps are kept) with its output dims, or the RowConflict (perf only:
+# ``_propagate`` runs for every pattern scored that shares a reduction).
+_SORTED_TRANSFERS: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
+
+
 def _propagate(graph: OpGraph, members: list[int], member_set: set[int], shared: set[int],
                dropped: set[tuple[int, int]]) -> dict[int, tuple[Entry, ...]]:
+    memo = _SORTED_TRANSFERS.get(graph)
+    if memo is None:
+        memo = _SORTED_TRANSFERS[graph] = {}
+    nodes = graph.nodes
     row_maps: dict[int, tuple[Entry, ...]] = {}
+    row_dims: dict[int, tuple[int, ...]] = {}       # the dims of each row map, in order
     for v in members:
-        node = graph.nodes[v]
+        node = nodes[v]
         result: tuple[Entry, ...] | None = None
+        result_dims: tuple[int, ...] = ()
         for position, o in enumerate(node.operands):
             entries = row_maps.get(o)
             if entries is None:
                 continue
-            dims = tuple(d for d, _ in entries)
-            try:
-                mapping = _transfer_cached(graph, node, position, dims)
-            except RowConflict as conflict:
-                positions = conflict.positions
+            key = (v, position, row_dims[o])
+            got = memo.get(key)
+            if got is None:
+                try:
+                    mapping = _transfer_cached(graph, node, position, row_dims[o])
+                    ordered = sorted(mapping, key=_first)
+                    got = (ordered, tuple(d for d, _ in ordered))
+                except RowConflict as conflict:
+                    got = conflict
+                memo[key] = got
+            if isinstance(got, RowConflict):
+                positions = got.positions
                 if positions is None:
                     positions = tuple(range(len(entries)))
-                raise _Drop({lab for k in positions for lab in entries[k][1]},
-                            conflict.reason) from None
+                raise _Drop({lab for k in positions for lab in entries[k][1]}, got.reason)
+            ordered, out_dims = got
             # (A one-position entry keeps its label set as is: perf only.)
-            pairs = [(d, entries[ks[0]][1] if len(ks) == 1
-                      else frozenset().union(*(entries[k][1] for k in ks)))
-                     for d, ks in mapping]
-            pairs.sort(key=_first)
-            mapped = tuple(pairs)
+            mapped = tuple([(d, entries[ks[0]][1] if len(ks) == 1
+                             else frozenset().union(*(entries[k][1] for k in ks)))
+                            for d, ks in ordered])
             if result is None:
-                result = mapped
-            elif [d for d, _ in mapped] != [d for d, _ in result]:
-                common = {d for d, _ in mapped} & {d for d, _ in result}
+                result, result_dims = mapped, out_dims
+            elif out_dims != result_dims:
+                common = set(out_dims) & set(result_dims)
                 odd = {lab for d, labels in mapped + result if d not in common for lab in labels}
                 raise _Drop(odd, f"{node.name} joins values partitioned by different rows")
             else:
-                result = tuple((d, a | b) for (d, a), (_, b) in zip(result, mapped))
+                result = tuple([(d, a | b) for (d, a), (_, b) in zip(result, mapped)])
         if v in shared and result is None:
             out = _leaf(node.shape)
             result = tuple((k, frozenset({(v, k)})) for k in range(out.rank)
                            if (v, k) not in dropped)
         if result is not None:
             # Entries whose every coordinate was dropped no longer partition anything.
-            result = tuple((d, labels) for d, labels in result if labels - dropped)
+            if dropped:
+                result = tuple([(d, labels) for d, labels in result if labels - dropped])
+            elif not all(labels for _, labels in result):
+                result = tuple([(d, labels) for d, labels in result if labels])
             row_maps[v] = result
+            row_dims[v] = tuple([d for d, _ in result])
     return row_maps
 
 

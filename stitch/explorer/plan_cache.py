@@ -1,6 +1,7 @@
 """The plan cache: a restarted job, or a second process, skips planning.
 
-Key: sha256 over the module fingerprint (sha256 of the printed module), the stitch version,
+Key: sha256 over the module fingerprint (sha256 of the printed module), the stitch version
+(release + a digest of its planning source, ``code_version``),
 the target, the planner and its options (all ``ExplorerOptions`` fields but ``cancel``).
 Entries live in memory (the FusionPlan itself) and on disk as JSON under
 ``$STITCH_CACHE_DIR/plans/`` (default ``$XDG_CACHE_HOME/stitch/plans``): per op graph, the
@@ -58,6 +59,16 @@ def module_fingerprint(module: HloModule) -> str:
 def options_key(options: "ExplorerOptions") -> dict:
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
             if f.name != "cancel"}
+
+
+def code_version() -> str:
+    """The stitch version plans are keyed by: the release and a digest of the planning
+    code's own source files (``codegen.cache.source_digest``, computed once per process),
+    so any code change invalidates the plans an earlier version made."""
+    from codegen.cache import PLANNING_PACKAGES, source_digest
+
+    from .. import __version__
+    return f"{__version__}+src.{source_digest(PLANNING_PACKAGES)}"
 
 
 def plan_key(fingerprint: str, version: str, target: str, planner: str,

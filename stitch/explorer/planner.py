@@ -568,9 +568,9 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
 
 def _cache_key(module: HloModule, target: str, planner: str,
                options: ExplorerOptions) -> str | None:
-    from .. import __version__
+    from .plan_cache import code_version
     try:
-        return plan_key(module_fingerprint(module), __version__, target, planner, options)
+        return plan_key(module_fingerprint(module), code_version(), target, planner, options)
     except Exception as exc:  # a module the printer cannot print: plan it uncached
         log.warning("plan cache: no fingerprint for %s: %s", module.name, exc)
         return None
