@@ -13,7 +13,8 @@ STITCH_CACHE_DIR  the on-disk compile cache (codegen/cache.py)
 STITCH_GRID_SYNC  how the GPU runs global-scope kernels (grid barriers): ``off`` (default, until
                 they have run on a GPU: the pass builds the block scopes' schedule instead),
                 ``relaunch`` (one launch per phase on the stream), ``barrier`` (one persistent
-                launch, cooperative, a software grid barrier between phases)
+                launch, cooperative, a software grid barrier between phases), ``auto`` (per
+                kernel, the form the latency-evaluator models faster)
 STITCH_INJECT_FAILURE  testing aid: ``compile`` makes every stitched compile fail (the
                 fallback path), ``run`` every stitched call
 STITCH_LOG      a logging level (debug, info, warning...) for the ``stitch`` logger, printed to
@@ -71,12 +72,13 @@ class Settings:
                    verify=verify_setting(), guard=env_flag("STITCH_GUARD", True))
 
 
-GRID_SYNC_SETTINGS = ("off", "relaunch", "barrier")
+GRID_SYNC_SETTINGS = ("off", "relaunch", "barrier", "auto")
 
 
 def grid_sync_on_gpu() -> str:
     """STITCH_GRID_SYNC: how the GPU pass builds global-scope (grid barrier) kernels — "off"
-    (not at all: the block scopes' schedule) or a codegen.kir.GRID_SYNC_MODES mode."""
+    (not at all: the block scopes' schedule), a codegen.kir.GRID_SYNC_MODES mode, or "auto"
+    (per kernel, stitch.schedule.global_scope.launch_form)."""
     raw = os.environ.get("STITCH_GRID_SYNC", "off").strip().lower() or "off"
     if raw not in GRID_SYNC_SETTINGS:
         raise ConfigError(f"STITCH_GRID_SYNC={raw!r}: expected one of "

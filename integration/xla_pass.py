@@ -550,6 +550,9 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 grid_sync = grid_sync_on_gpu() if request.device == "gpu" else "barrier"
                 if _global_scope(schedule) and grid_sync == "off":
                     schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
+                elif _global_scope(schedule) and grid_sync == "auto":
+                    from stitch.schedule.global_scope import launch_form
+                    grid_sync = launch_form(schedule)
                 with LLVM_LOCK:
                     lowered = lower_kernel(graph_plan.graph, evaluator, schedule, k.name)
                 if grid_sync == "relaunch" and kir.has_grid_barrier(lowered.kernel):

@@ -139,7 +139,7 @@ from hlo_passes.evaluator.interpreter import Evaluator  # noqa: E402
 from hlo_passes.graph import build_op_graphs  # noqa: E402
 from stitch.cost.gpu_specs import get_spec  # noqa: E402
 from stitch.explorer.feasibility import analyze_pattern, infeasible_reason  # noqa: E402
-from stitch.schedule import schedule_kernel  # noqa: E402
+from stitch.schedule import ScheduleError, schedule_kernel  # noqa: E402
 
 HEAD = """HloModule m
 add { a = f32[] parameter(0)  b = f32[] parameter(1)  ROOT s = f32[] add(a, b) }
@@ -556,3 +556,37 @@ def test_out_of_bounds_scratch_access_is_named():
     assert xla.call(target.address, [], [np.zeros(64, np.float32)]) is not None
     (text, _, _), = xla.errors
     assert "out-of-bounds access parts[4] (size 4) in block 1" in text
+
+
+def test_launch_form_follows_the_modeled_times():
+    """launch_form picks the relaunch form exactly where the chain of launches is modeled
+    faster than the persistent kernel; a block-scope schedule is refused."""
+    import dataclasses
+
+    from stitch.schedule.global_scope import launch_form
+    seen = set()
+    for body in (NORMALIZE, LOSS, _column_stats(4096, 768), _column_stats(777, 40)):
+        module, graph, members = _graph(body)
+        members = [v for v in members if graph.nodes[v].opcode != "tuple"]
+        for target in ("v100", "a100", "h100"):
+            try:
+                schedule = schedule_kernel(graph, members, get_spec(target),
+                                           force={"scope": "global"})
+            except ScheduleError:       # no global schedule launches for this one
+                continue
+            scope = schedule.parts[0].scope
+            want = "relaunch" if scope.chain_us < schedule.modeled_us else "barrier"
+            assert launch_form(schedule) == want
+            seen.add(want)
+            # Slower launches make the chain lose; free ones make it win.
+            slow = dataclasses.replace(scope, chain_us=schedule.modeled_us * 2)
+            fast = dataclasses.replace(scope, chain_us=schedule.modeled_us / 2)
+            for s_, form in ((slow, "barrier"), (fast, "relaunch")):
+                part = dataclasses.replace(schedule.parts[0], scope=s_)
+                assert launch_form(dataclasses.replace(schedule, parts=[part])) == form
+    assert seen, "no global schedule built"
+    module, graph, members = _graph(_column_stats(4096, 768))   # block-stitchable too
+    members = [v for v in members if graph.nodes[v].opcode != "tuple"]
+    block = schedule_kernel(graph, members, get_spec("h100"), force={"scope": "block"})
+    with pytest.raises(ValueError):
+        launch_form(block)

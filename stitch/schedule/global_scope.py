@@ -21,7 +21,8 @@ its grid no larger than the blocks that can be resident at once (the occupancy c
 The latency-evaluator models each phase as a part (``latency.part_cycles``) on the resident
 grid, plus ``latency.grid_barrier_cycles`` per barrier; the alternative — the same phases as
 a chain of kernels, a launch instead of a barrier and no residency limit — is modeled too
-(``GlobalScope.chain_us``; lowering generates the persistent form only).
+(``GlobalScope.chain_us``); codegen generates both (``kir.Kernel.grid_sync``), and
+``launch_form(schedule)`` says which the model prefers.
 """
 from __future__ import annotations
 
@@ -79,6 +80,16 @@ class _Phase:
     nbytes: float = 0.0
     items: int = 0              # block-combined work items (reduction phases)
     fold_loads: float = 0.0     # per thread: partials it folds itself
+
+
+def launch_form(schedule: KernelSchedule) -> str:
+    """"relaunch" where the same phases as a chain of launches (``chain_us``) are modeled
+    faster than the persistent kernel with its grid barriers, else "barrier" (the
+    ``codegen.kir.GRID_SYNC_MODES`` of a global-scope schedule)."""
+    scope = next((p.scope for p in schedule.parts if p.kind == "global"), None)
+    if scope is None:
+        raise ValueError("not a global-scope schedule")
+    return "relaunch" if scope.chain_us < schedule.modeled_us else "barrier"
 
 
 def _elements(graph: OpGraph, v: int) -> int:

@@ -373,3 +373,20 @@ def test_grid_barrier_kernels_relaunched_per_phase(h100_mesh, monkeypatch):
         assert kernel.lowered.kernel.grid_sync == "relaunch"
         assert kir.launches(kernel.lowered.kernel) >= 2
         assert ".maxnreg" not in kernel.target.ptx
+
+
+def test_grid_barrier_kernels_take_the_modeled_faster_form(h100_mesh, monkeypatch):
+    """STITCH_GRID_SYNC=auto: each global-scope kernel is built in the launch form the
+    latency-evaluator models faster (stitch.schedule.global_scope.launch_form)."""
+    from codegen import kir
+    from stitch.schedule.global_scope import launch_form
+    monkeypatch.setenv("STITCH_GRID_SYNC", "auto")
+    result = _normalize_on_h100(h100_mesh)
+    report = result.report
+    planned = {k.name: k.schedule for g in report.plan.graphs for k in g.stitched.kernels
+               if k.schedule is not None and any(p.kind == "global" for p in k.schedule.parts)}
+    built = [k for k in report.kernels if kir.has_grid_barrier(k.lowered.kernel)]
+    assert built, report.summary()
+    check_assembled(result)
+    for kernel in built:
+        assert kernel.lowered.kernel.grid_sync == launch_form(planned[kernel.name])
