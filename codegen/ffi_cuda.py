@@ -155,8 +155,24 @@ def emit_cuda_handler_ir(kernel: kir.Kernel, name: str, functions: Sequence[Load
                                           dynamic_shared_bytes)]
     cooperative = _cooperative(kernel)
     launch = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
-    # A "relaunch" kernel runs one phase per launch, in stream order (kir.launches).
-    for n in range(kir.launches(kernel)):
+    # A "relaunch" kernel runs one phase per launch, in stream order (kir.launches); its
+    # phase counter lives on the device. A sequence cut short by a failed launch leaves that
+    # counter at an unknown phase, so every later call fails instead of computing the
+    # wrong phases (never silently wrong numbers).
+    launches = kir.launches(kernel)
+    broken = None
+    if launches > 1:
+        broken = ir.GlobalVariable(module, I32, f"{name}_sequence_broken")
+        broken.linkage = "internal"
+        broken.initializer = ir.Constant(I32, 0)
+        with b.if_then(b.icmp_unsigned("!=", b.load(broken), ir.Constant(I32, 0)),
+                       likely=False):
+            with b.if_then(switch, likely=False):
+                b.call(driver("cuCtxPopCurrent_v2", _CTX_POP_TYPE), [h.alloca(PTR, "popped")])
+            h.fail(ERR_INTERNAL, f"an earlier call's launch sequence ({launches} launches, one "
+                   "per phase) failed part-way, so the kernel's phase counter is unknown; "
+                   "this kernel cannot run again in this process")
+    for n in range(launches):
         if cooperative:     # every block resident at once, or the launch fails (never hangs)
             result = b.call(driver(launch, _COOPERATIVE_LAUNCH_TYPE),
                             [function, *dims, stream, params])
@@ -165,11 +181,12 @@ def emit_cuda_handler_ir(kernel: kir.Kernel, name: str, functions: Sequence[Load
                             [function, *dims, stream, params, h.null])
         with b.if_then(b.icmp_signed("!=", result, ir.Constant(I32, CUDA_SUCCESS)),
                        likely=False):
+            if broken is not None:
+                b.store(ir.Constant(I32, 1), broken)
             with b.if_then(switch, likely=False):
                 b.call(driver("cuCtxPopCurrent_v2", _CTX_POP_TYPE), [h.alloca(PTR, "popped")])
             fail_cu(f"{launch}(grid {kernel.grid}, block {kernel.block})"
-                    + (f", launch {n + 1} of {kir.launches(kernel)}"
-                       if kir.launches(kernel) > 1 else ""), result)
+                    + (f", launch {n + 1} of {launches}" if launches > 1 else ""), result)
 
     with b.if_then(switch, likely=False):
         b.call(driver("cuCtxPopCurrent_v2", _CTX_POP_TYPE), [h.alloca(PTR, "popped")])

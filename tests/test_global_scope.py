@@ -382,6 +382,11 @@ def test_cuda_handler_relaunches_a_relaunch_kernel_once_per_phase():
     xla = FakeXla()
     assert xla.call(address, inputs, outputs) is not None
     assert "launch 1 of 3" in xla.errors[0][0] and len(driver.launches) == 4
+    # The device's phase counter is now unknown: later calls fail without launching.
+    driver.launch_result = 0
+    xla = FakeXla()
+    assert xla.call(address, inputs, outputs) is not None
+    assert "phase counter is unknown" in xla.errors[0][0] and len(driver.launches) == 4
     del engine
 
 
