@@ -153,6 +153,11 @@ def emit_cuda_handler_ir(kernel: kir.Kernel, name: str, functions: Sequence[Load
         b.store(slot, element(b, params, PTR, i))
     dims = [ir.Constant(I32, v) for v in (kernel.grid, 1, 1, kernel.block, 1, 1,
                                           dynamic_shared_bytes)]
+    def pop_context() -> None:
+        """Undo the push above, if it happened (before every return)."""
+        with b.if_then(switch, likely=False):
+            b.call(driver("cuCtxPopCurrent_v2", _CTX_POP_TYPE), [h.alloca(PTR, "popped")])
+
     cooperative = _cooperative(kernel)
     launch = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
     # A "relaunch" kernel runs one phase per launch, in stream order (kir.launches); its
@@ -167,8 +172,7 @@ def emit_cuda_handler_ir(kernel: kir.Kernel, name: str, functions: Sequence[Load
         broken.initializer = ir.Constant(I32, 0)
         with b.if_then(b.icmp_unsigned("!=", b.load(broken), ir.Constant(I32, 0)),
                        likely=False):
-            with b.if_then(switch, likely=False):
-                b.call(driver("cuCtxPopCurrent_v2", _CTX_POP_TYPE), [h.alloca(PTR, "popped")])
+            pop_context()
             h.fail(ERR_INTERNAL, f"an earlier call's launch sequence ({launches} launches, one "
                    "per phase) failed part-way, so the kernel's phase counter is unknown; "
                    "this kernel cannot run again in this process")
@@ -183,13 +187,11 @@ def emit_cuda_handler_ir(kernel: kir.Kernel, name: str, functions: Sequence[Load
                        likely=False):
             if broken is not None:
                 b.store(ir.Constant(I32, 1), broken)
-            with b.if_then(switch, likely=False):
-                b.call(driver("cuCtxPopCurrent_v2", _CTX_POP_TYPE), [h.alloca(PTR, "popped")])
+            pop_context()
             fail_cu(f"{launch}(grid {kernel.grid}, block {kernel.block})"
                     + (f", launch {n + 1} of {launches}" if launches > 1 else ""), result)
 
-    with b.if_then(switch, likely=False):
-        b.call(driver("cuCtxPopCurrent_v2", _CTX_POP_TYPE), [h.alloca(PTR, "popped")])
+    pop_context()
     b.ret(h.null)
     return str(module)
 

@@ -514,8 +514,12 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     from codegen import kir
     from codegen.errors import CodegenError
     from codegen.lower import lower_kernel
+    from stitch.schedule.global_scope import launch_form
 
     jobs: list[tuple[ComputationView, Any, Any, Any]] = []
+    # How global-scope kernels run: read once per pass (a bad STITCH_GRID_SYNC fails the
+    # pass with its ConfigError, not every kernel with a copy of it).
+    grid_sync_setting = grid_sync_on_gpu() if request.device == "gpu" else "barrier"
 
     def add(job: tuple) -> None:
         jobs.append(job)
@@ -547,11 +551,10 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             request.check_cancelled()
             try:
                 schedule = k.schedule
-                grid_sync = grid_sync_on_gpu() if request.device == "gpu" else "barrier"
+                grid_sync = grid_sync_setting
                 if _global_scope(schedule) and grid_sync == "off":
                     schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
                 elif _global_scope(schedule) and grid_sync == "auto":
-                    from stitch.schedule.global_scope import launch_form
                     grid_sync = launch_form(schedule)
                 with LLVM_LOCK:
                     lowered = lower_kernel(graph_plan.graph, evaluator, schedule, k.name)
