@@ -46,9 +46,64 @@ def stitch_version() -> str:
 
 
 def kernel_ir_text(kernel: kir.Kernel) -> str:
-    """The Kernel IR as text for keys: the frozen dataclasses' repr, complete by construction
-    (``printer.format_kernel`` is written for people, not for identity)."""
-    return repr(kernel)
+    """The Kernel IR as text for keys, complete by construction (``printer.format_kernel``
+    is written for people, not for identity): every dataclass field, in order, strings and
+    numbers as their repr. Expressions are DAGs (the dataclasses' own repr writes every
+    path: exponential in the sharing), so each structurally distinct expression is defined
+    once, ``@n=Type(field=...)`` with its operands as ``@k``, and used as ``@n``: the text
+    depends on the structure only, not on which equal subexpressions share an object."""
+    numbers: dict[tuple, int] = {}        # an expression's flat key -> its number
+    by_object: dict[int, int] = {}        # id -> number (the kernel keeps objects alive)
+    definitions: list[str] = []
+
+    def number(e: kir.Expr) -> int:
+        got = by_object.get(id(e))
+        if got is not None:
+            return got
+        fields = []
+        for f in dataclasses.fields(e):
+            value = getattr(e, f.name)
+            fields.append(f"{f.name}=@{number(value)}" if isinstance(value, kir.Expr)
+                          else f"{f.name}={value!r}")
+        key = (type(e).__name__, *fields)
+        got = numbers.get(key)
+        if got is None:
+            got = numbers[key] = len(numbers)
+            definitions.append(f"@{got}={key[0]}({','.join(fields)})")
+        by_object[id(e)] = got
+        return got
+
+    out: list[str] = []
+
+    def write(obj: object) -> None:
+        if isinstance(obj, kir.Expr):
+            out.append(f"@{number(obj)}")
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            out.append(type(obj).__name__ + "(")
+            for f in dataclasses.fields(obj):
+                out.append(f.name + "=")
+                write(getattr(obj, f.name))
+                out.append(",")
+            out.append(")")
+        elif isinstance(obj, (list, tuple)):
+            out.append("[" if isinstance(obj, list) else "(")
+            for item in obj:
+                write(item)
+                out.append(",")
+            out.append("]" if isinstance(obj, list) else ")")
+        elif isinstance(obj, dict):
+            out.append("{")
+            for key, value in obj.items():
+                write(key)
+                out.append(":")
+                write(value)
+                out.append(",")
+            out.append("}")
+        else:
+            out.append(repr(obj))
+
+    write(kernel)
+    return "\n".join(definitions) + "\n" + "".join(out)
 
 
 def libdevice_identity(libdevice: str | Path | None = None) -> str:

@@ -115,6 +115,37 @@ class Expr:
     """Base of all expressions; every subclass has a `dtype` (a value dtype)."""
     dtype: str
 
+    def __getstate__(self) -> dict:
+        # A memoized hash (``_cached_hash``) is not carried to another process: str hashes
+        # differ between interpreters (PYTHONHASHSEED).
+        state = dict(self.__dict__)
+        for memo in _EXPR_MEMOS:
+            state.pop(memo, None)
+        return state
+
+
+# Per-object memos kept in an expression's __dict__ (not fields: equality, repr and keys
+# ignore them): its hash, the variables it reads, whether it reads the thread index.
+_EXPR_MEMOS = ("_hash", "_refs", "_thread")
+
+
+def _cached_hash(cls: type) -> type:
+    """Memoize a frozen expression dataclass's hash per object. Lowered expressions are DAGs
+    (one index expression feeds many loads, a concatenate's arms share theirs): the
+    generated hash walks every path, exponential in the sharing; lowering keys its value
+    memo by index expressions (a transformer step's kernels spent minutes hashing)."""
+    fields_hash = cls.__hash__
+
+    def __hash__(self: Expr) -> int:
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = fields_hash(self)
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    cls.__hash__ = __hash__
+    return cls
+
 
 @dataclass(frozen=True)
 class Const(Expr):
@@ -155,6 +186,7 @@ class GridDim(Expr):
     dtype: str = field(default="i32", init=False)
 
 
+@_cached_hash
 @dataclass(frozen=True)
 class Load(Expr):
     """buffer[index]. `buffer` may be given as the Param/Shared itself (dtype follows) or
@@ -173,6 +205,7 @@ class Load(Expr):
             object.__setattr__(self, "dtype", value_dtype(self.dtype))
 
 
+@_cached_hash
 @dataclass(frozen=True)
 class Binary(Expr):
     op: str
@@ -186,6 +219,7 @@ class Binary(Expr):
         object.__setattr__(self, "dtype", self.a.dtype)
 
 
+@_cached_hash
 @dataclass(frozen=True)
 class Compare(Expr):
     """Floats: ordered compares except `ne`, which is unordered (NaN != NaN is true)."""
@@ -199,6 +233,7 @@ class Compare(Expr):
             raise CodegenError(f"unknown compare op {self.op!r}")
 
 
+@_cached_hash
 @dataclass(frozen=True)
 class Unary(Expr):
     op: str
@@ -211,6 +246,7 @@ class Unary(Expr):
         object.__setattr__(self, "dtype", "i1" if self.op == "is_finite" else self.a.dtype)
 
 
+@_cached_hash
 @dataclass(frozen=True)
 class Select(Expr):
     """cond ? a : b (both sides are evaluated: never guard a Load with it)."""
@@ -223,6 +259,7 @@ class Select(Expr):
         object.__setattr__(self, "dtype", self.a.dtype)
 
 
+@_cached_hash
 @dataclass(frozen=True)
 class Convert(Expr):
     """float->int truncates toward zero (saturating, NaN -> 0); x->i1 is x != 0."""
@@ -472,6 +509,29 @@ def sub_exprs(e: Expr) -> tuple[Expr, ...]:
     return ()
 
 
+def expr_refs(e: Expr) -> frozenset[tuple[str, str]]:
+    """(name, dtype) of every variable ``e`` reads; memoized per expression object (they
+    are DAGs, shared between statements)."""
+    got = e.__dict__.get("_refs")
+    if got is None:
+        if isinstance(e, Ref):
+            got = frozenset(((e.name, e.dtype),))
+        else:
+            subs = sub_exprs(e)
+            got = frozenset().union(*map(expr_refs, subs)) if subs else frozenset()
+        object.__setattr__(e, "_refs", got)
+    return got
+
+
+def reads_thread_idx(e: Expr) -> bool:
+    """Whether ``e`` reads ``ThreadIdx`` (memoized per expression object)."""
+    got = e.__dict__.get("_thread")
+    if got is None:
+        got = isinstance(e, ThreadIdx) or any(map(reads_thread_idx, sub_exprs(e)))
+        object.__setattr__(e, "_thread", got)
+    return got
+
+
 # ---------------------------------------------------------------- kernel
 
 
@@ -570,8 +630,7 @@ class _Checker:
         self.varying_locals: set[int] = set()
         self.changed = False
         self.final = False
-        self._depth = 0                          # _expr's recursion depth
-        self._seen: dict[int, bool] = {}         # id -> varying, within one top-level expr
+        self._checked: dict[int, Expr] = {}      # expressions whose scope-free checks passed
 
     def fail(self, where: str, msg: str) -> None:
         raise CodegenError(f"kernel {self.k.name!r}: {where}: {msg}")
@@ -632,45 +691,49 @@ class _Checker:
     # ------------------------------------------------------------ expressions
 
     def _expr(self, e: Expr, scopes: list[dict[str, _Var]], where: str) -> bool:
-        """Type-check `e`; return whether its value may differ between threads.
+        """Type-check `e`; return whether its value may differ between threads: it reads
+        the thread index or a varying variable.
 
-        Lowered expressions are DAGs (a guarded concatenate reuses its index expression in
-        every arm): a subexpression object met again within one top-level expression is
-        not walked again (perf only; nothing a walk depends on changes inside one)."""
-        if self._depth == 0:
-            self._seen = {}
-        key = id(e)
-        got = self._seen.get(key)
-        if got is not None:
-            return got
-        self._depth += 1
-        try:
-            varying = self._expr_uncached(e, scopes, where)
-        finally:
-            self._depth -= 1
-        self._seen[key] = varying
+        The checks that need no scope (dtypes, constants, buffers) run once per expression
+        object in the whole validation: lowered expressions are DAGs shared between
+        statements, and the body is walked until the varying set settles. The variables it
+        reads are looked up where it is used."""
+        self._check_structure(e, where)
+        varying = reads_thread_idx(e)
+        for name, dtype in sorted(expr_refs(e)):
+            var = self._lookup(scopes, name)
+            if var is None:
+                self.fail(where, f"undefined variable {name!r}")
+            if var.dtype != dtype:
+                self.fail(where, f"Ref({name}) has dtype {dtype}, variable is {var.dtype}")
+            varying = varying or var.varying
         return varying
 
-    def _expr_uncached(self, e: Expr, scopes: list[dict[str, _Var]], where: str) -> bool:
-        if not isinstance(e, Expr):
-            self.fail(where, f"{e!r} is not an expression")
+    def _check_structure(self, e: Expr, where: str) -> None:
+        stack = [e]
+        while stack:
+            x = stack.pop()
+            if id(x) in self._checked:
+                continue
+            if not isinstance(x, Expr):
+                self.fail(where, f"{x!r} is not an expression")
+            subs = sub_exprs(x)
+            for sub in subs:
+                if not isinstance(sub, Expr):
+                    self.fail(where, f"{sub!r} is not an expression")
+            self._check_node(x, where)
+            self._checked[id(x)] = x        # kept alive: ids stay unique
+            stack.extend(subs)
+
+    def _check_node(self, e: Expr, where: str) -> None:
+        """The scope-free checks of one expression node (its operands are expressions)."""
         if e.dtype not in VALUE_DTYPES:
             self.fail(where, f"{type(e).__name__} has non-value dtype {e.dtype!r}")
         if isinstance(e, Const):
             self._const(e, where)
-            return False
-        if isinstance(e, Ref):
-            var = self._lookup(scopes, e.name)
-            if var is None:
-                self.fail(where, f"undefined variable {e.name!r}")
-            if var.dtype != e.dtype:
-                self.fail(where, f"Ref({e.name}) has dtype {e.dtype}, variable is {var.dtype}")
-            return var.varying
-        if isinstance(e, ThreadIdx):
-            return True
-        if isinstance(e, (BlockIdx, BlockDim, GridDim)):
-            return False
-        varying = [self._expr(s, scopes, where) for s in sub_exprs(e)]
+            return
+        if isinstance(e, (Ref, ThreadIdx, BlockIdx, BlockDim, GridDim)):
+            return
         if isinstance(e, Load):
             buf = self.buffers.get(e.buffer)
             if buf is None:
@@ -694,7 +757,6 @@ class _Checker:
                 self.fail(where, f"Select branches {e.a.dtype} vs {e.b.dtype}")
         elif not isinstance(e, Convert):
             self.fail(where, f"unknown expression {type(e).__name__}")
-        return any(varying)
 
     def _const(self, e: Const, where: str) -> None:
         v = e.value

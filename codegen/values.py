@@ -203,18 +203,9 @@ def _all(conds: list[Expr]) -> Expr:
 
 
 def _names(e: Expr, out: set[str]) -> set[str]:
-    """Names of the variables ``e`` reads. Index expressions are DAGs: each subexpression
-    object is visited once (perf only)."""
-    seen: set[int] = set()
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        if id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, kir.Ref):
-            out.add(x.name)
-        stack.extend(kir.sub_exprs(x))
+    """Names of the variables ``e`` reads (``kir.expr_refs``: memoized per expression
+    object, index expressions being DAGs shared by many values)."""
+    out.update(name for name, _ in kir.expr_refs(e))
     return out
 
 
