@@ -12,6 +12,10 @@ Per part of the schedule (kernel packing: a part owns a range of the grid's bloc
   computed by the warp's lanes;
 - *block composition*, minor rows: one row per block; warp results go through shared
   memory (partials, a barrier, every thread combines them), then the same as a warp;
+- a *split row reduction* (XLA GPU's reduce over b of [rows, a, b], then over a, both with
+  the same combiner and identity inits, the partials read by nothing else) is lowered as
+  one reduction over the row's a*b elements: the warp's or block's threads stride over
+  them (consecutive threads, consecutive elements), not one serial partial per thread;
 - column rows (rows strided in memory, e.g. a reduction over dim 0): lanes own
   consecutive rows, so loads are coalesced across the warp. A warp gives each thread a row
   of its own (no collectives); a block owns 32 rows (column tiling): lane l works on row
@@ -45,7 +49,7 @@ import numpy as np
 from hlo_passes.evaluator.dtypes import numpy_dtype
 from hlo_passes.evaluator.interpreter import Evaluator
 from hlo_passes.graph import OpGraph, OpNode
-from hlo_passes.ir import HloModule
+from hlo_passes.ir import HloModule, Shape
 from hlo_passes.literals import literal_to_numpy
 from hlo_passes.op_classes import OpClass
 from hlo_passes.scatter_forms import (gather_index_map, known_index_values, scatter_batch_dims,
@@ -235,6 +239,22 @@ def _constant_scalar(node: OpNode) -> object | None:
     shape = leaf(node.shape)
     item = _literal(node).reshape(()).item()
     return bool(item) if shape.element_type == "pred" else item
+
+
+def _identity(kind: str, element_type: str) -> object:
+    """The init that leaves a value unchanged under reducer ``kind`` (None: none known)."""
+    dtype = numpy_dtype(element_type)
+    if kind == "add":
+        return 0
+    if kind == "multiply":
+        return 1
+    if kind in ("maximum", "minimum"):
+        if dtype.kind == "f":
+            return -math.inf if kind == "maximum" else math.inf
+        if dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            return int(info.min if kind == "maximum" else info.max)
+    return None
 
 
 class _KernelBuilder:
@@ -580,15 +600,14 @@ class _KernelBuilder:
         """This thread's share of row ``rowc`` (elements first, first + step, ...), then
         the unit's threads combine their shares."""
         op = em.reducer(node)
-        src = leaf(self.graph.nodes[node.operands[0]].shape)
-        split = _Split("dims", rows, src.num_elements // rows,
-                       _kept_dims(node, src.rank))
+        source, src, row_dims = self._split_row_source(node)
+        split = _Split("dims", rows, src.num_elements // rows, row_dims)
         init = em.value(node.operands[1], ())
         acc = em.fresh("acc")
         em.emit(kir.Local(acc, init.dtype, init))
         var = em.fresh("k")
         em.push(var)
-        x = em.value(node.operands[0], split.index(rowc, kir.Ref(var, "i32"), src.dims))
+        x = em.value(source, split.index(rowc, kir.Ref(var, "i32"), src.dims))
         em.emit(kir.Assign(acc, kir.Binary(op, kir.Ref(acc, init.dtype), x)))
         loop = em.pop()
         em.emit(kir.For(var, unit.first, _c(split.per_row), _c(unit.step), loop))
@@ -600,6 +619,54 @@ class _KernelBuilder:
         if unit.slots > 1:
             total = self._combine_shared(em, unit, total, op)
         return em.let(f"row_{node.name}", total)
+
+    def _split_row_source(self, node: OpNode) -> tuple[int, Shape, tuple[int, ...]]:
+        """What a unit reduction walks: (value, its shape, its dims that index the row).
+        A split row reduction (XLA GPU's [rows, a*b] -> bitcast [rows, a, b] -> reduce b ->
+        reduce a) is walked as ONE row of a*b elements of the first level's input, so the
+        unit's threads stride over consecutive elements (coalesced, as the schedule's
+        latency model assumes) instead of each thread reducing b consecutive elements
+        serially (stride b between neighbouring threads). Levels merge while
+        ``_merges_into`` holds; otherwise the reduction walks its own operand."""
+        graph = self.graph
+        source = node.operands[0]
+        src = leaf(graph.nodes[source].shape)
+        row_dims = _kept_dims(node, src.rank)
+        reader = node
+        while self._merges_into(graph.nodes[source], reader, node):
+            inner = reader = graph.nodes[source]
+            source = inner.operands[0]
+            src = leaf(graph.nodes[source].shape)
+            inner_kept = _kept_dims(inner, src.rank)   # inner's result dim d is src dim kept[d]
+            row_dims = tuple(inner_kept[d] for d in row_dims)
+        return source, src, row_dims
+
+    def _merges_into(self, inner: OpNode, reader: OpNode, outer: OpNode) -> bool:
+        """Whether reduction ``inner`` can be folded into the unit reduction ``outer`` that
+        reads it through ``reader`` (``outer`` itself or a level already merged into it).
+        Needs: computed here, read by ``reader`` alone (as the reduced operand) and not
+        written — a partial with other readers keeps the per-partial lowering, since they
+        would recompute it serially anyway and merging would read the row twice; the same
+        associative, commutative combiner (add/multiply/max/min, XLA GPU's widened bf16
+        ones included); an init that leaves a partial unchanged (the identity, or for
+        max/min the outer init: they are idempotent). Then reducing all its inputs at once
+        gives the same value up to the order of the float operations (the order XLA's
+        split already changed)."""
+        if inner.opcode != "reduce" or len(inner.operands) != 2 or \
+                inner.id not in self.computed or inner.id in self.outputs or \
+                set(inner.users) != {reader.id} or reader.operands[1] == inner.id:
+            return False
+        kind = self.reducer_kind(outer)
+        if kind not in _WARP_REDUCERS or self.reducer_kind(inner) != kind:
+            return False
+        init = _constant_scalar(self.graph.nodes[inner.operands[1]])
+        if init is None:
+            return False
+        element = leaf(inner.shape).element_type
+        if init == _identity(kind, element):
+            return True
+        return kind in ("maximum", "minimum") and \
+            init == _constant_scalar(self.graph.nodes[outer.operands[1]])
 
     def _combine_shared(self, em: ValueEmitter, unit: "_Unit", value: kir.Expr, op: str
                         ) -> kir.Expr:
