@@ -261,3 +261,121 @@ def test_split_row_kernels_assemble_without_spills(arch):
             info = assemble(ptx, arch)
             assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info
             assert "shfl.sync" in ptx
+
+
+# ------------------------------------------------- the row-layout proof on compact ids
+# At full size the zoo's cross-entropy logits (f32[4096, 32000]) are too large for the
+# proof's full index arrays: their ids are kept compact (codegen/compact_rows.py). Here the
+# threshold is lowered to 0, so small kernels are proved the compact way too: the proof
+# must agree with the full one wherever it proves a layout, and the kernels must run right.
+
+def _layouts(graph, module, schedule):
+    from codegen.lower import _KernelBuilder
+    builder = _KernelBuilder(graph, Evaluator(module), schedule, "k", in_place=True)
+    return [builder._row_layout(p) if p.kind == "row" and p.unit in ("warp", "block")
+            else None for p in schedule.parts]
+
+
+def _same_layout(a, b) -> bool:
+    return a.reductions == b.reductions and a.splits == b.splits and a.per_row == b.per_row
+
+
+def _compare_proofs(monkeypatch, graph, module, schedule) -> tuple[int, int]:
+    """(layouts both proofs found, layouts only the full proof found)."""
+    import codegen.lower as lower
+    full = _layouts(graph, module, schedule)
+    with monkeypatch.context() as m:
+        m.setattr(lower, "FULL_IDS_ELEMENTS", 0)
+        compact = _layouts(graph, module, schedule)
+    agreed = only_full = 0
+    for f, c in zip(full, compact):
+        if f is None:
+            continue
+        if not isinstance(c, str):
+            # Never a layout the full proof refuses, never a different one.
+            assert not isinstance(f, str), f"compact proof accepts what the full one " \
+                                           f"refuses: {f}"
+            assert _same_layout(f, c), (f, c)
+            agreed += 1
+        elif not isinstance(f, str):
+            only_full += 1
+    return agreed, only_full
+
+
+@pytest.mark.parametrize("unit", ["block", "warp"])
+@pytest.mark.parametrize("text", [_softmax("f32"), _softmax("bf16"), _split_reduce("f32", "max"),
+                                  _split_reduce("bf16", "add", write_partials=True)],
+                         ids=["softmax", "softmax-bf16", "max", "written-partials"])
+def test_compact_proof_lowers_split_kernels_right(monkeypatch, text, unit):
+    import codegen.lower as lower
+    module, graph, members = _graph(text)
+    schedule = schedule_kernel(graph, members, get_spec("h100"), force={"unit": unit})
+    assert _compare_proofs(monkeypatch, graph, module, schedule) == (1, 0)
+    monkeypatch.setattr(lower, "FULL_IDS_ELEMENTS", 0)
+    lowered = lower_kernel(graph, Evaluator(module), schedule, "compact")
+    assert lowered.schemes == [unit], lowered.notes
+    bf16 = "bf16" in text.split("ENTRY")[1]
+    _run_and_compare(module, graph, members, lowered, BF16_TOL if bf16 else F32_TOL)
+
+
+ZOO_TINY = ["log_softmax_xent_train", "log_softmax_xent_train_bf16", "layer_norm",
+            "softmax", "layer_norm_nonminor", "column_reduce_broadcast", "bert_layer_train",
+            "transformer_train_bf16", "dien_train"]
+
+
+@pytest.mark.parametrize("model", ZOO_TINY)
+def test_compact_proof_agrees_with_the_full_one_on_zoo_kernels(monkeypatch, model):
+    """Every warp/block part of the tiny zoo plans (h100), each forced unit: where the
+    compact proof finds a layout it is the full proof's; the compacted kernels run right
+    on the host target."""
+    import stitch
+    import codegen.lower as lower
+    from stitch.schedule import ScheduleError
+    from tests.fixtures import zoo_fixture
+    module = parse_hlo(zoo_fixture(model, "tiny", "pre").read_text())
+    plan = stitch.plan(module, "h100")
+    rng = np.random.default_rng()
+    agreed = only_full = 0
+    for g in plan.graphs:
+        for k in g.stitched.kernels:
+            if k.schedule is None or not any(g.graph.nodes[v].opcode == "reduce"
+                                             for v in k.members):
+                continue
+            for unit in ("block", "warp"):
+                try:
+                    forced = schedule_kernel(g.graph, k.members, get_spec("h100"),
+                                             force={"unit": unit})
+                except ScheduleError:
+                    continue
+                a, b = _compare_proofs(monkeypatch, g.graph, module, forced)
+                agreed, only_full = agreed + a, only_full + b
+                if not a:
+                    continue
+                with monkeypatch.context() as m:
+                    m.setattr(lower, "FULL_IDS_ELEMENTS", 0)
+                    # In place: a kernel ending in an embedding gradient's scatter-add.
+                    lowered = lower_kernel(g.graph, Evaluator(module), forced, "c",
+                                           in_place=True)
+                inputs = {}
+                for v in lowered.inputs:
+                    shape = leaf(g.graph.nodes[v].shape)
+                    dtype = numpy_dtype(shape.element_type)
+                    inputs[v] = (rng.standard_normal(shape.dims) if dtype.kind == "f" else
+                                 rng.integers(0, 4, shape.dims)).astype(dtype)
+                want = reference_values(g.graph, Evaluator(module), sorted(k.members), inputs)
+                got = run_on_host(lowered, g.graph, inputs, poison=True, opt=0)
+                for v, out in got.items():
+                    ref = np.asarray(want[v], np.float64)
+                    val = np.asarray(out, np.float64)
+                    # Random inputs reach log(0) or rsqrt(-x): non-finite results must match.
+                    odd = ~np.isfinite(ref)
+                    assert np.array_equal(val[odd], ref[odd], equal_nan=True), \
+                        g.graph.nodes[v].name
+                    assert np.isfinite(val[~odd]).all(), g.graph.nodes[v].name
+                    ok = ~odd
+                    err = np.linalg.norm(val[ok] - ref[ok]) / max(np.linalg.norm(ref[ok]), 1e-5)
+                    tol = BF16_TOL if "bf16" in model else 1e-4
+                    assert err <= tol, f"{model} {k.name} {unit} {g.graph.nodes[v].name}: {err}"
+    if agreed + only_full == 0:
+        pytest.skip(f"{model}: no warp/block part")
+    print(f"{model}: {agreed} layouts proved both ways, {only_full} only in full")
