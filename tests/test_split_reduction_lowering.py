@@ -184,6 +184,7 @@ def _row_walks(lowered, unit: str) -> tuple[list[kir.For], list[kir.For]]:
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_split_row_reduction_is_one_strided_row_walk(dtype, reducer, unit):
     module, graph, members, lowered = _lowered(_split_reduce(dtype, reducer), unit)
+    assert lowered.split_rows == {"r2": 2}
     walks, partials = _row_walks(lowered, unit)
     # One loop walks the row's SPLIT*INNER elements with the unit's stride (consecutive
     # threads read consecutive elements); no thread reduces a partial's INNER elements.
@@ -379,3 +380,28 @@ def test_compact_proof_agrees_with_the_full_one_on_zoo_kernels(monkeypatch, mode
     if agreed + only_full == 0:
         pytest.skip(f"{model}: no warp/block part")
     print(f"{model}: {agreed} layouts proved both ways, {only_full} only in full")
+
+
+@pytest.mark.parametrize("unit", ["block", "warp"])
+def test_split_column_reduction_merges_and_matches(unit):
+    """XLA's split of a column reduction (a bias gradient: [a*b, cols] -> [a, b, cols],
+    reduce over b, then over a) in a column part: merged into one walk over a*b elements
+    per column; lanes own consecutive columns either way."""
+    a, b, cols = 8, 24, 64
+    text = f"""HloModule m
+{REDUCERS}
+ENTRY e {{
+  x = f32[{a * b},{cols}] parameter(0)
+  z = f32[] constant(0)
+  x3 = f32[{a},{b},{cols}] bitcast(x)
+  r1 = f32[{a},{cols}] reduce(x3, z), dimensions={{1}}, to_apply=add
+  r2 = f32[{cols}] reduce(r1, z), dimensions={{0}}, to_apply=add
+  ROOT t = (f32[{cols}]) tuple(r2)
+}}
+"""
+    module, graph, members, lowered = _lowered(text, unit)
+    assert lowered.split_rows == {"r2": 2}
+    loops = _loops(lowered.kernel.body)
+    assert [f for f in loops if _const(f.stop) == a * b]
+    assert not [f for f in loops if _const(f.stop) == b]
+    _run_and_compare(module, graph, members, lowered, F32_TOL)
