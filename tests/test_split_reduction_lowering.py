@@ -405,3 +405,47 @@ ENTRY e {{
     assert [f for f in loops if _const(f.stop) == a * b]
     assert not [f for f in loops if _const(f.stop) == b]
     _run_and_compare(module, graph, members, lowered, F32_TOL)
+
+
+# ------------------------------------------------------ the zoo's full-size kernels
+ARCH = {"v100": "sm_70", "a100": "sm_80", "h100": "sm_90"}
+FULL_SIZE = [(m, t) for m in ("log_softmax_xent_train", "log_softmax_xent_train_bf16")
+             for t in ("v100", "a100", "h100")] + [("transformer_train", "h100"),
+                                                   ("transformer_train_bf16", "h100")]
+
+
+@pytest.mark.parametrize("model, target", FULL_SIZE)
+def test_full_size_cross_entropy_kernel_walks_its_rows_as_planned(model, target):
+    """The cross-entropy kernel of the full-size plans (f32/bf16[4096, 32000] logits, XLA's
+    [4096, 128, 250] split of the max, the sum of exp and the gradient's sum): lowered with
+    the block composition the plan chose (before: refused by the row proof as too large,
+    thread composition), its three split reductions as one row walk each, and the PTX
+    assembles without spills."""
+    import stitch
+    from codegen.nvptx import default_libdevice_path, emit_ptx
+    from tests.fixtures import DATA
+    from tests.test_kir_nvptx import assemble
+    module = parse_hlo((DATA / model / f"full.gpu-{target}.hlo").read_text())
+    plan = stitch.plan(module, target=target)
+    found = []
+    for g in plan.graphs:
+        for k in g.stitched.kernels:
+            # XLA's split of the 32000-wide rows: reduce over 250 of [4096, 128, 250].
+            if k.schedule is None or not any(
+                    g.graph.nodes[v].opcode == "reduce" and
+                    leaf(g.graph.nodes[g.graph.nodes[v].operands[0]].shape).dims ==
+                    (4096, 128, 250) for v in k.members):
+                continue
+            lowered = lower_kernel(g.graph, Evaluator(module), k.schedule, k.name)
+            found.append(lowered)
+            assert lowered.schemes == [p.unit for p in k.schedule.parts], lowered.notes
+    [lowered] = found
+    assert lowered.schemes == ["block"]
+    assert sorted(lowered.split_rows.values()) == [2, 2, 2]
+    walks = [f for f in _loops(lowered.kernel.body)
+             if _const(f.stop) == 32000 and _const(f.step) == lowered.kernel.block]
+    assert len(walks) >= 3
+    assert not [f for f in _loops(lowered.kernel.body) if _const(f.stop) == 250]
+    if default_libdevice_path() is not None:
+        info = assemble(emit_ptx(lowered.kernel, ARCH[target]), ARCH[target])
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info
