@@ -678,7 +678,8 @@ class _KernelBuilder:
         ones included); an init that leaves a partial unchanged (the identity, or for
         max/min the outer init: they are idempotent). Then reducing all its inputs at once
         gives the same value up to the order of the float operations (the order XLA's
-        split already changed)."""
+        split already changed) and, for a bf16 first level, without rounding each partial
+        to bf16 (the row is accumulated in f32 throughout)."""
         if inner.opcode != "reduce" or len(inner.operands) != 2 or \
                 inner.id not in self.computed or inner.id in self.outputs or \
                 set(inner.users) != {reader.id} or reader.operands[1] == inner.id:
