@@ -137,12 +137,11 @@ def gather(graph: OpGraph, node: OpNode, ids: np.ndarray, out_dims: tuple[int, .
     its start (clamped as XLA clamps it) plus its offset. Only the dims along which the
     operand's ids change need the start, so those start components must be known from
     the index construction (the loss's iota of the row); data starts (the label) may run
-    only along dims where the ids do not change."""
+    only along dims where the ids do not change; a batching dim's start is the batch
+    coordinate."""
     inst = node.instruction
     operand = graph.nodes[node.operands[0]].shape
     indices = graph.nodes[node.operands[1]].shape
-    if inst.ints("operand_batching_dims", ()):
-        return f"{node.name}: a gather with batching dims of a large operand"
     if math.prod(out_dims) > limit:
         return f"{node.name} is too large to prove the row layout on index arrays"
     if indices.num_elements > limit:
@@ -154,7 +153,9 @@ def gather(graph: OpGraph, node: OpNode, ids: np.ndarray, out_dims: tuple[int, .
     vector_dim = inst.int("index_vector_dim")
     batch = [p for p in range(len(out_dims)) if p not in offset_dims]
     batch_dims = [d for d in range(indices.rank) if d != vector_dim]
-    window = [d for d in range(operand.rank) if d not in collapsed]
+    operand_batching = list(inst.ints("operand_batching_dims", ()))
+    indices_batching = list(inst.ints("start_indices_batching_dims", ()))
+    window = [d for d in range(operand.rank) if d not in collapsed and d not in operand_batching]
     if len(batch) != len(batch_dims) or len(window) != len(offset_dims):
         return f"{node.name}: gather dimension numbers do not fit its shapes"
     grid = np.indices(out_dims, sparse=True)
@@ -172,6 +173,11 @@ def gather(graph: OpGraph, node: OpNode, ids: np.ndarray, out_dims: tuple[int, .
                 return f"{node.name} gathers at data-dependent starts along a dim its " \
                        "operand's rows change on"
             start = np.clip(values[at], 0, max(operand.dims[d] - sizes[d], 0))
+        elif d in operand_batching:
+            # The batch coordinate itself (jax's take_along_axis form), clamped as XLA does.
+            idim = indices_batching[operand_batching.index(d)]
+            start = np.minimum(grid[batch[batch_dims.index(idim)]],
+                               max(operand.dims[d] - sizes[d], 0))
         offset = grid[offset_dims[window.index(d)]] if d in window else 0
         coords.append(start + offset)
     return np.broadcast_to(ids[tuple(coords)], out_dims).astype(np.int64)

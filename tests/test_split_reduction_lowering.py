@@ -449,3 +449,24 @@ def test_full_size_cross_entropy_kernel_walks_its_rows_as_planned(model, target)
     if default_libdevice_path() is not None:
         info = assemble(emit_ptx(lowered.kernel, ARCH[target]), ARCH[target])
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info
+
+
+@pytest.mark.parametrize("in_dims, out_dims, keep", [
+    ((6, 20), (6, 4, 5), (0,)), ((6, 20), (6, 4, 5), (1,)), ((6, 4, 5), (6, 20), (0, 2)),
+    ((2, 3, 20), (6, 4, 5), (0,)), ((2, 3, 20), (6, 4, 5), (1,)), ((6, 1, 20), (120,), (0,)),
+    ((4, 6), (2, 2, 2, 3), (1,)), ((1, 6, 1), (2, 3), (1,)), ((12, 10), (3, 4, 10), (0,))])
+def test_compact_reshape_and_broadcast_match_numpy(in_dims, out_dims, keep):
+    """compact_rows.reshape (a row-major reshape of compact ids) equals numpy's reshape of
+    the full ids, for ids that change along ``keep`` only; broadcast likewise."""
+    from codegen import compact_rows
+    rng = np.random.default_rng()
+    shape = tuple(n if d in keep else 1 for d, n in enumerate(in_dims))
+    ids = rng.integers(-1, 50, shape)
+    full = np.broadcast_to(ids, in_dims).reshape(out_dims)
+    got = compact_rows.reshape(ids, in_dims, out_dims, 1 << 20)
+    assert got is not None and compact_rows.fits(got, out_dims)
+    assert np.array_equal(np.broadcast_to(got, out_dims), full)
+    out = (3,) + in_dims + (2,)
+    b = compact_rows.broadcast(ids, out, tuple(range(1, len(in_dims) + 1)))
+    want = np.broadcast_to(np.broadcast_to(ids, in_dims)[None, ..., None], out)
+    assert np.array_equal(np.broadcast_to(b, out), want)
