@@ -12,6 +12,10 @@ Per part of the schedule (kernel packing: a part owns a range of the grid's bloc
   computed by the warp's lanes;
 - *block composition*, minor rows: one row per block; warp results go through shared
   memory (partials, a barrier, every thread combines them), then the same as a warp;
+- a *split row reduction* (XLA GPU's reduce over b of [rows, a, b], then over a, both with
+  the same combiner and identity inits, the partials read by nothing else) is lowered as
+  one reduction over the row's a*b elements: the warp's or block's threads stride over
+  them (consecutive threads, consecutive elements), not one serial partial per thread;
 - column rows (rows strided in memory, e.g. a reduction over dim 0): lanes own
   consecutive rows, so loads are coalesced across the warp. A warp gives each thread a row
   of its own (no collectives); a block owns 32 rows (column tiling): lane l works on row
@@ -45,13 +49,13 @@ import numpy as np
 from hlo_passes.evaluator.dtypes import numpy_dtype
 from hlo_passes.evaluator.interpreter import Evaluator
 from hlo_passes.graph import OpGraph, OpNode
-from hlo_passes.ir import HloModule
+from hlo_passes.ir import HloModule, Shape
 from hlo_passes.literals import literal_to_numpy
 from hlo_passes.op_classes import OpClass
 from hlo_passes.scatter_forms import (gather_index_map, known_index_values, scatter_batch_dims,
                                       scatter_form, scatter_window)
 
-from . import kir
+from . import compact_rows, kir
 from .errors import CodegenError
 from .values import (ValueEmitter, delinearize, iadd, imul, leaf, linearize, logical_index,
                      physical_offset, storage_dtype)
@@ -61,6 +65,9 @@ log = logging.getLogger(__name__)
 _c = kir.i32
 # Largest tensor whose row layout is checked on index arrays (8 bytes per element).
 ROW_CHECK_ELEMENTS = 1 << 24
+# Largest value whose row ids the proof holds in full; larger ones are kept compact
+# (``compact_rows``). Tests lower it to prove small kernels the compact way.
+FULL_IDS_ELEMENTS = ROW_CHECK_ELEMENTS
 # Most start positions of a dynamic-(update-)slice the layout proof tries one by one.
 MAX_DYNAMIC_STARTS = 256
 
@@ -117,9 +124,13 @@ def _kept_dims(node: OpNode, rank: int) -> tuple[int, ...]:
     return tuple(d for d in range(rank) if d not in reduced)
 
 
-def _find_split(ids: np.ndarray, rows: int, minor: bool) -> _Split | None:
-    """A split whose row ids agree with ``ids`` wherever the element is row-dependent
-    (ids >= 0), preferring the one the part's thread mapping reads contiguously."""
+def _find_split(ids: np.ndarray, rows: int, minor: bool, dims: tuple[int, ...]
+                ) -> _Split | None:
+    """A split whose row ids agree with ``ids`` (of a value of shape ``dims``, maybe in
+    compact form) wherever the element is row-dependent (ids >= 0), preferring the one
+    the part's thread mapping reads contiguously."""
+    if ids.shape != dims:
+        return _find_compact_split(ids, rows, minor, dims)
     if ids.size % rows:
         return None
     per_row = ids.size // rows
@@ -140,6 +151,21 @@ def _find_split(ids: np.ndarray, rows: int, minor: bool) -> _Split | None:
     for split in candidates:
         if np.array_equal(split.ids(ids.shape)[known], ids[known]):
             return split
+    return None
+
+
+def _find_compact_split(ids: np.ndarray, rows: int, minor: bool, dims: tuple[int, ...]
+                        ) -> _Split | None:
+    """``_find_split`` of a compact value: only splits along whole dims can agree."""
+    n = math.prod(dims)
+    if n % rows:
+        return None
+    for kind, row_dims in compact_rows.candidate_splits(ids, dims, rows, minor):
+        want = compact_rows.dims_ids(dims, row_dims)
+        if compact_rows.broadcast_size(want, ids) > ROW_CHECK_ELEMENTS:
+            continue
+        if np.all((want == ids) | (ids < 0)):
+            return _Split(kind, rows, n // rows, row_dims if kind == "dims" else ())
     return None
 
 
@@ -222,6 +248,9 @@ class LoweredKernel:
     # Params (node ids) whose buffer is laid out by stitch (``stitch.schedule.layouts``):
     # logical dims, major to minor. Every other buffer is row-major.
     layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # Unit reductions lowered as one walk over a split row (``_split_row_source``): the
+    # reduction's name -> how many levels were merged into it.
+    split_rows: dict[str, int] = field(default_factory=dict)
 
 
 def _literal(node: OpNode) -> np.ndarray:
@@ -237,6 +266,22 @@ def _constant_scalar(node: OpNode) -> object | None:
     return bool(item) if shape.element_type == "pred" else item
 
 
+def _identity(kind: str, element_type: str) -> object:
+    """The init that leaves a value unchanged under reducer ``kind`` (None: none known)."""
+    dtype = numpy_dtype(element_type)
+    if kind == "add":
+        return 0
+    if kind == "multiply":
+        return 1
+    if kind in ("maximum", "minimum"):
+        if dtype.kind == "f":
+            return -math.inf if kind == "maximum" else math.inf
+        if dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            return int(info.min if kind == "maximum" else info.max)
+    return None
+
+
 class _KernelBuilder:
     def __init__(self, graph: OpGraph, evaluator: Evaluator, schedule, name: str,
                  in_place: bool = False, layouts: dict[int, tuple[int, ...]] | None = None):
@@ -247,6 +292,7 @@ class _KernelBuilder:
         self.name = name
         self.members = frozenset(schedule.members)
         self.notes: list[str] = []
+        self.split_rows: dict[str, int] = {}
         self.shared_sizes: dict[str, int] = {}      # dtype -> elements of its partials
         self.params: dict[int, kir.Param] = {}
         self.inputs: list[int] = []
@@ -430,7 +476,7 @@ class _KernelBuilder:
         kernel = kir.Kernel(self.name, params, shared, sched.grid, sched.block, body)
         kernel.validate()
         return LoweredKernel(kernel, list(self.inputs), list(self.outputs), schemes, self.notes,
-                             dict(self.atomic), dict(self.layouts))
+                             dict(self.atomic), dict(self.layouts), dict(self.split_rows))
 
     def _build_global(self) -> LoweredKernel:
         """A global-scope kernel: phases and grid barriers (``lower_global``)."""
@@ -580,15 +626,14 @@ class _KernelBuilder:
         """This thread's share of row ``rowc`` (elements first, first + step, ...), then
         the unit's threads combine their shares."""
         op = em.reducer(node)
-        src = leaf(self.graph.nodes[node.operands[0]].shape)
-        split = _Split("dims", rows, src.num_elements // rows,
-                       _kept_dims(node, src.rank))
+        source, src, row_dims = self._split_row_source(node)
+        split = _Split("dims", rows, src.num_elements // rows, row_dims)
         init = em.value(node.operands[1], ())
         acc = em.fresh("acc")
         em.emit(kir.Local(acc, init.dtype, init))
         var = em.fresh("k")
         em.push(var)
-        x = em.value(node.operands[0], split.index(rowc, kir.Ref(var, "i32"), src.dims))
+        x = em.value(source, split.index(rowc, kir.Ref(var, "i32"), src.dims))
         em.emit(kir.Assign(acc, kir.Binary(op, kir.Ref(acc, init.dtype), x)))
         loop = em.pop()
         em.emit(kir.For(var, unit.first, _c(split.per_row), _c(unit.step), loop))
@@ -600,6 +645,66 @@ class _KernelBuilder:
         if unit.slots > 1:
             total = self._combine_shared(em, unit, total, op)
         return em.let(f"row_{node.name}", total)
+
+    def _split_row_source(self, node: OpNode) -> tuple[int, Shape, tuple[int, ...]]:
+        """What a unit reduction walks: (value, its shape, its dims that index the row).
+        A split row reduction (XLA GPU's [rows, a*b] -> bitcast [rows, a, b] -> reduce b ->
+        reduce a) is walked as ONE row of a*b elements of the first level's input, so the
+        unit's threads stride over consecutive elements (coalesced, as the schedule's
+        latency model assumes) instead of each thread reducing b consecutive elements
+        serially (stride b between neighbouring threads). Levels merge while
+        ``_merges_into`` holds; otherwise the reduction walks its own operand."""
+        graph = self.graph
+        source = node.operands[0]
+        src = leaf(graph.nodes[source].shape)
+        row_dims = _kept_dims(node, src.rank)
+        reader = node
+        while self._merges_into(graph.nodes[source], reader, node):
+            inner = reader = graph.nodes[source]
+            source = inner.operands[0]
+            src = leaf(graph.nodes[source].shape)
+            inner_kept = _kept_dims(inner, src.rank)   # inner's result dim d is src dim kept[d]
+            row_dims = tuple(inner_kept[d] for d in row_dims)
+            self.split_rows[node.name] = self.split_rows.get(node.name, 1) + 1
+        return source, src, row_dims
+
+    def _merges_into(self, inner: OpNode, reader: OpNode, outer: OpNode) -> bool:
+        """Whether reduction ``inner`` can be folded into the unit reduction ``outer`` that
+        reads it through ``reader`` (``outer`` itself or a level already merged into it).
+        Needs: computed here, read by ``reader`` alone (as the reduced operand) and not
+        written — a partial with other readers keeps the per-partial lowering, since they
+        would recompute it serially anyway and merging would read the row twice; the same
+        associative, commutative combiner (add/multiply/max/min, XLA GPU's widened bf16
+        ones included); an init that leaves a partial unchanged (the identity, or for
+        max/min the outer init: they are idempotent). Then reducing all its inputs at once
+        gives the same value up to the order of the float operations (the order XLA's
+        split already changed) and, for a bf16 first level, without rounding each partial
+        to bf16 (the row is accumulated in f32 throughout)."""
+        if inner.opcode != "reduce" or len(inner.operands) != 2 or \
+                inner.id not in self.computed or inner.id in self.outputs or \
+                set(inner.users) != {reader.id} or reader.operands[1] == inner.id:
+            return False
+        kind = self.reducer_kind(outer)
+        if kind not in _WARP_REDUCERS or self.reducer_kind(inner) != kind:
+            return False
+        init = self._init_value(inner.operands[1])
+        if init is None:
+            return False
+        element = leaf(inner.shape).element_type
+        if init == _identity(kind, element):
+            return True
+        return kind in ("maximum", "minimum") and init == self._init_value(outer.operands[1])
+
+    def _init_value(self, v: int) -> object | None:
+        """A reduction's scalar init when it is a constant, or a constant converted (XLA
+        GPU widens a bf16 reduction's init: convert(bf16 -inf) to f32)."""
+        node = self.graph.nodes[v]
+        if node.opcode == "convert" and len(node.operands) == 1 and leaf(node.shape).rank == 0:
+            value = self._init_value(node.operands[0])
+            if value is None or isinstance(value, bool):
+                return None
+            return np.asarray(value).astype(numpy_dtype(leaf(node.shape).element_type)).item()
+        return _constant_scalar(node)
 
     def _combine_shared(self, em: ValueEmitter, unit: "_Unit", value: kir.Expr, op: str
                         ) -> kir.Expr:
@@ -649,9 +754,15 @@ class _KernelBuilder:
                 continue
             if not any(o in ids_of for o in node.operands):
                 continue        # row-independent: any thread can compute it
-            if shape.num_elements > ROW_CHECK_ELEMENTS:
-                return f"{node.name} is too large to prove the row layout on index arrays"
-            if node.opcode in _MOVING_OPS:
+            if shape.num_elements > FULL_IDS_ELEMENTS or any(
+                    o in ids_of and ids_of[o].shape != leaf(graph.nodes[o].shape).dims
+                    for o in node.operands):
+                # Too large to hold in full: compact ids (``compact_rows``), kept compact
+                # while the value is large.
+                got = self._compact_ids(node, ids_of)
+                if not isinstance(got, str) and shape.num_elements <= FULL_IDS_ELEMENTS:
+                    got = np.broadcast_to(got, shape.dims).astype(np.int64)
+            elif node.opcode in _MOVING_OPS:
                 got = self._move_ids(node, [ids_of.get(o) for o in node.operands])
             elif node.opcode in ("dynamic-slice", "dynamic-update-slice"):
                 got = self._dynamic_ids(node, [ids_of.get(o) for o in node.operands])
@@ -677,12 +788,14 @@ class _KernelBuilder:
             node = graph.nodes[v]
             if v not in set(part.members) or v in layout.reductions or v not in ids_of:
                 continue
-            split = _find_split(ids_of[v], rows, part.minor)
+            split = _find_split(ids_of[v], rows, part.minor, leaf(node.shape).dims)
             if split is None:
                 return f"{node.name} does not split into {rows} rows"
             layout.splits[v] = split
         for v, ids in ids_of.items():
+            # (A compact value is large: never one element per row.)
             if v not in layout.reductions and ids.size == rows and not graph.is_free(v) \
+                    and leaf(graph.nodes[v].shape).num_elements == rows \
                     and np.array_equal(ids.ravel(), np.arange(rows)):
                 layout.per_row.add(v)
         return layout
@@ -697,18 +810,24 @@ class _KernelBuilder:
 
     def _check_reduce(self, node: OpNode, part, operand_ids: np.ndarray | None) -> str | None:
         src = leaf(self.graph.nodes[node.operands[0]].shape)
-        if src.num_elements > ROW_CHECK_ELEMENTS:
-            return f"{node.name} is too large to prove the row layout on index arrays"
-        if operand_ids is not None:
+        if operand_ids is None:
+            return None         # row-independent input: every row may read it
+        if operand_ids.shape == src.dims:
             want = _Split("dims", part.rows, src.num_elements // max(part.rows, 1),
                           _kept_dims(node, src.rank)).ids(src.dims)
-            if not np.all((operand_ids == want) | (operand_ids < 0)):
-                return f"{node.name} reads values of other rows"
+        else:
+            want = compact_rows.dims_ids(src.dims, _kept_dims(node, src.rank))
+            if compact_rows.broadcast_size(want, operand_ids) > ROW_CHECK_ELEMENTS:
+                return f"{node.name} is too large to prove the row layout on index arrays"
+        if not np.all((operand_ids == want) | (operand_ids < 0)):
+            return f"{node.name} reads values of other rows"
         return None
 
-    def _join_ids(self, node: OpNode, ids_of: dict[int, np.ndarray]) -> np.ndarray | str:
+    def _join_ids(self, node: OpNode, ids_of: dict[int, np.ndarray], compact: bool = False
+                  ) -> np.ndarray | str:
         """Elementwise ops: an element belongs to the row of its row-dependent operands
-        (which must agree); row-independent operands (-1) fit any row."""
+        (which must agree); row-independent operands (-1) fit any row. ``compact``: the
+        ids may be compact (``compact_rows``) and so is the result."""
         dims = leaf(node.shape).dims
         out: np.ndarray | None = None
         for o in node.operands:
@@ -719,13 +838,56 @@ class _KernelBuilder:
                     return f"{node.name} broadcasts implicitly"
                 continue
             if ids.shape != dims:
-                if ids.ndim:
+                if compact and (ids.ndim == 0 or compact_rows.fits(ids, dims)):
+                    ids = ids.reshape(ids.shape or (1,) * len(dims))
+                elif ids.ndim:
                     return f"{node.name} changes the shape of its operands"
-                ids = np.broadcast_to(ids, dims)
+                else:
+                    ids = np.broadcast_to(ids, dims)
+            if compact and out is not None and \
+                    compact_rows.broadcast_size(out, ids) > ROW_CHECK_ELEMENTS:
+                return f"{node.name} is too large to prove the row layout on index arrays"
             out = ids if out is None else _join(out, ids)
             if out is None:
                 return f"{node.name} joins values of different rows"
         return out
+
+    def _compact_ids(self, node: OpNode, ids_of: dict[int, np.ndarray]) -> np.ndarray | str:
+        """Row ids of an op with a large result or operand, in compact form
+        (``compact_rows``); ops it does not know are too large to prove."""
+        graph = self.graph
+        shape = leaf(node.shape)
+        too_large = f"{node.name} is too large to prove the row layout on index arrays"
+        first = ids_of.get(node.operands[0]) if node.operands else None
+        if node.opcode in ("bitcast", "reshape", "copy", "transpose", "broadcast") and \
+                len(node.operands) == 1 and first is not None:
+            src = leaf(graph.nodes[node.operands[0]].shape)
+            if node.opcode == "copy":
+                return first
+            if node.opcode == "transpose":
+                return np.transpose(first, node.instruction.ints("dimensions"))
+            if node.opcode == "broadcast":
+                return compact_rows.broadcast(first, shape.dims,
+                                              tuple(node.instruction.ints("dimensions", ())))
+            if node.opcode == "bitcast" and (
+                    src.element_type != shape.element_type or
+                    not (compact_rows.is_row_major(src) and compact_rows.is_row_major(shape))):
+                return too_large    # a bitcast that is not a row-major reshape
+            got = compact_rows.reshape(first, src.dims, shape.dims, ROW_CHECK_ELEMENTS)
+            return too_large if got is None else got
+        if node.opcode == "reduce":
+            got = _join_axes(node, first) if first is not None and len(node.operands) == 2 \
+                else None
+            return f"{node.name} reduces values of different rows" if got is None else got
+        if node.opcode == "gather" and first is not None:
+            if node.operands[1] in ids_of:
+                return f"{node.name} gathers at row-dependent indices"
+            return compact_rows.gather(graph, node, first, shape.dims, ROW_CHECK_ELEMENTS)
+        if node.op_class in (OpClass.LIGHT, OpClass.EXPENSIVE) and node.opcode not in \
+                _MOVING_OPS and node.opcode not in ("gather", "scatter", "dynamic-slice",
+                                                    "dynamic-update-slice", "reduce"):
+            return self._join_ids(node, ids_of, compact=True)
+        return too_large
 
     def _gather_ids(self, node: OpNode, ids_of: dict[int, np.ndarray]) -> np.ndarray | str:
         """A gather whose loaded starts run along dims where the operand's rows do not
