@@ -64,6 +64,8 @@ TILE_SIZES = (16, 32, 64, 128, 256)
 THREADS = (64, 128, 256, 512)
 THREAD_TILES = (1, 2, 4, 8)
 STAGES = (1, 2, 3)
+# Blocks sharing one output tile, each on its share of n (ChainDims.n_splittable only).
+N_SPLITS = (1, 2, 4, 8, 16)
 
 
 def block_expression(expression: str) -> str:
@@ -108,6 +110,12 @@ def _legal(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> bool:
         return False
     if s.hoist_a and s.block_k != dims.k:
         return False
+    if s.n_split != 1:
+        # Split n only where a grid barrier can run and nothing reduces rows over n; every
+        # split gets at least one n step.
+        if s.n_split not in N_SPLITS or not dims.n_splittable or \
+                s.n_split * s.block_n > dims.n:
+            return False
     # Tiles from the Rule 3 options (k may also be taken whole: the hoisting).
     if s.block_m not in _tile_options(dims.m) or s.block_n not in _tile_options(dims.n) or \
             s.block_k not in (*_tile_options(dims.k), dims.k) or \
@@ -150,6 +158,7 @@ def enumerate_schedules(spec: GpuSpec, dims: ChainDims) -> Iterator[GemmChainSch
     hs = _tile_options(dims.h)
     k_choices = sorted(set(ks) | {dims.k})
     mma_choices = (False, True) if dims.mma_allowed(spec) else (False,)
+    splits = N_SPLITS if dims.n_splittable else (1,)
     for sub in pruned_expressions():
         expression = "nk" if sub == "nk" else "n(k,h)"
         for bm, bn, bk in itertools.product(ms, ns, k_choices):
@@ -163,10 +172,11 @@ def enumerate_schedules(spec: GpuSpec, dims: ChainDims) -> Iterator[GemmChainSch
                 for hoist in ((False, True) if bk == dims.k else (False,)):
                     tiles = [(1, 1)] if mma else itertools.product(THREAD_TILES, THREAD_TILES)
                     for tm, tn in tiles:
-                        s = GemmChainSchedule(expression, bm, bn, bk, bh, threads, tm, tn,
-                                              mma, stages, hoist)
-                        if _legal(spec, dims, s):
-                            yield s
+                        for split in splits:
+                            s = GemmChainSchedule(expression, bm, bn, bk, bh, threads, tm,
+                                                  tn, mma, stages, hoist, split)
+                            if _legal(spec, dims, s):
+                                yield s
 
 
 @dataclass
@@ -298,6 +308,12 @@ class ChainSearchSpace:
                             one = replace(nxt, threads=2 * size)
                             if one != kept and 32 <= one.threads <= 1024:
                                 add(("tile " if f == 2 else "invtile ") + name, one)
+            if d.n_splittable:
+                # Split n across more (fewer) blocks: the cross-block combine's partials.
+                for f, name in ((2, "split n"), (0.5, "unsplit n")):
+                    split = int(s.n_split * f)
+                    if split in N_SPLITS:
+                        add(name, replace(s, n_split=split))
             other = "nk" if s.expression == "n(k,h)" else "n(k,h)"
             bh = s.block_h if other == "n(k,h)" else min(s.block_h, max(d.h // 2, 16))
             add("expression", replace(s, expression=other, block_h=bh))
