@@ -44,7 +44,7 @@ from functools import lru_cache
 from typing import Iterator, Sequence
 
 from ..cost.gemm_tile import (ChainDims, GemmChainSchedule, TileCost, chain_cost,
-                              chain_registers, chain_smem_bytes)
+                              chain_grid, chain_registers, chain_smem_bytes)
 from ..cost.gpu_specs import GpuSpec
 from .chain_tiling import buildable
 from .markov import MarkovResult, construct
@@ -361,7 +361,18 @@ class ChainSearchSpace:
         return replace(s, threads=max(threads, 32))
 
 
-def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 16, max_steps: int = 48,
+def _filling_split(spec: GpuSpec, dims: ChainDims,
+                   s: GemmChainSchedule) -> GemmChainSchedule | None:
+    """``s`` with the fewest n splits whose grid covers every SM (the most that fit n
+    when none does); None when that is no split."""
+    fits = [x for x in N_SPLITS if x > 1 and x * s.block_n <= dims.n]
+    if not fits:
+        return None
+    covering = [x for x in fits if chain_grid(dims, replace(s, n_split=x)) >= spec.sm_count]
+    return replace(s, n_split=min(covering) if covering else max(fits))
+
+
+def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 32, max_steps: int = 48,
                   seed: int = 0) -> SearchResult:
     """Gensor's Markov-guided construction over the chain's space (``markov.construct``)."""
     space = ChainSearchSpace(spec, dims)
@@ -371,6 +382,11 @@ def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 16, max_steps: in
                                  "")
         # Tensor cores with one and with two warp columns (warps sharing 16 rows).
         starts += [mma, replace(mma, threads=2 * mma.threads)]
+    if dims.n_splittable:
+        # The same starts with n split until the grid fills the SMs: the split schedules
+        # sit far from the unsplit ones (every tile move changes how many splits fit).
+        starts += [x for x in (_filling_split(spec, dims, s)
+                               for s in [space.initial(), *starts]) if x is not None]
     if not any(space.legal(s) for s in [space.initial(), *starts]):
         # Small chains (tiles below the default ones): start from the first legal
         # schedule of the pruned space.
