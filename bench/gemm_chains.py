@@ -30,7 +30,8 @@ batch-1 chains got a small share of the GPU under the formula unless h is split
 (recomputing the first GEMM); warp columns (several warps per 16 rows, each on a slice of
 n, folded at the end) give small block_m tiles a full SM's threads. Splitting n across
 blocks (``n_split``: each block sums its share of n into f32 partials in global scratch,
-a second launch of the kernel adds them in order; chains without a row reduction over n)
+a second launch of the kernel adds them in order — after a softmax weighted by the splits'
+row maxima and sums, FlashDecoding's combine; not for other row reductions over n)
 multiplies the blocks without recomputing anything. The bench plans with it allowed
 (``ExplorerOptions.chain_grid_sync``: the GPU pass with STITCH_GRID_SYNC on). Under the
 formula an n-split kernel is two launches: the partials launch (the chain's flops, its
@@ -191,7 +192,8 @@ def _formula_launch(spec, device: XlaDevice, dims, between_flops: float, nbytes:
     partials = partial_bytes(dims, schedule)
     if partials:
         result = dims.batch * dims.m * dims.h * dims.result_bytes
-        adds = (schedule.n_split - 1) * dims.batch * dims.m * dims.h
+        # A sum per partial; after a softmax also a weight (exp) and a multiply per split.
+        adds = (schedule.n_split * (3 if dims.softmax else 1) - 1) * dims.batch * dims.m * dims.h
         us = _formula_launch_us(device, flops, nbytes - result + partials, cost.blocks,
                                 cost.threads) + \
             _formula_launch_us(device, adds, partials + result, cost.blocks, cost.threads)
@@ -436,8 +438,9 @@ def markdown(rows: list[ChainRow], search: list[SearchRow]) -> list[str]:
         "unit (MCFuser's memory-bound compute-intensive chains). Chain schedules may split n "
         "across blocks (`nsplitS`: S blocks per output tile, f32 partials in global scratch, "
         "a second launch adds them; ExplorerOptions.chain_grid_sync, the GPU pass with "
-        "STITCH_GRID_SYNC on; chains with a softmax or another row reduction over n are "
-        "never split).",
+        "STITCH_GRID_SYNC on; after a softmax the splits are combined by their row maxima and "
+        "sums, FlashDecoding's split-KV; chains with another row reduction over n are never "
+        "split).",
         "",
         f"Goal ≥ {GOAL}× under both models with a planned `gemm_chain` kernel: "
         f"{len(ok)} of {len(rows)} model × target rows"

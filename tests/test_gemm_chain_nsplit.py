@@ -2,7 +2,8 @@
 share each output tile, each summing the second GEMM over its share of n; their f32 partials
 go to global scratch, and after a grid barrier the grid adds them in split order and stores
 the result (codegen.gemm_chain, module docstring). Tiny chains with an elementwise op between
-the GEMMs and sizes that fill no tile run on the host target (fresh random inputs, NaN-poisoned
+the GEMMs and sizes that fill no tile, and a masked softmax (FlashDecoding's split-KV
+combine by the splits' row maxima and sums), run on the host target (fresh random inputs, NaN-poisoned
 outputs) against the reference evaluator (f32 1e-4, bf16 2e-2); the PTX assembles for sm_80 /
 sm_90 without spills; the schedule space and the cost model price the split (more blocks,
 the partials' traffic, the combine); and the planner splits n for gemm_chain_g4 on H100 only
@@ -123,20 +124,41 @@ def test_split_kernel_shape_and_determinism() -> None:
     assert np.abs(first - want).max() < 1e-4
 
 
-@pytest.mark.parametrize("text", (_EDGE, _NORMALIZED), ids=("softmax", "layernorm"))
-def test_row_reductions_over_n_refuse_the_split(text: str) -> None:
-    _, graph, chain = _load(text)
+@pytest.mark.parametrize("split", (2, 4))
+def test_softmax_split_kv_matches_the_evaluator(split: int) -> None:
+    """After a masked softmax the splits are combined by their row maxima and sums
+    (FlashDecoding); n=24 in 8-wide steps leaves split 4 of 4 empty (max -inf, weight 0)."""
+    _check(_EDGE, seed=20 + split, tol=1e-4, tiling=_fma(split))
+    _check(_narrow(_EDGE, "bf16"), seed=22 + split, tol=2e-2, tiling=_mma(split))
+    # Two warp columns per 16 rows, folded before the block's row state is stored.
+    two = ChainTiling(block_m=16, block_n=32, threads=64, thread_m=1, thread_n=1,
+                      block_k=16, block_h=8, mma=True, n_split=split)
+    _check(_narrow(_EDGE, "bf16"), seed=24 + split, tol=2e-2, tiling=two)
+    _, graph, chain = _load(_EDGE)
+    kernel = lower_gemm_chain(graph, chain, _fma(split), name="chain").kernel
+    assert sorted(b.name for b in kernel.scratch) == ["partials", "row_stats"]
+
+
+def test_softmax_split_kv_tf32(monkeypatch) -> None:
+    tiling = ChainTiling(block_m=16, block_n=8, threads=32, thread_m=1, thread_n=1,
+                         block_k=8, block_h=8, mma=True, n_split=2)
+    _check_tf32(_EDGE, 83, monkeypatch, tiling)
+
+
+def test_other_row_reductions_over_n_refuse_the_split() -> None:
+    _, graph, chain = _load(_NORMALIZED)
     with pytest.raises(CodegenError, match="split"):
         lower_gemm_chain(graph, chain, _fma(2))
 
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
 @pytest.mark.parametrize("dtype", ("f32", "bf16"))
-def test_full_size_split_assembles_without_spills(dtype: str, arch: str) -> None:
+@pytest.mark.parametrize("model", ("gemm_chain_g4", "attention_vit_huge"))
+def test_full_size_split_assembles_without_spills(model: str, dtype: str, arch: str) -> None:
     _ptxas_or_skip(arch)
     from codegen.nvptx import emit_ptx
     from codegen.toolchain import assemble
-    text = _fixture("gemm_chain_g4", "full", "gpu-h100")
+    text = _fixture(model, "full", "gpu-h100")
     _, graph, chain = _load(_narrow(text, dtype) if dtype != "f32" else text)
     tiling = ChainTiling(block_m=64, block_n=64, threads=128, thread_m=1, thread_n=1,
                          block_k=16, block_h=64, mma=True, n_split=8) if dtype == "bf16" else \
@@ -156,10 +178,10 @@ _G4 = dict(batch=1, m=512, n=512, k=256, h=256, operand_dtype="f32")
 
 def test_space_splits_n_only_with_grid_sync_and_no_row_reduction() -> None:
     spec = get_spec("h100")
-    for dims in (ChainDims(**_G4), ChainDims(**_G4, grid_sync=True, softmax=True),
-                 ChainDims(**_G4, grid_sync=True, row_reductions=True)):
+    for dims in (ChainDims(**_G4), ChainDims(**_G4, grid_sync=True, row_reductions=True)):
         assert not dims.n_splittable
         assert all(s.n_split == 1 for s in enumerate_schedules(spec, dims))
+    assert ChainDims(**_G4, grid_sync=True, softmax=True).n_splittable
     dims = ChainDims(**_G4, grid_sync=True)
     splits = {s.n_split for s in enumerate_schedules(spec, dims)}
     assert splits == {1, 2, 4, 8, 16}

@@ -119,11 +119,11 @@ class ChainDims:
 
     @property
     def n_splittable(self) -> bool:
-        """n may be split across blocks: the target has grid barriers, and nothing between
-        the GEMMs reduces a row over n (a softmax's or another row reduction would need
-        every block's share of the row before its own P; FlashDecoding's combine is not
-        built)."""
-        return self.grid_sync and not self.softmax and not self.row_reductions
+        """n may be split across blocks: the target has grid barriers, and no row reduction
+        over n between the GEMMs other than a softmax's (a layer norm would need every
+        block's share of the row before its own P; a softmax's splits are combined by
+        their row maxima and sums, FlashDecoding's split-KV)."""
+        return self.grid_sync and not self.row_reductions
 
     def mma_allowed(self, spec: GpuSpec) -> bool:
         if tensor_flops_per_clock_per_sm(spec, self.operand_dtype) is None:
@@ -313,10 +313,11 @@ def split_n_tiles(dims: ChainDims, s: GemmChainSchedule) -> int:
 
 def partial_bytes(dims: ChainDims, s: GemmChainSchedule) -> int:
     """Bytes of the f32 partial results an n-split kernel writes to global scratch (and the
-    combine phase reads back): n_split x batch x m x h; 0 when n is not split."""
+    combine phase reads back): n_split x batch x m x h, and after a softmax each split's
+    row maxima and sums (n_split x batch x m x 2); 0 when n is not split."""
     if s.n_split <= 1:
         return 0
-    return s.n_split * dims.batch * dims.m * dims.h * 4
+    return s.n_split * dims.batch * dims.m * (dims.h + (2 if dims.softmax else 0)) * 4
 
 
 def _block_h(dims: ChainDims, s: GemmChainSchedule) -> int:
@@ -476,8 +477,9 @@ def _with_combine(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule,
                   phase1: TileCost) -> TileCost:
     """An n-split kernel (codegen launches it once per phase): the partials launch
     (``phase1``), then the combine launch on the same grid — every thread grid-stride over
-    the outputs, each output's ``n_split`` f32 partials loaded together (from L2 when they
-    fit in its resident share, else HBM), added in order and stored."""
+    the outputs, each output's ``n_split`` f32 partials (and after a softmax the row
+    maxima and sums) loaded together (from L2 when they fit in its resident share, else
+    HBM), combined in order and stored."""
     dram = DRAM_LATENCY_CYCLES.get(spec.compute_capability[0], 480)
     outputs = dims.batch * dims.m * dims.h
     partials = partial_bytes(dims, s)
@@ -489,7 +491,9 @@ def _with_combine(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule,
     read_rate = rate * spec.l2_speedup_over_hbm if l2 else rate
     memory = partials / read_rate + result / rate
     latency = _ceil_div(outputs, lanes) * dram          # a round trip per grid-stride step
-    combine = max(memory, latency)
+    # After a softmax: an exp per split and output (the splits' weights).
+    sfu = outputs * s.n_split / (SFU_PER_SM * spec.sm_count) if dims.softmax else 0.0
+    combine = max(memory, latency, sfu)
     l2_read = partials if l2 else 0.0
     return replace(phase1,
                    seconds=phase1.seconds + spec.kernel_launch_overhead_s
