@@ -29,11 +29,17 @@ over that bound is the ceiling no schedule can pass. With one warp per 16 rows (
 batch-1 chains got a small share of the GPU under the formula unless h is split
 (recomputing the first GEMM); warp columns (several warps per 16 rows, each on a slice of
 n, folded at the end) give small block_m tiles a full SM's threads. Splitting n across
-blocks (a cross-block sum) is not built: it needs a zeroed output for atomics or a grid
-barrier, and the CUDA FFI path makes no cooperative launch.
+blocks (``n_split``: each block sums its share of n into f32 partials in global scratch,
+a second launch of the kernel adds them in order — after a softmax weighted by the splits'
+row maxima and sums, FlashDecoding's combine; not for other row reductions over n)
+multiplies the blocks without recomputing anything. The bench plans with it allowed
+(``ExplorerOptions.chain_grid_sync``: the GPU pass with STITCH_GRID_SYNC on). Under the
+formula an n-split kernel is two launches: the partials launch (the chain's flops, its
+bytes with the f32 partials written instead of the result) and the combine launch (one
+add per partial, the partials read and the result written), both on the same grid.
 
 The search comparison: per chain (G1-G12, S1-S9) and target, exhaustive enumeration of
-the pruned space vs the Markov-guided construction (16 walks, seed 0): the space's optimum against the
+the pruned space vs the Markov-guided construction (32 walks, seed 0): the space's optimum against the
 fastest schedule the walks cost (quality, 1.00 = the optimum found), the schedule each
 returns (``settle``) and search time (measured on this machine).
 """
@@ -172,16 +178,27 @@ def _formula_launch_us(device: XlaDevice, flops: float, nbytes: float, blocks: i
 
 def _formula_launch(spec, device: XlaDevice, dims, between_flops: float, nbytes: float,
                     schedule) -> FormulaLaunch:
-    from stitch.cost.gemm_tile import chain_cost, chain_grid
+    """One chain schedule under XLA's formula; an n-split one as its two launches (module
+    docstring)."""
+    from stitch.cost.gemm_tile import chain_cost, chain_grid, partial_bytes
     cost = chain_cost(spec, dims, schedule)
     # The ops between the GEMMs run once per score element per h-block (deep tilings
     # recompute them with the first GEMM).
-    h_blocks = chain_grid(dims, schedule) // max(chain_grid(dims, replace(
-        schedule, expression="n(k,h)")), 1)
+    whole_n = replace(schedule, n_split=1)
+    h_blocks = chain_grid(dims, whole_n) // max(chain_grid(dims, replace(
+        whole_n, expression="n(k,h)")), 1)
     flops = cost.flops + between_flops * h_blocks
-    return FormulaLaunch(schedule.text(), cost.blocks, cost.threads, flops,
-                         _formula_launch_us(device, flops, nbytes, cost.blocks, cost.threads),
-                         cost.us)
+    us = _formula_launch_us(device, flops, nbytes, cost.blocks, cost.threads)
+    partials = partial_bytes(dims, schedule)
+    if partials:
+        result = dims.batch * dims.m * dims.h * dims.result_bytes
+        # A sum per partial; after a softmax also a weight (exp) and a multiply per split.
+        adds = (schedule.n_split * (3 if dims.softmax else 1) - 1) * dims.batch * dims.m * dims.h
+        us = _formula_launch_us(device, flops, nbytes - result + partials, cost.blocks,
+                                cost.threads) + \
+            _formula_launch_us(device, adds, partials + result, cost.blocks, cost.threads)
+        flops += adds
+    return FormulaLaunch(schedule.text(), cost.blocks, cost.threads, flops, us, cost.us)
 
 
 def formula_view(spec, device: XlaDevice, dims, between_flops: float, nbytes: float,
@@ -231,16 +248,18 @@ def _ptxas_registers(graph: OpGraph, chain, schedule, target: str) -> str:
 
 
 def compare(model: str, target: str, tf32: bool | None = None,
-            ptxas: bool = False) -> ChainRow | None:
+            ptxas: bool = False, grid_sync: bool = False) -> ChainRow | None:
     """One model on one target (module docstring); None without a fixture or a chain.
     ``tf32``: chain kernels may use TF32 tensor cores (ExplorerOptions.chain_tf32; default:
-    what the GPU compile path plans with)."""
+    what the GPU compile path plans with). ``grid_sync``: chain schedules may split n
+    across blocks (ExplorerOptions.chain_grid_sync)."""
     from integration.xla_pass import GPU_CHAIN_TF32
     tf32 = GPU_CHAIN_TF32 if tf32 is None else tf32
     path = DATA / model / f"full.gpu-{target}.hlo"
     if not path.exists():
         return None
-    plan = stitch.plan(path.read_text(), target, options=ExplorerOptions(chain_tf32=tf32))
+    plan = stitch.plan(path.read_text(), target, options=ExplorerOptions(
+        chain_tf32=tf32, chain_grid_sync=grid_sync))
     spec, device = get_spec(target), DEVICES[target]
     for result in plan.graphs:
         graph = result.graph
@@ -249,7 +268,8 @@ def compare(model: str, target: str, tf32: bool | None = None,
             continue
         chain = chains[0]
         planned = next((k for k in result.stitched.kernels if k.kind == "gemm_chain"), None)
-        price = chain_price(graph, chain, spec, tf32=tf32, check_spills=True)  # as the GPU pass
+        price = chain_price(graph, chain, spec, tf32=tf32, check_spills=True,   # as the GPU pass
+                            grid_sync=grid_sync)
         cost = CostModel(graph, spec, chain_tf32=tf32)
         core = {v for v in chain.members if not graph.is_free(v)}
         xla = Side()
@@ -322,12 +342,16 @@ class SearchRow:
 def search_rows(targets=TARGETS, progress: Progress | None = None) -> list[SearchRow]:
     from stitch.cost.gemm_tile import ChainDims
     rows = []
-    shapes = [(g.upper(), s, False) for g, s in GEMM_CHAINS.items()] + \
-        [(sid, s, True) for sid, _, s in ATTENTIONS.values()]
+    shapes = [(g.upper(), s, False, False) for g, s in GEMM_CHAINS.items()] + \
+        [(sid, s, True, False) for sid, _, s in ATTENTIONS.values()]
     for target in targets:
         spec = get_spec(target)
-        for name, s, softmax in shapes:
-            dims = ChainDims(s.batch, s.m, s.n, s.k, s.h, "f32", softmax)
+        # The space with n split across blocks too (ChainDims.grid_sync), on H100 only:
+        # its enumeration takes about 5x as long.
+        split = [(f"{g.upper()} nsplit", s, False, True) for g, s in GEMM_CHAINS.items()] \
+            if target == "h100" else []
+        for name, s, softmax, grid_sync in shapes + split:
+            dims = ChainDims(s.batch, s.m, s.n, s.k, s.h, "f32", softmax, grid_sync=grid_sync)
             ex = exhaustive(spec, dims)
             mk = markov_search(spec, dims)
             rows.append(SearchRow(name, target, ex.cost.us, mk.cost.us, ex.space,
@@ -340,11 +364,12 @@ def search_rows(targets=TARGETS, progress: Progress | None = None) -> list[Searc
 
 
 def collect(models: list[str] | None = None, targets=TARGETS,
-            progress: Progress | None = None) -> list[ChainRow]:
+            progress: Progress | None = None, grid_sync: bool = True) -> list[ChainRow]:
+    """Every model on every target; ``grid_sync``: chains may split n (``compare``)."""
     rows = []
     for model in models or chain_models():
         for target in targets:
-            row = compare(model, target, ptxas=True)
+            row = compare(model, target, ptxas=True, grid_sync=grid_sync)
             if row is not None:
                 rows.append(row)
                 if progress:
@@ -410,10 +435,21 @@ def markdown(rows: list[ChainRow], search: list[SearchRow]) -> list[str]:
         "default precision; the chain's `mma` schedules are codegen's TF32 mma.sync m16n8k8, "
         "as the GPU pass plans them, ExplorerOptions.chain_tf32; only schedules codegen "
         "builds are searched, stitch/schedule/chain_tiling.py). MBCI: the unfused chain's flops per HBM byte below the ridge of its math "
-        "unit (MCFuser's memory-bound compute-intensive chains).",
+        "unit (MCFuser's memory-bound compute-intensive chains). Chain schedules may split n "
+        "across blocks (`nsplitS`: S blocks per output tile, f32 partials in global scratch, "
+        "a second launch adds them; ExplorerOptions.chain_grid_sync, the GPU pass with "
+        "STITCH_GRID_SYNC on; after a softmax the splits are combined by their row maxima and "
+        "sums, FlashDecoding's split-KV; chains with another row reduction over n are never "
+        "split).",
         "",
         f"Goal ≥ {GOAL}× under both models with a planned `gemm_chain` kernel: "
-        f"{len(ok)} of {len(rows)} model × target rows.",
+        f"{len(ok)} of {len(rows)} model × target rows"
+        + "".join(f"; {t}: {sum(r in ok for r in rows if r.target == t)} of "
+                  f"{sum(r.target == t for r in rows)} (latency "
+                  f"{sum(r.latency_ratio >= GOAL for r in rows if r.target == t)}, formula "
+                  f"{sum(r.formula_ratio >= GOAL for r in rows if r.target == t)})"
+                  for t in sorted({r.target for r in rows}))
+        + f"; n split in {sum('nsplit' in r.schedule for r in rows)} rows.",
         "",
         "| model | target | dims | MBCI (flop/B vs ridge) | planned | schedule | regs (model / ptxas) | smem KiB "
         "| chain µs | XLA µs (kernels) | × latency | XLA tuned µs | × vs tuned | chain µs formula "
@@ -437,8 +473,10 @@ def markdown(rows: list[ChainRow], search: list[SearchRow]) -> list[str]:
     lines += formula_markdown(rows)
     lines += [
         "", "Schedule search per chain (f32, the zoo's dims): exhaustive enumeration of "
-        "MCFuser's pruned space vs Gensor's Markov-guided construction (16 walks of at most 48 "
-        "steps, seed 0). Quality = the space's fastest modeled time / the fastest the walks "
+        "MCFuser's pruned space vs Gensor's Markov-guided construction (32 walks of at most 48 "
+        "steps, seed 0; starts with n split until the grid covers the SMs where n may be split). "
+        "Rows `Gi nsplit`: the space with n split across blocks (ChainDims.grid_sync; H100 only, "
+        "for time). Quality = the space's fastest modeled time / the fastest the walks "
         "costed (1.000: the optimum found). Each search then returns, among the schedules it "
         "costed within 10% of its fastest, the one whose busiest SM executes the fewest flops "
         "(`settle`; chosen µs). Search times measured on this machine.", "",

@@ -16,6 +16,21 @@ The kernel has FlashAttention's / MCFuser's shape. A block owns batch ``b``, row
 
 At the end each thread stores its accumulator (divided by the row sum for a softmax). A
 split-K reduce XLA put after the second GEMM needs nothing: the block sums all of n.
+
+Splitting n across blocks (``ChainTiling.n_split`` = S > 1; not with a row reduction over
+n other than a softmax's): S blocks share each output tile (the split index is the minor
+digit of blockIdx), split i walking n steps i * c .. (i + 1) * c - 1 (c = ceil(steps / S)).
+Phase 1 stores every block's f32 accumulators to a ``kir.GlobalScratch`` of partials
+[S, batch, m, h] (after a softmax undivided, with the rows' running max and sum in a second
+scratch [S, batch, m, 2]); a ``kir.GridBarrier``; phase 2, the combine: the grid strides
+over the outputs, adding each one's S partials in split order (deterministic; no atomics)
+— after a softmax weighted by exp(m_i - max m_i) and divided by the weighted sum of the
+l_i, FlashDecoding's split-KV combine — applying the output scale and storing in the
+output's type. The host runs the phases one after the
+other; a GPU launches the kernel once per phase (``grid_sync="relaunch"``: stream order is
+the barrier, so the grid need not be resident and ptxas keeps the chain's registers — the
+persistent form caps them at nvptx.GRID_BARRIER_MAX_REGISTERS, where chain tiles spill).
+The planner splits n only where the target runs grid-barrier kernels (STITCH_GRID_SYNC).
 Rows, columns and contractions that do not fill a tile are handled by loading zeros (a
 clamped index keeps every load in bounds), masking S columns past n (-inf before a softmax,
 0 otherwise) and not storing rows / columns past the edges.
@@ -75,6 +90,8 @@ class ChainTiling:
     block_h: int = 64       # result columns per block (H is split over blocks beyond it)
     mma: bool = False       # tensor cores (bf16/f16 operands; f32 ones as TF32): a warp
                             # owns 16 rows
+    n_split: int = 1        # blocks sharing an output tile, each on its share of n (the
+                            # partials meet after a grid barrier; module docstring)
 
     @property
     def warp_cols(self) -> int:
@@ -106,7 +123,7 @@ class ChainTiling:
         def bad(why: str) -> CodegenError:
             return CodegenError(f"chain tiling {self}: {why}")
         for name in ("block_m", "block_n", "threads", "thread_m", "thread_n", "block_k",
-                     "block_h"):
+                     "block_h", "n_split"):
             if getattr(self, name) < 1:
                 raise bad(f"{name} must be positive")
         if self.mma:
@@ -202,12 +219,17 @@ def lower_gemm_chain(graph: OpGraph, chain: GemmChain, tiling: ChainTiling | Non
             op.kind == "reduce" for op in chain.program):
         raise CodegenError(f"{name}: warp columns split n, and a row reduction other than a "
                            f"softmax's needs all of n in one warp")
+    if tiling.n_split > 1 and softmax_parts(chain.program) is None and any(
+            op.kind == "reduce" for op in chain.program):
+        raise CodegenError(f"{name}: n is split across blocks, and a row reduction over n "
+                           f"other than a softmax's needs every block's share of the row")
     layout = _MmaChainKernel if tiling.mma else _FmaChainKernel
     kernel = layout(graph, chain, tiling, name).build()
     note = (f"gemm chain {chain.batch}x{chain.m}x{chain.n}x{chain.k}x{chain.h} "
             f"({'online softmax' if chain.softmax else 'no softmax'}), tiles "
             f"m{tiling.block_m} n{tiling.block_n} k{tiling.block_k} h{tiling.block_h}, "
-            f"{tiling.threads} threads{_math_note(chain, tiling)}")
+            f"{tiling.threads} threads{_math_note(chain, tiling)}"
+            f"{f', n split over {tiling.n_split} blocks' if tiling.n_split > 1 else ''}")
     log.debug("%s: %s", name, note)
     return LoweredKernel(kernel, list(chain.inputs), [chain.output], ["gemm_chain"], [note])
 
@@ -291,6 +313,15 @@ class _ChainKernel:
         self.s: list[list[str]] = []
         self.acc: list[list[tuple[str, kir.Expr]]] = []
         self.shuffle_lanes = 1
+        # n split across blocks: every block's f32 partial result tile, per split.
+        self.partials = kir.GlobalScratch(
+            "partials", _F32, tiling.n_split * chain.batch * chain.m * chain.h) \
+            if tiling.n_split > 1 else None
+        # ... and after a softmax, every block's row maxima and sums [split, batch, m, 2].
+        self.row_stats = kir.GlobalScratch(
+            "row_stats", _F32, tiling.n_split * chain.batch * chain.m * 2) \
+            if self.partials is not None and self.softmax is not None else None
+        self.split: kir.Expr = _c(0)
 
     # --- small emitters -----------------------------------------------------------------
     def let(self, out: list[kir.Stmt], hint: str, expr: kir.Expr) -> kir.Expr:
@@ -340,9 +371,18 @@ class _ChainKernel:
         ch, t = self.chain, self.t
         m_blocks = -(-ch.m // t.block_m)
         h_blocks = -(-ch.h // t.block_h)
-        grid = ch.batch * m_blocks * h_blocks
+        grid = ch.batch * m_blocks * h_blocks * t.n_split
         body: list[kir.Stmt] = []
-        bid = kir.BlockIdx()
+        bid: kir.Expr = kir.BlockIdx()
+        n_lo, n_hi = _c(0), _c(ch.n)
+        if t.n_split > 1:
+            # The block's split (minor in blockIdx: the splits of one tile read the same A
+            # rows together) and its n steps.
+            self.split = self.let(body, "split", kir.Binary("rem", bid, _c(t.n_split)))
+            bid = self.let(body, "tile", kir.Binary("div", bid, _c(t.n_split)))
+            share = -(-(-(-ch.n // t.block_n)) // t.n_split)      # n steps per split
+            n_lo = self.let(body, "nlo", _mul(self.split, _c(share * t.block_n)))
+            n_hi = self.let(body, "nhi", _min(_add(n_lo, _c(share * t.block_n)), _c(ch.n)))
         hb = self.let(body, "hb", kir.Binary("rem", bid, _c(h_blocks)))
         mb = self.let(body, "mb", kir.Binary("rem", kir.Binary("div", bid, _c(h_blocks)),
                                              _c(m_blocks)))
@@ -366,10 +406,17 @@ class _ChainKernel:
                 body.append(kir.Local(f"red{r}_{i}", _F32, init))
             body.append(kir.For("n0", _c(0), _c(ch.n), _c(t.block_n),
                                 tuple(self.reduction_step(r))))
-        body.append(kir.For("n0", _c(0), _c(ch.n), _c(t.block_n), tuple(self.n_step())))
+        body.append(kir.For("n0", n_lo, n_hi, _c(t.block_n), tuple(self.n_step())))
         body.extend(self.store())
+        scratch: tuple[kir.GlobalScratch, ...] = ()
+        if self.partials is not None:
+            body.append(kir.GridBarrier())
+            body.extend(self.combine(grid))
+            scratch = (self.partials,) + ((self.row_stats,) if self.row_stats else ())
+        # n split: a launch per phase (module docstring).
         return kir.Kernel(self.name, (*self.params.values(), self.out), tuple(self.shared),
-                          grid, t.threads, tuple(body)).validate()
+                          grid, t.threads, tuple(body), scratch,
+                          "relaunch" if self.partials is not None else "barrier").validate()
 
     def layout(self, body: list[kir.Stmt]) -> None:
         raise NotImplementedError
@@ -465,22 +512,96 @@ class _ChainKernel:
         return p
 
     def store(self) -> list[kir.Stmt]:
+        """Each thread's accumulators: the result, or (n split) the block's f32 partial at
+        partials[((split * batch + b) * m + row) * h + col], scaled by the combine."""
         ch = self.chain
         out: list[kir.Stmt] = []
         scale = kir.f32(ch.output_scale)
         for i, row in enumerate(self.rows):
-            inv = None if ch.output_scale == 1.0 else scale
-            if self.softmax is not None:
+            inv = None if ch.output_scale == 1.0 or self.partials is not None else scale
+            if self.softmax is not None and self.partials is None:
                 inv = self.let(out, "inv", kir.Binary("div", scale,
                                                       kir.Ref(f"sum_{i}", _F32)))
+            elif self.softmax is not None:
+                # The row's running max and sum over the block's share of n (every thread
+                # of the row holds the same: the butterflies gave each lane the row's).
+                slot = _mul(_add(_mul(_add(_mul(self.split, _c(ch.batch)), self.batch),
+                                      _c(ch.m)), row), _c(2))
+                out.append(kir.If(_lt(row, _c(ch.m)), (
+                    kir.Store(self.row_stats.name, slot, kir.Ref(f"mx_{i}", _F32)),
+                    kir.Store(self.row_stats.name, _add(slot, _c(1)),
+                              kir.Ref(f"sum_{i}", _F32)))))
             for name, h in self.acc[i]:
                 value: kir.Expr = kir.Ref(name, _F32)
                 if inv is not None:
                     value = _mul(value, inv)
                 cond = _and(_lt(row, _c(ch.m)), _lt(h, _c(ch.h)))
-                index = _offset(ch.out, self.batch, row, h)
-                out.append(kir.If(cond, (kir.Store(self.out.name, index, value),)))
+                if self.partials is None:
+                    target, index = self.out.name, _offset(ch.out, self.batch, row, h)
+                else:
+                    tile = _add(_mul(self.split, _c(ch.batch)), self.batch)
+                    index = _add(_mul(_add(_mul(tile, _c(ch.m)), row), _c(ch.h)), h)
+                    target = self.partials.name
+                out.append(kir.If(cond, (kir.Store(target, index, value),)))
         return out
+
+    def combine(self, grid: int) -> list[kir.Stmt]:
+        """After the grid barrier: the grid strides over the outputs; each is the sum of its
+        ``n_split`` partials in split order (the same order every run: deterministic),
+        scaled, stored in the output's type."""
+        ch, t = self.chain, self.t
+        outputs = ch.batch * ch.m * ch.h
+        out: list[kir.Stmt] = []
+        gtid = self.let(out, "gtid", _add(_mul(kir.BlockIdx(), _c(t.threads)),
+                                          kir.ThreadIdx()))
+        body: list[kir.Stmt] = []
+        o = kir.Ref("o", "i32")
+        b = self.let(body, "cb", kir.Binary("div", o, _c(ch.m * ch.h)))
+        row = self.let(body, "crow", kir.Binary("rem", kir.Binary("div", o, _c(ch.h)),
+                                                _c(ch.m)))
+        col = self.let(body, "ccol", kir.Binary("rem", o, _c(ch.h)))
+        parts = [kir.Load(self.partials, _add(o, _c(split * outputs))) if split else
+                 kir.Load(self.partials, o) for split in range(t.n_split)]
+        if self.row_stats is None:
+            total: kir.Expr = parts[0]
+            for part in parts[1:]:
+                total = _add(total, part)
+            total = self.let(body, "csum", total)
+        else:
+            total = self.softmax_combine(body, b, row, parts)
+        if ch.output_scale != 1.0 and self.row_stats is None:
+            total = _mul(total, kir.f32(ch.output_scale))
+        body.append(kir.Store(self.out.name, _offset(ch.out, b, row, col), total))
+        out.append(kir.For("o", gtid, _c(outputs), _c(grid * t.threads), tuple(body)))
+        return out
+
+    def softmax_combine(self, body: list[kir.Stmt], b: kir.Expr, row: kir.Expr,
+                        parts: list[kir.Expr]) -> kir.Expr:
+        """FlashDecoding's split-KV combine of one output: the splits' row maxima m_i and
+        sums l_i give M = max m_i and weights w_i = exp(m_i - M) (0 for a split that saw
+        only -inf: an empty or wholly masked share); the output is sum w_i acc_i times
+        scale / sum w_i l_i, the splits in order."""
+        ch, t = self.chain, self.t
+        rows = ch.batch * ch.m
+        base = self.let(body, "rs", _mul(_add(_mul(b, _c(ch.m)), row), _c(2)))
+        maxima = [self.let(body, "rmx", kir.Load(self.row_stats, _add(base, _c(2 * i * rows))))
+                  for i in range(t.n_split)]
+        sums = [kir.Load(self.row_stats, _add(base, _c(2 * i * rows + 1)))
+                for i in range(t.n_split)]
+        top: kir.Expr = maxima[0]
+        for m in maxima[1:]:
+            top = kir.Binary("max", top, m)
+        top = self.let(body, "rtop", top)
+        numerator: kir.Expr = kir.f32(0.0)
+        denominator: kir.Expr = kir.f32(0.0)
+        for m, l, acc in zip(maxima, sums, parts):
+            w = self.let(body, "w", kir.Select(kir.Compare("eq", m, _NEG_INF), kir.f32(0.0),
+                                               kir.Unary("exp", kir.Binary("sub", m, top))))
+            numerator = _add(numerator, _mul(w, acc))
+            denominator = _add(denominator, _mul(w, l))
+        numerator = self.let(body, "cnum", numerator)
+        inv = self.let(body, "cinv", kir.Binary("div", kir.f32(ch.output_scale), denominator))
+        return _mul(numerator, inv)
 
 
     def stage_first_gemm_tiles(self, k0: kir.Expr, n0: kir.Expr) -> list[kir.Stmt]:

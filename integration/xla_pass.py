@@ -323,8 +323,11 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
         # XLA GPU runs f32 dots of DEFAULT precision on TF32 tensor cores: so may a chain.
         from stitch.explorer.planner import ExplorerOptions
         # And its chain schedules are assembled by ptxas, spilling ones struck.
+        # Chains split n across blocks (a launch per phase) only where STITCH_GRID_SYNC
+        # lets grid-barrier kernels run.
         options = dataclasses.replace(options or ExplorerOptions(), chain_tf32=True,
-                                      chain_spill_check=True)
+                                      chain_spill_check=True,
+                                      chain_grid_sync=grid_sync_on_gpu() != "off")
     fusion_plan = make_plan(module, request.target, options=options,
                             cancel=request.cancel, cache=True)
     timings["plan_s"] = time.perf_counter() - t0

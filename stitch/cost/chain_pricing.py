@@ -119,15 +119,17 @@ def _input_bytes(chain: GemmChain) -> float:
     return total
 
 
-def chain_dims(graph: OpGraph, chain: GemmChain, tf32: bool = False) -> ChainDims:
+def chain_dims(graph: OpGraph, chain: GemmChain, tf32: bool = False,
+               grid_sync: bool = False) -> ChainDims:
     """``tf32``: the chain kernel may use TF32 tensor cores where its dots allow them (the
-    GPU compile paths; host paths compute f32 exactly, as XLA CPU does)."""
+    GPU compile paths; host paths compute f32 exactly, as XLA CPU does). ``grid_sync``: the
+    target runs grid-barrier kernels, so the schedule may split n across blocks."""
     return ChainDims(chain.batch, chain.m, chain.n, chain.k, chain.h, chain.operand_dtype,
                      chain.softmax, _between_instructions(graph, chain),
                      tf32 and chain.tf32,     # the recognizer's rule, as codegen checks it
                      OPERAND_BYTES.get(chain.output_dtype, 4), _input_bytes(chain),
                      softmax_parts(chain.program) is None
-                     and any(op.kind == "reduce" for op in chain.program))
+                     and any(op.kind == "reduce" for op in chain.program), grid_sync)
 
 
 @dataclass(frozen=True)
@@ -172,16 +174,16 @@ def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
 
 def chain_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec,
                 method: str = "markov", tf32: bool = False,
-                check_spills: bool = False) -> ChainPrice:
+                check_spills: bool = False, grid_sync: bool = False) -> ChainPrice:
     """The chain kernel at the best schedule the search finds (cached per dims/target);
-    ``tf32`` as in ``chain_dims``. ``check_spills``: where ptxas is installed, the chosen
+    ``tf32`` and ``grid_sync`` (n split across blocks allowed) as in ``chain_dims``. ``check_spills``: where ptxas is installed, the chosen
     schedule is built and assembled for the target's arch, and a schedule ptxas spills is
     struck and the search settles on the next (the register model cannot see ptxas's own
     heuristics: it spilled 16-96 bytes at 64-255 registers on schedules the model puts well
     inside the register file)."""
     from ..schedule.chain_tiling import tiling_for
     from ..schedule.gemm_chain_space import best_schedule
-    dims = chain_dims(graph, chain, tf32)
+    dims = chain_dims(graph, chain, tf32, grid_sync)
     key = (dims.key, spec.name, method, check_spills)
     got = _PRICES.get(key)
     if got is None:

@@ -95,8 +95,10 @@ class CostModel:
 
     def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None,
                  gemm_chains: bool = True, chain_tf32: bool = False,
-                 chain_spill_check: bool = False):
+                 chain_spill_check: bool = False, chain_grid_sync: bool = False):
         self.graph = graph
+        # Chain schedules may split n across blocks (ExplorerOptions.chain_grid_sync).
+        self.chain_grid_sync = chain_grid_sync
         # Chain schedules ptxas spills are struck (ExplorerOptions.chain_spill_check).
         self.chain_spill_check = chain_spill_check
         # Chain kernels may use TF32 tensor cores for f32 dots that allow them (GPU paths).
@@ -255,7 +257,8 @@ class CostModel:
         if chain is None:
             return None
         tile = chain_price(self.graph, chain, self.spec, tf32=self.chain_tf32,
-                           check_spills=self.chain_spill_check).cost
+                           check_spills=self.chain_spill_check,
+                           grid_sync=self.chain_grid_sync).cost
         return _tile_kernel_cost(self.spec, tile, kernel_hbm_bytes(self.graph, members))
 
     def _compute_kernel(self, node: OpNode, nbytes: int) -> KernelCost:

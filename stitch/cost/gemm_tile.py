@@ -46,7 +46,7 @@ schedule may use TF32 MMA only where XLA does (``mma`` with an f32 operand type)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
 from .latency import BARRIER_LATENCY_CYCLES, DRAM_LATENCY_CYCLES, SFU_PER_SM
@@ -98,6 +98,9 @@ class ChainDims:
     # A row reduction between the GEMMs other than a softmax's (a layer norm over n): it
     # needs all of n in one warp (no warp columns).
     row_reductions: bool = False
+    # The target runs grid-barrier kernels (``codegen.kir.GridBarrier``: a cooperative
+    # launch or a launch per phase): n may then be split across blocks (``n_split``).
+    grid_sync: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -112,7 +115,15 @@ class ChainDims:
     def key(self) -> tuple:
         return (self.batch, self.m, self.n, self.k, self.h, self.operand_dtype, self.softmax,
                 round(self.between_instructions, 3), self.tf32, self.result_bytes,
-                round(self.input_bytes), self.row_reductions)
+                round(self.input_bytes), self.row_reductions, self.grid_sync)
+
+    @property
+    def n_splittable(self) -> bool:
+        """n may be split across blocks: the target has grid barriers, and no row reduction
+        over n between the GEMMs other than a softmax's (a layer norm would need every
+        block's share of the row before its own P; a softmax's splits are combined by
+        their row maxima and sums, FlashDecoding's split-KV)."""
+        return self.grid_sync and not self.row_reductions
 
     def mma_allowed(self, spec: GpuSpec) -> bool:
         if tensor_flops_per_clock_per_sm(spec, self.operand_dtype) is None:
@@ -131,7 +142,13 @@ class GemmChainSchedule:
     FlashAttention order) or "nk" (deep, h bound to blocks: each block recomputes the
     first GEMM for its h columns). ``hoist_a``: the DAG hoisting of A's load out of the n
     loop to the m loop (legal when ``block_k`` == k: the k loop has one trip, so A's tile
-    is loaded once per block and stays in shared memory)."""
+    is loaded once per block and stays in shared memory).
+
+    ``n_split``: blocks sharing one output tile, each summing the second GEMM over its
+    share of n (whole ``block_n`` steps); each writes its f32 partial tile to global scratch,
+    and a second launch of the kernel (its phase after the grid barrier) adds the
+    ``n_split`` partials of every output element in split order (deterministic) and stores
+    the result: XLA's split-K for the chain, in one kernel of two phases."""
 
     expression: str = "n(k,h)"
     block_m: int = 64
@@ -144,12 +161,14 @@ class GemmChainSchedule:
     mma: bool = False               # tensor-core MMA (TF32 for f32 operands) vs FMA
     stages: int = 2                 # shared-memory buffers per operand tile (cp.async)
     hoist_a: bool = False
+    n_split: int = 1
 
     def text(self) -> str:
         math_kind = "mma" if self.mma else "fma"
         return (f"{self.expression} m{self.block_m} n{self.block_n} k{self.block_k} "
                 f"h{self.block_h} t{self.threads} {self.thread_m}x{self.thread_n} {math_kind} "
-                f"s{self.stages}{' hoistA' if self.hoist_a else ''}")
+                f"s{self.stages}{' hoistA' if self.hoist_a else ''}"
+                f"{f' nsplit{self.n_split}' if self.n_split > 1 else ''}")
 
 
 @dataclass(frozen=True)
@@ -279,10 +298,26 @@ def warp_columns(s: GemmChainSchedule) -> int:
 
 
 def chain_grid(dims: ChainDims, s: GemmChainSchedule) -> int:
-    blocks = dims.batch * _ceil_div(dims.m, s.block_m)
+    """Blocks of the kernel: batch x m-tiles (x h-tiles in a deep tiling) x n-splits."""
+    blocks = dims.batch * _ceil_div(dims.m, s.block_m) * max(s.n_split, 1)
     if s.expression == "nk":
         blocks *= _ceil_div(dims.h, s.block_h)
     return blocks
+
+
+def split_n_tiles(dims: ChainDims, s: GemmChainSchedule) -> int:
+    """n steps (of ``block_n``) of one block: all of n's, or its split's share (codegen
+    gives split ``i`` the steps i * this .. (i + 1) * this - 1)."""
+    return _ceil_div(_ceil_div(dims.n, s.block_n), max(s.n_split, 1))
+
+
+def partial_bytes(dims: ChainDims, s: GemmChainSchedule) -> int:
+    """Bytes of the f32 partial results an n-split kernel writes to global scratch (and the
+    combine phase reads back): n_split x batch x m x h, and after a softmax each split's
+    row maxima and sums (n_split x batch x m x 2); 0 when n is not split."""
+    if s.n_split <= 1:
+        return 0
+    return s.n_split * dims.batch * dims.m * (dims.h + (2 if dims.softmax else 0)) * 4
 
 
 def _block_h(dims: ChainDims, s: GemmChainSchedule) -> int:
@@ -355,7 +390,9 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
     isz = dims.itemsize
     bm, bn, bk, threads = s.block_m, s.block_n, s.block_k, s.threads
     hb = _block_h(dims, s)
-    n_tiles = _ceil_div(dims.n, bn)
+    splits = max(s.n_split, 1)
+    n_tiles = split_n_tiles(dims, s)                   # the block's n steps
+    n_local = min(dims.n, n_tiles * bn)                # the n columns it reads of B and D
     k_tiles = 1 if s.hoist_a else _ceil_div(dims.k, bk)
     n_pad, k_pad = n_tiles * bn, k_tiles * (dims.k if s.hoist_a else bk)
     warps = max(threads // spec.warp_size, 1)
@@ -394,22 +431,26 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
         shuffles = 2 * bm * n_tiles * math.log2(threads_per_row) if threads_per_row > 1 else 0
     # Global traffic per block.
     a_bytes = bm * dims.k * isz
-    rhs = (dims.k * dims.n + dims.n * hb) * isz        # B and this block's D columns
+    rhs = (dims.k + hb) * n_local * isz                # B and D: this block's n and h share
     rhs_batch = (dims.k * dims.n + dims.n * dims.h) * isz
-    readers = m_blocks * h_blocks
+    readers = m_blocks * h_blocks                      # blocks reading one n share of them
     if rhs_batch <= L2_RESIDENT_SHARE * spec.l2_bytes:
         hbm_rhs, l2_rhs = rhs / readers, rhs * (1 - 1 / readers)
     else:
         hbm_rhs, l2_rhs = rhs, 0.0
     a_rereads = 0.0 if s.hoist_a else a_bytes * (n_tiles - 1)
-    # Other inputs of the ops between: each block's share once from HBM, again from L2
-    # by the other h-blocks of its rows (deep tiling).
-    extra = dims.input_bytes / (dims.batch * m_blocks)
-    hbm = a_bytes / h_blocks + hbm_rhs + bm * hb * dims.result_bytes + extra / h_blocks
-    l2 = a_bytes * (1 - 1 / h_blocks) + l2_rhs + a_rereads + extra * (1 - 1 / h_blocks)
+    # Other inputs of the ops between: each block's share (its n share) once from HBM,
+    # again from L2 by the other h-blocks of its rows (deep tiling).
+    extra = dims.input_bytes / (dims.batch * m_blocks * splits)
+    # A's rows are read by every h-block and n-split of them: once from HBM.
+    a_share = h_blocks * splits
+    # An n-split block writes its f32 partial tile (to scratch) instead of the result.
+    out_bytes = 4 if splits > 1 else dims.result_bytes
+    hbm = a_bytes / a_share + hbm_rhs + bm * hb * out_bytes + extra / h_blocks
+    l2 = a_bytes * (1 - 1 / a_share) + l2_rhs + a_rereads + extra * (1 - 1 / h_blocks)
     loads = a_bytes + a_rereads + rhs + extra
     steps = n_tiles * (k_tiles + 1) + (1 if folded else 0)
-    global_instr = (loads + bm * hb * dims.result_bytes) / (spec.warp_size * 16)
+    global_instr = (loads + bm * hb * out_bytes) / (spec.warp_size * 16)
     if s.mma:
         work = BlockWork(alu_instr=alu / 32, mma_flops=flops1 + flops2,
                          mma_dtype=dims.operand_dtype, sfu_instr=sfu / 32,
@@ -425,8 +466,42 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
                          inflight_bytes=loads / steps * s.stages)
     blocks = chain_grid(dims, s)
     # Flops executed: padding and the deep tiling's recomputed first GEMM included.
-    return tile_kernel_time(spec, work, blocks, threads, chain_registers(dims, s),
+    cost = tile_kernel_time(spec, work, blocks, threads, chain_registers(dims, s),
                             chain_smem_bytes(dims, s), flops=(flops1 + flops2) * blocks)
+    if splits == 1 or not math.isfinite(cost.seconds):
+        return cost
+    return _with_combine(spec, dims, s, cost)
+
+
+def _with_combine(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule,
+                  phase1: TileCost) -> TileCost:
+    """An n-split kernel (codegen launches it once per phase): the partials launch
+    (``phase1``), then the combine launch on the same grid — every thread grid-stride over
+    the outputs, each output's ``n_split`` f32 partials (and after a softmax the row
+    maxima and sums) loaded together (from L2 when they fit in its resident share, else
+    HBM), combined in order and stored."""
+    dram = DRAM_LATENCY_CYCLES.get(spec.compute_capability[0], 480)
+    outputs = dims.batch * dims.m * dims.h
+    partials = partial_bytes(dims, s)
+    result = outputs * dims.result_bytes
+    lanes = min(phase1.blocks, (phase1.occupancy.blocks_per_sm if phase1.occupancy else 1)
+                * spec.sm_count) * phase1.threads          # threads resident at once
+    rate = min(spec.hbm_bytes_per_cycle, lanes * s.n_split * 4 / dram)
+    l2 = partials <= L2_RESIDENT_SHARE * spec.l2_bytes
+    read_rate = rate * spec.l2_speedup_over_hbm if l2 else rate
+    memory = partials / read_rate + result / rate
+    latency = _ceil_div(outputs, lanes) * dram          # a round trip per grid-stride step
+    # After a softmax: an exp per split and output (the splits' weights).
+    sfu = outputs * s.n_split / (SFU_PER_SM * spec.sm_count) if dims.softmax else 0.0
+    combine = max(memory, latency, sfu)
+    l2_read = partials if l2 else 0.0
+    return replace(phase1,
+                   seconds=phase1.seconds + spec.kernel_launch_overhead_s
+                   + combine / spec.clock_hz,
+                   cycles=phase1.cycles + combine,
+                   hbm_bytes=phase1.hbm_bytes + result + partials - l2_read,
+                   l2_bytes=phase1.l2_bytes + l2_read,
+                   pipes={**phase1.pipes, "combine": combine})
 
 
 # --- XLA's GEMM kernels ----------------------------------------------------------------

@@ -78,6 +78,9 @@ class ExplorerOptions:
     # schedules ptxas spills (chain_pricing.chain_price): a second or so per distinct chain.
     # The GPU compile path turns it on; host paths never run the PTX.
     chain_spill_check: bool = False
+    # Chain schedules may split n across blocks (a grid barrier before the cross-block
+    # combine): only where the target runs grid-barrier kernels (STITCH_GRID_SYNC on GPU).
+    chain_grid_sync: bool = False
     # Ops per explored pattern (None: MAX_PATTERN_OPS on graphs of at most
     # SMALL_GRAPH_OPS ops, LARGE_GRAPH_PATTERN_OPS above). Scoring a pattern costs time
     # linear in its size and a long chain makes every vertex's patterns that large, so
@@ -245,7 +248,7 @@ def _tuned(graph: OpGraph, spec: GpuSpec, members: frozenset[int], cache: Schedu
 def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
                   cache: ScheduleCache | None = None,
                   poll: Callable[[], None] | None = None, chain_tf32: bool = False,
-                  chain_spill_check: bool = False) -> None:
+                  chain_spill_check: bool = False, chain_grid_sync: bool = False) -> None:
     """Attach the tuned stitching schedule to every stitched kernel of ``plan``. GEMM/conv,
     opaque ops, control flow and XLA's kept fusions around opaque ops run as XLA compiles
     them and get none."""
@@ -257,7 +260,8 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
             chain = chain_for(graph, k.members)
             if chain is not None:
                 k.chain_schedule = chain_price(graph, chain, spec, tf32=chain_tf32,
-                                               check_spills=chain_spill_check).schedule
+                                               check_spills=chain_spill_check,
+                                               grid_sync=chain_grid_sync).schedule
             continue
         if k.kind != "fused" or not k.cost.launches:
             continue
@@ -327,7 +331,8 @@ def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: G
                   graph.name, exc)
         return None
     schedule_plan(graph, spec, repaired, cache, chain_tf32=cost.chain_tf32,
-                  chain_spill_check=cost.chain_spill_check)
+                  chain_spill_check=cost.chain_spill_check,
+                  chain_grid_sync=cost.chain_grid_sync)
     return repaired
 
 
@@ -363,7 +368,8 @@ def chain_patterns(graph: OpGraph, cost: CostModel, locked: list[Pattern]) -> li
             continue
         try:
             chain_price(graph, chain, cost.spec, tf32=cost.chain_tf32,
-                        check_spills=cost.chain_spill_check)
+                        check_spills=cost.chain_spill_check,
+                        grid_sync=cost.chain_grid_sync)
         except ValueError as exc:           # no legal schedule for these dims
             log.debug("graph %s: chain at %s has no schedule: %s", graph.name,
                       graph.nodes[chain.first].name, exc)
@@ -399,7 +405,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     poll = poll or CancelPoll(options.cancel)
     cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains,
                              chain_tf32=options.chain_tf32,
-                             chain_spill_check=options.chain_spill_check)
+                             chain_spill_check=options.chain_spill_check,
+                             chain_grid_sync=options.chain_grid_sync)
     base_groups = baseline_groups(graph, baseline_source)
     baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight,
                        prefix="b")
@@ -552,7 +559,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     if options.schedules:
         start_schedules = time.perf_counter()
         schedule_plan(graph, spec, best, schedules, poll, chain_tf32=options.chain_tf32,
-                      chain_spill_check=options.chain_spill_check)
+                      chain_spill_check=options.chain_spill_check,
+                      chain_grid_sync=options.chain_grid_sync)
         repaired = _split_unschedulable(graph, spec, cost, best, schedules, weight)
         if repaired is not None:
             best = repaired
@@ -594,7 +602,8 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
         for graph, weight, (sets, origins) in zip(graphs, weights, kernel_sets(entry, graphs)):
             cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains,
                              chain_tf32=options.chain_tf32,
-                             chain_spill_check=options.chain_spill_check)
+                             chain_spill_check=options.chain_spill_check,
+                             chain_grid_sync=options.chain_grid_sync)
             base_groups = baseline_groups(graph, source)
             baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups),
                                False, weight, prefix="b")
@@ -602,7 +611,8 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
             stitched = _named(graph, launch_order(graph, kernels), weight)
             if options.schedules:
                 schedule_plan(graph, spec, stitched, {}, poll, chain_tf32=options.chain_tf32,
-                              chain_spill_check=options.chain_spill_check)
+                              chain_spill_check=options.chain_spill_check,
+                              chain_grid_sync=options.chain_grid_sync)
             report = PlannerReport(planner, stitched.objective_s, 0.0, status="cached")
             results.append(GraphResult(graph, baseline, stitched, report))
     except (StaleEntry, PlanValidationError) as exc:

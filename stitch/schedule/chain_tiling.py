@@ -4,7 +4,8 @@ The planner's schedule (stitch.cost.gemm_tile.GemmChainSchedule) names MCFuser's
 expression; codegen's ``ChainTiling`` has the same tiles. The flat expression "n(k,h)"
 keeps every result column of its m rows in one block (``block_h`` = h); the deep "nk"
 binds h-tiles to blocks, which codegen does whenever ``block_h`` < h (each block recomputes
-the first GEMM). The search only keeps schedules codegen can build (``buildable``), so the
+the first GEMM); ``n_split`` blocks share each output tile, each on its share of n (the
+cross-block combine after a grid barrier). The search only keeps schedules codegen can build (``buildable``), so the
 kernel that runs is the one the cost model priced.
 
 Not carried over: ``stages`` (codegen stages each tile once, no cp.async pipeline) and
@@ -24,7 +25,7 @@ def tiling_for(schedule: GemmChainSchedule, h: int) -> ChainTiling:
     return ChainTiling(block_m=schedule.block_m, block_n=schedule.block_n,
                        threads=schedule.threads, thread_m=schedule.thread_m,
                        thread_n=schedule.thread_n, block_k=schedule.block_k,
-                       block_h=block_h, mma=schedule.mma)
+                       block_h=block_h, mma=schedule.mma, n_split=schedule.n_split)
 
 
 def buildable(dims: ChainDims, schedule: GemmChainSchedule) -> bool:

@@ -44,7 +44,7 @@ from functools import lru_cache
 from typing import Iterator, Sequence
 
 from ..cost.gemm_tile import (ChainDims, GemmChainSchedule, TileCost, chain_cost,
-                              chain_registers, chain_smem_bytes)
+                              chain_grid, chain_registers, chain_smem_bytes)
 from ..cost.gpu_specs import GpuSpec
 from .chain_tiling import buildable
 from .markov import MarkovResult, construct
@@ -64,6 +64,8 @@ TILE_SIZES = (16, 32, 64, 128, 256)
 THREADS = (64, 128, 256, 512)
 THREAD_TILES = (1, 2, 4, 8)
 STAGES = (1, 2, 3)
+# Blocks sharing one output tile, each on its share of n (ChainDims.n_splittable only).
+N_SPLITS = (1, 2, 4, 8, 16)
 
 
 def block_expression(expression: str) -> str:
@@ -108,6 +110,12 @@ def _legal(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> bool:
         return False
     if s.hoist_a and s.block_k != dims.k:
         return False
+    if s.n_split != 1:
+        # Split n only where a grid barrier can run and nothing reduces rows over n; every
+        # split gets at least one n step.
+        if s.n_split not in N_SPLITS or not dims.n_splittable or \
+                s.n_split * s.block_n > dims.n:
+            return False
     # Tiles from the Rule 3 options (k may also be taken whole: the hoisting).
     if s.block_m not in _tile_options(dims.m) or s.block_n not in _tile_options(dims.n) or \
             s.block_k not in (*_tile_options(dims.k), dims.k) or \
@@ -150,6 +158,7 @@ def enumerate_schedules(spec: GpuSpec, dims: ChainDims) -> Iterator[GemmChainSch
     hs = _tile_options(dims.h)
     k_choices = sorted(set(ks) | {dims.k})
     mma_choices = (False, True) if dims.mma_allowed(spec) else (False,)
+    splits = N_SPLITS if dims.n_splittable else (1,)
     for sub in pruned_expressions():
         expression = "nk" if sub == "nk" else "n(k,h)"
         for bm, bn, bk in itertools.product(ms, ns, k_choices):
@@ -163,10 +172,11 @@ def enumerate_schedules(spec: GpuSpec, dims: ChainDims) -> Iterator[GemmChainSch
                 for hoist in ((False, True) if bk == dims.k else (False,)):
                     tiles = [(1, 1)] if mma else itertools.product(THREAD_TILES, THREAD_TILES)
                     for tm, tn in tiles:
-                        s = GemmChainSchedule(expression, bm, bn, bk, bh, threads, tm, tn,
-                                              mma, stages, hoist)
-                        if _legal(spec, dims, s):
-                            yield s
+                        for split in splits:
+                            s = GemmChainSchedule(expression, bm, bn, bk, bh, threads, tm,
+                                                  tn, mma, stages, hoist, split)
+                            if _legal(spec, dims, s):
+                                yield s
 
 
 @dataclass
@@ -298,6 +308,12 @@ class ChainSearchSpace:
                             one = replace(nxt, threads=2 * size)
                             if one != kept and 32 <= one.threads <= 1024:
                                 add(("tile " if f == 2 else "invtile ") + name, one)
+            if d.n_splittable:
+                # Split n across more (fewer) blocks: the cross-block combine's partials.
+                for f, name in ((2, "split n"), (0.5, "unsplit n")):
+                    split = int(s.n_split * f)
+                    if split in N_SPLITS:
+                        add(name, replace(s, n_split=split))
             other = "nk" if s.expression == "n(k,h)" else "n(k,h)"
             bh = s.block_h if other == "n(k,h)" else min(s.block_h, max(d.h // 2, 16))
             add("expression", replace(s, expression=other, block_h=bh))
@@ -345,7 +361,18 @@ class ChainSearchSpace:
         return replace(s, threads=max(threads, 32))
 
 
-def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 16, max_steps: int = 48,
+def _filling_split(spec: GpuSpec, dims: ChainDims,
+                   s: GemmChainSchedule) -> GemmChainSchedule | None:
+    """``s`` with the fewest n splits whose grid covers every SM (the most that fit n
+    when none does); None when that is no split."""
+    fits = [x for x in N_SPLITS if x > 1 and x * s.block_n <= dims.n]
+    if not fits:
+        return None
+    covering = [x for x in fits if chain_grid(dims, replace(s, n_split=x)) >= spec.sm_count]
+    return replace(s, n_split=min(covering) if covering else max(fits))
+
+
+def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 32, max_steps: int = 48,
                   seed: int = 0) -> SearchResult:
     """Gensor's Markov-guided construction over the chain's space (``markov.construct``)."""
     space = ChainSearchSpace(spec, dims)
@@ -355,6 +382,11 @@ def markov_search(spec: GpuSpec, dims: ChainDims, walks: int = 16, max_steps: in
                                  "")
         # Tensor cores with one and with two warp columns (warps sharing 16 rows).
         starts += [mma, replace(mma, threads=2 * mma.threads)]
+    if dims.n_splittable:
+        # The same starts with n split until the grid fills the SMs: the split schedules
+        # sit far from the unsplit ones (every tile move changes how many splits fit).
+        starts += [x for x in (_filling_split(spec, dims, s)
+                               for s in [space.initial(), *starts]) if x is not None]
     if not any(space.legal(s) for s in [space.initial(), *starts]):
         # Small chains (tiles below the default ones): start from the first legal
         # schedule of the pruned space.
