@@ -105,3 +105,26 @@ def test_spill_check_keeps_a_clean_schedule(monkeypatch):
     checked = chain_price(graph, chain, spec, tf32=True, check_spills=True)
     chain_pricing._PRICES.clear()
     assert checked.schedule == unchecked.schedule
+
+
+@needs_ptxas
+def test_spill_bytes_builds_through_the_compile_cache(monkeypatch, tmp_path):
+    """The real check: ptxas's spill count of the kernel codegen builds for the schedule,
+    emitted and assembled once; a second process (here: a fresh cache object on the same
+    directory) reads both from the on-disk cache."""
+    from codegen.cache import CompileCache
+    graph, chain = _chain("attention_bert_base", "h100")
+    spec = get_spec("h100")
+    schedule = chain_price(graph, chain, spec, tf32=True, check_spills=False).schedule
+    chain_pricing._PRICES.clear()
+    monkeypatch.setattr(chain_pricing, "_CACHE", [CompileCache(tmp_path)])
+    assert chain_pricing.spill_bytes(graph, chain, schedule, spec) == 0
+    stored = {p.name for p in tmp_path.rglob("*") if p.is_file()}
+    assert len(stored) >= 2                 # the PTX and the cubin
+    monkeypatch.setattr(chain_pricing, "_CACHE", [CompileCache(tmp_path)])
+    emitted = []
+    import codegen.gpu_cache as gpu_cache
+    monkeypatch.setattr(gpu_cache, "run_isolated",
+                        lambda *a, **k: emitted.append(a) or pytest.fail("emitted again"))
+    assert chain_pricing.spill_bytes(graph, chain, schedule, spec) == 0
+    assert not emitted

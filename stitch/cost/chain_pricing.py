@@ -147,25 +147,41 @@ _PRICES: dict[tuple, ChainPrice] = {}
 SPILL_RETRIES = 4
 
 
+_CACHE: list = []
+
+
+def _compile_cache():
+    """The process's on-disk compile cache (codegen.cache; an unusable directory turns
+    caching off there, logged)."""
+    if not _CACHE:
+        from codegen.cache import CompileCache
+        _CACHE.append(CompileCache())
+    return _CACHE[0]
+
+
 def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
                 spec: GpuSpec) -> int | None:
     """ptxas's spill bytes (stores + loads) of the kernel codegen builds for ``schedule`` on
     ``spec``'s arch; None where there is no ptxas or no build (nothing to judge by)."""
     from codegen.errors import CodegenError
     from codegen.gemm_chain import lower_gemm_chain
-    from codegen.gpu_cache import emit_ptx_cached
-    from codegen.toolchain import assemble, find_ptxas
+    from codegen.gpu_cache import CANONICAL_NAME, assemble_cached, emit_ptx_cached
+    from codegen.toolchain import find_ptxas
 
     from ..schedule.chain_tiling import tiling_for
     major, minor = spec.compute_capability
     arch = f"sm_{major}{minor}"
     try:
         find_ptxas(arch)
-        kernel = lower_gemm_chain(graph, chain, tiling_for(schedule, chain.h), "chain",
-                                  arch).kernel
-        # Emitted in an isolated child: an LLVM abort must not take the planning process down.
-        ptx = emit_ptx_cached(kernel, arch, cache=None).ptx
-        report = assemble(ptx, arch, kernel_name="chain")["chain"]
+        kernel = lower_gemm_chain(graph, chain, tiling_for(schedule, chain.h),
+                                  CANONICAL_NAME, arch).kernel
+        # Emitted in an isolated child (an LLVM abort must not take the planning process
+        # down), through the on-disk compile cache: a restarted job or another process
+        # planning the same chain does not emit and assemble it again.
+        cache = _compile_cache()
+        ptx = emit_ptx_cached(kernel, arch, cache=cache).ptx
+        report = assemble_cached(ptx, arch, cache=cache,
+                                 kernel_name=CANONICAL_NAME).reports[CANONICAL_NAME]
     except (CodegenError, OSError) as exc:
         log.debug("chain %s: no ptxas check of %s (%s)", chain.first, schedule.text(), exc)
         return None
