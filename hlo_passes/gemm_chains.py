@@ -24,10 +24,12 @@ reductions must reduce over exactly n. Anything else is not a chain (logged at d
 """
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import logging
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .graph import OpGraph
 from .ir import Computation, Instruction, Shape
@@ -142,9 +144,83 @@ _FOUND: "weakref.WeakKeyDictionary[OpGraph, tuple[int, tuple[GemmChain, ...]]]" 
     weakref.WeakKeyDictionary()
 
 
+_BARRIERS = (OpClass.COMPUTE, OpClass.OPAQUE)
+
+
+@dataclass(frozen=True)
+class _ChainSearch:
+    """What the recognizer asks of one graph for many (first, second) GEMM pairs, computed
+    once: which GEMMs / opaque ops ("barriers") each node reaches (``bits[v]`` has bit
+    ``position[x]`` set when there is a path v -> ... -> x; one pass over the edges in
+    reverse topological order), the walk from each first GEMM's result, each GEMM's
+    description. A residual stream links every layer's GEMMs to all later ones, so pairs
+    grow with the square of the layers; their work no longer does."""
+    position: dict[int, int]
+    bits: list[int]
+    # start -> (descendants reached without walking through a barrier, barriers among them)
+    walks: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    dots: dict[int, object] = field(default_factory=dict)    # node -> _Dot or its refusal
+
+    @staticmethod
+    def of(graph: OpGraph) -> "_ChainSearch":
+        position = {n.id: i for i, n in enumerate(
+            n for n in graph.nodes if n.op_class in _BARRIERS)}
+        bits = [0] * len(graph.nodes)
+        for node in reversed(graph.nodes):
+            reach = 0
+            for u in node.users:
+                reach |= bits[u]
+                at = position.get(u)
+                if at is not None:
+                    reach |= 1 << at
+            bits[node.id] = reach
+        return _ChainSearch(position, bits)
+
+    def reaches(self, v: int, barrier: int) -> bool:
+        return bool(self.bits[v] >> self.position[barrier] & 1)
+
+    def gemm(self, graph: OpGraph, nid: int) -> "_Dot":
+        """``_describe_gemm`` + ``_finish_result`` of ``nid`` (its refusal re-raised), once
+        per node: a GEMM is a candidate of many pairs. A copy: the recognizer's own."""
+        got = self.dots.get(nid)
+        if got is None:
+            try:
+                got = _describe_gemm(graph, nid)
+                _finish_result(graph, got)
+            except _NotAChain as why:
+                got = why
+            self.dots[nid] = got
+        if isinstance(got, _NotAChain):
+            raise _NotAChain(str(got))
+        return dataclasses.replace(got, lb=list(got.lb), lc=list(got.lc), rb=list(got.rb),
+                                   rc=list(got.rc),
+                                   split=None if got.split is None else list(got.split))
+
+    def walk(self, graph: OpGraph, start: int) -> tuple[list[int], list[int]]:
+        """Descendants of ``start`` reached without going through a barrier (barriers
+        included, not walked through), and the barriers among them; once per start."""
+        got = self.walks.get(start)
+        if got is None:
+            seen: set[int] = set()
+            barriers: list[int] = []
+            stack = [start]
+            while stack:
+                v = stack.pop()
+                for u in graph.nodes[v].users:
+                    if u not in seen:
+                        seen.add(u)
+                        if graph.nodes[u].op_class in _BARRIERS:
+                            barriers.append(u)
+                        else:
+                            stack.append(u)
+            got = self.walks[start] = (sorted(seen), barriers)
+        return got
+
+
 def _find(graph: OpGraph) -> list[GemmChain]:
     chains: list[GemmChain] = []
     taken: set[int] = set()
+    reach = _ChainSearch.of(graph)
     for node in graph.nodes:
         if node.op_class is not OpClass.COMPUTE or node.id in taken:
             continue
@@ -152,7 +228,7 @@ def _find(graph: OpGraph) -> list[GemmChain]:
             if second in taken:
                 continue
             try:
-                chain = _Recognizer(graph, node.id, second).run()
+                chain = _Recognizer(graph, node.id, second, reach).run()
             except _NotAChain as why:
                 log.debug("%s: %s -> %s is not a GEMM chain: %s", graph.name, node.name,
                           graph.nodes[second].name, why)
@@ -529,10 +605,12 @@ def _strided_view(node: int, dims: tuple[int, ...], digits: list[Digits], batch:
 
 
 class _Recognizer:
-    def __init__(self, graph: OpGraph, first: int, second: int):
+    def __init__(self, graph: OpGraph, first: int, second: int,
+                 reach: _ChainSearch | None = None):
         self.g = graph
         self.first = first
         self.second = second
+        self.reach = reach if reach is not None else _ChainSearch.of(graph)
         self.ops: list[ChainOp] = []
         self.memo: dict[ChainOp, int] = {}
         self.value_of: dict[int, int] = {}      # graph node -> program index
@@ -720,10 +798,8 @@ class _Recognizer:
     # --- the chain ----------------------------------------------------------------------
     def run(self) -> GemmChain:
         g = self.g
-        d1 = _describe_gemm(g, self.first)
-        d2 = _describe_gemm(g, self.second)
-        _finish_result(g, d1)
-        _finish_result(g, d2)
+        d1 = self.reach.gemm(g, self.first)
+        d2 = self.reach.gemm(g, self.second)
         if d1.alpha != 1.0 and d1.split:
             raise _NotAChain("a scaled split-K first GEMM")
         dtype = d1.lhs_shape.element_type
@@ -882,26 +958,23 @@ class _Recognizer:
         return renames
 
     def nodes_between(self, start: int, d2: _Dot) -> set[int]:
+        """Nodes strictly between ``start`` and the second GEMM: descendants of ``start``
+        that reach it. A GEMM or an opaque op among them refuses the chain.
+
+        The walk from ``start`` takes a GEMM or opaque op but does not go through it; which
+        nodes reach the second GEMM comes from ``_ChainSearch``. The same set and verdict
+        as walking every path both ways: a path through such an op to the second GEMM has a
+        first such op, which is taken and reaches it (refused); without one every path
+        between avoids them. Walking every path cost the forward pass's GEMMs a walk over
+        much of the backward pass for each far candidate (quadratic in layers)."""
         g = self.g
-        below: set[int] = set()
-        stack = [start]
-        while stack:
-            v = stack.pop()
-            for u in g.nodes[v].users:
-                if u not in below and u < self.second:
-                    below.add(u)
-                    stack.append(u)
-        above: set[int] = set()
-        stack = list(g.nodes[self.second].operands)
-        while stack:
-            v = stack.pop()
-            if v in above or v <= start:
-                continue
-            above.add(v)
-            stack.extend(g.nodes[v].operands)
-        between = below & above
-        if any(g.nodes[v].op_class in (OpClass.COMPUTE, OpClass.OPAQUE) for v in between):
+        second = self.second
+        below, barriers = self.reach.walk(g, start)
+        if any(x < second and self.reach.reaches(x, second) for x in barriers):
             raise _NotAChain("a GEMM or an opaque op sits between")
+        # (A node is smaller than every node it reaches: those past the second GEMM cannot.)
+        between = {v for v in below[:bisect.bisect_left(below, second)]
+                   if self.reach.reaches(v, second)}
         if not any(o in between or o == start for o in g.nodes[self.second].operands):
             raise _NotAChain("the second GEMM does not read the first one's result")
         return between

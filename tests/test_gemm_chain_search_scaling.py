@@ -1,0 +1,119 @@
+"""The GEMM-chain recognizer on deep graphs: a residual stream links every layer's GEMMs to
+all later ones, so candidate (first, second) pairs grow with the square of the layers. The
+work per pair must not (each GEMM described once, one walk per first GEMM), and the nodes
+found between two GEMMs must be what walking every path both ways finds. Structural
+counts, no timings."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hlo_passes import gemm_chains
+from hlo_passes.graph import build_op_graphs
+from hlo_passes.op_classes import OpClass
+from hlo_passes.parser import parse_hlo
+
+
+def _residual_mlp(layers: int, seed: int = 0, side: bool = False) -> str:
+    """x <- x + dot(act(dot(x, W1)), W2) per layer, acts drawn at random, a loss-like sum at
+    the end. ``side``: the hidden value's row sums are added into the stream too, so no
+    layer is a chain (its first result is read elsewhere) and every GEMM tries each later
+    one it reaches."""
+    rng = random.Random(seed)
+    lines = ["HloModule deep", "add {", "  p = f32[] parameter(0)", "  q = f32[] parameter(1)",
+             "  ROOT s = f32[] add(p, q)", "}", "ENTRY e {", "  x0 = f32[16,8] parameter(0)"]
+    params = 1
+    x = "x0"
+    for i in range(layers):
+        lines.append(f"  w1_{i} = f32[8,12] parameter({params})")
+        lines.append(f"  w2_{i} = f32[12,8] parameter({params + 1})")
+        params += 2
+        lines.append(f"  h{i} = f32[16,12] dot({x}, w1_{i}), lhs_contracting_dims={{1}}, "
+                     "rhs_contracting_dims={0}")
+        act = rng.choice(["tanh", "exponential", "negate"])
+        lines.append(f"  a{i} = f32[16,12] {act}(h{i})")
+        lines.append(f"  o{i} = f32[16,8] dot(a{i}, w2_{i}), lhs_contracting_dims={{1}}, "
+                     "rhs_contracting_dims={0}")
+        if side:
+            lines.append(f"  z{i} = f32[] constant(0)")
+            lines.append(f"  r{i} = f32[16] reduce(h{i}, z{i}), dimensions={{1}}, to_apply=add")
+            lines.append(f"  b{i} = f32[16,8] broadcast(r{i}), dimensions={{0}}")
+            lines.append(f"  s{i} = f32[16,8] add(o{i}, b{i})")
+            lines.append(f"  x{i + 1} = f32[16,8] add({x}, s{i})")
+        else:
+            lines.append(f"  x{i + 1} = f32[16,8] add({x}, o{i})")
+        x = f"x{i + 1}"
+    lines.append("  z = f32[] constant(0)")
+    lines.append(f"  ROOT loss = f32[] reduce({x}, z), dimensions={{0,1}}, to_apply=add")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _all_paths_between(graph, start: int, second: int) -> set[int]:
+    """The recognizer's set by its definition: descendants of ``start`` that are ancestors
+    of ``second`` (every path walked both ways)."""
+    below, stack = set(), [start]
+    while stack:
+        for u in graph.nodes[stack.pop()].users:
+            if u not in below and u < second:
+                below.add(u)
+                stack.append(u)
+    above, stack = set(), list(graph.nodes[second].operands)
+    while stack:
+        v = stack.pop()
+        if v in above or v <= start:
+            continue
+        above.add(v)
+        stack.extend(graph.nodes[v].operands)
+    return below & above
+
+
+@pytest.mark.parametrize("layers, side", [(3, False), (12, False), (12, True)])
+def test_each_gemm_described_and_walked_once(layers: int, side: bool, monkeypatch) -> None:
+    graph = build_op_graphs(parse_hlo(_residual_mlp(layers, side=side)))[0]
+    described, searches = [], []
+    describe, of = gemm_chains._describe_gemm, gemm_chains._ChainSearch.of
+    monkeypatch.setattr(gemm_chains, "_describe_gemm",
+                        lambda g, nid: described.append(nid) or describe(g, nid))
+    monkeypatch.setattr(gemm_chains._ChainSearch, "of",
+                        staticmethod(lambda g: searches.append(of(g)) or searches[-1]))
+    pairs = []
+    run = gemm_chains._Recognizer.run
+    monkeypatch.setattr(gemm_chains._Recognizer, "run",
+                        lambda self: pairs.append((self.first, self.second)) or run(self))
+    chains = gemm_chains._find(graph)
+    gemms = [n.id for n in graph.nodes if n.op_class is OpClass.COMPUTE]
+    assert len(gemms) == 2 * layers
+    if side:
+        assert chains == []
+        assert len(pairs) >= layers * layers       # the residual stream's pairs
+    else:
+        assert len(chains) == layers               # dot -> act -> dot, per layer
+    assert len(described) == len(set(described)) <= len(gemms)
+    (search,) = searches
+    assert len(search.walks) <= len(gemms) < len(pairs) or not side
+
+
+def test_nodes_between_is_every_path_both_ways() -> None:
+    graph = build_op_graphs(parse_hlo(_residual_mlp(6, seed=3, side=True)))[0]
+    search = gemm_chains._ChainSearch.of(graph)
+    gemms = [n.id for n in graph.nodes if n.op_class is OpClass.COMPUTE]
+    checked = refused = 0
+    for first in gemms:
+        for second in gemms:
+            if second <= first:
+                continue
+            recognizer = gemm_chains._Recognizer(graph, first, second, search)
+            want = _all_paths_between(graph, first, second)
+            barrier = any(graph.nodes[v].op_class in (OpClass.COMPUTE, OpClass.OPAQUE)
+                          for v in want)
+            reads = any(o in want or o == first for o in graph.nodes[second].operands)
+            if barrier or not reads:
+                with pytest.raises(gemm_chains._NotAChain):
+                    recognizer.nodes_between(first, None)
+                refused += 1
+            else:
+                assert recognizer.nodes_between(first, None) == want
+                checked += 1
+    assert checked >= 6 and refused >= 30
