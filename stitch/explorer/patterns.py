@@ -57,6 +57,9 @@ class ExplorerStats:
     evaluations: int = 0
     rejected_cycle: int = 0
     rejected_infeasible: int = 0
+    # Evaluations answered by an earlier pattern of the same structure (a repeated
+    # layer's): evaluations - reused is the work the distinct structure costs.
+    reused: int = 0
     seconds: float = 0.0
 
 
@@ -103,6 +106,7 @@ class PatternExplorer:
         self.stats = ExplorerStats()
         self.reasons: dict[tuple[int, int], str] = {}
         self._valid: dict[frozenset[int], Pattern | str] = {}
+        self._scored_keys: set = set()
 
     # --- evaluation --------------------------------------------------------------------
     def evaluate(self, members: frozenset[int], origin: str = "dp") -> Pattern | str:
@@ -118,11 +122,9 @@ class PatternExplorer:
         elif len(members) > 1 and not self.graph.is_convex(members):
             self.stats.rejected_cycle += 1
             result = "fusing would create a cycle (a path leaves the pattern and re-enters)"
-        else:
-            # The default check is the cost model's cached feasibility analysis.
+        elif self.check is not None:
             try:
-                analysis = self.check(self.graph, members) if self.check is not None \
-                    else self.cost.feasibility(members)
+                analysis = self.check(self.graph, members)
             except Infeasible as exc:
                 analysis = str(exc)
             if isinstance(analysis, str):
@@ -130,6 +132,21 @@ class PatternExplorer:
                 result = f"not stitchable: {analysis}"
             else:
                 result = Pattern(members, self.cost.gain(members, analysis), origin)
+        else:
+            # The default check is the cost model's feasibility verdict, which (like the
+            # kernel times) a set of the same structure answered before answers again.
+            key = self.cost.structure_key(members)
+            if key is not None:
+                if key in self._scored_keys:
+                    self.stats.reused += 1
+                else:
+                    self._scored_keys.add(key)
+            reason = self.cost.verdict(members)
+            if reason is not None:
+                self.stats.rejected_infeasible += 1
+                result = f"not stitchable: {reason}"
+            else:
+                result = Pattern(members, self.cost.gain(members), origin)
         self._valid[members] = result
         return result
 

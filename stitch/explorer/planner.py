@@ -195,7 +195,7 @@ def _packable(graph: OpGraph, members: frozenset[int], cost: CostModel | None = 
         return False
     if cost is None:
         return infeasible_reason(graph, members) is None
-    return cost.analysis(members) is not None
+    return cost.stitchable(members)
 
 
 def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origins: list[str],

@@ -97,7 +97,7 @@ def _stitchable(graph: OpGraph, cost: CostModel, members: frozenset[int]) -> boo
         return False
     if not graph.is_convex(members):
         return False
-    return cost.analysis(members) is not None
+    return cost.stitchable(members)
 
 
 class _Refiner:
