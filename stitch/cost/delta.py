@@ -96,7 +96,7 @@ class CostModel:
 
     def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None,
                  gemm_chains: bool = True, chain_tf32: bool = False,
-                 chain_spill_check: bool = False):
+                 chain_spill_check: bool = False, share_structure: bool = True):
         self.graph = graph
         # Chain schedules ptxas spills are struck (ExplorerOptions.chain_spill_check).
         self.chain_spill_check = chain_spill_check
@@ -118,6 +118,7 @@ class CostModel:
         # Results shared by member sets of the same structure (stitch.explorer.structure):
         # repeated layers score each distinct kernel shape once. Verdicts keep the reason's
         # wording with the first set's names, renamed on reuse.
+        self.share_structure = share_structure
         self.structure = StructureKeys(graph)
         self._key_of: dict[frozenset[int], Hashable | None] = {}
         self._cost_by_key: dict[Hashable, KernelCost] = {}
@@ -146,6 +147,8 @@ class CostModel:
 
     def structure_key(self, members: frozenset[int]) -> Hashable | None:
         """``StructureKeys.key`` of the set (cached by member set)."""
+        if not self.share_structure:
+            return None
         if members in self._key_of:
             return self._key_of[members]
         key = self._key_of[members] = self.structure.key(members)

@@ -57,8 +57,11 @@ class ExplorerStats:
     evaluations: int = 0
     rejected_cycle: int = 0
     rejected_infeasible: int = 0
-    # Evaluations answered by an earlier pattern of the same structure (a repeated
-    # layer's): evaluations - reused is the work the distinct structure costs.
+    # Evaluations that reached the feasibility verdict and kernel cost (the rest were
+    # rejected by size or convexity), and those of them an earlier pattern of the same
+    # structure answered (a repeated layer's): scored - reused is the scoring work the
+    # distinct structure costs.
+    scored: int = 0
     reused: int = 0
     seconds: float = 0.0
 
@@ -135,6 +138,7 @@ class PatternExplorer:
         else:
             # The default check is the cost model's feasibility verdict, which (like the
             # kernel times) a set of the same structure answered before answers again.
+            self.stats.scored += 1
             key = self.cost.structure_key(members)
             if key is not None:
                 if key in self._scored_keys:
