@@ -194,5 +194,5 @@ def test_shared_costs_equal_fresh_costs():
 
 
 def test_rename_carries_reasons():
-    assert rename("mul.3 (rsqrt) feeds mul.30", ["mul.3", "mul.30"], ["mul.7", "mul.70"]) \
+    assert rename("mul.3 (rsqrt) feeds mul.30", ("mul.3", "mul.30"), ("mul.7", "mul.70")) \
         == "mul.7 (rsqrt) feeds mul.70"

@@ -121,9 +121,11 @@ class CostModel:
         self.share_structure = share_structure
         self.structure = StructureKeys(graph)
         self._key_of: dict[frozenset[int], Hashable | None] = {}
+        self._first_of: dict[tuple[int, int], frozenset[int]] = {}
         self._cost_by_key: dict[Hashable, KernelCost] = {}
-        self._verdict_by_key: dict[Hashable, tuple[str | None, list[str]]] = {}
+        self._verdict_by_key: dict[Hashable, tuple[str | None, tuple[str, ...]]] = {}
         self.structure_hits = 0
+        self.fresh = 0                  # analyses and kernel costs computed, not shared
 
     # --- feasibility -------------------------------------------------------------------
     def feasibility(self, members: Iterable[int]) -> PatternAnalysis | str:
@@ -134,6 +136,7 @@ class CostModel:
         got = self._feasible.get(key)
         if got is None:
             self.poll()
+            self.fresh += 1
             try:
                 got = analyze_pattern(self.graph, key, allow_global=True)
             except Infeasible as exc:
@@ -151,7 +154,33 @@ class CostModel:
             return None
         if members in self._key_of:
             return self._key_of[members]
+        # The first set of a fingerprint (equal keys have equal fingerprints) gets its key
+        # only once a second set has that fingerprint too: a graph with little repetition
+        # then pays a fingerprint per set, not a key.
+        fingerprint = self.structure.fingerprint(members)
+        if fingerprint is None:
+            self._key_of[members] = None
+            return None
+        first = self._first_of.setdefault(fingerprint, members)
+        if first is members or first == members:
+            return None
+        if first not in self._key_of:
+            self._key_of[first] = self._publish(first)
         key = self._key_of[members] = self.structure.key(members)
+        return key
+
+    def _publish(self, members: frozenset[int]) -> Hashable | None:
+        """The key of a set scored before it had one, its results shared under it."""
+        key = self.structure.key(members)
+        if key is None:
+            return None
+        verdict = self._feasible.get(members)
+        if verdict is not None and key not in self._verdict_by_key:
+            self._verdict_by_key[key] = (verdict if isinstance(verdict, str) else None,
+                                         self.structure.names(members))
+        cost = self._cache.get(members)
+        if cost is not None:
+            self._cost_by_key.setdefault(key, cost)
         return key
 
     def verdict(self, members: Iterable[int]) -> str | None:
@@ -191,6 +220,7 @@ class CostModel:
                 self.structure_hits += 1
             else:
                 self.poll()
+                self.fresh += 1
                 cost = self._kernel(key, analysis)
                 if skey is not None:
                     self._cost_by_key[skey] = cost

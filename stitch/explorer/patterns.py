@@ -109,7 +109,6 @@ class PatternExplorer:
         self.stats = ExplorerStats()
         self.reasons: dict[tuple[int, int], str] = {}
         self._valid: dict[frozenset[int], Pattern | str] = {}
-        self._scored_keys: set = set()
 
     # --- evaluation --------------------------------------------------------------------
     def evaluate(self, members: frozenset[int], origin: str = "dp") -> Pattern | str:
@@ -139,18 +138,15 @@ class PatternExplorer:
             # The default check is the cost model's feasibility verdict, which (like the
             # kernel times) a set of the same structure answered before answers again.
             self.stats.scored += 1
-            key = self.cost.structure_key(members)
-            if key is not None:
-                if key in self._scored_keys:
-                    self.stats.reused += 1
-                else:
-                    self._scored_keys.add(key)
+            fresh = self.cost.fresh
             reason = self.cost.verdict(members)
             if reason is not None:
                 self.stats.rejected_infeasible += 1
                 result = f"not stitchable: {reason}"
             else:
                 result = Pattern(members, self.cost.gain(members), origin)
+            if self.cost.fresh == fresh:
+                self.stats.reused += 1
         self._valid[members] = result
         return result
 

@@ -39,6 +39,8 @@ _CALL_ATTRS = frozenset({"to_apply", "calls", "condition", "body", "true_computa
 _PLANNABLE = (OpClass.LIGHT, OpClass.EXPENSIVE, OpClass.REDUCTION, OpClass.LAYOUT)
 _CONTROL = frozenset({"while", "conditional"})
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+_SALT = "structure-part"            # part ids hashed apart: the fingerprint sums the hashes
+_MASK = (1 << 64) - 1
 
 
 class StructureKeys:
@@ -55,6 +57,7 @@ class StructureKeys:
         self.output_uses = Counter(graph.outputs)
         self.buffer = _buffers(graph)
         self.operands = [n.operands for n in graph.nodes]
+        self._hashes: list[int | None] = [None] * len(graph.nodes)
 
     # --- per node ----------------------------------------------------------------------
     def _intern(self, value: Hashable) -> int:
@@ -111,6 +114,20 @@ class StructureKeys:
         return got
 
     # --- per member set ----------------------------------------------------------------
+    def fingerprint(self, members: Iterable[int]) -> tuple[int, int] | None:
+        """A cheap digest equal for sets of equal keys (size and the sum of the members'
+        part hashes), None when a member is not a plannable op."""
+        plannable, hashes = self.plannable, self._hashes
+        total = 0
+        for v in members:
+            if not plannable[v]:
+                return None
+            h = hashes[v]
+            if h is None:
+                h = hashes[v] = hash((_SALT, self._member(v))) & _MASK
+            total += h
+        return len(members), total & _MASK
+
     def key(self, members: Iterable[int]) -> Hashable | None:
         """The set's structure key, or None when a member is not a plannable op."""
         order = sorted(members)
@@ -135,29 +152,37 @@ class StructureKeys:
             return ~got
 
         # Inside users follow from the operands, outside users from each member's user
-        # count (in its part); a bitcast member's buffer from its operand's.
-        rows = []
+        # count (in its part); a bitcast member's buffer from its operand's. One flat
+        # tuple of ints (each row prefixed by its operand count): the cyclic garbage
+        # collector untracks it at once, where nested tuples kept it busy.
+        flat = [len(order)]
+        append = flat.append
         for v in order:
-            refs = []
-            for o in operands[v]:
+            ops = operands[v]
+            append(member_part(v))
+            append(len(ops))
+            for o in ops:
                 j = local.get(o)
-                refs.append(ref(o) if j is None else j)
-            rows.append((member_part(v), tuple(refs)))
+                append(ref(o) if j is None else j)
         # Outside nodes' buffers may touch further nodes: number them as they come.
-        tail = []
         i = 0
         while i < len(touched):
             w = touched[i]
-            tail.append((self._outside(w), ref(buffer[w]) if buffer[w] != w else None))
+            append(self._outside(w))
+            if buffer[w] != w:
+                append(1)
+                append(ref(buffer[w]))
+            else:
+                append(0)
             i += 1
-        return (tuple(rows), tuple(tail))
+        return tuple(flat)
 
-    def names(self, members: Iterable[int]) -> list[str]:
+    def names(self, members: Iterable[int]) -> tuple[str, ...]:
         """Member names in increasing id order (to carry a reason to another set)."""
-        return [self.graph.nodes[v].name for v in sorted(members)]
+        return tuple([self.graph.nodes[v].name for v in sorted(members)])
 
 
-def rename(text: str, before: list[str], after: list[str]) -> str:
+def rename(text: str, before: tuple[str, ...], after: tuple[str, ...]) -> str:
     """``text`` with every name of ``before`` replaced by the name at its position in
     ``after`` (a reason worded for one member set, carried to one with the same key)."""
     if before == after:
