@@ -50,7 +50,6 @@ class StructureKeys:
         self.graph = graph
         self._comps: dict[str, Hashable] = {}
         self._interned: dict[Hashable, int] = {}
-        self._member_part: dict[int, int] = {}
         self._outside_part: dict[int, int] = {}
         self.plannable = [n.op_class in _PLANNABLE and n.opcode not in _CONTROL
                           for n in graph.nodes]
@@ -58,6 +57,7 @@ class StructureKeys:
         self.buffer = _buffers(graph)
         self.operands = [n.operands for n in graph.nodes]
         self._hashes: list[int | None] = [None] * len(graph.nodes)
+        self._parts: list[int | None] = [None] * len(graph.nodes)
 
     # --- per node ----------------------------------------------------------------------
     def _intern(self, value: Hashable) -> int:
@@ -93,10 +93,10 @@ class StructureKeys:
         return (inst.opcode, inst.shape, tuple(attrs), literal, inst.parameter_number)
 
     def _member(self, v: int) -> int:
-        got = self._member_part.get(v)
+        got = self._parts[v]
         if got is None:
             node = self.graph.nodes[v]
-            got = self._member_part[v] = self._intern(
+            got = self._parts[v] = self._intern(
                 ("m", node.op_class, node.shape, self._instruction(node.instruction),
                  node.index, self.graph.is_free(v), self.output_uses.get(v, 0),
                  len(node.users), self.buffer[v] != v))
@@ -134,23 +134,10 @@ class StructureKeys:
         plannable = self.plannable
         if not all(plannable[v] for v in order):
             return None
-        operands = self.operands
-        member_part = self._member
-        buffer = self.buffer
-        local = {v: i for i, v in enumerate(order)}
-        outside: dict[int, int] = {}
+        operands, parts, buffer = self.operands, self._parts, self.buffer
+        # Members by position (>= 0), outside nodes by first appearance (~k < 0).
+        index = dict(zip(order, range(len(order))))
         touched: list[int] = []
-
-        def ref(w: int) -> int:
-            got = local.get(w)
-            if got is not None:
-                return got
-            got = outside.get(w)
-            if got is None:
-                got = outside[w] = len(outside)
-                touched.append(w)
-            return ~got
-
         # Inside users follow from the operands, outside users from each member's user
         # count (in its part); a bitcast member's buffer from its operand's. One flat
         # tuple of ints (each row prefixed by its operand count): the cyclic garbage
@@ -159,19 +146,28 @@ class StructureKeys:
         append = flat.append
         for v in order:
             ops = operands[v]
-            append(member_part(v))
+            part = parts[v]
+            append(self._member(v) if part is None else part)
             append(len(ops))
             for o in ops:
-                j = local.get(o)
-                append(ref(o) if j is None else j)
+                j = index.get(o)
+                if j is None:
+                    j = index[o] = ~len(touched)
+                    touched.append(o)
+                append(j)
         # Outside nodes' buffers may touch further nodes: number them as they come.
         i = 0
         while i < len(touched):
             w = touched[i]
             append(self._outside(w))
-            if buffer[w] != w:
+            b = buffer[w]
+            if b != w:
+                j = index.get(b)
+                if j is None:
+                    j = index[b] = ~len(touched)
+                    touched.append(b)
                 append(1)
-                append(ref(buffer[w]))
+                append(j)
             else:
                 append(0)
             i += 1
