@@ -222,8 +222,19 @@ def test_linear_launch_order_matches_the_round_by_round_order():
     fusion_plan = plan(layers_hlo(3), "h100", "beam")
     graph = fusion_plan.graphs[0].graph
     rng = np.random.default_rng()
-    for side in (fusion_plan.graphs[0].baseline, fusion_plan.graphs[0].stitched):
-        groups = [frozenset(k.members) for k in side.kernels]
+    singles = [[frozenset((v,)) for k in fusion_plan.graphs[0].baseline.kernels
+                for v in k.members]]
+    # A wide graph too: a zoo training step's ops as kernels of their own.
+    from tests.fixtures import DATA
+    from stitch.explorer.planner import baseline_groups
+    wide_graph = _graph((DATA / "transformer_train" / "tiny.gpu-h100.hlo").read_text())
+    wide_groups = baseline_groups(wide_graph, "xla")
+    for _ in range(5):
+        shuffled = [wide_groups[i] for i in rng.permutation(len(wide_groups))]
+        assert launch_indices(wide_graph, shuffled) == _rounds_reference(wide_graph, shuffled)
+    for groups in [[frozenset(k.members) for k in side.kernels]
+                   for side in (fusion_plan.graphs[0].baseline,
+                                fusion_plan.graphs[0].stitched)] + singles:
         for _ in range(10):
             shuffled = [groups[i] for i in rng.permutation(len(groups))]
             assert launch_indices(graph, shuffled) == _rounds_reference(graph, shuffled)
@@ -231,7 +242,7 @@ def test_linear_launch_order_matches_the_round_by_round_order():
     # it, against the ops in between.
     names = {n.name: n.id for n in graph.nodes}
     first = frozenset(names[n] for n in ("rs_L1", "rsb_L1", "ln_L1", "x_L1"))
-    rest = [frozenset((v,)) for g in groups for v in g if v not in first]
+    rest = [g for g in singles[0] if not g & first]
     cyclic = [first] + rest
     assert _rounds_reference(graph, cyclic) is None
     with pytest.raises(PlanValidationError, match="cycle"):
