@@ -196,6 +196,8 @@ def test_shared_costs_equal_fresh_costs():
 def test_rename_carries_reasons():
     assert rename("mul.3 (rsqrt) feeds mul.30", ("mul.3", "mul.30"), ("mul.7", "mul.70")) \
         == "mul.7 (rsqrt) feeds mul.70"
+    assert rename("ends at mul.3.", ("mul.3",), ("mul.9",)) == "ends at mul.9."
+    assert rename("mul.30 stays", ("mul.3",), ("mul.9",)) == "mul.30 stays"
 
 
 def _rounds_reference(graph, groups):

@@ -184,7 +184,16 @@ def rename(text: str, before: tuple[str, ...], after: tuple[str, ...]) -> str:
     if before == after:
         return text
     mapping = dict(zip(before, after))
-    return _NAME.sub(lambda m: mapping.get(m.group(0), m.group(0)), text)
+
+    def swap(match: re.Match) -> str:
+        token = match.group(0)
+        got = mapping.get(token)
+        if got is None and token.endswith("."):      # a name ending a sentence
+            stem = token.rstrip(".")
+            got = mapping.get(stem)
+            return token if got is None else got + token[len(stem):]
+        return token if got is None else got
+    return _NAME.sub(swap, text)
 
 
 def _buffers(graph: OpGraph) -> list[int]:
