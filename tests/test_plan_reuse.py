@@ -249,3 +249,20 @@ def test_linear_launch_order_matches_the_round_by_round_order():
     assert _rounds_reference(graph, cyclic) is None
     with pytest.raises(PlanValidationError, match="cycle"):
         launch_indices(graph, cyclic)
+
+
+def test_dump_modules_writes_what_the_pass_plans(tmp_path, monkeypatch):
+    """STITCH_DUMP_MODULES: each module the XLA pass is handed lands in the folder, one
+    file per call, so planning can be profiled without XLA."""
+    from integration.xla_pass import DUMP_ENV, PassRequest, _dump_module
+    request = PassRequest("my fn", "h100", "cpu")
+    text = layers_hlo(1)
+    monkeypatch.delenv(DUMP_ENV, raising=False)
+    _dump_module(text, request)                     # unset: nothing written
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv(DUMP_ENV, str(tmp_path / "mods"))
+    _dump_module(text, request)
+    _dump_module(text + "\n", request)
+    files = sorted(p.name for p in (tmp_path / "mods").iterdir())
+    assert files == ["my_fn.0.hlo", "my_fn.1.hlo"]
+    assert (tmp_path / "mods" / "my_fn.0.hlo").read_text() == text
