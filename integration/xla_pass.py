@@ -268,10 +268,30 @@ def _untag(module: HloModule) -> None:
         del module.attrs["frontend_attributes"]
 
 
+DUMP_ENV = "STITCH_DUMP_MODULES"
+
+
+def _dump_module(text: str, request: PassRequest) -> None:
+    """With ``$STITCH_DUMP_MODULES`` set to a folder, write the module the pass plans there
+    (``<function>.<n>.hlo``): planning can then be profiled in-process without XLA."""
+    folder = os.environ.get(DUMP_ENV, "").strip()
+    if not folder:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", request.function or "module")
+        n = sum(1 for f in os.listdir(folder) if f.startswith(stem + "."))
+        with open(os.path.join(folder, f"{stem}.{n}.hlo"), "w") as f:
+            f.write(text)
+    except OSError as exc:
+        log.warning("%s: could not write the module: %s", DUMP_ENV, exc)
+
+
 def stitch_module_text(text: str, request: PassRequest) -> str | None:
     """The module with stitch's kernels in (None when none was placed); sets
     ``request.report``."""
     start = time.perf_counter()
+    _dump_module(text, request)
     module = parse_hlo(text)
     _untag(module)
     request.check_cancelled()

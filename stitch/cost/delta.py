@@ -37,12 +37,13 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Hashable, Iterable
 
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.op_classes import OpClass
 
 from ..explorer.feasibility import Infeasible, PatternAnalysis, analyze_pattern
+from ..explorer.structure import StructureKeys, rename
 from .gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
 
 # Thread instructions per element (FP32 pipeline issue slots). Light ops are one
@@ -95,7 +96,8 @@ class CostModel:
 
     def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None,
                  gemm_chains: bool = True, chain_tf32: bool = False,
-                 chain_spill_check: bool = False, chain_grid_sync: bool = False):
+                 chain_spill_check: bool = False, chain_grid_sync: bool = False,
+                 share_structure: bool = True):
         self.graph = graph
         # Chain schedules may split n across blocks (ExplorerOptions.chain_grid_sync).
         self.chain_grid_sync = chain_grid_sync
@@ -116,6 +118,17 @@ class CostModel:
         self.saturation = spec.sm_count * SATURATING_THREADS_PER_SM
         self._single_total: dict[int, float] = {}
         self._feasible: dict[frozenset[int], PatternAnalysis | str] = {}
+        # Results shared by member sets of the same structure (stitch.explorer.structure):
+        # repeated layers score each distinct kernel shape once. Verdicts keep the reason's
+        # wording with the first set's names, renamed on reuse.
+        self.share_structure = share_structure
+        self.structure = StructureKeys(graph)
+        self._key_of: dict[frozenset[int], Hashable | None] = {}
+        self._first_of: dict[tuple[int, int], frozenset[int]] = {}
+        self._cost_by_key: dict[Hashable, KernelCost] = {}
+        self._verdict_by_key: dict[Hashable, tuple[str | None, tuple[str, ...]]] = {}
+        self.structure_hits = 0
+        self.fresh = 0                  # analyses and kernel costs computed, not shared
 
     # --- feasibility -------------------------------------------------------------------
     def feasibility(self, members: Iterable[int]) -> PatternAnalysis | str:
@@ -126,12 +139,72 @@ class CostModel:
         got = self._feasible.get(key)
         if got is None:
             self.poll()
+            self.fresh += 1
             try:
                 got = analyze_pattern(self.graph, key, allow_global=True)
             except Infeasible as exc:
                 got = str(exc)
             self._feasible[key] = got
+            skey = self.structure_key(key)
+            if skey is not None and skey not in self._verdict_by_key:
+                self._verdict_by_key[skey] = (got if isinstance(got, str) else None,
+                                              self.structure.names(key))
         return got
+
+    def structure_key(self, members: frozenset[int]) -> Hashable | None:
+        """``StructureKeys.key`` of the set (cached by member set)."""
+        if not self.share_structure:
+            return None
+        if members in self._key_of:
+            return self._key_of[members]
+        # The first set of a fingerprint (equal keys have equal fingerprints) gets its key
+        # only once a second set has that fingerprint too: a graph with little repetition
+        # then pays a fingerprint per set, not a key.
+        fingerprint = self.structure.fingerprint(members)
+        if fingerprint is None:
+            self._key_of[members] = None
+            return None
+        first = self._first_of.setdefault(fingerprint, members)
+        if first is members or first == members:
+            return None
+        if first not in self._key_of:
+            self._key_of[first] = self._publish(first)
+        key = self._key_of[members] = self.structure.key(members)
+        return key
+
+    def _publish(self, members: frozenset[int]) -> Hashable | None:
+        """The key of a set scored before it had one, its results shared under it."""
+        key = self.structure.key(members)
+        if key is None:
+            return None
+        verdict = self._feasible.get(members)
+        if verdict is not None and key not in self._verdict_by_key:
+            self._verdict_by_key[key] = (verdict if isinstance(verdict, str) else None,
+                                         self.structure.names(members))
+        cost = self._cache.get(members)
+        if cost is not None:
+            self._cost_by_key.setdefault(key, cost)
+        return key
+
+    def verdict(self, members: Iterable[int]) -> str | None:
+        """Why ``members`` cannot be stitched, None when they can: ``feasibility``'s answer,
+        taken from an earlier set of the same structure when there is one (no analysis)."""
+        members = members if isinstance(members, frozenset) else frozenset(members)
+        got = self._feasible.get(members)
+        if got is not None:
+            return got if isinstance(got, str) else None
+        key = self.structure_key(members)
+        known = self._verdict_by_key.get(key) if key is not None else None
+        if known is not None:
+            self.structure_hits += 1
+            reason, names = known
+            return None if reason is None else \
+                rename(reason, names, self.structure.names(members))
+        got = self.feasibility(members)
+        return got if isinstance(got, str) else None
+
+    def stitchable(self, members: Iterable[int]) -> bool:
+        return self.verdict(members) is None
 
     def analysis(self, members: Iterable[int]) -> PatternAnalysis | None:
         """``feasibility`` as the analysis, None when not stitchable."""
@@ -141,11 +214,19 @@ class CostModel:
     # --- kernel time -------------------------------------------------------------------
     def kernel(self, members: Iterable[int], analysis: PatternAnalysis | None = None
                ) -> KernelCost:
-        key = frozenset(members)
+        key = members if isinstance(members, frozenset) else frozenset(members)
         cost = self._cache.get(key)
         if cost is None:
-            self.poll()
-            cost = self._kernel(key, analysis)
+            skey = self.structure_key(key)
+            cost = self._cost_by_key.get(skey) if skey is not None else None
+            if cost is not None:
+                self.structure_hits += 1
+            else:
+                self.poll()
+                self.fresh += 1
+                cost = self._kernel(key, analysis)
+                if skey is not None:
+                    self._cost_by_key[skey] = cost
             self._cache[key] = cost
         return cost
 

@@ -295,13 +295,12 @@ def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
                 result.append((current, parts > 1))
                 current, parts = g, 1
                 continue
-            analysis = cost.analysis(union)
-            if analysis is None:
+            if not cost.stitchable(union):
                 result.append((current, parts > 1))
                 current, parts = g, 1
                 continue
             saved = cost.kernel(current).total_s + cost.kernel(g).total_s - \
-                cost.kernel(union, analysis).total_s
+                cost.kernel(union).total_s
             if saved > 0:
                 current, parts = union, parts + 1
             else:
@@ -434,11 +433,10 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         union = kernels[a] | kernels[b]
         if len(union) > max_ops:
             return None
-        analysis = cost.analysis(union)
-        if analysis is None:
+        if not cost.stitchable(union):
             return None
         s = cost.kernel(kernels[a]).total_s + cost.kernel(kernels[b]).total_s - \
-            cost.kernel(union, analysis).total_s
+            cost.kernel(union).total_s
         return (s, union) if s > 0 else None
 
     # Heap entries: (-saving, a, b, exact). With many kernels, the pairs a merge creates

@@ -57,6 +57,12 @@ class ExplorerStats:
     evaluations: int = 0
     rejected_cycle: int = 0
     rejected_infeasible: int = 0
+    # Evaluations that reached the feasibility verdict and kernel cost (the rest were
+    # rejected by size or convexity), and those of them an earlier pattern of the same
+    # structure answered (a repeated layer's): scored - reused is the scoring work the
+    # distinct structure costs.
+    scored: int = 0
+    reused: int = 0
     seconds: float = 0.0
 
 
@@ -118,11 +124,9 @@ class PatternExplorer:
         elif len(members) > 1 and not self.graph.is_convex(members):
             self.stats.rejected_cycle += 1
             result = "fusing would create a cycle (a path leaves the pattern and re-enters)"
-        else:
-            # The default check is the cost model's cached feasibility analysis.
+        elif self.check is not None:
             try:
-                analysis = self.check(self.graph, members) if self.check is not None \
-                    else self.cost.feasibility(members)
+                analysis = self.check(self.graph, members)
             except Infeasible as exc:
                 analysis = str(exc)
             if isinstance(analysis, str):
@@ -130,6 +134,19 @@ class PatternExplorer:
                 result = f"not stitchable: {analysis}"
             else:
                 result = Pattern(members, self.cost.gain(members, analysis), origin)
+        else:
+            # The default check is the cost model's feasibility verdict, which (like the
+            # kernel times) a set of the same structure answered before answers again.
+            self.stats.scored += 1
+            fresh = self.cost.fresh
+            reason = self.cost.verdict(members)
+            if reason is not None:
+                self.stats.rejected_infeasible += 1
+                result = f"not stitchable: {reason}"
+            else:
+                result = Pattern(members, self.cost.gain(members), origin)
+            if self.cost.fresh == fresh:
+                self.stats.reused += 1
         self._valid[members] = result
         return result
 

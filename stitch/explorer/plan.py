@@ -165,35 +165,64 @@ def producers_needed(graph: OpGraph, members: set[int]) -> set[int]:
 def launch_order(graph: OpGraph, kernels: list[PlannedKernel]) -> list[PlannedKernel]:
     """Kernels reordered so every kernel runs after the kernels producing its inputs (for
     each needed value, the first kernel that writes it). Raises PlanValidationError on a cycle."""
-    writers: dict[int, list[int]] = {}
-    written_by = [_written(graph, set(k.members)) for k in kernels]
-    for index, written in enumerate(written_by):
-        for v in written:
-            writers.setdefault(v, []).append(index)
-    needs = [producers_needed(graph, set(k.members)) for k in kernels]
+    order = launch_indices(graph, [frozenset(k.members) for k in kernels])
+    return [kernels[i] for i in order]
+
+
+KernelIO = dict[frozenset[int], tuple[set[int], set[int]]]
+
+
+def launch_indices(graph: OpGraph, groups: list[frozenset[int]],
+                   io: KernelIO | None = None) -> list[int]:
+    """``launch_order`` on member sets, as indices: round by round, every kernel whose
+    inputs are available, in plan order. ``io`` caches each set's (written, needed) values
+    across calls (refinement orders the plan again after every move, one kernel changed).
+    Raises PlanValidationError on a value no kernel writes or on a cycle."""
+    io = {} if io is None else io
+    written_by: list[set[int]] = []
+    needs: list[set[int]] = []
+    for g in groups:
+        got = io.get(g)
+        if got is None:
+            got = io[g] = (_written(graph, set(g)), producers_needed(graph, set(g)))
+        written_by.append(got[0])
+        needs.append(got[1])
+    writers: set[int] = set().union(*written_by) if written_by else set()
+    readers: dict[int, list[int]] = {}
     for index, need in enumerate(needs):
         for v in need:
             if v not in writers:
                 raise PlanValidationError(
                     f"graph {graph.name}: kernel {index} reads {graph.nodes[v].name}, "
                     "which no kernel writes")
-    done: set[int] = set()
+            readers.setdefault(v, []).append(index)
+    # Kahn's algorithm in rounds (a kernel made ready in a round launches in the next,
+    # rounds in plan order): the order the round-by-round rescan gave, in linear time.
+    missing = [len(need) for need in needs]
+    ready = [i for i, m in enumerate(missing) if m == 0]
     available: set[int] = set()
     order: list[int] = []
-    pending = list(range(len(kernels)))
-    # Repeatedly launch every kernel whose inputs are available (stable: plan order).
-    while pending:
-        ready = [i for i in pending if needs[i] <= available]
-        if not ready:
-            names = ", ".join(graph.nodes[kernels[i].members[0]].name for i in pending[:5])
-            raise PlanValidationError(
-                f"graph {graph.name}: kernels form a cycle (stuck at {names}...)")
+    while ready:
+        ready.sort()
+        order.extend(ready)
+        following: list[int] = []
         for i in ready:
-            order.append(i)
-            done.add(i)
-            available |= written_by[i]
-        pending = [i for i in pending if i not in done]
-    return [kernels[i] for i in order]
+            for v in written_by[i]:
+                if v in available:
+                    continue
+                available.add(v)
+                for j in readers.get(v, ()):
+                    missing[j] -= 1
+                    if missing[j] == 0:
+                        following.append(j)
+        ready = following
+    if len(order) < len(groups):
+        launched = set(order)
+        pending = [i for i in range(len(groups)) if i not in launched]
+        names = ", ".join(graph.nodes[min(groups[i])].name for i in pending[:5])
+        raise PlanValidationError(
+            f"graph {graph.name}: kernels form a cycle (stuck at {names}...)")
+    return order
 
 
 def validate(graph: OpGraph, kernels: list[PlannedKernel]) -> None:

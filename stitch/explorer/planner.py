@@ -87,6 +87,9 @@ class ExplorerOptions:
     # planning grew quadratically; kernels still grow past the bound by merging adjacent
     # kernels (refinement and packing, up to MAX_PATTERN_OPS).
     max_pattern_ops: int | None = None
+    # Share kernel costs and feasibility verdicts between member sets of the same structure
+    # (repeated layers; stitch.explorer.structure). Off only to check it changes no plan.
+    share_structure: bool = True
     # Returns True once planning should stop: polled every ~50 ms of planning work, it
     # makes stitch.plan raise PlanCancelled (stitch.explorer.cancel). Not part of the
     # plan cache key.
@@ -198,7 +201,7 @@ def _packable(graph: OpGraph, members: frozenset[int], cost: CostModel | None = 
         return False
     if cost is None:
         return infeasible_reason(graph, members) is None
-    return cost.analysis(members) is not None
+    return cost.stitchable(members)
 
 
 def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origins: list[str],
@@ -404,9 +407,10 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                poll: CancelPoll | None = None) -> GraphResult:
     poll = poll or CancelPoll(options.cancel)
     cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains,
-                             chain_tf32=options.chain_tf32,
-                             chain_spill_check=options.chain_spill_check,
-                             chain_grid_sync=options.chain_grid_sync)
+                     chain_tf32=options.chain_tf32,
+                     chain_spill_check=options.chain_spill_check,
+                     chain_grid_sync=options.chain_grid_sync,
+                     share_structure=options.share_structure)
     base_groups = baseline_groups(graph, baseline_source)
     baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight,
                        prefix="b")
@@ -515,6 +519,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                      graph.name, label, kernels, nbytes, base_kernels, base_bytes)
     schedules: ScheduleCache = {}
     detail: dict = {**phases, "evaluations": candidates.stats.evaluations,
+                    "scored": candidates.stats.scored, "reused": candidates.stats.reused,
+                    "structure_hits": cost.structure_hits,
                     "candidates": len(patterns),
                     "beam_objectives_s": [p.objective_s for _, p in plans]}
     if options.final_pick == "latency" and options.schedules:
@@ -555,7 +561,11 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                                     "cycle_cuts": result.cuts,
                                     "solve_seconds": result.seconds,
                                     "lower_bound_s": result.lower_bound_s,
-                                    "beam_objective_s": report.objective_s})
+                                    "beam_objective_s": report.objective_s,
+                                    "evaluations": detail["evaluations"],
+                                    "scored": detail["scored"],
+                                    "reused": detail["reused"],
+                                    "structure_hits": detail["structure_hits"]})
     if options.schedules:
         start_schedules = time.perf_counter()
         schedule_plan(graph, spec, best, schedules, poll, chain_tf32=options.chain_tf32,

@@ -23,8 +23,8 @@ from hlo_passes.op_classes import OpClass
 
 from ..cost.delta import CostModel
 from .patterns import MAX_PATTERN_OPS, is_plannable
-from .plan import (PlannedKernel, PlanValidationError, _written, launch_order, make_kernel,
-                   needs_kernel)
+from .plan import (KernelIO, PlannedKernel, PlanValidationError, _written, launch_indices,
+                   launch_order, make_kernel, needs_kernel)
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _stitchable(graph: OpGraph, cost: CostModel, members: frozenset[int]) -> boo
         return False
     if not graph.is_convex(members):
         return False
-    return cost.analysis(members) is not None
+    return cost.stitchable(members)
 
 
 class _Refiner:
@@ -110,6 +110,8 @@ class _Refiner:
         self.origins = [k.origin for k in kernels]
         # XLA groups holding an opaque op (kept whole), GEMM and control are not touched;
         # nor are kernels over ``max_ops`` (a bound on the work per move, see refine_plan).
+        # Written and needed values per member set, for ordering trial plans.
+        self.io: KernelIO = {}
         self.movable = [k.kind == "fused" and len(k.members) <= max_ops
                         and all(is_plannable(graph, v) for v in k.members)
                         for k in kernels]
@@ -131,8 +133,7 @@ class _Refiner:
             else:
                 trial[index] = members
         try:
-            launch_order(self.graph, [make_kernel(self.graph, self.cost, g, "")
-                                      for g in trial if g])
+            launch_indices(self.graph, [g for g in trial if g], self.io)
         except PlanValidationError:
             return False
         for index, members in sorted(changes.items()):

@@ -1,0 +1,268 @@
+"""Planning repeated layers: kernel costs and feasibility verdicts are shared between member
+sets of the same structure (stitch.explorer.structure). The plan must be the one planning
+every copy on its own gives, and the scoring work must follow the distinct structure, not
+the number of layers."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from hlo_passes import parse_hlo
+from hlo_passes.graph import build_op_graphs
+from stitch.cost.delta import CostModel
+from stitch.cost.gpu_specs import get_spec
+from stitch.explorer.planner import ExplorerOptions, plan
+from stitch.explorer.structure import StructureKeys, rename
+
+ROWS, WIDTH, HIDDEN = 64, 128, 256
+
+HEADER = """HloModule layers
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+
+max {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] maximum(a, b)
+}
+
+add_copy {
+  p = f32[] parameter(0)
+  q = f32[] parameter(1)
+  ROOT r = f32[] add(p, q)
+}
+"""
+
+
+def _layer(i: int, x: str, reducer: str) -> tuple[list[str], str]:
+    """A pre-norm MLP block with a residual: layer norm, dot, tanh-gated activation with a
+    softmax-like row max, dot, residual add. Only the dots end its regions, so with the
+    residual every layer's memory-intensive ops form one connected region."""
+    r, w, h, s = ROWS, WIDTH, HIDDEN, f"_L{i}"
+    lines = [
+        f"  w1{s} = f32[{w},{h}] parameter({2 * i + 1})",
+        f"  w2{s} = f32[{h},{w}] parameter({2 * i + 2})",
+        f"  sum{s} = f32[{r}] reduce({x}, zero), dimensions={{1}}, to_apply={reducer}",
+        f"  mean{s} = f32[{r}] multiply(sum{s}, inv_w)",
+        f"  meanb{s} = f32[{r},{w}] broadcast(mean{s}), dimensions={{0}}",
+        f"  c{s} = f32[{r},{w}] subtract({x}, meanb{s})",
+        f"  sq{s} = f32[{r},{w}] multiply(c{s}, c{s})",
+        f"  vsum{s} = f32[{r}] reduce(sq{s}, zero), dimensions={{1}}, to_apply={reducer}",
+        f"  var{s} = f32[{r}] multiply(vsum{s}, inv_w)",
+        f"  ve{s} = f32[{r}] add(var{s}, eps)",
+        f"  rs{s} = f32[{r}] rsqrt(ve{s})",
+        f"  rsb{s} = f32[{r},{w}] broadcast(rs{s}), dimensions={{0}}",
+        f"  ln{s} = f32[{r},{w}] multiply(c{s}, rsb{s})",
+        f"  h{s} = f32[{r},{h}] dot(ln{s}, w1{s}), lhs_contracting_dims={{1}}, "
+        f"rhs_contracting_dims={{0}}",
+        f"  hm{s} = f32[{r}] reduce(h{s}, ninf), dimensions={{1}}, to_apply=max",
+        f"  hmb{s} = f32[{r},{h}] broadcast(hm{s}), dimensions={{0}}",
+        f"  hc{s} = f32[{r},{h}] subtract(h{s}, hmb{s})",
+        f"  t{s} = f32[{r},{h}] tanh(hc{s})",
+        f"  g{s} = f32[{r},{h}] multiply(t{s}, h{s})",
+        f"  o{s} = f32[{r},{w}] dot(g{s}, w2{s}), lhs_contracting_dims={{1}}, "
+        f"rhs_contracting_dims={{0}}",
+        f"  x{s} = f32[{r},{w}] add({x}, o{s})",
+    ]
+    return lines, f"x{s}"
+
+
+def layers_hlo(n: int, reducers: list[str] | None = None) -> str:
+    """``n`` identical layers (``reducers[i]``: the i-th layer's reduction computation,
+    ``add`` or a copy of it under another name)."""
+    reducers = reducers or ["add"] * n
+    body = [f"  x0 = f32[{ROWS},{WIDTH}] parameter(0)",
+            "  zero = f32[] constant(0)", "  ninf = f32[] constant(-inf)",
+            f"  inv_w = f32[{ROWS}] constant({{{', '.join(['0.0078125'] * ROWS)}}})",
+            f"  eps = f32[{ROWS}] constant({{{', '.join(['1e-05'] * ROWS)}}})"]
+    x = "x0"
+    for i in range(n):
+        lines, x = _layer(i, x, reducers[i])
+        body += lines
+    body.append(f"  ROOT out = f32[{ROWS},{WIDTH}] tanh({x})")
+    return HEADER + "\nENTRY main {\n" + "\n".join(body) + "\n}\n"
+
+
+def _kernels(fusion_plan) -> list[tuple]:
+    return [(k.ops, k.kind, k.origin, k.schedule, k.chain_schedule)
+            for k in fusion_plan.kernels]
+
+
+def _layer_of(name: str) -> str | None:
+    got = re.search(r"_L(\d+)$", name)
+    return got.group(1) if got else None
+
+
+@pytest.mark.parametrize("planner", ["beam", "blp"])
+def test_shared_structure_gives_the_plan_of_every_copy(planner):
+    """Sharing on and off give the same kernels (members, kinds, origins, schedules) and
+    the same modeled time, on three identical layers."""
+    hlo = layers_hlo(3)
+    off = plan(hlo, "h100", planner, ExplorerOptions(share_structure=False))
+    on = plan(hlo, "h100", planner, ExplorerOptions(share_structure=True))
+    assert _kernels(on) == _kernels(off)
+    assert on.graphs[0].report.objective_s == off.graphs[0].report.objective_s
+    assert on.graphs[0].report.detail["structure_hits"] > 0
+    assert off.graphs[0].report.detail["structure_hits"] == 0
+
+
+def test_middle_layers_plan_alike():
+    """A layer between two others is planned like any other such layer: its kernels, with
+    the layer's suffix taken off the op names, are the same."""
+    fusion_plan = plan(layers_hlo(4), "h100", "beam")
+    per_layer: dict[str, set] = {}
+    for k in fusion_plan.kernels:
+        layers = {_layer_of(n) for n in k.ops} - {None}
+        if len(layers) == 1:
+            (layer,) = layers
+            per_layer.setdefault(layer, set()).add(
+                (tuple(sorted(re.sub(r"_L\d+$", "", n) for n in k.ops)), k.kind))
+    assert per_layer["1"] and per_layer["1"] == per_layer["2"]
+
+
+def test_scoring_work_follows_distinct_structure():
+    """Eight identical layers score about as many distinct patterns as one or two (the
+    first and last layers differ from the middle ones); every further pattern is a repeat
+    answered from its twin. Counts, not seconds."""
+    def distinct(n: int) -> tuple[int, int]:
+        detail = plan(layers_hlo(n), "h100", "beam").graphs[0].report.detail
+        return detail["scored"] - detail["reused"], detail["scored"]
+    one, _ = distinct(1)
+    two, _ = distinct(2)
+    eight, eight_scored = distinct(8)
+    assert eight <= 1.5 * two, (one, two, eight)
+    assert eight <= 2 * one, (one, two, eight)
+    assert eight < 0.25 * eight_scored, (eight, eight_scored)
+
+
+def _graph(hlo: str):
+    return build_op_graphs(parse_hlo(hlo))[0]
+
+
+def _layer_members(graph, layer: int) -> list[frozenset[int]]:
+    """Sets of a layer's ops (by name stem) to compare across layers."""
+    stems = [["sum", "mean", "meanb", "c", "sq", "vsum", "var", "ve", "rs", "rsb", "ln"],
+             ["hm", "hmb", "hc", "t", "g"], ["c", "sq"], ["sum", "mean"]]
+    return [frozenset(graph.node(f"{s}_L{layer}").id for s in group) for group in stems]
+
+
+def test_keys_equal_for_copies_and_differ_for_changes():
+    """Copies of a set in different layers share a key; a set whose reduction computes a
+    maximum instead of a sum, or that lacks an op, does not. A renamed copy of the same
+    reduction computation keeps the key (called computations count by content)."""
+    graph = _graph(layers_hlo(5, ["add", "add", "add_copy", "max", "add"]))
+    keys = StructureKeys(graph)
+    for a, b, c in zip(*(_layer_members(graph, i) for i in (1, 2, 3))):
+        assert keys.key(a) is not None and keys.key(a) == keys.key(b)
+        # Layer 3's layer-norm sums reduce with max; the row max "hm" is max everywhere.
+        sums = any(graph.nodes[v].name.startswith(("sum_", "vsum_")) for v in a)
+        assert (keys.key(a) != keys.key(c)) == sums
+    # Layer 0 reads the parameter, not a residual add: its sets differ.
+    assert keys.key(_layer_members(graph, 0)[0]) != keys.key(_layer_members(graph, 1)[0])
+    first = _layer_members(graph, 1)[0]
+    assert keys.key(first) != keys.key(first - {min(first)})
+    dot = graph.node("h_L1").id
+    assert keys.key(first | {dot}) is None          # GEMMs get no key
+
+
+def test_shared_costs_equal_fresh_costs():
+    """Every kernel cost and verdict a twin answered equals the one computed from scratch,
+    on random member sets of repeated layers (fresh seeds)."""
+    graph = _graph(layers_hlo(4))
+    spec = get_spec("h100")
+    shared = CostModel(graph, spec)
+    fresh = CostModel(graph, spec, share_structure=False)
+    rng = np.random.default_rng()
+    groups = [m for i in range(4) for m in _layer_members(graph, i)]
+    checked = 0
+    for _ in range(60):
+        base = groups[rng.integers(len(groups))]
+        drop = set(rng.choice(sorted(base), size=rng.integers(0, 3), replace=False).tolist())
+        members = frozenset(base - drop)
+        if not members:
+            continue
+        assert shared.verdict(members) == fresh.verdict(members)
+        assert shared.kernel(members) == fresh.kernel(members)
+        checked += 1
+    assert checked > 30 and shared.structure_hits > 0
+
+
+def test_rename_carries_reasons():
+    assert rename("mul.3 (rsqrt) feeds mul.30", ("mul.3", "mul.30"), ("mul.7", "mul.70")) \
+        == "mul.7 (rsqrt) feeds mul.70"
+    assert rename("ends at mul.3.", ("mul.3",), ("mul.9",)) == "ends at mul.9."
+    assert rename("mul.30 stays", ("mul.3",), ("mul.9",)) == "mul.30 stays"
+
+
+def _rounds_reference(graph, groups):
+    """The launch order as first written: rescan every pending kernel each round."""
+    from stitch.explorer.plan import _written, producers_needed
+    written = [_written(graph, set(g)) for g in groups]
+    needs = [producers_needed(graph, set(g)) for g in groups]
+    available, order, pending = set(), [], list(range(len(groups)))
+    while pending:
+        ready = [i for i in pending if needs[i] <= available]
+        if not ready:
+            return None
+        for i in ready:
+            order.append(i)
+            available |= written[i]
+        pending = [i for i in pending if i not in set(ready)]
+    return order
+
+
+def test_linear_launch_order_matches_the_round_by_round_order():
+    """launch_indices (Kahn's algorithm in rounds) orders shuffled plans exactly as the
+    round-by-round rescan did, and refuses a plan whose kernels form a cycle."""
+    from stitch.explorer.plan import PlanValidationError, launch_indices
+    fusion_plan = plan(layers_hlo(3), "h100", "beam")
+    graph = fusion_plan.graphs[0].graph
+    rng = np.random.default_rng()
+    singles = [[frozenset((v,)) for k in fusion_plan.graphs[0].baseline.kernels
+                for v in k.members]]
+    # A wide graph too: a zoo training step's ops as kernels of their own.
+    from tests.fixtures import DATA
+    from stitch.explorer.planner import baseline_groups
+    wide_graph = _graph((DATA / "transformer_train" / "tiny.gpu-h100.hlo").read_text())
+    wide_groups = baseline_groups(wide_graph, "xla")
+    for _ in range(5):
+        shuffled = [wide_groups[i] for i in rng.permutation(len(wide_groups))]
+        assert launch_indices(wide_graph, shuffled) == _rounds_reference(wide_graph, shuffled)
+    for groups in [[frozenset(k.members) for k in side.kernels]
+                   for side in (fusion_plan.graphs[0].baseline,
+                                fusion_plan.graphs[0].stitched)] + singles:
+        for _ in range(10):
+            shuffled = [groups[i] for i in rng.permutation(len(groups))]
+            assert launch_indices(graph, shuffled) == _rounds_reference(graph, shuffled)
+    # Two kernels each reading what the other writes: ln_L1 with the residual add after
+    # it, against the ops in between.
+    names = {n.name: n.id for n in graph.nodes}
+    first = frozenset(names[n] for n in ("rs_L1", "rsb_L1", "ln_L1", "x_L1"))
+    rest = [g for g in singles[0] if not g & first]
+    cyclic = [first] + rest
+    assert _rounds_reference(graph, cyclic) is None
+    with pytest.raises(PlanValidationError, match="cycle"):
+        launch_indices(graph, cyclic)
+
+
+def test_dump_modules_writes_what_the_pass_plans(tmp_path, monkeypatch):
+    """STITCH_DUMP_MODULES: each module the XLA pass is handed lands in the folder, one
+    file per call, so planning can be profiled without XLA."""
+    from integration.xla_pass import DUMP_ENV, PassRequest, _dump_module
+    request = PassRequest("my fn", "h100", "cpu")
+    text = layers_hlo(1)
+    monkeypatch.delenv(DUMP_ENV, raising=False)
+    _dump_module(text, request)                     # unset: nothing written
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv(DUMP_ENV, str(tmp_path / "mods"))
+    _dump_module(text, request)
+    _dump_module(text + "\n", request)
+    files = sorted(p.name for p in (tmp_path / "mods").iterdir())
+    assert files == ["my_fn.0.hlo", "my_fn.1.hlo"]
+    assert (tmp_path / "mods" / "my_fn.0.hlo").read_text() == text
