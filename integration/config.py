@@ -15,6 +15,10 @@ STITCH_GRID_SYNC  how the GPU runs global-scope kernels (grid barriers): ``off``
                 ``relaunch`` (one launch per phase on the stream), ``barrier`` (one persistent
                 launch, cooperative, a software grid barrier between phases), ``auto`` (per
                 kernel, the form the latency-evaluator models faster)
+                It also lets the GPU pass split a GEMM chain's n across blocks (a second
+                launch sums the f32 partials; ExplorerOptions.chain_grid_sync)
+STITCH_DUMP_MODULES  a folder: the XLA pass writes each module it plans there
+                (``<function>.<n>.hlo``; profiling and bug reports)
 STITCH_INJECT_FAILURE  testing aid: ``compile`` makes every stitched compile fail (the
                 fallback path), ``run`` every stitched call
 STITCH_LOG      a logging level (debug, info, warning...) for the ``stitch`` logger, printed to
