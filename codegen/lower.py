@@ -145,6 +145,37 @@ def _group(first: tuple[kir.Expr, ...], dims: tuple[int, ...], step_dim: int | N
             for j in range(width)]
 
 
+def _loads_first(body: tuple[kir.Stmt, ...]) -> tuple[kir.Stmt, ...]:
+    """``body`` with its top-level loads (``Let x = buffer[i]``) moved to the front, in
+    order, where nothing before them in ``body`` defines or assigns a name they read or
+    writes their buffer. A vector group's loads then share one basic block: the elements'
+    math between them may become branches once LLVM inlines libdevice (tanh, erf, log),
+    which would keep the back end from merging the loads into one vector access."""
+    moved: list[kir.Stmt] = []
+    rest: list[kir.Stmt] = []
+    names: set[str] = set()         # defined or assigned by the statements left in place
+    written: set[str] = set()       # buffers they store to
+    for stmt in body:
+        if isinstance(stmt, kir.Let) and isinstance(stmt.expr, kir.Load) and \
+                stmt.expr.buffer not in written and \
+                not any(name in names for name, _ in kir.expr_refs(stmt.expr)):
+            moved.append(stmt)
+            continue
+        rest.append(stmt)
+        for inner in kir.walk_stmts((stmt,)):
+            if isinstance(inner, (kir.Let, kir.Local, kir.Assign)):
+                names.add(inner.name)
+            elif isinstance(inner, (kir.WarpReduce, kir.WarpShuffle)):
+                names.add(inner.dest)
+            elif isinstance(inner, kir.MmaSync):
+                names.update(inner.dest)
+            elif isinstance(inner, kir.For):
+                names.add(inner.var)
+            elif isinstance(inner, (kir.Store, kir.AtomicAdd)):
+                written.add(inner.buffer)
+    return tuple(moved + rest)
+
+
 def _kept_dims(node: OpNode, rank: int) -> tuple[int, ...]:
     reduced = set(node.instruction.ints("dimensions"))
     return tuple(d for d in range(rank) if d not in reduced)
@@ -610,7 +641,7 @@ class _KernelBuilder:
                                   value))
             store = em.pop()
             em.emit(kir.If(valid, store))
-            loop = em.pop()
+            loop = _loads_first(em.pop())
             em.emit(kir.For(var, unit.first, _c(split.per_row // width), _c(unit.step), loop))
 
     def _atomic_scatter(self, em: ValueEmitter, v: int, bid: kir.Expr, blocks: int) -> None:
@@ -697,7 +728,7 @@ class _KernelBuilder:
         values = [em.value(v, index) for index in indices]
         for j, value in enumerate(values):
             em.emit(kir.Store(self.params[v].name, iadd(first, _c(j)), value))
-        em.emit(kir.For(var, start, _c(n // width), _c(threads), em.pop()))
+        em.emit(kir.For(var, start, _c(n // width), _c(threads), _loads_first(em.pop())))
 
     def _unit_reduce(self, em: ValueEmitter, node: OpNode, unit: "_Unit", rowc: kir.Expr,
                      rows: int, part) -> kir.Expr:
@@ -721,7 +752,7 @@ class _KernelBuilder:
         xs = [em.value(source, index) for index in indices]
         for x in xs:
             em.emit(kir.Assign(acc, kir.Binary(op, kir.Ref(acc, init.dtype), x)))
-        loop = em.pop()
+        loop = _loads_first(em.pop())
         em.emit(kir.For(var, unit.first, _c(split.per_row // width), _c(unit.step), loop))
         total: kir.Expr = kir.Ref(acc, init.dtype)
         if unit.lanes_per_row == 32:
