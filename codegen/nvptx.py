@@ -63,6 +63,7 @@ class NvptxTarget(Target):
     """SIMT-native hooks: special registers, bar.sync, shfl.sync, addrspace(3) shared, libdevice."""
 
     name = "nvptx"
+    param_align = PARAM_ALIGN
 
     def __init__(self) -> None:
         self.buffers: dict[str, ir.Value] = {}

@@ -16,6 +16,7 @@ finished) for its recomputation.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -88,7 +89,35 @@ def iadd(a: Expr, b: Expr) -> Expr:
         return b
     if isinstance(a, kir.Const) and isinstance(b, kir.Const):
         return _c(a.value + b.value)
+    if _is_i32_const(b) and isinstance(a, kir.Binary) and a.op == "add" and \
+            _is_i32_const(a.b):
+        return iadd(a.a, _c(a.b.value + b.value))     # (x + c1) + c2 = x + (c1 + c2)
     return kir.Binary("add", a, b)
+
+
+def _is_i32_const(e: Expr) -> bool:
+    return isinstance(e, kir.Const) and e.dtype == "i32"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def multiple_of(e: Expr) -> int:
+    """A number every value of the non-negative index expression ``e`` is a multiple of
+    (0: e is 0), from its arithmetic: a loop's step index times the vector width, the
+    remainders and sums of such. 1 where nothing is known."""
+    if isinstance(e, kir.Const):
+        return abs(int(e.value)) if e.dtype == "i32" else 1
+    if not isinstance(e, kir.Binary) or not _is_i32_const(e.b):
+        if isinstance(e, kir.Binary) and e.op == "add":
+            return math.gcd(multiple_of(e.a), multiple_of(e.b))
+        return 1
+    k = int(e.b.value)
+    if e.op == "mul":
+        return multiple_of(e.a) * abs(k)
+    if e.op == "add":
+        return math.gcd(multiple_of(e.a), abs(k))
+    if e.op == "rem" and k > 0:
+        return math.gcd(multiple_of(e.a), k)
+    return 1
 
 
 def isub(a: Expr, b: Expr) -> Expr:
@@ -141,8 +170,7 @@ def linearize(index: tuple[Expr, ...], dims: tuple[int, ...]) -> Expr:
     constant = 0
     stride = 1
     for i, n in zip(reversed(index), reversed(dims)):       # minor first
-        if n != 1 and isinstance(i, kir.Binary) and i.op == "add" \
-                and isinstance(i.b, kir.Const):
+        while n != 1 and isinstance(i, kir.Binary) and i.op == "add" and _is_i32_const(i.b):
             constant += int(i.b.value) * stride
             i = i.a
         bases.append(i)
@@ -214,7 +242,17 @@ def logical_index(offset: Expr, dims: tuple[int, ...], layout: tuple[int, ...] |
 
 
 def delinearize(offset: Expr, dims: tuple[int, ...]) -> tuple[Expr, ...]:
-    """Logical index of a row-major linear offset."""
+    """Logical index of a row-major linear offset. An offset ``x + c`` whose x is a
+    multiple of g (``multiple_of``) with c < g and g dividing the minor dim's size
+    keeps c on the minor digit (x + c lies in x's run of that dim): a thread's vector
+    group of consecutive elements stays one digit apart through reshapes, whole."""
+    if isinstance(offset, kir.Binary) and offset.op == "add" and _is_i32_const(offset.b):
+        minor = max((d for d, n in enumerate(dims) if n != 1), default=None)
+        c = int(offset.b.value)
+        if minor is not None and 0 < c < math.gcd(multiple_of(offset.a), dims[minor]):
+            out = list(delinearize(offset.a, dims))
+            out[minor] = iadd(out[minor], _c(c))
+            return tuple(out)
     out: list[Expr] = []
     stride = math.prod(dims)
     outermost = True
