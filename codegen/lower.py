@@ -624,7 +624,8 @@ class _KernelBuilder:
             split = layout.splits.get(v)
             if split is None:
                 # Independent of every row: the part's threads share it out element-wise.
-                self._strided_store(em, v, iadd(imul(bid, tpb), tid), part.blocks * tpb, part)
+                self._strided_store(em, v, iadd(imul(bid, tpb), tid), part.blocks * tpb,
+                                    part)
                 continue
             width = self._width(part, split.per_row, graph.nodes[v].name)
             var = em.fresh("j")
@@ -706,14 +707,15 @@ class _KernelBuilder:
         em.emit(kir.For(var, gtid, _c(ushape.num_elements), _c(blocks * tpb), em.pop()))
 
     def _strided_store(self, em: ValueEmitter, v: int, start: kir.Expr, threads: int,
-                       part) -> None:
+                       part=None) -> None:
         """Threads ``start``, ``start + threads``, ... each write ``width`` consecutive
-        elements of v per step (step s: elements width*s .. width*s + width-1), as the
-        schedule's vector width assumes: straight-line accesses at provably consecutive,
-        aligned offsets, which the NVPTX back end merges into vector loads and stores."""
+        elements of v per step (step s: elements width*s .. width*s + width-1; the part's
+        vector width, 1 without a part), as the schedule's vector width assumes:
+        straight-line accesses at provably consecutive, aligned offsets, which the NVPTX
+        back end merges into vector loads and stores."""
         shape = leaf(self.graph.nodes[v].shape)
         n = max(shape.num_elements, 1)
-        width = self._width(part, n, self.graph.nodes[v].name)
+        width = 1 if part is None else self._width(part, n, self.graph.nodes[v].name)
         layout = self.layouts.get(v)
         var = em.fresh("e")
         em.push(var)
