@@ -54,6 +54,7 @@ class Row:
     kinds: Counter = field(default_factory=Counter)          # (label, served?) of wide parts
     misses: list[str] = field(default_factory=list)          # wide kernels with no vector op
     failed: list[str] = field(default_factory=list)          # not lowered: why
+    narrowed: list[str] = field(default_factory=list)        # walks at less than the width
 
 
 def count(model: str, target: str) -> Row:
@@ -81,6 +82,7 @@ def count(model: str, target: str) -> Row:
                 row.failed.append(f"{k.name}: {str(exc)[:120]}")
                 continue
             row.lowered += 1
+            row.narrowed += [f"{k.name}: {n}" for n in lowered.notes if "walked" in n]
             vector = _VECTOR.findall(ptx)
             for op, width in vector:
                 row.instructions[f"{op} v{width}"] += 1
@@ -140,6 +142,10 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
     if misses:
         lines += ["", f"Wide kernels without a vector access ({len(misses)}, first 12):", ""]
         lines += [f"- {m}" for m in misses[:12]]
+    narrowed = [n for r in rows for n in r.narrowed]
+    lines += ["", f"Walks narrower than their part's width (a written value the width does "
+              f"not divide): {len(narrowed)}" + (": " + "; ".join(narrowed[:6]) if narrowed
+                                                else ".")]
     failed = [f for r in rows for f in r.failed]
     if failed:
         lines += ["", f"Not lowered ({len(failed)}): " + "; ".join(failed[:6])]
