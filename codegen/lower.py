@@ -147,16 +147,17 @@ def _group(first: tuple[kir.Expr, ...], dims: tuple[int, ...], step_dim: int | N
 
 def _loads_first(body: tuple[kir.Stmt, ...]) -> tuple[kir.Stmt, ...]:
     """``body`` with its top-level loads (``Let x = buffer[i]``) moved to the front, in
-    order, where nothing before them in ``body`` defines or assigns a name they read or
-    writes their buffer. A vector group's loads then share one basic block: the elements'
+    order, where nothing before them in ``body`` defines or assigns a name they read,
+    writes their buffer or is a barrier. A vector group's loads then share one basic block: the elements'
     math between them may become branches once LLVM inlines libdevice (tanh, erf, log),
     which would keep the back end from merging the loads into one vector access."""
     moved: list[kir.Stmt] = []
     rest: list[kir.Stmt] = []
     names: set[str] = set()         # defined or assigned by the statements left in place
     written: set[str] = set()       # buffers they store to
+    fenced = False                  # a barrier left in place: nothing moves past it
     for stmt in body:
-        if isinstance(stmt, kir.Let) and isinstance(stmt.expr, kir.Load) and \
+        if not fenced and isinstance(stmt, kir.Let) and isinstance(stmt.expr, kir.Load) and \
                 stmt.expr.buffer not in written and \
                 not any(name in names for name, _ in kir.expr_refs(stmt.expr)):
             moved.append(stmt)
@@ -173,6 +174,8 @@ def _loads_first(body: tuple[kir.Stmt, ...]) -> tuple[kir.Stmt, ...]:
                 names.add(inner.var)
             elif isinstance(inner, (kir.Store, kir.AtomicAdd)):
                 written.add(inner.buffer)
+            elif isinstance(inner, (kir.Barrier, kir.GridBarrier)):
+                fenced = True
     return tuple(moved + rest)
 
 
