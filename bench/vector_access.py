@@ -112,12 +112,19 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
              "`linearize` folds a whole delinearization back to its offset, a group's loads "
              "come first in the loop body), and the NVPTX back end merges them into "
              "`ld.global.v2/v4` / `st.global.v2/v4`. Before (parent commit 559e8dd) no "
-             "kernel had a single vector access: thread t took elements t, t+G, t+2G, ….",
+             "kernel had a single vector access: thread t took elements t, t+G, t+2G, …. "
+             "A part holding a scatter whose updates may collide (walked one guarded atomic "
+             "add per update) is now priced at width 1 by the tuner: the dien_train(_bf16) "
+             "embedding-gradient kernels were the only wide kernels without any vector "
+             "access.",
              "",
              "Per training model, every planned stitched kernel lowered and emitted as PTX "
              "for the target's arch; a kernel counts as served when its PTX has a vector "
              "load or store (a part reading its inputs through a transpose, a broadcast or "
-             "a gather keeps per-element loads there, with the same index mapping).", "",
+             "a gather keeps per-element loads there, with the same index mapping). The "
+             "scalar accesses left are those reads, loads under a guard (concatenate, pad, "
+             "a scatter's updates), parts of width 1 (column rows, the global scope, atomic "
+             "scatters) and the per-row values of row parts.", "",
              "| model | target | kernels | with vw > 1 | served (vector ld or st) | "
              "vector ld | vector st | global ld/st: vector / scalar (static) |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
@@ -142,7 +149,7 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
     if misses:
         lines += ["", f"Wide kernels without a vector access ({len(misses)}, first 12):", ""]
         lines += [f"- {m}" for m in misses[:12]]
-    narrowed = [n for r in rows for n in r.narrowed]
+    narrowed = list(dict.fromkeys(n for r in rows for n in r.narrowed))
     lines += ["", f"Walks narrower than their part's width (a written value the width does "
               f"not divide): {len(narrowed)}" + (": " + "; ".join(narrowed[:6]) if narrowed
                                                 else ".")]
