@@ -314,3 +314,23 @@ def test_reads_through_reshapes_and_minor_kept_transposes_are_vector_loads(name)
     assert not scalar and set(_vector_accesses(ptx, "ld")) == {4}, scalar
     assert set(_vector_accesses(ptx, "st")) == {4}
     _check_on_host(graph, module, members, lowered, seed=len(name))
+
+
+def test_a_part_with_an_atomic_scatter_is_priced_at_width_one():
+    """Colliding updates are walked one guarded atomic add each (no vector accesses): the
+    tuner offers that part width 1 only; the same part without the scatter goes wide."""
+    body = """
+  table = f32[64,16] parameter(0)
+  ids = s32[96] parameter(1)
+  g = f32[96,16] parameter(2)
+  two = f32[] constant(2)
+  tb = f32[96,16] broadcast(two), dimensions={}
+  gg = f32[96,16] multiply(g, tb)
+  ROOT sc = f32[64,16] scatter(table, ids, gg), update_window_dims={1},
+    inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1,
+    to_apply=add"""
+    module, graph, members = _graph(body)
+    schedule = schedule_kernel(graph, members, get_spec("h100"))
+    assert [p.vector_width for p in schedule.parts] == [1]
+    plain = [v for v in members if graph.nodes[v].opcode != "scatter"]
+    assert schedule_kernel(graph, plain, get_spec("h100")).parts[0].vector_width > 1
