@@ -8,8 +8,9 @@ with vector loads/stores (``ld.global.v2/v4``, ``st.global.v2/v4``), and the ker
 global load/store instructions, vector and scalar, counted statically in the PTX.
 Counted (codegen, LLVM's NVPTX back end), not measured on a device.
 
-``python -m bench.vector_access [--out docs/benchmarks.md] [--target h100]`` (~2 minutes
-on the 2-core box for h100: planning the full-size models and emitting ~300 kernels).
+``python -m bench.vector_access [--ptxas] [--out docs/benchmarks.md] [--target h100]``
+(~1-2 minutes on the 2-core box for h100: planning the full-size models and emitting ~300
+kernels; ``--ptxas`` also assembles every wide kernel and reports spills).
 """
 from __future__ import annotations
 
@@ -55,9 +56,11 @@ class Row:
     misses: list[str] = field(default_factory=list)          # wide kernels with no vector op
     failed: list[str] = field(default_factory=list)          # not lowered: why
     narrowed: list[str] = field(default_factory=list)        # walks at less than the width
+    assembled: int = 0               # wide kernels ptxas assembled (--ptxas)
+    spilled: list[str] = field(default_factory=list)         # ... with spills
 
 
-def count(model: str, target: str) -> Row:
+def count(model: str, target: str, ptxas: bool = False) -> Row:
     import stitch
     from codegen.nvptx import emit_ptx
 
@@ -82,6 +85,13 @@ def count(model: str, target: str) -> Row:
                 row.failed.append(f"{k.name}: {str(exc)[:120]}")
                 continue
             row.lowered += 1
+            if ptxas:
+                from codegen.toolchain import assemble
+                report = assemble(ptx, ARCH[target])[lowered.kernel.name]
+                row.assembled += 1
+                spill = report.spill_store_bytes + report.spill_load_bytes
+                if spill:
+                    row.spilled.append(f"{k.name} ({report.registers} regs, {spill} B)")
             row.narrowed += [f"{k.name}: {n}" for n in lowered.notes if "walked" in n]
             vector = _VECTOR.findall(ptx)
             for op, width in vector:
@@ -153,6 +163,11 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
     lines += ["", f"Walks narrower than their part's width (a written value the width does "
               f"not divide): {len(narrowed)}" + (": " + "; ".join(narrowed[:6]) if narrowed
                                                 else ".")]
+    if any(r.assembled for r in rows):
+        spilled = [s for r in rows for s in r.spilled]
+        lines += ["", f"ptxas: {sum(r.assembled for r in rows)} wide kernels assembled, "
+                  f"{len(spilled)} with spills" + (": " + "; ".join(spilled[:6]) if spilled
+                                                   else ".")]
     failed = [f for r in rows for f in r.failed]
     if failed:
         lines += ["", f"Not lowered ({len(failed)}): " + "; ".join(failed[:6])]
@@ -165,13 +180,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--target", default="h100", choices=sorted(ARCH))
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--ptxas", action="store_true", help="assemble the wide kernels")
     args = parser.parse_args()
     start = time.time()
     rows = []
     for model in args.models:
         if (DATA / model / f"full.gpu-{args.target}.hlo").exists():
-            rows.append(count(model, args.target))
-    command = "python -m bench.vector_access" + (f" --out {args.out}" if args.out else "")
+            rows.append(count(model, args.target, args.ptxas))
+    command = "python -m bench.vector_access" + (" --ptxas" if args.ptxas else "") + \
+        (f" --out {args.out}" if args.out else "")
     body = render(rows, command, time.time() - start)
     if args.out:
         write_section(args.out, SECTION, body)
