@@ -16,6 +16,7 @@ from llvmlite import ir
 
 from codegen import kir
 from codegen.errors import CodegenError
+from codegen.values import multiple_of
 
 LOG = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class Target:
     """Target hooks. Defaults suit a SIMT-native target that runs the body as written."""
 
     name = "abstract"
+    # Bytes every buffer param is aligned to (0: only its element size is known).
+    param_align = 0
 
     def begin(self, em: "KernelEmitter") -> None:
         """Create the kernel function (em.start_function) and anything module-level."""
@@ -401,7 +404,8 @@ class KernelEmitter:
             buf = self.kernel.buffers[s.buffer]
             index = self.expr(s.index, scope, ctx)
             value = self.to_storage(self.expr(s.value, scope, ctx), buf.dtype)
-            b.store(value, self.element_ptr(buf, index, ctx))
+            b.store(value, self.access_ptr(buf, s.index, scope, ctx, index),
+                    align=self.access_align(buf, s.index))
         elif isinstance(s, kir.AtomicAdd):
             buf = self.kernel.buffers[s.buffer]
             index = self.expr(s.index, scope, ctx)
@@ -475,6 +479,38 @@ class KernelEmitter:
             else self.target.buffer_ptr(self, buf.name)
         return self.builder.gep(base, [index], inbounds=True,
                                 source_etype=storage_type(buf.dtype))
+
+    def access_ptr(self, buf: kir.Buffer, index: kir.Expr, scope: Scope, ctx: Ctx,
+                   value: ir.Value | None = None) -> ir.Value:
+        """The address of ``buf[index]`` (``value``: the index, already emitted). Where the
+        target knows its params' alignment (no bounds checks), ``x + c`` is addressed as
+        (buf + x) + c: a vector group's accesses then share one base address, which LLVM
+        would otherwise extend to 64 bits in different ways (sext / zext nneg) per element
+        and no longer see as consecutive. Not inbounds: x alone may lie outside."""
+        if self.target.param_align and isinstance(buf, kir.Param) and \
+                isinstance(index, kir.Binary) and index.op == "add" and \
+                isinstance(index.b, kir.Const) and index.b.dtype == "i32" and index.b.value > 0:
+            base = self.builder.gep(self.target.buffer_ptr(self, buf.name),
+                                    [self.expr(index.a, scope, ctx)],
+                                    source_etype=storage_type(buf.dtype))
+            return self.builder.gep(base, [ir.Constant(I32, index.b.value)],
+                                    source_etype=storage_type(buf.dtype))
+        if value is None:
+            value = self.expr(index, scope, ctx)
+        return self.element_ptr(buf, value, ctx)
+
+    def access_align(self, buf: kir.Buffer, index: kir.Expr) -> int:
+        """Alignment of ``buf[index]`` in bytes: the element size, or where the target
+        knows its params' alignment, what the index's arithmetic proves (a vector group's
+        first element: a multiple of its width, ``values.multiple_of``). LLVM cannot always
+        see it itself (a div/rem pair becomes x - (x/n)*n behind a freeze), and its NVPTX
+        load/store vectorizer merges a group only from an aligned first access."""
+        size = STORAGE_BYTES[buf.dtype]
+        if not self.target.param_align or not isinstance(buf, kir.Param):
+            return size
+        k = multiple_of(index)
+        step = k & -k if k else self.target.param_align      # largest power of 2 dividing it
+        return max(size, min(self.target.param_align, size * step))
 
     def narrow_atomic_add(self, ptr: ir.Value, value: ir.Value, dtype: str) -> None:
         """*ptr = round(widen(*ptr) + value) for a bf16/f16 element, as a compare-and-swap
@@ -570,8 +606,8 @@ class KernelEmitter:
             return ir.Constant(I32, self.kernel.grid)
         if isinstance(e, kir.Load):
             buf = self.kernel.buffers[e.buffer]
-            ptr = self.element_ptr(buf, self.expr(e.index, scope, ctx), ctx)
-            raw = b.load(ptr, typ=storage_type(buf.dtype), align=STORAGE_BYTES[buf.dtype])
+            ptr = self.access_ptr(buf, e.index, scope, ctx)
+            raw = b.load(ptr, typ=storage_type(buf.dtype), align=self.access_align(buf, e.index))
             return self.from_storage(raw, buf.dtype)
         if isinstance(e, kir.Binary):
             return self.binary(e.op, e.a.dtype, self.expr(e.a, scope, ctx),

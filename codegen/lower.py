@@ -105,6 +105,21 @@ class _Split:
                 out[d] = i
         return tuple(out)
 
+    def step_dim(self, dims: tuple[int, ...], width: int) -> int | None:
+        """The dim whose index grows by one from a row's element j to j + 1 inside a group
+        of ``width`` (j a multiple of ``width``, which divides ``per_row``): a vector walk
+        adds its offsets there; None where the digits of j + 1 may differ elsewhere."""
+        if self.kind == "columns" or not dims:
+            return None
+        if self.kind == "rows":
+            minor = len(dims) - 1
+        else:
+            inner = [d for d in range(len(dims)) if d not in self.row_dims]
+            if not inner:
+                return None
+            minor = inner[-1]
+        return minor if dims[minor] % width == 0 else None
+
     def ids(self, dims: tuple[int, ...]) -> np.ndarray:
         """The row of every element of a value of shape ``dims``."""
         n = math.prod(dims)
@@ -117,6 +132,51 @@ class _Split:
         for d in self.row_dims:
             out = out * dims[d] + grid[d]
         return out
+
+
+def _group(first: tuple[kir.Expr, ...], dims: tuple[int, ...], step_dim: int | None,
+           width: int, index_of) -> list[tuple[kir.Expr, ...]]:
+    """The indices of a thread's ``width`` consecutive elements whose first is at index
+    ``first``: offsets added on ``step_dim`` (the group lies inside one run of it), else
+    ``index_of(j)`` for each (the digits may carry)."""
+    if step_dim is None:
+        return [index_of(j) for j in range(width)]
+    return [first[:step_dim] + (iadd(first[step_dim], _c(j)),) + first[step_dim + 1:]
+            for j in range(width)]
+
+
+def _loads_first(body: tuple[kir.Stmt, ...]) -> tuple[kir.Stmt, ...]:
+    """``body`` with its top-level loads (``Let x = buffer[i]``) moved to the front, in
+    order, where nothing before them in ``body`` defines or assigns a name they read,
+    writes their buffer or is a barrier. A vector group's loads then share one basic block: the elements'
+    math between them may become branches once LLVM inlines libdevice (tanh, erf, log),
+    which would keep the back end from merging the loads into one vector access."""
+    moved: list[kir.Stmt] = []
+    rest: list[kir.Stmt] = []
+    names: set[str] = set()         # defined or assigned by the statements left in place
+    written: set[str] = set()       # buffers they store to
+    fenced = False                  # a barrier left in place: nothing moves past it
+    for stmt in body:
+        if not fenced and isinstance(stmt, kir.Let) and isinstance(stmt.expr, kir.Load) and \
+                stmt.expr.buffer not in written and \
+                not any(name in names for name, _ in kir.expr_refs(stmt.expr)):
+            moved.append(stmt)
+            continue
+        rest.append(stmt)
+        for inner in kir.walk_stmts((stmt,)):
+            if isinstance(inner, (kir.Let, kir.Local, kir.Assign)):
+                names.add(inner.name)
+            elif isinstance(inner, (kir.WarpReduce, kir.WarpShuffle)):
+                names.add(inner.dest)
+            elif isinstance(inner, kir.MmaSync):
+                names.update(inner.dest)
+            elif isinstance(inner, kir.For):
+                names.add(inner.var)
+            elif isinstance(inner, (kir.Store, kir.AtomicAdd)):
+                written.add(inner.buffer)
+            elif isinstance(inner, (kir.Barrier, kir.GridBarrier)):
+                fenced = True
+    return tuple(moved + rest)
 
 
 def _kept_dims(node: OpNode, rank: int) -> tuple[int, ...]:
@@ -439,6 +499,7 @@ class _KernelBuilder:
                 written += orphans
             atomic = [v for v in written if v in self.atomic]
             written = [v for v in written if v not in self.atomic]
+            self._check_vector_width(index, part)
             em = self.emitter()
             em.push()
             local_block = kir.Binary("sub", kir.BlockIdx(), _c(part.block_offset)) \
@@ -500,7 +561,38 @@ class _KernelBuilder:
         tpb = self.schedule.block
         gtid = em.let("gtid", iadd(imul(bid, tpb), kir.ThreadIdx()))
         for v in written:
-            self._strided_store(em, v, gtid, part.blocks * tpb)
+            self._strided_store(em, v, gtid, part.blocks * tpb, part)
+
+    # --- vector widths ---------------------------------------------------------------------
+    def _check_vector_width(self, index: int, part) -> None:
+        """The schedule's vector width is one codegen can honour: the tuner offers vw > 1
+        only where a part's element count (loops) or row length (contiguous rows) is a
+        multiple of it, and never for column rows (their lanes own rows, not elements)."""
+        vw = part.vector_width
+        if vw < 1 or vw & (vw - 1):
+            raise CodegenError(f"kernel {self.name} part {index}: vector width {vw} is not a "
+                               "power of two")
+        if vw == 1 or part.kind == "global":
+            return
+        if part.kind == "row" and not part.minor:
+            raise CodegenError(f"kernel {self.name} part {index}: vector width {vw} on column "
+                               "rows (lanes own rows there: width 1)")
+        count = part.row_length if part.kind == "row" else part.rows
+        if count % vw:
+            raise CodegenError(f"kernel {self.name} part {index}: {count} "
+                               f"{'row elements' if part.kind == 'row' else 'elements'} are "
+                               f"not a multiple of vector width {vw}")
+
+    def _width(self, part, count: int, what: str) -> int:
+        """Elements a thread takes at once on a walk over ``count`` elements (per row or in
+        all): the part's vector width, or for a walk it does not divide (a written value
+        smaller than the part's largest) the widest power of two that divides both."""
+        vw = max(part.vector_width, 1)
+        width = math.gcd(vw, max(count, 1))
+        if width != vw:
+            self.notes.append(f"{what}: {count} elements walked {width} at a time, not "
+                              f"{vw} (the part's vector width does not divide them)")
+        return width
 
     def _unit_part(self, em: ValueEmitter, part, layout: "_RowLayout", written: list[int],
                    bid: kir.Expr) -> None:
@@ -516,7 +608,7 @@ class _KernelBuilder:
         for v in sorted(part.members):
             node = graph.nodes[v]
             if v in layout.reductions:
-                result = self._unit_reduce(em, node, unit, rowc, rows)
+                result = self._unit_reduce(em, node, unit, rowc, rows, part)
                 em.overrides[v] = lambda idx, r=result: r
                 if v in written:
                     em.push()
@@ -535,19 +627,26 @@ class _KernelBuilder:
             split = layout.splits.get(v)
             if split is None:
                 # Independent of every row: the part's threads share it out element-wise.
-                self._strided_store(em, v, iadd(imul(bid, tpb), tid), part.blocks * tpb)
+                self._strided_store(em, v, iadd(imul(bid, tpb), tid), part.blocks * tpb,
+                                    part)
                 continue
+            width = self._width(part, split.per_row, graph.nodes[v].name)
             var = em.fresh("j")
             em.push(var)
-            index = split.index(rowc, kir.Ref(var, "i32"), shape.dims)
-            value = em.value(v, index)
+            first = imul(kir.Ref(var, "i32"), width)
+            indices = _group(split.index(rowc, first, shape.dims), shape.dims,
+                             split.step_dim(shape.dims, width), width,
+                             lambda j: split.index(rowc, iadd(first, _c(j)), shape.dims))
+            values = [em.value(v, index) for index in indices]
             em.push()
-            em.emit(kir.Store(self.params[v].name,
-                              physical_offset(index, shape.dims, self.layouts.get(v)), value))
+            for index, value in zip(indices, values):
+                em.emit(kir.Store(self.params[v].name,
+                                  physical_offset(index, shape.dims, self.layouts.get(v)),
+                                  value))
             store = em.pop()
             em.emit(kir.If(valid, store))
-            loop = em.pop()
-            em.emit(kir.For(var, unit.first, _c(split.per_row), _c(unit.step), loop))
+            loop = _loads_first(em.pop())
+            em.emit(kir.For(var, unit.first, _c(split.per_row // width), _c(unit.step), loop))
 
     def _atomic_scatter(self, em: ValueEmitter, v: int, bid: kir.Expr, blocks: int) -> None:
         """Threads walk the update elements (grid-stride): element u of update batch b goes
@@ -610,33 +709,56 @@ class _KernelBuilder:
                 em.emit(stmt)
         em.emit(kir.For(var, gtid, _c(ushape.num_elements), _c(blocks * tpb), em.pop()))
 
-    def _strided_store(self, em: ValueEmitter, v: int, start: kir.Expr, total: int) -> None:
+    def _strided_store(self, em: ValueEmitter, v: int, start: kir.Expr, threads: int,
+                       part=None) -> None:
+        """Threads ``start``, ``start + threads``, ... each write ``width`` consecutive
+        elements of v per step (step s: elements width*s .. width*s + width-1; the part's
+        vector width, 1 without a part), as the schedule's vector width assumes:
+        straight-line accesses at provably consecutive, aligned offsets, which the NVPTX
+        back end merges into vector loads and stores."""
         shape = leaf(self.graph.nodes[v].shape)
+        n = max(shape.num_elements, 1)
+        width = 1 if part is None else self._width(part, n, self.graph.nodes[v].name)
+        layout = self.layouts.get(v)
         var = em.fresh("e")
         em.push(var)
-        e = kir.Ref(var, "i32")
+        first = imul(kir.Ref(var, "i32"), width)
         # A buffer in a layout of stitch's choosing is walked in its own (physical) order:
         # the stores stay coalesced, the loads follow the logical index.
-        index = logical_index(e, shape.dims, self.layouts.get(v))
-        em.emit(kir.Store(self.params[v].name, e, em.value(v, index)))
-        em.emit(kir.For(var, start, _c(max(shape.num_elements, 1)), _c(total), em.pop()))
+        minor = (layout[-1] if layout else len(shape.dims) - 1) if shape.dims else None
+        if minor is not None and shape.dims[minor] % width:
+            minor = None
+        indices = _group(logical_index(first, shape.dims, layout), shape.dims, minor, width,
+                         lambda j: logical_index(iadd(first, _c(j)), shape.dims, layout))
+        values = [em.value(v, index) for index in indices]
+        for j, value in enumerate(values):
+            em.emit(kir.Store(self.params[v].name, iadd(first, _c(j)), value))
+        em.emit(kir.For(var, start, _c(n // width), _c(threads), _loads_first(em.pop())))
 
     def _unit_reduce(self, em: ValueEmitter, node: OpNode, unit: "_Unit", rowc: kir.Expr,
-                     rows: int) -> kir.Expr:
-        """This thread's share of row ``rowc`` (elements first, first + step, ...), then
-        the unit's threads combine their shares."""
+                     rows: int, part) -> kir.Expr:
+        """This thread's share of row ``rowc`` (with vector width w: elements w*first ..
+        w*first + w-1, then w*(first + step) ..., each group loaded at once), then the
+        unit's threads combine their shares."""
         op = em.reducer(node)
         source, src, row_dims = self._split_row_source(node)
         split = _Split("dims", rows, src.num_elements // rows, row_dims)
+        width = self._width(part, split.per_row, node.name)
         init = em.value(node.operands[1], ())
         acc = em.fresh("acc")
         em.emit(kir.Local(acc, init.dtype, init))
         var = em.fresh("k")
         em.push(var)
-        x = em.value(source, split.index(rowc, kir.Ref(var, "i32"), src.dims))
-        em.emit(kir.Assign(acc, kir.Binary(op, kir.Ref(acc, init.dtype), x)))
-        loop = em.pop()
-        em.emit(kir.For(var, unit.first, _c(split.per_row), _c(unit.step), loop))
+        first = imul(kir.Ref(var, "i32"), width)
+        indices = _group(split.index(rowc, first, src.dims), src.dims,
+                         split.step_dim(src.dims, width), width,
+                         lambda j: split.index(rowc, iadd(first, _c(j)), src.dims))
+        # All loads of the group first (one vector access), then the combines.
+        xs = [em.value(source, index) for index in indices]
+        for x in xs:
+            em.emit(kir.Assign(acc, kir.Binary(op, kir.Ref(acc, init.dtype), x)))
+        loop = _loads_first(em.pop())
+        em.emit(kir.For(var, unit.first, _c(split.per_row // width), _c(unit.step), loop))
         total: kir.Expr = kir.Ref(acc, init.dtype)
         if unit.lanes_per_row == 32:
             warp_total = em.fresh("wsum")

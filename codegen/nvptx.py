@@ -30,6 +30,7 @@ STATIC_SHARED_LIMIT = 48 * 1024  # bytes of static __shared__ per block
 # this many (stitch.schedule.global_scope.GLOBAL_REGISTERS; a test keeps the two equal).
 GRID_BARRIER_MAX_REGISTERS = 64
 GLOBAL, SHARED = 1, 3  # NVPTX address spaces
+PARAM_ALIGN = 16  # bytes every buffer param is aligned to (the widest vector access)
 
 _UNARY_LIBDEVICE = {"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sin", "cos",
                     "tan", "erf", "cbrt", "floor", "ceil", "rint", "round", "pow", "atan2", "fmod"}
@@ -62,6 +63,7 @@ class NvptxTarget(Target):
     """SIMT-native hooks: special registers, bar.sync, shfl.sync, addrspace(3) shared, libdevice."""
 
     name = "nvptx"
+    param_align = PARAM_ALIGN
 
     def __init__(self) -> None:
         self.buffers: dict[str, ir.Value] = {}
@@ -73,6 +75,10 @@ class NvptxTarget(Target):
         fn.calling_convention = "ptx_kernel"  # LLVM >= 20 marks entries by this CC (-> .entry)
         for arg, p in zip(fn.args, k.params):
             arg.name = p.name
+            # XLA aligns every buffer it hands a kernel to at least 16 bytes (entry
+            # parameters 16, its own allocations more): saying so lets LLVM prove a
+            # thread's consecutive elements aligned and merge them into vector accesses.
+            arg.attributes.align = PARAM_ALIGN
             self.buffers[p.name] = arg
         for s in k.shared:
             arr = ir.ArrayType(storage_type(s.dtype), s.size)

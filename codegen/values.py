@@ -16,6 +16,7 @@ finished) for its recomputation.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -88,7 +89,35 @@ def iadd(a: Expr, b: Expr) -> Expr:
         return b
     if isinstance(a, kir.Const) and isinstance(b, kir.Const):
         return _c(a.value + b.value)
+    if _is_i32_const(b) and isinstance(a, kir.Binary) and a.op == "add" and \
+            _is_i32_const(a.b):
+        return iadd(a.a, _c(a.b.value + b.value))     # (x + c1) + c2 = x + (c1 + c2)
     return kir.Binary("add", a, b)
+
+
+def _is_i32_const(e: Expr) -> bool:
+    return isinstance(e, kir.Const) and e.dtype == "i32"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def multiple_of(e: Expr) -> int:
+    """A number every value of the non-negative index expression ``e`` is a multiple of
+    (0: e is 0), from its arithmetic: a loop's step index times the vector width, the
+    remainders and sums of such. 1 where nothing is known."""
+    if isinstance(e, kir.Const):
+        return abs(int(e.value)) if e.dtype == "i32" else 1
+    if not isinstance(e, kir.Binary) or not _is_i32_const(e.b):
+        if isinstance(e, kir.Binary) and e.op == "add":
+            return math.gcd(multiple_of(e.a), multiple_of(e.b))
+        return 1
+    k = int(e.b.value)
+    if e.op == "mul":
+        return multiple_of(e.a) * abs(k)
+    if e.op == "add":
+        return math.gcd(multiple_of(e.a), abs(k))
+    if e.op == "rem" and k > 0:
+        return math.gcd(multiple_of(e.a), k)
+    return 1
 
 
 def isub(a: Expr, b: Expr) -> Expr:
@@ -126,15 +155,68 @@ def irem(a: Expr, k: int) -> Expr:
 
 
 def linearize(index: tuple[Expr, ...], dims: tuple[int, ...]) -> Expr:
-    """Row-major linear offset of a logical index (non-negative i32 arithmetic)."""
-    out: Expr = _c(0)
-    stride = 1
-    for i, n in zip(reversed(index), reversed(dims)):
-        if n != 1:
-            out = iadd(out, imul(i, stride))
-        stride *= n
-    return out
+    """Row-major linear offset of a logical index (non-negative i32 arithmetic).
 
+    Components that are a whole ``delinearize(x, dims[a:b])`` (each maybe plus a
+    constant) fold back to ``x`` (plus the constants times their strides): an element's
+    offset reads the expression its index was made from, without the div/rem round trip.
+    Besides saving the arithmetic, that keeps a thread's consecutive elements (``x + j``)
+    provably consecutive and aligned, so the loads and stores of a vectorized walk merge
+    into vector accesses. A run must end at delinearize's outermost component (``x /
+    stride``, no remainder): a part of another value's index (a broadcast's operand reads
+    the minor components of its result's index) keeps its remainders."""
+    bases: list[Expr] = []
+    strides: list[int] = []
+    constant = 0
+    stride = 1
+    for i, n in zip(reversed(index), reversed(dims)):       # minor first
+        while n != 1 and isinstance(i, kir.Binary) and i.op == "add" and _is_i32_const(i.b):
+            constant += int(i.b.value) * stride
+            i = i.a
+        bases.append(i)
+        strides.append(stride)
+        stride *= n
+    sizes = tuple(reversed(dims))
+    out: Expr = _c(0)
+    k = 0
+    while k < len(bases):
+        if sizes[k] == 1:
+            k += 1
+            continue
+        run = _delinearized_run(bases, sizes, k)
+        if run is None:
+            out = iadd(out, imul(bases[k], strides[k]))
+            k += 1
+        else:
+            source, k_end = run
+            out = iadd(out, imul(source, strides[k]))
+            k = k_end
+    return iadd(out, _c(constant)) if constant else out
+
+
+def _delinearized_run(bases: list[Expr], sizes: tuple[int, ...], k: int
+                      ) -> tuple[Expr, int] | None:
+    """(x, end) when ``bases[k:end]`` (minor first) are all of ``delinearize(x, ...)``
+    over ``sizes[k:end]``: ``x % sizes[k]``, ``x / sizes[k] % sizes[k+1]``, ..., and last
+    ``x / span`` (size-1 dims, whose component is 0, may sit in between); else None."""
+    first = bases[k]
+    if not (isinstance(first, kir.Binary) and first.op == "rem"
+            and isinstance(first.b, kir.Const) and first.b.value == sizes[k]):
+        return None
+    source = first.a
+    span = sizes[k]
+    end = k + 1
+    while end < len(bases):
+        if sizes[end] == 1:
+            end += 1
+            continue
+        if bases[end] == idiv(source, span):
+            return source, end + 1
+        if bases[end] != irem(idiv(source, span), sizes[end]):
+            return None
+        span *= sizes[end]
+        end += 1
+    return None
 
 def physical_offset(index: tuple[Expr, ...], dims: tuple[int, ...],
                     layout: tuple[int, ...] | None) -> Expr:
@@ -160,12 +242,31 @@ def logical_index(offset: Expr, dims: tuple[int, ...], layout: tuple[int, ...] |
 
 
 def delinearize(offset: Expr, dims: tuple[int, ...]) -> tuple[Expr, ...]:
-    """Logical index of a row-major linear offset."""
+    """Logical index of a row-major linear offset. An offset ``x + c`` whose x is a
+    multiple of g (``multiple_of``) with c < g and g dividing the minor dim's size
+    keeps c on the minor digit (x + c lies in x's run of that dim): a thread's vector
+    group of consecutive elements stays one digit apart through reshapes, whole."""
+    if isinstance(offset, kir.Binary) and offset.op == "add" and _is_i32_const(offset.b):
+        minor = max((d for d, n in enumerate(dims) if n != 1), default=None)
+        c = int(offset.b.value)
+        if minor is not None and 0 < c < math.gcd(multiple_of(offset.a), dims[minor]):
+            out = list(delinearize(offset.a, dims))
+            out[minor] = iadd(out[minor], _c(c))
+            return tuple(out)
     out: list[Expr] = []
     stride = math.prod(dims)
+    outermost = True
     for n in dims:
         stride //= n
-        out.append(_c(0) if n == 1 else irem(idiv(offset, stride), n))
+        if n == 1:
+            out.append(_c(0))
+        elif outermost:
+            # The offset is in range: its outermost digit needs no remainder (and its
+            # absence marks a whole delinearization for ``linearize`` to fold back).
+            out.append(idiv(offset, stride))
+        else:
+            out.append(irem(idiv(offset, stride), n))
+        outermost = outermost and n == 1
     return tuple(out)
 
 

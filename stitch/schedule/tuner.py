@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from hlo_passes.graph import OpGraph
+from hlo_passes.scatter_forms import scatter_form
 
 from ..cost.gpu_specs import GpuSpec
 from ..cost.latency import UNROLL, LaunchShape, WarpWork, evaluate, part_cycles
@@ -307,6 +308,12 @@ class _PartCache:
         self.members = set(facts.members)
         self.written = written_values(graph, self.members)
         self.register_terms = _register_terms(facts)
+        # A scatter whose updates may collide is generated as a walk over its updates, one
+        # atomic add each under a bounds guard (codegen ``_atomic_scatter``): no vector
+        # accesses, so its part is priced at vector width 1 only.
+        atomic = any(graph.nodes[v].opcode == "scatter" and scatter_form(graph, v).kind != "row"
+                     for v in self.members)
+        self.vector_widths = (1,) if atomic else VECTOR_WIDTHS
         self._groups: dict[tuple[str, bool], list[GroupSchedule]] = {}
         self._shared: dict[tuple[str, int, int], list[SharedBuffer]] = {}
 
@@ -333,7 +340,7 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
     cache = cache or _PartCache(graph, facts)
     choices: list[_Choice] = []
     if not facts.reductions:
-        for vw in VECTOR_WIDTHS:
+        for vw in cache.vector_widths:
             got = _loop_work(facts, tpb, vw)
             if isinstance(got, str):
                 rejected.append(f"loop vw={vw}: {got}")
@@ -355,7 +362,7 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
     sub_root_options = (True, False) if facts.per_row_expensive else (True,)
     cache_options = (False, True) if facts.multi_pass_expensive else (False,)
     for unit in ("warp", "block", "thread"):
-        for vw in VECTOR_WIDTHS:
+        for vw in cache.vector_widths:
             for sub_roots in sub_root_options:
                 for cached_values in cache_options:
                     label = (f"{unit} tpb={tpb} vw={vw} sub_roots={sub_roots} "
