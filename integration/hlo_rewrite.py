@@ -214,12 +214,37 @@ def _output_keys(view: ComputationView, nid: int) -> list[tuple[str, int | None]
     return []
 
 
+@dataclass(frozen=True)
+class _Export:
+    """A value an earlier placed kernel's call returns: element ``index`` of ``call``."""
+    call: str
+    index: int
+    shape: Shape
+    position: float
+
+
+def _exported_input(view: ComputationView, b: _Builder, nid: int,
+                    exported: dict[tuple[str, int | None], _Export]) -> tuple[str, Shape]:
+    """Node ``nid``'s value read from the earlier kernel that replaced its instruction (a
+    multi-output fusion whose element readers were retargeted to that kernel's call leaves
+    no instruction of its name behind)."""
+    for key in _output_keys(view, nid):
+        if key in exported:
+            e = exported[key]
+            return b.gte(e.call, e.shape, e.index, e.position + 0.5), e.shape
+    raise NotPlaceable(f"reads {view.top_of(nid)}, which an earlier stitched kernel "
+                       f"replaced without writing {view.graph.nodes[nid].name}")
+
+
 def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
-          removed: set[str], replaced: dict[str, Instruction] | None = None
-          ) -> dict[str, Instruction]:
+          removed: set[str], replaced: dict[str, Instruction] | None = None,
+          exported: dict[tuple[str, int | None], _Export] | None = None
+          ) -> tuple[dict[str, Instruction], dict[tuple[str, int | None], _Export]]:
     """Add the kernel's custom call; return the replacement instruction per removed name
-    (and mutate gte users in place). Raises NotPlaceable without changing anything visible
-    (the builder's additions are dropped by the caller on failure)."""
+    (and mutate gte users in place) and the values the call returns. ``exported``: the
+    values earlier placed kernels' calls return, keyed like ``_output_keys`` (a later kernel
+    reads them there). Raises NotPlaceable without changing anything visible (the builder's
+    additions are dropped by the caller on failure)."""
     site = kernel.site
     if set(site.tops) & removed:
         raise NotPlaceable("overlaps a kernel already placed (recomputed ops)")
@@ -228,9 +253,9 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
     for nid in kernel.inputs:
         source = view.top_of(nid)
         if source in removed and source not in (replaced or {}):
-            # An earlier kernel replaced it and left no instruction of that name behind.
-            raise NotPlaceable(f"reads {source}, which an earlier stitched kernel replaced")
-        name, shape = _input_value(view, b, nid)
+            name, shape = _exported_input(view, b, nid, exported or {})
+        else:
+            name, shape = _input_value(view, b, nid)
         if shape.is_tuple or not _row_major(shape):
             raise NotPlaceable(f"input {name} is not a row-major array ({shape})")
         operands.append(name)
@@ -257,6 +282,8 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
                        operands, {"custom_call_target": f'"{kernel.target}"',
                                   "api_version": "API_VERSION_TYPED_FFI"})
     b.add(call, position)
+    exports = {key: _Export(call_name, j, out_shapes[j], position)
+               for key, j in out_index.items()}
 
     replacements: dict[str, Instruction] = {}
     retargets: list[tuple[Instruction, int]] = []
@@ -309,7 +336,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
         else:
             user.operands = [call_name]
             user.attrs["index"] = str(j)
-    return replacements
+    return replacements, exports
 
 
 def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[PlacedKernel],
@@ -332,13 +359,14 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
         b = _Builder(module, view)
         removed: set[str] = set()
         replacements: dict[str, Instruction] = {}
+        exported: dict[tuple[str, int | None], _Export] = {}
         for k in placed:
             mark = len(b.added)
             existing = [*view.comp.instructions, *(inst for inst, _ in b.added)]
             snapshot = [(i, i.opcode, list(i.operands), dict(i.attrs)) for i in existing]
             tops_before = k.site.tops
             try:
-                new = place(view, b, k, removed, replacements)
+                new, exports = place(view, b, k, removed, replacements, exported)
                 # Convex kernels cannot close a cycle among themselves, but the module has
                 # what the op graph does not (control predecessors...): check each one.
                 _topological(_items(view, b, removed | set(k.site.tops),
@@ -352,6 +380,7 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
                 continue
             removed |= set(k.site.tops)
             replacements.update(new)
+            exported.update(exports)
             report.placed.append(k.site.name)
         if removed:
             view.comp.instructions = _topological(_items(view, b, removed, replacements))
