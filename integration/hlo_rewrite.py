@@ -49,6 +49,10 @@ class PlacedKernel:
     inputs: list[int]
     outputs: list[int]
     target: str
+    # Outputs whose buffer must start as a copy of an input (output node -> input node,
+    # codegen's ``LoweredKernel.initial``: a scatter adding colliding updates atomically in
+    # place). The call gets a fresh copy of that input as the operand its output aliases.
+    initial: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -278,9 +282,12 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
         for key in keys:
             out_index.setdefault(key, j)
     call_name = b.fresh(f"stitch.{site.name}")
+    attrs = {"custom_call_target": f'"{kernel.target}"', "api_version": "API_VERSION_TYPED_FFI"}
+    aliasing = _in_place_operands(b, kernel, operands, position)
+    if aliasing:
+        attrs["output_to_operand_aliasing"] = aliasing
     call = Instruction(call_name, Shape("tuple", tuple_shapes=tuple(out_shapes)), "custom-call",
-                       operands, {"custom_call_target": f'"{kernel.target}"',
-                                  "api_version": "API_VERSION_TYPED_FFI"})
+                       operands, attrs)
     b.add(call, position)
     exports = {key: _Export(call_name, j, out_shapes[j], position)
                for key, j in out_index.items()}
@@ -337,6 +344,32 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
             user.operands = [call_name]
             user.attrs["index"] = str(j)
     return replacements, exports
+
+
+def _in_place_operands(b: _Builder, kernel: PlacedKernel, operands: list[str],
+                       position: float) -> str:
+    """For each output that starts as a copy of an input (``PlacedKernel.initial``), make
+    that operand a fresh ``copy`` of the input (which other instructions may still read, or
+    which may be a parameter) and return the call's ``output_to_operand_aliasing`` text,
+    e.g. ``{{0}: (2, {})}``: XLA then hands the kernel that copy as the output's buffer."""
+    pairs = []
+    for out, source in sorted(kernel.initial.items()):
+        if out not in kernel.outputs or source not in kernel.inputs:
+            raise NotPlaceable(f"kernel {kernel.site.name}: an in-place output or its input "
+                               "is not among the kernel's parameters")
+        i, j = kernel.inputs.index(source), kernel.outputs.index(out)
+        shape = _operand_shape(b, operands[i])
+        copy = Instruction(b.fresh(f"{operands[i]}.inplace"), shape, "copy", [operands[i]])
+        operands[i] = b.add(copy, position - 0.5)
+        pairs.append(f"{{{j}}}: ({i}, {{}})")
+    return "{" + ", ".join(pairs) + "}" if pairs else ""
+
+
+def _operand_shape(b: _Builder, name: str) -> Shape:
+    for inst, _ in reversed(b.added):
+        if inst.name == name:
+            return inst.shape
+    return b.view.table[name].shape
 
 
 def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[PlacedKernel],

@@ -580,7 +580,10 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 elif _global_scope(schedule) and grid_sync == "auto":
                     grid_sync = launch_form(schedule)
                 with LLVM_LOCK:
-                    lowered = lower_kernel(graph_plan.graph, evaluator, schedule, k.name)
+                    # in_place: the rewrite gives an atomic scatter's output a copy of its
+                    # operand as buffer (output_to_operand_aliasing, PlacedKernel.initial).
+                    lowered = lower_kernel(graph_plan.graph, evaluator, schedule, k.name,
+                                           in_place=True)
                 if grid_sync == "relaunch" and kir.has_grid_barrier(lowered.kernel):
                     lowered = dataclasses.replace(lowered, kernel=dataclasses.replace(
                         lowered.kernel, grid_sync="relaunch"))
@@ -637,7 +640,7 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
             report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
             continue
         placed.append(PlacedKernel(site, list(lowered.inputs), list(lowered.outputs),
-                                   ffi_target.name))
+                                   ffi_target.name, dict(lowered.initial)))
         built[k.name] = BuiltKernel(k.name, lowered, ffi_target)
         launching[k.name] = sum(1 for t in site.tops if view.launches(t))
     report.timings["targets_s"] = time.perf_counter() - mark

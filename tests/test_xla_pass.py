@@ -322,3 +322,26 @@ def test_attention_is_one_gemm_chain_kernel_inside_xla_and_matches():
     assert kinds.count("gemm_chain") == 1, (kinds, report.skipped, report.fallbacks)
     assert "dot(" not in compiled.as_text()          # both GEMMs are inside the kernel
     _close(compiled(q, k, v), jax.jit(_attention)(q, k, v), rtol=1e-5)
+
+
+def _embedding_grad(table, ids, g):
+    def loss(t):
+        return jnp.sum(jnp.tanh(t[ids]) * g)
+    return jnp.tanh(jax.grad(loss)(table)) * table
+
+
+def test_colliding_scatter_add_runs_in_place_on_a_copy_of_its_operand():
+    # An embedding gradient: 512 rows scatter-added into 8 of 64 table rows (colliding
+    # updates, added atomically). The kernel's output buffer must start as the scatter's
+    # operand: the call aliases it to a fresh copy (before: left to XLA, "needs its output
+    # buffer to start as the operand").
+    table, g = _rand(64, 32, seed=1), _rand(512, 32, seed=2)
+    ids = np.random.default_rng(3).integers(0, 8, size=(512,)).astype(np.int32)
+    compiled, report = _compile_with_pass(_embedding_grad, table, ids, g)
+    assert not report.fallbacks, report.fallbacks
+    assert [k.name for k in report.kernels if k.lowered.initial], report.kernels
+    text = compiled.as_text()
+    aliased = [line for line in text.splitlines()
+               if 'custom_call_target="stitch_' in line and "output_to_operand_aliasing" in line]
+    assert len(aliased) == 1, text
+    _close(compiled(table, ids, g), jax.jit(_embedding_grad)(table, ids, g))
