@@ -283,7 +283,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
             out_index.setdefault(key, j)
     call_name = b.fresh(f"stitch.{site.name}")
     attrs = {"custom_call_target": f'"{kernel.target}"', "api_version": "API_VERSION_TYPED_FFI"}
-    aliasing = _in_place_operands(b, kernel, operands, position)
+    aliasing = _in_place_operands(view, b, kernel, operands, position)
     if aliasing:
         attrs["output_to_operand_aliasing"] = aliasing
     call = Instruction(call_name, Shape("tuple", tuple_shapes=tuple(out_shapes)), "custom-call",
@@ -346,23 +346,40 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
     return replacements, exports
 
 
-def _in_place_operands(b: _Builder, kernel: PlacedKernel, operands: list[str],
-                       position: float) -> str:
-    """For each output that starts as a copy of an input (``PlacedKernel.initial``), make
-    that operand a fresh ``copy`` of the input (which other instructions may still read, or
-    which may be a parameter) and return the call's ``output_to_operand_aliasing`` text,
-    e.g. ``{{0}: (2, {})}``: XLA then hands the kernel that copy as the output's buffer."""
+def _in_place_operands(view: ComputationView, b: _Builder, kernel: PlacedKernel,
+                       operands: list[str], position: float) -> str:
+    """For each output that starts as a copy of an input (``PlacedKernel.initial``), return
+    the call's ``output_to_operand_aliasing`` text (e.g. ``{{0}: (2, {})}``): XLA then hands
+    the kernel that operand's buffer as the output's. The operand is the input itself where
+    nothing else can see the buffer change (``_private_buffer``), else a fresh ``copy``."""
     pairs = []
+    tops = set(kernel.site.tops)
     for out, source in sorted(kernel.initial.items()):
         if out not in kernel.outputs or source not in kernel.inputs:
             raise NotPlaceable(f"kernel {kernel.site.name}: an in-place output or its input "
                                "is not among the kernel's parameters")
         i, j = kernel.inputs.index(source), kernel.outputs.index(out)
-        shape = _operand_shape(b, operands[i])
-        copy = Instruction(b.fresh(f"{operands[i]}.inplace"), shape, "copy", [operands[i]])
-        operands[i] = b.add(copy, position - 0.5)
+        if not _private_buffer(view, b, operands[i], tops, operands):
+            shape = _operand_shape(b, operands[i])
+            copy = Instruction(b.fresh(f"{operands[i]}.inplace"), shape, "copy", [operands[i]])
+            operands[i] = b.add(copy, position - 0.5)
         pairs.append(f"{{{j}}}: ({i}, {{}})")
     return "{" + ", ".join(pairs) + "}" if pairs else ""
+
+
+def _private_buffer(view: ComputationView, b: _Builder, name: str, tops: set[str],
+                    operands: list[str]) -> bool:
+    """``name`` is a buffer only the kernel being placed reads: the result (or a tuple
+    element) of an XLA fusion or copy of this computation, not the root's or a loop state's, and
+    read by no instruction the kernel leaves in the module. Writing it in place is then
+    what XLA's own in-place scatter fusion did (its operand a fresh buffer)."""
+    inst = view.table.get(name)
+    if inst is None or inst.is_root or name in view.comp.root.operands:
+        return False
+    source = view.table.get(inst.operands[0]) if inst.opcode == "get-tuple-element" else inst
+    if source is None or source.opcode not in ("fusion", "copy") or operands.count(name) != 1:
+        return False
+    return not view.users_outside(name, tops, [added for added, _ in b.added])
 
 
 def _operand_shape(b: _Builder, name: str) -> Shape:

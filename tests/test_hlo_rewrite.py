@@ -76,3 +76,57 @@ def test_a_kernel_reading_a_fusion_another_kernel_replaces(order):
     assert [by_name[o].operands for o in reader.operands] == [[call.name], [call.name]]
     assert [by_name[o].int("index") for o in reader.operands] == [0, 1]
 
+
+
+IN_PLACE_MODULE = """HloModule m
+fused_a {
+  p = f32[8,16] parameter(0)
+  ROOT e = f32[8,16] exponential(p)
+}
+fused_b {
+  q = f32[8,16] parameter(0)
+  ROOT n = f32[8,16] negate(q)
+}
+fused_c {
+  s = f32[8,16] parameter(0)
+  ROOT t = f32[8,16] tanh(s)
+}
+ENTRY e {
+  x = f32[8,16] parameter(0)
+  a = f32[8,16] fusion(x), kind=kLoop, calls=fused_a
+  b = f32[8,16] fusion(a), kind=kLoop, calls=fused_b
+  c = f32[8,16] fusion(b), kind=kLoop, calls=fused_c
+  ROOT r = (f32[8,16], f32[8,16]) tuple(c, OTHER)
+}"""
+
+
+def _in_place_call(other: str, source: str):
+    """Place a kernel over b and c whose output t starts as a copy of ``source``."""
+    module = parse_hlo(IN_PLACE_MODULE.replace("OTHER", other))
+    graph = build_op_graphs(module)[0]
+    view = ComputationView(module, graph)
+    node = {n.instruction.name: n.id for n in graph.nodes}
+    kernel = PlacedKernel(KernelSite("k", 0, frozenset({node["n"], node["t"]}), ("b", "c")),
+                          [node[source]], [node["t"]], "stitch_test_k", {node["t"]: node[source]})
+    report = replace_kernels(module, [graph], [kernel], {0: view})
+    assert report.placed == ["k"], report.skipped
+    _defined_operands(module)
+    _to_proto(print_hlo(module, operand_shapes=True))      # XLA's parser takes it
+    by_name = {i.name: i for i in module.entry.instructions}
+    call = next(i for i in module.entry.instructions if i.opcode == "custom-call")
+    assert call.attrs["output_to_operand_aliasing"] == "{{0}: (0, {})}"
+    return by_name[call.operands[0]]
+
+
+def test_an_in_place_output_aliases_a_fusion_result_only_it_reads():
+    # `a` is read only by the instructions the kernel replaces: its buffer is the kernel's
+    # to write (as XLA's in-place scatter fusion wrote its operand's).
+    operand = _in_place_call("x", "e")
+    assert operand.name == "a"
+
+
+@pytest.mark.parametrize("other, source", [("a", "e"), ("x", "x")])
+def test_an_in_place_output_aliases_a_copy_of_a_buffer_others_see(other, source):
+    # `a` also goes to the root, or the input is the entry parameter: the kernel writes a copy.
+    operand = _in_place_call(other, source)
+    assert operand.opcode == "copy" and operand.name.endswith(".inplace")

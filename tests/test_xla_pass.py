@@ -345,3 +345,21 @@ def test_colliding_scatter_add_runs_in_place_on_a_copy_of_its_operand():
                if 'custom_call_target="stitch_' in line and "output_to_operand_aliasing" in line]
     assert len(aliased) == 1, text
     _close(compiled(table, ids, g), jax.jit(_embedding_grad)(table, ids, g))
+
+
+def _add_rows(table, ids, g):
+    return jnp.tanh(table.at[ids].add(jnp.tanh(g) * 2.0)) * table
+
+
+def test_colliding_scatter_add_into_a_parameter_leaves_the_argument_alone():
+    # The scatter's operand is the caller's array: the kernel adds into XLA's copy of it,
+    # never into the argument (called twice on the same jax array).
+    table, g = _rand(64, 32, seed=4), _rand(512, 32, seed=5)
+    ids = np.random.default_rng(6).integers(0, 8, size=(512,)).astype(np.int32)
+    compiled, report = _compile_with_pass(_add_rows, table, ids, g)
+    assert [k.name for k in report.kernels if k.lowered.initial], report
+    argument = jnp.asarray(table)
+    first, second = compiled(argument, ids, g), compiled(argument, ids, g)
+    np.testing.assert_array_equal(np.asarray(argument), table)
+    _close(first, jax.jit(_add_rows)(table, ids, g))
+    _close(second, first)
