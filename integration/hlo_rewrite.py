@@ -307,9 +307,18 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
         part = b.gte(call_name, shape, index, position + 0.5)
         return Instruction(name, shape, "copy", [part], is_root=is_root)
 
+    dead_gtes: list[str] = []
     for top in site.tops:
         inst = view.table[top]
-        users = view.users_outside(top, tops, [inst for inst, _ in b.added])
+        added = [a for a, _ in b.added]
+        users = view.users_outside(top, tops, added)
+        # A gte of a replaced multi-output fusion read only by replaced instructions goes
+        # with them (the op graph has no gte nodes, so no kernel writes its element).
+        dead = [u for u in users if u.opcode == "get-tuple-element" and not u.is_root
+                and u.name in view.table and u.name not in carried
+                and not view.users_outside(u.name, tops, added)]
+        dead_gtes.extend(u.name for u in dead)
+        users = [u for u in users if u not in dead]
         whole_needed = inst.is_root or any(u.opcode != "get-tuple-element" for u in users)
         if not users and not inst.is_root:
             continue
@@ -336,6 +345,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
             if (top, index) not in out_index:
                 raise NotPlaceable(f"element {index} of {top} is read but not written")
             retargets.append((user, out_index[(top, index)]))
+    site.tops = site.tops + tuple(dead_gtes)
     for user, j in retargets:
         if user.name in carried:
             part = b.gte(call_name, user.shape, j, position + 0.5)

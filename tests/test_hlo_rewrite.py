@@ -130,3 +130,22 @@ def test_an_in_place_output_aliases_a_copy_of_a_buffer_others_see(other, source)
     # `a` also goes to the root, or the input is the entry parameter: the kernel writes a copy.
     operand = _in_place_call(other, source)
     assert operand.opcode == "copy" and operand.name.endswith(".inplace")
+
+
+def test_gtes_read_only_inside_the_kernel_go_with_the_fusion_they_read():
+    # One kernel replaces `two`, `use` and `v`: `two`'s gtes are read only by instructions
+    # it replaces, so it writes neither element (the op graph has no gte nodes). Before,
+    # the gtes counted as readers outside: "element 0 of two is read but not written".
+    module = parse_hlo(MODULE)
+    graph = build_op_graphs(module)[0]
+    view = ComputationView(module, graph)
+    node = {n.instruction.name: n.id for n in graph.nodes}
+    whole = PlacedKernel(KernelSite("whole", 0, frozenset({node[n] for n in "abuv"}),
+                                    ("two", "use", "v")),
+                         [node["x"]], [node["u"], node["v"]], "stitch_test_whole")
+    report = replace_kernels(module, [graph], [whole], {0: view})
+    assert report.placed == ["whole"], report.skipped
+    _defined_operands(module)
+    _to_proto(print_hlo(module, operand_shapes=True))
+    names = {i.name for i in module.entry.instructions}
+    assert not names & {"two", "g0", "g1"}
