@@ -44,6 +44,8 @@ def snap_kernels(view: ComputationView, kernels: list, spec: object
         label = names[0] if len(names) == 1 else f"{names[0]}_and_{len(names) - 1}"
         tops = set().union(*(tops_of[n] for n in names))
         got, why = _widen(view, spec, label, tops, names, by_name)
+        if got is None and len(names) == 1:
+            got = _narrow(view, spec, label, tops, names[0], by_name)
         if got is not None:
             snapped.append(got)
             continue
@@ -56,6 +58,8 @@ def snap_kernels(view: ComputationView, kernels: list, spec: object
         for name in names:
             own = tops_of[name] - claimed
             got, why = _widen(view, spec, name, own, [name], by_name) if own else (None, "")
+            if got is None and own:
+                got = _narrow(view, spec, name, own, name, by_name)
             if got is None:
                 skipped.append((name, why or "its XLA instructions went to another kernel"))
                 continue
@@ -85,6 +89,29 @@ def _widen(view: ComputationView, spec: object, label: str, tops: set[str], name
     except ScheduleError as exc:
         return None, f"widened to XLA's fusions it has no schedule: {exc}"
     return SnappedKernel(label, members, schedule), ""
+
+
+def _narrow(view: ComputationView, spec: object, label: str, tops: set[str], name: str,
+            by_name: dict) -> SnappedKernel | None:
+    """Where widening fails: the kernel cut down to the XLA instructions of ``tops`` that it
+    holds whole (the ops of the ones it holds in part stay with XLA), scheduled; None when
+    that is not a different, convex, schedulable kernel of two or more instructions."""
+    from stitch.schedule.tuner import ScheduleError, schedule_kernel
+
+    graph = view.graph
+    members = frozenset(by_name[name].members)
+    whole = {t for t in tops if view.group_ops.get(t, set()) <= members}
+    if len(whole) < 2 or whole == tops:
+        return None
+    ops = set().union(*(view.group_ops.get(t, set()) for t in whole))
+    if not graph.is_convex(ops):
+        return None
+    sources = {m for m in members if graph.nodes[m].op_class is OpClass.SOURCE}
+    try:
+        schedule = schedule_kernel(graph, frozenset(ops | sources), spec)
+    except ScheduleError:
+        return None
+    return SnappedKernel(label, frozenset(ops | sources), schedule)
 
 
 def _merge_sharing(tops_of: dict[str, set[str]]) -> list[list[str]]:
