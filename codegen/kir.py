@@ -546,6 +546,8 @@ class Kernel:
     scratch: tuple[GlobalScratch, ...] = ()
     # How a GPU meets the grid barriers (`GRID_SYNC_MODES`); the host ignores it.
     grid_sync: str = "barrier"
+    # Registers per thread ptxas may use (PTX .maxnreg); None leaves the choice to ptxas.
+    register_budget: int | None = None
 
     def __post_init__(self) -> None:
         for attr in ("params", "shared", "body", "scratch"):
@@ -655,6 +657,8 @@ class _Checker:
             self.fail("launch", f"block {k.block!r} must be a multiple of 32 in [32, 1024]")
         if k.grid_sync not in GRID_SYNC_MODES:
             self.fail("launch", f"grid_sync {k.grid_sync!r} is not one of {GRID_SYNC_MODES}")
+        if k.register_budget is not None and not 16 <= k.register_budget <= 255:
+            self.fail("launch", f"register budget {k.register_budget} is outside 16..255")
         for kind, bufs in (("param", k.params), ("shared", k.shared), ("scratch", k.scratch)):
             for b in bufs:
                 cls = {"param": Param, "shared": Shared, "scratch": GlobalScratch}[kind]
