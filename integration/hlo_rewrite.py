@@ -51,7 +51,7 @@ class PlacedKernel:
     target: str
     # Outputs whose buffer must start as a copy of an input (output node -> input node,
     # codegen's ``LoweredKernel.initial``: a scatter adding colliding updates atomically in
-    # place). The call gets a fresh copy of that input as the operand its output aliases.
+    # place). The call's output aliases that operand (``_in_place_operands``).
     initial: dict[int, int] = field(default_factory=dict)
 
 
@@ -380,9 +380,9 @@ def _in_place_operands(view: ComputationView, b: _Builder, kernel: PlacedKernel,
 def _private_buffer(view: ComputationView, b: _Builder, name: str, tops: set[str],
                     operands: list[str]) -> bool:
     """``name`` is a buffer only the kernel being placed reads: the result (or a tuple
-    element) of an XLA fusion or copy of this computation, not the root's or a loop state's, and
-    read by no instruction the kernel leaves in the module. Writing it in place is then
-    what XLA's own in-place scatter fusion did (its operand a fresh buffer)."""
+    element) of an XLA fusion or copy of this computation, not the root's or a loop
+    state's, and read by no instruction the kernel leaves in the module. Writing it in
+    place is then what XLA's own in-place scatter fusion did (its operand a fresh buffer)."""
     inst = view.table.get(name)
     if inst is None or inst.is_root or name in view.comp.root.operands:
         return False

@@ -580,8 +580,8 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 elif _global_scope(schedule) and grid_sync == "auto":
                     grid_sync = launch_form(schedule)
                 with LLVM_LOCK:
-                    # in_place: the rewrite gives an atomic scatter's output a copy of its
-                    # operand as buffer (output_to_operand_aliasing, PlacedKernel.initial).
+                    # in_place: the rewrite makes an atomic scatter's output alias its
+                    # operand (output_to_operand_aliasing, PlacedKernel.initial).
                     lowered = lower_kernel(graph_plan.graph, evaluator, schedule, k.name,
                                            in_place=True)
                 if grid_sync == "relaunch" and kir.has_grid_barrier(lowered.kernel):

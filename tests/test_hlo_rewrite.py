@@ -47,6 +47,11 @@ def _kernels(module):
     return graph, view, reader, fusion
 
 
+def _call(module, target: str):
+    return next(i for i in module.entry.instructions
+                if i.opcode == "custom-call" and target in i.attrs["custom_call_target"])
+
+
 def _defined_operands(module) -> None:
     names = {i.name for i in module.entry.instructions}
     for inst in module.entry.instructions:
@@ -68,10 +73,7 @@ def test_a_kernel_reading_a_fusion_another_kernel_replaces(order):
     # `two` is left, and it reads the call's elements (before, it stayed with XLA).
     assert report.placed == (["reader", "fusion"] if order == "reader first"
                              else ["fusion", "reader"])
-    call = next(i for i in module.entry.instructions
-                if i.opcode == "custom-call" and "stitch_test_fusion" in i.attrs["custom_call_target"])
-    reader = next(i for i in module.entry.instructions
-                  if i.opcode == "custom-call" and "stitch_test_reader" in i.attrs["custom_call_target"])
+    call, reader = _call(module, "stitch_test_fusion"), _call(module, "stitch_test_reader")
     by_name = {i.name: i for i in module.entry.instructions}
     assert [by_name[o].operands for o in reader.operands] == [[call.name], [call.name]]
     assert [by_name[o].int("index") for o in reader.operands] == [0, 1]
