@@ -15,23 +15,11 @@ from stitch.cost.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.planner import ExplorerOptions, plan
 from stitch.explorer.structure import StructureKeys, rename
+from tests.fixtures import REDUCERS
 
 ROWS, WIDTH, HIDDEN = 64, 128, 256
 
-HEADER = """HloModule layers
-
-add {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT s = f32[] add(a, b)
-}
-
-max {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT s = f32[] maximum(a, b)
-}
-
+HEADER = "HloModule layers\n\n" + REDUCERS + """
 add_copy {
   p = f32[] parameter(0)
   q = f32[] parameter(1)

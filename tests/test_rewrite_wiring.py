@@ -19,6 +19,7 @@ from hlo_passes.evaluator.interpreter import Evaluator
 from hlo_passes.graph_exec import GraphRunner
 from integration import xla_pass
 from integration.hlo_rewrite import PlacedKernel
+from tests.test_graph_exec import random_args
 
 DATA = Path(__file__).parent / "data"
 TARGET_PREFIX = "stitch_wiring_test."
@@ -27,22 +28,6 @@ TARGET_PREFIX = "stitch_wiring_test."
 @dataclasses.dataclass
 class _FakeTarget:
     name: str
-
-
-def _random_args(module, rng):
-    from hlo_passes.evaluator.dtypes import numpy_dtype
-    args = []
-    for p in module.entry.parameters:
-        shape = p.shape
-        dtype = numpy_dtype(shape.element_type)
-        if np.issubdtype(dtype, np.floating):
-            value = rng.uniform(-1, 1, shape.dims).astype(dtype)
-        elif dtype == np.bool_:
-            value = rng.integers(0, 2, shape.dims).astype(bool)
-        else:
-            value = rng.integers(0, 4, shape.dims).astype(dtype)
-        args.append(value)
-    return args
 
 
 def _stitched(module_text: str, monkeypatch):
@@ -106,7 +91,7 @@ def test_rewritten_xla_gpu_module_computes_what_xlas_did(model, monkeypatch):
     calls = [i for _, i in rewritten.instructions() if i.opcode == "custom-call"
              and TARGET_PREFIX in i.attrs.get("custom_call_target", "")]
     assert len(calls) == len(report.placed)
-    args = _random_args(original, np.random.default_rng(7))
+    args = random_args(original, np.random.default_rng(7))
     want = Evaluator(original).run(original.entry, args)
     got = Evaluator(rewritten).run(rewritten.entry, args)
     want_leaves = want if isinstance(want, tuple) else (want,)

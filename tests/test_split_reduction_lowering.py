@@ -24,24 +24,14 @@ from hlo_passes.evaluator.interpreter import Evaluator
 from hlo_passes.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import schedule_kernel
+from tests.fixtures import REDUCERS as F32_REDUCERS
 
 ROWS, SPLIT, INNER = 12, 16, 50          # rows of SPLIT * INNER = 800 elements
 WIDTH = SPLIT * INNER
 F32_TOL, BF16_TOL = 1e-5, 2e-2
 
 # Reducers as XLA GPU writes them: f32 ones, and bf16 ones widened to f32 and rounded back.
-REDUCERS = """
-add {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT s = f32[] add(a, b)
-}
-max {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT s = f32[] maximum(a, b)
-}
-add_bf16 {
+REDUCERS = "\n" + F32_REDUCERS + """add_bf16 {
   a = bf16[] parameter(0)
   b = bf16[] parameter(1)
   wa = f32[] convert(a)
