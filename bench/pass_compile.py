@@ -73,7 +73,8 @@ def _row(model: str, config: str, jax_s: float, stitched_s: float, report) -> di
             **{k: round(report.timings[k], 3) for k in ("lower_s", "ptx_s", "targets_s")
                if k in report.timings},
             "kernels_xla": report.kernels_xla, "kernels_after": report.kernels_after,
-            "stitched": report.kernels_stitched}
+            "stitched": report.kernels_stitched,
+            "narrowed": len(getattr(report, "narrowed", ()))}
 
 
 def measure_one(model: str, config: str) -> dict:

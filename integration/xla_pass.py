@@ -87,6 +87,8 @@ class PassReport:
     in_loop_bodies: int = 0           # of those, placed in while bodies / branches
     timings: dict[str, float] = field(default_factory=dict)
     plan: Any = None                  # the FusionPlan
+    # Kernels built at a narrower vector width than tuned (integration.code_budget).
+    narrowed: list = field(default_factory=list)
 
     def summary(self) -> dict:
         return {"kernels_before": self.kernels_xla, "kernels_after": self.kernels_after,
@@ -327,6 +329,11 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
             worker.close()
 
 
+# GPU builds: a kernel whose Kernel IR is over code_budget.CODE_BUDGET statements is built
+# at a narrower vector width where the latency-evaluator prices that within tolerance (the
+# host path's builds are for checking, not for speed).
+CODE_BUDGET_ON_GPU = True
+
 # What a PTX child imports as it starts (codegen.gpu_cache.emit_ptx_cached's work).
 PTX_CHILD_PRELOAD = ("codegen.nvptx",)
 
@@ -539,6 +546,8 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     from codegen.lower import lower_kernel
     from stitch.schedule.global_scope import launch_form
 
+    from .code_budget import lower_within_budget
+
     jobs: list[tuple[ComputationView, Any, Any, Any]] = []
     # How global-scope kernels run: read once per pass (a bad STITCH_GRID_SYNC fails the
     # pass with its ConfigError, not every kernel with a copy of it).
@@ -579,11 +588,19 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                     schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
                 elif _global_scope(schedule) and grid_sync == "auto":
                     grid_sync = launch_form(schedule)
-                with LLVM_LOCK:
-                    # in_place: the rewrite makes an atomic scatter's output alias its
-                    # operand (output_to_operand_aliasing, PlacedKernel.initial).
-                    lowered = lower_kernel(graph_plan.graph, evaluator, schedule, k.name,
-                                           in_place=True)
+                def lower(schedule: Any, graph: Any = graph_plan.graph, name: str = k.name
+                          ) -> Any:
+                    with LLVM_LOCK:
+                        # in_place: the rewrite makes an atomic scatter's output alias its
+                        # operand (output_to_operand_aliasing, PlacedKernel.initial).
+                        return lower_kernel(graph, evaluator, schedule, name, in_place=True)
+                if request.device == "gpu" and CODE_BUDGET_ON_GPU:
+                    lowered, narrowed = lower_within_budget(graph_plan.graph, schedule, spec,
+                                                            k.name, lower)
+                    if narrowed is not None:
+                        report.narrowed.append(narrowed)
+                else:
+                    lowered = lower(schedule)
                 if grid_sync == "relaunch" and kir.has_grid_barrier(lowered.kernel):
                     lowered = dataclasses.replace(lowered, kernel=dataclasses.replace(
                         lowered.kernel, grid_sync="relaunch"))

@@ -425,7 +425,8 @@ def _preference(choice: _Choice) -> tuple[float, float, int]:
 def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
                     force: dict[str, str] | None = None, *, register_scale: float = 1.0,
                     pin: KernelSchedule | None = None,
-                    layouts: dict[int, tuple[int, ...]] | None = None) -> KernelSchedule:
+                    layouts: dict[int, tuple[int, ...]] | None = None,
+                    vector_widths: tuple[int, ...] | None = None) -> KernelSchedule:
     """The fastest legal schedule of the stitched kernel ``members`` on ``spec``.
 
     ``force`` = {"unit": "warp"} (or "block"/"thread") keeps only schedules whose row parts
@@ -436,8 +437,9 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
     groups, cached values), re-evaluated: what that schedule costs under
     ``register_scale``. ``layouts``: buffers whose layout stitch chooses (node -> logical
     dims, major to minor; ``layouts.py``): their reads and writes are priced by access
-    order (``layout_access.apply_layouts``). Raises ScheduleError when nothing is legal,
-    listing why."""
+    order (``layout_access.apply_layouts``). ``vector_widths``: only these widths (a
+    narrower kernel: less code to compile, ``integration.code_budget``); the global
+    scope is not tried. Raises ScheduleError when nothing is legal, listing why."""
     members = sorted(set(members))
     try:
         analysis = analyze_pattern(graph, members, allow_global=True)
@@ -446,7 +448,7 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
     # The global scope (a persistent kernel with grid barriers): alone where the block
     # scopes cannot stitch the kernel, else a rival the latency-evaluator judges.
     rival = None
-    if analysis.global_phases is not None and pin is None and \
+    if analysis.global_phases is not None and pin is None and vector_widths is None and \
             (not force or force.get("scope") == "global"):
         rival = schedule_global(graph, members, spec, analysis.global_phases)
     if analysis.scope == "global" or (force and force.get("scope") == "global"):
@@ -463,6 +465,10 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
     rejected: list[str] = []
     best: KernelSchedule | None = None
     caches = [_PartCache(graph, f) for f in facts]
+    if vector_widths is not None:
+        for cache in caches:
+            cache.vector_widths = tuple(w for w in cache.vector_widths
+                                        if w in vector_widths) or (1,)
     if pin is not None and len(pin.parts) != len(facts):
         raise ScheduleError(f"kernel at {graph.nodes[members[0]].name}: the pinned schedule "
                             f"has {len(pin.parts)} parts, the kernel {len(facts)}")
