@@ -18,8 +18,11 @@ a fraction of its build at the wider width.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from .config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,21 @@ log = logging.getLogger(__name__)
 CODE_BUDGET = 1000
 # Modeled slowdown (fraction of the kernel's time) accepted for the narrower kernel.
 CODE_TOLERANCE = 0.05
+BUDGET_ENV = "STITCH_CODE_BUDGET"
+
+
+def budget_setting() -> int | None:
+    """The budget ``$STITCH_CODE_BUDGET`` asks for: a positive number of Kernel IR
+    statements, ``off`` (None: every kernel built as tuned), unset: CODE_BUDGET."""
+    raw = os.environ.get(BUDGET_ENV, "").strip().lower()
+    if not raw:
+        return CODE_BUDGET
+    if raw in ("off", "0", "false", "no"):
+        return None
+    if raw.isdigit():
+        return int(raw)
+    raise ConfigError(f"{BUDGET_ENV}={raw!r}: expected a number of Kernel IR statements "
+                      "or off")
 
 
 @dataclass(frozen=True)
@@ -86,13 +104,16 @@ def narrower_schedule(graph: Any, schedule: Any, spec: Any) -> Any | None:
 
 
 def lower_within_budget(graph: Any, schedule: Any, spec: Any, name: str,
-                        lower: Callable[[Any], Any]) -> tuple[Any, Narrowed | None]:
-    """``lower(schedule)``, or, for a kernel over CODE_BUDGET Kernel IR statements, the
-    lowering of a narrower schedule within tolerance (``Narrowed`` says which). A narrower
-    schedule that fails to lower, or is not smaller, leaves the kernel as tuned."""
+                        lower: Callable[[Any], Any], budget: int | None = None
+                        ) -> tuple[Any, Narrowed | None]:
+    """``lower(schedule)``, or, for a kernel over ``budget`` (default CODE_BUDGET) Kernel IR
+    statements, the lowering of a narrower schedule within tolerance (``Narrowed`` says
+    which). A narrower schedule that fails to lower, or is not smaller, leaves the kernel
+    as tuned."""
+    budget = CODE_BUDGET if budget is None else budget
     if widest(schedule) == 1 or not _block_scope(schedule):
         return lower(schedule), None
-    tried = estimated_statements(schedule) > CODE_BUDGET
+    tried = estimated_statements(schedule) > budget
     if tried:
         narrow = narrower_schedule(graph, schedule, spec)
         if narrow is not None:
@@ -101,7 +122,7 @@ def lower_within_budget(graph: Any, schedule: Any, spec: Any, name: str,
                 return got, _narrowed(name, schedule, narrow, got)
     lowered = lower(schedule)
     size = statements(lowered.kernel)
-    if size <= CODE_BUDGET or tried:
+    if size <= budget or tried:
         return lowered, None
     narrow = narrower_schedule(graph, schedule, spec)
     got = _lower_narrow(narrow, name, lower) if narrow is not None else None

@@ -17,6 +17,9 @@ STITCH_GRID_SYNC  how the GPU runs global-scope kernels (grid barriers): ``off``
                 kernel, the form the latency-evaluator models faster)
                 It also lets the GPU pass split a GEMM chain's n across blocks (a second
                 launch sums the f32 partials; ExplorerOptions.chain_grid_sync)
+STITCH_CODE_BUDGET  Kernel IR statements above which the GPU pass builds a kernel at a
+                narrower vector width when that models within 5% (default 1000; ``off``:
+                every kernel as tuned; integration/code_budget.py)
 STITCH_DUMP_MODULES  a folder: the XLA pass writes each module it plans there
                 (``<function>.<n>.hlo``; profiling and bug reports)
 STITCH_INJECT_FAILURE  testing aid: ``compile`` makes every stitched compile fail (the

@@ -329,9 +329,9 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
             worker.close()
 
 
-# GPU builds: a kernel whose Kernel IR is over code_budget.CODE_BUDGET statements is built
-# at a narrower vector width where the latency-evaluator prices that within tolerance (the
-# host path's builds are for checking, not for speed).
+# GPU builds: a kernel whose Kernel IR is over the code budget ($STITCH_CODE_BUDGET, default
+# code_budget.CODE_BUDGET statements) is built at a narrower vector width where the
+# latency-evaluator prices that within tolerance (host builds are for checking, not speed).
 CODE_BUDGET_ON_GPU = True
 
 # What a PTX child imports as it starts (codegen.gpu_cache.emit_ptx_cached's work).
@@ -546,12 +546,13 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     from codegen.lower import lower_kernel
     from stitch.schedule.global_scope import launch_form
 
-    from .code_budget import lower_within_budget
+    from .code_budget import budget_setting, lower_within_budget
 
     jobs: list[tuple[ComputationView, Any, Any, Any]] = []
     # How global-scope kernels run: read once per pass (a bad STITCH_GRID_SYNC fails the
     # pass with its ConfigError, not every kernel with a copy of it).
     grid_sync_setting = grid_sync_on_gpu() if request.device == "gpu" else "barrier"
+    budget = budget_setting() if request.device == "gpu" and CODE_BUDGET_ON_GPU else None
 
     def add(job: tuple) -> None:
         jobs.append(job)
@@ -594,9 +595,9 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                         # in_place: the rewrite makes an atomic scatter's output alias its
                         # operand (output_to_operand_aliasing, PlacedKernel.initial).
                         return lower_kernel(graph, evaluator, schedule, name, in_place=True)
-                if request.device == "gpu" and CODE_BUDGET_ON_GPU:
+                if budget is not None:
                     lowered, narrowed = lower_within_budget(graph_plan.graph, schedule, spec,
-                                                            k.name, lower)
+                                                            k.name, lower, budget)
                     if narrowed is not None:
                         report.narrowed.append(narrowed)
                 else:

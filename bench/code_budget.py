@@ -1,0 +1,109 @@
+"""What the GPU pass's code budget (integration/code_budget.py) does to the zoo's plans:
+per model, the stitched kernels over the budget, the Kernel IR statements as tuned and as
+built, and the modeled µs both ways (counted statements, modeled time).
+
+``python -m bench.code_budget [--target h100] [--models a,b] [--out docs/benchmarks.md]``
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from bench.report import stamp, write_section
+
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+
+SECTION = "bench-code-budget"
+
+
+def measure(model: str, target: str, config: str = "full") -> dict:
+    """The budget applied to every scheduled block-scope kernel of the model's plan."""
+    from codegen.errors import CodegenError
+    from codegen.lower import lower_kernel
+    from hlo_passes import parse_hlo
+    from hlo_passes.evaluator.interpreter import Evaluator
+    from integration import code_budget
+    from stitch.cost.gpu_specs import get_spec
+    from stitch.errors import StitchError
+    from stitch.explorer.planner import plan as make_plan
+
+    module = parse_hlo((DATA / model / f"{config}.gpu-{target}.hlo").read_text())
+    fusion_plan = make_plan(module, target)
+    evaluator, spec = Evaluator(module), get_spec(target)
+    row = {"model": model, "config": config, "kernels": 0, "narrowed": 0, "tuned_statements": 0,
+           "built_statements": 0, "tuned_us": 0.0, "built_us": 0.0, "failed": 0}
+    for graph_plan in fusion_plan.graphs:
+        graph = graph_plan.graph
+        for k in graph_plan.stitched.kernels:
+            if k.schedule is None or not hasattr(k.schedule, "parts"):
+                continue
+
+            def lower(schedule, graph=graph, name=k.name):
+                return lower_kernel(graph, evaluator, schedule, name, in_place=True)
+            try:
+                tuned = lower(k.schedule)
+                built, narrowed = code_budget.lower_within_budget(graph, k.schedule, spec,
+                                                                  k.name, lower)
+            except (CodegenError, StitchError):
+                row["failed"] += 1
+                continue
+            row["kernels"] += 1
+            row["tuned_statements"] += code_budget.statements(tuned.kernel)
+            row["built_statements"] += code_budget.statements(built.kernel)
+            row["tuned_us"] += k.schedule.modeled_us
+            row["built_us"] += narrowed.narrow_modeled_us if narrowed else k.schedule.modeled_us
+            row["narrowed"] += narrowed is not None
+    return row
+
+
+def markdown(rows: list[dict], command: str, target: str, seconds: float) -> str:
+    from integration.code_budget import CODE_BUDGET, CODE_TOLERANCE
+    lines = ["## Code budget on the GPU path: kernels built narrower (counted statements, "
+             "modeled time)", "", stamp(command) + f" Run time {seconds:.0f} s.", "",
+             f"Every scheduled block-scope stitched kernel of the zoo's `<config>.gpu-{target}` "
+             f"plans (the XLA GPU modules of the full-size and the tiny configurations), lowered as tuned and through `integration.code_budget` (budget "
+             f"{CODE_BUDGET} Kernel IR statements, tolerance {CODE_TOLERANCE:.0%} of the "
+             f"kernel's modeled time). Statements are summed over the kernels; µs are the "
+             f"latency-evaluator's, summed.", "",
+             "| model | config | kernels | narrowed | statements tuned | statements built | "
+             "modeled µs tuned | modeled µs built | change |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if not r["kernels"]:
+            continue
+        change = r["built_us"] / r["tuned_us"] - 1 if r["tuned_us"] else 0.0
+        lines.append(f"| {r['model']} | {r['config']} | {r['kernels']} | {r['narrowed']} | "
+                     f"{r['tuned_statements']:,} | {r['built_statements']:,} | "
+                     f"{r['tuned_us']:.1f} | {r['built_us']:.1f} | {change:+.2%} |")
+    empty = [r for r in rows if not r["kernels"]]
+    narrowed = sum(r["narrowed"] for r in rows)
+    lines += ["", f"{narrowed} of {sum(r['kernels'] for r in rows)} kernels narrowed; "
+              f"{len(empty)} model configurations have no block-scope stitched kernel "
+              "(GEMM chains only, or none) and are left out."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.code_budget")
+    parser.add_argument("--target", default="h100")
+    parser.add_argument("--models", type=lambda s: s.split(","))
+    parser.add_argument("--configs", type=lambda s: s.split(","), default=["full", "tiny"])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    models = args.models or sorted(p.name for p in DATA.iterdir()
+                                   if (p / f"full.gpu-{args.target}.hlo").is_file())
+    start = time.perf_counter()
+    rows = [measure(m, args.target, c) for m in models for c in args.configs
+            if (DATA / m / f"{c}.gpu-{args.target}.hlo").is_file()]
+    command = "python -m bench.code_budget" + (f" --target {args.target}"
+                                               if args.target != "h100" else "") + \
+        (f" --out {args.out}" if args.out else "")
+    text = markdown(rows, command, args.target, time.perf_counter() - start)
+    if args.out:
+        write_section(args.out, SECTION, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
