@@ -17,8 +17,22 @@ DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 SECTION = "bench-code-budget"
 
 
-def measure(model: str, target: str, config: str = "full") -> dict:
-    """The budget applied to every scheduled block-scope kernel of the model's plan."""
+ARCH = {"v100": "sm_70", "a100": "sm_80", "h100": "sm_90"}
+
+
+def _build_seconds(kernel, arch: str) -> float:
+    """Wall seconds of the kernel's GPU build, one at a time in this process: PTX through
+    LLVM (O3, NVPTX), then ptxas."""
+    from codegen.nvptx import emit_ptx
+    from codegen.toolchain import assemble_cubin
+    start = time.perf_counter()
+    assemble_cubin(emit_ptx(kernel, arch), arch, kernel_name=kernel.name)
+    return time.perf_counter() - start
+
+
+def measure(model: str, target: str, config: str = "full", build: bool = False) -> dict:
+    """The budget applied to every scheduled block-scope kernel of the model's plan;
+    ``build``: the narrowed kernels' GPU builds timed both ways."""
     from codegen.errors import CodegenError
     from codegen.lower import lower_kernel
     from hlo_passes import parse_hlo
@@ -32,7 +46,8 @@ def measure(model: str, target: str, config: str = "full") -> dict:
     fusion_plan = make_plan(module, target)
     evaluator, spec = Evaluator(module), get_spec(target)
     row = {"model": model, "config": config, "kernels": 0, "narrowed": 0, "tuned_statements": 0,
-           "built_statements": 0, "tuned_us": 0.0, "built_us": 0.0, "failed": 0}
+           "built_statements": 0, "tuned_us": 0.0, "built_us": 0.0, "failed": 0,
+           "tuned_build_s": 0.0, "built_build_s": 0.0}
     for graph_plan in fusion_plan.graphs:
         graph = graph_plan.graph
         for k in graph_plan.stitched.kernels:
@@ -54,10 +69,14 @@ def measure(model: str, target: str, config: str = "full") -> dict:
             row["tuned_us"] += k.schedule.modeled_us
             row["built_us"] += narrowed.narrow_modeled_us if narrowed else k.schedule.modeled_us
             row["narrowed"] += narrowed is not None
+            if build and narrowed is not None:
+                row["tuned_build_s"] += _build_seconds(tuned.kernel, ARCH[target])
+                row["built_build_s"] += _build_seconds(built.kernel, ARCH[target])
     return row
 
 
-def markdown(rows: list[dict], command: str, target: str, seconds: float) -> str:
+def markdown(rows: list[dict], command: str, target: str, seconds: float,
+             build: bool = False) -> str:
     from integration.code_budget import CODE_BUDGET, CODE_TOLERANCE
     lines = ["## Code budget on the GPU path: kernels built narrower (counted statements, "
              "modeled time)", "", stamp(command) + f" Run time {seconds:.0f} s.", "",
@@ -67,15 +86,18 @@ def markdown(rows: list[dict], command: str, target: str, seconds: float) -> str
              f"kernel's modeled time). Statements are summed over the kernels; µs are the "
              f"latency-evaluator's, summed.", "",
              "| model | config | kernels | narrowed | statements tuned | statements built | "
-             "modeled µs tuned | modeled µs built | change |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "modeled µs tuned | modeled µs built | change |"
+             + (" narrowed kernels' build s, tuned → built |" if build else ""),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if build else "")]
     for r in rows:
         if not r["kernels"]:
             continue
         change = r["built_us"] / r["tuned_us"] - 1 if r["tuned_us"] else 0.0
         lines.append(f"| {r['model']} | {r['config']} | {r['kernels']} | {r['narrowed']} | "
                      f"{r['tuned_statements']:,} | {r['built_statements']:,} | "
-                     f"{r['tuned_us']:.1f} | {r['built_us']:.1f} | {change:+.2%} |")
+                     f"{r['tuned_us']:.1f} | {r['built_us']:.1f} | {change:+.2%} |"
+                     + (f" {r['tuned_build_s']:.1f} → {r['built_build_s']:.1f} |" if build
+                        and r["narrowed"] else (" — |" if build else "")))
     empty = [r for r in rows if not r["kernels"]]
     narrowed = sum(r["narrowed"] for r in rows)
     lines += ["", f"{narrowed} of {sum(r['kernels'] for r in rows)} kernels narrowed; "
@@ -89,17 +111,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default="h100")
     parser.add_argument("--models", type=lambda s: s.split(","))
     parser.add_argument("--configs", type=lambda s: s.split(","), default=["full", "tiny"])
+    parser.add_argument("--build", action="store_true",
+                        help="time the narrowed kernels' PTX + ptxas both ways")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     models = args.models or sorted(p.name for p in DATA.iterdir()
                                    if (p / f"full.gpu-{args.target}.hlo").is_file())
     start = time.perf_counter()
-    rows = [measure(m, args.target, c) for m in models for c in args.configs
+    rows = [measure(m, args.target, c, args.build) for m in models for c in args.configs
             if (DATA / m / f"{c}.gpu-{args.target}.hlo").is_file()]
     command = "python -m bench.code_budget" + (f" --target {args.target}"
                                                if args.target != "h100" else "") + \
-        (f" --out {args.out}" if args.out else "")
-    text = markdown(rows, command, args.target, time.perf_counter() - start)
+        (" --build" if args.build else "") + (f" --out {args.out}" if args.out else "")
+    text = markdown(rows, command, args.target, time.perf_counter() - start, args.build)
     if args.out:
         write_section(args.out, SECTION, text)
     print(text)

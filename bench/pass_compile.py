@@ -70,7 +70,8 @@ def _row(model: str, config: str, jax_s: float, stitched_s: float, report) -> di
             "plan_s": report.timings.get("plan_s", 0.0),
             "build_s": report.timings.get("build_s", 0.0),
             "pass_s": report.timings.get("pass_s", 0.0),
-            **{k: round(report.timings[k], 3) for k in ("lower_s", "ptx_s", "targets_s")
+            **{k: round(report.timings[k], 3) for k in ("lower_s", "ptx_s", "targets_s",
+                                                        "plan_cpu_s")
                if k in report.timings},
             "kernels_xla": report.kernels_xla, "kernels_after": report.kernels_after,
             "stitched": report.kernels_stitched,

@@ -26,8 +26,9 @@ from .config import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Kernel IR statements above which a narrower schedule is looked for (the largest kernels
-# of the zoo's training steps at width 4 are 2,000-4,400; most kernels stay under 500).
+# Kernel IR statements above which a narrower schedule is looked for (the tiny zoo training
+# steps' largest kernels at width 4: 1,200-4,400; the budget narrows no kernel of a
+# full-size zoo plan: docs/benchmarks.md, bench-code-budget).
 CODE_BUDGET = 1000
 # Modeled slowdown (fraction of the kernel's time) accepted for the narrower kernel.
 CODE_TOLERANCE = 0.05

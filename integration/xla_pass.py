@@ -344,7 +344,7 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
     from stitch.cost.gpu_specs import get_spec
     from stitch.explorer.planner import plan as make_plan
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     options = request.options
     if request.device == "gpu" and GPU_CHAIN_TF32:
         # XLA GPU runs f32 dots of DEFAULT precision on TF32 tensor cores: so may a chain.
@@ -358,6 +358,8 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
     fusion_plan = make_plan(module, request.target, options=options,
                             cancel=request.cancel, cache=True)
     timings["plan_s"] = time.perf_counter() - t0
+    # This thread's CPU seconds: what planning cost, whatever else shares the machine.
+    timings["plan_cpu_s"] = time.thread_time() - cpu0
     summary = fusion_plan.summary()
     report = PassReport(module.name, summary["baseline"]["kernels"],
                         summary["baseline"]["kernels"], 0, plan=fusion_plan)
