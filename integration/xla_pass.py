@@ -329,6 +329,10 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
             worker.close()
 
 
+# The pass plans with XLA's instructions as the explorer's units (ExplorerOptions.xla_units;
+# a request's own options choose for themselves).
+XLA_UNITS = True
+
 # GPU builds: a kernel whose Kernel IR is over the code budget ($STITCH_CODE_BUDGET, default
 # code_budget.CODE_BUDGET statements) is built at a narrower vector width where the
 # latency-evaluator prices that within tolerance (host builds are for checking, not speed).
@@ -342,17 +346,18 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
                     ptx_workers: list) -> PassReport:
     from hlo_passes.evaluator.interpreter import Evaluator
     from stitch.cost.gpu_specs import get_spec
-    from stitch.explorer.planner import plan as make_plan
+    from stitch.explorer.planner import ExplorerOptions, plan as make_plan
 
     t0, cpu0 = time.perf_counter(), time.thread_time()
-    options = request.options
+    # Kernels are snapped to whole XLA instructions: plan with those as the units (an
+    # op-level plan's cuts are undone by snapping, and it plans a ~10x larger graph).
+    options = request.options or ExplorerOptions(xla_units=XLA_UNITS)
     if request.device == "gpu" and GPU_CHAIN_TF32:
         # XLA GPU runs f32 dots of DEFAULT precision on TF32 tensor cores: so may a chain.
-        from stitch.explorer.planner import ExplorerOptions
         # And its chain schedules are assembled by ptxas, spilling ones struck.
         # Chains split n across blocks (a launch per phase) only where STITCH_GRID_SYNC
         # lets grid-barrier kernels run.
-        options = dataclasses.replace(options or ExplorerOptions(), chain_tf32=True,
+        options = dataclasses.replace(options, chain_tf32=True,
                                       chain_spill_check=True,
                                       chain_grid_sync=grid_sync_on_gpu() != "off")
     fusion_plan = make_plan(module, request.target, options=options,

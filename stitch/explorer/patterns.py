@@ -18,6 +18,7 @@ reduction is kept as a candidate too.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -84,6 +85,68 @@ class Candidates:
         return list(seen.values())
 
 
+@dataclass
+class Vertices:
+    """What PatternReduction walks: the graph's ops, or (``unit_vertices``) units of ops
+    that stay together — XLA's instructions, a fusion whole. Vertex v holds ``members[v]``;
+    ``order`` is topological; ``users``/``operands`` are the neighbouring vertices;
+    ``op[v]`` is the op that names v (in reasons and pattern order)."""
+    members: list[frozenset[int]]
+    users: list[list[int]]
+    operands: list[list[int]]
+    order: list[int]
+    plannable: list[bool]
+    op: list[int]
+
+
+def op_vertices(graph: OpGraph) -> Vertices:
+    """Every op its own vertex (vertex id = op id)."""
+    return Vertices([frozenset((n.id,)) for n in graph.nodes],
+                    [list(n.users) for n in graph.nodes],
+                    [list(dict.fromkeys(n.operands)) for n in graph.nodes],
+                    graph.topological_order(),
+                    [is_plannable(graph, n.id) for n in graph.nodes],
+                    [n.id for n in graph.nodes])
+
+
+def unit_vertices(graph: OpGraph, units: Iterable[Iterable[int]]) -> Vertices | None:
+    """Each unit (a set of op ids) one vertex; ops in no unit are no vertex (boundaries).
+    A unit is plannable when all its ops are. None when the units' quotient graph has a
+    cycle (units that are not instructions of one computation)."""
+    members = [frozenset(u) for u in units if u]
+    owner: dict[int, int] = {}
+    for i, m in enumerate(members):
+        for v in m:
+            owner[v] = i
+    users: list[list[int]] = []
+    operands: list[list[int]] = [[] for _ in members]
+    for i, m in enumerate(members):
+        out = dict.fromkeys(owner[u] for v in sorted(m) for u in graph.nodes[v].users
+                            if u in owner and owner[u] != i)
+        users.append(list(out))
+        for j in out:
+            operands[j].append(i)
+    # Kahn's order over the units, the unit with the first op first among the ready ones.
+    first = [min(m) for m in members]
+    waiting = [len(ops) for ops in operands]
+    ready = [(first[i], i) for i in range(len(members)) if waiting[i] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(i)
+        for j in users[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(ready, (first[j], j))
+    if len(order) != len(members):
+        return None
+    return Vertices(members, users, operands, order,
+                    [all(is_plannable(graph, v) for v in m) for m in members],
+                    [min((v for v in m if not is_plannable(graph, v)), default=min(m))
+                     for m in members])
+
+
 def is_plannable(graph: OpGraph, nid: int) -> bool:
     """Ops a stitched kernel may contain: memory-intensive ones and free aliases."""
     node = graph.nodes[nid]
@@ -94,7 +157,7 @@ class PatternExplorer:
     def __init__(self, graph: OpGraph, cost: CostModel, top_k: int = 3, group_size: int = 2,
                  remote_fusion: bool = True,
                  check: Callable[[OpGraph, Iterable[int]], object] | None = None,
-                 max_pattern_ops: int = MAX_PATTERN_OPS):
+                 max_pattern_ops: int = MAX_PATTERN_OPS, vertices: Vertices | None = None):
         if top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {top_k}")
         if group_size < 1:
@@ -106,6 +169,8 @@ class PatternExplorer:
         self.remote_fusion = remote_fusion
         self.check = check
         self.max_pattern_ops = max_pattern_ops
+        # Ops by default; units (unit_vertices) make every pattern a union of whole units.
+        self.vertices = vertices or op_vertices(graph)
         self.stats = ExplorerStats()
         self.reasons: dict[tuple[int, int], str] = {}
         self._valid: dict[frozenset[int], Pattern | str] = {}
@@ -160,6 +225,7 @@ class PatternExplorer:
     def explore(self) -> Candidates:
         start = time.perf_counter()
         graph = self.graph
+        vx = self.vertices
         down = self._propagate(consumers_first=True)
         up = self._propagate(consumers_first=False)
         per_vertex: dict[int, list[Pattern]] = {
@@ -167,7 +233,7 @@ class PatternExplorer:
             for v in set(down) | set(up)}
         remote: list[Pattern] = []
         if self.remote_fusion:
-            order = [v for v in graph.topological_order() if v in per_vertex]
+            order = [v for v in vx.order if v in per_vertex]
             pool: list[Pattern] = []
             self._reduce(frozenset(), [per_vertex[v] for v in order], order, origin="remote",
                          pool=pool)
@@ -188,14 +254,13 @@ class PatternExplorer:
         producers' patterns) finds what XLA's consumer-rooted fusion finds: a reduction with
         every elementwise chain feeding it, which no single producer reaches."""
         graph = self.graph
-        order = graph.topological_order()
+        vx = self.vertices
         found: dict[int, list[Pattern]] = {}
-        for v in (reversed(order) if consumers_first else order):
+        for v in (reversed(vx.order) if consumers_first else vx.order):
             self.cost.poll()
-            if not is_plannable(graph, v):
+            if not vx.plannable[v]:
                 continue
-            node = graph.nodes[v]
-            neighbours = node.users if consumers_first else list(dict.fromkeys(node.operands))
+            neighbours = vx.users[v] if consumers_first else vx.operands[v]
             joined = [u for u in neighbours if u in found]
             if len(joined) > MAX_JOINED_NEIGHBOURS:
                 # A broadcast constant read by every layer: joining all its consumers can
@@ -205,15 +270,17 @@ class PatternExplorer:
             if consumers_first:
                 for u in neighbours:
                     if u not in found:
-                        self.reasons.setdefault((v, u), _boundary_reason(graph, u))
-            kept = self._reduce(frozenset((v,)), [found[u] for u in joined], joined,
+                        self.reasons.setdefault((vx.op[v], vx.op[u]),
+                                                _boundary_reason(graph, vx.op[u]))
+            kept = self._reduce(vx.members[v], [found[u] for u in joined], joined,
                                 origin="dp", consumers_first=consumers_first)
             found[v] = kept
             if consumers_first:
                 for u in joined:
-                    if not any(u in p.members for p in kept):
+                    if not any(vx.op[u] in p.members for p in kept):
                         self.reasons.setdefault(
-                            (v, u), "kept patterns of the producer score higher without it")
+                            (vx.op[v], vx.op[u]),
+                            "kept patterns of the producer score higher without it")
         return found
 
     def _reduce(self, base: frozenset[int], lists: list[list[Pattern]], consumers: list[int],
@@ -232,6 +299,7 @@ class PatternExplorer:
                 else:
                     for p, u in zip(combo, consumers):
                         if p is not None and base:
+                            u = self.vertices.op[u]
                             pair = (min(base), u) if consumers_first else (u, min(base))
                             self.reasons.setdefault(pair, got)
             top = self._top(results)

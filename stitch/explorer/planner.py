@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 from hlo_passes.graph import OpGraph, build_op_graphs
 from hlo_passes.ir import HloModule
@@ -37,7 +37,7 @@ from .cancel import CancelPoll
 from .plan_cache import (PlanCache, StaleEntry, default_plan_cache, kernel_sets,
                          module_fingerprint, plan_entry, plan_key)
 from .feasibility import infeasible_reason
-from .patterns import MAX_PATTERN_OPS, Pattern, PatternExplorer, is_plannable
+from .patterns import MAX_PATTERN_OPS, Pattern, PatternExplorer, is_plannable, unit_vertices
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
 from .refine import _stages, refine_plan
@@ -90,6 +90,12 @@ class ExplorerOptions:
     # Share kernel costs and feasibility verdicts between member sets of the same structure
     # (repeated layers; stitch.explorer.structure). Off only to check it changes no plan.
     share_structure: bool = True
+    # Plan an XLA-optimized graph with XLA's instructions as the explorer's vertices (a
+    # fusion stays whole: every candidate pattern is a union of XLA's kernels) and no
+    # op-level refinement. The XLA pass sets it: its kernels are snapped to whole
+    # instructions anyway (integration.snap), and the graph it plans is ~10x smaller in
+    # units than in ops (docs/benchmarks.md, bench-xla-units).
+    xla_units: bool = False
     # Returns True once planning should stop: polled every ~50 ms of planning work, it
     # makes stitch.plan raise PlanCancelled (stitch.explorer.cancel). Not part of the
     # plan cache key.
@@ -121,16 +127,20 @@ REMOTE_FUSION_MAX_OPS = 1000
 BASELINE_REFINE_MAX_OPS = 1000
 
 
-def kernel_bound(graph: OpGraph) -> int:
-    """Ops per kernel that merging and packing may build on this graph."""
-    return MAX_PATTERN_OPS if len(graph.nodes) <= SMALL_GRAPH_OPS else LARGE_GRAPH_KERNEL_OPS
+def kernel_bound(graph: OpGraph, vertices: int | None = None) -> int:
+    """Ops per kernel that merging and packing may build on this graph (``vertices``: the
+    explorer's vertex count where it is not the op count)."""
+    size = len(graph.nodes) if vertices is None else vertices
+    return MAX_PATTERN_OPS if size <= SMALL_GRAPH_OPS else LARGE_GRAPH_KERNEL_OPS
 
 
-def pattern_bound(graph: OpGraph, options: "ExplorerOptions") -> int:
+def pattern_bound(graph: OpGraph, options: "ExplorerOptions",
+                  vertices: int | None = None) -> int:
     """Ops per explored pattern for this graph (see ExplorerOptions.max_pattern_ops)."""
     if options.max_pattern_ops is not None:
         return options.max_pattern_ops
-    return MAX_PATTERN_OPS if len(graph.nodes) <= SMALL_GRAPH_OPS else LARGE_GRAPH_PATTERN_OPS
+    size = len(graph.nodes) if vertices is None else vertices
+    return MAX_PATTERN_OPS if size <= SMALL_GRAPH_OPS else LARGE_GRAPH_PATTERN_OPS
 
 
 class PlanError(StitchError):
@@ -205,12 +215,14 @@ def _packable(graph: OpGraph, members: frozenset[int], cost: CostModel | None = 
 
 
 def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origins: list[str],
-            packing: bool, weight: int, prefix: str = "k") -> GraphPlan:
-    """Kernels from groups: optional packing, launch order, validation."""
+            packing: bool, weight: int, prefix: str = "k", size: int | None = None
+            ) -> GraphPlan:
+    """Kernels from groups: optional packing, launch order, validation. ``size``: the
+    graph's size for the merge bound where it is not its op count (XLA units)."""
     if packing:
         mergeable = [_packable(graph, g, cost) for g in groups]
         origin_of = {g: o for g, o in zip(groups, origins)}
-        max_ops = kernel_bound(graph)
+        max_ops = kernel_bound(graph, size)
         groups = merge_adjacent(graph, cost, groups, mergeable, max_ops)
         origins = [origin_of.get(g, "merged") for g in groups]
         packable = [_packable(graph, g, cost) for g in groups]
@@ -251,14 +263,20 @@ def _tuned(graph: OpGraph, spec: GpuSpec, members: frozenset[int], cache: Schedu
 def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
                   cache: ScheduleCache | None = None,
                   poll: Callable[[], None] | None = None, chain_tf32: bool = False,
-                  chain_spill_check: bool = False, chain_grid_sync: bool = False) -> None:
+                  chain_spill_check: bool = False, chain_grid_sync: bool = False,
+                  left_to_xla: Collection[frozenset[int]] = ()) -> None:
     """Attach the tuned stitching schedule to every stitched kernel of ``plan``. GEMM/conv,
     opaque ops, control flow and XLA's kept fusions around opaque ops run as XLA compiles
-    them and get none."""
+    them and get none; so does a kernel whose members are one of ``left_to_xla`` (with
+    XLA units: a kernel that is one XLA kernel as XLA made it, which the pass leaves to
+    XLA, so tuning it is wasted)."""
     cache = {} if cache is None else cache
     for k in plan.kernels:
         if poll is not None:
             poll()
+        if left_to_xla and frozenset(k.members) in left_to_xla:
+            k.schedule_note = AS_XLA_MADE_IT
+            continue
         if k.kind == "gemm_chain":
             chain = chain_for(graph, k.members)
             if chain is not None:
@@ -277,6 +295,10 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
             log.debug("graph %s: %s has no schedule: %s", graph.name, k.name, got)
         else:
             k.schedule = got
+
+
+# The schedule note of a kernel that is one XLA kernel unchanged (schedule_plan's left_to_xla).
+AS_XLA_MADE_IT = "one XLA kernel as XLA made it: left to XLA"
 
 
 def _schedulable_parts(graph: OpGraph, spec: GpuSpec, members: frozenset[int],
@@ -317,8 +339,8 @@ def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: G
     a schedule would run unstitched."""
     kernels, changed = [], False
     for k in plan.kernels:
-        if k.schedule is None and k.schedule_note and k.kind == "fused" and \
-                all(is_plannable(graph, v) for v in k.members):
+        if k.schedule is None and k.schedule_note and k.schedule_note != AS_XLA_MADE_IT \
+                and k.kind == "fused" and all(is_plannable(graph, v) for v in k.members):
             parts = _schedulable_parts(graph, spec, frozenset(k.members), cache)
             if parts is not None:
                 kernels += [make_kernel(graph, cost, p, "split") for p in parts]
@@ -386,10 +408,20 @@ def chain_patterns(graph: OpGraph, cost: CostModel, locked: list[Pattern]) -> li
     return found
 
 
-def _complete(graph: OpGraph, patterns: list[Pattern]) -> tuple[list[frozenset[int]], list[str]]:
+def _complete(graph: OpGraph, patterns: list[Pattern],
+              units: list[frozenset[int]] | None = None
+              ) -> tuple[list[frozenset[int]], list[str]]:
+    """The patterns plus a kernel for every op they leave that needs one: alone, or with
+    ``units`` (XLA's kernels, when patterns are unions of them) the unit it is in."""
     covered = {v for p in patterns for v in p.members}
     groups = [p.members for p in patterns]
     origins = [p.origin for p in patterns]
+    if units is not None:
+        for g in units:
+            if not g & covered:
+                groups.append(g)
+                origins.append("baseline")
+                covered |= g
     for v in range(len(graph.nodes)):
         if needs_kernel(graph, v) and v not in covered:
             groups.append(frozenset((v,)))
@@ -415,9 +447,15 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight,
                        prefix="b")
     start = time.perf_counter()
+    # XLA units: the explorer's vertices are XLA's instructions, and the size bounds below
+    # count them (an op-level bound would treat a few hundred fusions as a huge graph).
+    vertices = unit_vertices(graph, graph.baseline_groups().values()) \
+        if options.xla_units and baseline_source == "xla" else None
+    size = len(vertices.members) if vertices is not None else len(graph.nodes)
     explorer = PatternExplorer(graph, cost, options.top_k, options.group_size,
-                               options.remote_fusion and len(graph.nodes) <= REMOTE_FUSION_MAX_OPS,
-                               max_pattern_ops=pattern_bound(graph, options))
+                               options.remote_fusion and size <= REMOTE_FUSION_MAX_OPS,
+                               max_pattern_ops=pattern_bound(graph, options, size),
+                               vertices=vertices)
     candidates = explorer.explore()
     phases: dict[str, float] = {"explore_s": time.perf_counter() - start}
     patterns = candidates.all_patterns()
@@ -444,11 +482,11 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     # On large graphs only each search's best buffer becomes a plan: finishing (merging,
     # packing) and refining a plan costs far more than the search, and the runners-up
     # rarely win there (bounded candidate set; small graphs keep every buffer).
-    keep = options.beam_width if len(graph.nodes) <= SMALL_GRAPH_OPS else 1
+    keep = options.beam_width if size <= SMALL_GRAPH_OPS else 1
     mark = time.perf_counter()
     # On graphs over LOOKAHEAD_ONLY_OPS only the lookahead search runs (bounded candidate
     # set: each plan costs a finish and a refinement; see docs/benchmarks.md for its cost).
-    plain = not options.lookahead_beam or len(graph.nodes) <= LOOKAHEAD_ONLY_OPS
+    plain = not options.lookahead_beam or size <= LOOKAHEAD_ONLY_OPS
     beams = beam_search(graph, patterns, options.beam_width, trim, lookahead=False,
                         poll=poll)[:keep] if plain else []
     if options.lookahead_beam:
@@ -457,20 +495,22 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     phases["beam_s"] = time.perf_counter() - mark
     mark = time.perf_counter()
     for i, buf in enumerate(beams):
-        groups, origins = _complete(graph, locked + list(buf.patterns))
+        groups, origins = _complete(graph, locked + list(buf.patterns),
+                                    base_groups if vertices is not None else None)
         try:
             plans.append((f"beam {i}", _finish(graph, cost, groups, origins, options.packing,
-                                               weight)))
+                                               weight, size=size)))
         except KernelCycleError as exc:
             # The beam's kernels (recomputed producers shared between patterns) can still
             # close a cycle its bounded check missed: that candidate is dropped, never used.
             log.info("graph %s: beam %d set aside: %s", graph.name, i, exc)
     plans.append(("baseline packed", _finish(graph, cost, base_groups,
                                              ["baseline"] * len(base_groups),
-                                             options.packing, weight)))
+                                             options.packing, weight, size=size)))
     phases["finish_s"] = time.perf_counter() - mark
     mark = time.perf_counter()
-    if options.recompute:
+    # Refinement's moves split and recompute single ops, which XLA units keep whole.
+    if options.recompute and vertices is None:
         refined_from: set[frozenset[frozenset[int]]] = set()
         to_refine = list(plans)
         if len(graph.nodes) > SMALL_GRAPH_OPS:
@@ -521,6 +561,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     detail: dict = {**phases, "evaluations": candidates.stats.evaluations,
                     "scored": candidates.stats.scored, "reused": candidates.stats.reused,
                     "structure_hits": cost.structure_hits,
+                    # What the explorer's vertices were: XLA's instructions or ops.
+                    "xla_units": vertices is not None, "vertices": size,
                     "candidates": len(patterns),
                     "beam_objectives_s": [p.objective_s for _, p in plans]}
     if options.final_pick == "latency" and options.schedules:
@@ -568,16 +610,17 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                                     "structure_hits": detail["structure_hits"]})
     if options.schedules:
         start_schedules = time.perf_counter()
+        left_to_xla = frozenset(base_groups) if vertices is not None else frozenset()
         schedule_plan(graph, spec, best, schedules, poll, chain_tf32=options.chain_tf32,
                       chain_spill_check=options.chain_spill_check,
-                      chain_grid_sync=options.chain_grid_sync)
+                      chain_grid_sync=options.chain_grid_sync, left_to_xla=left_to_xla)
         repaired = _split_unschedulable(graph, spec, cost, best, schedules, weight)
         if repaired is not None:
             best = repaired
             report.detail["split_unschedulable"] = True
         for k in best.kernels:
-            if k.schedule is None and k.schedule_note and k.kind == "fused" and \
-                    all(is_plannable(graph, v) for v in k.members):
+            if k.schedule is None and k.schedule_note and k.schedule_note != AS_XLA_MADE_IT \
+                    and k.kind == "fused" and all(is_plannable(graph, v) for v in k.members):
                 log.warning("graph %s: %s has no schedule, its ops run unstitched: %s",
                             graph.name, k.name, k.schedule_note)
         report.detail["schedule_seconds"] = time.perf_counter() - start_schedules
@@ -620,9 +663,12 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
             kernels = [make_kernel(graph, cost, m, o) for m, o in zip(sets, origins)]
             stitched = _named(graph, launch_order(graph, kernels), weight)
             if options.schedules:
+                # As planned: with XLA units, the kernels that are one XLA kernel untuned.
+                units = options.xla_units and source == "xla"
                 schedule_plan(graph, spec, stitched, {}, poll, chain_tf32=options.chain_tf32,
                               chain_spill_check=options.chain_spill_check,
-                              chain_grid_sync=options.chain_grid_sync)
+                              chain_grid_sync=options.chain_grid_sync,
+                              left_to_xla=frozenset(base_groups) if units else frozenset())
             report = PlannerReport(planner, stitched.objective_s, 0.0, status="cached")
             results.append(GraphResult(graph, baseline, stitched, report))
     except (StaleEntry, PlanValidationError) as exc:

@@ -1,0 +1,165 @@
+"""Planning with XLA's instructions as the explorer's units (ExplorerOptions.xla_units), as
+the XLA pass does: every candidate pattern, and so every stitched kernel, is a union of
+whole XLA kernels, which is all snapping lets through to the rewrite anyway."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hlo_passes import parse_hlo
+from hlo_passes.graph import build_op_graphs
+from stitch.explorer.planner import ExplorerOptions, plan
+from stitch.explorer.patterns import PatternExplorer, op_vertices, unit_vertices
+from stitch.cost.delta import CostModel
+from stitch.cost.gpu_specs import get_spec
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from integration import xla_pass  # noqa: E402
+from integration.verify import compare_trees  # noqa: E402
+
+# A feeds B and D, both feed C; C's body is two ops (c1 = tanh(B), c2 = c1 + D).
+MODULE = """HloModule m
+fa {
+  p = f32[64,128] parameter(0)
+  ROOT a = f32[64,128] exponential(p)
+}
+fb {
+  q = f32[64,128] parameter(0)
+  ROOT b = f32[64,128] negate(q)
+}
+fd {
+  r = f32[64,128] parameter(0)
+  ROOT d = f32[64,128] sqrt(r)
+}
+fc {
+  s0 = f32[64,128] parameter(0)
+  s1 = f32[64,128] parameter(1)
+  c1 = f32[64,128] tanh(s0)
+  ROOT c2 = f32[64,128] add(c1, s1)
+}
+ENTRY e {
+  x = f32[64,128] parameter(0)
+  A = f32[64,128] fusion(x), kind=kLoop, calls=fa
+  B = f32[64,128] fusion(A), kind=kLoop, calls=fb
+  D = f32[64,128] fusion(A), kind=kLoop, calls=fd
+  ROOT C = f32[64,128] fusion(B, D), kind=kLoop, calls=fc
+}"""
+
+
+def _graph(text: str = MODULE):
+    return build_op_graphs(parse_hlo(text))[0]
+
+
+def _ids(graph) -> dict[str, int]:
+    return {n.name: n.id for n in graph.nodes}
+
+
+def test_unit_vertices_are_xla_instructions_in_topological_order():
+    graph = _graph()
+    vx = unit_vertices(graph, graph.baseline_groups().values())
+    assert vx is not None
+    names = [frozenset(graph.nodes[v].name for v in m) for m in vx.members]
+    index = {n: i for i, n in enumerate(names)}
+    a, b, d, c = (index[frozenset(s)] for s in ({"a"}, {"b"}, {"d"}, {"c1", "c2"}))
+    assert set(vx.users[a]) == {b, d} and set(vx.operands[c]) == {b, d}
+    position = {v: i for i, v in enumerate(vx.order)}
+    assert position[a] < position[b] < position[c] and position[d] < position[c]
+    assert all(vx.plannable[v] for v in (a, b, c, d))
+    assert vx.op[c] == min(_ids(graph)[n] for n in ("c1", "c2"))
+
+
+def test_units_whose_quotient_has_a_cycle_are_refused():
+    graph = _graph()
+    ids = _ids(graph)
+    # {a, c1} -> {b} -> {a, c1}: no order of these units exists.
+    units = [{ids["a"], ids["c1"]}, {ids["b"]}, {ids["d"]}, {ids["c2"]}]
+    assert unit_vertices(graph, units) is None
+
+
+def test_explorer_over_units_keeps_every_unit_whole():
+    graph = _graph()
+    cost = CostModel(graph, get_spec("h100"))
+    groups = [frozenset(g) for g in graph.baseline_groups().values()]
+    candidates = PatternExplorer(graph, cost, vertices=unit_vertices(graph, groups)).explore()
+    patterns = candidates.all_patterns()
+    assert any(len(p.members) > 2 for p in patterns), [sorted(p.members) for p in patterns]
+    for p in patterns:
+        for g in groups:
+            assert g <= p.members or not g & p.members, (sorted(p.members), sorted(g))
+    # Op vertices are the default and the same thing as before units existed.
+    assert PatternExplorer(graph, cost).vertices.members == op_vertices(graph).members
+
+
+def _dense_ln_mse_sgd(w, b, x, y):
+    """One Dense layer, a hand-written layer norm, MSE loss and an SGD update."""
+    def loss(params):
+        w, b = params
+        h = x @ w + b
+        m = h.mean(-1, keepdims=True)
+        v = ((h - m) ** 2).mean(-1, keepdims=True)
+        h = (h - m) * jax.lax.rsqrt(v + 1e-5)
+        return jnp.mean((jnp.tanh(h) - y) ** 2)
+    value, (gw, gb) = jax.value_and_grad(loss)((w, b))
+    return w - 0.1 * gw, b - 0.1 * gb, value
+
+
+def _args(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((64, 128), np.float32) * 0.1,
+            rng.standard_normal((128,), np.float32) * 0.1,
+            rng.standard_normal((32, 64), np.float32),
+            rng.standard_normal((32, 128), np.float32))
+
+
+def _whole(graph, kernels) -> list[str]:
+    """XLA instructions a kernel holds only part of."""
+    cut = []
+    for name, members in ((n, m) for g in graph.baseline_groups().items() for n, m in [g]):
+        ops = frozenset(members)
+        for k in kernels:
+            if ops & frozenset(k.members) and not ops <= frozenset(k.members):
+                cut.append(f"{name} in {k.name}")
+    return cut
+
+
+def test_plan_of_xlas_module_with_units_cuts_no_xla_kernel():
+    text = jax.jit(_dense_ln_mse_sgd).lower(*_args()).compile().as_text()
+    units = plan(text, "h100", options=ExplorerOptions(xla_units=True))
+    ops = plan(text, "h100", options=ExplorerOptions())
+    (g_units,), (g_ops,) = units.graphs, ops.graphs
+    assert not _whole(g_units.graph, g_units.stitched.kernels)
+    assert g_units.stitched.objective_s <= g_units.baseline.objective_s
+    # Fewer vertices, fewer patterns scored than the op-level explorer.
+    assert g_units.report.detail["evaluations"] < g_ops.report.detail["evaluations"]
+    assert "refinement" not in g_units.report.detail["choice"]
+    assert g_units.report.detail["xla_units"] and not g_ops.report.detail["xla_units"]
+    assert g_units.report.detail["vertices"] < len(g_units.graph.nodes)
+
+
+def test_units_are_ignored_on_a_module_xla_did_not_fuse():
+    text = jax.jit(_dense_ln_mse_sgd).lower(*_args()).as_text(dialect="hlo")
+    units = plan(text, "h100", options=ExplorerOptions(xla_units=True))
+    ops = plan(text, "h100", options=ExplorerOptions())
+    assert [k.members for k in units.graphs[0].stitched.kernels] == \
+        [k.members for k in ops.graphs[0].stitched.kernels]
+    assert not units.graphs[0].report.detail["xla_units"]
+
+
+def test_the_pass_plans_with_units_and_its_step_matches_jax():
+    args = _args(3)
+    xla_pass.ensure_registered("cpu")
+    request = xla_pass.PassRequest("dense_ln_mse_sgd", "h100", "cpu")
+    lowered = request.prepare(jax.jit(_dense_ln_mse_sgd).lower(*args))
+    with request:
+        compiled = lowered.compile()
+    report = request.result()
+    assert report.kernels_stitched >= 1, report.skipped
+    for gp in report.plan.graphs:
+        assert gp.report.detail["xla_units"]
+        assert not _whole(gp.graph, gp.stitched.kernels)
+    got = compiled(*args)
+    want = jax.jit(_dense_ln_mse_sgd)(*args)
+    why = compare_trees(got, want, 1e-4)
+    assert why is None, why
