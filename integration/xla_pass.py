@@ -89,6 +89,8 @@ class PassReport:
     plan: Any = None                  # the FusionPlan
     # Kernels built at a narrower vector width than tuned (integration.code_budget).
     narrowed: list = field(default_factory=list)
+    # Kernels left to XLA because they would not repay their build (integration.payback).
+    unpaid: list = field(default_factory=list)
 
     def summary(self) -> dict:
         return {"kernels_before": self.kernels_xla, "kernels_after": self.kernels_after,
@@ -338,6 +340,10 @@ XLA_UNITS = True
 # latency-evaluator prices that within tolerance (host builds are for checking, not speed).
 CODE_BUDGET_ON_GPU = True
 
+# GPU builds: a kernel whose modeled saving per step would not repay its build within
+# $STITCH_PAYBACK_STEPS steps is left to XLA (integration.payback; host builds are checks).
+PAYBACK_ON_GPU = True
+
 # What a PTX child imports as it starts (codegen.gpu_cache.emit_ptx_cached's work).
 PTX_CHILD_PRELOAD = ("codegen.nvptx",)
 
@@ -441,9 +447,10 @@ class GpuPrebuild:
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def submit(self, kernel: Any) -> None:
+    def submit(self, kernel: Any, key: str | None = None) -> None:
+        """Start ``kernel``'s build (``key``: its ``gpu_cache.structure_key`` if known)."""
         from codegen.gpu_cache import canonical_kernel, structure_key
-        key = structure_key(kernel)
+        key = structure_key(kernel) if key is None else key
         future = self._groups.get(key)
         if future is None:
             future = self._groups[key] = self._pool.submit(self._build,
@@ -551,20 +558,52 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     from codegen import kir
     from codegen.errors import CodegenError
     from codegen.lower import lower_kernel
+    from stitch.cost.delta import CostModel
     from stitch.schedule.global_scope import launch_form
 
-    from .code_budget import budget_setting, lower_within_budget
+    from .code_budget import budget_setting, lower_within_budget, statements
+    from codegen.gpu_cache import structure_key
+
+    from .payback import Unpaid, modeled_gain_s, payback_setting, unpaid
 
     jobs: list[tuple[ComputationView, Any, Any, Any]] = []
     # How global-scope kernels run: read once per pass (a bad STITCH_GRID_SYNC fails the
     # pass with its ConfigError, not every kernel with a copy of it).
     grid_sync_setting = grid_sync_on_gpu() if request.device == "gpu" else "barrier"
     budget = budget_setting() if request.device == "gpu" and CODE_BUDGET_ON_GPU else None
+    payback = payback_setting() if request.device == "gpu" and PAYBACK_ON_GPU else None
 
-    def add(job: tuple) -> None:
+    def add(job: tuple, key: str | None = None) -> None:
         jobs.append(job)
         if submit is not None:
-            submit(job[3].kernel)
+            submit(job[3].kernel, key)
+
+    def leave(left: Unpaid) -> None:
+        log.info("kernel %s: %s", left.name, left.reason(payback))
+        report.unpaid.append(left)
+        report.skipped.append((left.name, left.reason(payback)))
+
+    # Payback by kernel structure: kernels equal but for names are built once
+    # (GpuPrebuild), so a repeated layer's kernel repays one build with all its copies'
+    # savings. Structures built so far; structures waiting for enough copies to pay.
+    built_keys: set[str] = set()
+    waiting: dict[str, list[tuple[tuple, float, Unpaid]]] = {}
+
+    def add_if_paid(job: tuple, gain_s: float) -> None:
+        assert payback is not None
+        kernel = job[3].kernel
+        key = structure_key(kernel)
+        size = statements(kernel)
+        group = waiting.get(key, [])
+        total = gain_s + sum(g for _, g, _ in group)
+        if key in built_keys or unpaid(job[1].name, total, size, payback) is None:
+            for earlier, _, _ in waiting.pop(key, []):
+                add(earlier, key)
+            built_keys.add(key)
+            add(job, key)
+            return
+        waiting.setdefault(key, []).append((job, gain_s,
+                                            unpaid(job[1].name, gain_s, size, payback)))
 
     for gi, graph_plan in enumerate(fusion_plan.graphs):
         if not request.loop_bodies and graph_plan.graph.kind != "entry":
@@ -579,6 +618,10 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             continue
         scheduled = [k for k in graph_plan.stitched.kernels if k.schedule is not None]
         snapped, left_out = snap_kernels(view, scheduled, spec)
+        # Memory-intensive kernels only (GEMM-chain kernels are always built): no chain
+        # pricing, so a GEMM inside XLA's kernels is priced as the planner's baseline was.
+        cost = CostModel(graph_plan.graph, spec, gemm_chains=False) \
+            if payback is not None else None
         report.skipped.extend(left_out)
         for job in _chain_jobs(request, report, view, gi, graph_plan, snapped):
             add(job)
@@ -589,6 +632,16 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 report.skipped.append((k.name, str(exc)))
                 continue
             request.check_cancelled()
+            gain_s = 0.0
+            if payback is not None:
+                # Every member op is at least one Kernel IR statement: a kernel that saves
+                # nothing, or cannot repay even that build, is not lowered (a copy of its
+                # structure could still pay for it: only a modeled loss is certain).
+                gain_s = modeled_gain_s(graph_plan, k.members, cost)
+                left = unpaid(k.name, gain_s, len(k.members), payback)
+                if left is not None and left.steps is None:
+                    leave(left)
+                    continue
             try:
                 schedule = k.schedule
                 grid_sync = grid_sync_setting
@@ -616,7 +669,13 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 log.info("kernel %s stays with XLA: %s", k.name, exc)
                 report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
                 continue
-            add((view, k, site, lowered))
+            if payback is not None:
+                add_if_paid((view, k, site, lowered), gain_s)
+            else:
+                add((view, k, site, lowered))
+    for group in waiting.values():
+        for _, _, left in group:
+            leave(left)
     return jobs
 
 

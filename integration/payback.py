@@ -1,0 +1,85 @@
+"""Payback: on the GPU path a stitched kernel is built only when the modeled time it saves
+per step repays its estimated build within ``PAYBACK_STEPS`` steps.
+
+Why: building a kernel (LLVM O3, NVPTX codegen, ptxas) costs 0.04-1.2 CPU seconds, growing
+with its code; what it saves is the modeled time of the XLA kernels it replaces less its
+own, per call of the compiled function. At full size that is tens to hundreds of µs and
+every kernel repays its build within a few thousand steps; at tiny sizes a few kernels
+save 1-6 µs for a second of build, and repay it only after 10^5-5·10^5 steps
+(transformer_train tiny: docs/benchmarks.md, bench-payback). Those are left to XLA.
+
+The saving is priced by the planner's delta cost model on both sides (the XLA kernels the
+kernel replaces, the kernel itself), times the graph's trip-count weight. The build is
+estimated from the kernel's Kernel IR statements once it is lowered (``BUILD_S_PER_KERNEL``
++ ``BUILD_S_PER_STATEMENT`` per statement: a least-squares fit over transformer_train
+tiny's 34 kernels on the 2-core development machine; a faster host builds sooner, so the
+rule errs towards leaving kernels to XLA there). ``STITCH_PAYBACK_STEPS`` sets the steps
+(``off``: every kernel is built). The host path builds every kernel: its builds are checks.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .config import ConfigError
+
+PAYBACK_STEPS = 100_000
+PAYBACK_ENV = "STITCH_PAYBACK_STEPS"
+BUILD_S_PER_KERNEL = 0.078
+BUILD_S_PER_STATEMENT = 0.00076
+
+
+def payback_setting() -> int | None:
+    """The steps ``$STITCH_PAYBACK_STEPS`` asks for: a positive number, ``off`` (None: every
+    kernel is built), unset: PAYBACK_STEPS."""
+    raw = os.environ.get(PAYBACK_ENV, "").strip().lower().replace("_", "")
+    if not raw:
+        return PAYBACK_STEPS
+    if raw in ("off", "0", "false", "no"):
+        return None
+    if raw.isdigit():
+        return int(raw)
+    raise ConfigError(f"{PAYBACK_ENV}={raw!r}: expected a number of steps or off")
+
+
+def estimated_build_s(statements: int) -> float:
+    """CPU seconds to emit and assemble a kernel of ``statements`` Kernel IR statements."""
+    return BUILD_S_PER_KERNEL + BUILD_S_PER_STATEMENT * statements
+
+
+@dataclass(frozen=True)
+class Unpaid:
+    """A kernel left to XLA: its modeled saving per step, estimated build, and the steps
+    the saving takes to repay the build (None: it saves nothing)."""
+    name: str
+    gain_us: float
+    build_s: float
+    steps: float | None
+
+    def reason(self, limit: int) -> str:
+        if self.steps is None:
+            return (f"modeled to save nothing per step ({self.gain_us:+.2f} µs): "
+                    f"left to XLA ({PAYBACK_ENV})")
+        return (f"modeled to save {self.gain_us:.2f} µs per step, it repays its estimated "
+                f"{self.build_s:.2f} s build after {self.steps:,.0f} steps, more than "
+                f"{PAYBACK_ENV}={limit:,}: left to XLA")
+
+
+def unpaid(name: str, gain_s: float, statements: int, limit: int) -> Unpaid | None:
+    """The record of a kernel that does not repay its build within ``limit`` steps, or None
+    when it does."""
+    build_s = estimated_build_s(statements)
+    if gain_s <= 0:
+        return Unpaid(name, gain_s * 1e6, build_s, None)
+    steps = build_s / gain_s
+    return Unpaid(name, gain_s * 1e6, build_s, steps) if steps > limit else None
+
+
+def modeled_gain_s(graph_plan: object, members: frozenset[int], cost: object) -> float:
+    """Modeled seconds per call a kernel of ``members`` saves against the XLA kernels it
+    replaces (``graph_plan.baseline``'s kernels inside it), both by the delta cost model,
+    times the graph's trip-count weight."""
+    replaced = sum(k.cost.total_s for k in graph_plan.baseline.kernels     # type: ignore[attr-defined]
+                   if members.issuperset(k.members))
+    weight = graph_plan.stitched.weight                                    # type: ignore[attr-defined]
+    return (replaced - cost.kernel(members).total_s) * weight             # type: ignore[attr-defined]
