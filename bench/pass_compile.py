@@ -75,7 +75,8 @@ def _row(model: str, config: str, jax_s: float, stitched_s: float, report) -> di
                if k in report.timings},
             "kernels_xla": report.kernels_xla, "kernels_after": report.kernels_after,
             "stitched": report.kernels_stitched,
-            "narrowed": len(getattr(report, "narrowed", ()))}
+            "narrowed": len(getattr(report, "narrowed", ())),
+            "unpaid": len(getattr(report, "unpaid", ()))}
 
 
 def measure_one(model: str, config: str) -> dict:
@@ -170,7 +171,9 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
                 "pass on at POST_SCHEDULER (plan, snapping, Kernel IR lowering, PTX emission in "
                 "an isolated child and ptxas for sm_90 of every kernel — no host build), cold "
                 "(empty compile cache) and warm (the cold run's PTX, cubin and plan caches). "
-                "Kernels are counted in XLA GPU's module.")
+                "Kernels are counted in XLA GPU's module. *left unpaid*: kernels the pass "
+                "left to XLA because their modeled saving would not repay their build within "
+                "STITCH_PAYBACK_STEPS (default 100,000) steps (integration/payback.py).")
     else:
         title = "## Compile cost: stitch inside XLA vs jax.jit (measured)"
         what = ("*jax.jit*: lower + XLA compile. *stitched*: the same lowering compiled with "
@@ -183,12 +186,13 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
              " Overhead = stitched − jax.jit, as a fraction of jax.jit (issue 17's goal: ≤ 0.5).",
              "",
              "| function | jax.jit s | stitched s (cold) | plan s | build s | overhead | "
-             "stitched s (warm) | overhead warm | kernels XLA → stitched | stitched kernels |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "stitched s (warm) | overhead warm | kernels XLA → stitched | stitched kernels | "
+             "left unpaid |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         name = f"{r['model']} ({r['config']})"
         if "error" in r:
-            lines.append(f"| {name} | – | – | – | – | – | – | – | {r['error']} | – |")
+            lines.append(f"| {name} | – | – | – | – | – | – | – | {r['error']} | – | – |")
             continue
         over = (r["stitched_s"] - r["jax_s"]) / r["jax_s"]
         warm = r.get("warm_stitched_s")
@@ -197,11 +201,12 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
         lines.append(
             f"| {name} | {r['jax_s']:.2f} | {r['stitched_s']:.2f} | {r['plan_s']:.2f} | "
             f"{r['build_s']:.2f} | {over:.1f}× | {warm:.2f} | "
-            f"{warm_over:.1f}× | {r['kernels_xla']} → {r['kernels_after']} | {r['stitched']} |"
+            f"{warm_over:.1f}× | {r['kernels_xla']} → {r['kernels_after']} | {r['stitched']} | "
+            f"{r.get('unpaid', 0)} |"
             if warm is not None else
             f"| {name} | {r['jax_s']:.2f} | {r['stitched_s']:.2f} | {r['plan_s']:.2f} | "
             f"{r['build_s']:.2f} | {over:.1f}× | – | – | {r['kernels_xla']} → "
-            f"{r['kernels_after']} | {r['stitched']} |")
+            f"{r['kernels_after']} | {r['stitched']} | {r.get('unpaid', 0)} |")
     return "\n".join(lines)
 
 

@@ -20,6 +20,9 @@ STITCH_GRID_SYNC  how the GPU runs global-scope kernels (grid barriers): ``off``
 STITCH_CODE_BUDGET  Kernel IR statements above which the GPU pass builds a kernel at a
                 narrower vector width when that models within 5% (default 1000; ``off``:
                 every kernel as tuned; integration/code_budget.py)
+STITCH_PAYBACK_STEPS  steps within which a kernel's modeled saving per step must repay its
+                estimated build for the GPU pass to build it (default 100000; ``off``: every
+                kernel is built; integration/payback.py)
 STITCH_DUMP_MODULES  a folder: the XLA pass writes each module it plans there
                 (``<function>.<n>.hlo``; profiling and bug reports)
 STITCH_INJECT_FAILURE  testing aid: ``compile`` makes every stitched compile fail (the

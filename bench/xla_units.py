@@ -1,0 +1,140 @@
+"""Planning XLA's own modules with ops vs with XLA's instructions as the explorer's units
+(``ExplorerOptions.xla_units``, what the XLA pass does), on the modules the pass plans.
+
+``python -m bench.xla_units [--modules DIR] [--out docs/benchmarks.md]``
+
+Modules: the ``.hlo`` files in DIR (written by the pass with ``STITCH_DUMP_MODULES``), or by
+default captured here: each model's tiny training step compiled deviceless for an H100 with
+the pass on, in the venv scripts/deviceless_check.sh makes (``STITCH_CUDA_VENV``, default
+.venv-cuda). Per module and mode: planning CPU seconds (one thread, no cache), the modeled µs
+of the plan as planned, and of what the pass can place: the plan's kernels snapped to whole
+XLA instructions (integration.snap) and placeable (at least two XLA kernels), plus XLA's
+kernels for everything else, all by the delta cost model (counted and modeled, not measured).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SECTION = "bench-xla-units"
+MODELS = ("bert_layer_train", "transformer_train", "keras_hub_llama")
+
+
+def capture(folder: Path, models: tuple[str, ...] = MODELS) -> list[Path]:
+    """The pass's modules for ``models`` (tiny), compiled deviceless, written to ``folder``."""
+    venv = Path(os.environ.get("STITCH_CUDA_VENV", Path(__file__).parents[1] / ".venv-cuda"))
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"{python} not found: run scripts/deviceless_check.sh first, or "
+                         "pass --modules DIR")
+    for model in models:
+        with tempfile.TemporaryDirectory() as cache:
+            os.chmod(cache, 0o700)
+            env = {**os.environ, "STITCH_DUMP_MODULES": str(folder), "STITCH_CACHE_DIR": cache,
+                   "CUDA_VISIBLE_DEVICES": "-1", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
+                   "PYTHONPATH": str(Path(__file__).parents[1])}
+            run = subprocess.run([str(python), "-m", "bench.pass_compile", "--one-gpu",
+                                  f"{model}:tiny"], env=env, capture_output=True, text=True,
+                                 timeout=1800)
+            if run.returncode != 0:
+                print(f"[xla_units] {model}: capture failed: "
+                      f"{(run.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+    return sorted(folder.glob("*.hlo"))
+
+
+def placed_modeled_us(module, fusion_plan, spec) -> tuple[float, int]:
+    """Modeled µs of what the pass can place from ``fusion_plan`` (snapped, placeable
+    kernels, XLA's kernels for the rest) and how many kernels that is."""
+    from integration.hlo_rewrite import ComputationView, NotPlaceable, find_site
+    from integration.snap import snap_kernels
+    from stitch.cost.delta import CostModel
+
+    total, placed = 0.0, 0
+    for gi, gp in enumerate(fusion_plan.graphs):
+        cost = CostModel(gp.graph, spec, gemm_chains=False)
+        view = ComputationView(module, gp.graph)
+        scheduled = [k for k in gp.stitched.kernels if k.schedule is not None]
+        snapped, _ = snap_kernels(view, scheduled, spec)
+        taken: set[int] = set()
+        for k in snapped:
+            try:
+                find_site(view, gi, k.name, k.members)
+            except NotPlaceable:
+                continue
+            total += cost.kernel(frozenset(k.members)).total_s * gp.stitched.weight
+            taken |= set(k.members)
+            placed += 1
+        total += sum(b.cost.total_s for b in gp.baseline.kernels
+                     if not taken & set(b.members)) * gp.stitched.weight
+    return total * 1e6, placed
+
+
+def measure(path: Path) -> list[dict]:
+    from hlo_passes import parse_hlo
+    from stitch.cost.gpu_specs import get_spec
+    from stitch.explorer.planner import ExplorerOptions, plan
+
+    spec = get_spec("h100")
+    module = parse_hlo(path.read_text())
+    rows = []
+    for units in (False, True):
+        start = time.thread_time()
+        fusion_plan = plan(module, "h100", options=ExplorerOptions(xla_units=units))
+        seconds = time.thread_time() - start
+        summary = fusion_plan.summary()
+        modeled, placed = placed_modeled_us(module, fusion_plan, spec)
+        rows.append({"module": path.stem, "mode": "XLA units" if units else "ops",
+                     "ops": sum(len(g.graph.nodes) for g in fusion_plan.graphs),
+                     "plan_cpu_s": seconds, "baseline_us": summary["baseline"]["modeled_us"],
+                     "planned_us": summary["stitched"]["modeled_us"],
+                     "placed_us": modeled, "placed": placed})
+        print(f"[xla_units] {rows[-1]}", file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    from bench.report import stamp
+    lines = ["## Planning the pass's modules: ops vs XLA units (counted and modeled)", "",
+             stamp(command, os.getloadavg()), "",
+             "The modules XLA GPU hands stitch's pass (tiny training steps, deviceless H100). "
+             "*plan s*: planning CPU seconds, no cache. *XLA's kernels*: the module as XLA "
+             "made it. *planned*: the plan as the planner models it. *placed*: what the pass "
+             "can put in the module — the plan snapped to whole XLA instructions, kernels of "
+             "at least two of them — with XLA's kernels for the rest. Modeled µs, delta cost "
+             "model, H100.", "",
+             "| module | ops | vertices | plan s | XLA's kernels µs | planned µs | placed µs "
+             "| kernels placed |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['module']} | {r['ops']} | {r['mode']} | {r['plan_cpu_s']:.2f} | "
+                     f"{r['baseline_us']:.1f} | {r['planned_us']:.1f} | {r['placed_us']:.1f} | "
+                     f"{r['placed']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.xla_units",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--modules", type=Path, help="a folder of .hlo files the pass wrote")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = sorted(args.modules.glob("*.hlo")) if args.modules else capture(Path(tmp))
+        rows = [r for p in paths for r in measure(p)]
+    command = "python -m bench.xla_units" + (f" --modules {args.modules}" if args.modules
+                                               else "")
+    text = markdown(rows, command)
+    if args.out:
+        from bench.report import write_section
+        write_section(args.out, SECTION, text, after="bench-pass-compile-gpu")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
