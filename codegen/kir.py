@@ -638,13 +638,17 @@ class _Checker:
         raise CodegenError(f"kernel {self.k.name!r}: {where}: {msg}")
 
     def run(self) -> None:
+        """Walk the body until the varying set settles; the pass that changes nothing saw
+        the settled set and is the final one. The final-only check (a collective under
+        thread-dependent control flow) runs in every pass: divergence only grows as the
+        varying set does, so what fails in an early pass fails in the final one too."""
         self._header()
+        self.final = True
         for _ in range(len(list(walk_stmts(self.k.body))) + 2):
             self.changed = False
             self._body(self.k.body, [], None, "body")
             if not self.changed:
-                break
-        self.final = True
+                return
         self._body(self.k.body, [], None, "body")
 
     def _header(self) -> None:
