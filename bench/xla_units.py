@@ -1,12 +1,13 @@
 """Planning XLA's own modules with ops vs with XLA's instructions as the explorer's units
 (``ExplorerOptions.xla_units``, what the XLA pass does), on the modules the pass plans.
 
-``python -m bench.xla_units [--modules DIR] [--out docs/benchmarks.md]``
+``python -m bench.xla_units [--modules DIR | --zoo] [--out docs/benchmarks.md]``
 
 Modules: the ``.hlo`` files in DIR (written by the pass with ``STITCH_DUMP_MODULES``), or by
 default captured here: each model's tiny training step compiled deviceless for an H100 with
 the pass on, in the venv scripts/deviceless_check.sh makes (``STITCH_CUDA_VENV``, default
-.venv-cuda). Per module and mode: planning CPU seconds (one thread, no cache), the modeled µs
+.venv-cuda). ``--zoo``: the zoo's XLA GPU (H100) fixtures, tests/data/*/*.gpu-h100.hlo, in
+a summary (section bench-xla-units-zoo). Per module and mode: planning CPU seconds (one thread, no cache), the modeled µs
 of the plan as planned, and of what the pass can place: the plan's kernels snapped to whole
 XLA instructions (integration.snap) and placeable (at least two XLA kernels), plus XLA's
 kernels for everything else, all by the delta cost model (counted and modeled, not measured).
@@ -126,13 +127,61 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
+def zoo_markdown(rows: list[dict], command: str) -> str:
+    """Totals over the zoo's fixtures and the modules whose placed µs differ by over 0.1%."""
+    from bench.report import stamp
+    pairs: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        pairs.setdefault(r["module"], {})[r["mode"]] = r
+    units = [p["XLA units"] for p in pairs.values()]
+    ops = [p["ops"] for p in pairs.values()]
+    better = [m for m, p in pairs.items()
+              if p["XLA units"]["placed_us"] < p["ops"]["placed_us"] * 0.999]
+    worse = [m for m, p in pairs.items()
+             if p["XLA units"]["placed_us"] > p["ops"]["placed_us"] * 1.001]
+    lines = ["## Planning the zoo's XLA GPU modules: ops vs XLA units (counted and modeled)", "",
+             stamp(command, os.getloadavg()), "",
+             f"The {len(pairs)} XLA GPU (H100) fixtures of tests/data, each planned both ways "
+             "(columns as in the section above). Totals: planning CPU "
+             f"{sum(r['plan_cpu_s'] for r in units):.1f} s with XLA units against "
+             f"{sum(r['plan_cpu_s'] for r in ops):.1f} s with ops; placed "
+             f"{sum(r['placed_us'] for r in units):,.0f} µs against "
+             f"{sum(r['placed_us'] for r in ops):,.0f} µs. Units place a faster plan on "
+             f"{len(better)} modules, a slower one on {len(worse)}, the same on "
+             f"{len(pairs) - len(better) - len(worse)}. The modules that differ:", "",
+             "| module | plan s units / ops | placed µs units | placed µs ops | units / ops |",
+             "|---|---:|---:|---:|---:|"]
+    for m in sorted(better + worse):
+        u, o = pairs[m]["XLA units"], pairs[m]["ops"]
+        lines.append(f"| {m} | {u['plan_cpu_s']:.2f} / {o['plan_cpu_s']:.2f} | "
+                     f"{u['placed_us']:.1f} | {o['placed_us']:.1f} | "
+                     f"{u['placed_us'] / o['placed_us']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.xla_units",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--modules", type=Path, help="a folder of .hlo files the pass wrote")
+    parser.add_argument("--zoo", action="store_true",
+                        help="the zoo's XLA GPU fixtures (tests/data/*/*.gpu-h100.hlo)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     _warm_up()
+    if args.zoo:
+        data = Path(__file__).parents[1] / "tests" / "data"
+        rows = []
+        for path in sorted(data.glob("*/*.gpu-h100.hlo")):
+            for r in measure(path):
+                r["module"] = f"{path.parent.name} ({path.name.split('.')[0]})"
+                rows.append(r)
+        text = zoo_markdown(rows, "python -m bench.xla_units --zoo")
+        if args.out:
+            from bench.report import write_section
+            write_section(args.out, SECTION + "-zoo", text, after=SECTION)
+        else:
+            print(text)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         paths = sorted(args.modules.glob("*.hlo")) if args.modules else capture(Path(tmp))
         rows = [r for p in paths for r in measure(p)]

@@ -164,3 +164,15 @@ def test_the_pass_plans_with_units_and_its_step_matches_jax():
     want = jax.jit(_dense_ln_mse_sgd)(*args)
     why = compare_trees(got, want, 1e-4)
     assert why is None, why
+
+
+def test_what_the_pass_can_place_of_a_unit_plan_is_the_plan():
+    """Nothing of a unit plan is lost to snapping: what the pass can place (bench.xla_units'
+    measure) models exactly the plan."""
+    from bench.xla_units import placed_modeled_us
+    text = jax.jit(_dense_ln_mse_sgd).lower(*_args()).compile().as_text()
+    module = parse_hlo(text)
+    units = plan(module, "h100", options=ExplorerOptions(xla_units=True, gemm_chains=False))
+    placed_us, placed = placed_modeled_us(module, units, get_spec("h100"))
+    assert placed >= 1
+    assert placed_us == pytest.approx(units.graphs[0].stitched.objective_s * 1e6, rel=1e-6)
