@@ -254,7 +254,7 @@ def _plan_table(fusion_plan, origin: str, notes: list[str]) -> str:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .cost.gpu_specs import get_spec
-    from .explorer.planner import plan
+    from .explorer.planner import ExplorerOptions, plan
 
     # Target and planner are checked before any file is read, with the library's messages.
     args.target = get_spec(args.target).name     # canonical spelling: "H100" -> "h100"
@@ -267,7 +267,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except StitchError as exc:
         raise StitchError(f"cannot parse {origin}: {exc}") from exc
     try:
-        fusion_plan = plan(module, target=args.target, planner=args.planner)
+        fusion_plan = plan(module, target=args.target, planner=args.planner,
+                           options=ExplorerOptions(xla_units=args.xla_units))
     except ImportError as exc:
         # Unfused input needs the base fusion pass for its baseline; it may be missing.
         raise StitchError(f"planning {origin} needs the base fusion pass "
@@ -355,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dot", metavar="OUT", help="write a Graphviz DOT view")
     plan.add_argument("--reasons", action="store_true",
                       help="say why producers were not fused with their consumers")
+    plan.add_argument("--xla-units", action="store_true",
+                      help="plan XLA's optimized HLO with its instructions as units (a fusion "
+                           "is never cut), as stitch's XLA pass does")
     plan.set_defaults(func=_cmd_plan)
 
     demo = sub.add_parser("demo", help="train a zoo model under stitch.jit (the main job)")
