@@ -451,6 +451,9 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     # count them (an op-level bound would treat a few hundred fusions as a huge graph).
     vertices = unit_vertices(graph, graph.baseline_groups().values()) \
         if options.xla_units and baseline_source == "xla" else None
+    if options.xla_units and baseline_source == "xla" and vertices is None:
+        log.info("graph %s: XLA's instructions form no acyclic graph of units; planned "
+                 "op by op", graph.name)
     size = len(vertices.members) if vertices is not None else len(graph.nodes)
     explorer = PatternExplorer(graph, cost, options.top_k, options.group_size,
                                options.remote_fusion and size <= REMOTE_FUSION_MAX_OPS,
