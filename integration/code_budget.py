@@ -18,11 +18,10 @@ a fraction of its build at the wider width.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .config import ConfigError
+from .config import env_count
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +37,7 @@ BUDGET_ENV = "STITCH_CODE_BUDGET"
 def budget_setting() -> int | None:
     """The budget ``$STITCH_CODE_BUDGET`` asks for: a positive number of Kernel IR
     statements, ``off`` (None: every kernel built as tuned), unset: CODE_BUDGET."""
-    raw = os.environ.get(BUDGET_ENV, "").strip().lower()
-    if not raw:
-        return CODE_BUDGET
-    if raw in ("off", "0", "false", "no"):
-        return None
-    if raw.isdigit():
-        return int(raw)
-    raise ConfigError(f"{BUDGET_ENV}={raw!r}: expected a number of Kernel IR statements "
-                      "or off")
+    return env_count(BUDGET_ENV, CODE_BUDGET, "Kernel IR statements")
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,19 @@ def env_flag(name: str, default: bool) -> bool:
     raise ConfigError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
 
 
+def env_count(name: str, default: int, what: str) -> int | None:
+    """A positive count from ``$name`` (``_`` separators allowed): unset → ``default``,
+    ``off`` (or 0/false/no) → None, anything else a ConfigError naming ``what`` it counts."""
+    raw = os.environ.get(name, "").strip().lower().replace("_", "")
+    if not raw:
+        return default
+    if raw in _FALSE:
+        return None
+    if raw.isdigit():
+        return int(raw)
+    raise ConfigError(f"{name}={raw!r}: expected a number of {what} or off")
+
+
 @dataclass(frozen=True)
 class Settings:
     enable: bool

@@ -18,10 +18,9 @@ rule errs towards leaving kernels to XLA there). ``STITCH_PAYBACK_STEPS`` sets t
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from .config import ConfigError
+from .config import env_count
 
 PAYBACK_STEPS = 100_000
 PAYBACK_ENV = "STITCH_PAYBACK_STEPS"
@@ -32,14 +31,7 @@ BUILD_S_PER_STATEMENT = 0.00076
 def payback_setting() -> int | None:
     """The steps ``$STITCH_PAYBACK_STEPS`` asks for: a positive number, ``off`` (None: every
     kernel is built), unset: PAYBACK_STEPS."""
-    raw = os.environ.get(PAYBACK_ENV, "").strip().lower().replace("_", "")
-    if not raw:
-        return PAYBACK_STEPS
-    if raw in ("off", "0", "false", "no"):
-        return None
-    if raw.isdigit():
-        return int(raw)
-    raise ConfigError(f"{PAYBACK_ENV}={raw!r}: expected a number of steps or off")
+    return env_count(PAYBACK_ENV, PAYBACK_STEPS, "steps")
 
 
 def estimated_build_s(statements: int) -> float:

@@ -18,34 +18,10 @@ import jax.numpy as jnp  # noqa: E402
 
 from integration import xla_pass  # noqa: E402
 from integration.verify import compare_trees  # noqa: E402
+from tests.test_snap import MODULE as SNAP_MODULE  # noqa: E402
 
 # A feeds B and D, both feed C; C's body is two ops (c1 = tanh(B), c2 = c1 + D).
-MODULE = """HloModule m
-fa {
-  p = f32[64,128] parameter(0)
-  ROOT a = f32[64,128] exponential(p)
-}
-fb {
-  q = f32[64,128] parameter(0)
-  ROOT b = f32[64,128] negate(q)
-}
-fd {
-  r = f32[64,128] parameter(0)
-  ROOT d = f32[64,128] sqrt(r)
-}
-fc {
-  s0 = f32[64,128] parameter(0)
-  s1 = f32[64,128] parameter(1)
-  c1 = f32[64,128] tanh(s0)
-  ROOT c2 = f32[64,128] add(c1, s1)
-}
-ENTRY e {
-  x = f32[64,128] parameter(0)
-  A = f32[64,128] fusion(x), kind=kLoop, calls=fa
-  B = f32[64,128] fusion(A), kind=kLoop, calls=fb
-  D = f32[64,128] fusion(A), kind=kLoop, calls=fd
-  ROOT C = f32[64,128] fusion(B, D), kind=kLoop, calls=fc
-}"""
+MODULE = SNAP_MODULE
 
 
 def _graph(text: str = MODULE):
