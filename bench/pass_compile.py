@@ -147,7 +147,7 @@ def _median_run(runs: list[dict]) -> dict:
         return runs[0]
     ranked = sorted(good, key=lambda r: (r["stitched_s"] - r["jax_s"]) / r["jax_s"])
     chosen = dict(ranked[(len(ranked) - 1) // 2])
-    chosen["overheads"] = [round((r["stitched_s"] - r["jax_s"]) / r["jax_s"], 2) for r in good]
+    chosen["overheads"] = [round((r["stitched_s"] - r["jax_s"]) / r["jax_s"], 3) for r in good]
     return chosen
 
 
@@ -214,7 +214,7 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
             lines.append(f"| {name} | – | – | – | – | – | – | – | {r['error']} | – | – | – |")
             continue
         over = (r["stitched_s"] - r["jax_s"]) / r["jax_s"]
-        runs = ", ".join(f"{o:.1f}×" for o in r.get("overheads", [round(over, 2)]))
+        runs = ", ".join(f"{o:.2f}×" for o in r.get("overheads", [over]))
         warm = r.get("warm_stitched_s")
         warm_over = (warm - r["warm_jax_s"]) / r["warm_jax_s"] if warm and r.get("warm_jax_s") \
             else None
