@@ -6,7 +6,8 @@ with its code; what it saves is the modeled time of the XLA kernels it replaces 
 own, per call of the compiled function. At full size that is tens to hundreds of µs and
 every kernel repays its build within a few thousand steps; at tiny sizes a few kernels
 save 1-6 µs for a second of build, and repay it only after 10^5-5·10^5 steps
-(transformer_train tiny: docs/benchmarks.md, bench-payback). Those are left to XLA.
+(transformer_train tiny: docs/benchmarks.md, the reading after bench-pass-compile-gpu).
+Those are left to XLA.
 
 The saving is priced by the planner's delta cost model on both sides (the XLA kernels the
 kernel replaces, the kernel itself), times the graph's trip-count weight. The build is

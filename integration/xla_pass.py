@@ -552,18 +552,17 @@ def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView,
 
 def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 module: HloModule, spec: Any, evaluator: Any, views: dict,
-                submit: Callable[[Any], None] | None) -> list:
+                submit: Callable[..., None] | None) -> list:
     """The plan's placeable kernels lowered to Kernel IR, as (view, kernel, site, lowered)
     jobs in plan order; ``submit(kernel IR)`` is called for each as soon as it is lowered."""
     from codegen import kir
     from codegen.errors import CodegenError
     from codegen.lower import lower_kernel
+    from codegen.gpu_cache import structure_key
     from stitch.cost.delta import CostModel
     from stitch.schedule.global_scope import launch_form
 
     from .code_budget import budget_setting, lower_within_budget, statements
-    from codegen.gpu_cache import structure_key
-
     from .payback import Unpaid, modeled_gain_s, payback_setting, unpaid
 
     jobs: list[tuple[ComputationView, Any, Any, Any]] = []
@@ -602,8 +601,9 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             built_keys.add(key)
             add(job, key)
             return
-        waiting.setdefault(key, []).append((job, gain_s,
-                                            unpaid(job[1].name, gain_s, size, payback)))
+        alone = unpaid(job[1].name, gain_s, size, payback)
+        assert alone is not None            # the group's total did not repay it either
+        waiting.setdefault(key, []).append((job, gain_s, alone))
 
     for gi, graph_plan in enumerate(fusion_plan.graphs):
         if not request.loop_bodies and graph_plan.graph.kind != "entry":
@@ -634,13 +634,11 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             request.check_cancelled()
             gain_s = 0.0
             if payback is not None:
-                # Every member op is at least one Kernel IR statement: a kernel that saves
-                # nothing, or cannot repay even that build, is not lowered (a copy of its
-                # structure could still pay for it: only a modeled loss is certain).
+                # A kernel modeled to save nothing is not even lowered. Any other may still
+                # repay its build, alone or with copies of its structure: its size decides.
                 gain_s = modeled_gain_s(graph_plan, k.members, cost)
-                left = unpaid(k.name, gain_s, len(k.members), payback)
-                if left is not None and left.steps is None:
-                    leave(left)
+                if gain_s <= 0:
+                    leave(Unpaid(k.name, gain_s * 1e6, 0.0, None))
                     continue
             try:
                 schedule = k.schedule
