@@ -3,11 +3,12 @@ per step repays its estimated build within ``PAYBACK_STEPS`` steps.
 
 Why: building a kernel (LLVM O3, NVPTX codegen, ptxas) costs 0.04-1.2 CPU seconds, growing
 with its code; what it saves is the modeled time of the XLA kernels it replaces less its
-own, per call of the compiled function. At full size that is tens to hundreds of µs and
-every kernel repays its build within a few thousand steps; at tiny sizes a few kernels
-save 1-6 µs for a second of build, and repay it only after 10^5-5·10^5 steps
-(transformer_train tiny: docs/benchmarks.md, the reading after bench-pass-compile-gpu).
-Those are left to XLA.
+own, per call of the compiled function. Most kernels repay their build within 10^4-10^5
+steps. Some save 0.3-6 µs for a second of build and would repay it only after
+10^5-5·10^5 steps: at tiny sizes the largest kernels (transformer_train tiny: 8 of 34;
+docs/benchmarks.md, the reading after bench-pass-compile-gpu), at full size a few small
+ones (transformer_train full: up to 5 of 62 alone, bert_layer_train 1 of 13, dien_train 2
+of 20). Those are left to XLA.
 
 The saving is priced by the planner's delta cost model on both sides (the XLA kernels the
 kernel replaces, the kernel itself), times the graph's trip-count weight. The build is
