@@ -92,7 +92,7 @@ def _args(seed: int = 0):
 def _whole(graph, kernels) -> list[str]:
     """XLA instructions a kernel holds only part of."""
     cut = []
-    for name, members in ((n, m) for g in graph.baseline_groups().items() for n, m in [g]):
+    for name, members in graph.baseline_groups().items():
         ops = frozenset(members)
         for k in kernels:
             if ops & frozenset(k.members) and not ops <= frozenset(k.members):

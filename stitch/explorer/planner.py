@@ -37,7 +37,8 @@ from .cancel import CancelPoll
 from .plan_cache import (PlanCache, StaleEntry, default_plan_cache, kernel_sets,
                          module_fingerprint, plan_entry, plan_key)
 from .feasibility import infeasible_reason
-from .patterns import MAX_PATTERN_OPS, Pattern, PatternExplorer, is_plannable, unit_vertices
+from .patterns import (MAX_PATTERN_OPS, Pattern, PatternExplorer, Vertices, is_plannable,
+                       unit_vertices)
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
 from .refine import _stages, refine_plan
@@ -127,20 +128,32 @@ REMOTE_FUSION_MAX_OPS = 1000
 BASELINE_REFINE_MAX_OPS = 1000
 
 
-def kernel_bound(graph: OpGraph, vertices: int | None = None) -> int:
-    """Ops per kernel that merging and packing may build on this graph (``vertices``: the
-    explorer's vertex count where it is not the op count)."""
-    size = len(graph.nodes) if vertices is None else vertices
+def kernel_bound(size: int) -> int:
+    """Ops per kernel that merging and packing may build on a graph of ``size`` vertices
+    (its ops, or its XLA units)."""
     return MAX_PATTERN_OPS if size <= SMALL_GRAPH_OPS else LARGE_GRAPH_KERNEL_OPS
 
 
-def pattern_bound(graph: OpGraph, options: "ExplorerOptions",
-                  vertices: int | None = None) -> int:
-    """Ops per explored pattern for this graph (see ExplorerOptions.max_pattern_ops)."""
+def pattern_bound(size: int, options: "ExplorerOptions") -> int:
+    """Ops per explored pattern on a graph of ``size`` vertices (see
+    ExplorerOptions.max_pattern_ops)."""
     if options.max_pattern_ops is not None:
         return options.max_pattern_ops
-    size = len(graph.nodes) if vertices is None else vertices
     return MAX_PATTERN_OPS if size <= SMALL_GRAPH_OPS else LARGE_GRAPH_PATTERN_OPS
+
+
+def xla_unit_vertices(graph: OpGraph, options: "ExplorerOptions", source: str
+                      ) -> "Vertices | None":
+    """The explorer's vertices when ``graph`` is planned with XLA's instructions as units
+    (``options.xla_units`` on XLA's own graph, and its units form an acyclic graph), else
+    None: planned op by op."""
+    if not options.xla_units or source != "xla":
+        return None
+    vertices = unit_vertices(graph, graph.baseline_groups().values())
+    if vertices is None:
+        log.info("graph %s: XLA's instructions form no acyclic graph of units; planned "
+                 "op by op", graph.name)
+    return vertices
 
 
 class PlanError(StitchError):
@@ -222,7 +235,7 @@ def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origi
     if packing:
         mergeable = [_packable(graph, g, cost) for g in groups]
         origin_of = {g: o for g, o in zip(groups, origins)}
-        max_ops = kernel_bound(graph, size)
+        max_ops = kernel_bound(len(graph.nodes) if size is None else size)
         groups = merge_adjacent(graph, cost, groups, mergeable, max_ops)
         origins = [origin_of.get(g, "merged") for g in groups]
         packable = [_packable(graph, g, cost) for g in groups]
@@ -449,15 +462,11 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     start = time.perf_counter()
     # XLA units: the explorer's vertices are XLA's instructions, and the size bounds below
     # count them (an op-level bound would treat a few hundred fusions as a huge graph).
-    vertices = unit_vertices(graph, graph.baseline_groups().values()) \
-        if options.xla_units and baseline_source == "xla" else None
-    if options.xla_units and baseline_source == "xla" and vertices is None:
-        log.info("graph %s: XLA's instructions form no acyclic graph of units; planned "
-                 "op by op", graph.name)
+    vertices = xla_unit_vertices(graph, options, baseline_source)
     size = len(vertices.members) if vertices is not None else len(graph.nodes)
     explorer = PatternExplorer(graph, cost, options.top_k, options.group_size,
                                options.remote_fusion and size <= REMOTE_FUSION_MAX_OPS,
-                               max_pattern_ops=pattern_bound(graph, options, size),
+                               max_pattern_ops=pattern_bound(size, options),
                                vertices=vertices)
     candidates = explorer.explore()
     phases: dict[str, float] = {"explore_s": time.perf_counter() - start}
@@ -667,7 +676,7 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
             stitched = _named(graph, launch_order(graph, kernels), weight)
             if options.schedules:
                 # As planned: with XLA units, the kernels that are one XLA kernel untuned.
-                units = options.xla_units and source == "xla"
+                units = xla_unit_vertices(graph, options, source) is not None
                 schedule_plan(graph, spec, stitched, {}, poll, chain_tf32=options.chain_tf32,
                               chain_spill_check=options.chain_spill_check,
                               chain_grid_sync=options.chain_grid_sync,
