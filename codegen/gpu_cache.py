@@ -125,6 +125,23 @@ def ptx_key(kernel: kir.Kernel, arch: str, *, ptx_version: int = DEFAULT_PTX_VER
                      source_digest(CODEGEN_PACKAGES))
 
 
+def warm_keys(arch: str, *, libdevice: str | Path | None = None) -> None:
+    """Compute, in the calling thread, the per-process facts that every ``ptx_key`` and
+    ptxas key holds: codegen's source digest, the stitch and llvmlite versions, libdevice's
+    identity, ptxas's path and version. Call it before build threads start: a thread that
+    meets them first, while the main thread is busy in Python, waits up to the interpreter's
+    switch interval for the GIL after each of the digest's ~200 file reads (seconds on two
+    cores, 3 ms alone). A missing toolchain is left for the build to report."""
+    import llvmlite  # noqa: F401 - ptx_key imports it
+    source_digest(CODEGEN_PACKAGES)
+    stitch_version()
+    libdevice_identity(libdevice)
+    try:
+        ptxas_version(find_ptxas(arch))
+    except CodegenError as exc:
+        LOG.debug("warm_keys: no ptxas for %s yet (%s)", arch, exc)
+
+
 @dataclass(frozen=True)
 class PtxBuild:
     ptx: str
@@ -176,8 +193,9 @@ _CANONICAL = re.compile(r"(?<![A-Za-z0-9_$])" + CANONICAL_NAME + r"(?![A-Za-z0-9
 
 
 def canonical_kernel(kernel: kir.Kernel) -> kir.Kernel:
-    """``kernel`` under CANONICAL_NAME (its PTX is the kernel's, renamed)."""
-    return dataclasses.replace(kernel, name=CANONICAL_NAME)
+    """``kernel`` under CANONICAL_NAME (its PTX is the kernel's, renamed; a validated
+    kernel's copy is known valid, so the PTX child does not walk it again)."""
+    return kernel.renamed(CANONICAL_NAME)
 
 
 def renamed_ptx(ptx: str, name: str) -> str:

@@ -11,6 +11,7 @@ yields f32 and a Store into one takes f32 (converted at the edge, round to neare
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import re
 from dataclasses import dataclass, field
@@ -564,6 +565,14 @@ class Kernel:
             _Checker(self).run()
             object.__setattr__(self, "_valid", True)
         return self
+
+    def renamed(self, name: str) -> "Kernel":
+        """This kernel called ``name``. Validity does not depend on the name once it is an
+        identifier, so a validated kernel's copy is not checked again."""
+        copy = dataclasses.replace(self, name=name)
+        if self.__dict__.get("_valid", False) and is_identifier(name):
+            object.__setattr__(copy, "_valid", True)
+        return copy
 
 
 # ---------------------------------------------------------------- helpers

@@ -431,8 +431,11 @@ class GpuPrebuild:
         import queue
         from concurrent.futures import ThreadPoolExecutor
 
+        from codegen.gpu_cache import warm_keys
+
         self.request = request
         self.arch = request.gpu_arch()
+        warm_keys(self.arch)      # here, not in the threads (GIL convoy, see warm_keys)
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         for worker in workers:
             self._idle.put(worker)

@@ -177,3 +177,49 @@ def test_validation_walks_shared_subexpressions_once() -> None:
                              lambda x: _doubling_dag(40, Binary("add", x, Ref("nowhere", "f32"))))
     with pytest.raises(CodegenError, match="undefined variable 'nowhere'"):
         bad.validate()
+
+
+def test_renamed_copy_of_a_valid_kernel_is_not_walked_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from codegen.errors import CodegenError
+    from codegen.gpu_cache import canonical_kernel
+
+    walks: list[str] = []
+    real_run = kir._Checker.run
+    monkeypatch.setattr(kir._Checker, "run", lambda self: (walks.append(self.k.name),
+                                                           real_run(self))[1])
+    kernel = _layer("main_k3", 0.5)
+    canonical_kernel(kernel).validate()          # not validated yet: its copy is walked
+    assert walks == [CANONICAL_NAME]
+    kernel.validate()
+    canonical = canonical_kernel(kernel)
+    canonical.validate()
+    assert walks == [CANONICAL_NAME, "main_k3"]
+    assert canonical.name == CANONICAL_NAME and structure_key(canonical) == structure_key(kernel)
+    # A name that is not an identifier makes the copy invalid: it is walked, and refused.
+    with pytest.raises(CodegenError, match="not an identifier"):
+        kernel.renamed("3 bad").validate()
+
+
+def test_build_keys_are_warmed_in_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GpuPrebuild computes the per-process key facts (codegen's source digest, toolchain
+    versions) before its threads start; a build thread finds them cached."""
+    import threading
+
+    from codegen import cache, gpu_cache
+    from integration.xla_pass import GpuPrebuild, PassRequest
+
+    warmed_in: list[str] = []
+    real_warm = gpu_cache.warm_keys
+    monkeypatch.setattr(gpu_cache, "warm_keys",
+                        lambda arch, **kw: (warmed_in.append(threading.current_thread().name),
+                                            real_warm(arch, **kw))[1])
+    cache.source_digest.cache_clear()
+    with GpuPrebuild(PassRequest("f", "h100", "gpu", compile_only=True), []) as prebuild:
+        assert warmed_in == [threading.current_thread().name] and prebuild.arch == "sm_90"
+    digests = cache.source_digest.cache_info()
+    assert digests.currsize >= 1
+    thread = threading.Thread(target=gpu_cache.ptx_key, args=(_layer("k", 0.5), "sm_90"))
+    thread.start()
+    thread.join()
+    assert cache.source_digest.cache_info().misses == digests.misses
