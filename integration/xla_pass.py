@@ -45,6 +45,7 @@ from hlo_passes import HloModule, parse_hlo, print_hlo
 from hlo_passes.literals import ELIDED
 from stitch.errors import Cancelled, StitchError
 
+from .collector import fewer_collections
 from .config import grid_sync_on_gpu
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, find_site,
                           replace_kernels)
@@ -295,16 +296,17 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
     """The module with stitch's kernels in (None when none was placed); sets
     ``request.report``."""
     start = time.perf_counter()
-    _dump_module(text, request)
-    module = parse_hlo(text)
-    _untag(module)
-    request.check_cancelled()
-    report = stitch_module(module, request)
-    report.timings["pass_s"] = time.perf_counter() - start
-    request.report = report
-    if not report.placed:
-        return None
-    return print_hlo(module, operand_shapes=True)
+    with fewer_collections():        # the pass allocates millions of objects (collector.py)
+        _dump_module(text, request)
+        module = parse_hlo(text)
+        _untag(module)
+        request.check_cancelled()
+        report = stitch_module(module, request)
+        report.timings["pass_s"] = time.perf_counter() - start
+        request.report = report
+        if not report.placed:
+            return None
+        return print_hlo(module, operand_shapes=True)
 
 
 # GEMM-chain kernels of f32 dots that allow TF32 use TF32 tensor cores on the GPU path
