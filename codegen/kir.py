@@ -642,19 +642,24 @@ class _Checker:
         self.changed = False
         self.final = False
         self._checked: dict[int, Expr] = {}      # expressions whose scope-free checks passed
+        self._read_uniform: set[int] = set()     # Locals this walk read while uniform
 
     def fail(self, where: str, msg: str) -> None:
         raise CodegenError(f"kernel {self.k.name!r}: {where}: {msg}")
 
     def run(self) -> None:
         """Walk the body until the varying set settles; the pass that changes nothing saw
-        the settled set and is the final one. The final-only check (a collective under
-        thread-dependent control flow) runs in every pass: divergence only grows as the
-        varying set does, so what fails in an early pass fails in the final one too."""
+        the settled set and is the final one. A Local that turns varying only counts as a
+        change when this walk read it earlier as uniform (a loop's back edge): reads after
+        the change saw it varying already, so most kernels take one walk. The final-only
+        check (a collective under thread-dependent control flow) runs in every pass:
+        divergence only grows as the varying set does, so what fails in an early pass fails
+        in the final one too."""
         self._header()
         self.final = True
         for _ in range(len(list(walk_stmts(self.k.body))) + 2):
             self.changed = False
+            self._read_uniform.clear()
             self._body(self.k.body, [], None, "body")
             if not self.changed:
                 return
@@ -723,6 +728,8 @@ class _Checker:
                 self.fail(where, f"undefined variable {name!r}")
             if var.dtype != dtype:
                 self.fail(where, f"Ref({name}) has dtype {dtype}, variable is {var.dtype}")
+            if var.kind == "local" and not var.varying:
+                self._read_uniform.add(var.key)
             varying = varying or var.varying
         return varying
 
@@ -830,7 +837,8 @@ class _Checker:
             if (varying or divergent) and not var.varying:
                 var.varying = True
                 self.varying_locals.add(var.key)
-                self.changed = True
+                # Only a read that saw it uniform is stale; later reads see it varying.
+                self.changed = self.changed or var.key in self._read_uniform
         elif isinstance(s, Store):
             self._store(s, scopes, where)
         elif isinstance(s, AtomicAdd):

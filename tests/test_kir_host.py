@@ -595,6 +595,42 @@ def test_uniform_collectives_are_valid() -> None:
     k.validate()
 
 
+def test_validation_walks_again_only_for_a_stale_uniform_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Local made varying before any read settles in one walk; one read as uniform earlier
+    in the walk (a loop's back edge) takes a second, which finds the barrier it guards. A
+    Let computed from that stale read carries it too."""
+    walks: list[str] = []
+    real_body = kir._Checker._body
+
+    def counting_body(self, body, scopes, divergent, path, frame=None):
+        if path == "body":
+            walks.append(path)
+        return real_body(self, body, scopes, divergent, path, frame)
+
+    monkeypatch.setattr(kir._Checker, "_body", counting_body)
+    _kernel([Local("acc", "f32", f32(0.0)),
+             For("j", i32(0), i32(2), i32(1), [
+                 Assign("acc", add(vf("acc"), Load("x", ThreadIdx(), "f32")))]),
+             Store("o", ThreadIdx(), vf("acc"))]).validate()
+    assert len(walks) == 2          # acc was read (as uniform) before it turned varying
+    walks.clear()
+    _kernel([Local("acc", "f32", f32(0.0)),
+             Assign("acc", Load("x", ThreadIdx(), "f32")),
+             Store("o", ThreadIdx(), vf("acc"))]).validate()
+    assert len(walks) == 1
+    walks.clear()
+    stale_let = _kernel([
+        Local("flag", "i1", Const(False, "i1")),
+        For("j", i32(0), i32(2), i32(1), [
+            Let("guard", Ref("flag", "i1")),
+            If(Ref("guard", "i1"), [Barrier()]),
+            Assign("flag", lt(ThreadIdx(), i32(5)))])])
+    with pytest.raises(CodegenError, match="thread-dependent control flow"):
+        stale_let.validate()
+    assert len(walks) == 2
+
+
 def test_param_mismatch_errors() -> None:
     k = elementwise_kernel("ew", ["f32"], "f32", 100, lambda a: a)
     hk = compile_host(k)
