@@ -125,15 +125,30 @@ class PassRequest:
     report: PassReport | None = None
     error: BaseException | None = None
     calls: int = 0                                # modules of this request the pass saw
+    # GPU: the PTX children, started as the compile begins (``__enter__``) so that their
+    # start-up runs during XLA's own passes, on a core XLA leaves idle; the pass takes them.
+    _ptx_workers: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __enter__(self) -> "PassRequest":
         with _LOCK:
             _REQUESTS[self.token] = self
+        if self.device == "gpu" and not self._ptx_workers:
+            try:
+                self._ptx_workers = start_ptx_workers()
+            except Exception as exc:  # noqa: BLE001 - the pass starts its own, or says why
+                log.debug("%s: PTX children not started early: %s", self.function, exc)
         return self
 
     def __exit__(self, *exc: object) -> None:
         with _LOCK:
             _REQUESTS.pop(self.token, None)
+        for worker in self.take_ptx_workers():   # the pass never ran (or never took them)
+            worker.close()
+
+    def take_ptx_workers(self) -> list:
+        """The PTX children started for this request (the caller closes them), once."""
+        workers, self._ptx_workers = self._ptx_workers, []
+        return workers
 
     def prepare(self, lowered: Any) -> Any:
         """A private copy of a ``jax.stages.Lowered`` tagged so the pass recognises its
@@ -316,21 +331,34 @@ GPU_CHAIN_TF32 = True
 
 def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     """Plan ``module``, build the kernels that fit, put them in (module docstring)."""
-    from codegen.isolation import IsolatedWorker
-
     timings: dict[str, float] = {}
     # GPU: PTX is emitted in isolated children, one per build thread, not a fresh
-    # interpreter per kernel; ptxas runs in the same threads. They start now, so their
-    # start-up (an interpreter, llvmlite) overlaps planning.
-    ptx_workers = ([IsolatedWorker(name=f"stitch-ptx-{i}", preload=PTX_CHILD_PRELOAD)
-                    for i in range(build_threads())] if request.device == "gpu" else [])
+    # interpreter per kernel; ptxas runs in the same threads. The request started them as
+    # its compile began; else they start now, so their start-up overlaps planning.
+    ptx_workers = []
+    if request.device == "gpu":
+        ptx_workers = request.take_ptx_workers() or start_ptx_workers()
     try:
-        for worker in ptx_workers:
-            worker.start()
         return _plan_and_build(module, request, timings, ptx_workers)
     finally:
         for worker in ptx_workers:
             worker.close()
+
+
+def start_ptx_workers() -> list:
+    """``build_threads()`` PTX children, started (not waited for)."""
+    from codegen.isolation import IsolatedWorker
+
+    workers = [IsolatedWorker(name=f"stitch-ptx-{i}", preload=PTX_CHILD_PRELOAD)
+               for i in range(build_threads())]
+    try:
+        for worker in workers:
+            worker.start()
+    except BaseException:
+        for worker in workers:
+            worker.close()
+        raise
+    return workers
 
 
 # The pass plans with XLA's instructions as the explorer's units (ExplorerOptions.xla_units;
