@@ -451,8 +451,8 @@ class GpuBuild:
 
 class GpuPrebuild:
     """PTX (and, compile-only, ptxas) of a module's GPU kernels, built while the caller goes
-    on lowering the next ones: ``submit`` each lowered kernel, then ``results()``. Emission
-    runs in ``workers``' children on as many threads; kernels that differ only by name (and
+    on lowering the next ones: ``submit`` each lowered kernel, then ``each_result()``.
+    Emission runs in ``workers``' children on as many threads; kernels that differ only by name (and
     their parameters') are emitted and assembled once (``gpu_cache.structure_key``), then
     renamed. What needs llvmlite in this process (the FFI handler) is left to the caller,
     under LLVM_LOCK. Use as a context manager (the threads are joined on exit)."""
@@ -505,14 +505,10 @@ class GpuPrebuild:
                                         kernel_name=CANONICAL_NAME)
         return built.ptx, assembled
 
-    def results(self) -> list:
-        """Per submitted kernel, in order: its ``GpuBuild`` or the exception that stopped
-        its group's build."""
-        return list(self.each_result())
-
     def each_result(self) -> Iterator[Any]:
-        """``results()`` one at a time, each as soon as its build is done (the caller can
-        use a kernel's build while later ones still run)."""
+        """Per submitted kernel, in order: its ``GpuBuild`` or the exception that stopped
+        its group's build, each as soon as that build is done (the caller can use a
+        kernel's build while later ones still run)."""
         from codegen.gpu_cache import renamed_cubin_build, renamed_ptx
         for kernel, future in self._kernels:
             try:
@@ -525,14 +521,6 @@ class GpuPrebuild:
                            if assembled is not None else None)
         log.debug("%s: %d GPU kernels, %d distinct", self.request.function,
                   len(self._kernels), len(self._groups))
-
-
-def _prebuild_gpu(request: PassRequest, kernels: list, workers: list) -> list:
-    """``GpuPrebuild``'s results for ``kernels`` submitted at once."""
-    with GpuPrebuild(request, workers) as prebuild:
-        for kernel in kernels:
-            prebuild.submit(kernel)
-        return prebuild.results()
 
 
 def _global_scope(schedule: Any) -> bool:
@@ -798,7 +786,7 @@ def build_target(kernel: Any, device: str, *, arch: str | None = None,
     the PTX; the handler never runs, see codegen.ffi_cuda.compile_only_cuda_target).
     ``worker``: a codegen.isolation.IsolatedWorker to emit PTX in (one child for all the
     kernels of a module, instead of a fresh interpreter per kernel). ``ptx``: the kernel's
-    PTX for ``arch`` when already emitted (``_prebuild_gpu``), ``assembled`` ptxas's result
+    PTX for ``arch`` when already emitted (``GpuPrebuild``), ``assembled`` ptxas's result
     for it (compile-only)."""
     if device == "cpu":
         from codegen.ffi import host_ffi_target

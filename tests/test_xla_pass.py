@@ -266,7 +266,7 @@ def test_kernels_in_loop_bodies_do_not_write_into_the_loop_state_they_read():
 
 def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(monkeypatch,
                                                                               tmp_path):
-    """_prebuild_gpu: PTX for every kernel on two build threads, results in kernel order, a
+    """GpuPrebuild: PTX for every kernel on two build threads, results in kernel order, a
     kernel whose emission fails hands back its error and the others still build."""
     from codegen import gpu_cache
     from codegen.errors import CodegenError
@@ -291,7 +291,10 @@ def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(mo
     request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True, arch="sm_90")
     workers = [IsolatedWorker(name=f"t{i}") for i in range(2)]
     try:
-        results = xla_pass._prebuild_gpu(request, kernels, workers)
+        with xla_pass.GpuPrebuild(request, workers) as prebuild:
+            for kernel in kernels:
+                prebuild.submit(kernel)
+            results = list(prebuild.each_result())
     finally:
         for w in workers:
             w.close()
