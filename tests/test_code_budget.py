@@ -156,19 +156,6 @@ def test_global_scope_schedules_are_left_alone(kernel, monkeypatch):
     assert seen == [persistent]
 
 
-def test_budget_setting_reads_the_environment(monkeypatch):
-    from integration.config import ConfigError
-    monkeypatch.delenv(code_budget.BUDGET_ENV, raising=False)
-    assert code_budget.budget_setting() == code_budget.CODE_BUDGET
-    monkeypatch.setenv(code_budget.BUDGET_ENV, "off")
-    assert code_budget.budget_setting() is None
-    monkeypatch.setenv(code_budget.BUDGET_ENV, " 2500 ")
-    assert code_budget.budget_setting() == 2500
-    monkeypatch.setenv(code_budget.BUDGET_ENV, "lots")
-    with pytest.raises(ConfigError, match="STITCH_CODE_BUDGET='lots'"):
-        code_budget.budget_setting()
-
-
 def test_explicit_budget_overrides_the_default(kernel, monkeypatch):
     monkeypatch.setattr(code_budget, "CODE_BUDGET", 10**9)
     monkeypatch.setattr(code_budget, "CODE_TOLERANCE", 1.0)

@@ -10,25 +10,12 @@ from hlo_passes import parse_hlo
 from hlo_passes.evaluator.interpreter import Evaluator
 from integration import payback, xla_pass
 from integration.code_budget import statements
-from integration.config import ConfigError
 from stitch.cost.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.planner import ExplorerOptions, plan
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-
-
-def test_setting_reads_the_environment(monkeypatch):
-    monkeypatch.delenv(payback.PAYBACK_ENV, raising=False)
-    assert payback.payback_setting() == payback.PAYBACK_STEPS
-    monkeypatch.setenv(payback.PAYBACK_ENV, "off")
-    assert payback.payback_setting() is None
-    monkeypatch.setenv(payback.PAYBACK_ENV, " 250_000 ")
-    assert payback.payback_setting() == 250_000
-    monkeypatch.setenv(payback.PAYBACK_ENV, "soon")
-    with pytest.raises(ConfigError, match=payback.PAYBACK_ENV):
-        payback.payback_setting()
 
 
 def test_a_kernel_is_unpaid_exactly_when_its_saving_repays_the_build_too_late():

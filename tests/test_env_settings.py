@@ -1,0 +1,30 @@
+"""The GPU pass's count settings (integration.config.env_count behind each): unset gives
+the default, ``off`` turns the rule off, a number may carry spaces and underscores, and
+anything else is a ConfigError naming the variable and its value."""
+from __future__ import annotations
+
+import pytest
+
+from integration import code_budget, payback
+from integration.config import ConfigError
+
+SETTINGS = {
+    "payback steps": (payback.payback_setting, payback.PAYBACK_ENV, payback.PAYBACK_STEPS,
+                      " 250_000 ", 250_000, "soon"),
+    "code budget": (code_budget.budget_setting, code_budget.BUDGET_ENV,
+                    code_budget.CODE_BUDGET, " 2500 ", 2500, "lots"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_setting_reads_the_environment(monkeypatch, name: str) -> None:
+    setting, env, default, spelled, value, bad = SETTINGS[name]
+    monkeypatch.delenv(env, raising=False)
+    assert setting() == default
+    monkeypatch.setenv(env, "off")
+    assert setting() is None
+    monkeypatch.setenv(env, spelled)
+    assert setting() == value
+    monkeypatch.setenv(env, bad)
+    with pytest.raises(ConfigError, match=f"{env}='{bad}'"):
+        setting()
