@@ -118,9 +118,14 @@ def libdevice_identity(libdevice: str | Path | None = None) -> str:
 
 
 def ptx_key(kernel: kir.Kernel, arch: str, *, ptx_version: int = DEFAULT_PTX_VERSION,
-            libdevice: str | Path | None = None) -> str:
+            libdevice: str | Path | None = None, structure: str | None = None) -> str:
+    """The PTX cache key. ``structure``: a canonical kernel's ``structure_key`` when the
+    caller has it (``canonical_kernel``s of equal structure have equal PTX, so it identifies
+    the PTX as well as the Kernel IR's text does, and saves writing that text again)."""
     import llvmlite
-    return cache_key("ptx", kernel_ir_text(kernel), arch, str(ptx_version),
+    identity = ("structure", structure) if structure is not None \
+        else ("kernel", kernel_ir_text(kernel))
+    return cache_key("ptx", *identity, arch, str(ptx_version),
                      libdevice_identity(libdevice), llvmlite.__version__, stitch_version(),
                      source_digest(CODEGEN_PACKAGES))
 
@@ -160,7 +165,8 @@ def _ptx_validator(kernel_name: str):
 
 def emit_ptx_cached(kernel: kir.Kernel, arch: str, *, cache: CompileCache | None,
                     worker: IsolatedWorker | None = None, libdevice: str | Path | None = None,
-                    ptx_version: int = DEFAULT_PTX_VERSION, timeout: float = 300.0) -> PtxBuild:
+                    ptx_version: int = DEFAULT_PTX_VERSION, timeout: float = 300.0,
+                    structure: str | None = None) -> PtxBuild:
     """PTX for ``kernel`` on ``arch``: from ``cache`` when there, else emitted once (under the
     key's lock) in ``worker``'s child or a fresh isolated child, and stored. Errors in
     emission: CodegenError (IsolatedCrash when the child died)."""
@@ -178,7 +184,8 @@ def emit_ptx_cached(kernel: kir.Kernel, arch: str, *, cache: CompileCache | None
 
     if cache is None:
         return PtxBuild(build().decode("utf-8"), False)
-    key = ptx_key(kernel, arch, ptx_version=ptx_version, libdevice=libdevice)
+    key = ptx_key(kernel, arch, ptx_version=ptx_version, libdevice=libdevice,
+                  structure=structure)
     payload = cache.get_or_create(key, build, validate=_ptx_validator(kernel.name))
     return PtxBuild(payload.decode("utf-8"), not built)
 

@@ -487,16 +487,17 @@ class GpuPrebuild:
         future = self._groups.get(key)
         if future is None:
             future = self._groups[key] = self._pool.submit(self._build,
-                                                           canonical_kernel(kernel))
+                                                           canonical_kernel(kernel), key)
         self._kernels.append((kernel, future))
 
-    def _build(self, canonical: Any) -> tuple[str, Any]:
+    def _build(self, canonical: Any, structure: str) -> tuple[str, Any]:
         """The canonical kernel's PTX and, compile-only, ptxas's result for it."""
         from codegen.gpu_cache import CANONICAL_NAME, assemble_cached, emit_ptx_cached
         worker = self._idle.get()
         try:
             self.request.check_cancelled()
-            built = emit_ptx_cached(canonical, self.arch, cache=compile_cache(), worker=worker)
+            built = emit_ptx_cached(canonical, self.arch, cache=compile_cache(), worker=worker,
+                                    structure=structure)
         finally:
             self._idle.put(worker)
         assembled = None

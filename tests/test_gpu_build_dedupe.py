@@ -223,3 +223,22 @@ def test_build_keys_are_warmed_in_the_calling_thread(monkeypatch: pytest.MonkeyP
     thread.start()
     thread.join()
     assert cache.source_digest.cache_info().misses == digests.misses
+
+
+@needs_libdevice
+def test_a_structure_keyed_ptx_entry_serves_kernels_equal_but_for_names(tmp_path) -> None:
+    """GpuPrebuild keys a canonical kernel's PTX by the structure key it already has: a
+    kernel equal but for its parameters' names is a cache hit, with the same PTX."""
+    from codegen.cache import CompileCache
+    from codegen.gpu_cache import canonical_kernel, emit_ptx_cached, ptx_key
+
+    cache = CompileCache(tmp_path / "cache")
+    a = canonical_kernel(_layer("main_k3", 0.5))
+    b = canonical_kernel(_renamed_params(_layer("main_k17", 0.5), "main_k17", "_layer2"))
+    assert ptx_key(a, "sm_90", structure=structure_key(a)) != ptx_key(a, "sm_90")
+    first = emit_ptx_cached(a, "sm_90", cache=cache, structure=structure_key(a))
+    second = emit_ptx_cached(b, "sm_90", cache=cache, structure=structure_key(b))
+    assert not first.from_cache and second.from_cache and second.ptx == first.ptx
+    other = canonical_kernel(_layer("main_k3", 0.25))
+    assert not emit_ptx_cached(other, "sm_90", cache=cache,
+                               structure=structure_key(other)).from_cache
