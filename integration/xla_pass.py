@@ -650,7 +650,7 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
         report.skipped.extend(left_out)
         for job in _chain_jobs(request, report, view, gi, graph_plan, snapped):
             add(job)
-        for k in snapped:
+        for k in _largest_first(snapped):
             try:
                 site = find_site(view, gi, k.name, k.members)
             except NotPlaceable as exc:
@@ -700,6 +700,16 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
         for _, _, left in group:
             leave(left)
     return jobs
+
+
+def _largest_first(kernels: list) -> list:
+    """``kernels`` in the order to lower them: the largest first (estimated Kernel IR
+    statements), so that on the GPU the longest PTX builds start first and the small ones
+    fill the end of the build instead of a large one trailing it alone. The rewrite puts
+    the kernels back in plan order (``_place_kernels``)."""
+    from .code_budget import estimated_statements
+    return sorted(kernels, key=lambda k: -estimated_statements(k.schedule)
+                  if getattr(k.schedule, "parts", None) else 0)
 
 
 def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
@@ -762,6 +772,9 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
             place(job, None)
         targets_s = time.perf_counter() - begun
     report.timings["targets_s"] = targets_s
+    # Lowered largest first (_largest_first): the rewrite places them in plan order.
+    plan_order = {k.name: i for i, k in enumerate(fusion_plan.kernels)}
+    placed.sort(key=lambda p: plan_order.get(p.site.name, len(plan_order)))
 
 
 def compile_cache() -> Any:

@@ -1,0 +1,77 @@
+"""The pass lowers a graph's stitched kernels largest first (``xla_pass._largest_first``):
+on the GPU each lowered kernel's PTX build starts at once, so the long builds start first
+and the small ones fill the end, instead of a large kernel planned last building alone
+while the other cores wait. The rewrite still places the kernels in plan order: the module
+is the one lowering in plan order gives."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hlo_passes import parse_hlo
+from hlo_passes.evaluator.interpreter import Evaluator
+from integration import payback, xla_pass
+from integration.code_budget import estimated_statements
+from stitch.cost.gpu_specs import get_spec
+from stitch.explorer.planner import ExplorerOptions, plan
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+
+def _small_then_large(x, w1, w2):
+    """A softmax kernel (small) planned before a layer norm with a long elementwise tail."""
+    g = jax.nn.softmax(x @ w1, axis=-1)
+    h = g @ w2
+    m = h.mean(-1, keepdims=True)
+    v = ((h - m) ** 2).mean(-1, keepdims=True)
+    h = jnp.tanh((h - m) * jax.lax.rsqrt(v + 1e-5)) * 1.5 + x
+    return jnp.exp(h) * jnp.sin(h) + jnp.cos(h) * 2.0
+
+
+def _module_text() -> str:
+    rng = np.random.default_rng(11)
+    args = [rng.standard_normal(s, np.float32) for s in ((64, 128), (128, 128), (128, 128))]
+    return jax.jit(_small_then_large).lower(*args).compile().as_text()
+
+
+OPTIONS = ExplorerOptions(xla_units=True, gemm_chains=False)
+
+
+def _sizes(kernels) -> list[int]:
+    return [estimated_statements(k.schedule) for k in kernels]
+
+
+def test_kernels_are_submitted_largest_first(monkeypatch):
+    monkeypatch.setenv(payback.PAYBACK_ENV, "off")
+    module = parse_hlo(_module_text())
+    fusion_plan = plan(module, "h100", options=OPTIONS)
+    planned = [k for k in fusion_plan.kernels if getattr(k.schedule, "parts", None)]
+    assert len(planned) >= 2
+    assert _sizes(planned) != sorted(_sizes(planned), reverse=True), \
+        "the plan is already largest first: this test would not see the order change"
+    request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True)
+    report = xla_pass.PassReport(module.name, 0, 0, 0)
+    submitted = []
+    jobs = xla_pass._lower_jobs(request, report, fusion_plan, module, get_spec("h100"),
+                                Evaluator(module), {},
+                                lambda kernel, key=None: submitted.append(kernel))
+    assert [j[3].kernel for j in jobs] == submitted
+    order = [j[1] for j in jobs]
+    assert sorted(k.name for k in order) == sorted(k.name for k in planned)
+    assert _sizes(order) == sorted(_sizes(planned), reverse=True)
+
+
+def test_the_rewrite_is_the_plan_order_one(monkeypatch):
+    text = _module_text()
+    request = xla_pass.PassRequest("f", "h100", "cpu", options=OPTIONS, token="order")
+    largest_first = xla_pass.stitch_module_text(text, request)
+    report = request.report
+    assert largest_first is not None and len(report.placed) >= 2
+    plan_names = [k.name for k in report.plan.kernels]
+    assert report.placed == sorted(report.placed, key=plan_names.index)
+
+    monkeypatch.setattr(xla_pass, "_largest_first", list)        # plan order
+    again = xla_pass.PassRequest("f", "h100", "cpu", options=OPTIONS, token="order")
+    assert xla_pass.stitch_module_text(text, again) == largest_first
+    assert again.report.placed == report.placed
