@@ -14,3 +14,8 @@ class ToolchainError(CodegenError):
 
 class IsolatedCrash(CodegenError):
     """Work run in a child process died (e.g. LLVM aborted); the caller's process survives."""
+
+
+class ImageRefused(CodegenError):
+    """The CUDA driver would not load a module image (cuModuleLoadData failed): a cubin
+    from a ptxas newer than the driver, or for another arch."""

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 from llvmlite import ir
 
 from codegen import kir
-from codegen.errors import CodegenError
+from codegen.errors import CodegenError, ImageRefused
 from codegen.ffi import (API, CALL_FRAME, DEVICE_ORDINAL_GET_ARGS, ERR_INTERNAL,
                          ERR_INVALID_ARGUMENT, FFI_DTYPES, PTR, STREAM_GET_ARGS,
                          TRAIT_COMMAND_BUFFER_COMPATIBLE, CStruct, FfiTarget, FunctionPointer,
@@ -326,8 +326,11 @@ class _Driver:
         self.check(lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
         try:
             module, function = ctypes.c_void_p(), ctypes.c_void_p()
-            self.check(lib.cuModuleLoadData(ctypes.byref(module), image),
-                       f"cuModuleLoadData(device {ordinal})")
+            try:
+                self.check(lib.cuModuleLoadData(ctypes.byref(module), image),
+                           f"cuModuleLoadData(device {ordinal})")
+            except CodegenError as exc:
+                raise ImageRefused(str(exc)) from exc
             self.check(lib.cuModuleGetFunction(ctypes.byref(function), module, entry.encode()),
                        f"cuModuleGetFunction({entry!r})")
             if co_resident is not None:
@@ -351,6 +354,33 @@ def load_cuda_functions(image: bytes | str, entry: str, ordinals: Sequence[int],
     return [driver.load(data, entry, o, co_resident) for o in ordinals]
 
 
+def load_image(kernel_name: str, image: bytes, entry: str, ordinals: Sequence[int], *,
+               co_resident: tuple[int, int, int] | None = None,
+               fallback_ptx: str | None = None) -> list[LoadedFunction]:
+    """``load_cuda_functions`` of `image`; where the driver refuses it (ImageRefused: a
+    cubin from a ptxas newer than the driver) and ``fallback_ptx`` is given, of the PTX
+    instead (entry `kernel_name`), which the driver JIT-compiles. A refusal is remembered
+    (``cubins_refused``): the pass stops assembling cubins for this process's devices."""
+    global _CUBINS_REFUSED
+    try:
+        return load_cuda_functions(image, entry, ordinals, co_resident=co_resident)
+    except ImageRefused as exc:
+        if fallback_ptx is None:
+            raise
+        _CUBINS_REFUSED = True
+        LOG.warning("kernel %s: the CUDA driver refused ptxas's cubin (%s); loading the PTX "
+                    "(driver JIT) for it and for every later kernel", kernel_name, exc)
+    return load_cuda_functions(fallback_ptx, kernel_name, ordinals, co_resident=co_resident)
+
+
+_CUBINS_REFUSED = False
+
+
+def cubins_refused() -> bool:
+    """Whether the driver refused a cubin in this process (then PTX is loaded instead)."""
+    return _CUBINS_REFUSED
+
+
 def gpu_ordinals() -> list[int]:
     """The CUDA device ordinals of jax's local GPU devices (CodegenError if none)."""
     import jax
@@ -363,9 +393,12 @@ def gpu_ordinals() -> list[int]:
 
 def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
                     ordinals: Sequence[int] | None = None, dynamic_shared_bytes: int = 0,
-                    command_buffer_compatible: bool = False) -> FfiTarget:
-    """The kernel's cubin / PTX `image` (entry `kernel.name`, params in kernel.params order as
-    global pointers, as codegen.nvptx emits them) behind an XLA FFI handler for "CUDA"."""
+                    command_buffer_compatible: bool = False, entry: str | None = None,
+                    fallback_ptx: str | None = None) -> FfiTarget:
+    """The kernel's cubin / PTX `image` (entry `entry`, default `kernel.name`; params in
+    kernel.params order as global pointers, as codegen.nvptx emits them) behind an XLA FFI
+    handler for "CUDA". ``fallback_ptx``: the kernel's PTX (entry `kernel.name`), loaded
+    instead when the driver refuses a cubin `image` (``load_image``)."""
     kernel.validate()
     for p in kernel.params:
         if p.dtype not in FFI_DTYPES:
@@ -383,7 +416,8 @@ def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
                    if _cooperative(kernel) else None)
 
     def build(name: str) -> FfiTarget:
-        functions = load_cuda_functions(data, kernel.name, ordinals, co_resident=co_resident)
+        functions = load_image(kernel.name, data, entry or kernel.name, ordinals,
+                               co_resident=co_resident, fallback_ptx=fallback_ptx)
         symbols = DriverSymbols.resolve()
         handler_ir = emit_cuda_handler_ir(kernel, name, functions, symbols,
                                           dynamic_shared_bytes=dynamic_shared_bytes,

@@ -232,7 +232,7 @@ def renamed_cubin_build(build: "CubinBuild", name: str) -> "CubinBuild":
     reports = {name if entry == CANONICAL_NAME else entry:
                dataclasses.replace(report, raw=_CANONICAL.sub(name, report.raw))
                for entry, report in build.reports.items()}
-    return CubinBuild(build.cubin, reports, build.from_cache)
+    return CubinBuild(build.cubin, reports, build.from_cache, entry=CANONICAL_NAME)
 
 
 def distinct_kernels(kernels: list[kir.Kernel]) -> tuple[list[kir.Kernel], list[list[int]]]:
@@ -250,6 +250,9 @@ class CubinBuild:
     cubin: bytes
     reports: dict[str, PtxasReport]
     from_cache: bool
+    # The kernel's entry in ``cubin`` where it is not the kernel's own name (a renamed
+    # canonical build: the cubin keeps CANONICAL_NAME).
+    entry: str | None = None
 
 
 _LEN = struct.Struct("<I")

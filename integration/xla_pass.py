@@ -466,6 +466,10 @@ class GpuPrebuild:
         self.request = request
         self.arch = request.gpu_arch()
         warm_keys(self.arch)      # here, not in the threads (GIL convoy, see warm_keys)
+        # On a device, ptxas's cubin is loaded where a ptxas is found: assembled here in
+        # parallel and cached, instead of the driver JIT-compiling each PTX in turn on the
+        # pass's thread as its FFI target is made (PTX stays the fallback).
+        self.cubins = not request.compile_only and cubins_for_device(self.arch)
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         for worker in workers:
             self._idle.put(worker)
@@ -492,6 +496,7 @@ class GpuPrebuild:
 
     def _build(self, canonical: Any, structure: str) -> tuple[str, Any]:
         """The canonical kernel's PTX and, compile-only, ptxas's result for it."""
+        from codegen.errors import CodegenError
         from codegen.gpu_cache import CANONICAL_NAME, assemble_cached, emit_ptx_cached
         worker = self._idle.get()
         try:
@@ -504,6 +509,13 @@ class GpuPrebuild:
         if self.request.compile_only:
             assembled = assemble_cached(built.ptx, self.arch, cache=compile_cache(),
                                         kernel_name=CANONICAL_NAME)
+        elif self.cubins:
+            try:
+                assembled = assemble_cached(built.ptx, self.arch, cache=compile_cache(),
+                                            kernel_name=CANONICAL_NAME)
+            except CodegenError as exc:       # the driver may still take the PTX
+                log.info("no cubin for a kernel of %s (%s): its PTX is loaded",
+                         self.request.function, exc)
         return built.ptx, assembled
 
     def each_result(self) -> Iterator[Any]:
@@ -801,7 +813,8 @@ def build_target(kernel: Any, device: str, *, arch: str | None = None,
     ``worker``: a codegen.isolation.IsolatedWorker to emit PTX in (one child for all the
     kernels of a module, instead of a fresh interpreter per kernel). ``ptx``: the kernel's
     PTX for ``arch`` when already emitted (``GpuPrebuild``), ``assembled`` ptxas's result
-    for it (compile-only)."""
+    for it: compile-only, checked; on a device, its cubin is what the driver loads (the
+    PTX where the driver refuses it)."""
     if device == "cpu":
         from codegen.ffi import host_ffi_target
         target = host_ffi_target(kernel, cache=compile_cache())
@@ -814,12 +827,31 @@ def build_target(kernel: Any, device: str, *, arch: str | None = None,
         if compile_only:
             target = compile_only_cuda_target(kernel, ptx, arch, cache=compile_cache(),
                                               assembled=assembled)
+        elif assembled is not None:
+            target = cuda_ffi_target(kernel, assembled.cubin,
+                                     entry=assembled.entry or kernel.name, fallback_ptx=ptx)
         else:
             target = cuda_ffi_target(kernel, ptx)
     else:
         raise PassError(f"device {device!r} is not supported (cpu, gpu)")
     target.register()
     return target
+
+
+def cubins_for_device(arch: str) -> bool:
+    """Whether the pass loads ptxas's cubins for ``arch`` on a device: a ptxas for it is
+    found and the driver has not refused one in this process (codegen.ffi_cuda)."""
+    from codegen.errors import ToolchainError
+    from codegen.ffi_cuda import cubins_refused
+    from codegen.toolchain import find_ptxas
+    if cubins_refused():
+        return False
+    try:
+        find_ptxas(arch)
+    except ToolchainError as exc:
+        log.info("no ptxas for %s (%s): the driver JIT-compiles the kernels' PTX", arch, exc)
+        return False
+    return True
 
 
 def gpu_arch() -> str:

@@ -109,6 +109,27 @@ def test_softmax_with_libdevice(gpu) -> None:
     np.testing.assert_allclose(np.asarray(out), softmax_ref(x), rtol=1e-5, atol=1e-7)
 
 
+def test_the_pass_cubin_of_a_canonical_copy_runs_under_the_kernels_name(gpu) -> None:
+    """The GPU pass's load (integration.xla_pass.build_target): ptxas's cubin of the
+    kernel's canonical copy (entry CANONICAL_NAME), the kernel's own PTX behind it."""
+    from codegen.gpu_cache import CANONICAL_NAME, canonical_kernel
+    from codegen.toolchain import assemble_cubin
+    k = elementwise_kernel("gpu_canonical", ["f32", "f32"], "f32", 30_000,
+                           lambda x, y: add(mul(x, y), f32(0.25)), grid_stride=True)
+    arch = _arch(gpu)
+    try:
+        ptx = emit_ptx(k, arch)
+        cubin = assemble_cubin(emit_ptx(canonical_kernel(k), arch), arch,
+                               kernel_name=CANONICAL_NAME)[0]
+    except ToolchainError as exc:
+        pytest.skip(f"no cubin for {arch}: {exc}")
+    t = ffi_cuda.cuda_ffi_target(k, cubin, entry=CANONICAL_NAME, fallback_ptx=ptx)
+    assert not ffi_cuda.cubins_refused(), "the driver refused ptxas's cubin: PTX was loaded"
+    a, b = RNG(9).standard_normal((2, 30_000)).astype(np.float32)
+    out = np.asarray(jax.jit(lambda x, y: t.call(x, y)[0])(a, b))
+    np.testing.assert_array_equal(out, host_reference(k, a, b)[0])
+
+
 def test_errors_name_the_kernel(gpu) -> None:
     k = elementwise_kernel("gpu_err", ["f32", "f32"], "f32", 1000, lambda x, y: add(x, y))
     t = _target(k, gpu)
