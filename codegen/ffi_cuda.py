@@ -362,14 +362,15 @@ def load_image(kernel_name: str, image: bytes, entry: str, ordinals: Sequence[in
     instead (entry `kernel_name`), which the driver JIT-compiles. A refusal is remembered
     (``cubins_refused``): the pass stops assembling cubins for this process's devices."""
     global _CUBINS_REFUSED
-    try:
-        return load_cuda_functions(image, entry, ordinals, co_resident=co_resident)
-    except ImageRefused as exc:
-        if fallback_ptx is None:
-            raise
-        _CUBINS_REFUSED = True
-        LOG.warning("kernel %s: the CUDA driver refused ptxas's cubin (%s); loading the PTX "
-                    "(driver JIT) for it and for every later kernel", kernel_name, exc)
+    if fallback_ptx is None or not _CUBINS_REFUSED:
+        try:
+            return load_cuda_functions(image, entry, ordinals, co_resident=co_resident)
+        except ImageRefused as exc:
+            if fallback_ptx is None:
+                raise
+            _CUBINS_REFUSED = True
+            LOG.warning("kernel %s: the CUDA driver refused ptxas's cubin (%s); loading the "
+                        "PTX (driver JIT) for it and for every later kernel", kernel_name, exc)
     return load_cuda_functions(fallback_ptx, kernel_name, ordinals, co_resident=co_resident)
 
 

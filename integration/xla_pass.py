@@ -495,8 +495,10 @@ class GpuPrebuild:
         self._kernels.append((kernel, future))
 
     def _build(self, canonical: Any, structure: str) -> tuple[str, Any]:
-        """The canonical kernel's PTX and, compile-only, ptxas's result for it."""
+        """The canonical kernel's PTX and ptxas's result for it: compile-only, and on a
+        device while cubins are loaded there (``cubins_for_device``)."""
         from codegen.errors import CodegenError
+        from codegen.ffi_cuda import cubins_refused
         from codegen.gpu_cache import CANONICAL_NAME, assemble_cached, emit_ptx_cached
         worker = self._idle.get()
         try:
@@ -509,7 +511,7 @@ class GpuPrebuild:
         if self.request.compile_only:
             assembled = assemble_cached(built.ptx, self.arch, cache=compile_cache(),
                                         kernel_name=CANONICAL_NAME)
-        elif self.cubins:
+        elif self.cubins and not cubins_refused():
             try:
                 assembled = assemble_cached(built.ptx, self.arch, cache=compile_cache(),
                                             kernel_name=CANONICAL_NAME)

@@ -52,7 +52,11 @@ def test_a_refused_cubin_falls_back_to_the_ptx_and_is_remembered(monkeypatch, ca
     assert got == ["function of main_k3"]
     assert ffi_cuda.cubins_refused()
     assert "main_k3" in caplog.text and "UNSUPPORTED_PTX_VERSION" in caplog.text
-    assert not xla_pass.cubins_for_device("sm_90")      # later kernels: PTX at once
+    assert not xla_pass.cubins_for_device("sm_90")      # later modules: no cubins built
+    caplog.clear()
+    got = ffi_cuda.load_image("main_k4", CUBIN, CANONICAL_NAME, [0], fallback_ptx=PTX)
+    assert loads[2:] == [(PTX, "main_k4")] and got == ["function of main_k4"]
+    assert not caplog.text                              # this module's later ones: PTX at once
 
 
 def test_without_a_fallback_or_for_other_errors_the_error_stands(monkeypatch):
