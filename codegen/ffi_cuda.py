@@ -282,12 +282,13 @@ class _Driver:
             fn = getattr(self.lib, fname)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
 
-    def check(self, result: int, what: str) -> None:
+    def check(self, result: int, what: str,
+              error: type[CodegenError] = CodegenError) -> None:
         if result != CUDA_SUCCESS:
             name = ctypes.c_char_p()
             self.lib.cuGetErrorName(result, ctypes.byref(name))
             text = name.value.decode() if name.value else "unknown"
-            raise CodegenError(f"{what} failed: {text} (CUresult {result})")
+            raise error(f"{what} failed: {text} (CUresult {result})")
 
     def attribute(self, attribute: int, device: int) -> int:
         value = ctypes.c_int()
@@ -326,11 +327,8 @@ class _Driver:
         self.check(lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
         try:
             module, function = ctypes.c_void_p(), ctypes.c_void_p()
-            try:
-                self.check(lib.cuModuleLoadData(ctypes.byref(module), image),
-                           f"cuModuleLoadData(device {ordinal})")
-            except CodegenError as exc:
-                raise ImageRefused(str(exc)) from exc
+            self.check(lib.cuModuleLoadData(ctypes.byref(module), image),
+                       f"cuModuleLoadData(device {ordinal})", ImageRefused)
             self.check(lib.cuModuleGetFunction(ctypes.byref(function), module, entry.encode()),
                        f"cuModuleGetFunction({entry!r})")
             if co_resident is not None:
