@@ -228,9 +228,17 @@ class HandlerEmitter:
     Use: `answer_metadata_probe()`, `check_frame()`, `buffers()` (data pointers in params
     order), then the platform's work, `fail(...)` for errors and `builder.ret(null)`."""
 
-    def __init__(self, module: ir.Module, kernel: kir.Kernel, name: str) -> None:
+    def __init__(self, module: ir.Module, kernel: kir.Kernel | None, name: str, *,
+                 subject: str | None = None) -> None:
         self.module = module
         self.kernel = kernel
+        # What every error message starts with: the kernel, or `subject` for a handler
+        # that no one kernel owns (kernel None: no frame decoding, errors only).
+        if subject is None:
+            if kernel is None:
+                raise CodegenError(f"handler {name}: a kernel or a subject for its errors")
+            subject = f"kernel '{kernel.name}'"
+        self.subject = subject
         self.fn = ir.Function(module, ir.FunctionType(PTR, [PTR]), name)
         self.fn.args[0].name = "frame"
         self.frame = self.fn.args[0]
@@ -295,9 +303,9 @@ class HandlerEmitter:
 
     def fail(self, code: int, fmt: str, *values: ir.Value) -> None:
         """Return an XLA_FFI_Error made with the API's Error_Create. `fmt` is a printf format
-        (the kernel name is prepended); `values` are i64 / pointer arguments."""
+        (the subject, the kernel's name, is prepended); `values` are i64 / pointer arguments."""
         b = self.b
-        text = f"kernel '{_escape(self.kernel.name)}': {fmt}"
+        text = f"{_escape(self.subject)}: {fmt}"
         snprintf = self.declare("snprintf", I32, [PTR, I64, PTR], var_arg=True)
         b.call(snprintf, [self.message, ir.Constant(I64, _MESSAGE_BYTES), self.string(text),
                           *values])
@@ -722,14 +730,15 @@ def _load_libraries() -> None:
             llvm.load_library_permanently(found)
 
 
-def compile_handler(name: str, kernel: kir.Kernel, modules: Sequence[str], *,
+def compile_handler(name: str, kernel: kir.Kernel | None, modules: Sequence[str], *,
                     internalize: Sequence[str] = (), opt: int = 2,
                     cache: CompileCache | None = None) -> tuple[object, int]:
     """Link IR modules into one MCJIT engine on the calling thread; (engine, address of
-    `name`). Functions in `internalize` become internal once linked (so they inline). With
-    `cache`, the object code is looked up / stored there (``host.jit_module``: built once under
+    `name`). ``kernel``: whose handler it is, for errors (None: one that kernels share).
+    Functions in `internalize` become internal once linked (so they inline). With `cache`, the object code is looked up / stored there (``host.jit_module``: built once under
     the key's lock, checked before loading): only for modules that name external functions by
     symbol, never ones with process addresses baked in (the CUDA handler)."""
+    whose = f"kernel {kernel.name!r}" if kernel is not None else f"handler {name}"
     tm = _host_machine()
     _load_libraries()
     try:
@@ -738,7 +747,7 @@ def compile_handler(name: str, kernel: kir.Kernel, modules: Sequence[str], *,
             module.link_in(llvm.parse_assembly(text))
         module.verify()
     except RuntimeError as exc:
-        raise CodegenError(f"kernel {kernel.name!r}: LLVM rejected the FFI handler IR: "
+        raise CodegenError(f"{whose}: LLVM rejected the FFI handler IR: "
                            f"{exc}") from exc
     for fn in module.functions:
         if fn.name in internalize and not fn.is_declaration:
@@ -747,7 +756,7 @@ def compile_handler(name: str, kernel: kir.Kernel, modules: Sequence[str], *,
     engine, from_cache = jit_module(module, tm, opt=opt, cache=cache, key=key)
     address = engine.get_function_address(name)
     if not address:
-        raise CodegenError(f"kernel {kernel.name!r}: MCJIT produced no FFI handler {name}")
+        raise CodegenError(f"{whose}: MCJIT produced no FFI handler {name}")
     LOG.debug("FFI handler %s built%s", name, " (object from the cache)" if from_cache else "")
     return engine, address
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -434,22 +435,41 @@ def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
 ERR_FAILED_PRECONDITION = 9
 
 
-def emit_compile_only_handler_ir(kernel: kir.Kernel, name: str, arch: str) -> str:
-    """LLVM IR (host triple) of a handler that answers XLA's metadata probe, so a compile
-    accepts the custom call, and fails any real call with an error naming the kernel."""
-    kernel.validate()
+def emit_compile_only_handler_ir(name: str, arch: str) -> str:
+    """LLVM IR (host triple) of the handler every compile-only target for ``arch`` shares:
+    it answers XLA's metadata probe, so a compile accepts the custom call, and fails any
+    real call with an error saying no code was loaded (kernels share it because it never
+    runs any of them: one MCJIT build per process instead of one per kernel)."""
     module = new_module(f"{name}_handler")
-    h = HandlerEmitter(module, kernel, name)
+    h = HandlerEmitter(module, None, name, subject="stitch compile-only CUDA target")
     h.answer_metadata_probe(0)
-    h.fail(ERR_FAILED_PRECONDITION, f"compile-only CUDA target for {arch} (deviceless check): "
+    h.fail(ERR_FAILED_PRECONDITION, f"built for {arch} without a device (deviceless check): "
            "no code is loaded on any device, so it must never run")
     return str(module)
+
+
+_SHARED_HANDLERS: dict[str, tuple[str, object, int]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def compile_only_handler(arch: str) -> tuple[str, object, int]:
+    """(IR, engine, address) of the compile-only handler for ``arch``, built once per process
+    (kept for its life: XLA's registry keeps the address of every name registered)."""
+    with _SHARED_LOCK:
+        shared = _SHARED_HANDLERS.get(arch)
+        if shared is None:
+            name = f"stitch_cudacheck_handler_{arch}"
+            handler_ir = emit_compile_only_handler_ir(name, arch)
+            engine, address = compile_handler(name, None, [handler_ir])
+            shared = _SHARED_HANDLERS[arch] = (handler_ir, engine, address)
+        return shared
 
 
 @dataclass
 class CompileOnlyCudaTarget(FfiTarget):
     """A kernel's CUDA FFI target for compiling without a device: XLA accepts the custom call
-    (the handler answers the metadata probe) but it can never run. ``cubin`` is ptxas's
+    (the handler, shared by every target for ``arch``, answers the metadata probe) but it can
+    never run. ``cubin`` is ptxas's
     output for ``arch`` and ``ptxas`` its per-entry resource reports, so a deviceless check
     still covers PTX emission and assembly."""
     arch: str = ""
@@ -473,7 +493,8 @@ class CompileOnlyCudaTarget(FfiTarget):
 def compile_only_cuda_target(kernel: kir.Kernel, ptx: str, arch: str, *,
                              cache: Any = None, assembled: Any = None) -> CompileOnlyCudaTarget:
     """The kernel's PTX assembled by ptxas for ``arch`` (CodegenError if ptxas rejects it)
-    behind a compile-only FFI handler for "CUDA" (see CompileOnlyCudaTarget). ``cache`` is a
+    behind the compile-only FFI handler for "CUDA" (``compile_only_handler``), registered
+    under the kernel's own target name (see CompileOnlyCudaTarget). ``cache`` is a
     codegen.cache.CompileCache for ptxas's result. ``assembled``: ptxas's result when the
     caller has it already (``gpu_cache.renamed_cubin_build`` of a kernel that differs only
     by name)."""
@@ -490,8 +511,7 @@ def compile_only_cuda_target(kernel: kir.Kernel, ptx: str, arch: str, *,
         nonlocal assembled
         if assembled is None:
             assembled = assemble_cached(ptx, arch, cache=cache, kernel_name=kernel.name)
-        handler_ir = emit_compile_only_handler_ir(kernel, name, arch)
-        engine, address = compile_handler(name, kernel, [handler_ir])
+        handler_ir, engine, address = compile_only_handler(arch)
         LOG.debug("kernel %s: compile-only CUDA target %s (%s, %d cubin bytes)", kernel.name,
                   name, arch, len(assembled.cubin))
         return CompileOnlyCudaTarget(name, kernel, "CUDA", address, handler_ir, engine,

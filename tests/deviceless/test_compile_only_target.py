@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from codegen import ffi
+from codegen import ffi, ffi_cuda
 from codegen.errors import CodegenError, ToolchainError
 from codegen.ffi_cuda import (ERR_FAILED_PRECONDITION, CompileOnlyCudaTarget,
                               compile_only_cuda_target, emit_compile_only_handler_ir)
@@ -15,15 +15,15 @@ from codegen.toolchain import find_ptxas
 from tests.test_ffi import ERROR_SENTINEL, FakeXla, ew_kernel, probe
 
 
-def _handler(kernel, name="stitch_cudacheck_test"):
-    ir_text = emit_compile_only_handler_ir(kernel, name, "sm_90")
-    engine, address = ffi.compile_handler(name, kernel, [ir_text])
+def _handler(name="stitch_cudacheck_test"):
+    ir_text = emit_compile_only_handler_ir(name, "sm_90")
+    engine, address = ffi.compile_handler(name, None, [ir_text])
     return engine, address
 
 
 def test_handler_answers_xlas_metadata_probe():
     """What XLA does with a handler while compiling: it must succeed."""
-    engine, address = _handler(ew_kernel("probed"))
+    engine, address = _handler()
     xla = FakeXla()
     result, meta = probe(xla, address)
     assert result is None and not xla.errors
@@ -33,15 +33,16 @@ def test_handler_answers_xlas_metadata_probe():
     del engine
 
 
-def test_handler_refuses_to_run_and_names_the_kernel():
+def test_handler_refuses_to_run_and_says_why():
     import numpy as np
-    engine, address = _handler(ew_kernel("never_run"))
+    engine, address = _handler()
     xla = FakeXla()
     a = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     out = np.full(1000, np.nan, np.float32)
     assert xla.call(address, [a, a.copy()], [out]) == ERROR_SENTINEL
     (text, code, _), = xla.errors
-    assert text.startswith("kernel 'never_run': compile-only CUDA target for sm_90"), text
+    assert text.startswith("stitch compile-only CUDA target: built for sm_90 without a "
+                           "device"), text
     assert "must never run" in text
     assert code == ERR_FAILED_PRECONDITION
     assert np.isnan(out).all()                   # nothing was written
@@ -64,6 +65,31 @@ def test_target_assembles_the_ptx_for_the_arch():
     assert compile_only_cuda_target(kernel, ptx, "sm_90") is target
     xla = FakeXla()
     assert xla.call(target.address, [], []) == ERROR_SENTINEL
+
+
+def test_targets_share_one_handler_per_arch(monkeypatch):
+    """A second kernel's target is its own (name, PTX, cubin) but builds no handler: the
+    compile-only handler never runs a kernel, so every target for the arch shares it."""
+    try:
+        find_ptxas("sm_90")
+    except ToolchainError as exc:
+        pytest.skip(f"no ptxas for sm_90: {exc}")
+    first_kernel, second_kernel = ew_kernel("shared_first"), ew_kernel("shared_second")
+    first = compile_only_cuda_target(first_kernel, emit_ptx(first_kernel, "sm_90"), "sm_90")
+    builds = []
+    real = ffi_cuda.compile_handler
+    monkeypatch.setattr(ffi_cuda, "compile_handler",
+                        lambda *a, **k: builds.append(a[0]) or real(*a, **k))
+    ptx = emit_ptx(second_kernel, "sm_90")
+    second = compile_only_cuda_target(second_kernel, ptx, "sm_90")
+    assert builds == []
+    assert second is not first and second.name != first.name
+    assert second.name.startswith("stitch_cudacheck_shared_second_")
+    assert second.address == first.address and second.ptx == ptx
+    assert second.ptxas["shared_second"].arch == "sm_90"
+    xla = FakeXla()
+    result, _ = probe(xla, second.address)
+    assert result is None and not xla.errors
 
 
 def test_ptx_that_ptxas_rejects_is_a_codegen_error():
