@@ -186,6 +186,15 @@ API = CStruct("XLA_FFI_Api", (
     ("internal_api", PTR), *((f, PTR) for f in API_FUNCTIONS)))
 
 _MESSAGE_BYTES = 512
+# One row of a handler's buffer table (HandlerEmitter.buffer_table), per kernel param in
+# params order: where the frame passes it and what the kernel wants of it.
+BUFFER_ROW = CStruct("stitch_buffer_row", (
+    ("group", I32),              # 0: an operand (the frame's args), 1: a result (its rets)
+    ("index", I32),              # its position among them
+    ("dtype", I32),              # the XLA_FFI_DataType the kernel wants
+    ("size", I64),               # the element count the kernel wants
+    ("name", PTR),               # the param's name and dtype, for messages
+    ("dtype_name", PTR)))
 
 
 # ---------------------------------------------------------------- handler emission
@@ -311,9 +320,11 @@ class HandlerEmitter:
                           *values])
         self.error_from(code, self.message)
 
-    def error_from(self, code: int, message: ir.Value) -> None:
+    def error_from(self, code: int | ir.Value, message: ir.Value) -> None:
         """ret Error_Create({message, code}) (XLA copies the message)."""
-        self.b.ret(self.b.call(self._error_fn(), [self.api, ir.Constant(I32, code), message]))
+        if isinstance(code, int):
+            code = ir.Constant(I32, code)
+        self.b.ret(self.b.call(self._error_fn(), [self.api, code, message]))
 
     def _error_fn(self) -> ir.Function:
         """`ptr error(api, code, message)`, one per module: the error paths stay small."""
@@ -376,9 +387,11 @@ class HandlerEmitter:
         with b.if_then(b.icmp_unsigned("<", size, ir.Constant(I64, need)), likely=False):
             self.fail(ERR_INVALID_ARGUMENT, f"call frame of %lld bytes, need {need}", size)
 
-    def buffers(self) -> list[ir.Value]:
-        """Data pointers of the frame's operands and results in kernel.params order, after
-        checking counts, kinds, dtypes and element counts against the params."""
+    def buffer_table(self) -> ir.Value:
+        """A stack array of the data pointers of the frame's operands and results in
+        kernel.params order, after checking counts, kinds, dtypes and element counts against
+        the params. The checks walk a constant table (one row per param) in one loop, so
+        the handler's code, and LLVM's time on it, does not grow with the params."""
         b = self.b
         k = self.kernel
         inputs = [i for i, p in enumerate(k.params) if not p.is_output]
@@ -391,36 +404,95 @@ class HandlerEmitter:
             self.fail(ERR_INVALID_ARGUMENT,
                       f"custom call has %lld operands and %lld results; the kernel takes "
                       f"{len(inputs)} inputs and {len(outputs)} outputs", nargs, nrets)
-        data: dict[int, ir.Value] = {}
-        for group, indices, kind_code in (("args", inputs, ARG_BUFFER),
-                                          ("rets", outputs, RET_BUFFER)):
-            types = self.load(self.frame, CALL_FRAME, group, "types")
-            ptrs = self.load(self.frame, CALL_FRAME, group, group)
-            for j, pi in enumerate(indices):
-                data[pi] = self._one_buffer(k.params[pi], group, j, types, ptrs, kind_code)
-        return [data[i] for i in range(len(k.params))]
+        position = {pi: j for j, pi in enumerate(inputs)}
+        position.update({pi: j for j, pi in enumerate(outputs)})
+        rows = [ir.Constant(BUFFER_ROW.type, [
+            ir.Constant(I32, int(p.is_output)), ir.Constant(I32, position[i]),
+            ir.Constant(I32, FFI_DTYPES[p.dtype]), ir.Constant(I64, p.size),
+            self.string(p.name), self.string(str(p.dtype))])
+            for i, p in enumerate(k.params)]
+        n = len(k.params)
+        data = self.alloca(ir.ArrayType(PTR, max(1, n)), "buffers")
+        if n:
+            table = global_constant(self.module,
+                                    ir.Constant(ir.ArrayType(BUFFER_ROW.type, n), rows),
+                                    "buffer_table")
+            code = b.call(self._check_buffers_fn(), [
+                self.frame, table, ir.Constant(I64, n), data, self.message,
+                self.string(self.subject)])
+            with b.if_then(b.icmp_signed("!=", code, ir.Constant(I32, 0)), likely=False):
+                self.error_from(code, self.message)
+        return data
 
-    def _one_buffer(self, p: kir.Param, group: str, j: int, types: ir.Value, ptrs: ir.Value,
-                    kind_code: int) -> ir.Value:
-        b = self.b
-        what = f"{'operand' if group == 'args' else 'result'} {j} (param '{_escape(p.name)}')"
-        kind = b.load(b.gep(types, [ir.Constant(I64, j)], source_etype=I32), typ=I32)
-        with b.if_then(b.icmp_signed("!=", kind, ir.Constant(I32, kind_code)), likely=False):
-            self.fail(ERR_INVALID_ARGUMENT, f"{what} is not a buffer (kind %lld)",
-                      b.sext(kind, I64))
-        buf = b.load(b.gep(ptrs, [ir.Constant(I64, j)], source_etype=PTR), typ=PTR)
-        dtype = self.load(buf, BUFFER, "dtype")
-        want = FFI_DTYPES[p.dtype]
-        with b.if_then(b.icmp_signed("!=", dtype, ir.Constant(I32, want)), likely=False):
-            self.fail(ERR_INVALID_ARGUMENT,
-                      f"{what} has XLA dtype code %lld, the kernel wants {p.dtype} (code {want})",
-                      b.sext(dtype, I64))
-        count = b.call(self._elements_fn(), [self.load(buf, BUFFER, "dims"),
-                                             self.load(buf, BUFFER, "rank")])
-        with b.if_then(b.icmp_signed("!=", count, ir.Constant(I64, p.size)), likely=False):
-            self.fail(ERR_INVALID_ARGUMENT,
-                      f"{what} has %lld elements, the kernel wants {p.size}", count)
-        return self.load(buf, BUFFER, "data")
+    def buffers(self) -> list[ir.Value]:
+        """``buffer_table()``'s pointers, loaded."""
+        data = self.buffer_table()
+        return [self.b.load(element(self.b, data, PTR, i), typ=PTR)
+                for i in range(len(self.kernel.params))]
+
+    def _check_buffers_fn(self) -> ir.Function:
+        """`i32 check(frame, table, n, data, message, subject)`: for each of the n rows of
+        `table` (BUFFER_ROW), the frame's buffer it names is a buffer of the dtype and
+        element count the row wants, and its data pointer goes to data[row]; 0, or an error
+        code with the message in `message` (naming `subject`, the operand and the param)."""
+        name = "stitch_ffi_check_buffers"
+        fn = self.module.globals.get(name)
+        if fn is not None:
+            return fn
+        fn = ir.Function(self.module, ir.FunctionType(I32, [PTR, PTR, I64, PTR, PTR, PTR]),
+                         name)
+        fn.linkage = "internal"
+        frame, table, n, data, message, subject = fn.args
+        entry, loop, done = (fn.append_basic_block(x) for x in ("entry", "loop", "done"))
+        b = ir.IRBuilder(entry)
+        zero = ir.Constant(I64, 0)
+
+        def field(base: ir.Value, struct: CStruct, *path: str) -> ir.Value:
+            indices, ty = struct.resolve(path)
+            return b.load(b.gep(base, [ir.Constant(I32, i) for i in (0, *indices)],
+                                inbounds=True, source_etype=struct.type), typ=ty)
+        b.cbranch(b.icmp_signed(">", n, zero), loop, done)
+        b.position_at_end(loop)
+        i = b.phi(I64, "row")
+        i.add_incoming(zero, entry)
+        row = b.gep(table, [i], inbounds=True, source_etype=BUFFER_ROW.type)
+        is_result = b.icmp_signed("!=", field(row, BUFFER_ROW, "group"), ir.Constant(I32, 0))
+        j = b.sext(field(row, BUFFER_ROW, "index"), I64)
+        param = field(row, BUFFER_ROW, "name")
+        types = b.select(is_result, field(frame, CALL_FRAME, "rets", "types"),
+                         field(frame, CALL_FRAME, "args", "types"))
+        ptrs = b.select(is_result, field(frame, CALL_FRAME, "rets", "rets"),
+                        field(frame, CALL_FRAME, "args", "args"))
+        word = b.select(is_result, self.string("result"), self.string("operand"))
+        snprintf = self.declare("snprintf", I32, [PTR, I64, PTR], var_arg=True)
+
+        def refuse(fmt: str, *values: ir.Value) -> None:
+            b.call(snprintf, [message, ir.Constant(I64, _MESSAGE_BYTES),
+                              self.string("%s: %s %lld (param '%s') " + fmt),
+                              subject, word, j, param, *values])
+            b.ret(ir.Constant(I32, ERR_INVALID_ARGUMENT))
+        kind = b.load(b.gep(types, [j], source_etype=I32), typ=I32)
+        want_kind = b.select(is_result, ir.Constant(I32, RET_BUFFER), ir.Constant(I32, ARG_BUFFER))
+        with b.if_then(b.icmp_signed("!=", kind, want_kind), likely=False):
+            refuse("is not a buffer (kind %lld)", b.sext(kind, I64))
+        buf = b.load(b.gep(ptrs, [j], source_etype=PTR), typ=PTR)
+        dtype = field(buf, BUFFER, "dtype")
+        want = field(row, BUFFER_ROW, "dtype")
+        with b.if_then(b.icmp_signed("!=", dtype, want), likely=False):
+            refuse("has XLA dtype code %lld, the kernel wants %s (code %lld)",
+                   b.sext(dtype, I64), field(row, BUFFER_ROW, "dtype_name"), b.sext(want, I64))
+        count = b.call(self._elements_fn(), [field(buf, BUFFER, "dims"),
+                                             field(buf, BUFFER, "rank")])
+        size = field(row, BUFFER_ROW, "size")
+        with b.if_then(b.icmp_signed("!=", count, size), likely=False):
+            refuse("has %lld elements, the kernel wants %lld", count, size)
+        b.store(field(buf, BUFFER, "data"), b.gep(data, [i], inbounds=True, source_etype=PTR))
+        following = b.add(i, ir.Constant(I64, 1))
+        i.add_incoming(following, b.block)
+        b.cbranch(b.icmp_signed("<", following, n), loop, done)
+        b.position_at_end(done)
+        b.ret(ir.Constant(I32, 0))
+        return fn
 
     def _elements_fn(self) -> ir.Function:
         """i64 elements(i64* dims, i64 rank): the product of the dims."""
@@ -655,10 +727,7 @@ def emit_host_handler_ir(kernel: kir.Kernel, name: str, *, threads: int = 1,
     b = h.b
     h.answer_metadata_probe()
     h.check_frame()
-    data = h.buffers()
-    table = h.alloca(ir.ArrayType(PTR, max(1, len(data))), "buffers")
-    for i, d in enumerate(data):
-        b.store(d, element(b, table, PTR, i))
+    table = h.buffer_table()
 
     workers = max(1, min(threads, kernel.grid))
     bounds = [w * kernel.grid // workers for w in range(workers + 1)]
@@ -732,14 +801,18 @@ def _load_libraries() -> None:
 
 def compile_handler(name: str, kernel: kir.Kernel | None, modules: Sequence[str], *,
                     internalize: Sequence[str] = (), opt: int = 2,
-                    cache: CompileCache | None = None) -> tuple[object, int]:
+                    cache: CompileCache | None = None,
+                    build_fast: bool = False) -> tuple[object, int]:
     """Link IR modules into one MCJIT engine on the calling thread; (engine, address of
     `name`). ``kernel``: whose handler it is, for errors (None: one that kernels share).
     Functions in `internalize` become internal once linked (so they inline). With `cache`, the object code is looked up / stored there (``host.jit_module``: built once under
     the key's lock, checked before loading): only for modules that name external functions by
-    symbol, never ones with process addresses baked in (the CUDA handler)."""
+    symbol, never ones with process addresses baked in (the CUDA handler). ``build_fast``:
+    no IR passes and LLVM's fast instruction selection (`opt` unused), for a handler that
+    only decodes the frame and calls the driver: ~4 ms to build instead of ~30 ms, and its
+    few hundred instructions a call are nothing beside a kernel launch."""
     whose = f"kernel {kernel.name!r}" if kernel is not None else f"handler {name}"
-    tm = _host_machine()
+    tm = _host_machine(0 if build_fast else 2)
     _load_libraries()
     try:
         module = llvm.parse_assembly(modules[0])
@@ -752,8 +825,9 @@ def compile_handler(name: str, kernel: kir.Kernel | None, modules: Sequence[str]
     for fn in module.functions:
         if fn.name in internalize and not fn.is_declaration:
             fn.linkage = llvm.Linkage.internal
-    key = _object_key(modules, internalize, opt) if cache is not None else ""
-    engine, from_cache = jit_module(module, tm, opt=opt, cache=cache, key=key)
+    level = None if build_fast else opt
+    key = _object_key(modules, internalize, level) if cache is not None else ""
+    engine, from_cache = jit_module(module, tm, opt=level, cache=cache, key=key)
     address = engine.get_function_address(name)
     if not address:
         raise CodegenError(f"{whose}: MCJIT produced no FFI handler {name}")
@@ -761,7 +835,7 @@ def compile_handler(name: str, kernel: kir.Kernel | None, modules: Sequence[str]
     return engine, address
 
 
-def _object_key(modules: Sequence[str], internalize: Sequence[str], opt: int) -> str:
+def _object_key(modules: Sequence[str], internalize: Sequence[str], opt: int | None) -> str:
     """What the handler's object code depends on: IR, CPU, options, the LLVM building it."""
     import llvmlite
     return cache_key("ffi-handler-object", *modules, *internalize, llvm.get_process_triple(),

@@ -116,7 +116,7 @@ def emit_cuda_handler_ir(kernel: kir.Kernel, name: str, functions: Sequence[Load
     traits = TRAIT_COMMAND_BUFFER_COMPATIBLE if command_buffer_compatible else 0
     h.answer_metadata_probe(traits)
     h.check_frame()
-    data = h.buffers()
+    values = h.buffer_table()
     ctx = h.load(h.frame, CALL_FRAME, "ctx")
     stream = _stream(h, ctx)
     function, context = _device_function(h, ctx, functions)
@@ -144,14 +144,11 @@ def emit_cuda_handler_ir(kernel: kir.Kernel, name: str, functions: Sequence[Load
                        likely=False):
             fail_cu("cuCtxPushCurrent", pushed)
 
-    # kernelParams: one pointer per param, to a slot holding the device pointer.
+    # kernelParams: one pointer per param, to the slot holding its device pointer.
     n = len(kernel.params)
-    values = h.alloca(ir.ArrayType(PTR, max(1, n)), "param_values")
     params = h.alloca(ir.ArrayType(PTR, max(1, n)), "kernel_params")
-    for i, d in enumerate(data):
-        slot = element(b, values, PTR, i)
-        b.store(d, slot)
-        b.store(slot, element(b, params, PTR, i))
+    for i in range(n):
+        b.store(element(b, values, PTR, i), element(b, params, PTR, i))
     dims = [ir.Constant(I32, v) for v in (kernel.grid, 1, 1, kernel.block, 1, 1,
                                           dynamic_shared_bytes)]
     def pop_context() -> None:
@@ -422,7 +419,7 @@ def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
         handler_ir = emit_cuda_handler_ir(kernel, name, functions, symbols,
                                           dynamic_shared_bytes=dynamic_shared_bytes,
                                           command_buffer_compatible=command_buffer_compatible)
-        engine, address = compile_handler(name, kernel, [handler_ir])
+        engine, address = compile_handler(name, kernel, [handler_ir], build_fast=True)
         LOG.debug("kernel %s: CUDA FFI target %s on devices %s", kernel.name, name, ordinals)
         return FfiTarget(name, kernel, "CUDA", address, handler_ir, engine,
                          _keepalive=tuple(functions))
@@ -460,7 +457,7 @@ def compile_only_handler(arch: str) -> tuple[str, object, int]:
         if shared is None:
             name = f"stitch_cudacheck_handler_{arch}"
             handler_ir = emit_compile_only_handler_ir(name, arch)
-            engine, address = compile_handler(name, None, [handler_ir])
+            engine, address = compile_handler(name, None, [handler_ir], build_fast=True)
             shared = _SHARED_HANDLERS[arch] = (handler_ir, engine, address)
         return shared
 

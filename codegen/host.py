@@ -62,13 +62,14 @@ def _init_llvm() -> None:
             llvm.load_library_permanently(name)
 
 
-def _host_machine() -> llvm.TargetMachine:
-    """A fresh target machine: an MCJIT engine takes ownership of (and frees) its own."""
+def _host_machine(opt: int = 2) -> llvm.TargetMachine:
+    """A fresh target machine (code generation at LLVM level `opt`; 0: fast instruction
+    selection): an MCJIT engine takes ownership of (and frees) its own."""
     _init_llvm()
     target = llvm.Target.from_default_triple()
     return target.create_target_machine(cpu=llvm.get_host_cpu_name(),
                                         features=llvm.get_host_cpu_features().flatten(),
-                                        opt=2, jit=True)
+                                        opt=opt, jit=True)
 
 
 def _aligned(n: int) -> int:
@@ -489,22 +490,24 @@ def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine, opt: int) -> None:
     pb.getModulePassManager().run(module, pb)
 
 
-def jit_module(module: llvm.ModuleRef, tm: llvm.TargetMachine, *, opt: int,
+def jit_module(module: llvm.ModuleRef, tm: llvm.TargetMachine, *, opt: int | None,
                cache: CompileCache | None, key: str) -> tuple[object, bool]:
     """(finalized MCJIT engine for the verified, unoptimized `module`, whether its object code
-    came from `cache`). Object code is built under the cache's per-key lock (concurrent
+    came from `cache`). ``opt``: the IR pipeline's speed level; None runs no IR passes. Object code is built under the cache's per-key lock (concurrent
     processes build it once) and a cached object reaches MCJIT only after it authenticated
     and passed `objcheck.host_object_problem` (else it is rebuilt): a bad entry can never
     abort the process or run foreign code."""
     if cache is None or not cache.enabled or not host_objects_cacheable():
-        _optimize(module, tm, opt)
+        if opt is not None:
+            _optimize(module, tm, opt)
         engine = llvm.create_mcjit_compiler(module, tm)
         engine.finalize_object()
         return engine, False
     built: dict[str, object] = {}
 
     def build() -> bytes:
-        _optimize(module, tm, opt)
+        if opt is not None:
+            _optimize(module, tm, opt)
         engine = llvm.create_mcjit_compiler(module, tm)
         objects: list[bytes] = []
         engine.set_object_cache(lambda _module, buffer: objects.append(bytes(buffer)),

@@ -340,7 +340,7 @@ def test_cuda_handler_launches_grid_barrier_kernels_cooperatively():
     loaded = [ffi_cuda.LoadedFunction(0, 0x10, 0x20, 0x30)]
     kernel = normalize_kernel(3000, 6, 64)
     text = ffi_cuda.emit_cuda_handler_ir(kernel, "coop_test", loaded, driver.symbols)
-    engine, address = ffi.compile_handler("coop_test", kernel, [text])
+    engine, address = ffi.compile_handler("coop_test", kernel, [text], build_fast=True)
     driver.n_params = len(kernel.params)
     x, out = np.ones(3000, np.float32), np.full(3000, np.nan, np.float32)
     assert FakeXla(stream=0x5EA).call(address, [x], [out]) is None
@@ -349,7 +349,7 @@ def test_cuda_handler_launches_grid_barrier_kernels_cooperatively():
     assert launch["params"] == [x.ctypes.data, out.ctypes.data]
     plain = elementwise_kernel("plain", ["f32"], "f32", 100, lambda a: mul(a, a))
     text = ffi_cuda.emit_cuda_handler_ir(plain, "plain_test", loaded, driver.symbols)
-    engine2, address = ffi.compile_handler("plain_test", plain, [text])
+    engine2, address = ffi.compile_handler("plain_test", plain, [text], build_fast=True)
     driver.n_params = len(plain.params)
     a = np.ones(100, np.float32)
     assert FakeXla().call(address, [a], [a.copy()]) is None
@@ -369,7 +369,7 @@ def test_cuda_handler_relaunches_a_relaunch_kernel_once_per_phase():
     kernel = dataclasses.replace(two_barrier_kernel(512, 4, 64), grid_sync="relaunch")
     assert kir.launches(kernel) == 3
     text = ffi_cuda.emit_cuda_handler_ir(kernel, "relaunch_test", loaded, driver.symbols)
-    engine, address = ffi.compile_handler("relaunch_test", kernel, [text])
+    engine, address = ffi.compile_handler("relaunch_test", kernel, [text], build_fast=True)
     driver.n_params = len(kernel.params)
     from codegen.host import NUMPY_DTYPES
     arrays = [np.ones(p.size, NUMPY_DTYPES[p.dtype]) for p in kernel.params]

@@ -17,7 +17,7 @@ from tests.test_ffi import ERROR_SENTINEL, FakeXla, ew_kernel, probe
 
 def _handler(name="stitch_cudacheck_test"):
     ir_text = emit_compile_only_handler_ir(name, "sm_90")
-    engine, address = ffi.compile_handler(name, None, [ir_text])
+    engine, address = ffi.compile_handler(name, None, [ir_text], build_fast=True)
     return engine, address
 
 
