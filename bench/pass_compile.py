@@ -121,7 +121,30 @@ def measure_one_gpu(model: str, config: str, target: str = "h100") -> dict:
     start = time.perf_counter()
     report = deviceless.compile_with_pass(jax.jit(fn).lower(*specs), model, target).report
     stitched_s = time.perf_counter() - start
-    return _row(model, config, jax_s, stitched_s, report)
+    return {**_row(model, config, jax_s, stitched_s, report),
+            "device_handlers_s": round(device_handlers_s(report), 3)}
+
+
+def device_handlers_s(report) -> float:
+    """Seconds to build, on this host, the CUDA FFI handlers a compile on a real device
+    makes for ``report``'s kernels besides what the deviceless compile does (host code:
+    emitted and MCJIT-compiled as codegen.ffi_cuda.cuda_ffi_target does, here against
+    placeholder driver addresses; never run), under the pass's collector settings."""
+    from codegen.ffi import compile_handler
+    from codegen.ffi_cuda import DriverSymbols, LoadedFunction, emit_cuda_handler_ir
+    from integration.collector import fewer_collections
+
+    placeholder = DriverSymbols(*(0x1000 * (i + 1) for i in range(6)))
+    functions = [LoadedFunction(0, 0x10000, 0x20000, 0x30000)]
+    engines = []
+    with fewer_collections():
+        start = time.perf_counter()
+        for i, built in enumerate(report.kernels):
+            name = f"stitch_bench_handler_{i}"
+            kernel = built.lowered.kernel
+            handler_ir = emit_cuda_handler_ir(kernel, name, functions, placeholder)
+            engines.append(compile_handler(name, kernel, [handler_ir], build_fast=True))
+        return time.perf_counter() - start
 
 
 def _run_child(model: str, config: str, cache_dir: str, timeout: float,
@@ -190,7 +213,10 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
                 "(empty compile cache) and warm (the cold run's PTX, cubin and plan caches). "
                 "Kernels are counted in XLA GPU's module. *left unpaid*: kernels the pass "
                 "left to XLA because their modeled saving would not repay their build within "
-                "STITCH_PAYBACK_STEPS (default 100,000) steps (integration/payback.py).")
+                "STITCH_PAYBACK_STEPS (default 100,000) steps (integration/payback.py). "
+                "*device handlers*: not in the times — what a compile on a real device adds "
+                "on the pass's thread: the host-side CUDA FFI handler of each stitched kernel, "
+                "built here as on a device (placeholder driver addresses, never run).")
     else:
         title = "## Compile cost: stitch inside XLA vs jax.jit (measured)"
         what = ("*jax.jit*: lower + XLA compile. *stitched*: the same lowering compiled with "
@@ -206,12 +232,16 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
              "",
              "| function | jax.jit s | stitched s (cold) | plan s | build s | overhead | "
              "stitched s (warm) | overhead warm | kernels XLA → stitched | stitched kernels | "
-             "left unpaid | all cold overheads |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+             "left unpaid | all cold overheads |" + (" device handlers s |" if gpu else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"
+             + ("---:|" if gpu else "")]
     for r in rows:
         name = f"{r['model']} ({r['config']})"
+        extra = f" {r['device_handlers_s']:.2f} |" if gpu and "device_handlers_s" in r else \
+            (" – |" if gpu else "")
         if "error" in r:
-            lines.append(f"| {name} | – | – | – | – | – | – | – | {r['error']} | – | – | – |")
+            lines.append(f"| {name} | – | – | – | – | – | – | – | {r['error']} | – | – | – |"
+                         + extra)
             continue
         over = (r["stitched_s"] - r["jax_s"]) / r["jax_s"]
         runs = ", ".join(f"{o:.2f}×" for o in r.get("overheads", [over]))
@@ -222,11 +252,11 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
             f"| {name} | {r['jax_s']:.2f} | {r['stitched_s']:.2f} | {r['plan_s']:.2f} | "
             f"{r['build_s']:.2f} | {over:.1f}× | {warm:.2f} | "
             f"{warm_over:.1f}× | {r['kernels_xla']} → {r['kernels_after']} | {r['stitched']} | "
-            f"{r.get('unpaid', 0)} | {runs} |"
+            f"{r.get('unpaid', 0)} | {runs} |" + extra
             if warm is not None else
             f"| {name} | {r['jax_s']:.2f} | {r['stitched_s']:.2f} | {r['plan_s']:.2f} | "
             f"{r['build_s']:.2f} | {over:.1f}× | – | – | {r['kernels_xla']} → "
-            f"{r['kernels_after']} | {r['stitched']} | {r.get('unpaid', 0)} | {runs} |")
+            f"{r['kernels_after']} | {r['stitched']} | {r.get('unpaid', 0)} | {runs} |" + extra)
     return "\n".join(lines)
 
 
