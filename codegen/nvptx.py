@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import llvmlite.binding as llvm
@@ -160,8 +161,21 @@ def emit_llvm_ir(kernel: kir.Kernel, arch: str = "sm_80",
     return str(module)
 
 
+@dataclass(frozen=True)
+class LlvmPipeline:
+    """The LLVM optimisation `emit_ptx` runs: LLVM's speed level and whether it unrolls loops.
+    The default is what stitch builds with; the others are for weighing build time against
+    kernel speed (bench/opt_levels.py: O3's unrolling is about a third of a GPU build)."""
+    speed_level: int = 3
+    loop_unrolling: bool = True
+
+
+DEFAULT_PIPELINE = LlvmPipeline()
+
+
 def emit_ptx(kernel: kir.Kernel, arch: str = "sm_80", *, libdevice: str | Path | None = None,
-             ptx_version: int = DEFAULT_PTX_VERSION) -> str:
+             ptx_version: int = DEFAULT_PTX_VERSION,
+             pipeline: LlvmPipeline = DEFAULT_PIPELINE) -> str:
     """PTX text for `kernel` on `arch` (sm_70 / sm_80 / sm_90 ...), one `.entry` named
     kernel.name, params in kernel.params order as global pointers, `.maxntid` = block."""
     if arch not in ARCHS:
@@ -182,7 +196,7 @@ def emit_ptx(kernel: kir.Kernel, arch: str = "sm_80", *, libdevice: str | Path |
         if not gv.is_declaration:
             gv.linkage = llvm.Linkage.internal
     _drop_unused(module)    # before O3: its CGSCC passes would visit every dead function
-    _optimize(module, tm)
+    _optimize(module, tm, pipeline)
     ptx = tm.emit_assembly(module)
     _check_ptx(kernel, ptx)
     LOG.debug("kernel %s: %d lines of PTX for %s", kernel.name, ptx.count("\n"), arch)
@@ -231,8 +245,12 @@ def _any_target_machine() -> llvm.TargetMachine:
     return _target_machine(ARCHS[0], DEFAULT_PTX_VERSION)
 
 
-def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine) -> None:
-    pto = llvm.create_pipeline_tuning_options(speed_level=3)
+def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine,
+              pipeline: LlvmPipeline = DEFAULT_PIPELINE) -> None:
+    if not 0 <= pipeline.speed_level <= 3:
+        raise CodegenError(f"LLVM speed level {pipeline.speed_level} is not one of 0-3")
+    pto = llvm.create_pipeline_tuning_options(speed_level=pipeline.speed_level)
+    pto.loop_unrolling = pipeline.loop_unrolling
     pb = llvm.create_pass_builder(tm, pto)
     pb.getModulePassManager().run(module, pb)  # NVPTX callbacks include NVVMReflect
 

@@ -1,0 +1,373 @@
+"""LLVM's optimisation pipeline for stitch's GPU kernels: what each costs to build (counted and
+measured here) and how fast its kernels run (measured on a GPU).
+
+Why: on the GPU path a kernel's build is LLVM (O3), NVPTX codegen and ptxas, and O3's loop
+unrolling is about a third of it (issue 17: the cold compile overhead). Whether the
+unrolled code is faster on an H100 decides whether the build may skip it; only a GPU can
+say. So the work is split in two steps on two machines, with files between them:
+
+``python -m bench.opt_levels prepare [--models transformer_train:tiny,...] [--dir D]``
+    Here, no GPU: each function is compiled with stitch's pass for a deviceless H100 (one
+    child per function in scripts/deviceless_check.sh's venv, STITCH_CUDA_VENV); the pass's
+    distinct kernels are built under every pipeline of ``VARIANTS`` (PTX, then ptxas for
+    sm_90). D/manifest.json gets each build's CPU seconds, PTX lines, registers and spills;
+    the cubins go to D.
+``python -m bench.opt_levels time --dir D --json T.json``
+    On a machine with an NVIDIA GPU (numpy and cupy only: none of stitch's dependencies,
+    no stitch import). Each cubin is loaded and its kernel run on fresh random inputs
+    (outputs poisoned first); each variant's outputs are checked against the default's.
+    Each kernel is then timed as CUDA graph replays of ``REPLAYS`` launches, the median of
+    ``REPEATS``, rotating over ``INPUT_SETS`` input sets so no launch reuses the one before.
+``python -m bench.opt_levels report --dir D [--timings T.json] [--out docs/benchmarks.md]``
+    The table: per function and variant, build seconds and code size, and with timings
+    the kernels' summed GPU time against the default's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SECTION = "bench-opt-levels"
+DEFAULT_MODELS = ("transformer_train:tiny", "bert_layer_train:tiny", "transformer_train:full")
+DEFAULT_DIR = Path(".gpu_bench")
+ARCH = "sm_90"
+REPLAYS = 20          # launches per captured graph
+REPEATS = 15          # timed graph replays; the median is kept
+INPUT_SETS = 4        # rotating input sets (tiny kernels' inputs fit in L2)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    speed_level: int
+    loop_unrolling: bool
+
+
+# The first is what stitch builds with (codegen.nvptx.DEFAULT_PIPELINE): the reference.
+VARIANTS = (Variant("O3", 3, True), Variant("O3-no-unroll", 3, False), Variant("O2", 2, True))
+
+
+# ---------------------------------------------------------------- prepare (here)
+
+def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
+    """The manifest entries of one function's kernels, their cubins written to
+    ``directory`` (run inside the deviceless venv)."""
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from bench.pass_compile import _keras_hub_llama, _zoo
+    from codegen import kir
+    from codegen.gpu_cache import structure_key
+    from codegen.nvptx import LlvmPipeline, emit_ptx
+    from codegen.toolchain import assemble_cubin
+    from integration import deviceless
+
+    deviceless.check_environment()
+    fn, args = _keras_hub_llama() if model == "keras_hub_llama" else _zoo(model, config)
+    mesh = topologies.make_mesh(deviceless.topology("h100", "1x1x1"), (1,), ("d",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    specs = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), args)
+    deviceless.ensure_pass_registered()
+    report = deviceless.compile_with_pass(jax.jit(fn).lower(*specs), model, "h100").report
+    entries, seen = [], set()
+    for built in report.kernels:
+        kernel = built.lowered.kernel
+        key = structure_key(kernel)
+        if key in seen:                   # built once by the pass too
+            continue
+        seen.add(key)
+        entry = {"model": model, "config": config, "entry": kernel.name,
+                 "grid": kernel.grid, "block": kernel.block, "launches": kir.launches(kernel),
+                 "cooperative": kir.has_grid_barrier(kernel) and kernel.grid_sync == "barrier",
+                 "params": [{"name": p.name, "dtype": p.dtype, "size": p.size,
+                             "output": p.is_output} for p in kernel.params],
+                 "variants": {}}
+        for variant in VARIANTS:
+            pipeline = LlvmPipeline(variant.speed_level, variant.loop_unrolling)
+            emit_start = time.thread_time()
+            ptx = emit_ptx(kernel, ARCH, pipeline=pipeline)
+            emit_s = time.thread_time() - emit_start
+            before = os.times()
+            cubin, reports = assemble_cubin(ptx, ARCH, kernel_name=kernel.name)
+            after = os.times()
+            ptxas_s = (after.children_user + after.children_system
+                       - before.children_user - before.children_system)
+            name = f"{model}-{config}-{len(entries)}-{variant.name}.cubin"
+            (directory / name).write_bytes(cubin)
+            ptxas = reports[kernel.name]
+            entry["variants"][variant.name] = {
+                "cubin": name, "emit_s": round(emit_s, 4), "ptxas_s": round(ptxas_s, 4),
+                "ptx_lines": ptx.count("\n"), "registers": ptxas.registers,
+                "spill_bytes": ptxas.spill_store_bytes + ptxas.spill_load_bytes}
+        entries.append(entry)
+    return entries
+
+
+def prepare(models: list[str], directory: Path, python: str, timeout: float = 1800) -> None:
+    """Every function's entries (one venv child each) into ``directory``/manifest.json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    kernels, errors = [], []
+    for spec in models:
+        model, _, config = spec.partition(":")
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]),
+               "CUDA_VISIBLE_DEVICES": "-1", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+        run = subprocess.run([python, "-m", "bench.opt_levels", "prepare-one",
+                              f"{model}:{config or 'tiny'}", "--dir", str(directory)],
+                             capture_output=True, text=True, timeout=timeout, env=env)
+        lines = [line for line in run.stdout.splitlines() if line.startswith("[")]
+        if run.returncode != 0 or not lines:
+            tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+            errors.append({"model": model, "config": config or "tiny", "error": tail[:300]})
+            print(f"[opt_levels] {spec}: {tail[:300]}", file=sys.stderr, flush=True)
+            continue
+        got = json.loads(lines[-1])
+        kernels.extend(got)
+        print(f"[opt_levels] {spec}: {len(got)} distinct kernels", file=sys.stderr, flush=True)
+    manifest = {"arch": ARCH, "variants": [asdict(v) for v in VARIANTS],
+                "kernels": kernels, "errors": errors}
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+# ---------------------------------------------------------------- time (on a GPU)
+
+def random_input(rng, dtype: str, size: int):
+    """Host bytes for a param of ``dtype``: normal floats (bf16 as its 16 bits), small
+    non-negative integers (they may index: kept in every buffer's range), booleans."""
+    import numpy as np
+    if dtype in ("f32", "f64", "f16"):
+        return rng.standard_normal(size).astype({"f32": np.float32, "f64": np.float64,
+                                                 "f16": np.float16}[dtype])
+    if dtype == "bf16":
+        bits = rng.standard_normal(size).astype(np.float32).view(np.uint32)
+        return (bits >> 16).astype(np.uint16)
+    if dtype == "i1":
+        return rng.integers(0, 2, size).astype(np.uint8)
+    numpy_type = {"i8": np.int8, "u8": np.uint8, "i32": np.int32, "u32": np.uint32,
+                  "i64": np.int64}[dtype]
+    return rng.integers(0, 4, size).astype(numpy_type)
+
+
+def as_float(dtype: str, host):
+    """An output's values as float64, for comparing variants."""
+    import numpy as np
+    if dtype == "bf16":
+        return (host.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return host.astype(np.float64)
+
+
+POISON = 0xA5     # every byte of an output before a launch
+
+
+def time_kernels(directory: Path, replays: int = REPLAYS, repeats: int = REPEATS,
+                 input_sets: int = INPUT_SETS) -> list[dict]:
+    """Per kernel and variant: its GPU µs per call (median), whether each output was
+    written, and its relative error against the default variant's outputs."""
+    import cupy as cp
+    import numpy as np
+
+    manifest = json.loads((directory / "manifest.json").read_text())
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    results = []
+    for entry in manifest["kernels"]:
+        params = entry["params"]
+        host_inputs = [[random_input(rng, p["dtype"], p["size"]) if not p["output"] else None
+                        for p in params] for _ in range(input_sets)]
+        sets = [[cp.asarray(h) if h is not None else None for h in one] for one in host_inputs]
+        reference = None
+        for name, variant in entry["variants"].items():
+            row = {"model": entry["model"], "config": entry["config"], "entry": entry["entry"],
+                   "variant": name}
+            try:
+                module = cp.RawModule(path=str(directory / variant["cubin"]))
+                # The RawKernel's driver function: it takes a stream and the cooperative flag.
+                function = module.get_function(entry["entry"]).kernel
+                outputs = [[cp.full(p["size"] * _bytes(p["dtype"]), POISON, cp.uint8)
+                            if p["output"] else None for p in params] for _ in sets]
+                arguments = [tuple(o if o is not None else i for i, o in zip(one, outs))
+                             for one, outs in zip(sets, outputs)]
+
+                def launch(args, stream=None) -> None:
+                    for _ in range(entry["launches"]):
+                        function((entry["grid"],), (entry["block"],), args, stream=stream,
+                                 enable_cooperative_groups=entry["cooperative"])
+                launch(arguments[0])
+                cp.cuda.Device().synchronize()
+                got = [(p, outputs[0][j].get()) for j, p in enumerate(params) if p["output"]]
+                row["unwritten_outputs"] = sum(
+                    1 for _, raw in got if raw.size and bool((raw == POISON).all()))
+                values = [as_float(p["dtype"], raw.view(_numpy_type(p["dtype"])))
+                          for p, raw in got]
+                if reference is None:
+                    reference = values
+                    row["rel_error"] = 0.0
+                else:
+                    row["rel_error"] = _relative_error(values, reference)
+                row["us"] = _graph_time_us(cp, launch, arguments, replays, repeats)
+            except Exception as exc:  # noqa: BLE001 - one kernel's failure is a table cell
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            results.append(row)
+            print(f"[opt_levels] {row}", file=sys.stderr, flush=True)
+    return results
+
+
+def _bytes(dtype: str) -> int:
+    return {"f32": 4, "f64": 8, "i1": 1, "i8": 1, "u8": 1, "i32": 4, "u32": 4, "i64": 8,
+            "f16": 2, "bf16": 2}[dtype]
+
+
+def _numpy_type(dtype: str):
+    import numpy as np
+    return {"f32": np.float32, "f64": np.float64, "f16": np.float16, "bf16": np.uint16,
+            "i1": np.uint8, "i8": np.int8, "u8": np.uint8, "i32": np.int32,
+            "u32": np.uint32, "i64": np.int64}[dtype]
+
+
+def _relative_error(values: list, reference: list) -> float:
+    """max over outputs of ‖values − reference‖ / ‖reference‖ (inf where NaN appears)."""
+    import numpy as np
+    worst = 0.0
+    for got, want in zip(values, reference):
+        if np.isnan(got).any() != np.isnan(want).any():
+            return float("inf")
+        got, want = np.nan_to_num(got), np.nan_to_num(want)
+        scale = float(np.linalg.norm(want)) or 1.0
+        worst = max(worst, float(np.linalg.norm(got - want)) / scale)
+    return worst
+
+
+def _graph_time_us(cp, launch, arguments: list, replays: int, repeats: int) -> float:
+    """Median µs per call over graph replays of ``replays`` calls, rotating input sets."""
+    import numpy as np
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for r in range(replays):
+            launch(arguments[r % len(arguments)], stream=stream)
+        graph = stream.end_capture()
+    graph.launch(stream)                   # warm-up: upload, caches
+    stream.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1000.0 / replays)
+    return float(np.median(times))
+
+
+# ---------------------------------------------------------------- report
+
+def markdown(manifest: dict, timings: list[dict] | None, command: str) -> str:
+    from bench.report import stamp
+    variants = [v["name"] for v in manifest["variants"]]
+    reference = variants[0]
+    by_kernel: dict[tuple, dict] = {}
+    for row in timings or ():
+        by_kernel[(row["model"], row["config"], row["entry"], row["variant"])] = row
+    lines = [f"## LLVM pipeline of the GPU kernels: build cost against kernel speed "
+             f"({'measured on a GPU' if timings else 'counted and measured here; no GPU'})",
+             "", stamp(command, os.getloadavg()), "",
+             f"Each function compiled with stitch's pass for a deviceless H100; its distinct "
+             f"kernels built for {manifest['arch']} under each LLVM pipeline (*{reference}* is "
+             "what stitch builds with). *build CPU s*: LLVM + NVPTX codegen (this process) "
+             "plus ptxas (its child), summed over the kernels, on this machine. *GPU µs*: the "
+             "kernels' summed median time per call on the GPU (CUDA graph replays, rotating "
+             "input sets); *vs " + reference + "*: that sum over the default's; *worst*: the "
+             "kernel that lost most against the default; *rel. error*: the largest "
+             "‖out − default's‖ / ‖default's‖ over the kernels' outputs.",
+             "",
+             "| function | pipeline | kernels | build CPU s | PTX lines | registers (sum) | "
+             "spilling kernels | GPU µs | vs " + reference + " | worst kernel | rel. error |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    functions: dict[tuple, list] = {}
+    for entry in manifest["kernels"]:
+        functions.setdefault((entry["model"], entry["config"]), []).append(entry)
+    for (model, config), entries in functions.items():
+        base_us = None
+        for name in variants:
+            builds = [e["variants"][name] for e in entries if name in e["variants"]]
+            build_s = sum(b["emit_s"] + b["ptxas_s"] for b in builds)
+            timed = [by_kernel.get((model, config, e["entry"], name)) for e in entries]
+            us = worst = error = None
+            if timings and all(t is not None and "us" in t for t in timed):
+                us = sum(t["us"] for t in timed)
+                error = max(t.get("rel_error", 0.0) for t in timed)
+                if name == reference:
+                    base_us = {e["entry"]: t["us"] for e, t in zip(entries, timed)}
+                elif base_us:
+                    slowest = max(zip(entries, timed),
+                                  key=lambda et: et[1]["us"] / base_us[et[0]["entry"]])
+                    worst = (f"{slowest[0]['entry']} "
+                             f"{slowest[1]['us'] / base_us[slowest[0]['entry']]:.2f}×")
+            reference_us = sum(base_us.values()) if base_us else None
+            lines.append(
+                f"| {model} ({config}) | {name} | {len(builds)} | {build_s:.2f} | "
+                f"{sum(b['ptx_lines'] for b in builds):,} | "
+                f"{sum(b['registers'] for b in builds):,} | "
+                f"{sum(1 for b in builds if b['spill_bytes'])} | "
+                + (f"{us:.1f} | {us / reference_us:.3f}× | {worst or '–'} | {error:.1e} |"
+                   if us is not None and reference_us else "– | – | – | – |"))
+    for error in manifest.get("errors", ()):
+        lines.append(f"| {error['model']} ({error['config']}) | – | – | – | – | – | – | – | – | "
+                     f"{error['error']} | – |")
+    failed = [r for r in timings or () if "error" in r]
+    if failed:
+        lines += ["", f"{len(failed)} kernel runs failed on the GPU; the first: "
+                      f"{failed[0]['entry']} ({failed[0]['variant']}): {failed[0]['error']}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.opt_levels",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("step", choices=("prepare", "prepare-one", "time", "report"))
+    parser.add_argument("spec", nargs="?", help=argparse.SUPPRESS)   # prepare-one's function
+    parser.add_argument("--models", type=lambda s: s.split(","), default=list(DEFAULT_MODELS))
+    parser.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--json", type=Path, help="time: where the timings go")
+    parser.add_argument("--timings", type=Path, help="report: the timings `time` wrote")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.step == "prepare-one":
+        model, _, config = args.spec.partition(":")
+        print(json.dumps(prepare_one(model, config, args.dir)))
+        return
+    if args.step == "prepare":
+        venv = Path(os.environ.get("STITCH_CUDA_VENV", Path(__file__).parents[1] / ".venv-cuda"))
+        python = venv / "bin" / "python"
+        if not python.exists():
+            raise SystemExit(f"{python} is missing: run scripts/deviceless_check.sh once")
+        prepare(args.models, args.dir, str(python))
+        args.step = "report"
+    if args.step == "time":
+        results = time_kernels(args.dir)
+        text = json.dumps(results, indent=1)
+        if args.json:
+            args.json.write_text(text)
+        else:
+            print(text)
+        return
+    manifest = json.loads((args.dir / "manifest.json").read_text())
+    timings = json.loads(args.timings.read_text()) if args.timings else None
+    command = "python -m bench.opt_levels " + " ".join(argv if argv is not None
+                                                       else sys.argv[1:])
+    body = markdown(manifest, timings, command.strip())
+    if args.out:
+        from bench.report import write_section
+        write_section(args.out, SECTION, body)
+    else:
+        print(body)
+
+
+if __name__ == "__main__":
+    main()
