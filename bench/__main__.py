@@ -173,7 +173,10 @@ def run_gpu(report: Report) -> None:
         "modeled or measured on the CPU named above. This section is for a session that has a "
         "GPU: kernel times of the stitched kernels (CUDA FFI handler, `stitch.jit(fn)` on "
         "`device=\"gpu\"`) against XLA GPU's own kernels, per zoo model, and the step time of "
-        "the whole function against `jax.jit`, next to the modeled numbers above."])
+        "the whole function against `jax.jit`, next to the modeled numbers above. Ready to run "
+        "there in one call: `tests/gpu/` and `python3 -m bench.opt_levels time --dir "
+        ".gpu_bench` (the pass's kernels under three LLVM pipelines, prepared here by "
+        "`python -m bench.opt_levels prepare`; the `bench-opt-levels` section)."])
 
 
 def run_corpus(report: Report) -> None:
