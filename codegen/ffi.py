@@ -234,8 +234,9 @@ def _escape(text: str) -> str:
 class HandlerEmitter:
     """Emits `ptr @name(ptr frame)`: the frame decoding shared by the CPU and CUDA handlers.
 
-    Use: `answer_metadata_probe()`, `check_frame()`, `buffers()` (data pointers in params
-    order), then the platform's work, `fail(...)` for errors and `builder.ret(null)`."""
+    Use: `answer_metadata_probe()`, `check_frame()`, `buffer_table()` (the data pointers in
+    params order, checked), then the platform's work, `fail(...)` for errors and
+    `builder.ret(null)`."""
 
     def __init__(self, module: ir.Module, kernel: kir.Kernel | None, name: str, *,
                  subject: str | None = None) -> None:
@@ -423,12 +424,6 @@ class HandlerEmitter:
             with b.if_then(b.icmp_signed("!=", code, ir.Constant(I32, 0)), likely=False):
                 self.error_from(code, self.message)
         return data
-
-    def buffers(self) -> list[ir.Value]:
-        """``buffer_table()``'s pointers, loaded."""
-        data = self.buffer_table()
-        return [self.b.load(element(self.b, data, PTR, i), typ=PTR)
-                for i in range(len(self.kernel.params))]
 
     def _check_buffers_fn(self) -> ir.Function:
         """`i32 check(frame, table, n, data, message, subject)`: for each of the n rows of
@@ -805,8 +800,9 @@ def compile_handler(name: str, kernel: kir.Kernel | None, modules: Sequence[str]
                     build_fast: bool = False) -> tuple[object, int]:
     """Link IR modules into one MCJIT engine on the calling thread; (engine, address of
     `name`). ``kernel``: whose handler it is, for errors (None: one that kernels share).
-    Functions in `internalize` become internal once linked (so they inline). With `cache`, the object code is looked up / stored there (``host.jit_module``: built once under
-    the key's lock, checked before loading): only for modules that name external functions by
+    Functions in `internalize` become internal once linked (so they inline). With `cache`,
+    the object code is looked up / stored there (``host.jit_module``: built once under the
+    key's lock, checked before loading): only for modules that name external functions by
     symbol, never ones with process addresses baked in (the CUDA handler). ``build_fast``:
     no IR passes and LLVM's fast instruction selection (`opt` unused), for a handler that
     only decodes the frame and calls the driver: ~4 ms to build instead of ~30 ms, and its

@@ -466,9 +466,8 @@ def compile_only_handler(arch: str) -> tuple[str, object, int]:
 class CompileOnlyCudaTarget(FfiTarget):
     """A kernel's CUDA FFI target for compiling without a device: XLA accepts the custom call
     (the handler, shared by every target for ``arch``, answers the metadata probe) but it can
-    never run. ``cubin`` is ptxas's
-    output for ``arch`` and ``ptxas`` its per-entry resource reports, so a deviceless check
-    still covers PTX emission and assembly."""
+    never run. ``cubin`` is ptxas's output for ``arch`` and ``ptxas`` its per-entry resource
+    reports, so a deviceless check still covers PTX emission and assembly."""
     arch: str = ""
     ptx: str = field(default="", repr=False)
     cubin: bytes = field(default=b"", repr=False)
