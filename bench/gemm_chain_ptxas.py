@@ -13,7 +13,7 @@ import re
 import time
 from pathlib import Path
 
-from bench.report import stamp, write_section
+from bench.report import publish, stamp
 from codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from codegen.nvptx import emit_ptx
 from codegen.toolchain import assemble
@@ -84,10 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     command = "python -m bench.gemm_chain_ptxas" + (f" --out {args.out}" if args.out else "")
     body = section(command)
-    if args.out:
-        write_section(args.out, SECTION, body)
-    else:
-        print(body)
+    publish(args.out, SECTION, body)
 
 
 if __name__ == "__main__":

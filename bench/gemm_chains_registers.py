@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.report import stamp, write_section
+from bench.report import publish, stamp
 from codegen.errors import CodegenError
 from codegen.gemm_chain import lower_gemm_chain
 from codegen.nvptx import emit_ptx
@@ -127,10 +127,7 @@ def main() -> None:
     command = f"python -m bench.gemm_chains_registers --per {args.per}" + (
         f" --out {args.out}" if args.out else "")
     body = section(command, args.per)
-    if args.out:
-        write_section(args.out, SECTION, body)
-    else:
-        print(body)
+    publish(args.out, SECTION, body)
 
 
 if __name__ == "__main__":

@@ -361,12 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     timings = json.loads(args.timings.read_text()) if args.timings else None
     command = "python -m bench.opt_levels " + " ".join(argv if argv is not None
                                                        else sys.argv[1:])
-    body = markdown(manifest, timings, command.strip())
-    if args.out:
-        from bench.report import write_section
-        write_section(args.out, SECTION, body)
-    else:
-        print(body)
+    from bench.report import publish
+    publish(args.out, SECTION, markdown(manifest, timings, command.strip()))
 
 
 if __name__ == "__main__":

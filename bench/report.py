@@ -48,6 +48,14 @@ def markers(name: str) -> tuple[str, str]:
     return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
 
 
+def publish(out: Path | None, name: str, body: str) -> None:
+    """A benchmark's markdown: into section ``name`` of ``out``, or printed without one."""
+    if out:
+        write_section(out, name, body)
+    else:
+        print(body)
+
+
 def write_section(path: Path, name: str, body: str, after: str | None = None,
                   remove: Iterable[tuple[str, str]] = ()) -> None:
     """Put ``body`` between the ``name`` markers of ``path``, touching nothing else.

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.report import stamp, write_section
+from bench.report import publish, stamp
 from codegen.errors import CodegenError
 from codegen.lower import lower_kernel
 from hlo_passes.evaluator.interpreter import Evaluator
@@ -139,10 +139,7 @@ def main() -> None:
                 rows.append(count(model, target, not args.no_ptxas))
     command = "python -m bench.split_rows" + (f" --out {args.out}" if args.out else "")
     body = render(rows, command, time.time() - start)
-    if args.out:
-        write_section(args.out, SECTION, body)
-    else:
-        print(body)
+    publish(args.out, SECTION, body)
 
 
 if __name__ == "__main__":

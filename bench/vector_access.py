@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.report import stamp, write_section
+from bench.report import publish, stamp
 from codegen.errors import CodegenError
 from codegen.lower import lower_kernel
 from hlo_passes.evaluator.interpreter import Evaluator
@@ -190,10 +190,7 @@ def main() -> None:
     command = "python -m bench.vector_access" + (" --ptxas" if args.ptxas else "") + \
         (f" --out {args.out}" if args.out else "")
     body = render(rows, command, time.time() - start)
-    if args.out:
-        write_section(args.out, SECTION, body)
-    else:
-        print(body)
+    publish(args.out, SECTION, body)
 
 
 if __name__ == "__main__":
