@@ -14,9 +14,9 @@ H100 would run. Two things stand between that compile and stitch's pass:
    path; this module is for the deviceless check only.
 2. Building a kernel's CUDA FFI target loads its code on the devices. Deviceless, the pass
    builds ``codegen.ffi_cuda.compile_only_cuda_target`` instead (PTX emitted and assembled
-   by ptxas for the topology's arch, a handler XLA accepts for compilation that fails with
-   an FFI error naming the kernel if it is ever run): ``PassRequest(..., compile_only=True,
-   arch="sm_90")``.
+   by ptxas for the topology's arch, behind the one handler all such targets share, which
+   XLA accepts for compilation and which fails with an FFI error if it is ever run):
+   ``PassRequest(..., compile_only=True, arch="sm_90")``.
 
 PJRT facts used (``xla/pjrt/c/pjrt_c_api.h``, ``pjrt_c_api_xla_transform_extension.h``,
 jaxlib's ``xla.cc``; checked against jax-cuda12-plugin 0.10.2's library by walking its list
