@@ -182,6 +182,7 @@ def time_kernels(directory: Path, replays: int = REPLAYS, repeats: int = REPEATS
                         for p in params] for _ in range(input_sets)]
         sets = [[cp.asarray(h) if h is not None else None for h in one] for one in host_inputs]
         reference = None
+        default = next(iter(entry["variants"]))
         for name, variant in entry["variants"].items():
             row = {"model": entry["model"], "config": entry["config"], "entry": entry["entry"],
                    "variant": name}
@@ -205,11 +206,12 @@ def time_kernels(directory: Path, replays: int = REPLAYS, repeats: int = REPEATS
                     1 for _, raw in got if raw.size and bool((raw == POISON).all()))
                 values = [as_float(p["dtype"], raw.view(_numpy_type(p["dtype"])))
                           for p, raw in got]
-                if reference is None:
+                if name == default:
                     reference = values
                     row["rel_error"] = 0.0
-                else:
-                    row["rel_error"] = _relative_error(values, reference)
+                else:           # None: the default failed, nothing to compare with
+                    row["rel_error"] = (_relative_error(values, reference)
+                                        if reference is not None else None)
                 row["us"] = _graph_time_us(cp, launch, arguments, replays, repeats)
             except Exception as exc:  # noqa: BLE001 - one kernel's failure is a table cell
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -301,7 +303,7 @@ def markdown(manifest: dict, timings: list[dict] | None, command: str) -> str:
             us = worst = error = None
             if timings and all(t is not None and "us" in t for t in timed):
                 us = sum(t["us"] for t in timed)
-                error = max(t.get("rel_error", 0.0) for t in timed)
+                error = max(t.get("rel_error") or 0.0 for t in timed)
                 if name == reference:
                     base_us = {e["entry"]: t["us"] for e, t in zip(entries, timed)}
                 elif base_us:
