@@ -452,9 +452,9 @@ class GpuBuild:
 class GpuPrebuild:
     """PTX (and, compile-only, ptxas) of a module's GPU kernels, built while the caller goes
     on lowering the next ones: ``submit`` each lowered kernel, then ``each_result()``.
-    Emission runs in ``workers``' children on as many threads; kernels that differ only by name (and
-    their parameters') are emitted and assembled once (``gpu_cache.structure_key``), then
-    renamed. What needs llvmlite in this process (the FFI handler) is left to the caller,
+    Emission runs in ``workers``' children on as many threads; kernels that differ only by
+    name (and their parameters') are emitted and assembled once
+    (``gpu_cache.structure_key``), then renamed. What needs llvmlite in this process (the FFI handler) is left to the caller,
     under LLVM_LOCK. Use as a context manager (the threads are joined on exit)."""
 
     def __init__(self, request: PassRequest, workers: list) -> None:
@@ -508,16 +508,15 @@ class GpuPrebuild:
         finally:
             self._idle.put(worker)
         assembled = None
-        if self.request.compile_only:
-            assembled = assemble_cached(built.ptx, self.arch, cache=compile_cache(),
-                                        kernel_name=CANONICAL_NAME)
-        elif self.cubins and not cubins_refused():
+        if self.request.compile_only or (self.cubins and not cubins_refused()):
             try:
                 assembled = assemble_cached(built.ptx, self.arch, cache=compile_cache(),
                                             kernel_name=CANONICAL_NAME)
-            except CodegenError as exc:       # the driver may still take the PTX
-                log.info("no cubin for a kernel of %s (%s): its PTX is loaded",
-                         self.request.function, exc)
+            except CodegenError as exc:
+                if self.request.compile_only:     # ptxas's check is the point there
+                    raise
+                log.info("no cubin for a kernel of %s (%s): its PTX is loaded (the driver "
+                         "may still take it)", self.request.function, exc)
         return built.ptx, assembled
 
     def each_result(self) -> Iterator[Any]:
