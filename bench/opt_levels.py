@@ -65,6 +65,7 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
     from bench.pass_compile import _keras_hub_llama, _zoo
     from codegen import kir
     from codegen.gpu_cache import structure_key
+    from codegen.llvm_emit import STORAGE_BYTES
     from codegen.nvptx import LlvmPipeline, emit_ptx
     from codegen.toolchain import assemble_cubin
     from integration import deviceless
@@ -88,7 +89,8 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
                  "grid": kernel.grid, "block": kernel.block, "launches": kir.launches(kernel),
                  "cooperative": kir.has_grid_barrier(kernel) and kernel.grid_sync == "barrier",
                  "params": [{"name": p.name, "dtype": p.dtype, "size": p.size,
-                             "output": p.is_output} for p in kernel.params],
+                             "bytes": STORAGE_BYTES[p.dtype], "output": p.is_output}
+                            for p in kernel.params],
                  "variants": {}}
         for variant in VARIANTS:
             pipeline = LlvmPipeline(variant.speed_level, variant.loop_unrolling)
@@ -190,7 +192,7 @@ def time_kernels(directory: Path, replays: int = REPLAYS, repeats: int = REPEATS
                 module = cp.RawModule(path=str(directory / variant["cubin"]))
                 # The RawKernel's driver function: it takes a stream and the cooperative flag.
                 function = module.get_function(entry["entry"]).kernel
-                outputs = [[cp.full(p["size"] * _bytes(p["dtype"]), POISON, cp.uint8)
+                outputs = [[cp.full(p["size"] * p["bytes"], POISON, cp.uint8)
                             if p["output"] else None for p in params] for _ in sets]
                 arguments = [tuple(o if o is not None else i for i, o in zip(one, outs))
                              for one, outs in zip(sets, outputs)]
@@ -220,12 +222,9 @@ def time_kernels(directory: Path, replays: int = REPLAYS, repeats: int = REPEATS
     return results
 
 
-def _bytes(dtype: str) -> int:
-    return {"f32": 4, "f64": 8, "i1": 1, "i8": 1, "u8": 1, "i32": 4, "u32": 4, "i64": 8,
-            "f16": 2, "bf16": 2}[dtype]
-
-
 def _numpy_type(dtype: str):
+    """numpy's storage type for ``dtype`` (codegen.host.NUMPY_DTYPES, bf16 as its bits):
+    written out, as the GPU step imports nothing of stitch's."""
     import numpy as np
     return {"f32": np.float32, "f64": np.float64, "f16": np.float16, "bf16": np.uint16,
             "i1": np.uint8, "i8": np.int8, "u8": np.uint8, "i32": np.int32,

@@ -128,10 +128,9 @@ def measure_one_gpu(model: str, config: str, target: str = "h100") -> dict:
 def device_handlers_s(report) -> float:
     """Seconds to build, on this host, the CUDA FFI handlers a compile on a real device
     makes for ``report``'s kernels besides what the deviceless compile does (host code:
-    emitted and MCJIT-compiled as codegen.ffi_cuda.cuda_ffi_target does, here against
+    ``codegen.ffi_cuda.build_cuda_handler``, as cuda_ffi_target builds them, here against
     placeholder driver addresses; never run), under the pass's collector settings."""
-    from codegen.ffi import compile_handler
-    from codegen.ffi_cuda import DriverSymbols, LoadedFunction, emit_cuda_handler_ir
+    from codegen.ffi_cuda import DriverSymbols, LoadedFunction, build_cuda_handler
     from integration.collector import fewer_collections
 
     placeholder = DriverSymbols(*(0x1000 * (i + 1) for i in range(6)))
@@ -140,10 +139,8 @@ def device_handlers_s(report) -> float:
     with fewer_collections():
         start = time.perf_counter()
         for i, built in enumerate(report.kernels):
-            name = f"stitch_bench_handler_{i}"
-            kernel = built.lowered.kernel
-            handler_ir = emit_cuda_handler_ir(kernel, name, functions, placeholder)
-            engines.append(compile_handler(name, kernel, [handler_ir], build_fast=True))
+            engines.append(build_cuda_handler(built.lowered.kernel, f"stitch_bench_handler_{i}",
+                                              functions, placeholder))
         return time.perf_counter() - start
 
 

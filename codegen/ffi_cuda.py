@@ -29,6 +29,7 @@ CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH = 95.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -75,8 +76,10 @@ class DriverSymbols:
     cuLaunchCooperativeKernel: int
 
     @classmethod
+    @functools.cache
     def resolve(cls) -> "DriverSymbols":
-        """From libcuda.so.1 via LLVM's process symbol table (CodegenError without CUDA)."""
+        """From libcuda.so.1 via LLVM's process symbol table (CodegenError without CUDA),
+        once per process."""
         import llvmlite.binding as llvm
         try:
             llvm.load_library_permanently(LIBCUDA)
@@ -415,15 +418,23 @@ def cuda_ffi_target(kernel: kir.Kernel, image: bytes | str, *,
     def build(name: str) -> FfiTarget:
         functions = load_image(kernel.name, data, entry or kernel.name, ordinals,
                                co_resident=co_resident, fallback_ptx=fallback_ptx)
-        symbols = DriverSymbols.resolve()
-        handler_ir = emit_cuda_handler_ir(kernel, name, functions, symbols,
-                                          dynamic_shared_bytes=dynamic_shared_bytes,
-                                          command_buffer_compatible=command_buffer_compatible)
-        engine, address = compile_handler(name, kernel, [handler_ir], build_fast=True)
+        handler_ir, engine, address = build_cuda_handler(
+            kernel, name, functions, DriverSymbols.resolve(),
+            dynamic_shared_bytes=dynamic_shared_bytes,
+            command_buffer_compatible=command_buffer_compatible)
         LOG.debug("kernel %s: CUDA FFI target %s on devices %s", kernel.name, name, ordinals)
         return FfiTarget(name, kernel, "CUDA", address, handler_ir, engine,
                          _keepalive=tuple(functions))
     return cached_target(name, build)
+
+
+def build_cuda_handler(kernel: kir.Kernel, name: str, functions: Sequence[LoadedFunction],
+                       symbols: DriverSymbols, **options: Any) -> tuple[str, object, int]:
+    """(IR, engine, address) of the CUDA handler ``name`` launching ``functions`` (options:
+    ``emit_cuda_handler_ir``'s), built fast: it only decodes the frame and calls the driver."""
+    handler_ir = emit_cuda_handler_ir(kernel, name, functions, symbols, **options)
+    engine, address = compile_handler(name, kernel, [handler_ir], build_fast=True)
+    return handler_ir, engine, address
 
 
 # ---------------------------------------------------------------- compile-only (deviceless)

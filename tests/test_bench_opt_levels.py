@@ -14,9 +14,9 @@ from bench import opt_levels
 
 
 def _manifest(tmp_path=None) -> dict:
-    params = [{"name": "x", "dtype": "f32", "size": 64, "output": False},
-              {"name": "y", "dtype": "bf16", "size": 64, "output": True},
-              {"name": "z", "dtype": "f32", "size": 8, "output": True}]
+    params = [{"name": "x", "dtype": "f32", "size": 64, "bytes": 4, "output": False},
+              {"name": "y", "dtype": "bf16", "size": 64, "bytes": 2, "output": True},
+              {"name": "z", "dtype": "f32", "size": 8, "bytes": 4, "output": True}]
     kernels = []
     for i, entry in enumerate(("k_small", "k_big")):
         kernels.append({"model": "m", "config": "tiny", "entry": entry, "grid": 2,

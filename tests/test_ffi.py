@@ -504,8 +504,8 @@ def _cuda_handler(kernel: Kernel, functions: list[ffi_cuda.LoadedFunction],
                   driver: FakeDriver, **kw) -> int:
     """The CUDA handler's IR, JIT-compiled for the CPU against the fake driver."""
     name = f"cuda_test_{kernel.name}_{len(functions)}_{len(kw)}"
-    text = ffi_cuda.emit_cuda_handler_ir(kernel, name, functions, driver.symbols, **kw)
-    engine, address = ffi.compile_handler(name, kernel, [text], build_fast=True)
+    _, engine, address = ffi_cuda.build_cuda_handler(kernel, name, functions, driver.symbols,
+                                                     **kw)
     _ENGINES.append(engine)
     driver.n_params = len(kernel.params)
     return address

@@ -333,14 +333,14 @@ def test_ffi_host_handler_runs_the_whole_grid_in_one_worker(threads):
 def test_cuda_handler_launches_grid_barrier_kernels_cooperatively():
     """A grid barrier needs every block resident: the handler makes a cooperative launch
     (the driver's guarantee) for such a kernel and a plain launch for any other."""
-    from codegen import ffi, ffi_cuda
+    from codegen import ffi_cuda
     from tests.test_ffi import FakeDriver, FakeXla
     from tests.test_kir_host import elementwise_kernel, mul
     driver = FakeDriver(current=0x10)
     loaded = [ffi_cuda.LoadedFunction(0, 0x10, 0x20, 0x30)]
     kernel = normalize_kernel(3000, 6, 64)
-    text = ffi_cuda.emit_cuda_handler_ir(kernel, "coop_test", loaded, driver.symbols)
-    engine, address = ffi.compile_handler("coop_test", kernel, [text], build_fast=True)
+    _, engine, address = ffi_cuda.build_cuda_handler(kernel, "coop_test",
+                                                     loaded, driver.symbols)
     driver.n_params = len(kernel.params)
     x, out = np.ones(3000, np.float32), np.full(3000, np.nan, np.float32)
     assert FakeXla(stream=0x5EA).call(address, [x], [out]) is None
@@ -348,8 +348,8 @@ def test_cuda_handler_launches_grid_barrier_kernels_cooperatively():
     assert launch["cooperative"] and launch["grid"] == (6, 1, 1) and launch["stream"] == 0x5EA
     assert launch["params"] == [x.ctypes.data, out.ctypes.data]
     plain = elementwise_kernel("plain", ["f32"], "f32", 100, lambda a: mul(a, a))
-    text = ffi_cuda.emit_cuda_handler_ir(plain, "plain_test", loaded, driver.symbols)
-    engine2, address = ffi.compile_handler("plain_test", plain, [text], build_fast=True)
+    _, engine2, address = ffi_cuda.build_cuda_handler(plain, "plain_test",
+                                                      loaded, driver.symbols)
     driver.n_params = len(plain.params)
     a = np.ones(100, np.float32)
     assert FakeXla().call(address, [a], [a.copy()]) is None
@@ -362,14 +362,14 @@ def test_cuda_handler_relaunches_a_relaunch_kernel_once_per_phase():
     failed launch stops the sequence and names which launch failed."""
     import dataclasses
 
-    from codegen import ffi, ffi_cuda
+    from codegen import ffi_cuda
     from tests.test_ffi import FakeDriver, FakeXla
     driver = FakeDriver(current=0x10)
     loaded = [ffi_cuda.LoadedFunction(0, 0x10, 0x20, 0x30)]
     kernel = dataclasses.replace(two_barrier_kernel(512, 4, 64), grid_sync="relaunch")
     assert kir.launches(kernel) == 3
-    text = ffi_cuda.emit_cuda_handler_ir(kernel, "relaunch_test", loaded, driver.symbols)
-    engine, address = ffi.compile_handler("relaunch_test", kernel, [text], build_fast=True)
+    _, engine, address = ffi_cuda.build_cuda_handler(kernel, "relaunch_test",
+                                                     loaded, driver.symbols)
     driver.n_params = len(kernel.params)
     from codegen.host import NUMPY_DTYPES
     arrays = [np.ones(p.size, NUMPY_DTYPES[p.dtype]) for p in kernel.params]
