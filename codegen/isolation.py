@@ -9,7 +9,8 @@ caller's ``__main__``: multiprocessing's spawn and forkserver children re-import
 script, so a script without an ``if __name__ == "__main__":`` guard (most training scripts)
 ran its top level a second time and PTX emission died with "child exited with code 1".
 Functions must therefore live in an importable module; one defined in ``__main__`` is refused
-with a CodegenError. ``preload_modules`` names modules every new child imports at start.
+with a CodegenError. ``preload_modules`` names modules every new child imports at start; an
+IsolatedWorker's ``warm_up`` names functions its children call once as they start.
 A child costs an interpreter start: measured on the 2-core box under a load of 5, 0.33 s for a
 codegen function, ~1 s when it imports llvmlite (codegen.nvptx); a warm IsolatedWorker call
 is a pipe round trip (0.6 ms). Batch emission therefore goes through one IsolatedWorker.
@@ -144,7 +145,8 @@ def _child_env() -> dict[str, str]:
 class _Child:
     """One child process and its two pipe ends."""
 
-    def __init__(self, stderr_path: str, preload: tuple[str, ...] = ()) -> None:
+    def __init__(self, stderr_path: str, preload: tuple[str, ...] = (),
+                 warm_up: tuple[str, ...] = ()) -> None:
         with open(stderr_path, "ab") as stderr:
             self.proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", _CHILD_MODULE], stdin=subprocess.PIPE,
@@ -157,7 +159,8 @@ class _Child:
         self.proc.stdout.close()
         setup = {"sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path
                               if isinstance(p, str)],
-                 "preload": list(_preload) + [m for m in preload if m not in _preload]}
+                 "preload": list(_preload) + [m for m in preload if m not in _preload],
+                 "warm_up": list(warm_up)}
         self.outbox.send_bytes(pickle.dumps(setup))
 
     @property
@@ -231,10 +234,14 @@ class IsolatedWorker:
     out of step with the next call."""
 
     def __init__(self, *, max_calls: int | None = None, name: str = "stitch-isolated-worker",
-                 preload: tuple[str, ...] = ()) -> None:
+                 preload: tuple[str, ...] = (), warm_up: tuple[str, ...] = ()) -> None:
         self.max_calls = max_calls
         self.name = name
         self.preload = preload    # modules this worker's children import at start
+        # "module:function"s each child calls once at start, before any request: work its
+        # calls share, done while the caller is busy elsewhere (a failure is left for the
+        # first call to meet and report).
+        self.warm_up = warm_up
         self.starts = 0  # children started so far (restarts = starts - 1)
         self._child: _Child | None = None
         self._stderr_path: str | None = None
@@ -253,7 +260,7 @@ class IsolatedWorker:
 
     def _start(self) -> _Child:
         self._stderr_path = self._stderr_path or _new_stderr_file()
-        child = _Child(self._stderr_path, self.preload)
+        child = _Child(self._stderr_path, self.preload, self.warm_up)
         self._child, self._calls_in_child = child, 0
         self.starts += 1
         log.debug("%s: started child pid %s (start #%d)", self.name, child.pid, self.starts)

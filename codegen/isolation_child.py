@@ -8,9 +8,10 @@ argument pickled from ``__main__`` is refused with a clear error instead.
 Protocol: the parent's pipe on fd 0 carries requests and fd 1 carries replies (both moved to
 private descriptors at start, so output the work prints cannot corrupt them: fd 1 then goes
 to stderr, fd 0 to /dev/null). Each message is a length-prefixed pickle
-(multiprocessing.connection framing). The first request is the setup (the parent's sys.path
-and modules to preload); then one call per request, an empty request to stop. SIGINT is
-ignored: Ctrl-C is the parent's to handle (it kills this child).
+(multiprocessing.connection framing). The first request is the setup (the parent's sys.path,
+modules to preload, "module:function"s to call once to warm up); then one call per request,
+an empty request to stop. SIGINT is ignored: Ctrl-C is the parent's to handle (it kills
+this child).
 """
 from __future__ import annotations
 
@@ -89,6 +90,12 @@ def _setup(setup: dict[str, Any]) -> None:
     sys.path += [p for p in own if p not in sys.path]
     for name in setup.get("preload", []):
         importlib.import_module(name)
+    for target in setup.get("warm_up", []):
+        module, _, function = str(target).partition(":")
+        try:
+            getattr(importlib.import_module(module), function)()
+        except Exception as exc:  # noqa: BLE001 - the first call meets it and says why
+            print(f"warm-up {target} failed: {exc!r}", file=sys.stderr, flush=True)
 
 
 def main() -> int:

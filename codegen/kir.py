@@ -445,6 +445,12 @@ class GridBarrier(Stmt):
 COLLECTIVES = (Barrier, WarpShuffle, WarpReduce, MmaSync)
 
 
+def has_atomics(kernel: "Kernel") -> bool:
+    """True if the kernel adds atomically into an output (an in-place scatter: its output
+    buffer may be one of its inputs' buffers, ``LoweredKernel.initial``)."""
+    return any(isinstance(s, AtomicAdd) for s in walk_stmts(kernel.body))
+
+
 def has_grid_barrier(kernel: "Kernel") -> bool:
     """True if the kernel synchronises its grid (its blocks must all be resident)."""
     return any(isinstance(s, GridBarrier) for s in kernel.body)

@@ -349,7 +349,8 @@ def start_ptx_workers() -> list:
     """``build_threads()`` PTX children, started (not waited for)."""
     from codegen.isolation import IsolatedWorker
 
-    workers = [IsolatedWorker(name=f"stitch-ptx-{i}", preload=PTX_CHILD_PRELOAD)
+    workers = [IsolatedWorker(name=f"stitch-ptx-{i}", preload=PTX_CHILD_PRELOAD,
+                              warm_up=PTX_CHILD_WARM_UP)
                for i in range(build_threads())]
     try:
         for worker in workers:
@@ -376,6 +377,9 @@ PAYBACK_ON_GPU = True
 
 # What a PTX child imports as it starts (codegen.gpu_cache.emit_ptx_cached's work).
 PTX_CHILD_PRELOAD = ("codegen.nvptx",)
+# What a PTX child does as it starts, while the pass still plans: the NVPTX target and the
+# libdevice cut every kernel's math links from (codegen.nvptx.warm_up).
+PTX_CHILD_WARM_UP = ("codegen.nvptx:warm_up",)
 
 
 def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, float],

@@ -289,6 +289,35 @@ def test_worker_started_ahead_preloads_and_serves_calls():
         assert worker.call(child_pid) == pid and worker.starts == 1
 
 
+WARMED: list[str] = []
+
+
+def note_warm_up() -> None:
+    WARMED.append("warm")
+
+
+def fail_warm_up() -> None:
+    raise RuntimeError("no toolchain here")
+
+
+def warmed() -> list[str]:
+    return list(WARMED)
+
+
+def test_worker_warms_its_child_once_before_the_first_call():
+    """``warm_up`` functions run in each new child as it starts (not in the caller), once;
+    one that fails leaves the child serving calls, its error in the child's stderr."""
+    with IsolatedWorker(warm_up=("tests.test_isolation:note_warm_up",)) as worker:
+        worker.start()
+        assert worker.call(warmed) == ["warm"]
+        assert worker.call(warmed) == ["warm"]
+    assert WARMED == []
+    with IsolatedWorker(warm_up=("tests.test_isolation:fail_warm_up",)) as worker:
+        assert worker.call(add, 2, 3) == 5
+        assert "warm-up tests.test_isolation:fail_warm_up failed" in \
+            isolation._stderr_tail(worker._stderr_path)
+
+
 def test_worker_started_but_unused_closes_without_waiting():
     worker = IsolatedWorker(preload=("codegen.nvptx", "numpy"))
     worker.start()

@@ -202,3 +202,63 @@ def test_kernels_pickle_and_emit_deterministically() -> None:
     clone = pickle.loads(pickle.dumps(kernel))
     assert clone == kernel
     assert emit_ptx(clone, "sm_90") == emit_ptx(kernel, "sm_90")
+
+
+def _param_attributes(ir_text: str, kernel_name: str) -> dict[str, str]:
+    """Each param's attribute text in the entry's definition line of ``ir_text``."""
+    line = next(line for line in ir_text.splitlines()
+                if line.startswith("define") and f"@\"{kernel_name}\"(" in line
+                or line.startswith("define") and f"@{kernel_name}(" in line)
+    found = re.findall(r"ptr addrspace\(1\) ([^%,)]*)%\"?(\w+)\"?", line)
+    return {name: attrs for attrs, name in found}
+
+
+def test_inputs_are_private_and_load_through_the_read_only_path():
+    """Inputs are ``noalias`` (nothing writes them while the kernel runs), outputs are not;
+    ptxas then gets ld.global.nc for every input load and plain stores for the output."""
+    kernel = elementwise_kernel("ew_private", ["f32", "f32"], "f32", 4096,
+                                lambda a, b: Binary("add", a, b), grid_stride=True)
+    attrs = _param_attributes(emit_llvm_ir(kernel, "sm_90"), kernel.name)
+    assert set(attrs) == {"x0", "x1", "out"}
+    assert "noalias" in attrs["x0"] and "noalias" in attrs["x1"]
+    assert "noalias" not in attrs["out"]
+    ptx = emit_ptx(kernel, "sm_90")
+    loads = re.findall(r"\bld\.global(\.nc)?\.", ptx)
+    assert loads and all(loads), loads            # every global load is .nc
+    assert re.search(r"\bst\.global\.", ptx)
+
+
+def test_a_kernel_adding_in_place_keeps_its_inputs_aliasable():
+    """An atomic scatter's output starts as its operand's buffer (output_to_operand_aliasing):
+    such a kernel's inputs may share memory with the output, so none is noalias and no input
+    is read through the non-coherent path."""
+    n = 1024
+    idx, val = Param("idx", "i32", n), Param("val", "f32", n)
+    operand, out = Param("operand", "f32", 8), Param("out", "f32", 8, is_output=True)
+    g = Ref("g", "i32")
+    kernel = Kernel("scatter_in_place", [idx, val, operand, out], [], n // 128, 128, [
+        Let("g", Binary("add", Binary("mul", kir.BlockIdx(), i32(128)), ThreadIdx())),
+        Let("first", Load(operand, i32(0))),
+        kir.AtomicAdd(out, Load(idx, g), Binary("mul", Load(val, g), Ref("first", "f32")))])
+    attrs = _param_attributes(emit_llvm_ir(kernel, "sm_90"), kernel.name)
+    assert set(attrs) == {"idx", "val", "operand", "out"}
+    assert not any("noalias" in a for a in attrs.values()), attrs
+    assert ".nc." not in emit_ptx(kernel, "sm_90")
+
+
+def test_libdevice_cut_once_per_process_links_the_same_functions(monkeypatch):
+    """``warm_up`` cuts libdevice to the functions stitch calls; a kernel's own subset is then
+    cut from that, and its PTX is the same as from the whole of libdevice."""
+    from codegen import nvptx
+    kernel = elementwise_kernel("exp_tanh", ["f32"], "f32", 100,
+                                lambda a: Unary("tanh", Unary("exp", a)))
+    nvptx._libdevice_subset.cache_clear()
+    nvptx._libdevice_stitch_cut.cache_clear()
+    nvptx.warm_up()
+    assert nvptx._libdevice_stitch_cut.cache_info().currsize == 1
+    via_cut = emit_ptx(kernel, "sm_90")
+    assert nvptx._libdevice_stitch_cut.cache_info().hits == 1   # warm_up's cut, not a new one
+    nvptx._libdevice_subset.cache_clear()
+    monkeypatch.setattr(nvptx, "LIBDEVICE_FUNCTIONS", frozenset())   # whole libdevice
+    assert emit_ptx(kernel, "sm_90") == via_cut
+    nvptx._libdevice_subset.cache_clear()
