@@ -536,7 +536,6 @@ class _KernelBuilder:
                   for dtype, size in sorted(self.shared_sizes.items())]
         kernel = kir.Kernel(self.name, params, shared, sched.grid, sched.block, body,
                             register_budget=register_budget(sched))
-        kernel.validate()
         return LoweredKernel(kernel, list(self.inputs), list(self.outputs), schemes, self.notes,
                              dict(self.atomic), dict(self.layouts), dict(self.split_rows))
 
@@ -554,7 +553,6 @@ class _KernelBuilder:
         shared = [kir.Shared(f"partials_{dtype}", dtype, size)
                   for dtype, size in sorted(self.shared_sizes.items())]
         kernel = kir.Kernel(self.name, params, shared, sched.grid, sched.block, body, scratch)
-        kernel.validate()
         return LoweredKernel(kernel, list(self.inputs), list(self.outputs), ["global"],
                              self.notes, {}, dict(self.layouts))
 
@@ -1160,18 +1158,23 @@ def register_budget(schedule) -> int | None:
 
 
 def lower_kernel(graph: OpGraph, module: HloModule | Evaluator, schedule, name: str,
-                 in_place: bool = False, layouts: dict[int, tuple[int, ...]] | None = None
-                 ) -> LoweredKernel:
+                 in_place: bool = False, layouts: dict[int, tuple[int, ...]] | None = None,
+                 validate: bool = True) -> LoweredKernel:
     """Kernel IR for the stitched kernel ``schedule`` (a KernelSchedule) of ``graph``.
     ``in_place``: the caller fills the buffers of ``LoweredKernel.initial`` before the
     launch, so scatters with colliding updates are generated (else refused). ``layouts``:
     values between stitched kernels whose buffers stitch lays out (node -> logical dims,
     major to minor; ``stitch.schedule.layouts``): this kernel's loads and stores of them
-    index through the permutation; the caller keeps every other reader off them."""
+    index through the permutation; the caller keeps every other reader off them.
+    ``validate=False`` leaves ``Kernel.validate`` to whatever builds the kernel (every
+    emitter validates first): a caller that may drop the kernel unbuilt skips the check."""
     evaluator = module if isinstance(module, Evaluator) else Evaluator(module)
     safe = kernel_identifier(name)
     try:
-        return _KernelBuilder(graph, evaluator, schedule, safe, in_place, layouts).build()
+        lowered = _KernelBuilder(graph, evaluator, schedule, safe, in_place, layouts).build()
+        if validate:
+            lowered.kernel.validate()
+        return lowered
     except CodegenError:
         raise
     except (KeyError, ValueError, IndexError) as exc:

@@ -615,6 +615,13 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     payback = payback_setting() if request.device == "gpu" and PAYBACK_ON_GPU else None
 
     def add(job: tuple, key: str | None = None) -> None:
+        try:
+            # Checked only now: a kernel the code budget or payback drops is never built.
+            job[3].kernel.validate()
+        except CodegenError as exc:
+            log.info("kernel %s stays with XLA: %s", job[1].name, exc)
+            report.fallbacks.append((job[1].name, f"{type(exc).__name__}: {exc}"))
+            return
         jobs.append(job)
         if submit is not None:
             submit(job[3].kernel, key)
@@ -694,7 +701,8 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                     with LLVM_LOCK:
                         # in_place: the rewrite makes an atomic scatter's output alias its
                         # operand (output_to_operand_aliasing, PlacedKernel.initial).
-                        return lower_kernel(graph, evaluator, schedule, name, in_place=True)
+                        return lower_kernel(graph, evaluator, schedule, name, in_place=True,
+                                            validate=False)    # add() validates
                 if budget is not None:
                     lowered, narrowed = lower_within_budget(graph_plan.graph, schedule, spec,
                                                             k.name, lower, budget)

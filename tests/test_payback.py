@@ -110,3 +110,37 @@ def test_copies_of_one_structure_repay_its_build_together(monkeypatch):
     jobs, report = _lower_jobs(module, fusion_plan, monkeypatch, str(steps))
     built = {j[1].name for j in jobs}
     assert {k1.name, k2.name} <= built, report.unpaid
+
+
+def test_only_kernels_that_will_be_built_are_validated(monkeypatch):
+    """Kernel.validate runs when a kernel is handed to the build, not as it is lowered: one
+    payback leaves to XLA is never walked; one that fails the check stays with XLA, said
+    in the report's fallbacks, and the others are still built."""
+    from codegen import kir
+    checked: list[str] = []
+    run = kir._Checker.run
+
+    def counted(self):
+        checked.append(self.k.name)
+        return run(self)
+    monkeypatch.setattr(kir._Checker, "run", counted)
+    module, fusion_plan = _planned()
+    none, report = _lower_jobs(module, fusion_plan, monkeypatch, "1")
+    assert not _stitched(none) and report.unpaid
+    assert not checked
+    every, report = _lower_jobs(module, fusion_plan, monkeypatch, "off")
+    every = _stitched(every)
+    assert sorted(checked) == sorted(j[3].kernel.name for j in every)
+
+    checked.clear()
+    first = every[0][3].kernel.name
+
+    def broken(self):
+        if self.k.name == first:
+            self.fail("body", "planted lowering bug")
+        return counted(self)
+    monkeypatch.setattr(kir._Checker, "run", broken)
+    jobs, report = _lower_jobs(module, fusion_plan, monkeypatch, "off")
+    assert first not in {j[3].kernel.name for j in jobs}
+    assert any("planted lowering bug" in why for _, why in report.fallbacks)
+    assert len(_stitched(jobs)) == len(every) - 1
