@@ -4,7 +4,9 @@ measured here) and how fast its kernels run (measured on a GPU).
 Why: on the GPU path a kernel's build is LLVM (O3), NVPTX codegen and ptxas, and O3's loop
 unrolling is about a third of it (issue 17: the cold compile overhead). Whether the
 unrolled code is faster on an H100 decides whether the build may skip it; only a GPU can
-say. So the work is split in two steps on two machines, with files between them:
+say. The same holds for `noalias` inputs (``LlvmPipeline.noalias_inputs``: `ld.global.nc`
+loads and less LLVM time, but ptxas then spills some kernels for occupancy). So the work is
+split in two steps on two machines, with files between them:
 
 ``python -m bench.opt_levels prepare [--models transformer_train:tiny,...] [--dir D]``
     Here, no GPU: each function is compiled with stitch's pass for a deviceless H100 (one
@@ -47,10 +49,12 @@ class Variant:
     name: str
     speed_level: int
     loop_unrolling: bool
+    noalias_inputs: bool = False
 
 
 # The first is what stitch builds with (codegen.nvptx.DEFAULT_PIPELINE): the reference.
-VARIANTS = (Variant("O3", 3, True), Variant("O3-no-unroll", 3, False), Variant("O2", 2, True))
+VARIANTS = (Variant("O3", 3, True), Variant("O3-no-unroll", 3, False), Variant("O2", 2, True),
+            Variant("O3-noalias", 3, True, noalias_inputs=True))
 
 
 # ---------------------------------------------------------------- prepare (here)
@@ -93,7 +97,8 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
                             for p in kernel.params],
                  "variants": {}}
         for variant in VARIANTS:
-            pipeline = LlvmPipeline(variant.speed_level, variant.loop_unrolling)
+            pipeline = LlvmPipeline(variant.speed_level, variant.loop_unrolling,
+                                    variant.noalias_inputs)
             emit_start = time.thread_time()
             ptx = emit_ptx(kernel, ARCH, pipeline=pipeline)
             emit_s = time.thread_time() - emit_start

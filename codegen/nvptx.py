@@ -66,15 +66,16 @@ class NvptxTarget(Target):
     name = "nvptx"
     param_align = PARAM_ALIGN
 
-    def __init__(self) -> None:
+    def __init__(self, noalias_inputs: bool = False) -> None:
         self.buffers: dict[str, ir.Value] = {}
+        self.noalias_inputs = noalias_inputs    # LlvmPipeline.noalias_inputs
 
     def begin(self, em: KernelEmitter) -> None:
         k = em.kernel
         fnty = ir.FunctionType(ir.VoidType(), [ir.PointerType(addrspace=GLOBAL)] * len(k.params))
         fn = ir.Function(em.module, fnty, k.name)
         fn.calling_convention = "ptx_kernel"  # LLVM >= 20 marks entries by this CC (-> .entry)
-        inputs_private = not kir.has_atomics(k)
+        inputs_private = self.noalias_inputs and not kir.has_atomics(k)
         for arg, p in zip(fn.args, k.params):
             arg.name = p.name
             # XLA aligns every buffer it hands a kernel to at least 16 bytes (entry
@@ -86,10 +87,7 @@ class NvptxTarget(Target):
                 # outputs (Kernel.validate), and XLA never gives a custom call's result an
                 # operand's buffer unless output_to_operand_aliasing says so, which stitch
                 # says only for an atomic scatter's in-place output (kir.has_atomics). Two
-                # inputs may share a buffer; neither is written. So inputs load through the
-                # read-only path (ld.global.nc, as XLA's own kernels do), and LLVM need not
-                # assume an output's store clobbers them (transformer_train: 12% less
-                # LLVM time).
+                # inputs may share a buffer; neither is written.
                 arg.add_attribute("noalias")
             self.buffers[p.name] = arg
         for s in k.shared:
@@ -154,8 +152,9 @@ class NvptxTarget(Target):
 
 
 def emit_llvm_ir(kernel: kir.Kernel, arch: str = "sm_80",
-                 ptx_version: int = DEFAULT_PTX_VERSION) -> str:
-    """The kernel as NVPTX LLVM IR text, before libdevice linking and optimisation."""
+                 ptx_version: int = DEFAULT_PTX_VERSION, noalias_inputs: bool = False) -> str:
+    """The kernel as NVPTX LLVM IR text, before libdevice linking and optimisation
+    (``noalias_inputs``: LlvmPipeline.noalias_inputs)."""
     kernel.validate()
     shared_bytes = sum(s.size * STORAGE_BYTES[s.dtype] for s in kernel.shared)
     if shared_bytes > STATIC_SHARED_LIMIT:
@@ -165,7 +164,7 @@ def emit_llvm_ir(kernel: kir.Kernel, arch: str = "sm_80",
     module = ir.Module(name=kernel.name)
     module.triple = TRIPLE
     module.data_layout = str(tm.target_data)
-    KernelEmitter(kernel, NvptxTarget(), module).emit()
+    KernelEmitter(kernel, NvptxTarget(noalias_inputs), module).emit()
     # libdevice asks through __nvvm_reflect whether to flush denormals: no (like numpy).
     flags = module.add_named_metadata("llvm.module.flags")
     flags.add(module.add_metadata([ir.Constant(I32, 4), "nvvm-reflect-ftz", ir.Constant(I32, 0)]))
@@ -174,11 +173,20 @@ def emit_llvm_ir(kernel: kir.Kernel, arch: str = "sm_80",
 
 @dataclass(frozen=True)
 class LlvmPipeline:
-    """The LLVM optimisation `emit_ptx` runs: LLVM's speed level and whether it unrolls loops.
-    The default is what stitch builds with; the others are for weighing build time against
-    kernel speed (bench/opt_levels.py: O3's unrolling is about a third of a GPU build)."""
+    """How `emit_ptx` has LLVM build a kernel: LLVM's speed level, whether it unrolls loops,
+    and whether the kernel's inputs are `noalias`. The default is what stitch builds with;
+    the others are for weighing build time against kernel speed (bench/opt_levels.py: O3's
+    unrolling is about a third of a GPU build).
+
+    ``noalias_inputs``: inputs then load through the read-only path (`ld.global.nc`, as
+    XLA's own kernels) and LLVM need not assume an output's store clobbers them: 12% less
+    LLVM time on transformer_train's kernels. Off by default: on `.nc` loads ptxas trades
+    registers for occupancy and spills some kernels (transformer_train's zoo kernel k101
+    on sm_90: 40 registers without spills, 32 with 16 bytes spilled); only a GPU can say
+    which runs faster. Kernels that add in place (`kir.has_atomics`) never get it."""
     speed_level: int = 3
     loop_unrolling: bool = True
+    noalias_inputs: bool = False
 
 
 DEFAULT_PIPELINE = LlvmPipeline()
@@ -191,7 +199,7 @@ def emit_ptx(kernel: kir.Kernel, arch: str = "sm_80", *, libdevice: str | Path |
     kernel.name, params in kernel.params order as global pointers, `.maxntid` = block."""
     if arch not in ARCHS:
         raise CodegenError(f"unsupported arch {arch!r}; known: {', '.join(ARCHS)}")
-    text = emit_llvm_ir(kernel, arch, ptx_version)
+    text = emit_llvm_ir(kernel, arch, ptx_version, pipeline.noalias_inputs)
     tm = _target_machine(arch, ptx_version)
     try:
         module = llvm.parse_assembly(text)

@@ -16,7 +16,7 @@ from codegen import kir
 from codegen.errors import CodegenError
 from codegen.kir import (Binary, Compare, Const, Convert, Kernel, Let, Load, Param, Ref, Select,
                          Store, ThreadIdx, Unary, WarpReduce, f32, i32)
-from codegen.nvptx import default_libdevice_path, emit_llvm_ir, emit_ptx
+from codegen.nvptx import LlvmPipeline, default_libdevice_path, emit_llvm_ir, emit_ptx
 from tests.test_kir_host import (UNARY_CASES, block_softmax_kernel, elementwise_kernel,
                                  tiled_sum_kernel, warp_softmax_kernel)
 
@@ -213,16 +213,21 @@ def _param_attributes(ir_text: str, kernel_name: str) -> dict[str, str]:
     return {name: attrs for attrs, name in found}
 
 
-def test_inputs_are_private_and_load_through_the_read_only_path():
-    """Inputs are ``noalias`` (nothing writes them while the kernel runs), outputs are not;
-    ptxas then gets ld.global.nc for every input load and plain stores for the output."""
+def test_noalias_inputs_load_through_the_read_only_path():
+    """``LlvmPipeline(noalias_inputs=True)``: inputs are ``noalias`` (nothing writes them
+    while the kernel runs), outputs are not, and every input load is ld.global.nc. The
+    default builds plain params and plain loads."""
     kernel = elementwise_kernel("ew_private", ["f32", "f32"], "f32", 4096,
                                 lambda a, b: Binary("add", a, b), grid_stride=True)
-    attrs = _param_attributes(emit_llvm_ir(kernel, "sm_90"), kernel.name)
-    assert set(attrs) == {"x0", "x1", "out"}
+    plain = _param_attributes(emit_llvm_ir(kernel, "sm_90"), kernel.name)
+    assert set(plain) == {"x0", "x1", "out"}
+    assert not any("noalias" in a for a in plain.values()), plain
+    assert ".nc." not in emit_ptx(kernel, "sm_90")
+    private = LlvmPipeline(noalias_inputs=True)
+    attrs = _param_attributes(emit_llvm_ir(kernel, "sm_90", noalias_inputs=True), kernel.name)
     assert "noalias" in attrs["x0"] and "noalias" in attrs["x1"]
     assert "noalias" not in attrs["out"]
-    ptx = emit_ptx(kernel, "sm_90")
+    ptx = emit_ptx(kernel, "sm_90", pipeline=private)
     loads = re.findall(r"\bld\.global(\.nc)?\.", ptx)
     assert loads and all(loads), loads            # every global load is .nc
     assert re.search(r"\bst\.global\.", ptx)
@@ -230,8 +235,8 @@ def test_inputs_are_private_and_load_through_the_read_only_path():
 
 def test_a_kernel_adding_in_place_keeps_its_inputs_aliasable():
     """An atomic scatter's output starts as its operand's buffer (output_to_operand_aliasing):
-    such a kernel's inputs may share memory with the output, so none is noalias and no input
-    is read through the non-coherent path."""
+    such a kernel's inputs may share memory with the output, so none is noalias, even when
+    the pipeline asks for it, and no input is read through the non-coherent path."""
     n = 1024
     idx, val = Param("idx", "i32", n), Param("val", "f32", n)
     operand, out = Param("operand", "f32", 8), Param("out", "f32", 8, is_output=True)
@@ -240,10 +245,10 @@ def test_a_kernel_adding_in_place_keeps_its_inputs_aliasable():
         Let("g", Binary("add", Binary("mul", kir.BlockIdx(), i32(128)), ThreadIdx())),
         Let("first", Load(operand, i32(0))),
         kir.AtomicAdd(out, Load(idx, g), Binary("mul", Load(val, g), Ref("first", "f32")))])
-    attrs = _param_attributes(emit_llvm_ir(kernel, "sm_90"), kernel.name)
+    attrs = _param_attributes(emit_llvm_ir(kernel, "sm_90", noalias_inputs=True), kernel.name)
     assert set(attrs) == {"idx", "val", "operand", "out"}
     assert not any("noalias" in a for a in attrs.values()), attrs
-    assert ".nc." not in emit_ptx(kernel, "sm_90")
+    assert ".nc." not in emit_ptx(kernel, "sm_90", pipeline=LlvmPipeline(noalias_inputs=True))
 
 
 def test_libdevice_cut_once_per_process_links_the_same_functions(monkeypatch):
