@@ -326,3 +326,23 @@ def test_worker_started_but_unused_closes_without_waiting():
     worker.close()
     assert time.perf_counter() - start < 2.0
     assert child is not None and not child.alive()
+
+
+def print_unflushed(text: str) -> None:
+    print(text)         # the child's stdout goes to its stderr file, block-buffered
+
+
+def test_worker_stop_is_an_orderly_exit_that_keeps_the_childs_stderr(monkeypatch):
+    """Asked to stop, a child that served calls exits at once with status 0 (it skips the
+    interpreter's teardown) and what its work printed is flushed first."""
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)     # buffered, as for most users
+    worker = IsolatedWorker()
+    try:
+        worker.call(print_unflushed, "last words of the child")
+        child = worker._child
+        assert child is not None
+        child.stop()
+        assert child.proc.returncode == 0
+        assert "last words of the child" in isolation._stderr_tail(worker._stderr_path)
+    finally:
+        worker.close()
