@@ -7,6 +7,7 @@ is a value the accessors can read.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -129,8 +130,11 @@ _CALL_ATTRS = ("to_apply", "calls", "condition", "body", "true_computation",
 _INT_LIST = re.compile(r"\{\s*(-?\d+(\s*,\s*-?\d+)*)?\s*\}")
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_int_list(text: str) -> tuple[int, ...]:
-    """``{1,0}`` -> (1, 0); raises ValueError for anything else."""
+    """``{1,0}`` -> (1, 0); raises ValueError for anything else. Memoized: a module's
+    attribute lists repeat (``dimensions={1}``), and the planner reads them again and
+    again (``HloInstruction.ints``)."""
     if not _INT_LIST.fullmatch(text.strip()):
         raise ValueError(f"expected a list of integers like {{1,0}}, got {text!r}")
     inner = text.strip()[1:-1].strip()

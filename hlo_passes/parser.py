@@ -26,6 +26,9 @@ _NAME = re.compile(r"%?([A-Za-z_][\w.\-]*)")
 _ATTR_KEY = re.compile(r"([A-Za-z_][\w.\-]*)\s*=")
 _OPCODE = re.compile(r"([a-z][a-z0-9\-]*)\s*\(")
 _ELEMENT_TYPE = re.compile(r"([a-z][a-z0-9]*)\[")
+# A dense array shape with plain dims and an untiled layout, nothing after it that would
+# belong to it (a tiled layout's '{'): parsed once per distinct text (``Parser.shape``).
+_PLAIN_SHAPE = re.compile(r"[a-z][a-z0-9]*\[[\d,]*\](?:\{[\d,]*\})?(?![{:\w])")
 _DIM = re.compile(r"\s*(<=)?\s*(\d+|\?)\s*")
 _INT = re.compile(r"-?\d+")
 # Unrolled (no per-character alternation: a 10 MB string must not cost a backtracking frame
@@ -136,6 +139,7 @@ class _Parser:
         self.unshaped: dict[int, int] = {}               # id(inst) -> opcode position
         self.topo: dict[str, list[str]] = {}             # computation -> operand-first order
         self.fresh = 0
+        self._shapes: dict[str, Shape] = {}              # plain shape text -> its Shape
 
     def enter(self) -> None:
         self.depth += 1
@@ -244,6 +248,19 @@ class _Parser:
     # --- shapes ------------------------------------------------------------------------
     def shape(self) -> Shape:
         self.skip()
+        # Most shapes are dense arrays printed alike many times over (f32[4,32]{1,0}):
+        # each distinct text is parsed once per module. Shapes are immutable, so the
+        # instructions can share them.
+        plain = _PLAIN_SHAPE.match(self.text, self.pos)
+        if plain is not None:
+            got = self._shapes.get(plain.group())
+            if got is None:
+                got = self._shapes[plain.group()] = self._shape()
+            self.pos = plain.end()
+            return got
+        return self._shape()
+
+    def _shape(self) -> Shape:
         if self.text.startswith("(", self.pos):
             self.enter()
             self.pos += 1

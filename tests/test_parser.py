@@ -284,3 +284,34 @@ def test_fuzz_mutated_real_hlo_only_raises_parse_errors():
     finally:
         signal.signal(signal.SIGALRM, old)
     assert outcomes["error"] > 0 and outcomes["parsed"] + outcomes["error"] == 60 * len(sources)
+
+
+SHAPES_ALIKE = """HloModule shapes
+
+ENTRY %main (p: f32[8,128], q: f32[8,128]) -> (f32[8,128], f32[8,128], f32[<=8,128], f32[8,128]) {
+  %p = f32[8,128]{1,0} parameter(0)
+  %q = f32[8,128]{1,0:T(8,128)} parameter(1)
+  %a = f32[8,128]{1,0} add(f32[8,128]{1,0} %p, f32[8,128]{1,0} %p)
+  %t = f32[8,128]{0,1} transpose(%a), dimensions={1,0}
+  %d = f32[<=8,128]{1,0} copy(%p)
+  %n = f32[8,128] negate(%p)
+  ROOT %r = (f32[8,128]{1,0}, f32[8,128]{1,0:T(8,128)}, f32[<=8,128]{1,0}, f32[8,128]{0,1}) tuple(%a, %q, %d, %t)
+}
+"""
+
+
+def test_alike_shapes_are_parsed_once_and_tiles_layouts_and_bounds_kept_apart():
+    """Dense shapes printed alike are one object per module (parsed once: immutable);
+    a tiled layout, a bounded dim, another layout or none starting with the same text
+    are parsed as what they are."""
+    comp = parse_hlo(SHAPES_ALIKE).entry
+    shapes = {i.name: i.shape for i in comp.instructions}
+    assert shapes["p"] is shapes["a"]
+    assert shapes["q"].layout.tail == "T(8,128)" and shapes["q"] != shapes["p"]
+    assert shapes["d"].dynamic == (True, False) and shapes["d"] != shapes["p"]
+    assert shapes["t"].layout.minor_to_major == (0, 1)
+    assert shapes["n"].layout is None
+    tuple_shapes = shapes["r"].tuple_shapes
+    assert tuple_shapes[0] is shapes["p"] and tuple_shapes[1] == shapes["q"]
+    assert tuple_shapes[2] == shapes["d"] and tuple_shapes[3] == shapes["t"]
+    assert parse_hlo(print_hlo(parse_hlo(SHAPES_ALIKE))) == parse_hlo(SHAPES_ALIKE)
