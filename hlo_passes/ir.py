@@ -134,7 +134,7 @@ _INT_LIST = re.compile(r"\{\s*(-?\d+(\s*,\s*-?\d+)*)?\s*\}")
 def parse_int_list(text: str) -> tuple[int, ...]:
     """``{1,0}`` -> (1, 0); raises ValueError for anything else. Memoized: a module's
     attribute lists repeat (``dimensions={1}``), and the planner reads them again and
-    again (``HloInstruction.ints``)."""
+    again (``Instruction.ints``)."""
     if not _INT_LIST.fullmatch(text.strip()):
         raise ValueError(f"expected a list of integers like {{1,0}}, got {text!r}")
     inner = text.strip()[1:-1].strip()

@@ -253,9 +253,10 @@ class _Parser:
         # instructions can share them.
         plain = _PLAIN_SHAPE.match(self.text, self.pos)
         if plain is not None:
-            got = self._shapes.get(plain.group())
+            text = plain.group()
+            got = self._shapes.get(text)
             if got is None:
-                got = self._shapes[plain.group()] = self._shape()
+                got = self._shapes[text] = self._shape()
             self.pos = plain.end()
             return got
         return self._shape()
