@@ -9,6 +9,9 @@ caching, the per-key build lock and crash isolation by calling them:
   llvmlite version, the stitch version and a digest of codegen's source (``source_digest``).
 - ``assemble_cached(ptx, arch, cache=...)`` -> ``CubinBuild``: ptxas's cubin and per-entry
   resource reports. Keyed by the PTX text, arch, options, the ptxas binary and its version.
+- ``build_in_child(kernel, arch, ...)`` -> ``ChildBuild``: both of the above, run inside an
+  isolated child (``IsolatedWorker.call``), the cache opened there; the XLA pass's build
+  threads make one round trip per kernel.
 
 Host object code goes through the same cache in ``host.compile_host`` / ``ffi.compile_handler``
 (``host.jit_module``). With ``cache=None`` everything is built, nothing stored.
@@ -130,23 +133,6 @@ def ptx_key(kernel: kir.Kernel, arch: str, *, ptx_version: int = DEFAULT_PTX_VER
                      source_digest(CODEGEN_PACKAGES))
 
 
-def warm_keys(arch: str, *, libdevice: str | Path | None = None) -> None:
-    """Compute, in the calling thread, the per-process facts that every ``ptx_key`` and
-    ptxas key holds: codegen's source digest, the stitch and llvmlite versions, libdevice's
-    identity, ptxas's path and version. Call it before build threads start: a thread that
-    meets them first, while the main thread is busy in Python, waits up to the interpreter's
-    switch interval for the GIL after each of the digest's ~200 file reads (seconds on two
-    cores, 3 ms alone). A missing toolchain is left for the build to report."""
-    import llvmlite  # noqa: F401 - ptx_key imports it
-    source_digest(CODEGEN_PACKAGES)
-    stitch_version()
-    libdevice_identity(libdevice)
-    try:
-        ptxas_version(find_ptxas(arch))
-    except CodegenError as exc:
-        LOG.debug("warm_keys: no ptxas for %s yet (%s)", arch, exc)
-
-
 @dataclass(frozen=True)
 class PtxBuild:
     ptx: str
@@ -166,9 +152,10 @@ def _ptx_validator(kernel_name: str):
 def emit_ptx_cached(kernel: kir.Kernel, arch: str, *, cache: CompileCache | None,
                     worker: IsolatedWorker | None = None, libdevice: str | Path | None = None,
                     ptx_version: int = DEFAULT_PTX_VERSION, timeout: float = 300.0,
-                    structure: str | None = None) -> PtxBuild:
+                    structure: str | None = None, isolated: bool = True) -> PtxBuild:
     """PTX for ``kernel`` on ``arch``: from ``cache`` when there, else emitted once (under the
-    key's lock) in ``worker``'s child or a fresh isolated child, and stored. Errors in
+    key's lock) in ``worker``'s child or a fresh isolated child, and stored. ``isolated``
+    False: emitted in this process (the caller is an isolated child already). Errors in
     emission: CodegenError (IsolatedCrash when the child died)."""
     built = False
 
@@ -176,7 +163,9 @@ def emit_ptx_cached(kernel: kir.Kernel, arch: str, *, cache: CompileCache | None
         nonlocal built
         built = True
         kwargs = {"libdevice": libdevice, "ptx_version": ptx_version}
-        if worker is not None:
+        if not isolated:
+            text = emit_ptx(kernel, arch, **kwargs)
+        elif worker is not None:
             text = worker.call(emit_ptx, kernel, arch, timeout=timeout, **kwargs)
         else:
             text = run_isolated(emit_ptx, kernel, arch, timeout=timeout, **kwargs)
@@ -302,3 +291,68 @@ def assemble_cached(ptx: str, arch: str, *, cache: CompileCache | None,
     except (struct.error, ValueError, TypeError) as exc:  # only a fresh build can get here
         raise CodegenError(f"ptxas result for {arch} cannot be read back: {exc}") from exc
     return CubinBuild(cubin, reports, not built)
+
+
+# ---------------------------------------------------------------- a kernel's build in a child
+
+@dataclass(frozen=True)
+class ChildBuild:
+    """A canonical kernel's GPU build as its PTX child hands it back (``build_in_child``):
+    the PTX, ptxas's result when asked for, and why ptxas refused where that was allowed."""
+    ptx: str
+    assembled: CubinBuild | None = None
+    assembly_error: CodegenError | None = None
+
+
+ASSEMBLY_MODES = ("none", "try", "must")
+
+
+@functools.lru_cache(maxsize=4)
+def _child_cache(directory: str) -> CompileCache:
+    return CompileCache(directory)
+
+
+def build_in_child(kernel: kir.Kernel, arch: str, *, structure: str | None,
+                   cache_dir: str | None, assembly: str = "none",
+                   libdevice: str | Path | None = None,
+                   ptx_version: int = DEFAULT_PTX_VERSION) -> ChildBuild:
+    """A kernel's whole GPU build, run inside a PTX child (``IsolatedWorker.call``): the PTX
+    from the compile cache at ``cache_dir`` or emitted here, then, per ``assembly``, ptxas
+    (through the cache too): "none", "try" (a ToolchainError/CodegenError is handed back in
+    ``assembly_error``) or "must" (it is raised).
+
+    Why in the child: a build thread of the pass that did the cache's file work and ran
+    ptxas itself gave up the GIL at each file operation and waited up to the interpreter's
+    switch interval to get it back while the pass's thread lowered the next kernels in
+    Python (0.2-0.4 s of a transformer step's build where the PTX children sat idle). The
+    thread now makes one round trip per kernel."""
+    if assembly not in ASSEMBLY_MODES:
+        raise CodegenError(f"unknown assembly mode {assembly!r}: one of {ASSEMBLY_MODES}")
+    cache = _child_cache(cache_dir) if cache_dir is not None else None
+    ptx = emit_ptx_cached(kernel, arch, cache=cache, libdevice=libdevice,
+                          ptx_version=ptx_version, structure=structure, isolated=False).ptx
+    if assembly == "none":
+        return ChildBuild(ptx)
+    try:
+        assembled = assemble_cached(ptx, arch, cache=cache, kernel_name=kernel.name)
+    except CodegenError as exc:
+        if assembly == "must":
+            raise
+        return ChildBuild(ptx, assembly_error=exc)
+    return ChildBuild(ptx, assembled)
+
+
+def warm_child() -> None:
+    """A PTX child's start-up share of ``build_in_child``'s work, done while the pass still
+    plans: the per-process facts every key holds (codegen's source digest, ~200 file reads;
+    the stitch version; libdevice's identity; ptxas's version) and the default compile
+    cache opened. A missing toolchain is left for the first build to report."""
+    from codegen.cache import default_cache_dir
+    source_digest(CODEGEN_PACKAGES)
+    stitch_version()
+    libdevice_identity()
+    try:
+        ptxas_version(find_ptxas())
+    except CodegenError as exc:
+        LOG.debug("warm_child: no ptxas yet (%s)", exc)
+    _child_cache(str(default_cache_dir()))

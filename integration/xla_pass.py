@@ -376,10 +376,13 @@ CODE_BUDGET_ON_GPU = True
 PAYBACK_ON_GPU = True
 
 # What a PTX child imports as it starts (codegen.gpu_cache.emit_ptx_cached's work).
-PTX_CHILD_PRELOAD = ("codegen.nvptx",)
+PTX_CHILD_PRELOAD = ("codegen.nvptx", "codegen.gpu_cache")
 # What a PTX child does as it starts, while the pass still plans: the NVPTX target and the
-# libdevice cut every kernel's math links from (codegen.nvptx.warm_up).
-PTX_CHILD_WARM_UP = ("codegen.nvptx:warm_up",)
+# libdevice cut every kernel's math links from (codegen.nvptx.warm_up), the facts of every
+# cache key and the compile cache opened (codegen.gpu_cache.warm_child).
+PTX_CHILD_WARM_UP = ("codegen.nvptx:warm_up", "codegen.gpu_cache:warm_child")
+# A kernel's whole build in its child: LLVM (emit_ptx_cached's 300 s) and ptxas (60 s).
+BUILD_TIMEOUT_S = 360.0
 
 
 def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, float],
@@ -465,15 +468,16 @@ class GpuPrebuild:
         import queue
         from concurrent.futures import ThreadPoolExecutor
 
-        from codegen.gpu_cache import warm_keys
-
         self.request = request
         self.arch = request.gpu_arch()
-        warm_keys(self.arch)      # here, not in the threads (GIL convoy, see warm_keys)
         # On a device, ptxas's cubin is loaded where a ptxas is found: assembled here in
         # parallel and cached, instead of the driver JIT-compiling each PTX in turn on the
         # pass's thread as its FFI target is made (PTX stays the fallback).
         self.cubins = not request.compile_only and cubins_for_device(self.arch)
+        # The children use the compile cache this process would (opened here, not in a
+        # thread: see gpu_cache.build_in_child); none where it is refused.
+        cache = compile_cache()
+        self._cache_dir = str(cache.directory) if cache.enabled else None
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         for worker in workers:
             self._idle.put(worker)
@@ -500,28 +504,29 @@ class GpuPrebuild:
 
     def _build(self, canonical: Any, structure: str) -> tuple[str, Any]:
         """The canonical kernel's PTX and ptxas's result for it: compile-only, and on a
-        device while cubins are loaded there (``cubins_for_device``)."""
-        from codegen.errors import CodegenError
+        device while cubins are loaded there (``cubins_for_device``). The whole build
+        (cache, LLVM, ptxas) runs in the worker's child, one round trip from this thread
+        (``gpu_cache.build_in_child``)."""
         from codegen.ffi_cuda import cubins_refused
-        from codegen.gpu_cache import CANONICAL_NAME, assemble_cached, emit_ptx_cached
+        from codegen.gpu_cache import build_in_child
+        if self.request.compile_only:
+            assembly = "must"                     # ptxas's check is the point there
+        elif self.cubins and not cubins_refused():
+            assembly = "try"
+        else:
+            assembly = "none"
         worker = self._idle.get()
         try:
             self.request.check_cancelled()
-            built = emit_ptx_cached(canonical, self.arch, cache=compile_cache(), worker=worker,
-                                    structure=structure)
+            built = worker.call(build_in_child, canonical, self.arch, structure=structure,
+                                cache_dir=self._cache_dir, assembly=assembly,
+                                timeout=BUILD_TIMEOUT_S)
         finally:
             self._idle.put(worker)
-        assembled = None
-        if self.request.compile_only or (self.cubins and not cubins_refused()):
-            try:
-                assembled = assemble_cached(built.ptx, self.arch, cache=compile_cache(),
-                                            kernel_name=CANONICAL_NAME)
-            except CodegenError as exc:
-                if self.request.compile_only:     # ptxas's check is the point there
-                    raise
-                log.info("no cubin for a kernel of %s (%s): its PTX is loaded (the driver "
-                         "may still take it)", self.request.function, exc)
-        return built.ptx, assembled
+        if built.assembly_error is not None:
+            log.info("no cubin for a kernel of %s (%s): its PTX is loaded (the driver may "
+                     "still take it)", self.request.function, built.assembly_error)
+        return built.ptx, built.assembled
 
     def each_result(self) -> Iterator[Any]:
         """Per submitted kernel, in order: its ``GpuBuild`` or the exception that stopped

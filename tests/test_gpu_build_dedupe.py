@@ -201,28 +201,38 @@ def test_renamed_copy_of_a_valid_kernel_is_not_walked_again(
         kernel.renamed("3 bad").validate()
 
 
-def test_build_keys_are_warmed_in_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GpuPrebuild computes the per-process key facts (codegen's source digest, toolchain
-    versions) before its threads start; a build thread finds them cached."""
-    import threading
-
+def _warm_state() -> tuple[int, int, bool]:
+    """In a PTX child: the source digests it holds, the compile caches it has open, and
+    whether the default one is among them (asking for it is then a hit)."""
     from codegen import cache, gpu_cache
-    from integration.xla_pass import GpuPrebuild, PassRequest
+    opened = gpu_cache._child_cache.cache_info()
+    gpu_cache._child_cache(str(cache.default_cache_dir()))
+    return (cache.source_digest.cache_info().currsize, opened.currsize,
+            gpu_cache._child_cache.cache_info().hits == opened.hits + 1)
 
-    warmed_in: list[str] = []
-    real_warm = gpu_cache.warm_keys
-    monkeypatch.setattr(gpu_cache, "warm_keys",
-                        lambda arch, **kw: (warmed_in.append(threading.current_thread().name),
-                                            real_warm(arch, **kw))[1])
-    cache.source_digest.cache_clear()
-    with GpuPrebuild(PassRequest("f", "h100", "gpu", compile_only=True), []) as prebuild:
-        assert warmed_in == [threading.current_thread().name] and prebuild.arch == "sm_90"
-    digests = cache.source_digest.cache_info()
-    assert digests.currsize >= 1
-    thread = threading.Thread(target=gpu_cache.ptx_key, args=(_layer("k", 0.5), "sm_90"))
-    thread.start()
-    thread.join()
-    assert cache.source_digest.cache_info().misses == digests.misses
+
+def test_a_ptx_child_warms_the_key_facts_and_the_cache_as_it_starts(monkeypatch, tmp_path):
+    """The PTX children the pass starts compute the facts every cache key holds (codegen's
+    source digest, versions) and open the compile cache as they start (while the pass
+    still plans): a kernel's build finds them ready. GpuPrebuild names that cache to them,
+    opened in the calling thread, not in a build thread."""
+    from codegen.isolation import IsolatedWorker
+    from integration import xla_pass
+
+    monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(xla_pass, "_CACHE", None)
+    worker = IsolatedWorker(name="warm-test", preload=xla_pass.PTX_CHILD_PRELOAD,
+                            warm_up=xla_pass.PTX_CHILD_WARM_UP)
+    try:
+        worker.start()
+        digests, caches_open, default_open = worker.call(_warm_state)
+    finally:
+        worker.close()
+    assert digests >= 1 and caches_open == 1 and default_open
+    with xla_pass.GpuPrebuild(xla_pass.PassRequest("f", "h100", "gpu", compile_only=True),
+                              []) as prebuild:
+        assert prebuild.arch == "sm_90" and prebuild._cache_dir == str(tmp_path / "cache")
+        assert xla_pass._CACHE is not None and xla_pass._CACHE.enabled
 
 
 @needs_libdevice

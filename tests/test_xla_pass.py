@@ -266,9 +266,11 @@ def test_kernels_in_loop_bodies_do_not_write_into_the_loop_state_they_read():
 
 def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(monkeypatch,
                                                                               tmp_path):
-    """GpuPrebuild: PTX for every kernel on two build threads, results in kernel order, a
-    kernel whose emission fails hands back its error and the others still build."""
-    from codegen import gpu_cache
+    """GpuPrebuild: PTX and ptxas for every kernel on two build threads, each kernel's whole
+    build one call into its thread's PTX child; results in kernel order; a kernel whose
+    emission fails (in the child) hands back its error and the others still build."""
+    from codegen import gpu_cache, kir
+    from codegen.cache import CompileCache
     from codegen.errors import CodegenError
     from codegen.isolation import IsolatedWorker
     from integration import xla_pass
@@ -277,37 +279,48 @@ def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(mo
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(xla_pass, "_CACHE", None)
     first = all_float_ops_kernel("f32")
-    kernels = [first, half_kernel("f16"), half_kernel("bf16"),
+    # 64 KB of static shared memory: NVPTX's emission refuses it, in the child.
+    too_much_shared = dataclasses.replace(
+        half_kernel("f16"), shared=[kir.Shared("spill", "f32", 16 * 1024)])
+    kernels = [first, too_much_shared, half_kernel("bf16"),
                dataclasses.replace(first, name="another_layers_copy")]
-    real_emit = gpu_cache.emit_ptx_cached
-    emitted = []
+    calls: list[tuple] = []
 
-    def emit(kernel, arch, **kwargs):
-        emitted.append(kernel)
-        if gpu_cache.structure_key(kernel) == gpu_cache.structure_key(kernels[1]):
-            raise CodegenError(f"injected failure for {kernel.name}")
-        return real_emit(kernel, arch, **kwargs)
-    monkeypatch.setattr(gpu_cache, "emit_ptx_cached", emit)
+    class Counted:
+        """A PTX worker that records what its thread asks of it."""
+        def __init__(self, worker: IsolatedWorker) -> None:
+            self.worker = worker
+
+        def call(self, fn, *args, **kwargs):
+            calls.append((fn.__name__, args[0].name, kwargs.get("assembly")))
+            return self.worker.call(fn, *args, **kwargs)
+
     request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True, arch="sm_90")
     workers = [IsolatedWorker(name=f"t{i}") for i in range(2)]
     try:
-        with xla_pass.GpuPrebuild(request, workers) as prebuild:
+        with xla_pass.GpuPrebuild(request, [Counted(w) for w in workers]) as prebuild:
             for kernel in kernels:
                 prebuild.submit(kernel)
             results = list(prebuild.each_result())
     finally:
         for w in workers:
             w.close()
-    assert isinstance(results[1], CodegenError) and "injected" in str(results[1])
+    assert isinstance(results[1], CodegenError) and "static limit" in str(results[1])
     for kernel, built in ((kernels[0], results[0]), (kernels[2], results[2]),
                           (kernels[3], results[3])):
         assert f".entry {kernel.name}(" in built.ptx
-    # The renamed copy is emitted once with the first (kernels differing only by name).
-    assert len(emitted) == 3
+    # One round trip per distinct kernel (the renamed copy is built once with the first),
+    # under the canonical name, ptxas required (compile-only).
+    assert sorted(calls) == [("build_in_child", gpu_cache.CANONICAL_NAME, "must")] * 3
     for kernel, built in ((kernels[0], results[0]), (kernels[3], results[3])):
         assert list(built.assembled.reports) == [kernel.name]
         assert built.assembled.cubin[:4] == b"\x7fELF"
     assert results[3].ptx == results[0].ptx.replace(first.name, "another_layers_copy")
+    # The children stored what they built in the cache the pass names.
+    cache = CompileCache(tmp_path)
+    canonical = gpu_cache.canonical_kernel(first)
+    key = gpu_cache.ptx_key(canonical, "sm_90", structure=gpu_cache.structure_key(canonical))
+    assert gpu_cache.renamed_ptx(cache.get(key).decode(), first.name) == results[0].ptx
 
 
 def _attention(q, k, v):
