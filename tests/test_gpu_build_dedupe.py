@@ -252,3 +252,44 @@ def test_a_structure_keyed_ptx_entry_serves_kernels_equal_but_for_names(tmp_path
     other = canonical_kernel(_layer("main_k3", 0.25))
     assert not emit_ptx_cached(other, "sm_90", cache=cache,
                                structure=structure_key(other)).from_cache
+
+
+@needs_libdevice
+def test_a_kernels_build_in_its_child_assembles_as_asked_and_caches(monkeypatch, tmp_path):
+    """``build_in_child`` (what a PTX child runs for the pass): the PTX always, ptxas's
+    result per ``assembly`` — "none" none, "must" the cubin or ptxas's error raised, "try"
+    the cubin or the error handed back — and both through the cache it names."""
+    from codegen import gpu_cache
+    from codegen.errors import CodegenError, ToolchainError
+    from codegen.toolchain import find_ptxas
+
+    try:
+        find_ptxas("sm_90")
+    except ToolchainError as exc:
+        pytest.skip(f"no ptxas for sm_90: {exc}")
+    kernel = gpu_cache.canonical_kernel(_layer("main_k3", 0.5))
+    key = structure_key(kernel)
+    cache_dir = str(tmp_path / "cache")
+    plain = gpu_cache.build_in_child(kernel, "sm_90", structure=key, cache_dir=cache_dir)
+    assert f".entry {CANONICAL_NAME}(" in plain.ptx and plain.assembled is None
+    must = gpu_cache.build_in_child(kernel, "sm_90", structure=key, cache_dir=cache_dir,
+                                    assembly="must")
+    assert must.ptx == plain.ptx and must.assembled.cubin[:4] == b"\x7fELF"
+    assert not must.assembled.from_cache and must.assembly_error is None
+    again = gpu_cache.build_in_child(kernel, "sm_90", structure=key, cache_dir=cache_dir,
+                                     assembly="try")
+    assert again.assembled.from_cache and again.assembled.cubin == must.assembled.cubin
+
+    def refused(ptx, arch, **kwargs):
+        raise ToolchainError("ptxas refused it (test)")
+    monkeypatch.setattr(gpu_cache, "assemble_cached", refused)
+    tried = gpu_cache.build_in_child(kernel, "sm_90", structure=key, cache_dir=None,
+                                     assembly="try")
+    assert tried.ptx == plain.ptx and tried.assembled is None
+    assert "refused it" in str(tried.assembly_error)
+    with pytest.raises(ToolchainError, match="refused it"):
+        gpu_cache.build_in_child(kernel, "sm_90", structure=key, cache_dir=None,
+                                 assembly="must")
+    with pytest.raises(CodegenError, match="unknown assembly mode"):
+        gpu_cache.build_in_child(kernel, "sm_90", structure=key, cache_dir=None,
+                                 assembly="sometimes")
