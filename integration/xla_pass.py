@@ -375,7 +375,7 @@ CODE_BUDGET_ON_GPU = True
 # $STITCH_PAYBACK_STEPS steps is left to XLA (integration.payback; host builds are checks).
 PAYBACK_ON_GPU = True
 
-# What a PTX child imports as it starts (codegen.gpu_cache.emit_ptx_cached's work).
+# What a PTX child imports as it starts (codegen.gpu_cache.build_in_child's work).
 PTX_CHILD_PRELOAD = ("codegen.nvptx", "codegen.gpu_cache")
 # What a PTX child does as it starts, while the pass still plans: the NVPTX target and the
 # libdevice cut every kernel's math links from (codegen.nvptx.warm_up), the facts of every
