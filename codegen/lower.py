@@ -127,11 +127,30 @@ class _Split:
             return (np.arange(n) // self.per_row).reshape(dims)
         if self.kind == "columns":
             return (np.arange(n) % self.rows).reshape(dims)
-        out = np.zeros(dims, np.int64)
+        return np.broadcast_to(self.dims_ids(dims), dims)
+
+    def dims_ids(self, dims: tuple[int, ...]) -> np.ndarray:
+        """A "dims" split's row ids in broadcastable form: extent ``dims[d]`` on the row
+        dims, 1 on the others (what ``ids`` broadcasts; comparisons need no more)."""
+        out = np.zeros((1,) * len(dims), np.int64)
         grid = np.indices(dims, sparse=True)
         for d in self.row_dims:
             out = out * dims[d] + grid[d]
         return out
+
+    def agrees(self, ids: np.ndarray) -> bool:
+        """Whether ``ids`` (a full array, -1 where row-independent) has this split's row
+        wherever it has one: ``ids`` compared where known with ``self.ids``, without
+        building that (the layout proof's values reach millions of elements)."""
+        if self.kind == "rows":
+            view = ids.reshape(self.rows, self.per_row)
+            want = np.arange(self.rows)[:, None]
+        elif self.kind == "columns":
+            view = ids.reshape(self.per_row, self.rows)
+            want = np.arange(self.rows)[None, :]
+        else:
+            view, want = ids, self.dims_ids(ids.shape)
+        return not np.any(view != want, where=view >= 0)
 
 
 def _group(first: tuple[kir.Expr, ...], dims: tuple[int, ...], step_dim: int | None,
@@ -194,22 +213,23 @@ def _find_split(ids: np.ndarray, rows: int, minor: bool, dims: tuple[int, ...]
     if ids.size % rows:
         return None
     per_row = ids.size // rows
+    candidates = [_Split("rows", rows, per_row), _Split("columns", rows, per_row)]
+    if not minor:
+        candidates.reverse()
+    for split in candidates:
+        if split.agrees(ids):
+            return split
+    # Neither: the row dims, found from how the row id steps along each dim.
     strides: dict[int, int] = {}        # dims the row changes along -> its step there
     for d in range(ids.ndim):
         a, b = np.moveaxis(ids, d, 0)[:-1], np.moveaxis(ids, d, 0)[1:]
         steps = (b - a)[(a >= 0) & (b >= 0) & (a != b)]
         if steps.size:
             strides[d] = int(np.abs(steps).max())
-    candidates = [_Split("rows", rows, per_row), _Split("columns", rows, per_row)]
-    if not minor:
-        candidates.reverse()
     if math.prod(ids.shape[d] for d in strides) == rows:
         # Row dims major to minor (a transposed per-row value has them out of order).
-        order = tuple(sorted(strides, key=lambda d: -strides[d]))
-        candidates.append(_Split("dims", rows, per_row, order))
-    known = ids >= 0
-    for split in candidates:
-        if np.array_equal(split.ids(ids.shape)[known], ids[known]):
+        split = _Split("dims", rows, per_row, tuple(sorted(strides, key=lambda d: -strides[d])))
+        if split.agrees(ids):
             return split
     return None
 
@@ -231,6 +251,10 @@ def _find_compact_split(ids: np.ndarray, rows: int, minor: bool, dims: tuple[int
 
 def _join(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     """Row ids of elements that need both ``a``'s and ``b``'s (None: two different rows)."""
+    if a is b or (a.dtype == b.dtype and np.array_equal(a, b)):
+        # Mostly so (the operands of an elementwise op come from the same rows): one pass
+        # over arrays of up to millions of elements instead of six.
+        return a
     if np.any((a >= 0) & (b >= 0) & (a != b)):
         return None
     return np.where(a >= 0, a, b)
@@ -934,8 +958,9 @@ class _KernelBuilder:
         if operand_ids is None:
             return None         # row-independent input: every row may read it
         if operand_ids.shape == src.dims:
+            # Broadcastable (``dims_ids``): compared with the operand's ids as they are.
             want = _Split("dims", part.rows, src.num_elements // max(part.rows, 1),
-                          _kept_dims(node, src.rank)).ids(src.dims)
+                          _kept_dims(node, src.rank)).dims_ids(src.dims)
         else:
             want = compact_rows.dims_ids(src.dims, _kept_dims(node, src.rank))
             if compact_rows.broadcast_size(want, operand_ids) > ROW_CHECK_ELEMENTS:
