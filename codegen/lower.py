@@ -127,16 +127,7 @@ class _Split:
             return (np.arange(n) // self.per_row).reshape(dims)
         if self.kind == "columns":
             return (np.arange(n) % self.rows).reshape(dims)
-        return np.broadcast_to(self.dims_ids(dims), dims)
-
-    def dims_ids(self, dims: tuple[int, ...]) -> np.ndarray:
-        """A "dims" split's row ids in broadcastable form: extent ``dims[d]`` on the row
-        dims, 1 on the others (what ``ids`` broadcasts; comparisons need no more)."""
-        out = np.zeros((1,) * len(dims), np.int64)
-        grid = np.indices(dims, sparse=True)
-        for d in self.row_dims:
-            out = out * dims[d] + grid[d]
-        return out
+        return np.broadcast_to(compact_rows.dims_ids(dims, self.row_dims), dims)
 
     def agrees(self, ids: np.ndarray) -> bool:
         """Whether ``ids`` (a full array, -1 where row-independent) has this split's row
@@ -149,7 +140,8 @@ class _Split:
             view = ids.reshape(self.per_row, self.rows)
             want = np.arange(self.rows)[None, :]
         else:
-            view, want = ids, self.dims_ids(ids.shape)
+            # Broadcastable (extent 1 off the row dims): compared with ``ids`` as they are.
+            view, want = ids, compact_rows.dims_ids(ids.shape, self.row_dims)
         return not np.any(view != want, where=view >= 0)
 
 
@@ -891,7 +883,7 @@ class _KernelBuilder:
             node = graph.nodes[v]
             shape = leaf(node.shape)
             if node.opcode == "reduce" and self._unit_reduction(node, part):
-                reason = self._check_reduce(node, part, ids_of.get(node.operands[0]))
+                reason = self._check_reduce(node, ids_of.get(node.operands[0]))
                 if reason:
                     return reason
                 layout.reductions.add(v)
@@ -953,18 +945,16 @@ class _KernelBuilder:
         return kind in allowed and len(node.operands) == 2 and \
             leaf(node.shape).num_elements == part.rows
 
-    def _check_reduce(self, node: OpNode, part, operand_ids: np.ndarray | None) -> str | None:
+    def _check_reduce(self, node: OpNode, operand_ids: np.ndarray | None) -> str | None:
         src = leaf(self.graph.nodes[node.operands[0]].shape)
         if operand_ids is None:
             return None         # row-independent input: every row may read it
-        if operand_ids.shape == src.dims:
-            # Broadcastable (``dims_ids``): compared with the operand's ids as they are.
-            want = _Split("dims", part.rows, src.num_elements // max(part.rows, 1),
-                          _kept_dims(node, src.rank)).dims_ids(src.dims)
-        else:
-            want = compact_rows.dims_ids(src.dims, _kept_dims(node, src.rank))
-            if compact_rows.broadcast_size(want, operand_ids) > ROW_CHECK_ELEMENTS:
-                return f"{node.name} is too large to prove the row layout on index arrays"
+        # Broadcastable (extent 1 off the kept dims): compared with the operand's ids, full
+        # or compact, as they are.
+        want = compact_rows.dims_ids(src.dims, _kept_dims(node, src.rank))
+        if operand_ids.shape != src.dims and \
+                compact_rows.broadcast_size(want, operand_ids) > ROW_CHECK_ELEMENTS:
+            return f"{node.name} is too large to prove the row layout on index arrays"
         if not np.all((operand_ids == want) | (operand_ids < 0)):
             return f"{node.name} reads values of other rows"
         return None
