@@ -12,6 +12,8 @@ yields f32 and a Store into one takes f32 (converted at the edge, round to neare
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import numbers
 import re
 from dataclasses import dataclass, field
@@ -582,6 +584,27 @@ class Kernel:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def multiple_of(e: Expr) -> int:
+    """A number every value of the non-negative index expression ``e`` is a multiple of
+    (0: e is 0), from its arithmetic: a loop's step index times the vector width, the
+    remainders and sums of such. 1 where nothing is known."""
+    if isinstance(e, Const):
+        return abs(int(e.value)) if e.dtype == "i32" else 1
+    if not isinstance(e, Binary) or not (isinstance(e.b, Const) and e.b.dtype == "i32"):
+        if isinstance(e, Binary) and e.op == "add":
+            return math.gcd(multiple_of(e.a), multiple_of(e.b))
+        return 1
+    k = int(e.b.value)
+    if e.op == "mul":
+        return multiple_of(e.a) * abs(k)
+    if e.op == "add":
+        return math.gcd(multiple_of(e.a), abs(k))
+    if e.op == "rem" and k > 0:
+        return math.gcd(multiple_of(e.a), k)
+    return 1
 
 
 def const(value: float | int | bool, dtype: str = "f32") -> Const:

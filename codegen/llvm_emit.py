@@ -16,7 +16,6 @@ from llvmlite import ir
 
 from codegen import kir
 from codegen.errors import CodegenError
-from codegen.values import multiple_of
 
 LOG = logging.getLogger(__name__)
 
@@ -502,13 +501,13 @@ class KernelEmitter:
     def access_align(self, buf: kir.Buffer, index: kir.Expr) -> int:
         """Alignment of ``buf[index]`` in bytes: the element size, or where the target
         knows its params' alignment, what the index's arithmetic proves (a vector group's
-        first element: a multiple of its width, ``values.multiple_of``). LLVM cannot always
+        first element: a multiple of its width, ``kir.multiple_of``). LLVM cannot always
         see it itself (a div/rem pair becomes x - (x/n)*n behind a freeze), and its NVPTX
         load/store vectorizer merges a group only from an aligned first access."""
         size = STORAGE_BYTES[buf.dtype]
         if not self.target.param_align or not isinstance(buf, kir.Param):
             return size
-        k = multiple_of(index)
+        k = kir.multiple_of(index)
         step = k & -k if k else self.target.param_align      # largest power of 2 dividing it
         return max(size, min(self.target.param_align, size * step))
 

@@ -16,7 +16,6 @@ finished) for its recomputation.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -26,6 +25,7 @@ from hlo_passes.ir import Shape, parse_padding, parse_slice, parse_window
 from hlo_passes.scatter_forms import scatter_batch_dims, scatter_form
 
 from . import kir
+from .kir import multiple_of
 from .errors import CodegenError
 
 Expr = kir.Expr
@@ -97,27 +97,6 @@ def iadd(a: Expr, b: Expr) -> Expr:
 
 def _is_i32_const(e: Expr) -> bool:
     return isinstance(e, kir.Const) and e.dtype == "i32"
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def multiple_of(e: Expr) -> int:
-    """A number every value of the non-negative index expression ``e`` is a multiple of
-    (0: e is 0), from its arithmetic: a loop's step index times the vector width, the
-    remainders and sums of such. 1 where nothing is known."""
-    if isinstance(e, kir.Const):
-        return abs(int(e.value)) if e.dtype == "i32" else 1
-    if not isinstance(e, kir.Binary) or not _is_i32_const(e.b):
-        if isinstance(e, kir.Binary) and e.op == "add":
-            return math.gcd(multiple_of(e.a), multiple_of(e.b))
-        return 1
-    k = int(e.b.value)
-    if e.op == "mul":
-        return multiple_of(e.a) * abs(k)
-    if e.op == "add":
-        return math.gcd(multiple_of(e.a), abs(k))
-    if e.op == "rem" and k > 0:
-        return math.gcd(multiple_of(e.a), k)
-    return 1
 
 
 def isub(a: Expr, b: Expr) -> Expr:

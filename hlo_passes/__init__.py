@@ -3,9 +3,20 @@
 No dependency on ``stitch`` or ``codegen``.
 """
 from .errors import HloEvaluationError, HloParseError, StitchError, UnsupportedOpcodeError
-from .ir import Computation, HloModule, Instruction, Layout, Shape, Signature
-from .parser import parse_hlo
-from .printer import print_hlo
+
+# The IR, parser and printer (numpy among their imports) load on first use: a process that
+# needs only the error types (a PTX build child: codegen.errors) does not pay for them.
+_LAZY = {"Computation": ".ir", "HloModule": ".ir", "Instruction": ".ir", "Layout": ".ir",
+         "Shape": ".ir", "Signature": ".ir", "parse_hlo": ".parser", "print_hlo": ".printer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def evaluate(module, args):
