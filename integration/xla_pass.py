@@ -454,7 +454,7 @@ MAX_BUILD_THREADS = 8      # each PTX child holds an interpreter with llvmlite (
 
 def early_ptx_children() -> bool:
     """Whether a GPU request starts its PTX children as its compile begins, so that their
-    start-up (~0.35 s each: an interpreter, llvmlite, the NVPTX target, libdevice's cut, the
+    start-up (~0.2 s each: an interpreter, llvmlite, the NVPTX target, libdevice's cut, the
     cache keys' facts) runs during XLA's passes before stitch's, rather than as the pass
     begins, during planning (which keeps one core busy and leaves the others idle).
     ``STITCH_EARLY_PTX_CHILDREN`` (1/0) decides; by default, early only where the cores
