@@ -10,7 +10,9 @@ script, so a script without an ``if __name__ == "__main__":`` guard (most traini
 ran its top level a second time and PTX emission died with "child exited with code 1".
 Functions must therefore live in an importable module; one defined in ``__main__`` is refused
 with a CodegenError. ``preload_modules`` names modules every new child imports at start; an
-IsolatedWorker's ``warm_up`` names functions its children call once as they start.
+IsolatedWorker's ``warm_up`` names functions its children call once as they start, and its
+``nice`` how far below the caller's priority they run (background work: it yields the CPU
+to the caller's threads where cores are short).
 A child costs an interpreter start: measured on the 2-core box under a load of 5, 0.33 s for a
 codegen function, ~1 s when it imports llvmlite (codegen.nvptx); a warm IsolatedWorker call
 is a pipe round trip (0.6 ms). Batch emission therefore goes through one IsolatedWorker.
@@ -142,16 +144,27 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _lower_priority(pid: int, nice: int) -> None:
+    """Raise process ``pid``'s niceness by ``nice`` over this process's (at most 19). A
+    system that refuses leaves the child at this process's priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
+    except (AttributeError, OSError) as exc:    # no setpriority (Windows), or not allowed
+        log.debug("child %d keeps its priority: %s", pid, exc)
+
+
 class _Child:
     """One child process and its two pipe ends."""
 
     def __init__(self, stderr_path: str, preload: tuple[str, ...] = (),
-                 warm_up: tuple[str, ...] = ()) -> None:
+                 warm_up: tuple[str, ...] = (), nice: int = 0) -> None:
         with open(stderr_path, "ab") as stderr:
             self.proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", _CHILD_MODULE], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=stderr, env=_child_env(), close_fds=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        if nice > 0:
+            _lower_priority(self.proc.pid, nice)
         # Connection owns (and closes) its descriptor; the Popen file objects close theirs.
         self.outbox = Connection(os.dup(self.proc.stdin.fileno()), readable=False)
         self.inbox = Connection(os.dup(self.proc.stdout.fileno()), writable=False)
@@ -234,10 +247,14 @@ class IsolatedWorker:
     out of step with the next call."""
 
     def __init__(self, *, max_calls: int | None = None, name: str = "stitch-isolated-worker",
-                 preload: tuple[str, ...] = (), warm_up: tuple[str, ...] = ()) -> None:
+                 preload: tuple[str, ...] = (), warm_up: tuple[str, ...] = (),
+                 nice: int = 0) -> None:
         self.max_calls = max_calls
         self.name = name
         self.preload = preload    # modules this worker's children import at start
+        # Niceness its children get over the caller's: background work that yields the CPU
+        # to the caller's own threads (and to anything else the machine runs) when contended.
+        self.nice = nice
         # "module:function"s each child calls once at start, before any request: work its
         # calls share, done while the caller is busy elsewhere (a failure is left for the
         # first call to meet and report).
@@ -260,7 +277,7 @@ class IsolatedWorker:
 
     def _start(self) -> _Child:
         self._stderr_path = self._stderr_path or _new_stderr_file()
-        child = _Child(self._stderr_path, self.preload, self.warm_up)
+        child = _Child(self._stderr_path, self.preload, self.warm_up, self.nice)
         self._child, self._calls_in_child = child, 0
         self.starts += 1
         log.debug("%s: started child pid %s (start #%d)", self.name, child.pid, self.starts)

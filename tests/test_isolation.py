@@ -289,6 +289,22 @@ def test_worker_started_ahead_preloads_and_serves_calls():
         assert worker.call(child_pid) == pid and worker.starts == 1
 
 
+def test_worker_children_run_at_the_niceness_asked_for():
+    """``nice``: the worker's children run that much below the caller's priority (background
+    work that yields the CPU where cores are short); without it, at the caller's."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    with IsolatedWorker(nice=5) as worker:
+        worker.start()
+        pid = worker.pid
+        assert worker.call(child_pid) == pid
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, own + 5)
+        assert worker.call(add, 2, 3) == 5
+        assert worker.pid == pid                 # the niced child served, not a restart
+    with IsolatedWorker() as worker:
+        worker.start()
+        assert os.getpriority(os.PRIO_PROCESS, worker.pid) == own
+
+
 WARMED: list[str] = []
 
 

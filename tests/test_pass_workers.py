@@ -24,6 +24,16 @@ def test_started_on_enter_and_closed_on_exit_when_not_taken() -> None:
     assert workers[0].pid is None and request._ptx_workers == []
 
 
+def test_they_run_below_the_compiling_process_priority() -> None:
+    import os
+    with PassRequest("f", "h100", "gpu", compile_only=True) as request:
+        (worker,) = request._ptx_workers
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert xla_pass.PTX_CHILD_NICE > 0
+        assert os.getpriority(os.PRIO_PROCESS, worker.pid) == \
+            min(19, own + xla_pass.PTX_CHILD_NICE)
+
+
 def test_host_requests_start_none() -> None:
     with PassRequest("f", "h100", "cpu") as request:
         assert request._ptx_workers == []
