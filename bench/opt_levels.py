@@ -27,6 +27,7 @@ split in two steps on two machines, with files between them:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -71,6 +72,7 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
     from codegen.gpu_cache import structure_key
     from codegen.llvm_emit import STORAGE_BYTES
     from codegen.nvptx import LlvmPipeline, emit_ptx
+    from codegen.objcheck import cubin_code
     from codegen.toolchain import assemble_cubin
     from integration import deviceless
 
@@ -110,10 +112,13 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
             name = f"{model}-{config}-{len(entries)}-{variant.name}.cubin"
             (directory / name).write_bytes(cubin)
             ptxas = reports[kernel.name]
+            code = cubin_code(cubin, kernel.name)
             entry["variants"][variant.name] = {
                 "cubin": name, "emit_s": round(emit_s, 4), "ptxas_s": round(ptxas_s, 4),
                 "ptx_lines": ptx.count("\n"), "registers": ptxas.registers,
-                "spill_bytes": ptxas.spill_store_bytes + ptxas.spill_load_bytes}
+                "spill_bytes": ptxas.spill_store_bytes + ptxas.spill_load_bytes,
+                # Equal digests: the same machine code, so the same speed (no GPU needed).
+                "code_sha256": hashlib.sha256(code).hexdigest() if code is not None else None}
         entries.append(entry)
     return entries
 
@@ -290,11 +295,14 @@ def markdown(manifest: dict, timings: list[dict] | None, command: str) -> str:
              "kernels' summed median time per call on the GPU (CUDA graph replays, rotating "
              "input sets); *vs " + reference + "*: that sum over the default's; *worst*: the "
              "kernel that lost most against the default; *rel. error*: the largest "
-             "‖out − default's‖ / ‖default's‖ over the kernels' outputs.",
+             "‖out − default's‖ / ‖default's‖ over the kernels' outputs. *same code*: "
+             "kernels whose machine code (ptxas's cubin, the kernel's .text section) is "
+             "byte for byte the default's: those run as fast without a GPU to show it.",
              "",
              "| function | pipeline | kernels | build CPU s | PTX lines | registers (sum) | "
-             "spilling kernels | GPU µs | vs " + reference + " | worst kernel | rel. error |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "spilling kernels | same code | GPU µs | vs " + reference + " | worst kernel | "
+             "rel. error |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     functions: dict[tuple, list] = {}
     for entry in manifest["kernels"]:
         functions.setdefault((entry["model"], entry["config"]), []).append(entry)
@@ -316,16 +324,23 @@ def markdown(manifest: dict, timings: list[dict] | None, command: str) -> str:
                     worst = (f"{slowest[0]['entry']} "
                              f"{slowest[1]['us'] / base_us[slowest[0]['entry']]:.2f}×")
             reference_us = sum(base_us.values()) if base_us else None
+            same = [e["variants"][name].get("code_sha256") is not None
+                    and e["variants"][name].get("code_sha256")
+                    == e["variants"].get(reference, {}).get("code_sha256")
+                    for e in entries if name in e["variants"]]
+            same_code = f"{sum(same)}/{len(same)}" if any(
+                e["variants"][name].get("code_sha256") for e in entries
+                if name in e["variants"]) else "–"
             lines.append(
                 f"| {model} ({config}) | {name} | {len(builds)} | {build_s:.2f} | "
                 f"{sum(b['ptx_lines'] for b in builds):,} | "
                 f"{sum(b['registers'] for b in builds):,} | "
-                f"{sum(1 for b in builds if b['spill_bytes'])} | "
+                f"{sum(1 for b in builds if b['spill_bytes'])} | {same_code} | "
                 + (f"{us:.1f} | {us / reference_us:.3f}× | {worst or '–'} | {error:.1e} |"
                    if us is not None and reference_us else "– | – | – | – |"))
     for error in manifest.get("errors", ()):
-        lines.append(f"| {error['model']} ({error['config']}) | – | – | – | – | – | – | – | – | "
-                     f"{error['error']} | – |")
+        lines.append(f"| {error['model']} ({error['config']}) | – | – | – | – | – | – | – | – "
+                     f"| – | {error['error']} | – |")
     failed = [r for r in timings or () if "error" in r]
     if failed:
         lines += ["", f"{len(failed)} kernel runs failed on the GPU; the first: "

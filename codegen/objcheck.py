@@ -5,7 +5,8 @@ non-object and runs foreign-architecture code until SIGILL.
 Only what a relocatable ELF object of this machine must satisfy is checked: magic, class,
 byte order, ET_REL, e_machine, header sizes, and every section's bytes inside the file (a
 truncated object fails). Hosts whose objects are not ELF (macOS, Windows) get no host-object
-caching at all: ``host_objects_cacheable()`` is False there.
+caching at all: ``host_objects_cacheable()`` is False there. ``cubin_code`` reads a kernel's
+machine code out of a cubin (comparing builds without a GPU).
 """
 from __future__ import annotations
 
@@ -85,3 +86,25 @@ def host_object_problem(blob: bytes) -> str | None:
 def cubin_problem(blob: bytes) -> str | None:
     """None when ``blob`` looks like a CUDA cubin (64-bit little-endian ELF, EM_CUDA)."""
     return elf_problem(blob, machine=EM_CUDA, bits=64, little_endian=True, relocatable=False)
+
+
+def cubin_code(blob: bytes, entry: str) -> bytes | None:
+    """The machine code of kernel ``entry`` in cubin ``blob`` (its ``.text.<entry>``
+    section), None when the cubin has no such section. Two builds whose code is equal run
+    the same instructions: a build change that keeps every kernel's code needs no GPU to
+    show it costs nothing at run time (bench/opt_levels.py)."""
+    problem = cubin_problem(blob)
+    if problem is not None:
+        raise ValueError(f"not a cubin: {problem}")
+    ehdr = struct.Struct("<" + _EHDR[64])
+    (_type, _machine, _version, _entry, _phoff, shoff, _flags, _ehsize, _phentsize, _phnum,
+     shentsize, shnum, shstrndx) = ehdr.unpack_from(blob, 16)
+    shdr = struct.Struct("<" + _SHDR[64])
+    sections = [shdr.unpack_from(blob, shoff + i * shentsize) for i in range(shnum)]
+    names_at = sections[shstrndx][4]
+    wanted = f".text.{entry}".encode()
+    for name, sh_type, _flags, _addr, offset, size in sections:
+        start = names_at + name
+        if blob[start:blob.index(b"\0", start)] == wanted and sh_type != SHT_NOBITS:
+            return blob[offset:offset + size]
+    return None

@@ -13,6 +13,16 @@ import pytest
 from bench import opt_levels
 
 
+def _code(entry: str, variant: str) -> str | None:
+    """Machine-code digests: O3-no-unroll keeps k_small's code, O2 changes both, the
+    noalias build has none (a cubin without the kernel's section)."""
+    if variant == "O3-noalias":
+        return None
+    if variant == "O3" or (variant == "O3-no-unroll" and entry == "k_small"):
+        return f"code-of-{entry}"
+    return f"code-of-{entry}-{variant}"
+
+
 def _manifest(tmp_path=None) -> dict:
     params = [{"name": "x", "dtype": "f32", "size": 64, "bytes": 4, "output": False},
               {"name": "y", "dtype": "bf16", "size": 64, "bytes": 2, "output": True},
@@ -24,7 +34,8 @@ def _manifest(tmp_path=None) -> dict:
                         "params": params, "variants": {
                             v.name: {"cubin": f"{entry}-{v.name}.cubin", "emit_s": 0.1 * (i + 1),
                                      "ptxas_s": 0.05, "ptx_lines": 100 * (i + 1),
-                                     "registers": 32, "spill_bytes": 8 if v.name == "O3" else 0}
+                                     "registers": 32, "spill_bytes": 8 if v.name == "O3" else 0,
+                                     "code_sha256": _code(entry, v.name)}
                             for v in opt_levels.VARIANTS}})
     return {"arch": "sm_90", "variants": [{"name": v.name} for v in opt_levels.VARIANTS],
             "kernels": kernels, "errors": [{"model": "n", "config": "tiny", "error": "boom"}]}
@@ -38,13 +49,16 @@ def test_table_prices_each_pipeline_against_the_default() -> None:
     text = opt_levels.markdown(_manifest(), timings, "cmd")
     rows = {line.split(" | ")[1]: line for line in text.splitlines()
             if line.startswith("| m (tiny)")}
-    assert rows["O3"].split(" | ")[2:8] == ["2", "0.40", "300", "64", "2", "10.0"]
-    assert "| 1.100× | k_small 1.50× |" in rows["O3-no-unroll"]
-    assert "| 1.000× | k_big 1.12× |" in rows["O2"]
+    assert rows["O3"].split(" | ")[2:9] == ["2", "0.40", "300", "64", "2", "2/2", "10.0"]
+    assert "| 1/2 | 11.0 | 1.100× | k_small 1.50× |" in rows["O3-no-unroll"]
+    assert "| 0/2 | 10.0 | 1.000× | k_big 1.12× |" in rows["O2"]
+    assert rows["O3-noalias"].split(" | ")[7] == "–"   # no code to compare: unknown
     assert "| n (tiny) |" in text and "boom" in text
+    header = next(line for line in text.splitlines() if line.startswith("| function"))
+    assert len(header.split(" | ")) == len(rows["O2"].split(" | "))
     # Without timings the GPU columns are empty, the build columns stay.
     bare = opt_levels.markdown(_manifest(), None, "cmd")
-    assert "| m (tiny) | O2 | 2 | 0.40 | 300 | 64 | 0 | – | – | – | – |" in bare
+    assert "| m (tiny) | O2 | 2 | 0.40 | 300 | 64 | 0 | 0/2 | – | – | – | – |" in bare
 
 
 def test_random_inputs_by_dtype() -> None:

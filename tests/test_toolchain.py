@@ -401,3 +401,24 @@ def test_explicit_ptxas_wins_for_every_arch(monkeypatch, tmp_path):
     explicit = _fake_ptxas(tmp_path / "explicit" / "ptxas", "13.0.88", ["sm_80"])
     monkeypatch.setenv("STITCH_PTXAS", str(explicit))
     assert toolchain.find_ptxas("sm_70", refresh=True) == explicit
+
+
+@needs_ptxas
+def test_a_kernels_machine_code_read_from_its_cubin():
+    """``objcheck.cubin_code``: equal for PTX that differs only in what ptxas ignores (a
+    comment, register names), different when the instructions differ, None for an entry
+    the cubin does not hold; a non-cubin is refused."""
+    from codegen.objcheck import cubin_code
+    arch = "sm_90" if "sm_90" in toolchain.ptxas_arches(toolchain.find_ptxas()) else "sm_80"
+    base, _ = toolchain.assemble_cubin(_header(arch) + ADD_ONE, arch)
+    code = cubin_code(base, "add_one")
+    assert code is not None and len(code) % 16 == 0 and len(code) > 0
+    renamed = ADD_ONE.replace("%f", "%g").replace("DONE", "OUT")
+    commented, _ = toolchain.assemble_cubin(_header(arch) + "// a comment\n" + renamed, arch)
+    assert cubin_code(commented, "add_one") == code
+    plus_two, _ = toolchain.assemble_cubin(
+        _header(arch) + ADD_ONE.replace("0f3F800000", "0f40000000"), arch)
+    assert cubin_code(plus_two, "add_one") != code
+    assert cubin_code(base, "add_two") is None
+    with pytest.raises(ValueError, match="not a cubin"):
+        cubin_code(b"\x7fELF" + bytes(100), "add_one")
