@@ -2,7 +2,14 @@
 
 No dependency on ``stitch`` or ``codegen``.
 """
+from typing import TYPE_CHECKING
+
 from .errors import HloEvaluationError, HloParseError, StitchError, UnsupportedOpcodeError
+
+if TYPE_CHECKING:      # what __getattr__ below loads on first use, for type checkers
+    from .ir import Computation, HloModule, Instruction, Layout, Shape, Signature
+    from .parser import parse_hlo
+    from .printer import print_hlo
 
 # The IR, parser and printer (numpy among their imports) load on first use: a process that
 # needs only the error types (a PTX build child: codegen.errors) does not pay for them.
