@@ -120,15 +120,6 @@ class _Split:
             minor = inner[-1]
         return minor if dims[minor] % width == 0 else None
 
-    def ids(self, dims: tuple[int, ...]) -> np.ndarray:
-        """The row of every element of a value of shape ``dims``."""
-        n = math.prod(dims)
-        if self.kind == "rows":
-            return (np.arange(n) // self.per_row).reshape(dims)
-        if self.kind == "columns":
-            return (np.arange(n) % self.rows).reshape(dims)
-        return np.broadcast_to(compact_rows.dims_ids(dims, self.row_dims), dims)
-
     def agrees(self, ids: np.ndarray) -> bool:
         """Whether ``ids`` (a full array, -1 where row-independent) has this split's row
         wherever it has one: ``ids`` compared where known with ``self.ids``, without
