@@ -324,13 +324,11 @@ def markdown(manifest: dict, timings: list[dict] | None, command: str) -> str:
                     worst = (f"{slowest[0]['entry']} "
                              f"{slowest[1]['us'] / base_us[slowest[0]['entry']]:.2f}×")
             reference_us = sum(base_us.values()) if base_us else None
-            same = [e["variants"][name].get("code_sha256") is not None
-                    and e["variants"][name].get("code_sha256")
-                    == e["variants"].get(reference, {}).get("code_sha256")
-                    for e in entries if name in e["variants"]]
-            same_code = f"{sum(same)}/{len(same)}" if any(
-                e["variants"][name].get("code_sha256") for e in entries
-                if name in e["variants"]) else "–"
+            codes = [(e["variants"][name].get("code_sha256"),
+                      e["variants"].get(reference, {}).get("code_sha256"))
+                     for e in entries if name in e["variants"]]
+            same_code = (f"{sum(c is not None and c == r for c, r in codes)}/{len(codes)}"
+                         if any(c for c, _ in codes) else "–")
             lines.append(
                 f"| {model} ({config}) | {name} | {len(builds)} | {build_s:.2f} | "
                 f"{sum(b['ptx_lines'] for b in builds):,} | "

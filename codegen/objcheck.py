@@ -65,12 +65,18 @@ def elf_problem(blob: bytes, *, machine: int, bits: int, little_endian: bool,
         return "no usable section table"
     if shoff + shnum * shentsize > len(blob):
         return "section table outside the file (truncated?)"
-    shdr = struct.Struct(order + _SHDR[bits])
-    for i in range(shnum):
-        _name, sh_type, _flags, _addr, offset, size = shdr.unpack_from(blob, shoff + i * shentsize)
+    for i, (_name, sh_type, _flags, _addr, offset, size) in enumerate(
+            _section_headers(blob, order, bits, shoff, shnum, shentsize)):
         if sh_type not in (SHT_NULL, SHT_NOBITS) and offset + size > len(blob):
             return f"section {i} outside the file (truncated?)"
     return None
+
+
+def _section_headers(blob: bytes, order: str, bits: int, shoff: int, shnum: int,
+                     shentsize: int) -> list[tuple[int, ...]]:
+    """(sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size) of every section."""
+    shdr = struct.Struct(order + _SHDR[bits])
+    return [shdr.unpack_from(blob, shoff + i * shentsize) for i in range(shnum)]
 
 
 def host_object_problem(blob: bytes) -> str | None:
@@ -99,8 +105,7 @@ def cubin_code(blob: bytes, entry: str) -> bytes | None:
     ehdr = struct.Struct("<" + _EHDR[64])
     (_type, _machine, _version, _entry, _phoff, shoff, _flags, _ehsize, _phentsize, _phnum,
      shentsize, shnum, shstrndx) = ehdr.unpack_from(blob, 16)
-    shdr = struct.Struct("<" + _SHDR[64])
-    sections = [shdr.unpack_from(blob, shoff + i * shentsize) for i in range(shnum)]
+    sections = _section_headers(blob, "<", 64, shoff, shnum, shentsize)
     names_at = sections[shstrndx][4]
     wanted = f".text.{entry}".encode()
     for name, sh_type, _flags, _addr, offset, size in sections:
