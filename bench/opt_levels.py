@@ -11,8 +11,8 @@ split in two steps on two machines, with files between them:
 ``python -m bench.opt_levels prepare [--models transformer_train:tiny,...] [--dir D]``
     Here, no GPU: each function is compiled with stitch's pass for a deviceless H100 (one
     child per function in scripts/deviceless_check.sh's venv, STITCH_CUDA_VENV); the pass's
-    distinct kernels are built under every pipeline of ``VARIANTS`` (PTX, then ptxas for
-    sm_90). D/manifest.json gets each build's CPU seconds, PTX lines, registers and spills;
+    distinct kernels are built under every pipeline of ``VARIANTS`` (codegen.nvptx's
+    ``PIPELINES``, the ones ``STITCH_LLVM_PIPELINE`` may name: PTX, then ptxas for sm_90). D/manifest.json gets each build's CPU seconds, PTX lines, registers and spills;
     the cubins go to D.
 ``python -m bench.opt_levels time --dir D --json T.json``
     On a machine with an NVIDIA GPU (numpy and cupy only: none of stitch's dependencies,
@@ -33,7 +33,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 SECTION = "bench-opt-levels"
@@ -51,11 +51,31 @@ class Variant:
     speed_level: int
     loop_unrolling: bool
     noalias_inputs: bool = False
+    gvn_memdep: bool = True
 
 
-# The first is what stitch builds with (codegen.nvptx.DEFAULT_PIPELINE): the reference.
-VARIANTS = (Variant("O3", 3, True), Variant("O3-no-unroll", 3, False), Variant("O2", 2, True),
-            Variant("O3-noalias", 3, True, noalias_inputs=True))
+def _variants() -> tuple[Variant, ...]:
+    """One variant per pipeline ``STITCH_LLVM_PIPELINE`` may name (codegen.nvptx.PIPELINES,
+    read from the source so that ``time`` on the GPU machine needs no llvmlite): the first is
+    what stitch builds with, the reference."""
+    import ast
+    source = (Path(__file__).parents[1] / "codegen" / "nvptx.py").read_text()
+    defaults = {f.name: f.default for f in fields(Variant) if f.name != "name"}
+    defaults.update(speed_level=3, loop_unrolling=True)     # LlvmPipeline's defaults
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "PIPELINES":
+            for key, value in zip(node.value.keys, node.value.values):
+                given = dict(defaults)
+                if isinstance(value, ast.Call):
+                    given.update({k.arg: ast.literal_eval(k.value) for k in value.keywords})
+                found.append(Variant(ast.literal_eval(key), **given))
+    if not found:
+        raise SystemExit("codegen/nvptx.py has no PIPELINES table")
+    return tuple(found)
+
+
+VARIANTS = _variants()
 
 
 # ---------------------------------------------------------------- prepare (here)
@@ -100,7 +120,7 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
                  "variants": {}}
         for variant in VARIANTS:
             pipeline = LlvmPipeline(variant.speed_level, variant.loop_unrolling,
-                                    variant.noalias_inputs)
+                                    variant.noalias_inputs, variant.gvn_memdep)
             emit_start = time.thread_time()
             ptx = emit_ptx(kernel, ARCH, pipeline=pipeline)
             emit_s = time.thread_time() - emit_start

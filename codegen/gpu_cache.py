@@ -32,7 +32,8 @@ from codegen import kir
 from codegen.cache import CODEGEN_PACKAGES, CompileCache, cache_key, source_digest
 from codegen.errors import CodegenError
 from codegen.isolation import IsolatedWorker, run_isolated
-from codegen.nvptx import DEFAULT_PTX_VERSION, default_libdevice_path, emit_ptx
+from codegen.nvptx import (DEFAULT_PTX_VERSION, LlvmPipeline, default_libdevice_path, emit_ptx,
+                           pipeline_name, pipeline_setting)
 from codegen.objcheck import cubin_problem
 from codegen.toolchain import PtxasReport, assemble_cubin, find_ptxas, ptxas_version
 
@@ -121,16 +122,19 @@ def libdevice_identity(libdevice: str | Path | None = None) -> str:
 
 
 def ptx_key(kernel: kir.Kernel, arch: str, *, ptx_version: int = DEFAULT_PTX_VERSION,
-            libdevice: str | Path | None = None, structure: str | None = None) -> str:
+            libdevice: str | Path | None = None, structure: str | None = None,
+            pipeline: LlvmPipeline | None = None) -> str:
     """The PTX cache key. ``structure``: a canonical kernel's ``structure_key`` when the
     caller has it (``canonical_kernel``s of equal structure have equal PTX, so it identifies
-    the PTX as well as the Kernel IR's text does, and saves writing that text again)."""
+    the PTX as well as the Kernel IR's text does, and saves writing that text again).
+    ``pipeline``: the LLVM pipeline it is built with (None: ``pipeline_setting()``)."""
     import llvmlite
     identity = ("structure", structure) if structure is not None \
         else ("kernel", kernel_ir_text(kernel))
     return cache_key("ptx", *identity, arch, str(ptx_version),
                      libdevice_identity(libdevice), llvmlite.__version__, stitch_version(),
-                     source_digest(CODEGEN_PACKAGES))
+                     source_digest(CODEGEN_PACKAGES),
+                     pipeline_name(pipeline or pipeline_setting()))
 
 
 @dataclass(frozen=True)
@@ -158,11 +162,13 @@ def emit_ptx_cached(kernel: kir.Kernel, arch: str, *, cache: CompileCache | None
     False: emitted in this process (the caller is an isolated child already). Errors in
     emission: CodegenError (IsolatedCrash when the child died)."""
     built = False
+    # Read once: the key and the build agree on it ($STITCH_LLVM_PIPELINE).
+    pipeline = pipeline_setting()
 
     def build() -> bytes:
         nonlocal built
         built = True
-        kwargs = {"libdevice": libdevice, "ptx_version": ptx_version}
+        kwargs = {"libdevice": libdevice, "ptx_version": ptx_version, "pipeline": pipeline}
         if not isolated:
             text = emit_ptx(kernel, arch, **kwargs)
         elif worker is not None:
@@ -174,7 +180,7 @@ def emit_ptx_cached(kernel: kir.Kernel, arch: str, *, cache: CompileCache | None
     if cache is None:
         return PtxBuild(build().decode("utf-8"), False)
     key = ptx_key(kernel, arch, ptx_version=ptx_version, libdevice=libdevice,
-                  structure=structure)
+                  structure=structure, pipeline=pipeline)
     payload = cache.get_or_create(key, build, validate=_ptx_validator(kernel.name))
     return PtxBuild(payload.decode("utf-8"), not built)
 

@@ -7,9 +7,12 @@ no libcalls for e.g. `fexp`, and ptxas cannot resolve external `__nv_` functions
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,31 +177,74 @@ def emit_llvm_ir(kernel: kir.Kernel, arch: str = "sm_80",
 @dataclass(frozen=True)
 class LlvmPipeline:
     """How `emit_ptx` has LLVM build a kernel: LLVM's speed level, whether it unrolls loops,
-    and whether the kernel's inputs are `noalias`. The default is what stitch builds with;
-    the others are for weighing build time against kernel speed (bench/opt_levels.py: O3's
-    unrolling is about a third of a GPU build).
+    whether the kernel's inputs are `noalias`, and whether GVN looks through memory. The
+    default is what stitch builds with; the others are for weighing build time against
+    kernel speed (bench/opt_levels.py: O3's unrolling is about a third of a GPU build), and
+    can be chosen by name with ``STITCH_LLVM_PIPELINE`` (``PIPELINES``).
 
     ``noalias_inputs``: inputs then load through the read-only path (`ld.global.nc`, as
     XLA's own kernels) and LLVM need not assume an output's store clobbers them: 12% less
     LLVM time on transformer_train's kernels. Off by default: on `.nc` loads ptxas trades
     registers for occupancy and spills some kernels (transformer_train's zoo kernel k101
     on sm_90: 40 registers without spills, 32 with 16 bytes spilled); only a GPU can say
-    which runs faster. Kernels that add in place (`kir.has_atomics`) never get it."""
+    which runs faster. Kernels that add in place (`kir.has_atomics`) never get it.
+
+    ``gvn_memdep``: GVN's memory-dependence analysis (LLVM's ``-enable-gvn-memdep``), which
+    finds loads redundant by looking back through the stores before them; without it GVN
+    is about a fifth of an O3 build cheaper and some kernels keep loads it would have
+    removed. LLVM reads the setting process-wide: `emit_ptx` sets it for the build and puts
+    it back, so builds of different settings must not run at once in one process (the PTX
+    children build one kernel at a time)."""
     speed_level: int = 3
     loop_unrolling: bool = True
     noalias_inputs: bool = False
+    gvn_memdep: bool = True
 
 
 DEFAULT_PIPELINE = LlvmPipeline()
 
+# The pipelines ``STITCH_LLVM_PIPELINE`` may name (and bench/opt_levels builds): the first is
+# the default. Each but the default changes some kernels' machine code.
+PIPELINES: dict[str, LlvmPipeline] = {
+    "O3": DEFAULT_PIPELINE,
+    "O3-no-unroll": LlvmPipeline(loop_unrolling=False),
+    "O2": LlvmPipeline(speed_level=2),
+    "O3-noalias": LlvmPipeline(noalias_inputs=True),
+    "O3-no-memdep": LlvmPipeline(gvn_memdep=False),
+    "O2-no-unroll-no-memdep": LlvmPipeline(speed_level=2, loop_unrolling=False,
+                                           gvn_memdep=False),
+}
+PIPELINE_ENV = "STITCH_LLVM_PIPELINE"
+
+
+def pipeline_setting() -> LlvmPipeline:
+    """The pipeline ``$STITCH_LLVM_PIPELINE`` names (unset or empty: the default); an
+    unknown name is a CodegenError naming the known ones."""
+    name = os.environ.get(PIPELINE_ENV, "").strip()
+    if not name:
+        return DEFAULT_PIPELINE
+    try:
+        return PIPELINES[name]
+    except KeyError:
+        raise CodegenError(f"{PIPELINE_ENV}={name!r} names no LLVM pipeline; known: "
+                           f"{', '.join(PIPELINES)}") from None
+
+
+def pipeline_name(pipeline: LlvmPipeline) -> str:
+    """``pipeline``'s name in PIPELINES, else its fields (a cache key's part)."""
+    return next((n for n, p in PIPELINES.items() if p == pipeline), repr(pipeline))
+
 
 def emit_ptx(kernel: kir.Kernel, arch: str = "sm_80", *, libdevice: str | Path | None = None,
              ptx_version: int = DEFAULT_PTX_VERSION,
-             pipeline: LlvmPipeline = DEFAULT_PIPELINE) -> str:
+             pipeline: LlvmPipeline | None = None) -> str:
     """PTX text for `kernel` on `arch` (sm_70 / sm_80 / sm_90 ...), one `.entry` named
-    kernel.name, params in kernel.params order as global pointers, `.maxntid` = block."""
+    kernel.name, params in kernel.params order as global pointers, `.maxntid` = block.
+    ``pipeline``: None is ``pipeline_setting()``."""
     if arch not in ARCHS:
         raise CodegenError(f"unsupported arch {arch!r}; known: {', '.join(ARCHS)}")
+    if pipeline is None:
+        pipeline = pipeline_setting()
     text = emit_llvm_ir(kernel, arch, ptx_version, pipeline.noalias_inputs)
     tm = _target_machine(arch, ptx_version)
     try:
@@ -215,8 +261,9 @@ def emit_ptx(kernel: kir.Kernel, arch: str = "sm_80", *, libdevice: str | Path |
         if not gv.is_declaration:
             gv.linkage = llvm.Linkage.internal
     _drop_unused(module)    # before O3: its CGSCC passes would visit every dead function
-    _optimize(module, tm, pipeline)
-    ptx = tm.emit_assembly(module)
+    with _gvn_memdep(pipeline.gvn_memdep):
+        _optimize(module, tm, pipeline)
+        ptx = tm.emit_assembly(module)    # NVPTX codegen runs GVN too
     _check_ptx(kernel, ptx)
     LOG.debug("kernel %s: %d lines of PTX for %s", kernel.name, ptx.count("\n"), arch)
     return ptx
@@ -300,6 +347,20 @@ def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine,
     pto.loop_unrolling = pipeline.loop_unrolling
     pb = llvm.create_pass_builder(tm, pto)
     pb.getModulePassManager().run(module, pb)  # NVPTX callbacks include NVVMReflect
+
+
+@contextlib.contextmanager
+def _gvn_memdep(enabled: bool) -> Iterator[None]:
+    """LLVM's process-wide ``-enable-gvn-memdep`` off for the block when ``enabled`` is
+    False (then on again: LLVM's default)."""
+    if enabled:
+        yield
+        return
+    llvm.set_option("", "-enable-gvn-memdep=false")
+    try:
+        yield
+    finally:
+        llvm.set_option("", "-enable-gvn-memdep=true")
 
 
 _UNRESOLVED = re.compile(r"\.extern\s+\.func|call[^;]*__nv_")

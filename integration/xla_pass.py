@@ -495,8 +495,14 @@ class GpuPrebuild:
         import queue
         from concurrent.futures import ThreadPoolExecutor
 
+        from codegen.nvptx import DEFAULT_PIPELINE, PIPELINE_ENV, pipeline_setting
+
         self.request = request
         self.arch = request.gpu_arch()
+        # A bad $STITCH_LLVM_PIPELINE fails the pass once here, not every kernel's build.
+        if pipeline_setting() != DEFAULT_PIPELINE:
+            log.info("%s: kernels built with LLVM pipeline %s=%s", request.function,
+                     PIPELINE_ENV, os.environ[PIPELINE_ENV].strip())
         # On a device, ptxas's cubin is loaded where a ptxas is found: assembled here in
         # parallel and cached, instead of the driver JIT-compiling each PTX in turn on the
         # pass's thread as its FFI target is made (PTX stays the fallback).

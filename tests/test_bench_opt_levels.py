@@ -172,3 +172,13 @@ def test_timing_step_checks_and_times_every_variant(tmp_path, monkeypatch) -> No
     assert sum(1 for c in first if c[0] == "k_big" and c[1] == "O3") == \
         2 * sum(1 for c in first if c[0] == "k_small" and c[1] == "O3")
     assert all(c[2] == (2,) and c[3] == (32,) and c[4] is False for c in first)
+
+
+def test_variants_are_the_pipelines_stitch_llvm_pipeline_names():
+    """bench/opt_levels reads codegen.nvptx.PIPELINES from its source (the GPU machine's
+    `time` step imports no stitch module): the same names and settings, the default first."""
+    from codegen.nvptx import PIPELINES, LlvmPipeline
+    assert [v.name for v in opt_levels.VARIANTS] == list(PIPELINES)
+    for v in opt_levels.VARIANTS:
+        assert LlvmPipeline(v.speed_level, v.loop_unrolling, v.noalias_inputs,
+                            v.gvn_memdep) == PIPELINES[v.name], v.name

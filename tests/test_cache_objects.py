@@ -182,6 +182,25 @@ def test_ptx_built_once_then_served_and_forgeries_rebuilt(tmp_path):
         assert not again.from_cache and again.ptx == cold.ptx and cache.stats.corrupt == 1
 
 
+def test_ptx_cached_per_llvm_pipeline(tmp_path, monkeypatch):
+    """PTX built under one $STITCH_LLVM_PIPELINE is never served for another."""
+    from codegen.gpu_cache import emit_ptx_cached, ptx_key
+    from codegen.nvptx import PIPELINE_ENV, PIPELINES
+
+    kernel = _ptx_kernel()
+    monkeypatch.delenv(PIPELINE_ENV, raising=False)
+    default = emit_ptx_cached(kernel, "sm_80", cache=CompileCache(tmp_path), isolated=False)
+    assert ptx_key(kernel, "sm_80") == ptx_key(kernel, "sm_80", pipeline=PIPELINES["O3"])
+    monkeypatch.setenv(PIPELINE_ENV, "O3-no-unroll")
+    assert ptx_key(kernel, "sm_80") != ptx_key(kernel, "sm_80", pipeline=PIPELINES["O3"])
+    other = emit_ptx_cached(kernel, "sm_80", cache=CompileCache(tmp_path), isolated=False)
+    again = emit_ptx_cached(kernel, "sm_80", cache=CompileCache(tmp_path), isolated=False)
+    assert not default.from_cache and not other.from_cache and again.from_cache
+    monkeypatch.delenv(PIPELINE_ENV)
+    assert emit_ptx_cached(kernel, "sm_80", cache=CompileCache(tmp_path),
+                           isolated=False).from_cache
+
+
 def test_ptxas_results_cached(tmp_path):
     from codegen.errors import ToolchainError
     from codegen.gpu_cache import assemble_cached, emit_ptx_cached

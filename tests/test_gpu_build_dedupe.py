@@ -293,3 +293,24 @@ def test_a_kernels_build_in_its_child_assembles_as_asked_and_caches(monkeypatch,
     with pytest.raises(CodegenError, match="unknown assembly mode"):
         gpu_cache.build_in_child(kernel, "sm_90", structure=key, cache_dir=None,
                                  assembly="sometimes")
+
+
+def test_a_bad_llvm_pipeline_setting_fails_the_gpu_build_once(monkeypatch, tmp_path, caplog):
+    """GpuPrebuild reads $STITCH_LLVM_PIPELINE before any kernel is handed to a child: an
+    unknown name stops the pass's build with one error naming it (the pass then leaves the
+    module to XLA), a known one other than the default is logged."""
+    import logging
+
+    from codegen.errors import CodegenError
+    from integration import xla_pass
+
+    monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path / "cache"))
+    request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True)
+    monkeypatch.setenv("STITCH_LLVM_PIPELINE", "O4")
+    with pytest.raises(CodegenError, match="'O4' names no LLVM pipeline"):
+        xla_pass.GpuPrebuild(request, [])
+    monkeypatch.setenv("STITCH_LLVM_PIPELINE", "O2")
+    with caplog.at_level(logging.INFO, logger=xla_pass.log.name):
+        with xla_pass.GpuPrebuild(request, []):
+            pass
+    assert "LLVM pipeline STITCH_LLVM_PIPELINE=O2" in caplog.text

@@ -267,3 +267,71 @@ def test_libdevice_cut_once_per_process_links_the_same_functions(monkeypatch):
     monkeypatch.setattr(nvptx, "LIBDEVICE_FUNCTIONS", frozenset())   # whole libdevice
     assert emit_ptx(kernel, "sm_90") == via_cut
     nvptx._libdevice_subset.cache_clear()
+
+
+def _twice_loaded_kernel() -> Kernel:
+    """out[g] = (y[g] < 0 ? x[g] : exp(x[g])) + x[g]: the last load of x[g] repeats the
+    one each branch made, which only GVN's memory dependences see (no single load before
+    it dominates it)."""
+    n = 4096
+    x, y = Param("x", "f32", n), Param("y", "f32", n)
+    out = Param("out", "f32", n, is_output=True)
+    g = Ref("g", "i32")
+    return Kernel("twice_loaded", [x, y, out], [], n // 128, 128, [
+        Let("g", Binary("add", Binary("mul", kir.BlockIdx(), kir.i32(128)), kir.ThreadIdx())),
+        kir.Local("acc", "f32"),
+        kir.If(Compare("lt", Load(y, g), kir.f32(0.0)), (kir.Assign("acc", Load(x, g)),),
+               (kir.Assign("acc", kir.Unary("exp", Load(x, g))),)),
+        kir.Store(out, g, Binary("add", Ref("acc", "f32"), Load(x, g)))])
+
+
+def _global_loads(ptx: str) -> int:
+    return len(re.findall(r"\bld\.global", ptx))
+
+
+def test_gvn_without_memory_dependences_keeps_a_redundant_load_and_is_put_back():
+    """``LlvmPipeline(gvn_memdep=False)`` (LLVM's process-wide -enable-gvn-memdep) keeps the
+    load the default removes; the setting is put back after the build, so the default's
+    next build is the same as its first."""
+    from codegen.nvptx import PIPELINES
+    kernel = _twice_loaded_kernel()
+    first = emit_ptx(kernel, "sm_90")
+    without = emit_ptx(kernel, "sm_90", pipeline=PIPELINES["O3-no-memdep"])
+    assert _global_loads(first) == 2                  # y[g] and one x[g]
+    assert _global_loads(without) == 3
+    assert emit_ptx(kernel, "sm_90") == first
+
+
+def test_gvn_memdep_is_put_back_when_the_build_fails(monkeypatch):
+    from codegen import nvptx
+    calls = []
+    monkeypatch.setattr(nvptx.llvm, "set_option", lambda name, opt: calls.append(opt))
+
+    def broken(*args, **kwargs):
+        raise CodegenError("optimiser failed")
+    monkeypatch.setattr(nvptx, "_optimize", broken)
+    with pytest.raises(CodegenError, match="optimiser failed"):
+        emit_ptx(_twice_loaded_kernel(), "sm_90", pipeline=LlvmPipeline(gvn_memdep=False))
+    assert calls == ["-enable-gvn-memdep=false", "-enable-gvn-memdep=true"]
+    calls.clear()
+    with pytest.raises(CodegenError):
+        emit_ptx(_twice_loaded_kernel(), "sm_90", pipeline=LlvmPipeline())
+    assert calls == []                                # the default never touches it
+
+
+def test_stitch_llvm_pipeline_names_the_pipeline(monkeypatch):
+    """$STITCH_LLVM_PIPELINE picks one of PIPELINES for builds that name none; an unknown
+    name is an error naming the known ones."""
+    from codegen.nvptx import DEFAULT_PIPELINE, PIPELINE_ENV, PIPELINES, pipeline_setting
+    monkeypatch.delenv(PIPELINE_ENV, raising=False)
+    assert pipeline_setting() is DEFAULT_PIPELINE
+    assert list(PIPELINES)[0] == "O3" and PIPELINES["O3"] == DEFAULT_PIPELINE
+    monkeypatch.setenv(PIPELINE_ENV, " O2 ")
+    assert pipeline_setting() == LlvmPipeline(speed_level=2)
+    monkeypatch.setenv(PIPELINE_ENV, "O3-no-memdep")
+    assert _global_loads(emit_ptx(_twice_loaded_kernel(), "sm_90")) == 3
+    monkeypatch.setenv(PIPELINE_ENV, "O1")
+    with pytest.raises(CodegenError, match=r"STITCH_LLVM_PIPELINE='O1'.*O3-no-unroll"):
+        pipeline_setting()
+    monkeypatch.setenv(PIPELINE_ENV, "")
+    assert pipeline_setting() is DEFAULT_PIPELINE
