@@ -71,7 +71,65 @@ def test_the_rewrite_is_the_plan_order_one(monkeypatch):
     plan_names = [k.name for k in report.plan.kernels]
     assert report.placed == sorted(report.placed, key=plan_names.index)
 
-    monkeypatch.setattr(xla_pass, "_largest_first", list)        # plan order
+    monkeypatch.setattr(xla_pass, "_largest_first",               # plan order
+                        lambda kernels, *args, **kwargs: list(kernels))
     again = xla_pass.PassRequest("f", "h100", "cpu", options=OPTIONS, token="order")
     assert xla_pass.stitch_module_text(text, again) == largest_first
     assert again.report.placed == report.placed
+
+
+def _fake(name: str, members: int):
+    from types import SimpleNamespace
+    part = SimpleNamespace(vector_width=1, members=list(range(members)))
+    return SimpleNamespace(name=name, schedule=SimpleNamespace(parts=[part]))
+
+
+def test_likely_paid_kernels_lead_then_largest_first():
+    """The first ``lead`` kernels are the largest of those payback is expected to build;
+    the others keep their largest-first places (a misjudged kernel is not pushed to the
+    end of the build)."""
+    kernels = [_fake(n, m) for n, m in (("a", 10), ("b", 500), ("c", 300), ("d", 200),
+                                         ("e", 400), ("f", 50))]
+    paid = {"c", "d", "f"}
+    order = xla_pass._largest_first(kernels, lambda k: k.name in paid, lead=2)
+    assert [k.name for k in order] == ["c", "d", "b", "e", "f", "a"]
+    assert [k.name for k in xla_pass._largest_first(kernels)] == ["b", "e", "c", "d", "f", "a"]
+    assert [k.name for k in xla_pass._largest_first(kernels, lambda k: False, lead=2)] == \
+        ["b", "e", "c", "d", "f", "a"]
+    assert [k.name for k in xla_pass._largest_first(kernels, lambda k: True, lead=0)] == \
+        ["b", "e", "c", "d", "f", "a"]
+
+
+def test_the_gpu_pass_lowers_a_likely_paid_kernel_first(monkeypatch):
+    """With payback on, the pass lowers (and so submits) first a kernel the estimate expects
+    to be built, even where a larger kernel comes first largest first; that one is still
+    lowered, and left to XLA."""
+    from integration import code_budget
+    monkeypatch.delenv(payback.PAYBACK_ENV, raising=False)
+    module = parse_hlo(_module_text())
+    fusion_plan = plan(module, "h100", options=OPTIONS)
+    planned = [k for k in fusion_plan.kernels if getattr(k.schedule, "parts", None)]
+    largest = max(planned, key=lambda k: estimated_statements(k.schedule))
+    # The largest never repays its build; the others as payback says (this module's do).
+    monkeypatch.setattr(xla_pass, "build_threads", lambda: 1)
+    real_unpaid = payback.unpaid
+    monkeypatch.setattr(payback, "unpaid", lambda name, gain, size, limit: (
+        payback.Unpaid(name, gain * 1e6, 1.0, 1e9) if name == largest.name
+        else real_unpaid(name, gain, size, limit)))
+    lowered = []
+    real_lower = code_budget.lower_within_budget
+
+    def recorded(graph, schedule, spec, name, lower, budget=None):
+        lowered.append(name)
+        return real_lower(graph, schedule, spec, name, lower, budget)
+    monkeypatch.setattr(code_budget, "lower_within_budget", recorded)
+    request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True)
+    report = xla_pass.PassReport(module.name, 0, 0, 0)
+    submitted = []
+    jobs = xla_pass._lower_jobs(request, report, fusion_plan, module, get_spec("h100"),
+                                Evaluator(module), {},
+                                lambda kernel, key=None: submitted.append(kernel))
+    assert sorted(lowered) == sorted(k.name for k in planned)
+    assert lowered[0] != largest.name and lowered[1] == largest.name
+    assert submitted == [j[3].kernel for j in jobs] and jobs[0][1].name == lowered[0]
+    assert [u.name for u in report.unpaid] == [largest.name]
