@@ -42,6 +42,18 @@ def _sizes(kernels) -> list[int]:
     return [estimated_statements(k.schedule) for k in kernels]
 
 
+def _lower_for_gpu(module, fusion_plan):
+    """The GPU pass's lowering of ``fusion_plan`` (compile-only): its report, jobs in
+    lowering order and the kernels handed to the build, in order."""
+    request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True)
+    report = xla_pass.PassReport(module.name, 0, 0, 0)
+    submitted = []
+    jobs = xla_pass._lower_jobs(request, report, fusion_plan, module, get_spec("h100"),
+                                Evaluator(module), {},
+                                lambda kernel, key=None: submitted.append(kernel))
+    return report, jobs, submitted
+
+
 def test_kernels_are_submitted_largest_first(monkeypatch):
     monkeypatch.setenv(payback.PAYBACK_ENV, "off")
     module = parse_hlo(_module_text())
@@ -50,12 +62,7 @@ def test_kernels_are_submitted_largest_first(monkeypatch):
     assert len(planned) >= 2
     assert _sizes(planned) != sorted(_sizes(planned), reverse=True), \
         "the plan is already largest first: this test would not see the order change"
-    request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True)
-    report = xla_pass.PassReport(module.name, 0, 0, 0)
-    submitted = []
-    jobs = xla_pass._lower_jobs(request, report, fusion_plan, module, get_spec("h100"),
-                                Evaluator(module), {},
-                                lambda kernel, key=None: submitted.append(kernel))
+    report, jobs, submitted = _lower_for_gpu(module, fusion_plan)
     assert [j[3].kernel for j in jobs] == submitted
     order = [j[1] for j in jobs]
     assert sorted(k.name for k in order) == sorted(k.name for k in planned)
@@ -123,12 +130,7 @@ def test_the_gpu_pass_lowers_a_likely_paid_kernel_first(monkeypatch):
         lowered.append(name)
         return real_lower(graph, schedule, spec, name, lower, budget)
     monkeypatch.setattr(code_budget, "lower_within_budget", recorded)
-    request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True)
-    report = xla_pass.PassReport(module.name, 0, 0, 0)
-    submitted = []
-    jobs = xla_pass._lower_jobs(request, report, fusion_plan, module, get_spec("h100"),
-                                Evaluator(module), {},
-                                lambda kernel, key=None: submitted.append(kernel))
+    report, jobs, submitted = _lower_for_gpu(module, fusion_plan)
     assert sorted(lowered) == sorted(k.name for k in planned)
     assert lowered[0] != largest.name and lowered[1] == largest.name
     assert submitted == [j[3].kernel for j in jobs] and jobs[0][1].name == lowered[0]
