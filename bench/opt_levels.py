@@ -12,8 +12,9 @@ split in two steps on two machines, with files between them:
     Here, no GPU: each function is compiled with stitch's pass for a deviceless H100 (one
     child per function in scripts/deviceless_check.sh's venv, STITCH_CUDA_VENV); the pass's
     distinct kernels are built under every pipeline of ``VARIANTS`` (codegen.nvptx's
-    ``PIPELINES``, the ones ``STITCH_LLVM_PIPELINE`` may name: PTX, then ptxas for sm_90). D/manifest.json gets each build's CPU seconds, PTX lines, registers and spills;
-    the cubins go to D.
+    ``PIPELINES``, the ones ``STITCH_LLVM_PIPELINE`` may name: PTX, then ptxas for sm_90).
+    D/manifest.json gets each build's CPU seconds, PTX lines, registers and spills; the
+    cubins go to D.
 ``python -m bench.opt_levels time --dir D --json T.json``
     On a machine with an NVIDIA GPU (numpy and cupy only: none of stitch's dependencies,
     no stitch import). Each cubin is loaded and its kernel run on fresh random inputs

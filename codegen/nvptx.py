@@ -190,9 +190,9 @@ class LlvmPipeline:
     which runs faster. Kernels that add in place (`kir.has_atomics`) never get it.
 
     ``gvn_memdep``: GVN's memory-dependence analysis (LLVM's ``-enable-gvn-memdep``), which
-    finds loads redundant by looking back through the stores before them; without it GVN
-    is about a fifth of an O3 build cheaper and some kernels keep loads it would have
-    removed. LLVM reads the setting process-wide: `emit_ptx` sets it for the build and puts
+    finds loads redundant by looking back through the stores before them; without it LLVM
+    took about a fifth less time on transformer_train tiny's kernels (2.46 → 1.91 s) and
+    some kernels keep loads it would have removed. LLVM reads the setting process-wide: `emit_ptx` sets it for the build and puts
     it back, so builds of different settings must not run at once in one process (the PTX
     children build one kernel at a time)."""
     speed_level: int = 3
