@@ -11,13 +11,13 @@ split in two steps on two machines, with files between them:
 ``python -m bench.opt_levels prepare [--models transformer_train:tiny,...] [--dir D]``
     Here, no GPU: each function is compiled with stitch's pass for a deviceless H100 (one
     child per function in scripts/deviceless_check.sh's venv, STITCH_CUDA_VENV); the pass's
-    distinct kernels are built under every pipeline of ``VARIANTS`` (codegen.nvptx's
+    distinct kernels are built under every pipeline of ``VARIANTS`` (codegen.pipelines'
     ``PIPELINES``, the ones ``STITCH_LLVM_PIPELINE`` may name: PTX, then ptxas for sm_90).
     D/manifest.json gets each build's CPU seconds, PTX lines, registers and spills; the
     cubins go to D.
 ``python -m bench.opt_levels time --dir D --json T.json``
-    On a machine with an NVIDIA GPU (numpy and cupy only: none of stitch's dependencies,
-    no stitch import). Each cubin is loaded and its kernel run on fresh random inputs
+    On a machine with an NVIDIA GPU (numpy and cupy only: none of stitch's dependencies;
+    of stitch only the plain-Python pipeline table, codegen.pipelines). Each cubin is loaded and its kernel run on fresh random inputs
     (outputs poisoned first); each variant's outputs are checked against the default's.
     Each kernel is then timed as CUDA graph replays of ``REPLAYS`` launches, the median of
     ``REPEATS``, rotating over ``INPUT_SETS`` input sets so no launch reuses the one before.
@@ -34,8 +34,10 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from codegen.pipelines import PIPELINES
 
 SECTION = "bench-opt-levels"
 DEFAULT_MODELS = ("transformer_train:tiny", "bert_layer_train:tiny", "transformer_train:full")
@@ -55,28 +57,10 @@ class Variant:
     gvn_memdep: bool = True
 
 
-def _variants() -> tuple[Variant, ...]:
-    """One variant per pipeline ``STITCH_LLVM_PIPELINE`` may name (codegen.nvptx.PIPELINES,
-    read from the source so that ``time`` on the GPU machine needs no llvmlite): the first is
-    what stitch builds with, the reference."""
-    import ast
-    source = (Path(__file__).parents[1] / "codegen" / "nvptx.py").read_text()
-    defaults = {f.name: f.default for f in fields(Variant) if f.name != "name"}
-    defaults.update(speed_level=3, loop_unrolling=True)     # LlvmPipeline's defaults
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "PIPELINES":
-            for key, value in zip(node.value.keys, node.value.values):
-                given = dict(defaults)
-                if isinstance(value, ast.Call):
-                    given.update({k.arg: ast.literal_eval(k.value) for k in value.keywords})
-                found.append(Variant(ast.literal_eval(key), **given))
-    if not found:
-        raise SystemExit("codegen/nvptx.py has no PIPELINES table")
-    return tuple(found)
-
-
-VARIANTS = _variants()
+# One variant per pipeline STITCH_LLVM_PIPELINE may name (codegen.pipelines: plain Python,
+# so the GPU machine's `time` step needs none of stitch's dependencies); the first is what
+# stitch builds with, the reference.
+VARIANTS = tuple(Variant(name, **asdict(pipeline)) for name, pipeline in PIPELINES.items())
 
 
 # ---------------------------------------------------------------- prepare (here)
@@ -255,7 +239,7 @@ def time_kernels(directory: Path, replays: int = REPLAYS, repeats: int = REPEATS
 
 def _numpy_type(dtype: str):
     """numpy's storage type for ``dtype`` (codegen.host.NUMPY_DTYPES, bf16 as its bits):
-    written out, as the GPU step imports nothing of stitch's."""
+    written out, as the GPU step imports none of stitch's modules but codegen.pipelines."""
     import numpy as np
     return {"f32": np.float32, "f64": np.float64, "f16": np.float16, "bf16": np.uint16,
             "i1": np.uint8, "i8": np.int8, "u8": np.uint8, "i32": np.int32,
