@@ -175,10 +175,30 @@ def test_timing_step_checks_and_times_every_variant(tmp_path, monkeypatch) -> No
 
 
 def test_variants_are_the_pipelines_stitch_llvm_pipeline_names():
-    """bench/opt_levels reads codegen.nvptx.PIPELINES from its source (the GPU machine's
-    `time` step imports no stitch module): the same names and settings, the default first."""
+    """bench/opt_levels builds the pipelines nvptx builds with: the same names and
+    settings, the default first."""
     from codegen.nvptx import PIPELINES, LlvmPipeline
     assert [v.name for v in opt_levels.VARIANTS] == list(PIPELINES)
     for v in opt_levels.VARIANTS:
         assert LlvmPipeline(v.speed_level, v.loop_unrolling, v.noalias_inputs,
                             v.gvn_memdep) == PIPELINES[v.name], v.name
+
+
+def test_the_gpu_step_imports_without_llvmlite():
+    """The GPU machine's `time` step has numpy and cupy, not stitch's dependencies: the
+    bench module (and the pipeline table it reads) imports with llvmlite unavailable."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    blocker = ("import sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] == 'llvmlite':\n"
+               "            raise ImportError('llvmlite is blocked')\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "import bench.opt_levels as b\n"
+               "print(len(b.VARIANTS), 'llvmlite' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True,
+                         cwd=Path(__file__).parents[1], timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(len(opt_levels.VARIANTS)), "False"]
