@@ -235,6 +235,10 @@ class CompileCache:
         self.disabled_reason = ""
         self._fds: list[int] = []  # closed by the finalizer (or close())
         self._closer = weakref.finalize(self, _close_fds, self._fds)
+        # Not at interpreter exit: a compile still finishing then (joined by an exit hook
+        # that may run after weakref's) would use closed descriptors, or worse, numbers
+        # reused for unrelated files. The process's end closes them.
+        self._closer.atexit = False
         self._dir_fd = -1
         self._locks_fd = -1
         self._secret = b""

@@ -36,7 +36,8 @@ from llvmlite import ir
 from codegen import kir
 from codegen.cache import CompileCache, cache_key
 from codegen.errors import CodegenError
-from codegen.host import _ALIGN, NUMPY_DTYPES, _host_machine, emit_host_ir, jit_module
+from codegen.host import (_ALIGN, NUMPY_DTYPES, ObjectBuilder, _host_machine, emit_host_ir,
+                         jit_module)
 from codegen.llvm_emit import I8, I32, I64
 
 LOG = logging.getLogger(__name__)
@@ -803,7 +804,8 @@ def _load_libraries() -> None:
 def compile_handler(name: str, kernel: kir.Kernel | None, modules: Sequence[str], *,
                     internalize: Sequence[str] = (), opt: int = 2,
                     cache: CompileCache | None = None,
-                    build_fast: bool = False) -> tuple[object, int]:
+                    build_fast: bool = False,
+                    object_builder: ObjectBuilder | None = None) -> tuple[object, int]:
     """Link IR modules into one MCJIT engine on the calling thread; (engine, address of
     `name`). ``kernel``: whose handler it is, for errors (None: one that kernels share).
     Functions in `internalize` become internal once linked (so they inline). With `cache`,
@@ -812,7 +814,8 @@ def compile_handler(name: str, kernel: kir.Kernel | None, modules: Sequence[str]
     symbol, never ones with process addresses baked in (the CUDA handler). ``build_fast``:
     no IR passes and LLVM's fast instruction selection (`opt` unused), for a handler that
     only decodes the frame and calls the driver: ~4 ms to build instead of ~30 ms, and its
-    few hundred instructions a call are nothing beside a kernel launch."""
+    few hundred instructions a call are nothing beside a kernel launch. ``object_builder``:
+    the object code is built there (``host.jit_module``), only loaded here."""
     whose = f"kernel {kernel.name!r}" if kernel is not None else f"handler {name}"
     tm = _host_machine(0 if build_fast else 2)
     _load_libraries()
@@ -829,7 +832,9 @@ def compile_handler(name: str, kernel: kir.Kernel | None, modules: Sequence[str]
             fn.linkage = llvm.Linkage.internal
     level = None if build_fast else opt
     key = _object_key(modules, internalize, level) if cache is not None else ""
-    engine, from_cache = jit_module(module, tm, opt=level, cache=cache, key=key)
+    engine, from_cache = jit_module(module, tm, opt=level, cache=cache, key=key,
+                                    object_builder=object_builder,
+                                    codegen_level=0 if build_fast else 2)
     address = engine.get_function_address(name)
     if not address:
         raise CodegenError(f"{whose}: MCJIT produced no FFI handler {name}")
@@ -846,10 +851,12 @@ def _object_key(modules: Sequence[str], internalize: Sequence[str], opt: int | N
 
 
 def host_ffi_target(kernel: kir.Kernel, *, threads: int = 1, bounds_check: bool = True,
-                    opt: int = 2, cache: CompileCache | None = None) -> FfiTarget:
+                    opt: int = 2, cache: CompileCache | None = None,
+                    object_builder: ObjectBuilder | None = None) -> FfiTarget:
     """The kernel's host program behind an XLA FFI handler for platform "cpu". `threads`
     workers (pthreads made per call) split the blocks; 1 runs them on XLA's thread. With
-    `cache`, the handler's object code comes from / goes to that compile cache."""
+    `cache`, the handler's object code comes from / goes to that compile cache; with
+    `object_builder`, it is built there (a child process) instead of in this process."""
     if threads < 1:
         raise CodegenError(f"kernel {kernel.name!r}: threads={threads} must be >= 1")
     kernel.validate()
@@ -865,7 +872,8 @@ def host_ffi_target(kernel: kir.Kernel, *, threads: int = 1, bounds_check: bool 
         handler_ir = emit_host_handler_ir(kernel, name, threads=workers,
                                           bounds_check=bounds_check, scratch_bytes=scratch)
         engine, address = compile_handler(name, kernel, [kernel_ir, handler_ir],
-                                          internalize=[kernel.name], opt=opt, cache=cache)
+                                          internalize=[kernel.name], opt=opt, cache=cache,
+                                          object_builder=object_builder)
         LOG.debug("kernel %s: FFI target %s, %d scratch bytes, %d workers", kernel.name,
                   name, scratch, workers)
         return FfiTarget(name, kernel, "cpu", address, handler_ir, engine)

@@ -22,6 +22,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import llvmlite.binding as llvm
 import ml_dtypes
@@ -490,13 +491,64 @@ def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine, opt: int) -> None:
     pb.getModulePassManager().run(module, pb)
 
 
+ObjectBuilder = Callable[[str, "int | None", int], bytes]
+"""Builds object code for (IR text, IR speed level or None, code-generation level), e.g. in
+an IsolatedWorker child with ``build_object``."""
+
+
+def build_object(ir_text: str, opt: int | None, codegen_level: int) -> bytes:
+    """Object code for host IR: parsed, verified, optimized at speed level ``opt`` (None: no
+    IR passes), compiled for this CPU at ``codegen_level``. Module-level so that a child
+    process can run it (``codegen.isolation``): the caller then only loads the object."""
+    tm = _host_machine(codegen_level)
+    try:
+        module = llvm.parse_assembly(ir_text)
+        module.verify()
+    except RuntimeError as exc:
+        raise CodegenError(f"LLVM rejected the host IR: {exc}") from exc
+    if opt is not None:
+        _optimize(module, tm, opt)
+    engine = llvm.create_mcjit_compiler(module, tm)
+    objects: list[bytes] = []
+    engine.set_object_cache(lambda _module, buffer: objects.append(bytes(buffer)),
+                            lambda _module: None)
+    engine.finalize_object()
+    if not objects:
+        raise CodegenError("MCJIT produced no object code")
+    return objects[0]
+
+
+def _load_object(module: llvm.ModuleRef, tm: llvm.TargetMachine, obj: bytes) -> object:
+    """An MCJIT engine for ``module`` whose code is ``obj`` (nothing is compiled here)."""
+    problem = host_object_problem(obj)
+    if problem is not None:
+        raise CodegenError(f"object code for {module.name!r} is unusable: {problem}")
+    engine = llvm.create_mcjit_compiler(module, tm)
+    engine.set_object_cache(lambda _module, _buffer: None, lambda _module: obj)
+    engine.finalize_object()
+    return engine
+
+
 def jit_module(module: llvm.ModuleRef, tm: llvm.TargetMachine, *, opt: int | None,
-               cache: CompileCache | None, key: str) -> tuple[object, bool]:
+               cache: CompileCache | None, key: str,
+               object_builder: ObjectBuilder | None = None,
+               codegen_level: int = 2) -> tuple[object, bool]:
     """(finalized MCJIT engine for the verified, unoptimized `module`, whether its object code
-    came from `cache`). ``opt``: the IR pipeline's speed level; None runs no IR passes. Object code is built under the cache's per-key lock (concurrent
+    came from `cache`). ``opt``: the IR pipeline's speed level; None runs no IR passes.
+    ``object_builder``: where the object code is built instead of this process (an
+    IsolatedWorker child: ``build_object``; ``codegen_level`` is ``tm``'s level, passed on);
+    only loading happens here then. Object code is built under the cache's per-key lock (concurrent
     processes build it once) and a cached object reaches MCJIT only after it authenticated
     and passed `objcheck.host_object_problem` (else it is rebuilt): a bad entry can never
     abort the process or run foreign code."""
+    if object_builder is not None:
+        def isolated() -> bytes:
+            return object_builder(str(module), opt, codegen_level)
+        if cache is None or not cache.enabled or not host_objects_cacheable():
+            return _load_object(module, tm, isolated()), False
+        hits = cache.stats.hits
+        obj = cache.get_or_create(key, isolated, validate=host_object_problem)
+        return _load_object(module, tm, obj), cache.stats.hits > hits
     if cache is None or not cache.enabled or not host_objects_cacheable():
         if opt is not None:
             _optimize(module, tm, opt)

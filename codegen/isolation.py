@@ -40,6 +40,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
+from hlo_passes.errors import Cancelled
+
 from .errors import CodegenError, IsolatedCrash
 from .isolation_child import Outcome
 
@@ -53,6 +55,7 @@ _STDERR_TAIL_BYTES = 16384
 _CHILD_MODULE = "codegen.isolation_child"
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)  # the dir holding codegen/
 _preload: list[str] = []
+CANCEL_POLL_S = 0.05       # how often a cancellable call looks at its flag
 
 
 def isolation_enabled() -> bool:
@@ -187,9 +190,20 @@ class _Child:
         self.outbox.send_bytes(blob)
 
     def wait_reply(self, fn: Callable[..., Any], timeout: float, stderr_path: str,
-                   stderr_start: int) -> Outcome:
-        """The child's outcome; IsolatedCrash (child killed where needed) on death or timeout."""
-        ready = multiprocessing.connection.wait([self.inbox], timeout)
+                   stderr_start: int, cancelled: Callable[[], bool] | None = None) -> Outcome:
+        """The child's outcome; IsolatedCrash (child killed where needed) on death or timeout;
+        Cancelled (child killed) as soon as ``cancelled()`` turns true."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            step = left if cancelled is None else min(left, CANCEL_POLL_S)
+            ready = multiprocessing.connection.wait([self.inbox], max(0.0, step))
+            if ready or left <= step:
+                break
+            if cancelled is not None and cancelled():
+                self.kill()
+                raise Cancelled(f"{_describe(fn)}: cancelled while its child was working "
+                                "(child killed)")
         if ready:
             try:
                 return pickle.loads(self.inbox.recv_bytes())
@@ -298,8 +312,11 @@ class IsolatedWorker:
             self._child.kill()
         self._child = None
 
-    def call(self, fn: Callable[..., T], *args: Any, timeout: float = 120.0, **kwargs: Any) -> T:
-        """Like run_isolated, in this worker's child."""
+    def call(self, fn: Callable[..., T], *args: Any, timeout: float = 120.0,
+             cancelled: Callable[[], bool] | None = None, **kwargs: Any) -> T:
+        """Like run_isolated, in this worker's child. ``cancelled``: polled while the child
+        works; once true the child is killed and Cancelled raised (an exit need not wait for
+        a long LLVM build)."""
         if not isolation_enabled():
             return fn(*args, **kwargs)
         blob = _dump_call(fn, args, kwargs)
@@ -314,7 +331,7 @@ class IsolatedWorker:
             stderr_start = os.path.getsize(stderr_path)
             try:
                 child.send(blob)
-                outcome = child.wait_reply(fn, timeout, stderr_path, stderr_start)
+                outcome = child.wait_reply(fn, timeout, stderr_path, stderr_start, cancelled)
             except OSError as exc:  # the pipe broke: the child died before reading
                 self._discard_child()
                 raise _crash(fn, f"lost its worker: {exc!r}",

@@ -18,6 +18,11 @@ class PlanCancelled(Cancelled):
     """Planning was stopped by its ``cancel`` callable (the compile thread is shutting down)."""
 
 
+class StitchRuntimeError(StitchError, RuntimeError):
+    """A stitched program failed in a way stock XLA cannot recover for that call (its
+    donated inputs were already consumed)."""
+
+
 class HloParseError(StitchError, ValueError):
     """HLO text that cannot be read: carries the 1-based line and column and what was expected."""
 

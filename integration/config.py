@@ -35,7 +35,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from stitch.errors import StitchError
 
@@ -75,24 +77,80 @@ def env_count(name: str, default: int, what: str) -> int | None:
 
 @dataclass(frozen=True)
 class Settings:
-    enable: bool
+    """What ``stitch.jit`` and the TF front end read from the environment.
+
+    ``problems`` names each setting that could not be read (its default was used instead):
+    a function whose settings have problems stays on the stock path (``read()``)."""
     async_compile: bool
     target: str
     device: str | None
     verify: bool | int          # True: the first stitched call; N: every N-th
     guard: bool
+    problems: tuple[str, ...] = ()
+
+    @classmethod
+    def read(cls) -> "Settings":
+        """The settings, each unreadable one at its default and named in ``problems`` (and
+        logged once per process): never raises."""
+        problems: list[str] = []
+
+        def lenient(reader: Callable[[], Any], default: Any) -> Any:
+            try:
+                return reader()
+            except ConfigError as exc:
+                problems.append(str(exc))
+                return default
+
+        settings = cls(async_compile=lenient(lambda: env_flag("STITCH_ASYNC", True), True),
+                       target=lenient(target_setting, "h100"),
+                       device=lenient(device_setting, None),
+                       verify=lenient(verify_setting, False),
+                       guard=lenient(lambda: env_flag("STITCH_GUARD", True), True),
+                       problems=())
+        lenient(log_level_setting, None)
+        for problem in problems:
+            report_setting_once(problem)
+        return replace(settings, problems=tuple(problems))
 
     @classmethod
     def from_env(cls) -> "Settings":
-        target = os.environ.get("STITCH_TARGET", "h100").strip().lower()
-        if target not in TARGETS:
-            raise ConfigError(f"STITCH_TARGET={target!r}: expected one of {', '.join(TARGETS)}")
-        device = os.environ.get("STITCH_DEVICE", "").strip().lower() or None
-        if device not in (None, "cpu", "gpu"):
-            raise ConfigError(f"STITCH_DEVICE={device!r}: expected cpu or gpu")
-        return cls(enable=env_flag("STITCH_ENABLE", False),
-                   async_compile=env_flag("STITCH_ASYNC", True), target=target, device=device,
-                   verify=verify_setting(), guard=env_flag("STITCH_GUARD", True))
+        """The settings; the first unreadable one raises its ConfigError (the CLI's way)."""
+        settings = cls.read()
+        if settings.problems:
+            raise ConfigError(settings.problems[0])
+        return settings
+
+
+def target_setting() -> str:
+    """STITCH_TARGET: the GPU the plan is made for (default h100)."""
+    target = os.environ.get("STITCH_TARGET", "h100").strip().lower() or "h100"
+    if target not in TARGETS:
+        raise ConfigError(f"STITCH_TARGET={target!r}: expected one of {', '.join(TARGETS)}")
+    return target
+
+
+def device_setting() -> str | None:
+    """STITCH_DEVICE: where stitched kernels run (None: gpu when jax has one, else cpu)."""
+    device = os.environ.get("STITCH_DEVICE", "").strip().lower() or None
+    if device not in (None, "cpu", "gpu"):
+        raise ConfigError(f"STITCH_DEVICE={device!r}: expected cpu or gpu")
+    return device
+
+
+_REPORTED: set[str] = set()
+_REPORTED_LOCK = threading.Lock()
+
+
+def report_setting_once(problem: str) -> None:
+    """Log an unreadable setting once per process (every function reads the settings)."""
+    with _REPORTED_LOCK:
+        if problem in _REPORTED:
+            return
+        _REPORTED.add(problem)
+    # Logged on the "stitch" logger: with STITCH_LOG itself unreadable no handler is set up,
+    # and logging's last-resort handler still prints a warning to stderr.
+    logging.getLogger("stitch.config").warning(
+        "%s; ignored: stitched compiles stay off where it applies", problem)
 
 
 GRID_SYNC_SETTINGS = ("off", "relaunch", "barrier", "auto")
@@ -137,17 +195,31 @@ def log_kernels() -> bool:
 _HANDLER: logging.Handler | None = None
 
 
-def configure_logging() -> None:
-    """Honour STITCH_LOG for library use: a stderr handler on the ``stitch`` logger at that
-    level (once; nothing happens when the variable is unset)."""
-    global _HANDLER
+def log_level_setting() -> int | None:
+    """STITCH_LOG as a logging level (None: unset)."""
     raw = os.environ.get("STITCH_LOG", "").strip()
-    if not raw or _HANDLER is not None:
-        return
-    level_name = "INFO" if raw.lower() == "kernels" else raw.upper()
-    level = logging.getLevelName(level_name)
+    if not raw:
+        return None
+    level = logging.getLevelName("INFO" if raw.lower() == "kernels" else raw.upper())
     if not isinstance(level, int):
         raise ConfigError(f"STITCH_LOG={raw!r}: expected a logging level or 'kernels'")
+    return level
+
+
+def configure_logging() -> None:
+    """Honour STITCH_LOG for library use: a stderr handler on the ``stitch`` logger at that
+    level (once; nothing happens when the variable is unset, and an unreadable value is
+    reported once and ignored)."""
+    global _HANDLER
+    if _HANDLER is not None:
+        return
+    try:
+        level = log_level_setting()
+    except ConfigError as exc:
+        report_setting_once(str(exc))
+        return
+    if level is None:
+        return
     _HANDLER = logging.StreamHandler(sys.stderr)
     _HANDLER.setFormatter(logging.Formatter("stitch %(levelname)s: %(message)s"))
     logger = logging.getLogger("stitch")

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .config import Settings, configure_logging, injected_failure, log_kernels
-from stitch.errors import Cancelled, StitchError
+from stitch.errors import Cancelled, StitchError, StitchRuntimeError
 from .switching import SwitchEntry, SwitchingFunction
 from .verify import compare_trees
 
@@ -154,10 +154,13 @@ class StitchedFunction(SwitchingFunction):
                  async_compile: bool, verify: bool, guard: bool, static_argnums: Sequence[int],
                  static_argnames: Sequence[str], jit_kwargs: dict):
         configure_logging()
-        settings = Settings.from_env()
+        settings = Settings.read()
         self.fn = fn
         self.target = target or settings.target
-        self.device = device
+        self.device = device or settings.device
+        # Settings stitch cannot read leave the function on stock jax (reported once by
+        # Settings.read); the program still runs, exactly as jax.jit would run it.
+        self.disabled_reason = "; ".join(settings.problems)
         self.async_compile = async_compile
         self.verify = verify
         self._init_switching(guard)
@@ -170,6 +173,8 @@ class StitchedFunction(SwitchingFunction):
         # API); without it every call computes our own key.
         self._jax_cache_size = callable(getattr(self.stock, "_cache_size", None))
         self._signature = _safe_signature(fn)
+        if self.disabled_reason:
+            self.stats.fallbacks.append(f"unreadable settings: {self.disabled_reason}")
         self.__name__ = getattr(fn, "__name__", "fn")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -185,12 +190,17 @@ class StitchedFunction(SwitchingFunction):
     def _split(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
         """(cache key or None, dynamic positional args, dynamic keyword args).
 
-        The key follows jax's own cache: shape, dtype and weak type per array leaf, whether
-        it arrives as a numpy or a jax array; a sharding only for committed arrays over
-        several devices. None (run stock) inside another trace."""
+        The key follows jax's own cache: each leaf's abstract value as jax types it (shape,
+        dtype and weak type: a Python ``2.0`` is a weak f32, ``np.float64(2.0)`` a strong
+        one, and they give different result dtypes), the sharding of committed arrays (an
+        executable runs on the devices it was compiled for) and the x64 flag. None (run
+        stock) inside another trace, or when an array is already deleted (donated): jax
+        raises the caller's error itself."""
         import jax
 
-        static_pos = set(self.static_argnums)
+        # Negative static_argnums count from the end of this call's positional arguments,
+        # as jax.jit counts them.
+        static_pos = {i if i >= 0 else len(args) + i for i in self.static_argnums}
         for name in self.static_argnames:
             if name not in kwargs and self._signature is not None:
                 params = list(self._signature.parameters)
@@ -207,18 +217,22 @@ class StitchedFunction(SwitchingFunction):
         avals = []
         for x in leaves:
             if type(x) is array_type:          # the common case: a jax array
-                sharding = x.sharding if x.committed and len(x.sharding.device_set) > 1 \
-                    else None
-                avals.append((x.shape, x.dtype, x.weak_type, sharding))
+                if x.is_deleted():
+                    return None, dyn_args, dyn_kwargs
+                avals.append((x.shape, x.dtype, x.weak_type,
+                              x.sharding if x.committed else None))
                 continue
             if isinstance(x, jax.core.Tracer):
                 return None, dyn_args, dyn_kwargs
-            if not (hasattr(x, "dtype") and hasattr(x, "shape")):
-                x = np.asarray(x)
+            try:
+                aval = _typeof(x)
+            except TypeError:                  # not an array jax accepts: jax says why
+                return None, dyn_args, dyn_kwargs
             # dtype objects hash and compare by value; str(dtype) costs microseconds.
-            avals.append((tuple(x.shape), x.dtype, getattr(x, "weak_type", False), None))
+            avals.append((tuple(aval.shape), aval.dtype, aval.weak_type,
+                          x.sharding if isinstance(x, jax.Array) and x.committed else None))
         try:
-            key = (tree, tuple(avals), static)
+            key = (tree, tuple(avals), static, _x64_enabled())
             hash(key)
         except TypeError:
             return None, dyn_args, dyn_kwargs
@@ -226,6 +240,8 @@ class StitchedFunction(SwitchingFunction):
 
     # --- calling ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.disabled_reason:
+            return self.stock(*args, **kwargs)
         if self._fast_stock_path():
             # No signature runs stitched: let jax's own dispatch find the signature. Its
             # cache grows only for a signature it has not seen, which we must compile too.
@@ -291,11 +307,25 @@ class StitchedFunction(SwitchingFunction):
                     return expected
                 entry.verified = True
         except Exception as exc:  # noqa: BLE001 - never into the training loop
-            self._fail(entry, f"stitched call failed: {type(exc).__name__}: {exc}")
-            if expected is not None:
-                return expected
-            return self.stock(*args, **kwargs)
-        self._count_stitched(entry, call_number)
+            failure = exc
+        else:
+            self._count_stitched(entry, call_number)
+            return result
+        reason = f"stitched call failed: {type(failure).__name__}: {failure}"
+        if expected is not None:
+            self._fail(entry, reason)
+            return expected
+        if _any_deleted((dyn_args, dyn_kwargs)):
+            # The failed call consumed donated inputs (_split let no deleted array through):
+            # stock cannot run on them either.
+            self._fail(entry, reason)
+            raise StitchRuntimeError(f"{self.__qualname__}: {reason}, after its donated "
+                                     "inputs were consumed") from failure
+        # Stock decides whose error it was: if it raises too, the error is the caller's and
+        # reaches them as jax.jit raises it (outside this handler: no chained stitch error),
+        # the signature staying stitched; if it runs, the stitched program is at fault.
+        result = self.stock(*args, **kwargs)
+        self._fail(entry, reason)
         return result
 
     def _verify_this_call(self, entry: _Entry) -> bool:
@@ -396,6 +426,27 @@ def _delete_donated(tree: Any, leaves: tuple[int, ...]) -> None:
             x.delete()
 
 
+def _any_deleted(tree: Any) -> bool:
+    import jax
+    return any(isinstance(x, jax.Array) and x.is_deleted()
+               for x in jax.tree_util.tree_leaves(tree))
+
+
+def _typeof(x: Any) -> Any:
+    """jax's abstract value of an argument (weak type included), as jax.jit keys it."""
+    import jax
+    typeof = getattr(jax, "typeof", None)
+    if typeof is not None:
+        return typeof(x)
+    from jax._src import api_util          # jax < 0.6 has no public typeof
+    return api_util.shaped_abstractify(x)
+
+
+def _x64_enabled() -> bool:
+    import jax
+    return bool(jax.config.jax_enable_x64)
+
+
 def _trace_state_clean() -> bool:
     """False inside another trace (an outer jax.jit, grad, vmap...): such a call must go to
     stock jax so the outer trace sees jax's own primitive."""
@@ -430,7 +481,7 @@ def jit(fn: Callable | None = None, *, target: str | None = None, device: str | 
     ``jax.jit``.
     Usable as ``@stitch.jit`` or ``@stitch.jit(target="v100")``.
     """
-    settings = Settings.from_env()
+    settings = Settings.read()           # unreadable ones: StitchedFunction stays stock
     options = dict(target=target, device=device,
                    async_compile=settings.async_compile if async_compile is None else async_compile,
                    verify=settings.verify if verify is None else verify,

@@ -218,7 +218,9 @@ class TFStitchedFunction(SwitchingFunction):
                  target: str | None = None, device: str | None = None,
                  async_compile: bool | None = None, guard: bool | None = None):
         configure_logging()
-        settings = Settings.from_env()
+        settings = Settings.read()
+        # Settings stitch cannot read (reported once by Settings.read) keep TF's own path.
+        self.disabled_reason = "; ".join(settings.problems)
         self.xla_fn = xla_fn
         self.stock = stock_fn if stock_fn is not None else xla_fn
         self.python_fn = getattr(xla_fn, "python_function", None) or xla_fn
@@ -226,6 +228,8 @@ class TFStitchedFunction(SwitchingFunction):
         self.device = device or settings.device or "cpu"
         self.async_compile = settings.async_compile if async_compile is None else async_compile
         self._init_switching(settings.guard if guard is None else guard)
+        if self.disabled_reason:
+            self.stats.fallbacks.append(f"unreadable settings: {self.disabled_reason}")
         self.__name__ = name or getattr(self.python_fn, "__name__", "fn")
         self.__qualname__ = name or getattr(self.python_fn, "__qualname__", self.__name__)
         self.__wrapped__ = self.python_fn
@@ -276,7 +280,8 @@ class TFStitchedFunction(SwitchingFunction):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import tensorflow as tf
 
-        if not tf.executing_eagerly():          # inside another trace: TF's own function
+        if self.disabled_reason or not tf.executing_eagerly():
+            # unreadable settings, or inside another trace: TF's own function
             return self.stock(*args, **kwargs)
         try:
             key = self._key(args, kwargs)

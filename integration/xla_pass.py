@@ -26,8 +26,11 @@ same callback with the CUDA plugin's XlaTransform extension (jax's public regist
 a started GPU backend) and compiles with ``PassRequest(compile_only=True)``: kernels are
 built for the target spec's arch as compile-only CUDA FFI targets (``build_target``).
 
-The callback never raises into XLA: any failure leaves the module unchanged and is kept on
-the request (``PassRequest.result()`` raises it as a ``StitchError`` on the caller's side).
+The callback raises into XLA only when its request was cancelled (the interpreter is
+exiting), which stops that compile at once; any other failure leaves the module unchanged
+and is kept on the request (``PassRequest.result()`` raises it as a ``StitchError`` on the
+caller's side). CPU kernels' object code is built in a child process (``host_builds``), so
+a cancelled pass never leaves LLVM running in this process.
 """
 from __future__ import annotations
 
@@ -260,6 +263,12 @@ def _callback(data: bytes) -> bytes | None:
         if new_text is None:
             return None
         return _to_proto(new_text)
+    except Cancelled as exc:
+        # The interpreter is exiting: raised into XLA, which stops this compile at once
+        # (returning None would have XLA compile the whole module itself first).
+        if request is not None:
+            request.error = exc
+        raise
     except BaseException as exc:  # noqa: BLE001 - never into XLA's compile
         if request is not None:
             request.error = exc
@@ -450,9 +459,12 @@ def build_threads() -> int:
     """Threads (each with its own PTX child) that emit and assemble a module's GPU kernels:
     ``STITCH_BUILD_THREADS``, else one per core up to MAX_BUILD_THREADS."""
     configured = os.environ.get("STITCH_BUILD_THREADS", "").strip()
+    if not configured:
+        return max(1, min(os.cpu_count() or 1, MAX_BUILD_THREADS))
     if configured.isdigit() and int(configured) > 0:
         return int(configured)
-    return max(1, min(os.cpu_count() or 1, MAX_BUILD_THREADS))
+    raise ConfigError(f"STITCH_BUILD_THREADS={configured!r}: expected a number of threads "
+                      ">= 1")
 
 
 MAX_BUILD_THREADS = 8      # each PTX child holds an interpreter with llvmlite (~150 MB)
@@ -823,7 +835,7 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                                           worker=ptx_workers[0] if ptx_workers else None,
                                           ptx=ptx.ptx if ptx is not None else None,
                                           assembled=ptx.assembled if ptx is not None
-                                          else None)
+                                          else None, cancelled=request.cancel)
         except Cancelled:
             raise
         except (CodegenError, StitchError) as exc:
@@ -855,9 +867,9 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
     else:
         jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views, None)
         report.timings["lower_s"] = time.perf_counter() - start
-        request.check_cancelled()
         begun = time.perf_counter()
         for job in jobs:
+            request.check_cancelled()    # per kernel: an exit waits for one build at most
             place(job, None)
         targets_s = time.perf_counter() - begun
     report.timings["targets_s"] = targets_s
@@ -882,7 +894,7 @@ _CACHE: Any = None
 
 def build_target(kernel: Any, device: str, *, arch: str | None = None,
                  compile_only: bool = False, worker: Any = None, ptx: str | None = None,
-                 assembled: Any = None) -> Any:
+                 assembled: Any = None, cancelled: Callable[[], bool] | None = None) -> Any:
     """The kernel as a registered XLA FFI target for ``device`` ("cpu" | "gpu"), its object
     code or PTX through the compile cache. GPU: PTX for ``arch`` (default: the device's);
     ``compile_only`` builds a target XLA compiles against without a device (ptxas checks
@@ -891,10 +903,15 @@ def build_target(kernel: Any, device: str, *, arch: str | None = None,
     kernels of a module, instead of a fresh interpreter per kernel). ``ptx``: the kernel's
     PTX for ``arch`` when already emitted (``GpuPrebuild``), ``assembled`` ptxas's result
     for it: compile-only, checked; on a device, its cubin is what the driver loads (the
-    PTX where the driver refuses it)."""
+    PTX where the driver refuses it). ``cancelled``: polled while a CPU kernel's object
+    code is built in the host-build child (``host_builds``); once true the build is given
+    up with ``Cancelled``."""
     if device == "cpu":
         from codegen.ffi import host_ffi_target
-        target = host_ffi_target(kernel, cache=compile_cache())
+
+        from .host_builds import host_object_builder
+        target = host_ffi_target(kernel, cache=compile_cache(),
+                                 object_builder=host_object_builder(cancelled))
     elif device == "gpu":
         from codegen.ffi_cuda import compile_only_cuda_target, cuda_ffi_target
         from codegen.gpu_cache import emit_ptx_cached
@@ -960,6 +977,8 @@ def compile_with_pass(lowered: Any, request: PassRequest) -> tuple[Any, PassRepo
             compiled = private.compile()
         return _holding_kernels(compiled, request.result())
     except Exception as exc:  # noqa: BLE001 - XLA's own error on the rewritten module
+        if isinstance(request.error, Cancelled):
+            raise request.error from None       # the pass stopped XLA's compile
         report = request.report
         if report is None or not report.in_loop_bodies:
             raise

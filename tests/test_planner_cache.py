@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import stitch
 from stitch.explorer.plan_cache import PlanCache
 from bench.planner import elementwise_chain_hlo
@@ -120,6 +122,25 @@ def test_member_ids_outside_the_graph_are_refused(tmp_path):
     fresh = PlanCache(directory)
     assert stitch.plan(SOFTMAX, "h100", cache=fresh).kernels
     assert fresh.dropped == 1
+
+
+@pytest.mark.parametrize("graphs", [[[1, 2, 3]], ["graph"], [None]],
+                         ids=["list", "string", "null"])
+def test_a_malformed_graph_entry_is_dropped_not_kept(tmp_path, graphs):
+    """An entry whose graphs are not objects used to raise inside the rebuild (a PlanError
+    for the caller) and stay on disk: every later run then stayed stock."""
+    directory = tmp_path / "plans"
+    first = stitch.plan(SOFTMAX, "h100", cache=PlanCache(directory))
+    [entry] = list(directory.glob("*.json"))
+    data = json.loads(entry.read_text())
+    data["graphs"] = graphs
+    entry.write_text(json.dumps(data))
+    fresh = PlanCache(directory)
+    again = stitch.plan(SOFTMAX, "h100", cache=fresh)
+    assert fresh.dropped == 1 and fresh.misses == 1
+    assert _members(again) == _members(first)
+    assert json.loads(entry.read_text())["graphs"][0]["kernels"] == \
+        [list(m) for m in _members(first)]               # rewritten
 
 
 def test_a_world_writable_directory_turns_the_disk_cache_off(tmp_path):

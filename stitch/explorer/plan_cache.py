@@ -221,6 +221,8 @@ def kernel_sets(entry: dict, graphs: list[OpGraph]) -> list[tuple[list[frozenset
         raise StaleEntry("graph count differs")
     out = []
     for g, graph in zip(stored, graphs):
+        if not isinstance(g, dict):
+            raise StaleEntry(f"graph {graph.name}: malformed entry ({type(g).__name__})")
         if g.get("name") != graph.name or g.get("ops") != len(graph.nodes):
             raise StaleEntry(f"graph {graph.name} differs")
         kernels, origins = g.get("kernels"), g.get("origins")

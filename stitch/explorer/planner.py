@@ -30,7 +30,7 @@ from hlo_passes.parser import parse_hlo
 from ..cost.chain_pricing import chain_for, chain_price, graph_chains
 from ..cost.delta import CostModel
 from ..cost.gpu_specs import GpuSpec, get_spec
-from ..errors import StitchError
+from ..errors import Cancelled, StitchError
 from .beam import KernelCycleError, beam_search, merge_adjacent, pack_levels
 from .blp import BlpError, solve_blp
 from .cancel import CancelPoll
@@ -683,8 +683,12 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
                               left_to_xla=frozenset(base_groups) if units else frozenset())
             report = PlannerReport(planner, stitched.objective_s, 0.0, status="cached")
             results.append(GraphResult(graph, baseline, stitched, report))
-    except (StaleEntry, PlanValidationError) as exc:
-        log.warning("plan cache: entry %s dropped, planning again: %s", key[:12], exc)
+    except Cancelled:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any entry that does not rebuild is dropped
+        # A malformed or stale entry makes stitch plan again, never stay stock for good.
+        log.warning("plan cache: entry %s dropped, planning again: %s: %s", key[:12],
+                    type(exc).__name__, exc)
         store.drop(key)
         return None
     store.disk_hits += 1
