@@ -283,3 +283,29 @@ def test_compile_goes_on_with_a_refused_default_cache(tmp_path, monkeypatch, cap
     for got, want in zip(exe(*args), hlo_passes.evaluate(module, args)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert list(shared.iterdir()) == []
+
+
+def test_the_cache_still_works_in_exit_hooks_that_run_after_weakrefs(tmp_path):
+    """A compile joined at exit (stitch.jit's compile thread) may still read and write the
+    cache after weakref's own exit hook has run: the cache's descriptors must not be closed
+    by it (nor their numbers reused for other files)."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent("""
+        import atexit, sys
+        def late():       # registered first: runs after every hook registered later
+            sys.stderr.write(f"late get: {cache.get('k1')!r}\\n")
+            cache.put('k2', b'written at exit')
+            sys.stderr.write(f"late put: {cache.get('k2')!r}\\n")
+        atexit.register(late)
+        from codegen.cache import CompileCache
+        cache = CompileCache(sys.argv[1])   # its weakref.finalize: weakref's exit hook
+        cache.put('k1', b'written before exit')
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cache")], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "late get: b'written before exit'" in run.stderr, run.stderr[-2000:]
+    assert "late put: b'written at exit'" in run.stderr, run.stderr[-2000:]
