@@ -9,6 +9,7 @@ lines, ``wait``, ``programs``); a front end supplies how to key a call, compile 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -62,13 +63,15 @@ def write_stats(path: str | None = None) -> str | None:
     path = path or os.environ.get("STITCH_STATS", "").strip() or None
     if path is None:
         return None
+    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(stats_records(), f, indent=1)
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("STITCH_STATS=%s: cannot write the stats: %s", path, exc)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)                 # a full disk or a failed rename leaves nothing
         return None
     return path
 
@@ -113,6 +116,9 @@ class SwitchEntry:
     trial_stock: list[float] = field(default_factory=list)
     guard_lock: threading.Lock = field(default_factory=threading.Lock)
     compiled_ok: bool = False           # the compile succeeded (stays so: wait() is monotonic)
+    # Set once the compile was handed on (``future`` set) or failed before that: wait() must
+    # not take an entry whose compile is still being submitted for one that never will be.
+    submitted: threading.Event = field(default_factory=threading.Event)
     counters: SignatureCounters = field(default_factory=lambda: SignatureCounters(""))
 
 
@@ -142,6 +148,7 @@ class SwitchingFunction:
             entry = self._entries.get(key) if key is not None else None
             start = key is not None and entry is None
             if entry is not None and entry.state == "dropped":   # back in the compile queue
+                entry.submitted.clear()
                 entry.state = entry.counters.state = "compiling"
                 entry.counters.fallback_reason = ""
                 start = True
@@ -158,7 +165,10 @@ class SwitchingFunction:
             if entry is not None:
                 entry.counters.calls += 1
         if start:
-            self._start_compile(entry, args, kwargs, call_number)
+            try:
+                self._start_compile(entry, args, kwargs, call_number)
+            finally:
+                entry.submitted.set()
         return entry, call_number
 
     def _count_stitched(self, entry: SwitchEntry, call_number: int) -> None:
@@ -264,6 +274,9 @@ class SwitchingFunction:
             entries = list(self._entries.values())
         deadline = None if timeout is None else time.monotonic() + timeout
         for e in entries:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not e.submitted.wait(left):
+                return False
             if e.future is None:
                 continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -170,3 +170,36 @@ def test_arrays_committed_to_another_device_get_their_own_executable(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_wait_called_while_the_compile_is_being_submitted_waits_for_it(monkeypatch):
+    """wait() between a signature's first call and its compile's submission used to return
+    False at once (the entry had no future yet)."""
+    import threading
+    import time
+    from integration.jax_jit import StitchedFunction
+    real = StitchedFunction._start_compile
+    entered = threading.Event()
+
+    def slow_start(self, *a, **k):
+        entered.set()
+        time.sleep(1.0)                  # as a slow trace / lowering would
+        return real(self, *a, **k)
+    monkeypatch.setattr(StitchedFunction, "_start_compile", slow_start)
+    f = stitch.jit(_scaled_norm, guard=False, device="cpu")
+    x = _bf16(9)
+    caller = threading.Thread(target=f, args=(x, 2.0))
+    caller.start()
+    assert entered.wait(30)
+    assert f.wait(120) is True
+    caller.join(60)
+    _check(f(x, 2.0), jax.jit(_scaled_norm)(x, 2.0))
+    assert f.stats.stitched_calls == 1
+
+
+def test_stats_write_failure_leaves_no_temporary_file(tmp_path, monkeypatch):
+    from integration import switching
+    target = tmp_path / "stats.json"
+    target.mkdir()                       # os.replace onto a directory fails
+    assert switching.write_stats(str(target)) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.json"]
