@@ -466,6 +466,12 @@ class _KernelBuilder:
 
     def _param(self, v: int, is_output: bool) -> None:
         node = self.graph.nodes[v]
+        if node.shape.is_tuple and sum(1 for _ in node.shape.leaves()) > 1:
+            # A buffer is one array; read or written whole (a copy of a sort's tuple), a
+            # tuple would be bound as its first leaf only. Such a kernel runs through the
+            # evaluator (refused here, at compile time, never at the call).
+            raise CodegenError(f"{node.name}: a kernel {'output' if is_output else 'input'} "
+                               f"that is a tuple of several arrays ({node.shape})")
         shape = leaf(node.shape)
         if shape.num_elements == 0:
             # An empty buffer (a gather's s32[0] indices) has no element to bind; such a
