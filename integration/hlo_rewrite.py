@@ -59,6 +59,8 @@ class PlacedKernel:
 class RewriteReport:
     placed: list[str] = field(default_factory=list)              # kernel names
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (kernel name, reason)
+    # Copies the placed kernels added: (kernel name, graph index, bytes).
+    copies: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class NotPlaceable(Exception):
@@ -149,6 +151,9 @@ class _Builder:
         self.view = view
         self.names = {inst.name for _, inst in module.instructions()}
         self.added: list[tuple[Instruction, float]] = []   # (instruction, sort position)
+        # Bytes of each copy the kernels placed here add (a loop's carried values, an
+        # in-place operand): (kernel name, bytes); the pass prices them (delivered.py).
+        self.copies: list[tuple[str, int]] = []
 
     def fresh(self, base: str) -> str:
         name, i = base, 0
@@ -305,6 +310,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
             return Instruction(name, shape, "get-tuple-element", [call_name],
                                {"index": str(index)}, is_root=is_root)
         part = b.gte(call_name, shape, index, position + 0.5)
+        b.copies.append((site.name, shape.byte_size))
         return Instruction(name, shape, "copy", [part], is_root=is_root)
 
     dead_gtes: list[str] = []
@@ -336,6 +342,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
                 if top in carried:
                     part = b.add(Instruction(b.fresh(f"{part}.copy"), shape, "copy", [part]),
                                  position + 0.6)
+                    b.copies.append((site.name, shape.byte_size))
                 parts.append(part)
             replacements[top] = Instruction(top, inst.shape, "tuple", parts,
                                             is_root=inst.is_root)
@@ -350,6 +357,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
         if user.name in carried:
             part = b.gte(call_name, user.shape, j, position + 0.5)
             user.opcode, user.operands, user.attrs = "copy", [part], {}
+            b.copies.append((site.name, user.shape.byte_size))
         else:
             user.operands = [call_name]
             user.attrs["index"] = str(j)
@@ -373,6 +381,7 @@ def _in_place_operands(view: ComputationView, b: _Builder, kernel: PlacedKernel,
             shape = _operand_shape(b, operands[i])
             copy = Instruction(b.fresh(f"{operands[i]}.inplace"), shape, "copy", [operands[i]])
             operands[i] = b.add(copy, position - 0.5)
+            b.copies.append((kernel.site.name, shape.byte_size))
         pairs.append(f"{{{j}}}: ({i}, {{}})")
     return "{" + ", ".join(pairs) + "}" if pairs else ""
 
@@ -421,7 +430,7 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
         replacements: dict[str, Instruction] = {}
         exported: dict[tuple[str, int | None], _Export] = {}
         for k in placed:
-            mark = len(b.added)
+            mark, copies_mark = len(b.added), len(b.copies)
             existing = [*view.comp.instructions, *(inst for inst, _ in b.added)]
             snapshot = [(i, i.opcode, list(i.operands), dict(i.attrs)) for i in existing]
             tops_before = k.site.tops
@@ -433,6 +442,7 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
                                     {**replacements, **new}))
             except NotPlaceable as exc:
                 del b.added[mark:]
+                del b.copies[copies_mark:]
                 for inst, opcode, operands, attrs in snapshot:   # undo gte retargets
                     inst.opcode, inst.operands, inst.attrs = opcode, operands, attrs
                 k.site.tops = tops_before
@@ -444,6 +454,7 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
             report.placed.append(k.site.name)
         if removed:
             view.comp.instructions = _topological(_items(view, b, removed, replacements))
+        report.copies.extend((name, gi, nbytes) for name, nbytes in b.copies)
     if report.placed:
         _drop_unreachable(module)
     return report

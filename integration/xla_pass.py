@@ -47,6 +47,7 @@ from stitch.errors import Cancelled, StitchError
 
 from .collector import fewer_collections
 from .config import ConfigError, env_flag, grid_sync_on_gpu
+from .delivered import deliver
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, find_site,
                           replace_kernels)
 from .snap import snap_kernels
@@ -92,12 +93,15 @@ class PassReport:
     narrowed: list = field(default_factory=list)
     # Kernels left to XLA because they would not repay their build (integration.payback).
     unpaid: list = field(default_factory=list)
+    # Planned vs delivered: the final module priced as XLA's is (integration.delivered).
+    delivery: Any = None
 
     def summary(self) -> dict:
         return {"kernels_before": self.kernels_xla, "kernels_after": self.kernels_after,
                 "stitched_kernels": self.kernels_stitched,
                 "fallbacks": len(self.fallbacks),
-                **{k: round(v, 3) for k, v in self.timings.items()}}
+                **{k: round(v, 3) for k, v in self.timings.items()},
+                **(self.delivery.summary() if self.delivery is not None else {})}
 
     def reason_nothing_stitched(self) -> str:
         reasons = [f"{n}: {r}" for n, r in (self.fallbacks + self.skipped)
@@ -441,6 +445,7 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
     report.in_loop_bodies = sum(1 for p in placed if p.site.name in set(rewrite.placed)
                                 and fusion_plan.graphs[p.site.graph_index].graph.kind != "entry")
     report.timings.update(timings)
+    report.delivery = deliver(report, fusion_plan, spec, placed, rewrite)
     log.debug("%s: %d stitched kernels placed, %d skipped, %d failed to build",
               module.name, len(rewrite.placed), len(report.skipped), len(report.fallbacks))
     return report

@@ -471,6 +471,20 @@ class CostModel:
         return total - fused.total_s
 
 
+def copy_kernel_cost(spec: GpuSpec, nbytes: int, element_bytes: int = 4) -> KernelCost:
+    """A copy kernel of ``nbytes`` (XLA's ``copy`` of one buffer): reads and writes every
+    byte, one thread per element, priced like any other kernel (launch + memory time at the
+    bandwidth its threads draw; no arithmetic)."""
+    if nbytes <= 0:
+        return KernelCost(0, 0, 0.0, 0.0, 0, 0.0)
+    threads = max(1, nbytes // max(element_bytes, 1))
+    saturation = spec.sm_count * SATURATING_THREADS_PER_SM
+    moved = 2 * nbytes
+    memory_s = moved / (spec.hbm_bandwidth * min(1.0, threads / saturation))
+    return KernelCost(moved, 1, memory_s, 0.0, threads,
+                      spec.kernel_launch_overhead_s + memory_s)
+
+
 def _tile_kernel_cost(spec: GpuSpec, tile, nbytes: int) -> KernelCost:
     """A KernelCost from a ``gemm_tile.TileCost`` (bytes as counted by kernel_hbm_bytes)."""
     pipes = tile.pipes
