@@ -51,8 +51,8 @@ def _remat_mlp() -> tuple[Callable, tuple, int]:
     import jax
     m = _script("remat_mlp")
     params = m.init_params(jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (m.BATCH, m.DIN))
-    y = jax.random.normal(jax.random.key(2), (m.BATCH, m.DOUT))
+    x = jax.random.normal(jax.random.key(1), (m.BATCH, m.DIM))
+    y = jax.random.normal(jax.random.key(2), (m.BATCH, 1))
     return m.train_step.__wrapped__, (params, x, y), 1
 
 

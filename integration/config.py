@@ -102,7 +102,7 @@ def grid_sync_on_gpu() -> str:
     """STITCH_GRID_SYNC: how the GPU pass builds global-scope (grid barrier) kernels — "off"
     (not at all: the block scopes' schedule), a codegen.kir.GRID_SYNC_MODES mode, or "auto"
     (per kernel, stitch.schedule.global_scope.launch_form)."""
-    raw = os.environ.get("STITCH_GRID_SYNC", "off").strip().lower() or "off"
+    raw = os.environ.get("STITCH_GRID_SYNC", "relaunch").strip().lower() or "relaunch"
     if raw not in GRID_SYNC_SETTINGS:
         raise ConfigError(f"STITCH_GRID_SYNC={raw!r}: expected one of "
                           f"{', '.join(GRID_SYNC_SETTINGS)}")

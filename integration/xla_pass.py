@@ -417,6 +417,10 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
         options = dataclasses.replace(options, chain_tf32=True,
                                       chain_spill_check=True,
                                       chain_grid_sync=grid_sync_on_gpu() != "off")
+    if request.device == "gpu":
+        # The planner prices a global-scope kernel only in the launch form this pass builds
+        # it in, and none under "off" (stitch.cost.launch_forms, STITCH_GRID_SYNC).
+        options = dataclasses.replace(options, grid_sync=grid_sync_on_gpu())
     fusion_plan = make_plan(module, request.target, options=options,
                             cancel=request.cancel, cache=True)
     timings["plan_s"] = time.perf_counter() - t0
@@ -589,15 +593,15 @@ def _global_scope(schedule: Any) -> bool:
 
 
 def _block_scope_schedule(graph: Any, members: Any, spec: Any) -> Any:
-    """The kernel's best schedule without the global scope. Grid-barrier kernels (a launch
-    per phase, or one cooperative launch: codegen.ffi_cuda) have not run on a GPU yet, so
-    the GPU pass keeps them only where STITCH_GRID_SYNC asks (config.grid_sync_on_gpu)."""
+    """The kernel's best schedule without the global scope: STITCH_GRID_SYNC=off builds no
+    grid-barrier kernel (config.grid_sync_on_gpu; the planner then priced none either,
+    stitch.cost.launch_forms)."""
     from stitch.schedule.tuner import ScheduleError, schedule_kernel
     try:
         return schedule_kernel(graph, members, spec, force={"scope": "block"})
     except ScheduleError as exc:
-        raise PassError(f"only a global-scope (grid barrier) schedule, which needs a "
-                        f"cooperative launch on the GPU: {exc}") from exc
+        raise PassError(f"only a global-scope (grid barrier) schedule, and "
+                        f"STITCH_GRID_SYNC=off builds none: {exc}") from exc
 
 
 def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView, gi: int,
@@ -748,11 +752,10 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                     continue
             try:
                 schedule = k.schedule
-                grid_sync = grid_sync_setting
-                if _global_scope(schedule) and grid_sync == "off":
+                grid_sync = launch_form(schedule, grid_sync_setting) \
+                    if _global_scope(schedule) else None
+                if _global_scope(schedule) and grid_sync is None:
                     schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
-                elif _global_scope(schedule) and grid_sync == "auto":
-                    grid_sync = launch_form(schedule)
                 def lower(schedule: Any, graph: Any = graph_plan.graph, name: str = k.name
                           ) -> Any:
                     with LLVM_LOCK:
