@@ -11,7 +11,8 @@ and returns the kernel's outputs as a tuple, and each removed instruction that i
 outside the kernel is replaced by an instruction *of the same name* reading the custom
 call (a ``get-tuple-element``, or a ``tuple`` of them for a multi-output fusion), so no
 other instruction changes. A kernel that splits an XLA fusion, reads ops inlined from a
-called computation, or needs a non-row-major buffer is left to XLA, with the reason.
+called computation, or would read or write a buffer in another layout than XLA assigned it
+(``xla_layouts``: the kernel is lowered with XLA's layouts) is left to XLA, with the reason.
 
 Kernels that only re-do one XLA kernel are not placed (``same as XLA``): the point of the
 pass is to launch fewer, larger kernels than XLA.
@@ -53,6 +54,10 @@ class PlacedKernel:
     # codegen's ``LoweredKernel.initial``: a scatter adding colliding updates atomically in
     # place). The call's output aliases that operand (``_in_place_operands``).
     initial: dict[int, int] = field(default_factory=dict)
+    # Params the kernel reads or writes in a layout other than row-major (node -> logical
+    # dims, major to minor: codegen's ``LoweredKernel.layouts``). A buffer XLA laid out
+    # otherwise is placed only where the kernel uses exactly XLA's layout for it.
+    layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -140,8 +145,40 @@ def find_site(view: ComputationView, graph_index: int, name: str,
                       tuple(sorted(tops, key=view.position.__getitem__)))
 
 
-def _row_major(shape: Shape) -> bool:
-    return shape.minor_to_major() == tuple(range(shape.rank - 1, -1, -1))
+def buffer_layout(shape: Shape) -> tuple[int, ...] | None:
+    """An array's layout as codegen's ``layouts`` take it (the logical dims, major to
+    minor: XLA's minor_to_major reversed), None where it is row-major."""
+    order = tuple(reversed(shape.minor_to_major()))
+    return None if order == tuple(range(shape.rank)) else order
+
+
+def xla_layouts(graph: OpGraph, members: frozenset[int]) -> dict[int, tuple[int, ...]]:
+    """The layouts XLA assigned to the buffers a kernel of ``members`` may read or write
+    (its members and their operands; the rest codegen ignores): node -> logical dims major
+    to minor, row-major ones left out. The kernel loads and stores them in place (the
+    rewrite checks each buffer it wires against them, ``_layout_problem``)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for v in set(members) | {o for m in members for o in graph.nodes[m].operands}:
+        shape = graph.nodes[v].shape
+        if shape.is_tuple:
+            continue
+        layout = buffer_layout(shape)
+        if layout is not None:
+            out[v] = layout
+    return out
+
+
+def _layout_problem(kind: str, name: str, shape: Shape, kernel: "PlacedKernel",
+                    nid: int) -> str | None:
+    """Why the kernel cannot take this buffer (a tuple, or a layout it does not use)."""
+    if shape.is_tuple:
+        return f"{kind} {name} is a tuple ({shape})"
+    want = buffer_layout(shape)
+    if kernel.layouts.get(nid) != want:
+        return (f"{kind} {name} is laid out {shape.layout} but the kernel "
+                f"{'reads' if kind == 'input' else 'writes'} it "
+                f"{'row-major' if nid not in kernel.layouts else kernel.layouts[nid]}")
+    return None
 
 
 class _Builder:
@@ -265,8 +302,9 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
             name, shape = _exported_input(view, b, nid, exported or {})
         else:
             name, shape = _input_value(view, b, nid)
-        if shape.is_tuple or not _row_major(shape):
-            raise NotPlaceable(f"input {name} is not a row-major array ({shape})")
+        problem = _layout_problem("input", name, shape, kernel, nid)
+        if problem:
+            raise NotPlaceable(problem)
         operands.append(name)
     # A member the kernel reads from memory (a gte of XLA's tuple all-reduce) stays in the
     # module: the call takes it as an operand.
@@ -281,8 +319,9 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
                                "XLA's instructions")
         top, index = keys[0]
         shape = view.table[top].shape if index is None else view.table[top].shape.tuple_shapes[index]
-        if shape.is_tuple or not _row_major(shape):
-            raise NotPlaceable(f"output {top} is not a row-major array ({shape})")
+        problem = _layout_problem("output", top, shape, kernel, nid)
+        if problem:
+            raise NotPlaceable(problem)
         out_shapes.append(shape)
         for key in keys:
             out_index.setdefault(key, j)

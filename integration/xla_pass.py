@@ -49,7 +49,7 @@ from .collector import fewer_collections
 from .config import ConfigError, env_flag, grid_sync_on_gpu
 from .delivered import deliver
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, find_site,
-                          replace_kernels)
+                          replace_kernels, xla_layouts)
 from .snap import snap_kernels
 
 log = logging.getLogger("stitch.xla_pass")
@@ -756,13 +756,15 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                     if _global_scope(schedule) else None
                 if _global_scope(schedule) and grid_sync is None:
                     schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
-                def lower(schedule: Any, graph: Any = graph_plan.graph, name: str = k.name
-                          ) -> Any:
+                def lower(schedule: Any, graph: Any = graph_plan.graph, name: str = k.name,
+                          layouts: dict = xla_layouts(graph_plan.graph, k.members)) -> Any:
                     with LLVM_LOCK:
                         # in_place: the rewrite makes an atomic scatter's output alias its
                         # operand (output_to_operand_aliasing, PlacedKernel.initial).
+                        # layouts: buffers are read and written in XLA's layouts.
                         return lower_kernel(graph, evaluator, schedule, name, in_place=True,
-                                            validate=False)    # add() validates
+                                            validate=False,    # add() validates
+                                            layouts=layouts)
                 if budget is not None:
                     lowered, narrowed = lower_within_budget(graph_plan.graph, schedule, spec,
                                                             k.name, lower, budget)
@@ -839,7 +841,8 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
             report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
             return
         placed.append(PlacedKernel(site, list(lowered.inputs), list(lowered.outputs),
-                                   ffi_target.name, dict(lowered.initial)))
+                                   ffi_target.name, dict(lowered.initial),
+                                   dict(getattr(lowered, "layouts", {}) or {})))
         built[k.name] = BuiltKernel(k.name, lowered, ffi_target)
         launching[k.name] = sum(1 for t in site.tops if view.launches(t))
 
