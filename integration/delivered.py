@@ -225,3 +225,27 @@ def deliver(report: Any, fusion_plan: Any, spec: Any, placed: Iterable[Any],
     for line in delivery.log_lines(report.module):
         log.info("%s", line)
     return delivery
+
+
+def loses_with_copies(graph_plan: Any, members: frozenset, copy_bytes: int, spec: Any,
+                      cost: Any) -> str | None:
+    """Why a kernel placed in a loop body would lose once the copies it needs there
+    (``hlo_rewrite.carried_copy_bytes``) are counted — slower than the XLA kernels it
+    replaces, or moving more memory-intensive bytes than they do — else None. ``cost``: a
+    CostModel of the graph (the price the plan and the delivered figures use)."""
+    if copy_bytes <= 0:
+        return None
+    from stitch.cost.delta import copy_kernel_cost
+    own = cost.kernel(members)
+    copies = copy_kernel_cost(spec, copy_bytes)
+    replaced = [b for b in graph_plan.baseline.kernels if set(b.members) & members]
+    xla_s = sum(b.cost.total_s for b in replaced)
+    xla_bytes = sum(b.cost.hbm_bytes for b in replaced)
+    with_s = own.total_s + copies.total_s
+    with_bytes = own.hbm_bytes + copies.hbm_bytes
+    if with_s >= xla_s or with_bytes > max(xla_bytes, own.hbm_bytes):
+        return (f"loses with the copies its loop body needs ({copy_bytes / 1e3:.1f} KB): "
+                f"{with_s * 1e6:.2f} µs / {with_bytes / 1e3:.1f} KB against XLA's "
+                f"{xla_s * 1e6:.2f} µs / {xla_bytes / 1e3:.1f} KB")
+    return None
+

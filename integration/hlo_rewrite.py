@@ -181,6 +181,25 @@ def _layout_problem(kind: str, name: str, shape: Shape, kernel: "PlacedKernel",
     return None
 
 
+def carried_copy_bytes(view: ComputationView, site: KernelSite) -> int:
+    """Bytes of the copies ``place`` will add for ``site`` in a loop body: each value the
+    kernel writes for the loop state (the root's operands) goes through a copy (``place``'s
+    ``carried``). 0 outside loop bodies."""
+    if view.graph.kind == "entry":
+        return 0
+    carried = set(view.comp.root.operands)
+    tops = set(site.tops)
+    total = 0
+    for top in site.tops:
+        if top in carried:
+            total += view.table[top].shape.byte_size
+            continue
+        for user in view.users_outside(top, tops, []):
+            if user.opcode == "get-tuple-element" and user.name in carried:
+                total += user.shape.byte_size
+    return total
+
+
 class _Builder:
     """Edits one computation: new instructions get fresh names."""
 

@@ -47,9 +47,9 @@ from stitch.errors import Cancelled, StitchError
 
 from .collector import fewer_collections
 from .config import ConfigError, env_flag, grid_sync_on_gpu
-from .delivered import deliver
-from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, find_site,
-                          replace_kernels, xla_layouts)
+from .delivered import deliver, loses_with_copies
+from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_copy_bytes,
+                          find_site, replace_kernels, xla_layouts)
 from .snap import snap_kernels
 
 log = logging.getLogger("stitch.xla_pass")
@@ -382,6 +382,11 @@ CODE_BUDGET_ON_GPU = True
 # GPU builds: a kernel whose modeled saving per step would not repay its build within
 # $STITCH_PAYBACK_STEPS steps is left to XLA (integration.payback; host builds are checks).
 PAYBACK_ON_GPU = True
+
+# GPU builds: a kernel in a loop body that loses (time, or memory-intensive bytes) once the
+# copies of the loop state it writes are counted is left to XLA (delivered.loses_with_copies;
+# host builds are checks and keep them).
+LOOP_COPIES_ON_GPU = True
 
 # What a PTX child imports as it starts (codegen.gpu_cache.build_in_child's work).
 PTX_CHILD_PRELOAD = ("codegen.nvptx", "codegen.gpu_cache")
@@ -719,6 +724,9 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
         # pricing, so a GEMM inside XLA's kernels is priced as the planner's baseline was.
         cost = CostModel(graph_plan.graph, spec, gemm_chains=False) \
             if payback is not None else None
+        loop_copies = (cost or CostModel(graph_plan.graph, spec, gemm_chains=False)) \
+            if request.device == "gpu" and LOOP_COPIES_ON_GPU and \
+            graph_plan.graph.kind != "entry" else None
         report.skipped.extend(left_out)
         for job in _chain_jobs(request, report, view, gi, graph_plan, snapped):
             add(job)
@@ -741,6 +749,15 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             except NotPlaceable as exc:
                 report.skipped.append((k.name, str(exc)))
                 continue
+            if loop_copies is not None:
+                # A kernel the copies of its loop body make lose is left to XLA.
+                loses = loses_with_copies(graph_plan, frozenset(k.members),
+                                          carried_copy_bytes(view, site), spec,
+                                          loop_copies)
+                if loses:
+                    log.info("kernel %s: %s: left to XLA", k.name, loses)
+                    report.skipped.append((k.name, loses))
+                    continue
             request.check_cancelled()
             gain_s = 0.0
             if payback is not None:

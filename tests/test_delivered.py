@@ -128,3 +128,43 @@ def test_dropped_kernels_carry_their_kind_reason_and_planned_saving():
     lost = delivery.delivered.mem_modeled_us - delivery.planned.mem_modeled_us
     assert lost == pytest.approx(d.planned_saving_us, rel=1e-6)
     assert any(dropped.name in line for line in delivery.log_lines("m"))
+
+
+def test_predicted_loop_copies_match_the_rewrite_and_a_losing_kernel_is_refused():
+    """hlo_rewrite.carried_copy_bytes predicts, per kernel, the copies the rewrite then adds;
+    delivered.loses_with_copies refuses a loop kernel whose copies make it lose."""
+    from hlo_passes import parse_hlo
+    from integration.delivered import loses_with_copies
+    from integration.hlo_rewrite import ComputationView, KernelSite, carried_copy_bytes
+    from stitch.cost.delta import CostModel
+
+    rng = np.random.default_rng()
+    fn = jax.value_and_grad(_scan_loss)
+    args = (0.3 * _rand(rng, 16, 16), _rand(rng, 6, 8, 16))
+    report = _compile(fn, *args)
+    recorded: dict[str, int] = {}
+    for c in report.delivery.copies:
+        recorded[c.kernel] = recorded.get(c.kernel, 0) + c.nbytes
+    assert recorded
+    # XLA's own compile of the same function: its loop body holds the instructions the
+    # plan's graphs name (the views look them up by name).
+    module = parse_hlo(jax.jit(fn).lower(*args).compile().as_text())
+    spec = get_spec("h100")
+    checked = 0
+    for gi, gp in enumerate(report.plan.graphs):
+        if gp.graph.kind == "entry":
+            continue
+        for k in gp.stitched.kernels:
+            if k.name not in recorded:
+                continue
+            view = ComputationView(module, gp.graph)
+            tops = {view.top_of(m) for m in k.members} - {None}
+            site = KernelSite(k.name, gi, frozenset(k.members),
+                              tuple(sorted(tops, key=view.position.__getitem__)))
+            assert carried_copy_bytes(view, site) == recorded[k.name], k.name
+            cost = CostModel(gp.graph, spec, gemm_chains=False)
+            huge = 1 << 30
+            assert loses_with_copies(gp, frozenset(k.members), huge, spec, cost)
+            assert loses_with_copies(gp, frozenset(k.members), 0, spec, cost) is None
+            checked += 1
+    assert checked
