@@ -32,6 +32,7 @@ the request (``PassRequest.result()`` raises it as a ``StitchError`` on the call
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -299,20 +300,37 @@ def _untag(module: HloModule) -> None:
 DUMP_ENV = "STITCH_DUMP_MODULES"
 
 
-def _dump_module(text: str, request: PassRequest) -> None:
+def _dump_module(text: str, request: PassRequest) -> str | None:
     """With ``$STITCH_DUMP_MODULES`` set to a folder, write the module the pass plans there
-    (``<function>.<n>.hlo``): planning can then be profiled in-process without XLA."""
+    (``<function>.<n>.hlo``): planning can then be profiled in-process without XLA. The
+    path written (None: none)."""
     folder = os.environ.get(DUMP_ENV, "").strip()
     if not folder:
-        return
+        return None
     try:
         os.makedirs(folder, exist_ok=True)
         stem = re.sub(r"[^A-Za-z0-9_.-]", "_", request.function or "module")
-        n = sum(1 for f in os.listdir(folder) if f.startswith(stem + "."))
-        with open(os.path.join(folder, f"{stem}.{n}.hlo"), "w") as f:
+        n = sum(1 for f in os.listdir(folder) if f.startswith(stem + ".") and
+                f.endswith(".hlo"))
+        path = os.path.join(folder, f"{stem}.{n}.hlo")
+        with open(path, "w") as f:
             f.write(text)
+        return path
     except OSError as exc:
         log.warning("%s: could not write the module: %s", DUMP_ENV, exc)
+        return None
+
+
+def _dump_summary(path: str | None, report: PassReport) -> None:
+    """Next to a dumped module, the pass's ``PassReport.summary()`` (``<...>.summary.json``:
+    planned and delivered figures, bench/xla_units.py reads them)."""
+    if path is None:
+        return
+    try:
+        with open(path[:-len(".hlo")] + ".summary.json", "w") as f:
+            json.dump(report.summary(), f)
+    except OSError as exc:
+        log.warning("%s: could not write the summary: %s", DUMP_ENV, exc)
 
 
 def stitch_module_text(text: str, request: PassRequest) -> str | None:
@@ -320,13 +338,14 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
     ``request.report``."""
     start = time.perf_counter()
     with fewer_collections():        # the pass allocates millions of objects (collector.py)
-        _dump_module(text, request)
+        dumped = _dump_module(text, request)
         module = parse_hlo(text)
         _untag(module)
         request.check_cancelled()
         report = stitch_module(module, request)
         report.timings["pass_s"] = time.perf_counter() - start
         request.report = report
+        _dump_summary(dumped, report)
         if not report.placed:
             return None
         return print_hlo(module, operand_shapes=True)
