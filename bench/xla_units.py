@@ -8,9 +8,12 @@ default captured here: each model's tiny training step compiled deviceless for a
 the pass on, in the venv scripts/deviceless_check.sh makes (``STITCH_CUDA_VENV``, default
 .venv-cuda). ``--zoo``: the zoo's XLA GPU (H100) fixtures, tests/data/*/*.gpu-h100.hlo, in
 a summary (section bench-xla-units-zoo). Per module and mode: planning CPU seconds (one thread, no cache), the modeled µs
-of the plan as planned, and of what the pass can place: the plan's kernels snapped to whole
-XLA instructions (integration.snap) and placeable (at least two XLA kernels), plus XLA's
-kernels for everything else, all by the delta cost model (counted and modeled, not measured).
+of the plan as planned, of what snapping leaves (the plan's kernels snapped to whole XLA
+instructions, integration.snap, at least two XLA kernels each, plus XLA's kernels for the
+rest: an upper bound, before lowering, building, payback and the rewrite), and — where the
+pass's own ``<module>.summary.json`` lies beside the module (the pass writes it with
+``STITCH_DUMP_MODULES``) — what the pass delivered (integration/delivered.py: the final
+module priced as XLA's), all by the delta cost model (counted and modeled, not measured).
 """
 from __future__ import annotations
 
@@ -75,6 +78,20 @@ def placed_modeled_us(module, fusion_plan, spec) -> tuple[float, int]:
     return total * 1e6, placed
 
 
+def delivered_us(path: Path) -> float | None:
+    """Modeled µs of all kernels of the module the pass returned for ``path``, from the
+    summary the pass wrote beside it (None where there is none)."""
+    import json
+    summary = path.with_suffix(".summary.json")
+    if not summary.exists():
+        return None
+    got = json.loads(summary.read_text())
+    if "delivered_mem_us" not in got:
+        return None
+    # The summary counts memory-intensive kernels; the rest (GEMMs...) are XLA's either way.
+    return got["delivered_mem_us"]
+
+
 def measure(path: Path) -> list[dict]:
     from hlo_passes import parse_hlo
     from stitch.cost.gpu_specs import get_spec
@@ -95,7 +112,9 @@ def measure(path: Path) -> list[dict]:
                      "ops": sum(len(g.graph.nodes) for g in fusion_plan.graphs),
                      "plan_cpu_s": seconds, "baseline_us": summary["baseline"]["modeled_us"],
                      "planned_us": summary["stitched"]["modeled_us"],
-                     "placed_us": modeled, "placed": placed})
+                     "placed_us": modeled, "placed": placed,
+                     "baseline_mem_us": summary["baseline"]["mem_modeled_us"],
+                     "delivered_mem_us": delivered_us(path) if units else None})
         print(f"[xla_units] {rows[-1]}", file=sys.stderr, flush=True)
     return rows
 
@@ -113,17 +132,21 @@ def markdown(rows: list[dict], command: str) -> str:
              stamp(command, os.getloadavg()), "",
              "The modules XLA GPU hands stitch's pass (tiny training steps, deviceless H100). "
              "*plan s*: planning CPU seconds, no cache. *XLA's kernels*: the module as XLA "
-             "made it. *planned*: the plan as the planner models it. *placed*: what the pass "
-             "can put in the module — the plan snapped to whole XLA instructions, kernels of "
-             "at least two of them — with XLA's kernels for the rest. Modeled µs, delta cost "
+             "made it. *planned*: the plan as the planner models it. *snapped*: the plan snapped "
+             "to whole XLA instructions, kernels of at least two of them, with XLA's kernels "
+             "for the rest — an upper bound on what the pass places (before lowering, "
+             "building, payback and the rewrite). *delivered mem*: memory-intensive µs of the "
+             "module the pass returned (its own pricing, integration/delivered.py; against "
+             "*XLA mem*), where the capture left the pass's summary. Modeled µs, delta cost "
              "model, H100.", "",
-             "| module | ops | vertices | plan s | XLA's kernels µs | planned µs | placed µs "
-             "| kernels placed |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+             "| module | ops | vertices | plan s | XLA's kernels µs | planned µs | snapped µs "
+             "| kernels snapped | XLA mem µs | delivered mem µs |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        delivered = "–" if r.get("delivered_mem_us") is None else f"{r['delivered_mem_us']:.1f}"
         lines.append(f"| {r['module']} | {r['ops']} | {r['mode']} | {r['plan_cpu_s']:.2f} | "
                      f"{r['baseline_us']:.1f} | {r['planned_us']:.1f} | {r['placed_us']:.1f} | "
-                     f"{r['placed']} |")
+                     f"{r['placed']} | {r['baseline_mem_us']:.1f} | {delivered} |")
     return "\n".join(lines)
 
 

@@ -273,6 +273,37 @@ class Convert(Expr):
         _check_dtype(self.dtype, VALUE_DTYPES, "Convert")
 
 
+# Value dtypes of equal bit width, between which a Bitcast reinterprets the bits.
+BITCAST_WIDTHS: dict[str, int] = {"f32": 32, "i32": 32, "u32": 32, "f64": 64, "i64": 64,
+                                  "i8": 8, "u8": 8}
+
+
+def bitcast_problem(src: str, dst: str) -> str | None:
+    """Why a value of dtype ``src`` cannot be reinterpreted as ``dst`` bit for bit (None
+    when it can: both value dtypes of one width, ``BITCAST_WIDTHS``). The one rule the
+    Bitcast expression, the HLO lowering (``values``) and the planner's feasibility ask."""
+    if src not in BITCAST_WIDTHS or dst not in BITCAST_WIDTHS:
+        return f"no bit reinterpretation between {src} and {dst}"
+    if BITCAST_WIDTHS[src] != BITCAST_WIDTHS[dst]:
+        return f"{src} and {dst} differ in width"
+    return None
+
+
+@_cached_hash
+@dataclass(frozen=True)
+class Bitcast(Expr):
+    """The bits of ``a`` read as ``dtype`` (same width: XLA's bitcast-convert, e.g. the u32
+    random bits a dropout mask turns into f32). Never a value conversion."""
+    a: Expr
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, VALUE_DTYPES, "Bitcast")
+        problem = bitcast_problem(self.a.dtype, self.dtype)
+        if problem:
+            raise CodegenError(f"Bitcast: {problem}")
+
+
 # ---------------------------------------------------------------- statements
 
 
@@ -511,7 +542,7 @@ def sub_exprs(e: Expr) -> tuple[Expr, ...]:
         return (e.index,)
     if isinstance(e, (Binary, Compare)):
         return (e.a, e.b)
-    if isinstance(e, (Unary, Convert)):
+    if isinstance(e, (Unary, Convert, Bitcast)):
         return (e.a,)
     if isinstance(e, Select):
         return (e.cond, e.a, e.b)
@@ -808,6 +839,9 @@ class _Checker:
                 self.fail(where, f"Select condition has dtype {e.cond.dtype}, need i1")
             if e.a.dtype != e.b.dtype:
                 self.fail(where, f"Select branches {e.a.dtype} vs {e.b.dtype}")
+        elif isinstance(e, Bitcast):
+            if bitcast_problem(e.a.dtype, e.dtype):
+                self.fail(where, f"Bitcast {e.a.dtype} -> {e.dtype}")
         elif not isinstance(e, Convert):
             self.fail(where, f"unknown expression {type(e).__name__}")
 

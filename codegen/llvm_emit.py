@@ -621,6 +621,10 @@ class KernelEmitter:
                             self.expr(e.b, scope, ctx))
         if isinstance(e, kir.Convert):
             return self.convert(self.expr(e.a, scope, ctx), e.a.dtype, e.dtype)
+        if isinstance(e, kir.Bitcast):
+            value = self.expr(e.a, scope, ctx)
+            ty = value_type(e.dtype)
+            return value if value.type == ty else b.bitcast(value, ty)
         raise CodegenError(f"cannot emit expression {e!r}")
 
     def binary(self, op: str, dtype: str, a: ir.Value, c: ir.Value) -> ir.Value:

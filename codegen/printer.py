@@ -41,6 +41,8 @@ def format_expr(e: kir.Expr) -> str:
         return f"({format_expr(e.cond)} ? {format_expr(e.a)} : {format_expr(e.b)})"
     if isinstance(e, kir.Convert):
         return f"({C_TYPES[e.dtype]}){format_expr(e.a)}"
+    if isinstance(e, kir.Bitcast):
+        return f"bit_cast<{C_TYPES[e.dtype]}>({format_expr(e.a)})"
     raise CodegenError(f"cannot print expression {e!r}")
 
 

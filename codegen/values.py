@@ -427,13 +427,18 @@ class ValueEmitter:
             return self.value(ops[0], delinearize(linearize(index, shape.dims), src.dims))
         if op == "bitcast":
             src = leaf(self.graph.nodes[ops[0]].shape)
+            value = self.value(ops[0], _from_physical(_physical_linear(index, shape), src))
             if src.element_type != shape.element_type:
-                # Reinterpreting bytes (f32[N] <-> f16[2N]) is not a value conversion; refuse
-                # rather than convert (the kernel runs through the evaluator).
-                raise CodegenError(f"{node.name}: bitcast from {src.element_type} to "
-                                   f"{shape.element_type} reinterprets bytes, which codegen "
-                                   f"does not generate")
-            return self.value(ops[0], _from_physical(_physical_linear(index, shape), src))
+                # XLA's same-width bitcast-convert written as a bitcast (dropout's u32 bits
+                # as f32): the bits reinterpreted, never the value converted.
+                return _reinterpreted(node.name, value, src, shape)
+            return value
+        if op == "bitcast-convert":
+            src = leaf(self.graph.nodes[ops[0]].shape)
+            if src.dims != shape.dims:
+                raise CodegenError(f"{node.name}: a width-changing bitcast-convert "
+                                   f"({src.element_type} -> {shape.element_type})")
+            return _reinterpreted(node.name, self.value(ops[0], index), src, shape)
         if op == "transpose":
             perm = inst.ints("dimensions")
             src_index: list[Expr] = [_c(0)] * len(perm)
@@ -762,3 +767,28 @@ class ValueEmitter:
         body = self.pop()
         self.emit(kir.For(var, _c(0), _c(math.prod(sizes)), _c(1), body))
         return kir.Ref(acc, init.dtype)
+
+
+def _reinterpreted(name: str, value: Expr, src: Shape, dst: Shape) -> Expr:
+    """``value`` (an element of ``src``'s type) with its bits read as ``dst``'s element type
+    (kir.Bitcast). Types whose register value is not their stored bits (f16/bf16 widen to
+    f32, pred) or of different widths are refused (CodegenError: the kernel stays with
+    XLA), never converted."""
+    reason = reinterpret_problem(src.element_type, dst.element_type)
+    if reason:
+        raise CodegenError(f"{name}: bitcast from {src.element_type} to {dst.element_type}: "
+                           f"{reason}")
+    return kir.Bitcast(value, kir.value_dtype(storage_dtype(dst)))
+
+
+def reinterpret_problem(src: str, dst: str) -> str | None:
+    """Why codegen cannot reinterpret HLO element type ``src`` as ``dst`` bit for bit (None
+    when it can): the rule the planner's feasibility asks too (kir.bitcast_problem on the
+    types' register values)."""
+    a, b = STORAGE.get(src), STORAGE.get(dst)
+    if a is None or b is None:
+        return f"{src if a is None else dst} is not supported by codegen"
+    if kir.value_dtype(a) != a or kir.value_dtype(b) != b:
+        return f"{src} or {dst} is not held as its stored bits"
+    return kir.bitcast_problem(a, b)
+

@@ -10,11 +10,12 @@ STITCH_STATS    a path: at exit, JSON with one record per stitched function sign
 STITCH_GUARD    0/false: keep the stitched kernels even where they time slower than stock
                 XLA over the first calls after the switch (default 1: keep the faster)
 STITCH_CACHE_DIR  the on-disk compile cache (codegen/cache.py)
-STITCH_GRID_SYNC  how the GPU runs global-scope kernels (grid barriers): ``off`` (default, until
-                they have run on a GPU: the pass builds the block scopes' schedule instead),
-                ``relaunch`` (one launch per phase on the stream), ``barrier`` (one persistent
-                launch, cooperative, a software grid barrier between phases), ``auto`` (per
-                kernel, the form the latency-evaluator models faster)
+STITCH_GRID_SYNC  how the GPU runs global-scope kernels (grid barriers): ``relaunch`` (default:
+                one launch per phase on the stream inside one custom call, no co-residency
+                needed), ``barrier`` (one persistent launch, cooperative, a software grid
+                barrier between phases; opt-in until it has run on a GPU), ``auto`` (per
+                kernel, the form the latency-evaluator models faster), ``off`` (none: the
+                pass builds the block scopes' schedule; stitch.cost.launch_forms)
                 It also lets the GPU pass split a GEMM chain's n across blocks (a second
                 launch sums the f32 partials; ExplorerOptions.chain_grid_sync)
 STITCH_CODE_BUDGET  Kernel IR statements above which the GPU pass builds a kernel at a
@@ -39,6 +40,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from stitch.cost.launch_forms import GRID_SYNC_SETTINGS
 from stitch.errors import StitchError
 
 TARGETS = ("v100", "a100", "h100", "h200")
@@ -153,14 +155,13 @@ def report_setting_once(problem: str) -> None:
         "%s; ignored: stitched compiles stay off where it applies", problem)
 
 
-GRID_SYNC_SETTINGS = ("off", "relaunch", "barrier", "auto")
 
 
 def grid_sync_on_gpu() -> str:
-    """STITCH_GRID_SYNC: how the GPU pass builds global-scope (grid barrier) kernels — "off"
-    (not at all: the block scopes' schedule), a codegen.kir.GRID_SYNC_MODES mode, or "auto"
-    (per kernel, stitch.schedule.global_scope.launch_form)."""
-    raw = os.environ.get("STITCH_GRID_SYNC", "off").strip().lower() or "off"
+    """STITCH_GRID_SYNC: how the GPU pass builds global-scope (grid barrier) kernels —
+    "relaunch" (the default), "barrier", "auto" or "off" (stitch.cost.launch_forms, the rule
+    the planner prices by too)."""
+    raw = os.environ.get("STITCH_GRID_SYNC", "relaunch").strip().lower() or "relaunch"
     if raw not in GRID_SYNC_SETTINGS:
         raise ConfigError(f"STITCH_GRID_SYNC={raw!r}: expected one of "
                           f"{', '.join(GRID_SYNC_SETTINGS)}")

@@ -11,7 +11,8 @@ and returns the kernel's outputs as a tuple, and each removed instruction that i
 outside the kernel is replaced by an instruction *of the same name* reading the custom
 call (a ``get-tuple-element``, or a ``tuple`` of them for a multi-output fusion), so no
 other instruction changes. A kernel that splits an XLA fusion, reads ops inlined from a
-called computation, or needs a non-row-major buffer is left to XLA, with the reason.
+called computation, or would read or write a buffer in another layout than XLA assigned it
+(``xla_layouts``: the kernel is lowered with XLA's layouts) is left to XLA, with the reason.
 
 Kernels that only re-do one XLA kernel are not placed (``same as XLA``): the point of the
 pass is to launch fewer, larger kernels than XLA.
@@ -53,12 +54,18 @@ class PlacedKernel:
     # codegen's ``LoweredKernel.initial``: a scatter adding colliding updates atomically in
     # place). The call's output aliases that operand (``_in_place_operands``).
     initial: dict[int, int] = field(default_factory=dict)
+    # Params the kernel reads or writes in a layout other than row-major (node -> logical
+    # dims, major to minor: codegen's ``LoweredKernel.layouts``). A buffer XLA laid out
+    # otherwise is placed only where the kernel uses exactly XLA's layout for it.
+    layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
 class RewriteReport:
     placed: list[str] = field(default_factory=list)              # kernel names
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (kernel name, reason)
+    # Copies the placed kernels added: (kernel name, graph index, bytes).
+    copies: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class NotPlaceable(Exception):
@@ -138,8 +145,59 @@ def find_site(view: ComputationView, graph_index: int, name: str,
                       tuple(sorted(tops, key=view.position.__getitem__)))
 
 
-def _row_major(shape: Shape) -> bool:
-    return shape.minor_to_major() == tuple(range(shape.rank - 1, -1, -1))
+def buffer_layout(shape: Shape) -> tuple[int, ...] | None:
+    """An array's layout as codegen's ``layouts`` take it (the logical dims, major to
+    minor: XLA's minor_to_major reversed), None where it is row-major."""
+    order = tuple(reversed(shape.minor_to_major()))
+    return None if order == tuple(range(shape.rank)) else order
+
+
+def xla_layouts(graph: OpGraph, members: frozenset[int]) -> dict[int, tuple[int, ...]]:
+    """The layouts XLA assigned to the buffers a kernel of ``members`` may read or write
+    (its members and their operands; the rest codegen ignores): node -> logical dims major
+    to minor, row-major ones left out. The kernel loads and stores them in place (the
+    rewrite checks each buffer it wires against them, ``_layout_problem``)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for v in set(members) | {o for m in members for o in graph.nodes[m].operands}:
+        shape = graph.nodes[v].shape
+        if shape.is_tuple:
+            continue
+        layout = buffer_layout(shape)
+        if layout is not None:
+            out[v] = layout
+    return out
+
+
+def _layout_problem(kind: str, name: str, shape: Shape, kernel: "PlacedKernel",
+                    nid: int) -> str | None:
+    """Why the kernel cannot take this buffer (a tuple, or a layout it does not use)."""
+    if shape.is_tuple:
+        return f"{kind} {name} is a tuple ({shape})"
+    want = buffer_layout(shape)
+    if kernel.layouts.get(nid) != want:
+        return (f"{kind} {name} is laid out {shape.layout} but the kernel "
+                f"{'reads' if kind == 'input' else 'writes'} it "
+                f"{'row-major' if nid not in kernel.layouts else kernel.layouts[nid]}")
+    return None
+
+
+def carried_copy_bytes(view: ComputationView, site: KernelSite) -> int:
+    """Bytes of the copies ``place`` will add for ``site`` in a loop body: each value the
+    kernel writes for the loop state (the root's operands) goes through a copy (``place``'s
+    ``carried``). 0 outside loop bodies."""
+    if view.graph.kind == "entry":
+        return 0
+    carried = set(view.comp.root.operands)
+    tops = set(site.tops)
+    total = 0
+    for top in site.tops:
+        if top in carried:
+            total += view.table[top].shape.byte_size
+            continue
+        for user in view.users_outside(top, tops, []):
+            if user.opcode == "get-tuple-element" and user.name in carried:
+                total += user.shape.byte_size
+    return total
 
 
 class _Builder:
@@ -149,6 +207,9 @@ class _Builder:
         self.view = view
         self.names = {inst.name for _, inst in module.instructions()}
         self.added: list[tuple[Instruction, float]] = []   # (instruction, sort position)
+        # Bytes of each copy the kernels placed here add (a loop's carried values, an
+        # in-place operand): (kernel name, bytes); the pass prices them (delivered.py).
+        self.copies: list[tuple[str, int]] = []
 
     def fresh(self, base: str) -> str:
         name, i = base, 0
@@ -260,8 +321,9 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
             name, shape = _exported_input(view, b, nid, exported or {})
         else:
             name, shape = _input_value(view, b, nid)
-        if shape.is_tuple or not _row_major(shape):
-            raise NotPlaceable(f"input {name} is not a row-major array ({shape})")
+        problem = _layout_problem("input", name, shape, kernel, nid)
+        if problem:
+            raise NotPlaceable(problem)
         operands.append(name)
     # A member the kernel reads from memory (a gte of XLA's tuple all-reduce) stays in the
     # module: the call takes it as an operand.
@@ -276,8 +338,9 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
                                "XLA's instructions")
         top, index = keys[0]
         shape = view.table[top].shape if index is None else view.table[top].shape.tuple_shapes[index]
-        if shape.is_tuple or not _row_major(shape):
-            raise NotPlaceable(f"output {top} is not a row-major array ({shape})")
+        problem = _layout_problem("output", top, shape, kernel, nid)
+        if problem:
+            raise NotPlaceable(problem)
         out_shapes.append(shape)
         for key in keys:
             out_index.setdefault(key, j)
@@ -305,6 +368,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
             return Instruction(name, shape, "get-tuple-element", [call_name],
                                {"index": str(index)}, is_root=is_root)
         part = b.gte(call_name, shape, index, position + 0.5)
+        b.copies.append((site.name, shape.byte_size))
         return Instruction(name, shape, "copy", [part], is_root=is_root)
 
     dead_gtes: list[str] = []
@@ -336,6 +400,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
                 if top in carried:
                     part = b.add(Instruction(b.fresh(f"{part}.copy"), shape, "copy", [part]),
                                  position + 0.6)
+                    b.copies.append((site.name, shape.byte_size))
                 parts.append(part)
             replacements[top] = Instruction(top, inst.shape, "tuple", parts,
                                             is_root=inst.is_root)
@@ -350,6 +415,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
         if user.name in carried:
             part = b.gte(call_name, user.shape, j, position + 0.5)
             user.opcode, user.operands, user.attrs = "copy", [part], {}
+            b.copies.append((site.name, user.shape.byte_size))
         else:
             user.operands = [call_name]
             user.attrs["index"] = str(j)
@@ -373,6 +439,7 @@ def _in_place_operands(view: ComputationView, b: _Builder, kernel: PlacedKernel,
             shape = _operand_shape(b, operands[i])
             copy = Instruction(b.fresh(f"{operands[i]}.inplace"), shape, "copy", [operands[i]])
             operands[i] = b.add(copy, position - 0.5)
+            b.copies.append((kernel.site.name, shape.byte_size))
         pairs.append(f"{{{j}}}: ({i}, {{}})")
     return "{" + ", ".join(pairs) + "}" if pairs else ""
 
@@ -421,7 +488,7 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
         replacements: dict[str, Instruction] = {}
         exported: dict[tuple[str, int | None], _Export] = {}
         for k in placed:
-            mark = len(b.added)
+            mark, copies_mark = len(b.added), len(b.copies)
             existing = [*view.comp.instructions, *(inst for inst, _ in b.added)]
             snapshot = [(i, i.opcode, list(i.operands), dict(i.attrs)) for i in existing]
             tops_before = k.site.tops
@@ -433,6 +500,7 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
                                     {**replacements, **new}))
             except NotPlaceable as exc:
                 del b.added[mark:]
+                del b.copies[copies_mark:]
                 for inst, opcode, operands, attrs in snapshot:   # undo gte retargets
                     inst.opcode, inst.operands, inst.attrs = opcode, operands, attrs
                 k.site.tops = tops_before
@@ -444,6 +512,7 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
             report.placed.append(k.site.name)
         if removed:
             view.comp.instructions = _topological(_items(view, b, removed, replacements))
+        report.copies.extend((name, gi, nbytes) for name, nbytes in b.copies)
     if report.placed:
         _drop_unreachable(module)
     return report

@@ -35,6 +35,7 @@ a cancelled pass never leaves LLVM running in this process.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -50,8 +51,9 @@ from stitch.errors import Cancelled, StitchError
 
 from .collector import fewer_collections
 from .config import ConfigError, env_flag, grid_sync_on_gpu
-from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, find_site,
-                          replace_kernels)
+from .delivered import deliver, loses_with_copies
+from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_copy_bytes,
+                          find_site, replace_kernels, xla_layouts)
 from .snap import snap_kernels
 
 log = logging.getLogger("stitch.xla_pass")
@@ -95,12 +97,15 @@ class PassReport:
     narrowed: list = field(default_factory=list)
     # Kernels left to XLA because they would not repay their build (integration.payback).
     unpaid: list = field(default_factory=list)
+    # Planned vs delivered: the final module priced as XLA's is (integration.delivered).
+    delivery: Any = None
 
     def summary(self) -> dict:
         return {"kernels_before": self.kernels_xla, "kernels_after": self.kernels_after,
                 "stitched_kernels": self.kernels_stitched,
                 "fallbacks": len(self.fallbacks),
-                **{k: round(v, 3) for k, v in self.timings.items()}}
+                **{k: round(v, 3) for k, v in self.timings.items()},
+                **(self.delivery.summary() if self.delivery is not None else {})}
 
     def reason_nothing_stitched(self) -> str:
         reasons = [f"{n}: {r}" for n, r in (self.fallbacks + self.skipped)
@@ -304,20 +309,37 @@ def _untag(module: HloModule) -> None:
 DUMP_ENV = "STITCH_DUMP_MODULES"
 
 
-def _dump_module(text: str, request: PassRequest) -> None:
+def _dump_module(text: str, request: PassRequest) -> str | None:
     """With ``$STITCH_DUMP_MODULES`` set to a folder, write the module the pass plans there
-    (``<function>.<n>.hlo``): planning can then be profiled in-process without XLA."""
+    (``<function>.<n>.hlo``): planning can then be profiled in-process without XLA. The
+    path written (None: none)."""
     folder = os.environ.get(DUMP_ENV, "").strip()
     if not folder:
-        return
+        return None
     try:
         os.makedirs(folder, exist_ok=True)
         stem = re.sub(r"[^A-Za-z0-9_.-]", "_", request.function or "module")
-        n = sum(1 for f in os.listdir(folder) if f.startswith(stem + "."))
-        with open(os.path.join(folder, f"{stem}.{n}.hlo"), "w") as f:
+        n = sum(1 for f in os.listdir(folder) if f.startswith(stem + ".") and
+                f.endswith(".hlo"))
+        path = os.path.join(folder, f"{stem}.{n}.hlo")
+        with open(path, "w") as f:
             f.write(text)
+        return path
     except OSError as exc:
         log.warning("%s: could not write the module: %s", DUMP_ENV, exc)
+        return None
+
+
+def _dump_summary(path: str | None, report: PassReport) -> None:
+    """Next to a dumped module, the pass's ``PassReport.summary()`` (``<...>.summary.json``:
+    planned and delivered figures, bench/xla_units.py reads them)."""
+    if path is None:
+        return
+    try:
+        with open(path[:-len(".hlo")] + ".summary.json", "w") as f:
+            json.dump(report.summary(), f)
+    except OSError as exc:
+        log.warning("%s: could not write the summary: %s", DUMP_ENV, exc)
 
 
 def stitch_module_text(text: str, request: PassRequest) -> str | None:
@@ -325,13 +347,14 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
     ``request.report``."""
     start = time.perf_counter()
     with fewer_collections():        # the pass allocates millions of objects (collector.py)
-        _dump_module(text, request)
+        dumped = _dump_module(text, request)
         module = parse_hlo(text)
         _untag(module)
         request.check_cancelled()
         report = stitch_module(module, request)
         report.timings["pass_s"] = time.perf_counter() - start
         request.report = report
+        _dump_summary(dumped, report)
         if not report.placed:
             return None
         return print_hlo(module, operand_shapes=True)
@@ -388,6 +411,11 @@ CODE_BUDGET_ON_GPU = True
 # $STITCH_PAYBACK_STEPS steps is left to XLA (integration.payback; host builds are checks).
 PAYBACK_ON_GPU = True
 
+# GPU builds: a kernel in a loop body that loses (time, or memory-intensive bytes) once the
+# copies of the loop state it writes are counted is left to XLA (delivered.loses_with_copies;
+# host builds are checks and keep them).
+LOOP_COPIES_ON_GPU = True
+
 # What a PTX child imports as it starts (codegen.gpu_cache.build_in_child's work).
 PTX_CHILD_PRELOAD = ("codegen.nvptx", "codegen.gpu_cache")
 # What a PTX child does as it starts, while the pass still plans: the NVPTX target and the
@@ -422,6 +450,10 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
         options = dataclasses.replace(options, chain_tf32=True,
                                       chain_spill_check=True,
                                       chain_grid_sync=grid_sync_on_gpu() != "off")
+    if request.device == "gpu":
+        # The planner prices a global-scope kernel only in the launch form this pass builds
+        # it in, and none under "off" (stitch.cost.launch_forms, STITCH_GRID_SYNC).
+        options = dataclasses.replace(options, grid_sync=grid_sync_on_gpu())
     fusion_plan = make_plan(module, request.target, options=options,
                             cancel=request.cancel, cache=True)
     timings["plan_s"] = time.perf_counter() - t0
@@ -450,6 +482,7 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
     report.in_loop_bodies = sum(1 for p in placed if p.site.name in set(rewrite.placed)
                                 and fusion_plan.graphs[p.site.graph_index].graph.kind != "entry")
     report.timings.update(timings)
+    report.delivery = deliver(report, fusion_plan, spec, placed, rewrite)
     log.debug("%s: %d stitched kernels placed, %d skipped, %d failed to build",
               module.name, len(rewrite.placed), len(report.skipped), len(report.fallbacks))
     return report
@@ -596,15 +629,15 @@ def _global_scope(schedule: Any) -> bool:
 
 
 def _block_scope_schedule(graph: Any, members: Any, spec: Any) -> Any:
-    """The kernel's best schedule without the global scope. Grid-barrier kernels (a launch
-    per phase, or one cooperative launch: codegen.ffi_cuda) have not run on a GPU yet, so
-    the GPU pass keeps them only where STITCH_GRID_SYNC asks (config.grid_sync_on_gpu)."""
+    """The kernel's best schedule without the global scope: STITCH_GRID_SYNC=off builds no
+    grid-barrier kernel (config.grid_sync_on_gpu; the planner then priced none either,
+    stitch.cost.launch_forms)."""
     from stitch.schedule.tuner import ScheduleError, schedule_kernel
     try:
         return schedule_kernel(graph, members, spec, force={"scope": "block"})
     except ScheduleError as exc:
-        raise PassError(f"only a global-scope (grid barrier) schedule, which needs a "
-                        f"cooperative launch on the GPU: {exc}") from exc
+        raise PassError(f"only a global-scope (grid barrier) schedule, and "
+                        f"STITCH_GRID_SYNC=off builds none: {exc}") from exc
 
 
 def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView, gi: int,
@@ -722,6 +755,9 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
         # pricing, so a GEMM inside XLA's kernels is priced as the planner's baseline was.
         cost = CostModel(graph_plan.graph, spec, gemm_chains=False) \
             if payback is not None else None
+        loop_copies = (cost or CostModel(graph_plan.graph, spec, gemm_chains=False)) \
+            if request.device == "gpu" and LOOP_COPIES_ON_GPU and \
+            graph_plan.graph.kind != "entry" else None
         report.skipped.extend(left_out)
         for job in _chain_jobs(request, report, view, gi, graph_plan, snapped):
             add(job)
@@ -744,6 +780,15 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             except NotPlaceable as exc:
                 report.skipped.append((k.name, str(exc)))
                 continue
+            if loop_copies is not None:
+                # A kernel the copies of its loop body make lose is left to XLA.
+                loses = loses_with_copies(graph_plan, frozenset(k.members),
+                                          carried_copy_bytes(view, site), spec,
+                                          loop_copies)
+                if loses:
+                    log.info("kernel %s: %s: left to XLA", k.name, loses)
+                    report.skipped.append((k.name, loses))
+                    continue
             request.check_cancelled()
             gain_s = 0.0
             if payback is not None:
@@ -755,18 +800,19 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                     continue
             try:
                 schedule = k.schedule
-                grid_sync = grid_sync_setting
-                if _global_scope(schedule) and grid_sync == "off":
+                grid_sync = launch_form(schedule, grid_sync_setting) \
+                    if _global_scope(schedule) else None
+                if _global_scope(schedule) and grid_sync is None:
                     schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
-                elif _global_scope(schedule) and grid_sync == "auto":
-                    grid_sync = launch_form(schedule)
-                def lower(schedule: Any, graph: Any = graph_plan.graph, name: str = k.name
-                          ) -> Any:
+                def lower(schedule: Any, graph: Any = graph_plan.graph, name: str = k.name,
+                          layouts: dict = xla_layouts(graph_plan.graph, k.members)) -> Any:
                     with LLVM_LOCK:
                         # in_place: the rewrite makes an atomic scatter's output alias its
                         # operand (output_to_operand_aliasing, PlacedKernel.initial).
+                        # layouts: buffers are read and written in XLA's layouts.
                         return lower_kernel(graph, evaluator, schedule, name, in_place=True,
-                                            validate=False)    # add() validates
+                                            validate=False,    # add() validates
+                                            layouts=layouts)
                 if budget is not None:
                     lowered, narrowed = lower_within_budget(graph_plan.graph, schedule, spec,
                                                             k.name, lower, budget)
@@ -843,7 +889,8 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
             report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
             return
         placed.append(PlacedKernel(site, list(lowered.inputs), list(lowered.outputs),
-                                   ffi_target.name, dict(lowered.initial)))
+                                   ffi_target.name, dict(lowered.initial),
+                                   dict(getattr(lowered, "layouts", {}) or {})))
         built[k.name] = BuiltKernel(k.name, lowered, ffi_target)
         launching[k.name] = sum(1 for t in site.tops if view.launches(t))
 

@@ -44,6 +44,7 @@ from hlo_passes.op_classes import OpClass
 
 from ..explorer.feasibility import Infeasible, PatternAnalysis, analyze_pattern
 from ..explorer.structure import StructureKeys, rename
+from .launch_forms import allows_global
 from .gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
 
 # Thread instructions per element (FP32 pipeline issue slots). Light ops are one
@@ -97,8 +98,13 @@ class CostModel:
     def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None,
                  gemm_chains: bool = True, chain_tf32: bool = False,
                  chain_spill_check: bool = False, chain_grid_sync: bool = False,
-                 share_structure: bool = True):
+                 share_structure: bool = True, grid_sync: str = "barrier"):
         self.graph = graph
+        # The global-scope launch forms the target builds (stitch.schedule.launch_forms,
+        # ExplorerOptions.grid_sync): "off" prices no global-scope-only pattern, the others
+        # price one in the form the pass will build.
+        self.grid_sync = grid_sync
+        self.allow_global = allows_global(grid_sync)
         # Chain schedules may split n across blocks (ExplorerOptions.chain_grid_sync).
         self.chain_grid_sync = chain_grid_sync
         # Chain schedules ptxas spills are struck (ExplorerOptions.chain_spill_check).
@@ -141,7 +147,7 @@ class CostModel:
             self.poll()
             self.fresh += 1
             try:
-                got = analyze_pattern(self.graph, key, allow_global=True)
+                got = analyze_pattern(self.graph, key, allow_global=self.allow_global)
             except Infeasible as exc:
                 got = str(exc)
             self._feasible[key] = got
@@ -279,7 +285,7 @@ class CostModel:
         the resident grid plus grid barriers; ``stitch.schedule.global_scope``)."""
         from ..schedule.global_scope import estimate     # the schedules import this module
         got = estimate(self.graph, members, self.spec, analysis.global_phases,
-                       block_sizes=(512,))
+                       block_sizes=(512,), setting=self.grid_sync)
         if got is None:
             return KernelCost(0, 1, math.inf, 0.0, 0, math.inf)
         seconds, nbytes = got
@@ -469,6 +475,20 @@ class CostModel:
                 t = single[v] = self.singleton(v).total_s
             total += t
         return total - fused.total_s
+
+
+def copy_kernel_cost(spec: GpuSpec, nbytes: int, element_bytes: int = 4) -> KernelCost:
+    """A copy kernel of ``nbytes`` (XLA's ``copy`` of one buffer): reads and writes every
+    byte, one thread per element, priced like any other kernel (launch + memory time at the
+    bandwidth its threads draw; no arithmetic)."""
+    if nbytes <= 0:
+        return KernelCost(0, 0, 0.0, 0.0, 0, 0.0)
+    threads = max(1, nbytes // max(element_bytes, 1))
+    saturation = spec.sm_count * SATURATING_THREADS_PER_SM
+    moved = 2 * nbytes
+    memory_s = moved / (spec.hbm_bandwidth * min(1.0, threads / saturation))
+    return KernelCost(moved, 1, memory_s, 0.0, threads,
+                      spec.kernel_launch_overhead_s + memory_s)
 
 
 def _tile_kernel_cost(spec: GpuSpec, tile, nbytes: int) -> KernelCost:

@@ -30,6 +30,7 @@ from hlo_passes.parser import parse_hlo
 from ..cost.chain_pricing import chain_for, chain_price, graph_chains
 from ..cost.delta import CostModel
 from ..cost.gpu_specs import GpuSpec, get_spec
+from ..cost.launch_forms import GRID_SYNC_SETTINGS, allows_global
 from ..errors import Cancelled, StitchError
 from .beam import KernelCycleError, beam_search, merge_adjacent, pack_levels
 from .blp import BlpError, solve_blp
@@ -82,6 +83,12 @@ class ExplorerOptions:
     # Chain schedules may split n across blocks (a grid barrier before the cross-block
     # combine): only where the target runs grid-barrier kernels (STITCH_GRID_SYNC on GPU).
     chain_grid_sync: bool = False
+    # The global-scope (grid barrier) launch forms the target builds, as
+    # stitch.cost.launch_forms names them: "off" (none: a pattern only the global scope
+    # stitches is no kernel), "relaunch", "barrier" or "auto"; the cost model prices a
+    # global-scope pattern in the form it will be built in. The host runs every form
+    # ("barrier", the persistent kernel's price); the GPU pass passes STITCH_GRID_SYNC.
+    grid_sync: str = "barrier"
     # Ops per explored pattern (None: MAX_PATTERN_OPS on graphs of at most
     # SMALL_GRAPH_OPS ops, LARGE_GRAPH_PATTERN_OPS above). Scoring a pattern costs time
     # linear in its size and a long chain makes every vertex's patterns that large, so
@@ -171,6 +178,9 @@ def _check_options(options: "ExplorerOptions") -> None:
     if options.max_pattern_ops is not None and options.max_pattern_ops < 1:
         raise PlanOptionsError(f"max_pattern_ops must be at least 1, got "
                                f"{options.max_pattern_ops}")
+    if options.grid_sync not in GRID_SYNC_SETTINGS:
+        raise PlanOptionsError(f"grid_sync must be one of {', '.join(GRID_SYNC_SETTINGS)}, "
+                               f"got {options.grid_sync!r}")
 
 
 def _graph_weights(graphs: list[OpGraph]) -> list[int]:
@@ -260,13 +270,16 @@ def _named(graph: OpGraph, kernels: list[PlannedKernel], weight: int,
 ScheduleCache = dict[frozenset[int], KernelSchedule | str]
 
 
-def _tuned(graph: OpGraph, spec: GpuSpec, members: frozenset[int], cache: ScheduleCache
-           ) -> KernelSchedule | str:
-    """The tuned schedule of a kernel, or why it has none (cached by member set)."""
+def _tuned(graph: OpGraph, spec: GpuSpec, members: frozenset[int], cache: ScheduleCache,
+           grid_sync: str = "barrier") -> KernelSchedule | str:
+    """The tuned schedule of a kernel, or why it has none (cached by member set; a cache
+    serves one ``grid_sync`` setting: under "off" only the block scopes are tried,
+    stitch.cost.launch_forms)."""
     got = cache.get(members)
     if got is None:
+        force = None if allows_global(grid_sync) else {"scope": "block"}
         try:
-            got = schedule_kernel(graph, members, spec)
+            got = schedule_kernel(graph, members, spec, force)
         except ScheduleError as exc:
             got = str(exc)
         cache[members] = got
@@ -277,7 +290,8 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
                   cache: ScheduleCache | None = None,
                   poll: Callable[[], None] | None = None, chain_tf32: bool = False,
                   chain_spill_check: bool = False, chain_grid_sync: bool = False,
-                  left_to_xla: Collection[frozenset[int]] = ()) -> None:
+                  left_to_xla: Collection[frozenset[int]] = (),
+                  grid_sync: str = "barrier") -> None:
     """Attach the tuned stitching schedule to every stitched kernel of ``plan``. GEMM/conv,
     opaque ops, control flow and XLA's kept fusions around opaque ops run as XLA compiles
     them and get none; so does a kernel whose members are one of ``left_to_xla`` (with
@@ -302,7 +316,7 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
         if not all(is_plannable(graph, v) for v in k.members):
             k.schedule_note = "XLA fusion around an op stitch does not generate; kept as is"
             continue
-        got = _tuned(graph, spec, frozenset(k.members), cache)
+        got = _tuned(graph, spec, frozenset(k.members), cache, grid_sync)
         if isinstance(got, str):
             k.schedule_note = got
             log.debug("graph %s: %s has no schedule: %s", graph.name, k.name, got)
@@ -315,14 +329,15 @@ AS_XLA_MADE_IT = "one XLA kernel as XLA made it: left to XLA"
 
 
 def _schedulable_parts(graph: OpGraph, spec: GpuSpec, members: frozenset[int],
-                       cache: ScheduleCache) -> list[frozenset[int]] | None:
+                       cache: ScheduleCache, grid_sync: str = "barrier"
+                       ) -> list[frozenset[int]] | None:
     """A kernel the feasibility predicate accepted but no schedule can stitch, cut into
     parts that each have one: its stages (cut after every reduction), and a stage that still
     has none cut once more into one part per reduction with its ancestors in the stage
     (shared ancestors go to the first) plus the rest. None when some part still has none."""
     parts: list[frozenset[int]] = []
     for stage in _stages(graph, members):
-        if isinstance(_tuned(graph, spec, stage, cache), KernelSchedule):
+        if isinstance(_tuned(graph, spec, stage, cache, grid_sync), KernelSchedule):
             parts.append(stage)
             continue
         taken: set[int] = set()
@@ -338,8 +353,8 @@ def _schedulable_parts(graph: OpGraph, spec: GpuSpec, members: frozenset[int],
         if stage - taken:
             parts.append(frozenset(stage - taken))
     parts = [p for p in parts if any(needs_kernel(graph, v) for v in p)]
-    if len(parts) < 2 or not all(isinstance(_tuned(graph, spec, p, cache), KernelSchedule)
-                                 for p in parts):
+    if len(parts) < 2 or not all(isinstance(_tuned(graph, spec, p, cache, grid_sync),
+                                            KernelSchedule) for p in parts):
         return None
     return parts
 
@@ -354,7 +369,8 @@ def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: G
     for k in plan.kernels:
         if k.schedule is None and k.schedule_note and k.schedule_note != AS_XLA_MADE_IT \
                 and k.kind == "fused" and all(is_plannable(graph, v) for v in k.members):
-            parts = _schedulable_parts(graph, spec, frozenset(k.members), cache)
+            parts = _schedulable_parts(graph, spec, frozenset(k.members), cache,
+                                       cost.grid_sync)
             if parts is not None:
                 kernels += [make_kernel(graph, cost, p, "split") for p in parts]
                 changed = True
@@ -370,12 +386,12 @@ def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: G
         return None
     schedule_plan(graph, spec, repaired, cache, chain_tf32=cost.chain_tf32,
                   chain_spill_check=cost.chain_spill_check,
-                  chain_grid_sync=cost.chain_grid_sync)
+                  chain_grid_sync=cost.chain_grid_sync, grid_sync=cost.grid_sync)
     return repaired
 
 
 def latency_objective_s(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
-                        cache: ScheduleCache) -> float:
+                        cache: ScheduleCache, grid_sync: str = "barrier") -> float:
     """Modeled time of a plan under the latency-evaluator: each stitched kernel at its
     tuned schedule's time; GEMM/conv, opaque ops and XLA's kept fusions at the delta cost
     model's time (the same kernels in every candidate plan, so they do not decide). A
@@ -384,7 +400,7 @@ def latency_objective_s(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
     for k in plan.kernels:
         if k.kind == "fused" and k.cost.launches and \
                 all(is_plannable(graph, v) for v in k.members):
-            got = _tuned(graph, spec, frozenset(k.members), cache)
+            got = _tuned(graph, spec, frozenset(k.members), cache, grid_sync)
             total += math.inf if isinstance(got, str) else got.modeled_us * 1e-6
         else:
             total += k.cost.total_s
@@ -455,7 +471,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                      chain_tf32=options.chain_tf32,
                      chain_spill_check=options.chain_spill_check,
                      chain_grid_sync=options.chain_grid_sync,
-                     share_structure=options.share_structure)
+                     share_structure=options.share_structure,
+                     grid_sync=options.grid_sync)
     base_groups = baseline_groups(graph, baseline_source)
     baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight,
                        prefix="b")
@@ -581,7 +598,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
         # The paper's final step (§4.3/§5.3): the latency-evaluator, which sees each
         # kernel's schedule, occupancy and waves, picks among the candidate plans; the
         # delta cost model breaks ties (and stays the BLP's objective).
-        latency = {id(p): latency_objective_s(graph, spec, p, schedules)
+        latency = {id(p): latency_objective_s(graph, spec, p, schedules,
+                                                   options.grid_sync)
                    for _, p in allowed or plans}
         label, best = min(allowed or plans, key=lambda lp: (latency[id(lp[1])],
                                                            lp[1].objective_s))
@@ -625,7 +643,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
         left_to_xla = frozenset(base_groups) if vertices is not None else frozenset()
         schedule_plan(graph, spec, best, schedules, poll, chain_tf32=options.chain_tf32,
                       chain_spill_check=options.chain_spill_check,
-                      chain_grid_sync=options.chain_grid_sync, left_to_xla=left_to_xla)
+                      chain_grid_sync=options.chain_grid_sync, left_to_xla=left_to_xla,
+                      grid_sync=options.grid_sync)
         repaired = _split_unschedulable(graph, spec, cost, best, schedules, weight)
         if repaired is not None:
             best = repaired
@@ -668,7 +687,8 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
             cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains,
                              chain_tf32=options.chain_tf32,
                              chain_spill_check=options.chain_spill_check,
-                             chain_grid_sync=options.chain_grid_sync)
+                             chain_grid_sync=options.chain_grid_sync,
+                             grid_sync=options.grid_sync)
             base_groups = baseline_groups(graph, source)
             baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups),
                                False, weight, prefix="b")
@@ -680,7 +700,8 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
                 schedule_plan(graph, spec, stitched, {}, poll, chain_tf32=options.chain_tf32,
                               chain_spill_check=options.chain_spill_check,
                               chain_grid_sync=options.chain_grid_sync,
-                              left_to_xla=frozenset(base_groups) if units else frozenset())
+                              left_to_xla=frozenset(base_groups) if units else frozenset(),
+                              grid_sync=options.grid_sync)
             report = PlannerReport(planner, stitched.objective_s, 0.0, status="cached")
             results.append(GraphResult(graph, baseline, stitched, report))
     except Cancelled:

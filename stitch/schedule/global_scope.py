@@ -37,6 +37,7 @@ from ..cost.latency import UNROLL, LaunchShape, WarpWork, grid_barrier_cycles, p
 from ..cost.occupancy import occupancy
 from ..explorer.feasibility import GlobalPhases, _leaf, _physical_order
 from .kernel_schedule import GroupSchedule, KernelSchedule, PartSchedule
+from ..cost.launch_forms import form_for, form_seconds
 from .space import op_instructions, written_values
 
 BLOCK_SIZES = (256, 512, 1024)
@@ -82,14 +83,15 @@ class _Phase:
     fold_loads: float = 0.0     # per thread: partials it folds itself
 
 
-def launch_form(schedule: KernelSchedule) -> str:
-    """"relaunch" where the same phases as a chain of launches (``chain_us``) are modeled
-    faster than the persistent kernel with its grid barriers, else "barrier" (the
-    ``codegen.kir.GRID_SYNC_MODES`` of a global-scope schedule)."""
+def launch_form(schedule: KernelSchedule, setting: str = "auto") -> str | None:
+    """The launch form (``codegen.kir.GRID_SYNC_MODES``) of a global-scope schedule under
+    ``setting`` (``launch_forms.form_for``; "auto": "relaunch" where the same phases as a
+    chain of launches, ``chain_us``, are modeled faster than the persistent kernel with its
+    grid barriers, else "barrier")."""
     scope = next((p.scope for p in schedule.parts if p.kind == "global"), None)
     if scope is None:
         raise ValueError("not a global-scope schedule")
-    return "relaunch" if scope.chain_us < schedule.modeled_us else "barrier"
+    return form_for(setting, schedule.modeled_us, scope.chain_us)
 
 
 def _elements(graph: OpGraph, v: int) -> int:
@@ -265,13 +267,20 @@ def schedule_global(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
 
 
 def estimate(graph: OpGraph, members: Iterable[int], spec: GpuSpec, phases: GlobalPhases,
-             block_sizes: tuple[int, ...] = BLOCK_SIZES) -> tuple[float, int] | None:
-    """(modeled seconds, HBM bytes) of the best global-scope schedule, for the cost model
-    (which asks for one block size: it scores thousands of patterns)."""
+             block_sizes: tuple[int, ...] = BLOCK_SIZES, setting: str = "barrier"
+             ) -> tuple[float, int] | None:
+    """(modeled seconds, HBM bytes) of the best global-scope schedule in the launch form
+    ``setting`` gives it (``launch_forms``: the persistent kernel, or its phases as a chain
+    of launches), for the cost model (which asks for one block size: it scores thousands of
+    patterns). None where no schedule fits or the setting builds no global-scope kernel."""
     got = schedule_global(graph, members, spec, phases, block_sizes)
     if got is None:
         return None
-    return got.modeled_us * 1e-6, got.parts[0].scope.hbm_bytes
+    scope = got.parts[0].scope
+    seconds = form_seconds(setting, got.modeled_us * 1e-6, scope.chain_us * 1e-6)
+    if seconds is None:
+        return None
+    return seconds, scope.hbm_bytes
 
 
 def _schedule(graph: OpGraph, members: set[int], spec: GpuSpec, phases: GlobalPhases,

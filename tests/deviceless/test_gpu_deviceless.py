@@ -313,7 +313,7 @@ def test_attention_is_one_gemm_chain_kernel_in_xla_gpus_module(h100_mesh, dtype)
         assert "mma.sync.aligned.m16n8k16" in chain.target.ptx
 
 
-def _normalize_on_h100(h100_mesh, monkeypatch=None):
+def _normalize_on_h100(h100_mesh, monkeypatch=None, expect_global=True):
     # Its kernel saves ~1 µs a step: built whatever it repays (integration/payback.py).
     if monkeypatch is not None:
         monkeypatch.setenv("STITCH_PAYBACK_STEPS", "off")
@@ -324,22 +324,38 @@ def _normalize_on_h100(h100_mesh, monkeypatch=None):
     report = result.report
     planned = [k for g in report.plan.graphs for k in g.stitched.kernels
                if k.schedule is not None and any(p.kind == "global" for p in k.schedule.parts)]
-    assert planned, "the plan has no global-scope kernel: the test no longer tests anything"
+    if expect_global:
+        assert planned, "the plan has no global-scope kernel: the test no longer tests anything"
     return result
 
 
-def test_gpu_kernels_hold_no_grid_barrier_by_default(h100_mesh, monkeypatch):
-    """x / sum(x) plans as a global-scope (grid barrier) kernel; until such kernels have run
-    on a GPU the pass builds the block scopes' schedule instead (STITCH_GRID_SYNC unset),
-    or leaves the ops to XLA with that reason."""
+def test_gpu_kernels_are_relaunched_per_phase_by_default(h100_mesh, monkeypatch):
+    """x / sum(x) plans as a global-scope (grid barrier) kernel; by default (STITCH_GRID_SYNC
+    unset) the pass builds it in the relaunch form — a launch per phase inside one custom
+    call, no co-residency needed — and the planner priced it in that form."""
     from codegen import kir
     monkeypatch.delenv("STITCH_GRID_SYNC", raising=False)
-    report = _normalize_on_h100(h100_mesh).report
+    result = _normalize_on_h100(h100_mesh, monkeypatch)
+    report = result.report
+    phased = [k for k in report.kernels if kir.has_grid_barrier(k.lowered.kernel)]
+    assert phased, report.summary()
+    for kernel in phased:
+        assert kernel.lowered.kernel.grid_sync == "relaunch"
+    assert not report.delivery.dropped, report.delivery.log_lines("normalize")
+
+
+def test_grid_sync_off_plans_no_kernel_only_the_global_scope_builds(h100_mesh, monkeypatch):
+    """STITCH_GRID_SYNC=off: no grid-barrier kernel is built, and the planner (asking the
+    same launch-form rule, stitch.cost.launch_forms) prices none, so no planned kernel is
+    dropped for want of one."""
+    from codegen import kir
+    monkeypatch.setenv("STITCH_GRID_SYNC", "off")
+    report = _normalize_on_h100(h100_mesh, monkeypatch, expect_global=False).report
     for kernel in report.kernels:
         assert not kir.has_grid_barrier(kernel.lowered.kernel), kernel.name
         assert "grid_sync" not in kernel.target.ptx
     left = [why for _, why in report.fallbacks]
-    assert report.kernels or any("cooperative launch" in why for why in left), report.summary()
+    assert not any("global-scope" in why for why in left), left
 
 
 def test_grid_barrier_kernels_as_one_cooperative_launch(h100_mesh, monkeypatch):
