@@ -26,6 +26,11 @@ log = logging.getLogger("stitch.jit")
 GUARD_CALLS = 5              # timed calls per side before the guard decides
 MAX_SIGNATURES = 64          # per function; the oldest entry is dropped past it (as jax's cache)
 MAX_RECORDS = 10_000         # STITCH_STATS records kept per process
+# The program summary's planned-vs-delivered figures a STITCH_STATS record carries.
+DELIVERY_KEYS = ("xla_mem_us", "planned_mem_us", "delivered_mem_us", "xla_mem_bytes",
+                 "planned_mem_bytes", "delivered_mem_bytes", "delivered_share",
+                 "dropped_kernels", "dropped_payback_us", "dropped_build_us",
+                 "dropped_placement_us", "copies", "copy_bytes")
 
 
 @dataclass
@@ -39,13 +44,18 @@ class SignatureCounters:
     compile_s: float = 0.0
     state: str = "compiling"
     fallback_reason: str = ""
+    # What the pass delivered against what it planned (integration.delivered: modeled
+    # memory-intensive µs and bytes of XLA's module, the plan and the module returned, the
+    # dropped kernels' lost µs by kind, the loop copies added); empty for a front end
+    # whose program summary has none.
+    delivered: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"function": self.function, "calls": self.calls,
                 "stitched_calls": self.stitched_calls,
                 "kernels_stitched": self.kernels_stitched, "kernels_xla": self.kernels_xla,
                 "compile_s": round(self.compile_s, 3), "state": self.state,
-                "fallback_reason": self.fallback_reason}
+                "fallback_reason": self.fallback_reason, **self.delivered}
 
 
 _RECORDS: list[SignatureCounters] = []
@@ -194,6 +204,7 @@ class SwitchingFunction:
             entry.counters.compile_s = elapsed
             entry.counters.kernels_xla = summary["kernels_before"]
             entry.counters.kernels_stitched = summary["stitched_kernels"]
+            entry.counters.delivered = {k: summary[k] for k in DELIVERY_KEYS if k in summary}
             entry.counters.state = "ready"
         entry.program = program
         entry.compiled_ok = True

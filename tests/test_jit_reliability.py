@@ -203,3 +203,19 @@ def test_stats_write_failure_leaves_no_temporary_file(tmp_path, monkeypatch):
     target.mkdir()                       # os.replace onto a directory fails
     assert switching.write_stats(str(target)) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.json"]
+
+
+def test_stats_records_carry_planned_and_delivered(tmp_path, monkeypatch):
+    from integration import switching
+    f = stitch.jit(_scaled_norm, async_compile=False, guard=False, device="cpu")
+    x = _bf16(10, 64, 256)
+    f(x, 2.0)
+    path = tmp_path / "stats.json"
+    switching.write_stats(str(path))
+    import json
+    (record,) = [r for r in json.loads(path.read_text()) if r["function"] == f.__qualname__
+                 and r["stitched_calls"]]
+    summary = f.programs()[0].summary()
+    for key in ("xla_mem_us", "planned_mem_us", "delivered_mem_us", "delivered_mem_bytes"):
+        assert record[key] == summary[key]
+    assert record["delivered_mem_us"] <= record["xla_mem_us"]
