@@ -16,8 +16,9 @@ split in two steps on two machines, with files between them:
     D/manifest.json gets each build's CPU seconds, PTX lines, registers and spills; the
     cubins go to D.
 ``python -m bench.opt_levels time --dir D --json T.json``
-    On a machine with an NVIDIA GPU (numpy and cupy only: none of stitch's dependencies;
-    of stitch only the plain-Python pipeline table, codegen.pipelines). Each cubin is loaded and its kernel run on fresh random inputs
+    On a machine with an NVIDIA GPU (numpy and libcuda through ctypes, bench.cuda_driver:
+    none of stitch's dependencies, no cupy; of stitch only the plain-Python pipeline table,
+    codegen.pipelines). ``--check-only``: one launch each, untimed (under compute-sanitizer). Each cubin is loaded and its kernel run on fresh random inputs
     (outputs poisoned first); each variant's outputs are checked against the default's.
     Each kernel is then timed as CUDA graph replays of ``REPLAYS`` launches, the median of
     ``REPEATS``, rotating over ``INPUT_SETS`` input sets so no launch reuses the one before.
@@ -184,41 +185,74 @@ POISON = 0xA5     # every byte of an output before a launch
 
 
 def time_kernels(directory: Path, replays: int = REPLAYS, repeats: int = REPEATS,
-                 input_sets: int = INPUT_SETS) -> list[dict]:
+                 input_sets: int = INPUT_SETS, *, driver=None,
+                 check_only: bool = False) -> list[dict]:
     """Per kernel and variant: its GPU µs per call (median), whether each output was
-    written, and its relative error against the default variant's outputs."""
-    import cupy as cp
+    written, and its relative error against the default variant's outputs.
+
+    Through ``bench.cuda_driver`` (ctypes on libcuda; ``driver`` stands in for it in
+    tests). ``check_only``: one launch per kernel and variant, no timing (what the
+    compute-sanitizer step runs)."""
     import numpy as np
 
+    if driver is None:
+        from bench.cuda_driver import Driver
+        driver = Driver()
+    driver.use(0)
     manifest = json.loads((directory / "manifest.json").read_text())
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     results = []
+    sets_wanted = 1 if check_only else input_sets
     for entry in manifest["kernels"]:
         params = entry["params"]
-        host_inputs = [[random_input(rng, p["dtype"], p["size"]) if not p["output"] else None
-                        for p in params] for _ in range(input_sets)]
-        sets = [[cp.asarray(h) if h is not None else None for h in one] for one in host_inputs]
+        inputs = []
+        for _ in range(sets_wanted):
+            one = []
+            for p in params:
+                if p["output"]:
+                    one.append(None)
+                    continue
+                host = random_input(rng, p["dtype"], p["size"])
+                pointer = driver.alloc(host.nbytes)
+                driver.to_device(pointer, host)
+                one.append(pointer)
+            inputs.append(one)
         reference = None
         default = next(iter(entry["variants"]))
         for name, variant in entry["variants"].items():
             row = {"model": entry["model"], "config": entry["config"], "entry": entry["entry"],
                    "variant": name}
+            outputs: list[list] = []
             try:
-                module = cp.RawModule(path=str(directory / variant["cubin"]))
-                # The RawKernel's driver function: it takes a stream and the cooperative flag.
-                function = module.get_function(entry["entry"]).kernel
-                outputs = [[cp.full(p["size"] * p["bytes"], POISON, cp.uint8)
-                            if p["output"] else None for p in params] for _ in sets]
-                arguments = [tuple(o if o is not None else i for i, o in zip(one, outs))
-                             for one, outs in zip(sets, outputs)]
+                shared = int(entry.get("dynamic_shared_bytes", 0))
+                function = driver.load((directory / variant["cubin"]).read_bytes(),
+                                       entry["entry"], shared)
+                for _ in inputs:
+                    outs = []
+                    for p in params:
+                        if not p["output"]:
+                            outs.append(None)
+                            continue
+                        pointer = driver.alloc(p["size"] * p["bytes"])
+                        driver.fill(pointer, POISON, p["size"] * p["bytes"])
+                        outs.append(pointer)
+                    outputs.append(outs)
+                arguments = [[o if o is not None else i for i, o in zip(one, outs)]
+                             for one, outs in zip(inputs, outputs)]
 
                 def launch(args, stream=None) -> None:
                     for _ in range(entry["launches"]):
-                        function((entry["grid"],), (entry["block"],), args, stream=stream,
-                                 enable_cooperative_groups=entry["cooperative"])
+                        driver.launch(function, entry["grid"], entry["block"], args, stream,
+                                      cooperative=entry["cooperative"],
+                                      dynamic_shared_bytes=shared)
                 launch(arguments[0])
-                cp.cuda.Device().synchronize()
-                got = [(p, outputs[0][j].get()) for j, p in enumerate(params) if p["output"]]
+                driver.synchronize()
+                got = []
+                for j, p in enumerate(params):
+                    if p["output"]:
+                        raw = np.empty(p["size"] * p["bytes"], np.uint8)
+                        driver.to_host(outputs[0][j], raw)
+                        got.append((p, raw))
                 row["unwritten_outputs"] = sum(
                     1 for _, raw in got if raw.size and bool((raw == POISON).all()))
                 values = [as_float(p["dtype"], raw.view(_numpy_type(p["dtype"])))
@@ -229,11 +263,23 @@ def time_kernels(directory: Path, replays: int = REPLAYS, repeats: int = REPEATS
                 else:           # None: the default failed, nothing to compare with
                     row["rel_error"] = (_relative_error(values, reference)
                                         if reference is not None else None)
-                row["us"] = _graph_time_us(cp, launch, arguments, replays, repeats)
+                if not check_only:
+                    row["us"] = _graph_time_us(driver, launch, arguments, replays, repeats)
+                    moved = sum(p["size"] * p["bytes"] for p in params)
+                    row["bytes"] = moved
             except Exception as exc:  # noqa: BLE001 - one kernel's failure is a table cell
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                for outs in outputs:
+                    for pointer in outs:
+                        if pointer is not None:
+                            driver.free(pointer)
             results.append(row)
             print(f"[opt_levels] {row}", file=sys.stderr, flush=True)
+        for one in inputs:
+            for pointer in one:
+                if pointer is not None:
+                    driver.free(pointer)
     return results
 
 
@@ -259,25 +305,23 @@ def _relative_error(values: list, reference: list) -> float:
     return worst
 
 
-def _graph_time_us(cp, launch, arguments: list, replays: int, repeats: int) -> float:
+def _graph_time_us(driver, launch, arguments: list, replays: int, repeats: int) -> float:
     """Median µs per call over graph replays of ``replays`` calls, rotating input sets."""
     import numpy as np
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
+    stream = driver.stream()
+
+    def body() -> None:
         for r in range(replays):
-            launch(arguments[r % len(arguments)], stream=stream)
-        graph = stream.end_capture()
-    graph.launch(stream)                   # warm-up: upload, caches
-    stream.synchronize()
+            launch(arguments[r % len(arguments)], stream)
+    graph = driver.capture(stream, body)
+    driver.graph_launch(graph, stream)        # warm-up: upload, caches
     times = []
     for _ in range(repeats):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) * 1000.0 / replays)
+        start, end = driver.event(), driver.event()
+        driver.record(start, stream)
+        driver.graph_launch(graph, stream)
+        driver.record(end, stream)
+        times.append(driver.elapsed_ms(start, end) * 1000.0 / replays)
     return float(np.median(times))
 
 
@@ -361,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="time: where the timings go")
     parser.add_argument("--timings", type=Path, help="report: the timings `time` wrote")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--check-only", action="store_true",
+                        help="time: launch each kernel once and check it, no timing")
     args = parser.parse_args(argv)
     if args.step == "prepare-one":
         model, _, config = args.spec.partition(":")
@@ -374,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
         prepare(args.models, args.dir, str(python))
         args.step = "report"
     if args.step == "time":
-        results = time_kernels(args.dir)
+        results = time_kernels(args.dir, check_only=args.check_only)
         text = json.dumps(results, indent=1)
         if args.json:
             args.json.write_text(text)

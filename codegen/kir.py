@@ -76,6 +76,11 @@ def _check_dtype(dtype: str, allowed: frozenset[str], what: str) -> None:
 # ---------------------------------------------------------------- buffers
 
 
+# Index arithmetic (thread ids, element offsets) is i32 in the Kernel IR and in what the
+# emitters generate: a kernel with a buffer or a thread count past this is refused.
+MAX_INDEX_ELEMENTS = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class Param:
     """A global-memory buffer of `size` elements passed to the kernel (a pointer)."""
@@ -752,7 +757,14 @@ class _Checker:
                     self.fail(kind, f"scratch {b.name!r} must hold a value dtype, not {b.dtype}")
                 if not isinstance(b.size, int) or b.size < 1:
                     self.fail(kind, f"buffer {b.name!r} size {b.size!r} must be a positive int")
+                if b.size > MAX_INDEX_ELEMENTS:
+                    self.fail(kind, f"buffer {b.name!r} has {b.size:,} elements, over 2^31 - 1: "
+                                    "index arithmetic is 32-bit (i32 offsets would wrap to an "
+                                    "illegal address); refused, left to XLA")
                 self.buffers[b.name] = b
+        if k.grid * k.block > MAX_INDEX_ELEMENTS:
+            self.fail("launch", f"{k.grid} blocks x {k.block} threads is over 2^31 - 1: thread "
+                                "ids are 32-bit; refused, left to XLA")
 
     # ------------------------------------------------------------ scopes
 

@@ -28,8 +28,10 @@ SUPPORTED_ARCHES: tuple[str, ...] = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89"
 DEFAULT_CUDA_ROOTS: tuple[pathlib.Path, ...] = (pathlib.Path("/usr/local/cuda"),)
 
 # Inside the nvidia-cuda-nvcc-cu12 wheel: site-packages/nvidia/cuda_nvcc/{bin,nvvm/libdevice}.
-# ``nvidia`` and ``nvidia.cuda_nvcc`` are namespace packages (no __init__.py).
-WHEEL_PACKAGE = "cuda_nvcc"
+# CUDA 13's wheels share one root: nvidia/cu13/bin/ptxas (nvidia-cuda-nvcc 13.x) and
+# nvidia/cu13/nvvm/libdevice/libdevice.10.bc (nvidia-nvvm 13.x).
+# ``nvidia`` and its subfolders are namespace packages (no __init__.py).
+WHEEL_PACKAGES = ("cuda_nvcc", "cu13")
 LIBDEVICE_NAME = "libdevice.10.bc"
 
 _INSTALL_HINT = ("install the CUDA compiler wheel with `pip install stitch[cuda]`, or set CUDA_HOME "
@@ -49,14 +51,16 @@ def _cuda_roots() -> Iterator[tuple[str, pathlib.Path]]:
 
 
 def _wheel_dirs() -> list[pathlib.Path]:
-    """``nvidia/cuda_nvcc`` directories of the pip wheel, one per namespace portion."""
+    """The wheels' toolkit roots (``nvidia/cuda_nvcc``, ``nvidia/cu13``), per namespace
+    portion."""
     try:
         spec = importlib.util.find_spec("nvidia")
     except (ImportError, ValueError):  # ValueError: a broken half-imported 'nvidia' module
         return []
     if spec is None or not spec.submodule_search_locations:
         return []
-    return [pathlib.Path(p) / WHEEL_PACKAGE for p in spec.submodule_search_locations]
+    return [pathlib.Path(p) / package for package in WHEEL_PACKAGES
+            for p in spec.submodule_search_locations]
 
 
 def _is_executable(path: pathlib.Path) -> bool:
@@ -91,7 +95,7 @@ def _ptxas_candidates() -> tuple[list[pathlib.Path], list[str]]:
         searched.append("nvidia-cuda-nvcc-cu12 wheel (package 'nvidia' not importable)")
     for d in wheel_dirs:
         candidate = d / "bin" / "ptxas"
-        searched.append(f"nvidia-cuda-nvcc-cu12 wheel ({candidate})")
+        searched.append(f"nvidia-cuda-nvcc-cu12 / nvidia-cuda-nvcc 13 wheel ({candidate})")
         if _is_executable(candidate):
             add(candidate)
     return found, searched
@@ -198,8 +202,8 @@ def _find_libdevice_cached() -> pathlib.Path:
     except ToolchainError:
         candidates.append(("next to ptxas (no ptxas found)", None))
     wheel_dirs = _wheel_dirs()
-    candidates += [("nvidia-cuda-nvcc-cu12 wheel", d / "nvvm" / "libdevice" / LIBDEVICE_NAME)
-                   for d in wheel_dirs]
+    candidates += [("nvidia-cuda-nvcc-cu12 / nvidia-nvvm 13 wheel",
+                    d / "nvvm" / "libdevice" / LIBDEVICE_NAME) for d in wheel_dirs]
     if not wheel_dirs:
         candidates.append(("nvidia-cuda-nvcc-cu12 wheel (package 'nvidia' not importable)", None))
     for label, candidate in candidates:

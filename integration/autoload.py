@@ -2,7 +2,8 @@
 
 jax: ``jax.jit`` becomes a function with the same signature that returns ``stitch.jit``
 functions (the original stays reachable as ``jax.jit.__stitch_original__``, which stitch's own
-stock path uses). Libraries that bind ``jax.jit`` after jax is imported — Keras' JAX trainer
+stock path uses); calls whose arguments total under STITCH_MIN_BYTES stay on stock jax.jit
+(integration/size_gate.py). Libraries that bind ``jax.jit`` after jax is imported — Keras' JAX trainer
 among them — get stitch too. tensorflow / keras: ``tf.function(jit_compile=True)`` and Keras'
 TF trainer go through ``integration.tf_frontend``. Settings come from the environment
 (integration/config.py).
@@ -44,6 +45,11 @@ def patch_jax(jax_module: ModuleType) -> None:
     def wrap(fun: Callable, kwargs: dict) -> Any:
         try:
             from .jax_jit import jit as stitch_jit
+            from .size_gate import SizeGated, min_bytes_setting
+            min_bytes = min_bytes_setting()
+            if min_bytes:          # tiny jits stay stock (integration/size_gate.py)
+                return SizeGated(fun, kwargs, original,
+                                 lambda: stitch_jit(fun, **kwargs), min_bytes)
             return stitch_jit(fun, **kwargs)
         except Exception as exc:  # noqa: BLE001 - never break the user's jax.jit
             log.warning("%s stays on stock jax.jit: %s: %s",

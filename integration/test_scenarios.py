@@ -30,7 +30,10 @@ def _run(script: str, *args: str, stitch: bool, extra_env: dict | None = None
     if stitch:
         # STITCH_GUARD=0: keep the stitched kernels after the switch even where they time
         # slower on this CPU, so the losses compared below are theirs.
-        env.update({"STITCH_ENABLE": "1", "STITCH_LOG": "info", "STITCH_GUARD": "0"})
+        # STITCH_MIN_BYTES=off: the scenarios train tiny models, which the size gate
+        # would leave stock.
+        env.update({"STITCH_ENABLE": "1", "STITCH_LOG": "info", "STITCH_GUARD": "0",
+                    "STITCH_MIN_BYTES": "off"})
     env.update(extra_env or {})
     run = subprocess.run([sys.executable, str(SCRIPTS / script), *args], env=env,
                          capture_output=True, text=True, timeout=SECONDS + 300)

@@ -177,8 +177,10 @@ def environment(script: ThirdPartyScript, stitched: bool, stats_path: Path | Non
     if stitched:
         # GUARD=0 keeps stitched kernels even where they time slower on this CPU, so the
         # losses compared are theirs; ASYNC=0 stitches from the first call.
+        # MIN_BYTES=off: the scripts' small models would stay stock under the size gate.
         env.update({"STITCH_ENABLE": "1", "STITCH_ASYNC": "0", "STITCH_GUARD": "0",
-                    "STITCH_LOG": "info", "STITCH_STATS": str(stats_path)})
+                    "STITCH_LOG": "info", "STITCH_STATS": str(stats_path),
+                    "STITCH_MIN_BYTES": "off"})
     return env
 
 

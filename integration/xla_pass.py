@@ -229,8 +229,19 @@ _REGISTERED: set[str] = set()
 LLVM_LOCK = threading.RLock()
 
 
+# The names a CUDA PJRT client may report as ``client.platform``: jax's public hook
+# (0.10.2) compares them with the platforms it was given, and CUDA clients say "gpu".
+CUDA_PLATFORM_NAMES = ("cuda", "gpu")
+
+
 def ensure_registered(platform: str) -> None:
-    """Register the pass for ``platform`` ("cpu" or "cuda") once per process."""
+    """Register the pass for ``platform`` ("cpu" or "cuda") once per process.
+
+    CUDA: jax's public call under every name a CUDA client reports (jax 0.10.2 registers on
+    clients as they start, keyed on ``client.platform``; 0.11 at once), then directly on any
+    CUDA client already started — 0.10.2's hook never fires for those. A client registered
+    twice calls the pass twice per compile; the second call sees the module already
+    stitched and leaves it (``PassRequest.calls``)."""
     import jax.extend.xla as xla_ext
 
     platform = platform.lower()
@@ -239,10 +250,39 @@ def ensure_registered(platform: str) -> None:
             return
         stage = (xla_ext.PipelineStage.PRE_SCHEDULER if platform == "cpu"
                  else xla_ext.PipelineStage.POST_SCHEDULER)
-        xla_ext.register_hlo_module_transformation(_callback, name="stitch", stage=stage,
-                                                   platforms=[platform])
+        if platform == "cpu":
+            xla_ext.register_hlo_module_transformation(_callback, name="stitch", stage=stage,
+                                                       platforms=["cpu"])
+        else:
+            xla_ext.register_hlo_module_transformation(
+                _callback, name="stitch", stage=stage, platforms=list(CUDA_PLATFORM_NAMES))
+            for client in _started_clients(CUDA_PLATFORM_NAMES):
+                _register_on_client(client, stage)
         _REGISTERED.add(platform)
     log.debug("stitch pass registered for %s at %s", platform, stage.name)
+
+
+def _started_clients(names: tuple[str, ...]) -> list:
+    """The XLA clients jax has already started for ``names`` (none started: empty; jax keeps
+    them in ``xla_bridge._backends``, which asking for them would fill)."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return []
+    backends = getattr(xla_bridge, "_backends", None) or {}
+    return [c for c in list(backends.values()) if getattr(c, "platform", None) in names]
+
+
+def _register_on_client(client: Any, stage: Any) -> None:
+    """The pass registered on one started client through the PJRT C API."""
+    try:
+        from jax._src.lib import _xla
+        _xla.register_xla_transform_c_api(client, "stitch", stage.value, _callback)
+        log.debug("stitch pass registered on the started %s client", client.platform)
+    except Exception as exc:  # noqa: BLE001 - said once; compile_with_pass warns per compile
+        log.warning("stitch: could not register the pass on the started %s client (%s: %s); "
+                    "compiles there will run without it", getattr(client, "platform", "?"),
+                    type(exc).__name__, exc)
 
 
 def _callback(data: bytes) -> bytes | None:
@@ -1018,10 +1058,17 @@ def compile_with_pass(lowered: Any, request: PassRequest) -> tuple[Any, PassRepo
     XLA CPU has failed to link an FFI call placed in a loop body (jax's threefry loop:
     "Symbols not found: __xla_cpu_runtime_HandleFfiCall"); when XLA rejects a module with
     kernels in loop bodies, the compile is retried once with ENTRY kernels only."""
+    if request.device == "gpu" and not request.compile_only:
+        from integration.device_target import pass_target
+        request.target = pass_target(request.target)     # the device's, unless named
     private = request.prepare(lowered)
     try:
         with request:
             compiled = private.compile()
+        if request.report is None and request.error is None and request.calls == 0:
+            log.warning("%s: XLA compiled for %s without calling stitch's pass (registered "
+                        "for %s); the program runs as stock XLA", request.function,
+                        request.device, ", ".join(sorted(_REGISTERED)) or "nothing")
         return _holding_kernels(compiled, request.result())
     except Exception as exc:  # noqa: BLE001 - XLA's own error on the rewritten module
         if isinstance(request.error, Cancelled):

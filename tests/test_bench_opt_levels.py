@@ -74,104 +74,120 @@ def test_random_inputs_by_dtype() -> None:
     assert opt_levels.random_input(rng, "f16", 10).dtype == np.float16
 
 
-class _Array:
-    """A device array of the stand-in: host bytes."""
+class _FakeDriver:
+    """bench.cuda_driver.Driver's stand-in: device memory as host byte arrays, a clock
+    that a launch advances by 1 and a graph replay by 10 per captured launch."""
 
-    def __init__(self, host: np.ndarray) -> None:
-        self.host = np.array(host)
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.clock = 0.0
+        self.memory: dict[int, np.ndarray] = {}
+        self.capturing: list | None = None
+        self.freed: list[int] = []
 
-    def get(self) -> np.ndarray:
-        return self.host.copy()
+    def use(self, ordinal: int) -> None:
+        pass
 
+    def alloc(self, nbytes: int) -> int:
+        pointer = 4096 * (len(self.memory) + 1)
+        self.memory[pointer] = np.zeros(nbytes, np.uint8)
+        return pointer
 
-def _fake_cupy(calls: list, clock: list) -> types.ModuleType:
-    cp = types.ModuleType("cupy")
-    cp.uint8 = np.uint8
-    cp.asarray = lambda host: _Array(host)
-    cp.full = lambda n, value, dtype: _Array(np.full(n, value, dtype))
+    def free(self, pointer: int) -> None:
+        self.freed.append(pointer)
 
-    class Function:
-        def __init__(self, path: str, name: str) -> None:
-            self.variant = next(v.name for v in opt_levels.VARIANTS
-                                if path.endswith(f"-{v.name}.cubin"))
-            self.name = name
+    def to_device(self, pointer: int, host) -> None:
+        self.memory[pointer][:] = np.ascontiguousarray(host).view(np.uint8).ravel()
 
-        def __call__(self, grid, block, args, stream=None, enable_cooperative_groups=False):
-            calls.append((self.name, self.variant, grid, block, enable_cooperative_groups))
-            clock[0] += 1.0
-            x = args[0].host
-            # y (bf16 bits): x rounded to bf16, the O2 build a little off; z never written.
-            y = (x.astype(np.float32) * (1.01 if self.variant == "O2" else 1.0))
-            args[1].host[:] = (y.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    def to_host(self, pointer: int, host) -> None:
+        host[:] = self.memory[pointer]
 
-    class RawModule:
-        def __init__(self, path: str) -> None:
-            self.path = path
+    def fill(self, pointer: int, byte: int, nbytes: int) -> None:
+        self.memory[pointer][:nbytes] = byte
 
-        def get_function(self, name: str):
-            return types.SimpleNamespace(kernel=Function(self.path, name))
+    def synchronize(self) -> None:
+        pass
 
-    class Stream:
-        def __init__(self, non_blocking: bool = False) -> None:
-            self.captured: list = []
+    def load(self, image: bytes, entry: str, dynamic_shared_bytes: int = 0):
+        return (entry, self._variant)
 
-        def __enter__(self):
-            return self
+    def launch(self, function, grid, block, pointers, stream=None, *, cooperative=False,
+               dynamic_shared_bytes=0) -> None:
+        entry, variant = function
+        if self.capturing is not None:
+            self.capturing.append((function, list(pointers)))
+            return
+        self.calls.append((entry, variant, grid, block, cooperative))
+        self.clock += 1.0
+        x = self.memory[pointers[0]].view(np.float32)
+        # y (bf16 bits): x rounded to bf16, the O2 build a little off; z never written.
+        y = x * (1.01 if variant == "O2" else 1.0)
+        self.memory[pointers[1]][:] = ((y.view(np.uint32) >> 16).astype(np.uint16)
+                                       .view(np.uint8))
 
-        def __exit__(self, *exc) -> None:
-            pass
+    def stream(self):
+        return "stream"
 
-        def begin_capture(self) -> None:
-            calls.append("capture")
+    def capture(self, stream, body):
+        self.capturing = []
+        body()
+        graph, self.capturing = self.capturing, None
+        self.calls.append("capture")
+        return graph
 
-        def end_capture(self):
-            stream = self
+    def graph_launch(self, graph, stream) -> None:
+        self.clock += 10.0 * len(graph)
 
-            class Graph:
-                def launch(self, _stream) -> None:
-                    clock[0] += 10.0 * stream_replays[0]
-            return Graph()
+    def event(self):
+        return {}
 
-        def synchronize(self) -> None:
-            pass
+    def record(self, event, stream) -> None:
+        event["at"] = self.clock
 
-    class Event:
-        def record(self, _stream) -> None:
-            self.at = clock[0]
-
-        def synchronize(self) -> None:
-            pass
-
-    stream_replays = [opt_levels.REPLAYS]
-    cp.RawModule = RawModule
-    cp.cuda = types.SimpleNamespace(
-        Stream=Stream, Event=Event,
-        Device=lambda: types.SimpleNamespace(synchronize=lambda: None),
-        get_elapsed_time=lambda start, end: (end.at - start.at) / 1000.0)
-    return cp
+    def elapsed_ms(self, start, end) -> float:
+        return (end["at"] - start["at"]) / 1000.0
 
 
-def test_timing_step_checks_and_times_every_variant(tmp_path, monkeypatch) -> None:
+class _VariantFromPath(_FakeDriver):
+    def load(self, image: bytes, entry: str, dynamic_shared_bytes: int = 0):
+        return (entry, image.decode())
+
+
+def test_timing_step_checks_and_times_every_variant(tmp_path) -> None:
     manifest = _manifest()
     for entry in manifest["kernels"]:
         for v in entry["variants"].values():
-            (tmp_path / v["cubin"]).write_bytes(b"\0")
+            (tmp_path / v["cubin"]).write_bytes(v["cubin"].split("-", 1)[1][:-6].encode())
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    calls, clock = [], [0.0]
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(calls, clock))
-    rows = opt_levels.time_kernels(tmp_path)
+    driver = _VariantFromPath()
+    rows = opt_levels.time_kernels(tmp_path, driver=driver)
     assert [(r["entry"], r["variant"]) for r in rows] == [
         (e, v.name) for e in ("k_small", "k_big") for v in opt_levels.VARIANTS]
     for row in rows:
         assert "error" not in row, row
-        assert row["us"] == pytest.approx(10.0)          # one replay's time per launch
+        # One replay's time per call: each call is `launches` launches of 10 each.
+        launches = 2 if row["entry"] == "k_big" else 1
+        assert row["us"] == pytest.approx(10.0 * launches)
         assert row["unwritten_outputs"] == 1             # z is never written
         assert (row["rel_error"] > 1e-3) == (row["variant"] == "O2"), row
     # k_big runs two launches a call (a relaunched kernel's phases), k_small one.
-    first = [c for c in calls if c != "capture"]
+    first = [c for c in driver.calls if c != "capture"]
     assert sum(1 for c in first if c[0] == "k_big" and c[1] == "O3") == \
         2 * sum(1 for c in first if c[0] == "k_small" and c[1] == "O3")
-    assert all(c[2] == (2,) and c[3] == (32,) and c[4] is False for c in first)
+    assert all(c[2] == 2 and c[3] == 32 and c[4] is False for c in first)
+    assert len(driver.freed) == len(driver.memory)       # every buffer given back
+
+
+def test_check_only_launches_once_and_times_nothing(tmp_path) -> None:
+    manifest = _manifest()
+    for entry in manifest["kernels"]:
+        for v in entry["variants"].values():
+            (tmp_path / v["cubin"]).write_bytes(v["cubin"].split("-", 1)[1][:-6].encode())
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    driver = _VariantFromPath()
+    rows = opt_levels.time_kernels(tmp_path, driver=driver, check_only=True)
+    assert all("us" not in r and "error" not in r for r in rows)
+    assert "capture" not in driver.calls
 
 
 def test_variants_are_the_pipelines_stitch_llvm_pipeline_names():
@@ -185,18 +201,19 @@ def test_variants_are_the_pipelines_stitch_llvm_pipeline_names():
 
 
 def test_the_gpu_step_imports_without_llvmlite():
-    """The GPU machine's `time` step has numpy and cupy, not stitch's dependencies: the
-    bench module (and the pipeline table it reads) imports with llvmlite unavailable."""
+    """The GPU machine's `time` step has numpy and libcuda, not stitch's dependencies nor
+    cupy: the bench module, its ctypes driver and the pipeline table import with llvmlite
+    and cupy unavailable."""
     import subprocess
     import sys
     from pathlib import Path
     blocker = ("import sys\n"
                "class Block:\n"
                "    def find_spec(self, name, path=None, target=None):\n"
-               "        if name.split('.')[0] == 'llvmlite':\n"
-               "            raise ImportError('llvmlite is blocked')\n"
+               "        if name.split('.')[0] in ('llvmlite', 'cupy'):\n"
+               "            raise ImportError(name + ' is blocked')\n"
                "sys.meta_path.insert(0, Block())\n"
-               "import bench.opt_levels as b\n"
+               "import bench.opt_levels as b, bench.cuda_driver\n"
                "print(len(b.VARIANTS), 'llvmlite' in sys.modules)\n")
     run = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True,
                          cwd=Path(__file__).parents[1], timeout=60)

@@ -422,3 +422,23 @@ def test_a_kernels_machine_code_read_from_its_cubin():
     assert cubin_code(base, "add_two") is None
     with pytest.raises(ValueError, match="not a cubin"):
         cubin_code(b"\x7fELF" + bytes(100), "add_one")
+
+
+def test_cuda13_wheel_layout_discovered(monkeypatch, tmp_path):
+    """CUDA 13's wheels put ptxas in nvidia/cu13/bin (nvidia-cuda-nvcc) and libdevice in
+    nvidia/cu13/nvvm/libdevice (nvidia-nvvm), the layout the GPU machine's jax plugin has."""
+    _isolate_environment(monkeypatch, tmp_path)
+    site = tmp_path / "site"
+    root = site / "nvidia" / "cu13"
+    _fake_executable(root / "bin" / "ptxas",
+                     "#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    libdevice = root / "nvvm" / "libdevice" / "libdevice.10.bc"
+    libdevice.parent.mkdir(parents=True)
+    libdevice.write_bytes(b"BC\xc0\xde")
+    _prepend_syspath(monkeypatch, site)
+    assert toolchain.find_ptxas(refresh=True) == root / "bin" / "ptxas"
+    assert toolchain.ptxas_version() == "13.0.88"
+    # libdevice alone (nvidia-nvvm without the nvcc wheel) is found too.
+    (root / "bin" / "ptxas").unlink()
+    toolchain.clear_caches()
+    assert toolchain.find_libdevice(refresh=True) == libdevice

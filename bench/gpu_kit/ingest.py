@@ -1,0 +1,149 @@
+"""The kit's local step, run here on the folder a GPU check returned:
+
+    python -m bench.gpu_kit.ingest RESULTS [--docs docs/benchmarks.md] [--calibration-dir D]
+
+Writes docs/benchmarks.md's section ``bench-gpu-check`` (the steps' outcomes, the device,
+whole steps under stitch.jit vs jax.jit, each stitched kernel's measured µs beside the
+latency-evaluator's with the error, rank correlation and achieved HBM bandwidth as a fraction
+of the device's peak, the LLVM pipelines' kernel times) and the calibration table
+``stitch/cost/calibration/<target>.json`` (``stitch.cost.calibration``), with the device and
+date it came from. A rehearsal's folder (no GPU) gives the section without kernel times and
+no calibration table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from stitch.cost.calibration import Calibration, KernelSample, save_calibration, spearman
+
+SECTION = "bench-gpu-check"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+
+
+def _load(folder: Path, name: str):
+    path = folder / name
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def kernel_rows(folder: Path, peak_gbs: float | None) -> list[dict]:
+    """Measured kernels joined with their manifest entries (modeled µs, bytes)."""
+    manifest = _load(folder / "kernels", "manifest.json") or {"kernels": []}
+    timed = {(r["model"], r["config"], r["entry"]): r
+             for r in _load(folder, "kernels.json") or [] if "us" in r}
+    rows = []
+    for entry in manifest["kernels"]:
+        measured = timed.get((entry["model"], entry["config"], entry["entry"]))
+        moved = sum(p["size"] * p["bytes"] for p in entry["params"])
+        row = {"model": entry["model"], "config": entry["config"], "entry": entry["entry"],
+               "modeled_us": entry.get("modeled_us"), "bytes": moved,
+               "measured_us": measured["us"] if measured else None,
+               "unwritten_outputs": measured.get("unwritten_outputs") if measured else None}
+        if row["measured_us"]:
+            row["gbs"] = moved / row["measured_us"] / 1e3
+            row["peak_fraction"] = row["gbs"] / peak_gbs if peak_gbs else None
+            if row["modeled_us"]:
+                row["error"] = (row["modeled_us"] - row["measured_us"]) / row["measured_us"]
+        rows.append(row)
+    return rows
+
+
+def markdown(folder: Path, command: str) -> tuple[str, Calibration | None]:
+    from bench.report import stamp
+    record = _load(folder, "gpu_check.json") or {"steps": [], "rehearse": True}
+    env = _load(folder, "env.json") or {}
+    device = env.get("device", {})
+    peak = device.get("peak_hbm_gbs")
+    lines = [f"## GPU check ({'rehearsal: no GPU' if record.get('rehearse') else 'measured'})",
+             "", stamp(command), "",
+             f"Device: {device.get('name', 'none')}"
+             + (f", compute capability {'.'.join(map(str, device['compute_capability']))}, "
+                f"driver {device.get('driver_version')}, peak HBM {peak:.0f} GB/s"
+                if device.get("compute_capability") else "")
+             + f"; the check ran {record.get('date', '?')} "
+             f"({record.get('total_s', 0):.0f} s). jax {env.get('versions', {}).get('jax')}, "
+             f"ptxas {env.get('toolchain', {}).get('ptxas_version')} "
+             f"({env.get('toolchain', {}).get('ptxas')}), libdevice "
+             f"{env.get('toolchain', {}).get('libdevice')}; planned as "
+             f"{env.get('target', '?')}.", "",
+             "| step | status | seconds | note |", "|---|---|---:|---|"]
+    for step in record.get("steps", []):
+        lines.append(f"| {step['name']} | {step['status']} | {step['seconds']:.1f} | "
+                     f"{step['reason'].replace('|', '/')} |")
+    timings = _load(folder, "timings.json") or {"models": []}
+    lines += ["", "Whole steps (median of alternating calls, after warm-up):", "",
+              "| model | stitch.jit ms | jax.jit ms | speed-up | kernels XLA → stitched |",
+              "|---|---:|---:|---:|---|"]
+    for row in timings["models"]:
+        if "error" in row:
+            lines.append(f"| {row['model']} ({row['config']}) | – | – | – | {row['error'][:120]} |")
+            continue
+        report = row.get("report", {})
+        lines.append(f"| {row['model']} ({row['config']}) | {row['stitched_ms']:.3f} | "
+                     f"{row['stock_ms']:.3f} | {row['speedup']}× | "
+                     f"{report.get('kernels_before')} → {report.get('kernels_after')} |")
+    rows = kernel_rows(folder, peak)
+    measured = [r for r in rows if r["measured_us"] and r["modeled_us"]]
+    calibration = None
+    if measured:
+        rho = spearman([r["modeled_us"] for r in measured], [r["measured_us"] for r in measured])
+        lines += ["", f"Stitched kernels on the device: {len(measured)} timed; the "
+                  f"latency-evaluator's median relative error "
+                  f"{statistics.median(abs(r['error']) for r in measured):.2f}, rank "
+                  f"correlation {'–' if rho is None else f'{rho:.2f}'}.", "",
+                  "| model | kernel | modeled µs | measured µs | error | GB/s | of peak | "
+                  "unwritten outputs |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in measured:
+            of_peak = "–" if r["peak_fraction"] is None else f"{r['peak_fraction']:.0%}"
+            lines.append(f"| {r['model']} ({r['config']}) | {r['entry']} | "
+                         f"{r['modeled_us']:.2f} | {r['measured_us']:.2f} | "
+                         f"{r['error']:+.0%} | {r['gbs']:.0f} | {of_peak} | "
+                         f"{r['unwritten_outputs']} |")
+        calibration = Calibration(
+            target=env.get("target", "h100"), device=device.get("name", "unknown"),
+            date=str(record.get("date", "")),
+            samples=tuple(KernelSample(f"{r['model']}:{r['config']}", r["entry"],
+                                       float(r["modeled_us"]), float(r["measured_us"]))
+                          for r in measured))
+    else:
+        lines += ["", "No stitched kernel was timed on a device in this run."]
+    opt = _load(folder, "opt_levels.json")
+    if opt:
+        lines += ["", f"LLVM pipelines: {len(opt)} kernel runs timed (`python -m "
+                  "bench.opt_levels report --timings` makes their table)."]
+    for name in ("memcheck", "racecheck"):
+        step = next((s for s in record.get("steps", []) if s["name"] == name), None)
+        if step and step["status"] != "skipped":
+            lines.append(f"compute-sanitizer {name}: {step['status']}.")
+    return "\n".join(lines), calibration
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_kit.ingest")
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--docs", type=Path, default=DOCS)
+    parser.add_argument("--calibration-dir", type=Path)
+    parser.add_argument("--rehearse", action="store_true")   # the runner passes it
+    parser.add_argument("--out", type=Path)                  # the runner's; unused
+    args = parser.parse_args(argv)
+    from bench.report import publish
+    text, calibration = markdown(args.results, "python -m bench.gpu_kit.ingest "
+                                 + str(args.results))
+    publish(args.docs, SECTION, text)
+    print(f"ingest: section {SECTION} written to {args.docs}")
+    if calibration is not None:
+        path = save_calibration(calibration, args.calibration_dir)
+        print(f"ingest: calibration for {calibration.target} ({calibration.device}) in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

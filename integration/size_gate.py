@@ -1,0 +1,75 @@
+"""Under ``STITCH_ENABLE=1`` every ``jax.jit`` in a program becomes stitch's, and each new
+signature would get a background compile with the pass. Tiny jits (an optimizer's scalar
+update, a metric, a PRNG split) cannot repay that: ``SizeGated`` runs calls whose array
+arguments total under ``STITCH_MIN_BYTES`` (default ``MIN_BYTES`` = 1 MiB; ``0``/``off``:
+every call stitched) on stock ``jax.jit`` and makes the ``stitch.jit`` function only at the
+first call at or above it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+from stitch.errors import StitchError
+
+log = logging.getLogger("stitch.autoload")
+MIN_BYTES = 1 << 20
+
+
+class SizeSettingError(StitchError, ValueError):
+    """STITCH_MIN_BYTES is not a byte count or off."""
+
+
+def min_bytes_setting() -> int:
+    raw = os.environ.get("STITCH_MIN_BYTES", "").strip().lower()
+    if not raw:
+        return MIN_BYTES
+    if raw in ("off", "0"):
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SizeSettingError(f"STITCH_MIN_BYTES={raw!r}: expected a byte count or off") \
+            from None
+    if value < 0:
+        raise SizeSettingError(f"STITCH_MIN_BYTES={raw!r}: expected a byte count or off")
+    return value
+
+
+def argument_bytes(args: tuple, kwargs: dict) -> int:
+    import jax
+    total = 0
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        dtype = getattr(leaf, "dtype", None)
+        size = getattr(leaf, "size", None)
+        if dtype is not None and isinstance(size, int):
+            total += size * getattr(dtype, "itemsize", 0)
+    return total
+
+
+class SizeGated:
+    """A jitted function: stock jax.jit below ``min_bytes`` of arguments, stitch.jit above."""
+
+    def __init__(self, fun: Callable, kwargs: dict, original_jit: Callable,
+                 make_stitched: Callable[[], Any], min_bytes: int) -> None:
+        self._stock = original_jit(fun, **kwargs)
+        self._make_stitched = make_stitched
+        self._stitched: Any = None
+        self.min_bytes = min_bytes
+        self.__wrapped__ = fun
+        self.__name__ = getattr(fun, "__name__", "fn")
+        self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
+        self.__doc__ = getattr(fun, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stitched is None and argument_bytes(args, kwargs) < self.min_bytes:
+            return self._stock(*args, **kwargs)
+        if self._stitched is None:
+            self._stitched = self._make_stitched()
+            log.debug("%s: arguments of %d bytes or more: stitched", self.__qualname__,
+                      self.min_bytes)
+        return self._stitched(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_stock"], name)

@@ -1,0 +1,170 @@
+"""The GPU bring-up kit without a GPU: the rehearsal (``scripts/gpu_check.sh --rehearse``,
+with everything the GPU machine lacks blocked), the no-install autoload shim, the step
+runner's time boxes, the device → target mapping and the local step that turns returned
+files into docs and a calibration table."""
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.gpu_kit import ingest, runner
+from integration.device_target import pass_target, target_for_device_info
+from stitch.cost.calibration import Calibration, KernelSample, load_calibration, spearman
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_rehearsal_passes_with_the_devices_missing_packages_blocked(tmp_path) -> None:
+    run = subprocess.run([str(REPO / "scripts" / "gpu_check.sh"), "--rehearse", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         cwd="/")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    status = {s["name"]: s for s in record["steps"]}
+    for name in ("env", "smoke", "tests", "timings", "ingest"):
+        assert status[name]["status"] == "passed", status[name]
+    for name in ("kernels", "memcheck", "racecheck", "memcheck_jax", "opt_levels"):
+        assert status[name]["reason"] == "skipped: no GPU", status[name]
+    smoke = json.loads((tmp_path / "smoke.json").read_text())
+    assert all(m["pass_called"] and m["matches_jax_jit"] for m in smoke["models"])
+    assert smoke["autoload"]["patched"]
+    # The kernels the timing step saved (for the device's kernel steps) exist.
+    manifest = json.loads((tmp_path / "kernels" / "manifest.json").read_text())
+    assert manifest["kernels"] and all(
+        (tmp_path / "kernels" / e["variants"][next(iter(e["variants"]))]["cubin"]).exists()
+        for e in manifest["kernels"])
+    assert "bench-gpu-check:begin" in (tmp_path / "benchmarks_section.md").read_text()
+    assert (tmp_path / "gpu_check.md").read_text().count("skipped: no GPU") == 5
+
+
+def _shim_env(blocked: str = "") -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("STITCH_ENABLE", "PYTHONPATH")}
+    # -S: no site-packages .pth (an installed stitch's autoload) — only the shim can act.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "scripts" / "pythonpath"),
+                                         *site.getsitepackages()])
+    if blocked:
+        env["STITCH_BLOCK_MODULES"] = blocked
+    return env
+
+
+def test_stitch_enable_works_from_a_checkout_on_pythonpath() -> None:
+    code = ("import sitecustomize, jax\n"
+            "print(getattr(jax.jit, '__stitch_original__', None) is not None)\n")
+    env = _shim_env()
+    run = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         env={**env, "STITCH_ENABLE": "1"}, timeout=120, cwd="/")
+    assert run.stdout.strip() == "True", run.stderr[-2000:]
+    off = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120, cwd="/")
+    assert off.stdout.strip() == "False", off.stderr[-2000:]
+
+
+def test_blocked_modules_fail_to_import_as_on_the_device() -> None:
+    code = ("import sitecustomize\n"
+            "try:\n    import pulp\nexcept ImportError as e:\n    print('blocked', e)\n"
+            "import numpy\nprint('numpy ok')\n")
+    run = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         env=_shim_env("pulp,highspy"), timeout=60, cwd="/")
+    assert run.stdout.splitlines()[0].startswith("blocked"), run.stdout + run.stderr
+    assert "numpy ok" in run.stdout
+
+
+def test_a_hanging_step_is_killed_and_the_next_one_runs(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(runner, "MIN_STEP_S", 0)
+    hang = runner.Step("hang", ["sleep", "30"], 1, 1)
+    fail = runner.Step("fail", [sys.executable, "-c", "raise SystemExit(3)"], 5, 5)
+    ok = runner.Step("ok", [sys.executable, "-c", "print('fine')"], 5, 5)
+    env = dict(os.environ)
+    outcomes = [runner.run_step(s, tmp_path, env, s.budget_s, gpu=False, rehearse=False)
+                for s in (hang, fail, ok)]
+    assert [o.status for o in outcomes] == ["timeout", "failed", "passed"]
+    assert outcomes[0].seconds < 10
+    assert "exit status 3" in outcomes[1].reason and "fine" in outcomes[2].tail
+    gpu_only = runner.Step("g", ["true"], 5, 5, needs_gpu=True)
+    assert runner.run_step(gpu_only, tmp_path, env, 5, gpu=False,
+                           rehearse=True).reason == "skipped: no GPU"
+
+
+@pytest.mark.parametrize("name,cc,memory,want", [
+    ("NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, "h100"),
+    ("NVIDIA H200", (9, 0), 141 * 2**30, "h200"),
+    ("NVIDIA GH200 480GB", (9, 0), 96 * 2**30, "h200"),
+    ("", (9, 0), 141 * 2**30, "h200"),
+    ("", (9, 0), 80 * 2**30, "h100"),
+    ("NVIDIA A100-SXM4-40GB", (8, 0), None, "a100"),
+    ("NVIDIA L4", (8, 9), None, "a100"),
+    ("Tesla V100-SXM2-16GB", (7, 0), None, "v100"),
+    ("", None, None, "h100"),
+])
+def test_device_to_target(name, cc, memory, want) -> None:
+    assert target_for_device_info(name, cc, memory) == want
+
+
+def test_stitch_target_wins_over_the_device(monkeypatch) -> None:
+    monkeypatch.setenv("STITCH_TARGET", "a100")
+    assert pass_target("h100") == "a100"
+    monkeypatch.delenv("STITCH_TARGET")
+    assert pass_target("v100") == "v100"            # a caller's explicit non-default
+    assert pass_target("h100") == "h100"            # no GPU here: the requested one
+
+
+def test_spearman() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2], [1, 2]) is None
+    assert spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_ingest_writes_the_docs_section_and_a_calibration_table(tmp_path) -> None:
+    results = tmp_path / "results"
+    (results / "kernels").mkdir(parents=True)
+    (results / "gpu_check.json").write_text(json.dumps({
+        "rehearse": False, "date": "2030-01-02 03:04:05 UTC", "total_s": 300,
+        "steps": [{"name": "env", "status": "passed", "seconds": 1.0, "reason": ""}]}))
+    (results / "env.json").write_text(json.dumps({
+        "target": "h200", "versions": {"jax": "0.11.2"},
+        "toolchain": {"ptxas_version": "13.0.88", "ptxas": "/x/ptxas", "libdevice": "/x/l"},
+        "device": {"name": "NVIDIA H200", "compute_capability": [9, 0],
+                   "driver_version": 13000, "peak_hbm_gbs": 4800.0}}))
+    params = [{"name": "a", "dtype": "f32", "size": 1000, "bytes": 4, "output": False},
+              {"name": "b", "dtype": "f32", "size": 1000, "bytes": 4, "output": True}]
+    entries = [{"model": "m", "config": "tiny", "entry": f"k{i}", "params": params,
+                "modeled_us": float(m)} for i, m in enumerate((2.0, 4.0, 8.0))]
+    (results / "kernels" / "manifest.json").write_text(json.dumps({"kernels": entries}))
+    measured = (4.0, 6.0, 16.0)
+    (results / "kernels.json").write_text(json.dumps([
+        {"model": "m", "config": "tiny", "entry": f"k{i}", "variant": "O3", "us": us,
+         "unwritten_outputs": 0} for i, us in enumerate(measured)]))
+    (results / "timings.json").write_text(json.dumps({"models": [
+        {"model": "m", "config": "tiny", "stitched_ms": 1.0, "stock_ms": 1.5, "speedup": 1.5,
+         "report": {"kernels_before": 5, "kernels_after": 2}}]}))
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\nkept\n")
+    assert ingest.main([str(results), "--docs", str(docs), "--calibration-dir",
+                        str(tmp_path / "cal")]) == 0
+    text = docs.read_text()
+    assert "kept" in text and "NVIDIA H200" in text and "| m (tiny) | k2 | 8.00 | 16.00 |" in text
+    assert "rank correlation 1.00" in text
+    # 8000 bytes in 16 µs = 0.5 GB/s... of 4800: written as a fraction
+    assert "| 0% |" in text
+    cal = load_calibration("h200", tmp_path / "cal")
+    assert cal is not None and cal.device == "NVIDIA H200" and cal.date.startswith("2030")
+    assert cal.scale == pytest.approx(2.0)          # median of 2, 1.5, 2
+    assert cal.rank_correlation == pytest.approx(1.0)
+    assert cal.calibrated_us(3.0) == pytest.approx(6.0)
+
+
+def test_calibration_round_trip(tmp_path) -> None:
+    cal = Calibration("h100", "NVIDIA H100", "2030-01-01",
+                      (KernelSample("m", "k", 1.0, 3.0), KernelSample("m", "j", 2.0, 2.0)))
+    from stitch.cost.calibration import save_calibration
+    path = save_calibration(cal, tmp_path)
+    assert path.name == "h100.json"
+    assert load_calibration("h100", tmp_path) == cal
+    assert load_calibration("a100", tmp_path) is None

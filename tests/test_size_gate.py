@@ -1,0 +1,46 @@
+"""STITCH_ENABLE leaves tiny jits alone: calls whose arguments total under STITCH_MIN_BYTES
+run on stock jax.jit and never create a stitch.jit function (no background compile)."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from integration import autoload
+from integration.size_gate import SizeSettingError, min_bytes_setting
+
+jax = pytest.importorskip("jax")
+
+
+def _patched_jax():
+    fake = types.SimpleNamespace(jit=jax.jit)
+    autoload.patch_jax(fake)
+    return fake
+
+
+def test_tiny_jits_stay_stock_and_large_ones_are_stitched(monkeypatch) -> None:
+    monkeypatch.setenv("STITCH_MIN_BYTES", "4096")
+    made = []
+    import integration.jax_jit as jax_jit
+    real = jax_jit.jit
+    monkeypatch.setattr(jax_jit, "jit", lambda f, **kw: made.append(f) or real(
+        f, async_compile=False, guard=False, device="cpu"))
+    fake = _patched_jax()
+    fn = fake.jit(lambda x: x * 2 + 1)
+    small = np.ones(16, np.float32)                      # 64 bytes
+    np.testing.assert_allclose(np.asarray(fn(small)), small * 2 + 1)
+    assert made == []                                    # no stitch.jit, no compile
+    large = np.ones(4096, np.float32)                    # 16 KiB
+    np.testing.assert_allclose(np.asarray(fn(large)), large * 2 + 1)
+    assert len(made) == 1
+
+
+def test_min_bytes_setting(monkeypatch) -> None:
+    monkeypatch.delenv("STITCH_MIN_BYTES", raising=False)
+    assert min_bytes_setting() == 1 << 20
+    monkeypatch.setenv("STITCH_MIN_BYTES", "off")
+    assert min_bytes_setting() == 0
+    monkeypatch.setenv("STITCH_MIN_BYTES", "lots")
+    with pytest.raises(SizeSettingError):
+        min_bytes_setting()
