@@ -131,6 +131,7 @@ class _Entry(SwitchEntry):
     # Leaf indices (dynamic args and kwargs flattened) the caller donated, when the stitched
     # executable lost XLA's input/output aliasing: deleted by hand after each call.
     donated_leaves: tuple[int, ...] = ()
+    device: str = ""          # where its stitched kernels run ("cpu" | "gpu"), once compiling
 
 
 def _stock_jit() -> Callable:
@@ -151,7 +152,8 @@ class StitchedFunction(SwitchingFunction):
     entry_type = _Entry
 
     def __init__(self, fn: Callable, *, target: str | None, device: str | None,
-                 async_compile: bool, verify: bool, guard: bool, static_argnums: Sequence[int],
+                 async_compile: bool, verify: bool | int | None, guard: bool,
+                 static_argnums: Sequence[int],
                  static_argnames: Sequence[str], jit_kwargs: dict):
         configure_logging()
         settings = Settings.read()
@@ -162,6 +164,8 @@ class StitchedFunction(SwitchingFunction):
         # Settings.read); the program still runs, exactly as jax.jit would run it.
         self.disabled_reason = "; ".join(settings.problems)
         self.async_compile = async_compile
+        # verify=None: the first stitched call is checked where stitched kernels run on a
+        # GPU (a launch failure or a wrong kernel shows there first), not on the host.
         self.verify = verify
         self._init_switching(guard)
         self.static_argnums = tuple(sorted(int(i) for i in static_argnums))
@@ -329,7 +333,10 @@ class StitchedFunction(SwitchingFunction):
         return result
 
     def _verify_this_call(self, entry: _Entry) -> bool:
-        """verify=True checks the first stitched call; verify=N every N-th, from the first."""
+        """verify=True checks the first stitched call; verify=N every N-th, from the first;
+        None (the default when STITCH_VERIFY is unset) the first on a GPU."""
+        if self.verify is None:
+            return entry.device == "gpu" and not entry.verified
         if not self.verify:
             return False
         if self.verify is True:
@@ -369,7 +376,7 @@ class StitchedFunction(SwitchingFunction):
         start = time.perf_counter() - earlier
         try:
             _COMPILER.check()              # queued before exit began: record it, do not compile
-            device = self.device or _default_device()
+            device = entry.device = self.device or _default_device()
             ensure_registered("cpu" if device == "cpu" else "cuda")
             request = PassRequest(self.__qualname__, self.target, device,
                                   cancel=_COMPILER.stopping.is_set)
@@ -459,6 +466,14 @@ def _default_device() -> str:
     return "gpu" if jax.default_backend() == "gpu" else "cpu"
 
 
+def _verify_default(settings: Settings) -> bool | int | None:
+    """STITCH_VERIFY when set; else None: the first stitched call verified on a GPU."""
+    import os
+    if os.environ.get("STITCH_VERIFY", "").strip():
+        return settings.verify
+    return None
+
+
 def _safe_signature(fn: Callable) -> inspect.Signature | None:
     try:
         return inspect.signature(fn)
@@ -475,8 +490,9 @@ def jit(fn: Callable | None = None, *, target: str | None = None, device: str | 
     ``target``: the GPU the fusion plan is made for (default STITCH_TARGET or "h100");
     ``device``: "cpu" runs the stitched kernels' host programs, "gpu" their PTX (default:
     gpu when jax has one); ``async_compile`` (default STITCH_ASYNC, on): compile in the
-    background while stock XLA runs; ``verify`` (default STITCH_VERIFY, off): check the
-    first stitched call against XLA; ``guard`` (default STITCH_GUARD, on): time the first
+    background while stock XLA runs; ``verify`` (default STITCH_VERIFY; unset: on a GPU,
+    on the host off): check the first stitched call against XLA (on copies of the
+    arguments, so a failure never reruns stock on donated buffers); ``guard`` (default STITCH_GUARD, on): time the first
     calls after the switch on both paths and keep the faster. Other keyword arguments go to
     ``jax.jit``.
     Usable as ``@stitch.jit`` or ``@stitch.jit(target="v100")``.
@@ -484,7 +500,7 @@ def jit(fn: Callable | None = None, *, target: str | None = None, device: str | 
     settings = Settings.read()           # unreadable ones: StitchedFunction stays stock
     options = dict(target=target, device=device,
                    async_compile=settings.async_compile if async_compile is None else async_compile,
-                   verify=settings.verify if verify is None else verify,
+                   verify=_verify_default(settings) if verify is None else verify,
                    guard=settings.guard if guard is None else guard,
                    static_argnums=(static_argnums,) if isinstance(static_argnums, int)
                    else tuple(static_argnums or ()),

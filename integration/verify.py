@@ -4,9 +4,15 @@ from __future__ import annotations
 import numpy as np
 
 
+# The least relative L2 error a comparison of narrow floats allows, whatever rtol asks: two
+# correct programs that round an output to the type differ by up to one unit in the last
+# place (2x the type's machine epsilon leaves room for a rounding upstream too).
+NARROW_FLOAT_RTOL = {"bfloat16": 2 * 2.0 ** -7, "float16": 2 * 2.0 ** -10}
+
+
 def poison_check(a: np.ndarray, b: np.ndarray, rtol: float) -> str | None:
-    """None when ``a`` matches ``b`` (relative L2 error ≤ rtol, same NaN/inf positions),
-    else what differs."""
+    """None when ``a`` matches ``b`` (relative L2 error ≤ rtol — at least
+    ``NARROW_FLOAT_RTOL`` for bf16/f16 —, same NaN/inf positions), else what differs."""
     a = np.asarray(a)
     b = np.asarray(b)
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -14,6 +20,7 @@ def poison_check(a: np.ndarray, b: np.ndarray, rtol: float) -> str | None:
     if a.dtype.kind in "biu":
         bad = int(np.count_nonzero(a != b))
         return None if bad == 0 else f"{bad} of {a.size} elements differ"
+    rtol = max(rtol, NARROW_FLOAT_RTOL.get(a.dtype.name, 0.0))
     a64 = a.astype(np.float64)
     b64 = b.astype(np.float64)
     finite = np.isfinite(b64)

@@ -213,9 +213,39 @@ def test_stats_records_carry_planned_and_delivered(tmp_path, monkeypatch):
     path = tmp_path / "stats.json"
     switching.write_stats(str(path))
     import json
-    (record,) = [r for r in json.loads(path.read_text()) if r["function"] == f.__qualname__
-                 and r["stitched_calls"]]
+    # The newest record of this name is f's (earlier tests' functions share the name).
+    record = [r for r in json.loads(path.read_text()) if r["function"] == f.__qualname__][-1]
+    assert record["stitched_calls"] == 1
     summary = f.programs()[0].summary()
     for key in ("xla_mem_us", "planned_mem_us", "delivered_mem_us", "delivered_mem_bytes"):
         assert record[key] == summary[key]
     assert record["delivered_mem_us"] <= record["xla_mem_us"]
+
+
+def test_the_first_stitched_call_on_a_gpu_is_verified_by_default(monkeypatch):
+    from integration.jax_jit import _Entry
+    monkeypatch.delenv("STITCH_VERIFY", raising=False)
+    f = stitch.jit(_scaled_norm)
+    gpu, host = _Entry(device="gpu"), _Entry(device="cpu")
+    assert f._verify_this_call(gpu) and not f._verify_this_call(host)
+    gpu.verified = True
+    assert not f._verify_this_call(gpu)
+    monkeypatch.setenv("STITCH_VERIFY", "0")          # said explicitly: off everywhere
+    assert not stitch.jit(_scaled_norm)._verify_this_call(_Entry(device="gpu"))
+    assert stitch.jit(_scaled_norm, verify=True)._verify_this_call(_Entry(device="cpu"))
+
+
+def test_verify_allows_bf16_rounding_not_more():
+    from integration.verify import poison_check
+    rng = np.random.default_rng(11)
+    exact = rng.standard_normal(4096)
+    one_way = exact.astype(jnp.bfloat16)
+    # Another correct program: computed with an error far below a bf16 ulp, then rounded.
+    other_way = (exact * (1 + 1e-4 * rng.standard_normal(4096))).astype(jnp.bfloat16)
+    assert not np.array_equal(np.asarray(one_way), np.asarray(other_way))
+    assert poison_check(np.asarray(one_way), np.asarray(other_way), 1e-4) is None
+    wrong = (exact * 1.05).astype(jnp.bfloat16)
+    assert poison_check(np.asarray(wrong), np.asarray(one_way), 1e-4) is not None
+    # f32 keeps the tolerance asked for.
+    assert poison_check(exact.astype(np.float32) * (1 + 1e-3), exact.astype(np.float32),
+                        1e-4) is not None
