@@ -28,3 +28,15 @@ def test_setting_reads_the_environment(monkeypatch, name: str) -> None:
     monkeypatch.setenv(env, bad)
     with pytest.raises(ConfigError, match=f"{env}='{bad}'"):
         setting()
+
+
+@pytest.mark.parametrize("bad", ["-3", "0", "many"])
+def test_build_threads_refuses_what_it_cannot_use(monkeypatch, bad):
+    """A count it cannot use was dropped silently; now the pass's compile falls back with
+    the reason (like every pass setting)."""
+    from integration.xla_pass import build_threads
+    monkeypatch.setenv("STITCH_BUILD_THREADS", bad)
+    with pytest.raises(ConfigError, match=f"STITCH_BUILD_THREADS='{bad}'"):
+        build_threads()
+    monkeypatch.setenv("STITCH_BUILD_THREADS", "3")
+    assert build_threads() == 3

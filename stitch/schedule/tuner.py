@@ -378,8 +378,12 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
                         continue
                     buffers = cache.shared(unit, max(tpb // 32, 1), rows_per_block)
                     smem = max((b.offset + b.bytes for b in buffers), default=0)
-                    if smem > spec.shared_memory_per_block_optin:
-                        rejected.append(f"{label}: needs {smem} bytes of shared memory")
+                    # Kernels declare their shared memory statically: what codegen builds
+                    # (codegen.nvptx.STATIC_SHARED_LIMIT) is the limit without the opt-in,
+                    # not the opt-in's (a schedule past it was planned, then never built).
+                    if smem > spec.shared_memory_per_block:
+                        rejected.append(f"{label}: needs {smem} bytes of shared memory "
+                                        f"(static limit {spec.shared_memory_per_block})")
                         continue
                     launch = LaunchShape(blocks, tpb, regs, smem)
                     lat = evaluate(spec, launch, work)
