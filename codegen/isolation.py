@@ -357,6 +357,18 @@ class IsolatedWorker:
                 self._child.stop()
         self._child = None
 
+    def kill(self, *, final: bool = False) -> None:
+        """Kill the child now, without asking it to stop or waiting for a call in flight
+        (that call then fails as a crash); the next call starts a fresh child. ``final``
+        (the process is exiting): the stderr file goes too."""
+        child = self._child
+        if child is not None and child.alive():
+            with contextlib.suppress(OSError):
+                child.proc.kill()
+        if final and self._stderr_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._stderr_path)
+
     def close(self) -> None:
         """Stop the child (politely, then by force) and remove the stderr file."""
         with self._lock:

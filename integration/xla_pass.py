@@ -54,6 +54,7 @@ from .config import ConfigError, env_flag, grid_sync_on_gpu
 from .delivered import deliver, loses_with_copies
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_copy_bytes,
                           find_site, replace_kernels, xla_layouts)
+from . import ptx_children
 from .snap import snap_kernels
 
 log = logging.getLogger("stitch.xla_pass")
@@ -154,8 +155,8 @@ class PassRequest:
     def __exit__(self, *exc: object) -> None:
         with _LOCK:
             _REQUESTS.pop(self.token, None)
-        for worker in self.take_ptx_workers():   # the pass never ran (or never took them)
-            worker.close()
+        # The pass never ran (or never took them): back to the process's children.
+        release_ptx_workers(self.take_ptx_workers())
 
     def take_ptx_workers(self) -> list:
         """The PTX children started for this request (the caller closes them), once."""
@@ -417,25 +418,19 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     try:
         return _plan_and_build(module, request, timings, ptx_workers)
     finally:
-        for worker in ptx_workers:
-            worker.close()
+        release_ptx_workers(ptx_workers)
 
 
 def start_ptx_workers() -> list:
-    """``build_threads()`` PTX children, started (not waited for)."""
-    from codegen.isolation import IsolatedWorker
+    """``build_threads()`` PTX children taken from the process's (``ptx_children``), started
+    where they are not running yet (not waited for); ``release_ptx_workers`` gives them
+    back."""
+    return ptx_children.acquire(build_threads())
 
-    workers = [IsolatedWorker(name=f"stitch-ptx-{i}", preload=PTX_CHILD_PRELOAD,
-                              warm_up=PTX_CHILD_WARM_UP, nice=PTX_CHILD_NICE)
-               for i in range(build_threads())]
-    try:
-        for worker in workers:
-            worker.start()
-    except BaseException:
-        for worker in workers:
-            worker.close()
-        raise
-    return workers
+
+def release_ptx_workers(workers: list) -> None:
+    """PTX children a request or pass is done with, back to the process's for the next."""
+    ptx_children.release(workers)
 
 
 # The pass plans with XLA's instructions as the explorer's units (ExplorerOptions.xla_units;
@@ -456,18 +451,6 @@ PAYBACK_ON_GPU = True
 # host builds are checks and keep them).
 LOOP_COPIES_ON_GPU = True
 
-# What a PTX child imports as it starts (codegen.gpu_cache.build_in_child's work).
-PTX_CHILD_PRELOAD = ("codegen.nvptx", "codegen.gpu_cache")
-# What a PTX child does as it starts, while the pass still plans: the NVPTX target and the
-# libdevice cut every kernel's math links from (codegen.nvptx.warm_up), the facts of every
-# cache key and the compile cache opened (codegen.gpu_cache.warm_child).
-PTX_CHILD_WARM_UP = ("codegen.nvptx:warm_up", "codegen.gpu_cache:warm_child")
-# The PTX children run below the compiling process's priority: where cores are short they
-# yield to the pass's own thread (planning, lowering: what hands them work) and to whatever
-# else the machine runs (a training step on stock XLA while stitch compiles). Measured on 2
-# cores, transformer_train tiny: planning lost 0.09-0.18 s to the children's start-up at
-# equal priority, 0.01-0.02 s at niceness 10; lowering ran 0.9 s instead of 1.2-1.5 s.
-PTX_CHILD_NICE = 10
 # A kernel's whole build in its child: LLVM (emit_ptx_cached's 300 s) and ptxas (60 s).
 BUILD_TIMEOUT_S = 360.0
 

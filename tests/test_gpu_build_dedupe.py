@@ -217,12 +217,12 @@ def test_a_ptx_child_warms_the_key_facts_and_the_cache_as_it_starts(monkeypatch,
     still plans): a kernel's build finds them ready. GpuPrebuild names that cache to them,
     opened in the calling thread, not in a build thread."""
     from codegen.isolation import IsolatedWorker
-    from integration import xla_pass
+    from integration import ptx_children, xla_pass
 
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(xla_pass, "_CACHE", None)
-    worker = IsolatedWorker(name="warm-test", preload=xla_pass.PTX_CHILD_PRELOAD,
-                            warm_up=xla_pass.PTX_CHILD_WARM_UP)
+    worker = IsolatedWorker(name="warm-test", preload=ptx_children.PTX_CHILD_PRELOAD,
+                            warm_up=ptx_children.PTX_CHILD_WARM_UP)
     try:
         worker.start()
         digests, caches_open, default_open = worker.call(_warm_state)
