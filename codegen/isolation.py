@@ -278,6 +278,7 @@ class IsolatedWorker:
         self._stderr_path: str | None = None
         self._calls_in_child = 0
         self._lock = threading.Lock()
+        self._final = False       # killed for good (exit): no call starts a child again
 
     def __enter__(self) -> IsolatedWorker:
         return self
@@ -300,7 +301,7 @@ class IsolatedWorker:
     def start(self) -> None:
         """Start the child now, without waiting for it: its interpreter start and imports
         (``preload``) then overlap the caller's own work instead of delaying the first call."""
-        if not isolation_enabled():
+        if not isolation_enabled() or self._final:
             return
         with self._lock:
             if self._child is None or not self._child.alive():
@@ -319,6 +320,9 @@ class IsolatedWorker:
         a long LLVM build)."""
         if not isolation_enabled():
             return fn(*args, **kwargs)
+        if self._final:
+            raise Cancelled(f"{_describe(fn)}: {self.name} was shut down (the process is "
+                            "exiting)")
         blob = _dump_call(fn, args, kwargs)
         started = time.perf_counter()
         with self._lock:
@@ -365,9 +369,13 @@ class IsolatedWorker:
         if child is not None and child.alive():
             with contextlib.suppress(OSError):
                 child.proc.kill()
-        if final and self._stderr_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._stderr_path)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(1)             # reaped: SIGKILL takes effect at once
+        if final:
+            self._final = True
+            if self._stderr_path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._stderr_path)
 
     def close(self) -> None:
         """Stop the child (politely, then by force) and remove the stderr file."""

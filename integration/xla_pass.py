@@ -621,7 +621,7 @@ class GpuPrebuild:
             self.request.check_cancelled()
             built = worker.call(build_in_child, canonical, self.arch, structure=structure,
                                 cache_dir=self._cache_dir, assembly=assembly,
-                                timeout=BUILD_TIMEOUT_S)
+                                timeout=BUILD_TIMEOUT_S, cancelled=self.request.cancel)
         finally:
             self._idle.put(worker)
         if built.assembly_error is not None:

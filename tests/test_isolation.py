@@ -362,3 +362,24 @@ def test_worker_stop_is_an_orderly_exit_that_keeps_the_childs_stderr(monkeypatch
         assert "last words of the child" in isolation._stderr_tail(worker._stderr_path)
     finally:
         worker.close()
+
+
+def test_a_worker_killed_for_good_starts_no_child_again():
+    """At exit the pass's children are killed for good: a build thread's next call must not
+    start a fresh interpreter behind the exiting process's back."""
+    from hlo_passes.errors import Cancelled
+    worker = IsolatedWorker(name="final-test")
+    try:
+        assert worker.call(sum, [1, 2]) == 3
+        pid = worker.pid
+        worker.kill(final=True)
+        with pytest.raises(Cancelled, match="shut down"):
+            worker.call(sum, [1, 2])
+        worker.start()
+        assert worker.pid is None
+        with pytest.raises(ProcessLookupError):
+            for _ in range(50):
+                os.kill(pid, 0)
+                time.sleep(0.1)
+    finally:
+        worker.close()
