@@ -445,6 +445,21 @@ class TFStitchedFunction(SwitchingFunction):
             except BaseException:  # noqa: BLE001 - recorded by _compile
                 pass
 
+    def mapping_for(self, *args: Any, **kwargs: Any) -> TFMapping:
+        """How a call with these arguments maps onto its stitched program (traces the
+        function and reads tf2xla's HLO; compiles nothing). For tools and benchmarks."""
+        return self._hlo_and_mapping(args, kwargs)[1]
+
+    def read_values(self, mapping: TFMapping, *args: Any, **kwargs: Any) -> list[Any]:
+        """The TF values (tensors, variables' current values, constants) a call hands the
+        stitched program, in parameter order."""
+        _, leaves = bound_leaves(self.python_fn, args, kwargs)
+        values = []
+        for kind, value in mapping.sources:
+            x = leaves[value] if kind == "arg" else value
+            values.append(x.value() if _is_variable(x) else x)
+        return values
+
     def _read_values(self, mapping: TFMapping, args: tuple, kwargs: dict) -> list[Any]:
         """The TF values a step reads (arguments, variables, constants), for their device."""
         _, leaves = bound_leaves(self.python_fn, args, kwargs)
