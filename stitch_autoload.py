@@ -6,6 +6,11 @@ patches jax (``jax.jit`` → ``stitch.jit``) right after jax is imported, and
 imported, so an unchanged training script runs under
 stitch: ``STITCH_ENABLE=1 python train.py``. Nothing from stitch (numpy, llvmlite...) is
 imported before the framework is, and nothing at all when the variable is unset.
+
+The hook wraps the loader of the spec it hands to an import, whatever the order in which a
+script imports the frameworks: a spec merely looked up (``importlib.util.find_spec("keras")``,
+which TensorFlow's own import does) is not an import, so it does not use the framework's turn
+up; a framework counts as done once its module has run.
 """
 import os
 
@@ -13,34 +18,51 @@ _ON = os.environ.get("STITCH_ENABLE", "").strip().lower() in ("1", "true", "yes"
 
 if _ON:
     import sys
+    import threading
 
     class _PatchAfterImport:
         """A meta-path finder that lets the real finders load a watched module, then runs
-        stitch's patch for it (once)."""
+        stitch's patch for it (once per module object)."""
 
         watched = ("jax", "keras", "tensorflow")
 
         def __init__(self):
-            self.done = set()
+            self.done = set()              # names whose module ran and was handed to patch
+            self._local = threading.local()
 
         def find_spec(self, name, path=None, target=None):
-            if name not in self.watched or name in self.done:
+            if name not in self.watched or name in self.done or name in sys.modules:
                 return None
-            self.done.add(name)
-            import importlib.util
-            spec = importlib.util.find_spec(name)
+            resolving = getattr(self._local, "names", None)
+            if resolving is None:
+                resolving = self._local.names = set()
+            if name in resolving:          # our own lookup below: the real finders answer
+                return None
+            resolving.add(name)
+            try:
+                import importlib.util
+                spec = importlib.util.find_spec(name)
+            finally:
+                resolving.discard(name)
             if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
                 return spec
             loader = spec.loader
             real_exec = loader.exec_module
+            if getattr(real_exec, "__stitch_wrapped__", False):
+                return spec
+            done = self.done
 
             def exec_module(module, _real=real_exec, _name=name):
                 _real(module)
+                if _name in done:
+                    return
+                done.add(_name)
                 try:
                     from integration.autoload import patch
                     patch(_name, module)
                 except Exception as exc:  # never break the user's import
                     sys.stderr.write(f"stitch: autoload could not patch {_name}: {exc}\n")
+            exec_module.__stitch_wrapped__ = True
             loader.exec_module = exec_module
             return spec
 

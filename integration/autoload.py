@@ -19,11 +19,16 @@ from .config import configure_logging
 
 log = logging.getLogger("stitch.autoload")  # the user-facing hierarchy (STITCH_LOG)
 
+# What the autoload patched in this process, in order ("jax.jit", "tf.function(jit_compile=
+# True)", "Keras' TensorFlow trainer"); each patch adds its name once.
+PATCHED: list[str] = []
+
 
 def patch(name: str, module: ModuleType) -> None:
     configure_logging()
     if name == "jax":
         patch_jax(module)
+        _patched("jax.jit")
     elif name in ("tensorflow", "keras"):
         # tf.function(jit_compile=True) and Keras' TF trainer (integration/tf_frontend.py); a
         # failure leaves the framework untouched.
@@ -31,10 +36,36 @@ def patch(name: str, module: ModuleType) -> None:
             from . import tf_frontend
             if name == "tensorflow":
                 tf_frontend.patch_tensorflow(module)
+                _patched("tf.function(jit_compile=True)")
+                _configure_gpu_sharing(module)
+            elif tf_frontend.patch_keras():
+                _patched("Keras' TensorFlow trainer")
             else:
-                tf_frontend.patch_keras()
+                log.info("STITCH_ENABLE: Keras runs on the %s backend: its trainer is not "
+                         "patched (on jax it calls jax.jit)", _keras_backend())
         except Exception as exc:  # noqa: BLE001 - never break the user's import
             log.warning("STITCH_ENABLE: %s stays stock: %s: %s", name, type(exc).__name__, exc)
+
+
+def _patched(what: str) -> None:
+    if what not in PATCHED:
+        PATCHED.append(what)
+    log.info("STITCH_ENABLE: patched so far: %s", ", ".join(PATCHED))
+
+
+def _keras_backend() -> str:
+    try:
+        import keras
+        return str(keras.backend.backend())
+    except Exception:  # noqa: BLE001 - only for the log line
+        return "unknown"
+
+
+def _configure_gpu_sharing(tf_module: ModuleType) -> None:
+    """TensorFlow imported under STITCH_ENABLE: stitch brings jax into a TF program, so both
+    runtimes are set to share a GPU before either starts (integration/gpu_sharing.py)."""
+    from .gpu_sharing import share_gpu_with_tensorflow
+    share_gpu_with_tensorflow(tf_module)
 
 
 def patch_jax(jax_module: ModuleType) -> None:

@@ -52,6 +52,7 @@ import numpy as np
 from .config import Settings, configure_logging, injected_failure
 from stitch.errors import StitchError
 from .switching import SwitchEntry, SwitchingFunction
+from .tf_bridge import Bridge, tf_runs_on
 
 log = logging.getLogger("stitch.tf")
 
@@ -70,7 +71,7 @@ class TFMapping:
 
     ``sources[i]`` for ENTRY parameter i: ("arg", k) the k-th tensor leaf of the bound
     arguments (a tf.Variable leaf is read), ("var", variable) a captured variable,
-    ("const", ndarray) a captured eager tensor. ``n_outputs`` flat function outputs come
+    ("const", tensor) a captured eager tensor. ``n_outputs`` flat function outputs come
     first in the root; ``updates`` = (root index, parameter index) of each written variable.
     """
     sources: list[tuple[str, Any]]
@@ -138,7 +139,7 @@ def build_mapping(concrete: Any, module: Any, hlo_text: str, arg_leaves: list) -
                 raise TFMappingError("a captured resource is not a variable of the function")
             sources.append(("var", var))
         else:
-            sources.append(("const", np.asarray(t)))
+            sources.append(("const", t))
     params = module.entry.parameters
     if len(params) != len(sources):
         raise TFMappingError(f"the HLO has {len(params)} parameters for {len(sources)} "
@@ -150,7 +151,7 @@ def build_mapping(concrete: Any, module: Any, hlo_text: str, arg_leaves: list) -
         elif kind == "var":
             shape, dtype = tuple(value.shape), np.dtype(value.dtype.as_numpy_dtype)
         else:
-            shape, dtype = value.shape, value.dtype
+            shape, dtype = _shape_dtype(value)
         _check_shape(f"parameter {i}", param.shape, shape, dtype)
     root = module.entry.root
     leaves = root.shape.tuple_shapes if root.shape.is_tuple else [root.shape]
@@ -202,6 +203,8 @@ class _Entry(SwitchEntry):
     # XLA's own compile of the same module on jax's client, kept until the first stitched
     # call is verified: the reference that tells stitch's kernels from XLA-version effects.
     plain_call: Callable | None = None
+    bridge: Bridge | None = None        # DLPack exchange with TF (integration/tf_bridge.py)
+    device: str = "cpu"                 # where the stitched program runs
 
 
 class TFStitchedFunction(SwitchingFunction):
@@ -225,7 +228,8 @@ class TFStitchedFunction(SwitchingFunction):
         self.stock = stock_fn if stock_fn is not None else xla_fn
         self.python_fn = getattr(xla_fn, "python_function", None) or xla_fn
         self.target = target or settings.target
-        self.device = device or settings.device or "cpu"
+        # None: the device TF runs the step on (its variables'), found per signature
+        self.device = device or settings.device
         self.async_compile = settings.async_compile if async_compile is None else async_compile
         self._init_switching(settings.guard if guard is None else guard)
         if self.disabled_reason:
@@ -297,40 +301,43 @@ class TFStitchedFunction(SwitchingFunction):
         return self._call_stitched(entry, args, kwargs, call_number)
 
     def _run_program(self, entry: _Entry, args: tuple, kwargs: dict,
-                     call: Callable | None = None) -> list[np.ndarray]:
-        """The stitched program (or ``call``) on the current values (pure: assigns nothing).
-        Inputs go to jax as numpy arrays (TF's CPU tensors expose their buffer; jax copies
-        once)."""
+                     call: Callable | None = None) -> list[Any]:
+        """The stitched program (or ``call``) on the current values (pure: assigns nothing):
+        jax arrays on the program's device. Inputs reach it through DLPack where they lie
+        (``tf_bridge.Bridge``); an argument that is not a TF value (a numpy batch) is
+        handed to jax as it is."""
         import jax
-        import tensorflow as tf
 
         injected_failure("run")
         _, leaves = bound_leaves(self.python_fn, args, kwargs)
-        inputs = []
-        for kind, value in entry.mapping.sources:
+        values, keep = [], []
+        for i, (kind, value) in enumerate(entry.mapping.sources):
             if kind == "arg":
                 x = leaves[value]
-                inputs.append(x.numpy() if isinstance(x, (tf.Tensor, tf.Variable))
-                              else np.asarray(x))
+                values.append(x.value() if _is_variable(x) else x)
             elif kind == "var":
-                inputs.append(value.numpy())
+                values.append(value.value())
             else:
-                inputs.append(value)
-        with jax.enable_x64(True):
-            outs = (call or entry.call)(*inputs)
-            return [np.asarray(o) for o in outs]
+                values.append(value)
+                keep.append(i)
+        with jax.enable_x64(True):             # the optimizer's s64 counter stays s64
+            inputs = entry.bridge.to_jax(values, frozenset(keep))
+            return list((call or entry.call)(*inputs))
 
-    def _finish(self, entry: _Entry, outs: list[np.ndarray], args: tuple, kwargs: dict) -> Any:
-        """Write the updated variables, return the outputs as TF would."""
+    def _finish(self, entry: _Entry, outs: list[Any], args: tuple, kwargs: dict) -> Any:
+        """Write the updated variables, return the outputs as TF would: the program's
+        results become TF tensors through DLPack on their device; a variable's update is a
+        device-to-device ``assign``."""
         import tensorflow as tf
 
         mapping = entry.mapping
         _, leaves = bound_leaves(self.python_fn, args, kwargs)
+        wanted = list(range(mapping.n_outputs)) + [o for o, _ in mapping.updates]
+        tensors = dict(zip(wanted, entry.bridge.to_tf([outs[i] for i in wanted])))
         for o, p in mapping.updates:
-            self._variable(mapping, p, leaves).assign(outs[o])
-        tensors = iter([tf.convert_to_tensor(outs[i], dtype=dt)
-                        for i, dt in enumerate(mapping.output_dtypes)])
-        flat = [next(tensors) if isinstance(x, tf.Tensor) else x
+            self._variable(mapping, p, leaves).assign(tensors[o])
+        results = iter([tensors[i] for i in range(mapping.n_outputs)])
+        flat = [next(results) if isinstance(x, tf.Tensor) else x
                 for x in tf.nest.flatten(mapping.structured_outputs, expand_composites=True)]
         return tf.nest.pack_sequence_as(mapping.structured_outputs, flat,
                                         expand_composites=True)
@@ -396,14 +403,16 @@ class TFStitchedFunction(SwitchingFunction):
         return result
 
     def _guarded_call(self, entry: _Entry, args: tuple, kwargs: dict, call_number: int) -> Any:
-        """A guard trial call (switching.py), timed to completion."""
+        """A guard trial call (switching.py), timed to the end of its device work."""
         stitched_turn = self._stitched_turn(entry)
         start = time.perf_counter()
         if stitched_turn:
             result = self._call_stitched(entry, args, kwargs, call_number)
         else:
             result = self.stock(*args, **kwargs)
-            _block(result)
+        # Both sides to the end of their device work, variable updates included: TF queues
+        # its ops (the stock step's updates, the stitched side's assigns) on its stream.
+        entry.bridge.wait_tf()
         self._guard_record(entry, stitched_turn, time.perf_counter() - start)
         return result
 
@@ -425,6 +434,9 @@ class TFStitchedFunction(SwitchingFunction):
         except Exception as exc:  # noqa: BLE001 - any failure means stock TF
             self._compile_failed(entry, time.perf_counter() - start, exc)
             return
+        tf_device = tf_runs_on(self._read_values(mapping, args, kwargs))
+        entry.device = self.device or tf_device
+        entry.bridge = Bridge(gpu=tf_device == "gpu")
         entry.future = _COMPILER.submit(functools.partial(
             self._compile, entry, module, mapping, time.perf_counter() - start))
         if not self.async_compile:
@@ -432,6 +444,26 @@ class TFStitchedFunction(SwitchingFunction):
                 entry.future.result()
             except BaseException:  # noqa: BLE001 - recorded by _compile
                 pass
+
+    def mapping_for(self, *args: Any, **kwargs: Any) -> TFMapping:
+        """How a call with these arguments maps onto its stitched program (traces the
+        function and reads tf2xla's HLO; compiles nothing). For tools and benchmarks."""
+        return self._hlo_and_mapping(args, kwargs)[1]
+
+    def read_values(self, mapping: TFMapping, *args: Any, **kwargs: Any) -> list[Any]:
+        """The TF values (tensors, variables' current values, constants) a call hands the
+        stitched program, in parameter order."""
+        _, leaves = bound_leaves(self.python_fn, args, kwargs)
+        values = []
+        for kind, value in mapping.sources:
+            x = leaves[value] if kind == "arg" else value
+            values.append(x.value() if _is_variable(x) else x)
+        return values
+
+    def _read_values(self, mapping: TFMapping, args: tuple, kwargs: dict) -> list[Any]:
+        """The TF values a step reads (arguments, variables, constants), for their device."""
+        _, leaves = bound_leaves(self.python_fn, args, kwargs)
+        return [leaves[v] if kind == "arg" else v for kind, v in mapping.sources]
 
     def _hlo_and_mapping(self, args: tuple, kwargs: dict) -> tuple[Any, TFMapping]:
         from hlo_passes import parse_hlo
@@ -450,11 +482,14 @@ class TFStitchedFunction(SwitchingFunction):
         from hlo_passes import print_hlo
         from integration.xla_pass import PassRequest, compile_hlo_text
 
-        from .jax_jit import _COMPILER, _default_device
+        from .gpu_sharing import check_gpu_allowed
+        from .jax_jit import _COMPILER
 
         start = time.perf_counter()
         try:
-            device = self.device or _default_device()
+            device = entry.device
+            if device == "gpu":
+                check_gpu_allowed()        # TF and jax could not be set to share the GPU
             request = PassRequest(self.__qualname__, self.target, device,
                                   cancel=_COMPILER.stopping.is_set)
             with jax.enable_x64(True):
@@ -475,12 +510,9 @@ class TFStitchedFunction(SwitchingFunction):
                   len(mapping.updates))
 
 
-def _block(result: Any) -> None:
-    """Wait for TF's (possibly asynchronous) result."""
+def _is_variable(x: Any) -> bool:
     import tensorflow as tf
-    for t in tf.nest.flatten(result, expand_composites=True):
-        if isinstance(t, tf.Tensor):
-            t.numpy()
+    return isinstance(x, tf.Variable)
 
 
 # ---------------------------------------------------------------------- tf.function patch
