@@ -192,8 +192,11 @@ def test_stitch_stats_file_at_exit(tmp_path):
     assert all(r["function"] == "step" and r["state"] == "ready" for r in records)
     assert records[0]["stitched_calls"] == 3 and records[0]["kernels_stitched"] >= 1
     assert records[0]["kernels_xla"] > 0 and records[0]["compile_s"] > 0
+    from integration.switching import DELIVERY_KEYS
     assert set(records[0]) == {"function", "calls", "stitched_calls", "kernels_stitched",
-                               "kernels_xla", "compile_s", "state", "fallback_reason"}
+                               "kernels_xla", "compile_s", "state", "fallback_reason",
+                               *DELIVERY_KEYS}
+    assert records[0]["delivered_mem_us"] <= records[0]["xla_mem_us"]
 
 
 def test_data_parallel_step_on_four_host_devices_keeps_shardings():
