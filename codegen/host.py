@@ -506,6 +506,15 @@ def build_object(ir_text: str, opt: int | None, codegen_level: int) -> bytes:
         module.verify()
     except RuntimeError as exc:
         raise CodegenError(f"LLVM rejected the host IR: {exc}") from exc
+    _engine, obj = _compile_with_object(module, tm, opt)
+    if not obj:
+        raise CodegenError("MCJIT produced no object code")
+    return obj
+
+
+def _compile_with_object(module: llvm.ModuleRef, tm: llvm.TargetMachine,
+                         opt: int | None) -> tuple[object, bytes]:
+    """(MCJIT engine, its object code) for ``module``, optimized at ``opt`` first."""
     if opt is not None:
         _optimize(module, tm, opt)
     engine = llvm.create_mcjit_compiler(module, tm)
@@ -513,9 +522,7 @@ def build_object(ir_text: str, opt: int | None, codegen_level: int) -> bytes:
     engine.set_object_cache(lambda _module, buffer: objects.append(bytes(buffer)),
                             lambda _module: None)
     engine.finalize_object()
-    if not objects:
-        raise CodegenError("MCJIT produced no object code")
-    return objects[0]
+    return engine, objects[0] if objects else b""
 
 
 def _load_object(module: llvm.ModuleRef, tm: llvm.TargetMachine, obj: bytes) -> object:
@@ -558,23 +565,13 @@ def jit_module(module: llvm.ModuleRef, tm: llvm.TargetMachine, *, opt: int | Non
     built: dict[str, object] = {}
 
     def build() -> bytes:
-        if opt is not None:
-            _optimize(module, tm, opt)
-        engine = llvm.create_mcjit_compiler(module, tm)
-        objects: list[bytes] = []
-        engine.set_object_cache(lambda _module, buffer: objects.append(bytes(buffer)),
-                                lambda _module: None)
-        engine.finalize_object()
-        built["engine"] = engine
-        return objects[0] if objects else b""
+        built["engine"], obj = _compile_with_object(module, tm, opt)
+        return obj
 
     obj = cache.get_or_create(key, build, validate=host_object_problem)
     if "engine" in built:
         return built["engine"], False
-    engine = llvm.create_mcjit_compiler(module, tm)
-    engine.set_object_cache(lambda _module, _buffer: None, lambda _module: obj)
-    engine.finalize_object()
-    return engine, True
+    return _load_object(module, tm, obj), True
 
 
 def compile_host(kernel: kir.Kernel, *, threads: int | None = None,

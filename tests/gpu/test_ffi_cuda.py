@@ -27,17 +27,6 @@ RNG = np.random.default_rng
 jax = pytest.importorskip("jax")
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError as exc:
-        pytest.skip(f"no CUDA device visible to jax ({exc})")
-    if not devices:
-        pytest.skip("no CUDA device visible to jax")
-    return devices[0]
-
-
 def _arch(device) -> str:
     """The newest NVPTX arch we emit that the device runs (PTX is forward-compatible)."""
     major, minor = (int(v) for v in str(getattr(device, "compute_capability", "8.0")).split("."))

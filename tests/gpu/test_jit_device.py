@@ -17,17 +17,6 @@ CASES = [("layer_norm", "tiny"), ("softmax", "tiny"), ("log_softmax_xent_train",
 POISON_BYTES = 256 * 2**20
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError as exc:
-        pytest.skip(f"no CUDA device visible to jax ({exc})")
-    if not devices:
-        pytest.skip("no CUDA device visible to jax")
-    return devices[0]
-
-
 def _poison_device_memory(nbytes: int = POISON_BYTES) -> None:
     """Fill and free device memory with NaN: jax's allocator hands those bytes out again,
     so outputs a kernel leaves unwritten read as NaN instead of a stale right answer."""
