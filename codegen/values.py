@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from hlo_passes import element_types
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import Shape, parse_padding, parse_slice, parse_window
 from hlo_passes.scatter_forms import scatter_batch_dims, scatter_form
@@ -30,9 +31,9 @@ from .errors import CodegenError
 
 Expr = kir.Expr
 
-# HLO element types -> Kernel IR storage dtypes.
-STORAGE = {"f32": "f32", "f64": "f64", "f16": "f16", "bf16": "bf16", "s32": "i32",
-           "s64": "i64", "s8": "i8", "u8": "u8", "u32": "u32", "pred": "i1"}
+# HLO element types -> Kernel IR storage dtypes (the HLO layer's rule, which the
+# planner's feasibility asks too).
+STORAGE = element_types.CODEGEN_STORAGE
 
 _UNARY = {"negate": "neg", "abs": "abs", "exponential": "exp", "log": "log",
           "log-plus-one": "log1p", "exponential-minus-one": "expm1", "sqrt": "sqrt",
@@ -62,10 +63,10 @@ REDUCER = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min",
 
 
 def storage_dtype(shape: Shape) -> str:
-    dtype = STORAGE.get(shape.element_type)
-    if dtype is None:
-        raise CodegenError(f"element type {shape.element_type} is not supported by codegen")
-    return dtype
+    problem = element_types.type_problem(shape.element_type)
+    if problem:
+        raise CodegenError(problem)
+    return STORAGE[shape.element_type]
 
 
 def leaf(shape: Shape) -> Shape:
@@ -783,12 +784,7 @@ def _reinterpreted(name: str, value: Expr, src: Shape, dst: Shape) -> Expr:
 
 def reinterpret_problem(src: str, dst: str) -> str | None:
     """Why codegen cannot reinterpret HLO element type ``src`` as ``dst`` bit for bit (None
-    when it can): the rule the planner's feasibility asks too (kir.bitcast_problem on the
-    types' register values)."""
-    a, b = STORAGE.get(src), STORAGE.get(dst)
-    if a is None or b is None:
-        return f"{src if a is None else dst} is not supported by codegen"
-    if kir.value_dtype(a) != a or kir.value_dtype(b) != b:
-        return f"{src} or {dst} is not held as its stored bits"
-    return kir.bitcast_problem(a, b)
+    when it can): ``hlo_passes.element_types``' rule, the one the planner's feasibility asks
+    too (kir.Bitcast checks the same widths on the register values)."""
+    return element_types.reinterpret_problem(src, dst)
 
