@@ -56,7 +56,7 @@ def measure_one(name: str) -> dict:
 
 
 def collect(names: list[str], timeout: float = 1800.0) -> list[dict]:
-    from bench.thirdparty_steps import available
+    from bench.thirdparty_steps import XLA_FLAGS, available
     venv = Path(os.environ.get("STITCH_CUDA_VENV", REPO / ".venv-cuda"))
     python = venv / "bin" / "python"
     rows = []
@@ -71,6 +71,9 @@ def collect(names: list[str], timeout: float = 1800.0) -> list[dict]:
             os.chmod(cache, 0o700)
             env = {**os.environ, "STITCH_CACHE_DIR": cache, "CUDA_VISIBLE_DEVICES": "-1",
                    "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "PYTHONPATH": str(REPO)}
+            if name in XLA_FLAGS:
+                env["XLA_FLAGS"] = " ".join(filter(None, (env.get("XLA_FLAGS"),
+                                                          XLA_FLAGS[name])))
             try:
                 run = subprocess.run([str(python), "-m", "bench.delivered", "--one", name],
                                      env=env, capture_output=True, text=True,
@@ -90,6 +93,7 @@ def collect(names: list[str], timeout: float = 1800.0) -> list[dict]:
 
 def markdown(rows: list[dict], command: str) -> str:
     from bench.report import stamp
+    from bench.thirdparty_steps import XLA_FLAGS
     ok = [r for r in rows if "error" not in r]
     xla = sum(r["xla_mem_us"] for r in ok)
     planned = sum(r["planned_mem_us"] for r in ok)
@@ -104,7 +108,10 @@ def markdown(rows: list[dict], command: str) -> str:
              "reached the module. *lost to*: planned saving of the kernels dropped, by kind "
              "(payback: left to XLA by design, its build would not repay; build: lowering or "
              "PTX refused; placement: snapping or the rewrite refused). *copies*: those the "
-             "rewrite added in loop bodies, priced in *delivered*.", "",
+             "rewrite added in loop bodies, priced in *delivered*."
+             + "".join(f" {step}: compiled with XLA_FLAGS={flags} (bench/thirdparty_steps.py "
+                       "says why)." for step, flags in XLA_FLAGS.items()
+                       if any(r["step"] == step for r in rows)), "",
              "| step | XLA µs | planned µs | delivered µs | share | XLA KB | planned KB | "
              "delivered KB | lost to payback / build / placement µs | copies |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]

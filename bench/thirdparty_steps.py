@@ -165,6 +165,13 @@ STEPS: dict[str, tuple[Callable[[], tuple[Callable, tuple, int]], tuple[str, ...
 }
 
 
+# XLA flags a step's deviceless compile needs (the child's XLA_FLAGS), with why: without a
+# device XLA GPU does not autotune, and its Triton GEMM tiling finds no tile for the ViT's
+# 68-row (4 images x 17 tokens) attention-output dot ("Couldn't find output tile sizes"),
+# stitch's pass on or off; cuBLAS GEMMs instead, on both sides of the comparison.
+XLA_FLAGS: dict[str, str] = {"keras_hub ViT": "--xla_gpu_enable_triton_gemm=false"}
+
+
 def available(name: str) -> str | None:
     """None when ``name`` can be built here, else what is missing."""
     missing = [m for m in STEPS[name][1] if importlib.util.find_spec(m) is None]
