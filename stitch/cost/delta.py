@@ -34,12 +34,14 @@ T_penalty is the rest of the difference (recomputation, lost parallelism, overla
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
 
 from hlo_passes.graph import OpGraph, OpNode
+from hlo_passes.loop_state import carried_copies, carried_nodes
 from hlo_passes.op_classes import OpClass
 
 from ..explorer.feasibility import Infeasible, PatternAnalysis, analyze_pattern
@@ -78,6 +80,25 @@ class KernelCost:
     compute_s: float
     threads: int
     total_s: float
+    # The loop-state copies placing the kernel in a loop body adds (hlo_passes.loop_state),
+    # included in hbm_bytes and total_s (CostModel(loop_copies=True)): bytes copied, µs.
+    loop_copy_bytes: int = 0
+    loop_copy_s: float = 0.0
+
+    def with_loop_copies(self, copy: "KernelCost", nbytes: int) -> "KernelCost":
+        """This kernel followed by the copy kernel ``copy`` of ``nbytes`` loop state."""
+        return dataclasses.replace(
+            self, hbm_bytes=self.hbm_bytes + copy.hbm_bytes,
+            total_s=self.total_s + copy.total_s, loop_copy_bytes=nbytes,
+            loop_copy_s=copy.total_s)
+
+    def without_loop_copies(self) -> "KernelCost":
+        """The kernel alone (the copies priced apart, as the rewrite actually added them)."""
+        if not self.loop_copy_bytes:
+            return self
+        return dataclasses.replace(
+            self, hbm_bytes=self.hbm_bytes - 2 * self.loop_copy_bytes,
+            total_s=self.total_s - self.loop_copy_s, loop_copy_bytes=0, loop_copy_s=0.0)
 
 
 @dataclass(frozen=True)
@@ -98,8 +119,19 @@ class CostModel:
     def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None,
                  gemm_chains: bool = True, chain_tf32: bool = False,
                  chain_spill_check: bool = False, chain_grid_sync: bool = False,
-                 share_structure: bool = True, grid_sync: str = "barrier"):
+                 share_structure: bool = True, grid_sync: str = "barrier",
+                 loop_copies: bool = False,
+                 left_to_xla: Iterable[frozenset[int]] = ()):
         self.graph = graph
+        # Kernels placed into an XLA module (the XLA pass): in a loop body every loop-state
+        # value a kernel writes goes through a copy (hlo_passes.loop_state), priced into the
+        # kernel's cost, so a kernel that loses with its copies is not planned. XLA's own
+        # kernels (``left_to_xla``: member sets the pass leaves to XLA) write the state in
+        # place, and a single op is the reference the planner's gains are counted from:
+        # neither pays copies.
+        self.loop_copies = loop_copies and graph.kind != "entry" and \
+            bool(carried_nodes(graph))
+        self.left_to_xla = frozenset(left_to_xla) if self.loop_copies else frozenset()
         # The global-scope launch forms the target builds (stitch.schedule.launch_forms,
         # ExplorerOptions.grid_sync): "off" prices no global-scope-only pattern, the others
         # price one in the form the pass will build.
@@ -233,8 +265,26 @@ class CostModel:
                 cost = self._kernel(key, analysis)
                 if skey is not None:
                     self._cost_by_key[skey] = cost
+            if self.loop_copies:
+                # After the structure share: sets of one structure differ in what they
+                # write for the loop state.
+                cost = self._with_loop_copies(key, cost)
             self._cache[key] = cost
         return cost
+
+    def _with_loop_copies(self, members: frozenset[int], cost: KernelCost) -> KernelCost:
+        if cost.launches == 0 or members in self.left_to_xla or \
+                sum(not self.free[v] for v in members) < 2:
+            return cost
+        copies = carried_copies(self.graph, members)
+        if not copies:
+            return cost
+        # One copy kernel per value, as the rewrite adds them.
+        priced = [copy_kernel_cost(self.spec, n) for n in copies]
+        total = KernelCost(sum(c.hbm_bytes for c in priced), len(priced),
+                           sum(c.memory_s for c in priced), 0.0, 0,
+                           sum(c.total_s for c in priced))
+        return cost.with_loop_copies(total, sum(copies))
 
     def singleton(self, nid: int) -> KernelCost:
         return self.kernel((nid,))
