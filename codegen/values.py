@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hlo_passes import element_types
+from hlo_passes import combiners, element_types
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import Shape, parse_padding, parse_slice, parse_window
 from hlo_passes.scatter_forms import scatter_batch_dims, scatter_form
@@ -57,9 +57,9 @@ _ROUNDS = (frozenset(_UNARY) - {"negate", "abs", "sign", "not", "floor", "ceil",
 # Scatter combiners (by the evaluator's binary kind; "assign" and "keep" pick a side).
 SCATTER_COMBINERS = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min",
                      "and": "and", "or": "or", "assign": "", "keep": ""}
-# Reducer computations (by the evaluator's binary kind) -> combining op and identity use.
-REDUCER = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min",
-           "and": "and", "or": "or"}
+# Reducer computations (by the evaluator's binary kind) -> combining op: the HLO layer's
+# rule, which the planner's feasibility asks too.
+REDUCER = combiners.GENERATED_REDUCERS
 
 
 def storage_dtype(shape: Shape) -> str:
@@ -702,12 +702,10 @@ class ValueEmitter:
 
     def reducer(self, node: OpNode) -> str:
         kind = self.reducer_kind(node)
-        op = REDUCER.get(kind or "")
-        if op is None or len(node.operands) != 2:
-            raise CodegenError(f"{node.name}: only single-output reductions with an "
-                               f"add/multiply/max/min/and/or reducer are generated "
-                               f"(reducer {kind or 'not a single op'})")
-        return op
+        problem = combiners.reduction_problem(len(node.operands), kind)
+        if problem:
+            raise CodegenError(f"{node.name}: {problem}")
+        return REDUCER[kind]
 
     def _reduce(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
         """Thread composition: this thread reduces the element's whole row itself."""

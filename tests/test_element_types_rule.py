@@ -8,7 +8,7 @@ import pytest
 
 from hlo_passes import element_types, parse_hlo
 from hlo_passes.graph import build_op_graphs
-from stitch.explorer.feasibility import type_problem
+from stitch.explorer.feasibility import build_problem
 
 
 def _dropout(key, x):
@@ -39,7 +39,7 @@ def test_the_pass_plans_no_kernel_codegen_refuses_for_its_types():
     for g in report.plan.graphs:
         for k in g.stitched.kernels:
             if k.name in set(report.placed):
-                assert all(type_problem(g.graph, v) is None for v in k.members)
+                assert all(build_problem(g.graph, v) is None for v in k.members)
     np.testing.assert_allclose(np.asarray(compiled(key, x)),
                                np.asarray(jax.jit(_dropout)(key, x)), rtol=1e-5, atol=1e-5)
 

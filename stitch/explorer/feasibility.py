@@ -30,7 +30,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from hlo_passes import element_types
+from hlo_passes import combiners, element_types
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import Shape, parse_padding, parse_slice
 from hlo_passes.op_classes import OpClass
@@ -444,20 +444,22 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int], allow_global: bool =
 
 _BOUNDARY_CLASSES = (OpClass.COMPUTE, OpClass.OPAQUE, OpClass.SOURCE)
 
-# Per graph: node id -> why codegen cannot hold its values (a pure function of the node).
-_TYPE_PROBLEMS: "weakref.WeakKeyDictionary[OpGraph, dict[int, str | None]]" = \
+# Per graph: node id -> why codegen cannot build it (a pure function of the node).
+_BUILD_PROBLEMS: "weakref.WeakKeyDictionary[OpGraph, dict[int, str | None]]" = \
     weakref.WeakKeyDictionary()
 
 
-def type_problem(graph: OpGraph, v: int) -> str | None:
-    """Why a kernel holding node ``v`` cannot be built for its element types (None when
-    it can): its result or an operand of a type codegen has no kernel IR dtype for, or a
-    bit reinterpretation codegen refuses (``hlo_passes.element_types``, the rule codegen
-    applies). Operands are checked whether or not they are members: a member's own
-    result is checked as a member, an outside one is loaded."""
-    memo = _TYPE_PROBLEMS.get(graph)
+def build_problem(graph: OpGraph, v: int) -> str | None:
+    """Why a kernel holding node ``v`` cannot be built (None when it can), by the rules
+    codegen applies, read from the HLO layer: its result or an operand of a type codegen
+    has no kernel IR dtype for, or a bit reinterpretation codegen refuses
+    (``hlo_passes.element_types``); a reduce or reduce-window that is variadic or whose
+    combiner is not a single add/multiply/max/min/and/or (``hlo_passes.combiners``).
+    Operands are checked whether or not they are members: a member's own result is
+    checked as a member, an outside one is loaded."""
+    memo = _BUILD_PROBLEMS.get(graph)
     if memo is None:
-        memo = _TYPE_PROBLEMS[graph] = {}
+        memo = _BUILD_PROBLEMS[graph] = {}
     if v in memo:
         return memo[v]
     node = graph.nodes[v]
@@ -471,6 +473,11 @@ def type_problem(graph: OpGraph, v: int) -> str | None:
         if element_types.changes_element_type(node.opcode, src, node.shape):
             problem = element_types.reinterpret_problem(src.element_type,
                                                         node.shape.element_type)
+    if not problem and node.opcode in ("reduce", "reduce-window"):
+        name = node.instruction.attrs.get("to_apply", "").lstrip("%")
+        comp = graph.computations.get(name)
+        problem = combiners.reduction_problem(
+            len(node.operands), combiners.combiner_kind(comp) if comp is not None else None)
     result = None if problem is None else f"{node.name} ({node.opcode}): {problem}"
     memo[v] = result
     return result
@@ -500,7 +507,7 @@ def _analyze_block_scope(graph: OpGraph, members: list[int]) -> PatternAnalysis:
         op_class = node.op_class
         if op_class in _BOUNDARY_CLASSES:
             raise KernelEnds(f"{node.name} ({node.opcode}) is a kernel boundary")
-        problem = type_problem(graph, v)
+        problem = build_problem(graph, v)
         if problem:
             raise KernelEnds(problem)
         opcode = node.opcode

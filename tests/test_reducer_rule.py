@@ -1,0 +1,78 @@
+"""One rule for reductions: the planner never offers a kernel holding a reduction codegen
+does not generate (argmax's variadic (value, index) reduce, a combiner of several ops); the
+rule lives in the HLO layer (hlo_passes.combiners), where codegen and the evaluator read it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hlo_passes import combiners, parse_hlo
+from hlo_passes.evaluator.interpreter import Evaluator
+from stitch.explorer.feasibility import build_problem
+
+
+def _accuracy_and_loss(logits, labels):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    p = jax.nn.log_softmax(jnp.tanh(logits) * 3.0, axis=-1)
+    hit = (jnp.argmax(p, axis=-1) == labels).astype(jnp.float32)
+    return hit.mean(), -jnp.take_along_axis(p, labels[..., None], -1).mean()
+
+
+def test_the_pass_plans_no_reduction_codegen_refuses():
+    jax = pytest.importorskip("jax")
+    from integration import xla_pass
+    rng = np.random.default_rng()
+    rows, classes = int(rng.integers(8, 64)), int(rng.integers(16, 200))
+    logits = rng.standard_normal((rows, classes)).astype(np.float32)
+    labels = rng.integers(0, classes, rows).astype(np.int32)
+    xla_pass.ensure_registered("cpu")
+    request = xla_pass.PassRequest("argmax_rule", "h100", "cpu")
+    lowered = request.prepare(jax.jit(_accuracy_and_loss).lower(logits, labels))
+    with request:
+        compiled = lowered.compile()
+    report = request.result()
+    graphs = [g.graph for g in report.plan.graphs]
+    assert any(n.opcode == "reduce" and len(n.operands) == 4 for g in graphs for n in g.nodes)
+    refused = [k for k in report.delivery.dropped if k.kind == "build"]
+    assert not refused, refused
+    for g in report.plan.graphs:
+        for k in g.stitched.kernels:
+            if k.schedule is not None:
+                assert all(build_problem(g.graph, v) is None for v in k.members), k.name
+    got = compiled(logits, labels)
+    want = jax.jit(_accuracy_and_loss)(logits, labels)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_combiner_kinds_are_the_evaluators():
+    text = """HloModule m
+add_f32 {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+argmax {
+  a = f32[] parameter(0)
+  i = s32[] parameter(1)
+  b = f32[] parameter(2)
+  j = s32[] parameter(3)
+  gt = pred[] compare(a, b), direction=GT
+  v = f32[] select(gt, a, b)
+  k = s32[] select(gt, i, j)
+  ROOT t = (f32[], s32[]) tuple(v, k)
+}
+ENTRY e {
+  x = f32[4] parameter(0)
+  z = f32[] constant(0)
+  ROOT r = f32[] reduce(x, z), dimensions={0}, to_apply=add_f32
+}"""
+    module = parse_hlo(text)
+    ev = Evaluator(module)
+    comps = {c.name: c for c in module.computations}
+    assert combiners.combiner_kind(comps["add_f32"]) == ev.binary_kind("add_f32") == "add"
+    assert combiners.combiner_kind(comps["argmax"]) is None
+    assert combiners.reduction_problem(2, "add") is None
+    assert combiners.reduction_problem(4, None) is not None
+    assert combiners.reduction_problem(2, "xor") is not None
