@@ -114,7 +114,9 @@ def markdown(rows: list[dict], command: str) -> str:
                        "says why)." for step, flags in XLA_FLAGS.items()
                        if any(r["step"] == step for r in rows)), "",
              "*share w/o payback*: the same with the kernels left to XLA for payback taken "
-             "out of the planned saving.", "",
+             "out of the planned saving. The keras_hub steps need keras_hub both in the "
+             "interpreter running the bench and in $STITCH_CUDA_VENV (scripts/"
+             "deviceless_check.sh with PYTHON= an interpreter that has it).", "",
              "| step | XLA µs | planned µs | delivered µs | share | share w/o payback | "
              "XLA KB | planned KB | delivered KB | lost to payback / build / placement µs | "
              "copies |",
