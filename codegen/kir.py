@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Union
 
 from codegen.errors import CodegenError
+from hlo_passes.combiners import ATOMIC_ADD_TYPES
 from hlo_passes.element_types import CODEGEN_STORAGE, REINTERPRET_WIDTHS
 
 FLOAT_DTYPES = frozenset({"f32", "f64"})
@@ -367,7 +368,7 @@ class AtomicAdd(Stmt):
         object.__setattr__(self, "buffer", _buffer_name(self.buffer))
 
 
-ATOMIC_DTYPES = frozenset({"f32", "f64", "i32", "i64", "u32", "bf16", "f16"})
+ATOMIC_DTYPES = frozenset(CODEGEN_STORAGE[t] for t in ATOMIC_ADD_TYPES)
 
 
 @dataclass(frozen=True)

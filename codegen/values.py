@@ -54,9 +54,9 @@ _ROUNDS = (frozenset(_UNARY) - {"negate", "abs", "sign", "not", "floor", "ceil",
                                 "round-nearest-even", "round-nearest-afz", "is-finite"}
            | frozenset(_BINARY) - {"maximum", "minimum", "and", "or", "xor"}
            | {"convert", "iota", "reduce", "reduce-window", "scatter"})
-# Scatter combiners (by the evaluator's binary kind; "assign" and "keep" pick a side).
-SCATTER_COMBINERS = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min",
-                     "and": "and", "or": "or", "assign": "", "keep": ""}
+# Scatter combiners (by the evaluator's binary kind; "assign" and "keep" pick a side): the
+# HLO layer's rule, which the planner's feasibility asks too.
+SCATTER_COMBINERS = combiners.GENERATED_SCATTER_COMBINERS
 # Reducer computations (by the evaluator's binary kind) -> combining op: the HLO layer's
 # rule, which the planner's feasibility asks too.
 REDUCER = combiners.GENERATED_REDUCERS
@@ -616,9 +616,9 @@ class ValueEmitter:
             raise CodegenError(f"{node.name}: scatter of form {form.kind} is not computed per "
                                f"element ({form.reason})")
         kind = self.reducer_kind(node)
-        if kind not in SCATTER_COMBINERS:
-            raise CodegenError(f"{node.name}: scatter combiner {kind or 'not a single op'} is "
-                               "not generated")
+        problem = combiners.scatter_problem(kind, False, leaf(node.shape).element_type)
+        if problem:
+            raise CodegenError(f"{node.name}: {problem}")
         imap = form.index_map
         operand_id, indices_id, update_id = node.operands
         shape = leaf(node.shape)

@@ -7,6 +7,7 @@ It lives in the HLO layer because ``stitch`` may not import ``codegen``.
 """
 from __future__ import annotations
 
+from .element_types import CODEGEN_STORAGE
 from .ir import Computation
 
 # Binary ops a two-parameter computation may consist of.
@@ -16,6 +17,15 @@ BINARY_KINDS = frozenset({"add", "multiply", "maximum", "minimum", "and", "or", 
 # reduce-window with one input and one init).
 GENERATED_REDUCERS: dict[str, str] = {"add": "add", "multiply": "mul", "maximum": "max",
                                       "minimum": "min", "and": "and", "or": "or"}
+
+# Scatter combiner kind -> kernel IR binary op ("assign" and "keep" pick a side), for the
+# scatters codegen generates; where updates may collide only "add", atomically, for the
+# element types with an atomic add (ATOMIC_ADD_TYPES; kir.ATOMIC_DTYPES is this set).
+GENERATED_SCATTER_COMBINERS: dict[str, str] = {
+    "add": "add", "multiply": "mul", "maximum": "max", "minimum": "min", "and": "and",
+    "or": "or", "assign": "", "keep": ""}
+ATOMIC_ADD_TYPES: frozenset[str] = frozenset({"f32", "f64", "s32", "s64", "u32", "bf16", "f16"})
+assert ATOMIC_ADD_TYPES <= set(CODEGEN_STORAGE)
 
 # Float significand bits: an op computed in a type with at least 2p + 2 of them and rounded
 # back equals the op correctly rounded in the narrow type (+ and *; max/min are exact).
@@ -77,4 +87,19 @@ def reduction_problem(operands: int, kind: str | None) -> str | None:
         return ("only single-output reductions with an add/multiply/max/min/and/or reducer "
                 f"are generated (reducer {kind or 'not a single op'}"
                 + (f", {operands // 2} inputs)" if operands != 2 else ")"))
+    return None
+
+
+def scatter_problem(kind: str | None, colliding: bool, element_type: str) -> str | None:
+    """Why codegen does not generate a scatter with combiner ``kind`` (None when it does):
+    per element (``colliding`` False: no two updates land on one element) any single-op
+    combiner or assign/keep; with colliding updates only an atomic add of a type that has
+    one (XLA keeps an unspecified one of colliding assignments)."""
+    if kind not in GENERATED_SCATTER_COMBINERS:
+        return f"scatter combiner {kind or 'not a single op'} is not generated"
+    if colliding and kind != "add":
+        return (f"scatter with combiner {kind} and colliding updates is not generated "
+                "(only add is)")
+    if colliding and element_type not in ATOMIC_ADD_TYPES:
+        return f"atomic scatter-add of {element_type} is not generated"
     return None

@@ -76,3 +76,42 @@ ENTRY e {
     assert combiners.reduction_problem(2, "add") is None
     assert combiners.reduction_problem(4, None) is not None
     assert combiners.reduction_problem(2, "xor") is not None
+
+
+_SCATTER = """HloModule m
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+assign {
+  a = f32[] parameter(0)
+  ROOT b = f32[] parameter(1)
+}
+ENTRY main {
+  table = f32[20,8] parameter(0)
+  ids = s32[30] parameter(1)
+  g = f32[30,8] parameter(2)
+  two = f32[] constant(2)
+  tb = f32[30,8] broadcast(two), dimensions={}
+  gg = f32[30,8] multiply(g, tb)
+  ROOT sc = f32[20,8] scatter(table, ids, gg), update_window_dims={1},
+    inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1,
+    to_apply=COMBINER
+}"""
+
+
+@pytest.mark.parametrize("combiner, refused", [("add", False), ("assign", True)])
+def test_feasibility_asks_codegens_scatter_rule(combiner, refused):
+    from hlo_passes.graph import build_op_graphs
+    from stitch.explorer.feasibility import infeasible_reason
+    graph = build_op_graphs(parse_hlo(_SCATTER.replace("COMBINER", combiner)))[0]
+    members = [n.id for n in graph.nodes if n.opcode not in ("parameter", "constant")]
+    reason = infeasible_reason(graph, members)
+    if refused:
+        # Colliding assignments: XLA keeps an unspecified one; codegen generates only add.
+        assert reason is not None and "combiner assign" in reason
+    else:
+        assert reason is None
+    sc = next(n.id for n in graph.nodes if n.name == "sc")
+    assert (build_problem(graph, sc) is not None) == refused

@@ -478,6 +478,14 @@ def build_problem(graph: OpGraph, v: int) -> str | None:
         comp = graph.computations.get(name)
         problem = combiners.reduction_problem(
             len(node.operands), combiners.combiner_kind(comp) if comp is not None else None)
+    if not problem and node.opcode == "scatter":
+        form = scatter_form(graph, v)
+        if form.kind in ("row", "atomic"):      # the other forms: _atomic_scatter_problem
+            name = node.instruction.attrs.get("to_apply", "").lstrip("%")
+            comp = graph.computations.get(name)
+            problem = combiners.scatter_problem(
+                combiners.combiner_kind(comp) if comp is not None else None,
+                form.kind == "atomic", _leaf(node.shape).element_type)
     result = None if problem is None else f"{node.name} ({node.opcode}): {problem}"
     memo[v] = result
     return result
