@@ -8,7 +8,7 @@ import pytest
 
 from hlo_passes import element_types, parse_hlo
 from hlo_passes.graph import build_op_graphs
-from stitch.explorer.feasibility import build_problem
+from stitch.explorer.buildable import build_problem
 
 
 def _dropout(key, x):

@@ -8,7 +8,7 @@ import pytest
 
 from hlo_passes import combiners, parse_hlo
 from hlo_passes.evaluator.interpreter import Evaluator
-from stitch.explorer.feasibility import build_problem
+from stitch.explorer.buildable import build_problem
 
 
 def _accuracy_and_loss(logits, labels):

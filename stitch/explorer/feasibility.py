@@ -30,12 +30,13 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from hlo_passes import combiners, element_types
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import Shape, parse_padding, parse_slice
 from hlo_passes.op_classes import OpClass
 from hlo_passes.scatter_forms import (IndexMap, gather_batch_dims, gather_index_map,
                                       scatter_batch_dims, scatter_form)
+
+from .buildable import build_problem
 
 class Infeasible(Exception):
     """Internal: raised with the reason a pattern cannot be stitched."""
@@ -443,53 +444,6 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int], allow_global: bool =
 
 
 _BOUNDARY_CLASSES = (OpClass.COMPUTE, OpClass.OPAQUE, OpClass.SOURCE)
-
-# Per graph: node id -> why codegen cannot build it (a pure function of the node).
-_BUILD_PROBLEMS: "weakref.WeakKeyDictionary[OpGraph, dict[int, str | None]]" = \
-    weakref.WeakKeyDictionary()
-
-
-def build_problem(graph: OpGraph, v: int) -> str | None:
-    """Why a kernel holding node ``v`` cannot be built (None when it can), by the rules
-    codegen applies, read from the HLO layer: its result or an operand of a type codegen
-    has no kernel IR dtype for, or a bit reinterpretation codegen refuses
-    (``hlo_passes.element_types``); a reduce or reduce-window that is variadic or whose
-    combiner is not a single add/multiply/max/min/and/or (``hlo_passes.combiners``).
-    Operands are checked whether or not they are members: a member's own result is
-    checked as a member, an outside one is loaded."""
-    memo = _BUILD_PROBLEMS.get(graph)
-    if memo is None:
-        memo = _BUILD_PROBLEMS[graph] = {}
-    if v in memo:
-        return memo[v]
-    node = graph.nodes[v]
-    problem = element_types.shape_problem(node.shape)
-    for o in node.operands:
-        if problem:
-            break
-        problem = element_types.shape_problem(graph.nodes[o].shape)
-    if not problem and node.operands:
-        src = graph.nodes[node.operands[0]].shape
-        if element_types.changes_element_type(node.opcode, src, node.shape):
-            problem = element_types.reinterpret_problem(src.element_type,
-                                                        node.shape.element_type)
-    if not problem and node.opcode in ("reduce", "reduce-window"):
-        name = node.instruction.attrs.get("to_apply", "").lstrip("%")
-        comp = graph.computations.get(name)
-        problem = combiners.reduction_problem(
-            len(node.operands), combiners.combiner_kind(comp) if comp is not None else None)
-    if not problem and node.opcode == "scatter":
-        form = scatter_form(graph, v)
-        if form.kind in ("row", "atomic"):      # the other forms: _atomic_scatter_problem
-            name = node.instruction.attrs.get("to_apply", "").lstrip("%")
-            comp = graph.computations.get(name)
-            problem = combiners.scatter_problem(
-                combiners.combiner_kind(comp) if comp is not None else None,
-                form.kind == "atomic", _leaf(node.shape).element_type)
-    result = None if problem is None else f"{node.name} ({node.opcode}): {problem}"
-    memo[v] = result
-    return result
-
 
 def _analyze_block_scope(graph: OpGraph, members: list[int]) -> PatternAnalysis:
     """The block scopes' analysis (warp/block units own rows; see ``analyze_pattern``).
