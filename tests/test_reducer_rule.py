@@ -115,3 +115,49 @@ def test_feasibility_asks_codegens_scatter_rule(combiner, refused):
         assert reason is None
     sc = next(n.id for n in graph.nodes if n.name == "sc")
     assert (build_problem(graph, sc) is not None) == refused
+
+
+_XLA_FUSION = """HloModule m
+max_f32 {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT m = f32[] maximum(a, b)
+}
+fused {
+  p0 = f32[ROWS,COLS] parameter(0)
+  c = f32[] constant(-inf)
+  r = f32[ROWS] reduce(p0, c), dimensions={1}, to_apply=max_f32
+  b = f32[ROWS,COLS] broadcast(r), dimensions={0}
+  s = f32[ROWS,COLS] subtract(p0, b)
+  i = u64[ROWS,COLS] iota(), iota_dimension=1
+  t = u32[ROWS,COLS] convert(i)
+  f = f32[ROWS,COLS] convert(t)
+  ROOT o = f32[ROWS,COLS] add(s, f)
+}
+ENTRY e {
+  x = f32[ROWS,COLS] parameter(0)
+  ROOT fu = f32[ROWS,COLS] fusion(x), kind=kLoop, calls=fused
+}"""
+
+
+def test_xlas_kernels_are_priced_whatever_codegen_can_build(monkeypatch):
+    """One of XLA's own kernels holding what stitch's codegen refuses (a u64 counter next
+    to a shared row max) is priced by the stitching analysis of its structure, as with no
+    codegen limits: the XLA side of every comparison does not depend on them."""
+    from hlo_passes.graph import build_op_graphs
+    from stitch.cost import delta
+    from stitch.cost.gpu_specs import get_spec
+    from stitch.explorer import feasibility
+    rng = np.random.default_rng()
+    rows, cols = int(rng.integers(16, 512)), int(rng.integers(64, 2048))
+    text = _XLA_FUSION.replace("ROWS", str(rows)).replace("COLS", str(cols))
+    graph = build_op_graphs(parse_hlo(text))[0]
+    spec = get_spec("h100")
+    (group,) = [frozenset(g) for g in graph.baseline_groups().values() if len(g) > 1]
+    assert any(build_problem(graph, v) for v in group)
+    priced = delta.CostModel(graph, spec).kernel(group)
+    monkeypatch.setattr(feasibility, "build_problem", lambda graph, v: None)
+    monkeypatch.setattr(delta, "build_problem", lambda graph, v: None, raising=False)
+    unlimited = delta.CostModel(graph, spec).kernel(group)
+    assert priced.total_s == pytest.approx(unlimited.total_s)
+    assert priced.hbm_bytes == unlimited.hbm_bytes

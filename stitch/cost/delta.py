@@ -44,6 +44,7 @@ from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.loop_state import carried_copies, carried_nodes
 from hlo_passes.op_classes import OpClass
 
+from ..explorer.buildable import build_problem
 from ..explorer.feasibility import Infeasible, PatternAnalysis, analyze_pattern
 from ..explorer.structure import StructureKeys, rename
 from .launch_forms import allows_global
@@ -309,7 +310,7 @@ class CostModel:
                 memory_s = nbytes / spec.hbm_bandwidth
                 return KernelCost(nbytes, 1, memory_s, 0.0, 0, launch + memory_s)
         if analysis is None:
-            analysis = self.analysis(members)
+            analysis = self._pricing_analysis(members)
         if analysis is not None and analysis.scope == "global":
             return self._global_kernel(members, analysis)
         block = self._block_kernel(members, analysis, launch)
@@ -320,6 +321,22 @@ class CostModel:
             return block
         rival = self._global_kernel(members, analysis)
         return block if block.total_s <= rival.total_s else rival
+
+    def _pricing_analysis(self, members: frozenset[int]) -> PatternAnalysis | None:
+        """The analysis a kernel is priced with: the stitching analysis, or where only
+        codegen's limits refuse the set (a u64 counter, argmax's variadic reduce inside one
+        of XLA's own kernels), the structural one: XLA's kernels are priced the same
+        whatever stitch's codegen can build."""
+        got = self.feasibility(members)
+        if not isinstance(got, str):
+            return got
+        if not any(build_problem(self.graph, v) for v in members):
+            return None
+        try:
+            return analyze_pattern(self.graph, members, allow_global=self.allow_global,
+                                   buildable=False)
+        except Infeasible:
+            return None
 
     def block_scope_kernel(self, members: Iterable[int]) -> KernelCost:
         """The kernel's cost under the block scopes alone (warp/block/thread units; a
