@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -56,7 +57,7 @@ def measure_one(name: str) -> dict:
 
 
 def collect(names: list[str], timeout: float = 1800.0) -> list[dict]:
-    from bench.thirdparty_steps import available
+    from bench.thirdparty_steps import XLA_FLAGS, available
     venv = Path(os.environ.get("STITCH_CUDA_VENV", REPO / ".venv-cuda"))
     python = venv / "bin" / "python"
     rows = []
@@ -71,6 +72,9 @@ def collect(names: list[str], timeout: float = 1800.0) -> list[dict]:
             os.chmod(cache, 0o700)
             env = {**os.environ, "STITCH_CACHE_DIR": cache, "CUDA_VISIBLE_DEVICES": "-1",
                    "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "PYTHONPATH": str(REPO)}
+            if name in XLA_FLAGS:
+                env["XLA_FLAGS"] = " ".join(filter(None, (env.get("XLA_FLAGS"),
+                                                          XLA_FLAGS[name])))
             try:
                 run = subprocess.run([str(python), "-m", "bench.delivered", "--one", name],
                                      env=env, capture_output=True, text=True,
@@ -90,6 +94,7 @@ def collect(names: list[str], timeout: float = 1800.0) -> list[dict]:
 
 def markdown(rows: list[dict], command: str) -> str:
     from bench.report import stamp
+    from bench.thirdparty_steps import XLA_FLAGS
     ok = [r for r in rows if "error" not in r]
     xla = sum(r["xla_mem_us"] for r in ok)
     planned = sum(r["planned_mem_us"] for r in ok)
@@ -104,38 +109,72 @@ def markdown(rows: list[dict], command: str) -> str:
              "reached the module. *lost to*: planned saving of the kernels dropped, by kind "
              "(payback: left to XLA by design, its build would not repay; build: lowering or "
              "PTX refused; placement: snapping or the rewrite refused). *copies*: those the "
-             "rewrite added in loop bodies, priced in *delivered*.", "",
-             "| step | XLA µs | planned µs | delivered µs | share | XLA KB | planned KB | "
-             "delivered KB | lost to payback / build / placement µs | copies |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "rewrite added in loop bodies, priced in *delivered*."
+             + "".join(f" {step}: compiled with XLA_FLAGS={flags} (bench/thirdparty_steps.py "
+                       "says why)." for step, flags in XLA_FLAGS.items()
+                       if any(r["step"] == step for r in rows)), "",
+             "*share w/o payback*: the same with the kernels left to XLA for payback taken "
+             "out of the planned saving. The keras_hub steps need keras_hub both in the "
+             "interpreter running the bench and in $STITCH_CUDA_VENV (scripts/"
+             "deviceless_check.sh with PYTHON= an interpreter that has it).", "",
+             "| step | XLA µs | planned µs | delivered µs | share | share w/o payback | "
+             "XLA KB | planned KB | delivered KB | lost to payback / build / placement µs | "
+             "copies |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['step']} | {r['error']} |||||||||")
+            lines.append(f"| {r['step']} | {r['error']} ||||||||||")
             continue
         share = "–" if r["delivered_share"] is None else f"{r['delivered_share']:.0%}"
+        bare = _share(r["xla_mem_us"], r["planned_mem_us"] + r["dropped_payback_us"],
+                      r["delivered_mem_us"])
         lines.append(
             f"| {r['step']} | {r['xla_mem_us']:.1f} | {r['planned_mem_us']:.1f} | "
-            f"{r['delivered_mem_us']:.1f} | {share} | {r['xla_mem_bytes'] / 1e3:.1f} | "
+            f"{r['delivered_mem_us']:.1f} | {share} | "
+            f"{'–' if bare is None else f'{bare:.0%}'} | {r['xla_mem_bytes'] / 1e3:.1f} | "
             f"{r['planned_mem_bytes'] / 1e3:.1f} | {r['delivered_mem_bytes'] / 1e3:.1f} | "
             f"{r['dropped_payback_us']:.1f} / {r['dropped_build_us']:.1f} / "
             f"{r['dropped_placement_us']:.1f} | {r['copies']} |")
     if ok:
-        share = (xla - delivered) / (xla - planned) if xla > planned else None
+        share = _share(xla, planned, delivered)
+        payback = sum(r["dropped_payback_us"] for r in ok)
+        bare = _share(xla, planned + payback, delivered)
+        worse = [r["step"] for r in ok if r["delivered_mem_us"] > r["xla_mem_us"] + 1e-6
+                 or r["delivered_mem_bytes"] > r["xla_mem_bytes"]]
         lines += ["", f"Over the {len(ok)} steps: XLA {xla:.1f} µs, planned {planned:.1f} µs "
                   f"({xla / planned:.2f}× faster), delivered {delivered:.1f} µs "
                   f"({xla / delivered:.2f}× faster)"
                   + ("" if share is None else f"; {share:.0%} of the planned saving "
-                     "delivered") + "."]
+                     "delivered") + ("" if bare is None else
+                                     f", {bare:.0%} with the {payback:.1f} µs left to XLA "
+                                     "for payback excepted") + ". Final modules worse "
+                  "than XLA's in memory-intensive µs or bytes: "
+                  + (", ".join(worse) if worse else "none") + "."]
         reasons: dict[str, float] = {}
         for r in ok:
             for _name, kind, saving, reason in r["dropped"]:
-                key = f"{kind}: {reason.split(':')[0][:80]}"
+                key = f"{kind}: {_reason_class(kind, reason)}"
                 reasons[key] = reasons.get(key, 0.0) + saving
         if reasons:
             lines += ["", "Planned saving lost, by reason (µs, all steps):", ""]
             lines += [f"- {v:.1f} µs — {k}" for k, v in
                       sorted(reasons.items(), key=lambda kv: -kv[1])[:10]]
     return "\n".join(lines)
+
+
+def _reason_class(kind: str, reason: str) -> str:
+    """A drop reason without its kernel's own names and figures, to sum drops by."""
+    if kind == "payback":
+        return "its build would not repay within STITCH_PAYBACK_STEPS (left to XLA)"
+    parts = reason.split(": ")
+    # "CodegenError: <op name>: what" -> "CodegenError: what"
+    text = f"{parts[0]}: {parts[2]}" if len(parts) >= 3 and " " not in parts[1] else reason
+    return re.sub(r"\(\(?[a-z0-9]+\[[^)]*\)\)?", "(...)", text)[:100]
+
+
+def _share(xla: float, planned: float, delivered: float) -> float | None:
+    """Of the saving ``planned`` models against ``xla``, the share ``delivered`` kept."""
+    return (xla - delivered) / (xla - planned) if xla - planned > 1e-9 else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,11 @@
 """The project's third-party training steps as pure jax functions with their arguments, for
 benches that compile them (deviceless) rather than run them: the steps of
 integration/scripts/thirdparty/ (their own modules and loss functions, imported), the zoo's
-transformer step, keras_hub's Llama backbone step (bench.pass_compile) and a lax.scan
-training loop. ``STEPS`` maps a name to a builder returning ``(fn, args, devices)``;
-``available(name)`` says why a step cannot be built here (a missing package), else None.
+transformer step, one ``model.fit`` step of each keras_hub model of
+integration/scripts/thirdparty/keras_hub_train.py (GPT2, Llama, BERT, ViT: the project's
+configs) and a lax.scan training loop. ``STEPS`` maps a name to a builder returning
+``(fn, args, devices)``; ``available(name)`` says why a step cannot be built here (a missing
+package), else None.
 """
 from __future__ import annotations
 
@@ -30,10 +32,26 @@ def _zoo(name: str) -> tuple[Callable, tuple, int]:
     return inst.fn, tuple(inst.random_args(0)), 1
 
 
-def _keras_hub_llama() -> tuple[Callable, tuple, int]:
-    from bench.pass_compile import _keras_hub_llama as llama
-    fn, args = llama()
-    return fn, tuple(args), 1
+def _keras_hub(model_name: str) -> tuple[Callable, tuple, int]:
+    """One ``model.fit`` step of integration/scripts/thirdparty/keras_hub_train.py's model
+    (its config, random init, AdamW, sparse cross-entropy) as Keras' JAX trainer runs it:
+    ``train_step(state, (x, y))``, pure in the trainer's state. One ``train_on_batch``
+    first builds the optimizer's and metrics' variables."""
+    import keras
+    m = _script("keras_hub_train")
+    keras.utils.set_random_seed(0)
+    model, x, y = getattr(m, model_name)()
+    model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=True)
+    model.train_on_batch(x, y)
+    state = tuple([v.value for v in variables] for variables in (
+        model.trainable_variables, model.non_trainable_variables,
+        model.optimizer.variables, model.metrics_variables))
+
+    def step(state, x, y):
+        return model.train_step(state, (x, y))
+    return step, (state, x, y), 1
 
 
 def _random_dropout() -> tuple[Callable, tuple, int]:
@@ -134,7 +152,10 @@ def _scan_loop() -> tuple[Callable, tuple, int]:
 STEPS: dict[str, tuple[Callable[[], tuple[Callable, tuple, int]], tuple[str, ...]]] = {
     "transformer_train (zoo)": (lambda: _zoo("transformer_train"), ()),
     "bert_layer_train (zoo)": (lambda: _zoo("bert_layer_train"), ()),
-    "keras_hub Llama": (_keras_hub_llama, ("keras", "keras_hub")),
+    "keras_hub GPT2": (lambda: _keras_hub("gpt2"), ("keras", "keras_hub")),
+    "keras_hub Llama": (lambda: _keras_hub("llama"), ("keras", "keras_hub")),
+    "keras_hub BERT": (lambda: _keras_hub("bert"), ("keras", "keras_hub")),
+    "keras_hub ViT": (lambda: _keras_hub("vit"), ("keras", "keras_hub")),
     "flax nnx LM": (_flax_nnx_lm, ("flax", "optax")),
     "equinox attention": (_equinox_attention, ("equinox", "optax")),
     "data-parallel (4 devices)": (_data_parallel, ()),
@@ -142,6 +163,13 @@ STEPS: dict[str, tuple[Callable[[], tuple[Callable, tuple, int]], tuple[str, ...
     "random dropout": (_random_dropout, ()),
     "remat MLP": (_remat_mlp, ()),
 }
+
+
+# XLA flags a step's deviceless compile needs (the child's XLA_FLAGS), with why: without a
+# device XLA GPU does not autotune, and its Triton GEMM tiling finds no tile for the ViT's
+# 68-row (4 images x 17 tokens) attention-output dot ("Couldn't find output tile sizes"),
+# stitch's pass on or off; cuBLAS GEMMs instead, on both sides of the comparison.
+XLA_FLAGS: dict[str, str] = {"keras_hub ViT": "--xla_gpu_enable_triton_gemm=false"}
 
 
 def available(name: str) -> str | None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Union
 
 from codegen.errors import CodegenError
+from hlo_passes.combiners import ATOMIC_ADD_TYPES
+from hlo_passes.element_types import CODEGEN_STORAGE, REINTERPRET_WIDTHS
 
 FLOAT_DTYPES = frozenset({"f32", "f64"})
 SIGNED_DTYPES = frozenset({"i8", "i32", "i64"})
@@ -279,8 +281,8 @@ class Convert(Expr):
 
 
 # Value dtypes of equal bit width, between which a Bitcast reinterprets the bits.
-BITCAST_WIDTHS: dict[str, int] = {"f32": 32, "i32": 32, "u32": 32, "f64": 64, "i64": 64,
-                                  "i8": 8, "u8": 8}
+# The HLO layer's widths under the kernel IR's names.
+BITCAST_WIDTHS: dict[str, int] = {CODEGEN_STORAGE[t]: w for t, w in REINTERPRET_WIDTHS.items()}
 
 
 def bitcast_problem(src: str, dst: str) -> str | None:
@@ -366,7 +368,7 @@ class AtomicAdd(Stmt):
         object.__setattr__(self, "buffer", _buffer_name(self.buffer))
 
 
-ATOMIC_DTYPES = frozenset({"f32", "f64", "i32", "i64", "u32", "bf16", "f16"})
+ATOMIC_DTYPES = frozenset(CODEGEN_STORAGE[t] for t in ATOMIC_ADD_TYPES)
 
 
 @dataclass(frozen=True)

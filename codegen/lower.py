@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hlo_passes import combiners
 from hlo_passes.evaluator.dtypes import numpy_dtype
 from hlo_passes.evaluator.interpreter import Evaluator
 from hlo_passes.graph import OpGraph, OpNode
@@ -440,14 +441,12 @@ class _KernelBuilder:
             form = scatter_form(graph, v)
             if form.kind != "atomic":
                 raise CodegenError(f"{node.name}: scatter not generated ({form.reason})")
-            kind = self.reducer_kind(node)
-            dtype = storage_dtype(leaf(node.shape))
-            if kind != "add":
-                # Colliding assignments keep an unspecified one in XLA: not generated.
-                raise CodegenError(f"{node.name}: scatter with combiner {kind or 'not a single op'}"
-                                   f" and colliding updates is not generated (only add is)")
-            if dtype not in kir.ATOMIC_DTYPES:
-                raise CodegenError(f"{node.name}: atomic scatter-add of {dtype} is not generated")
+            # Colliding assignments keep an unspecified one in XLA: only add is generated
+            # (hlo_passes.combiners' rule, which the planner's feasibility asks too).
+            problem = combiners.scatter_problem(self.reducer_kind(node), True,
+                                                leaf(node.shape).element_type)
+            if problem:
+                raise CodegenError(f"{node.name}: {problem}")
             if v not in self.outputs or any(u in self.computed for u in node.users):
                 raise CodegenError(f"{node.name}: a scatter with colliding updates must end "
                                    "its kernel (its result is complete only after every block)")

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from hlo_passes import combiners, element_types
 from hlo_passes.graph import OpGraph, OpNode
 from hlo_passes.ir import Shape, parse_padding, parse_slice, parse_window
 from hlo_passes.scatter_forms import scatter_batch_dims, scatter_form
@@ -30,9 +31,9 @@ from .errors import CodegenError
 
 Expr = kir.Expr
 
-# HLO element types -> Kernel IR storage dtypes.
-STORAGE = {"f32": "f32", "f64": "f64", "f16": "f16", "bf16": "bf16", "s32": "i32",
-           "s64": "i64", "s8": "i8", "u8": "u8", "u32": "u32", "pred": "i1"}
+# HLO element types -> Kernel IR storage dtypes (the HLO layer's rule, which the
+# planner's feasibility asks too).
+STORAGE = element_types.CODEGEN_STORAGE
 
 _UNARY = {"negate": "neg", "abs": "abs", "exponential": "exp", "log": "log",
           "log-plus-one": "log1p", "exponential-minus-one": "expm1", "sqrt": "sqrt",
@@ -53,19 +54,19 @@ _ROUNDS = (frozenset(_UNARY) - {"negate", "abs", "sign", "not", "floor", "ceil",
                                 "round-nearest-even", "round-nearest-afz", "is-finite"}
            | frozenset(_BINARY) - {"maximum", "minimum", "and", "or", "xor"}
            | {"convert", "iota", "reduce", "reduce-window", "scatter"})
-# Scatter combiners (by the evaluator's binary kind; "assign" and "keep" pick a side).
-SCATTER_COMBINERS = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min",
-                     "and": "and", "or": "or", "assign": "", "keep": ""}
-# Reducer computations (by the evaluator's binary kind) -> combining op and identity use.
-REDUCER = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min",
-           "and": "and", "or": "or"}
+# Scatter combiners (by the evaluator's binary kind; "assign" and "keep" pick a side): the
+# HLO layer's rule, which the planner's feasibility asks too.
+SCATTER_COMBINERS = combiners.GENERATED_SCATTER_COMBINERS
+# Reducer computations (by the evaluator's binary kind) -> combining op: the HLO layer's
+# rule, which the planner's feasibility asks too.
+REDUCER = combiners.GENERATED_REDUCERS
 
 
 def storage_dtype(shape: Shape) -> str:
-    dtype = STORAGE.get(shape.element_type)
-    if dtype is None:
-        raise CodegenError(f"element type {shape.element_type} is not supported by codegen")
-    return dtype
+    problem = element_types.type_problem(shape.element_type)
+    if problem:
+        raise CodegenError(problem)
+    return STORAGE[shape.element_type]
 
 
 def leaf(shape: Shape) -> Shape:
@@ -615,9 +616,9 @@ class ValueEmitter:
             raise CodegenError(f"{node.name}: scatter of form {form.kind} is not computed per "
                                f"element ({form.reason})")
         kind = self.reducer_kind(node)
-        if kind not in SCATTER_COMBINERS:
-            raise CodegenError(f"{node.name}: scatter combiner {kind or 'not a single op'} is "
-                               "not generated")
+        problem = combiners.scatter_problem(kind, False, leaf(node.shape).element_type)
+        if problem:
+            raise CodegenError(f"{node.name}: {problem}")
         imap = form.index_map
         operand_id, indices_id, update_id = node.operands
         shape = leaf(node.shape)
@@ -701,12 +702,10 @@ class ValueEmitter:
 
     def reducer(self, node: OpNode) -> str:
         kind = self.reducer_kind(node)
-        op = REDUCER.get(kind or "")
-        if op is None or len(node.operands) != 2:
-            raise CodegenError(f"{node.name}: only single-output reductions with an "
-                               f"add/multiply/max/min/and/or reducer are generated "
-                               f"(reducer {kind or 'not a single op'})")
-        return op
+        problem = combiners.reduction_problem(len(node.operands), kind)
+        if problem:
+            raise CodegenError(f"{node.name}: {problem}")
+        return REDUCER[kind]
 
     def _reduce(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
         """Thread composition: this thread reduces the element's whole row itself."""
@@ -783,12 +782,7 @@ def _reinterpreted(name: str, value: Expr, src: Shape, dst: Shape) -> Expr:
 
 def reinterpret_problem(src: str, dst: str) -> str | None:
     """Why codegen cannot reinterpret HLO element type ``src`` as ``dst`` bit for bit (None
-    when it can): the rule the planner's feasibility asks too (kir.bitcast_problem on the
-    types' register values)."""
-    a, b = STORAGE.get(src), STORAGE.get(dst)
-    if a is None or b is None:
-        return f"{src if a is None else dst} is not supported by codegen"
-    if kir.value_dtype(a) != a or kir.value_dtype(b) != b:
-        return f"{src} or {dst} is not held as its stored bits"
-    return kir.bitcast_problem(a, b)
+    when it can): ``hlo_passes.element_types``' rule, the one the planner's feasibility asks
+    too (kir.Bitcast checks the same widths on the register values)."""
+    return element_types.reinterpret_problem(src, dst)
 

@@ -7,7 +7,7 @@ The planner compares its stitched plan with XLA's kernels under the delta cost m
 
 - each stitch custom call placed: its member set, priced as the planner priced it (the
   plan's own ``KernelCost`` where snapping kept the planned members, else the cost model's
-  price of the snapped set);
+  price of the snapped set), less the loop copies the planner predicted for it;
 - each XLA kernel left in the module: the baseline's price of that XLA kernel;
 - each ``copy`` the rewrite added (a loop body's carried values, an in-place operand): a copy
   kernel reading and writing its bytes (``stitch.cost.delta.copy_kernel_cost``).
@@ -161,7 +161,9 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
         for name, members in by_graph.get(gi, []):
             k = planned_by_name.get(name)
             if k is not None and frozenset(k.members) == members:
-                cost, memory = k.cost, k.is_memory
+                # The plan's price less the loop copies it predicted: the copies the
+                # rewrite actually added are priced below.
+                cost, memory = k.cost.without_loop_copies(), k.is_memory
             else:
                 if cost_model is None:
                     cost_model = CostModel(gp.graph, spec, gemm_chains=False)
@@ -179,7 +181,7 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
             kind, reason = reasons.get(k.name, ("placement", "not placed (no reason given)"))
             replaced = sum(b.cost.total_s for b in gp.baseline.kernels
                            if set(b.members) & set(k.members))
-            saving = (replaced - k.cost.total_s) * 1e6 * weight
+            saving = (replaced - k.cost.total_s) * 1e6 * weight     # copies included
             dropped.append(Dropped(k.name, kind, reason, saving))
     copy_us = 0.0
     for c in copies:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from hlo_passes import HloModule
 from hlo_passes.graph import FREE_OPCODES, OpGraph
 from hlo_passes.ir import Computation, Instruction, Shape
+from hlo_passes.loop_state import carried_bytes
 from hlo_passes.op_classes import OpClass
 
 log = logging.getLogger("stitch.hlo_rewrite")
@@ -184,20 +185,9 @@ def _layout_problem(kind: str, name: str, shape: Shape, kernel: "PlacedKernel",
 def carried_copy_bytes(view: ComputationView, site: KernelSite) -> int:
     """Bytes of the copies ``place`` will add for ``site`` in a loop body: each value the
     kernel writes for the loop state (the root's operands) goes through a copy (``place``'s
-    ``carried``). 0 outside loop bodies."""
-    if view.graph.kind == "entry":
-        return 0
-    carried = set(view.comp.root.operands)
-    tops = set(site.tops)
-    total = 0
-    for top in site.tops:
-        if top in carried:
-            total += view.table[top].shape.byte_size
-            continue
-        for user in view.users_outside(top, tops, []):
-            if user.opcode == "get-tuple-element" and user.name in carried:
-                total += user.shape.byte_size
-    return total
+    ``carried``). 0 outside loop bodies. The prediction is ``hlo_passes.loop_state``'s, the
+    one the planner prices kernels with."""
+    return carried_bytes(view.graph, site.members)
 
 
 class _Builder:

@@ -70,6 +70,8 @@ SCRIPTS: tuple[ThirdPartyScript, ...] = (
                      _KERAS_HUB, _KERAS_JAX, slow=True),
     ThirdPartyScript("keras_hub_llama", "keras_hub_train.py", ("--model", "llama"),
                      _KERAS_HUB, _KERAS_JAX, slow=True),
+    ThirdPartyScript("keras_hub_bert", "keras_hub_train.py", ("--model", "bert"),
+                     _KERAS_HUB, _KERAS_JAX, slow=True),
     ThirdPartyScript("keras_hub_vit", "keras_hub_train.py", ("--model", "vit"),
                      _KERAS_HUB, _KERAS_JAX, slow=True),
     # Keras' mixed precision as H100 training runs it: bf16 compute, f32 variables.

@@ -54,7 +54,9 @@ def _independent_price(report, copies=()):
             if k.name in placed:
                 taken |= set(k.members)
                 if k.is_memory and k.cost.launches:
-                    total += k.cost.total_s * 1e6 * gp.stitched.weight
+                    # The plan's price carries the copies it predicted; the rewrite's are
+                    # added below.
+                    total += k.cost.without_loop_copies().total_s * 1e6 * gp.stitched.weight
         total += sum(b.cost.total_s * 1e6 * gp.stitched.weight for b in gp.baseline.kernels
                      if b.is_memory and b.cost.launches and not taken & set(b.members))
     for c in copies:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import HloEvaluationError, StitchError, UnsupportedOpcodeError
 from ..ir import Computation, HloModule, Instruction, Shape
+from ..combiners import combiner_kind
 from ..literals import literal_to_numpy
 from .dtypes import contiguous, numpy_dtype
 from .registry import ELEMENTWISE, HANDLERS, TOKEN
@@ -28,8 +29,6 @@ _SCALAR_IDENTITY = frozenset({"broadcast", "reshape", "copy", "transpose", "bitc
 _VECTOR_SAFE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "call",
                           "fusion", "map", "optimization-barrier"}) | _SCALAR_IDENTITY
 
-# Binary ops a two-parameter computation may consist of to get the numpy fast paths.
-_BINARY_KINDS = frozenset({"add", "multiply", "maximum", "minimum", "and", "or", "xor"})
 
 
 class Evaluator:
@@ -229,59 +228,11 @@ class Evaluator:
         return _stack_leaves(results, shape)
 
     def binary_kind(self, comp: Computation | str) -> str | None:
-        """``add``/``multiply``/``maximum``/``minimum``/``and``/``or``/``xor`` when the
-        two-parameter computation is exactly that op on its parameters — or, for floats, that
-        op on the parameters widened to a wider float and converted back (XLA GPU computes a
-        bf16 combiner in f32 that way: the same correctly rounded result); ``assign`` when it
-        returns parameter 1, ``keep`` for parameter 0; None otherwise."""
+        """``hlo_passes.combiners.combiner_kind`` of the computation, memoized."""
         comp = self.computation(comp)
-        if comp.name in self._binary_kinds:
-            return self._binary_kinds[comp.name]
-        kind = None
-        params = comp.parameters
-        root = comp.root
-        if len(params) == 2 and all(p.shape.is_array and p.shape.rank == 0 for p in params):
-            p0, p1 = params[0].name, params[1].name
-            same_type = (params[0].shape.element_type == params[1].shape.element_type
-                         == root.shape.element_type)
-            if root.opcode == "parameter":
-                kind = "assign" if root.name == p1 else "keep"
-            elif (same_type and root.opcode in _BINARY_KINDS
-                  and sorted(root.operands) == sorted([p0, p1])):
-                kind = root.opcode
-            elif same_type:
-                kind = _widened_float_kind(comp, p0, p1)
-        self._binary_kinds[comp.name] = kind
-        return kind
-
-
-# Float significand bits: an op computed in a type with at least 2p + 2 of them and rounded
-# back equals the op correctly rounded in the narrow type (+ and *; max/min are exact).
-_FLOAT_BITS = {"f16": 11, "bf16": 8, "f32": 24, "f64": 53}
-_WIDENED_KINDS = frozenset({"add", "multiply", "maximum", "minimum"})
-
-
-def _widened_float_kind(comp: Computation, p0: str, p1: str) -> str | None:
-    """The op of ``convert(op(convert(p0), convert(p1)))`` computed in a float wide enough
-    to round exactly once (bf16 in f32), else None."""
-    root = comp.root
-    narrow = root.shape.element_type
-    if root.opcode != "convert" or narrow not in _FLOAT_BITS:
-        return None
-    by_name = comp.by_name()
-    inner = by_name.get(root.operands[0])
-    if inner is None or inner.opcode not in _WIDENED_KINDS:
-        return None
-    wide = inner.shape.element_type
-    if wide not in _FLOAT_BITS or _FLOAT_BITS[wide] < 2 * _FLOAT_BITS[narrow] + 2:
-        return None
-    widened = []
-    for name in inner.operands:
-        op = by_name.get(name)
-        if op is None or op.opcode != "convert" or op.shape.element_type != wide:
-            return None
-        widened.append(op.operands[0])
-    return inner.opcode if sorted(widened) == sorted([p0, p1]) else None
+        if comp.name not in self._binary_kinds:
+            self._binary_kinds[comp.name] = combiner_kind(comp)
+        return self._binary_kinds[comp.name]
 
 
 def _leaves(value: object) -> list:

@@ -34,14 +34,17 @@ T_penalty is the rest of the difference (recomputation, lost parallelism, overla
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
 
 from hlo_passes.graph import OpGraph, OpNode
+from hlo_passes.loop_state import carried_copies, carried_nodes
 from hlo_passes.op_classes import OpClass
 
+from ..explorer.buildable import build_problem
 from ..explorer.feasibility import Infeasible, PatternAnalysis, analyze_pattern
 from ..explorer.structure import StructureKeys, rename
 from .launch_forms import allows_global
@@ -78,6 +81,25 @@ class KernelCost:
     compute_s: float
     threads: int
     total_s: float
+    # The loop-state copies placing the kernel in a loop body adds (hlo_passes.loop_state),
+    # included in hbm_bytes and total_s (CostModel(loop_copies=True)): bytes copied, µs.
+    loop_copy_bytes: int = 0
+    loop_copy_s: float = 0.0
+
+    def with_loop_copies(self, copy: "KernelCost", nbytes: int) -> "KernelCost":
+        """This kernel followed by the copy kernel ``copy`` of ``nbytes`` loop state."""
+        return dataclasses.replace(
+            self, hbm_bytes=self.hbm_bytes + copy.hbm_bytes,
+            total_s=self.total_s + copy.total_s, loop_copy_bytes=nbytes,
+            loop_copy_s=copy.total_s)
+
+    def without_loop_copies(self) -> "KernelCost":
+        """The kernel alone (the copies priced apart, as the rewrite actually added them)."""
+        if not self.loop_copy_bytes:
+            return self
+        return dataclasses.replace(
+            self, hbm_bytes=self.hbm_bytes - 2 * self.loop_copy_bytes,
+            total_s=self.total_s - self.loop_copy_s, loop_copy_bytes=0, loop_copy_s=0.0)
 
 
 @dataclass(frozen=True)
@@ -98,8 +120,19 @@ class CostModel:
     def __init__(self, graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None = None,
                  gemm_chains: bool = True, chain_tf32: bool = False,
                  chain_spill_check: bool = False, chain_grid_sync: bool = False,
-                 share_structure: bool = True, grid_sync: str = "barrier"):
+                 share_structure: bool = True, grid_sync: str = "barrier",
+                 loop_copies: bool = False,
+                 left_to_xla: Iterable[frozenset[int]] = ()):
         self.graph = graph
+        # Kernels placed into an XLA module (the XLA pass): in a loop body every loop-state
+        # value a kernel writes goes through a copy (hlo_passes.loop_state), priced into the
+        # kernel's cost, so a kernel that loses with its copies is not planned. XLA's own
+        # kernels (``left_to_xla``: member sets the pass leaves to XLA) write the state in
+        # place, and a single op is the reference the planner's gains are counted from:
+        # neither pays copies.
+        self.loop_copies = loop_copies and graph.kind != "entry" and \
+            bool(carried_nodes(graph))
+        self.left_to_xla = frozenset(left_to_xla) if self.loop_copies else frozenset()
         # The global-scope launch forms the target builds (stitch.schedule.launch_forms,
         # ExplorerOptions.grid_sync): "off" prices no global-scope-only pattern, the others
         # price one in the form the pass will build.
@@ -233,8 +266,26 @@ class CostModel:
                 cost = self._kernel(key, analysis)
                 if skey is not None:
                     self._cost_by_key[skey] = cost
+            if self.loop_copies:
+                # After the structure share: sets of one structure differ in what they
+                # write for the loop state.
+                cost = self._with_loop_copies(key, cost)
             self._cache[key] = cost
         return cost
+
+    def _with_loop_copies(self, members: frozenset[int], cost: KernelCost) -> KernelCost:
+        if cost.launches == 0 or members in self.left_to_xla or \
+                sum(not self.free[v] for v in members) < 2:
+            return cost
+        copies = carried_copies(self.graph, members)
+        if not copies:
+            return cost
+        # One copy kernel per value, as the rewrite adds them.
+        priced = [copy_kernel_cost(self.spec, n) for n in copies]
+        total = KernelCost(sum(c.hbm_bytes for c in priced), len(priced),
+                           sum(c.memory_s for c in priced), 0.0, 0,
+                           sum(c.total_s for c in priced))
+        return cost.with_loop_copies(total, sum(copies))
 
     def singleton(self, nid: int) -> KernelCost:
         return self.kernel((nid,))
@@ -259,7 +310,7 @@ class CostModel:
                 memory_s = nbytes / spec.hbm_bandwidth
                 return KernelCost(nbytes, 1, memory_s, 0.0, 0, launch + memory_s)
         if analysis is None:
-            analysis = self.analysis(members)
+            analysis = self._pricing_analysis(members)
         if analysis is not None and analysis.scope == "global":
             return self._global_kernel(members, analysis)
         block = self._block_kernel(members, analysis, launch)
@@ -270,6 +321,22 @@ class CostModel:
             return block
         rival = self._global_kernel(members, analysis)
         return block if block.total_s <= rival.total_s else rival
+
+    def _pricing_analysis(self, members: frozenset[int]) -> PatternAnalysis | None:
+        """The analysis a kernel is priced with: the stitching analysis, or where only
+        codegen's limits refuse the set (a u64 counter, argmax's variadic reduce inside one
+        of XLA's own kernels), the structural one: XLA's kernels are priced the same
+        whatever stitch's codegen can build."""
+        got = self.feasibility(members)
+        if not isinstance(got, str):
+            return got
+        if not any(build_problem(self.graph, v) for v in members):
+            return None
+        try:
+            return analyze_pattern(self.graph, members, allow_global=self.allow_global,
+                                   buildable=False)
+        except Infeasible:
+            return None
 
     def block_scope_kernel(self, members: Iterable[int]) -> KernelCost:
         """The kernel's cost under the block scopes alone (warp/block/thread units; a

@@ -36,6 +36,8 @@ from hlo_passes.op_classes import OpClass
 from hlo_passes.scatter_forms import (IndexMap, gather_batch_dims, gather_index_map,
                                       scatter_batch_dims, scatter_form)
 
+from .buildable import build_problem
+
 class Infeasible(Exception):
     """Internal: raised with the reason a pattern cannot be stitched."""
 
@@ -416,15 +418,17 @@ def _atomic_scatter_problem(graph: OpGraph, v: int, member_set: set[int]) -> str
     return None
 
 
-def analyze_pattern(graph: OpGraph, members: Iterable[int], allow_global: bool = False
-                    ) -> PatternAnalysis:
+def analyze_pattern(graph: OpGraph, members: Iterable[int], allow_global: bool = False,
+                    buildable: bool = True) -> PatternAnalysis:
     """The analysis of a stitchable pattern; raises Infeasible(reason) otherwise.
     ``allow_global``: a pattern the block scopes cannot stitch (its consumers need data
     from every block, reductions partitioning differently) is stitched by the global scope
-    (``global_phases``) where that applies; a pattern both can stitch carries both."""
+    (``global_phases``) where that applies; a pattern both can stitch carries both.
+    ``buildable``: a member codegen cannot build (``buildable.build_problem``) ends it;
+    False only to price a kernel that is not stitch's to build (XLA's own)."""
     members = sorted(set(members))
     try:
-        analysis = _analyze_block_scope(graph, members)
+        analysis = _analyze_block_scope(graph, members, buildable)
     except Infeasible as exc:
         if not allow_global or isinstance(exc, KernelEnds):
             raise
@@ -443,8 +447,8 @@ def analyze_pattern(graph: OpGraph, members: Iterable[int], allow_global: bool =
 
 _BOUNDARY_CLASSES = (OpClass.COMPUTE, OpClass.OPAQUE, OpClass.SOURCE)
 
-
-def _analyze_block_scope(graph: OpGraph, members: list[int]) -> PatternAnalysis:
+def _analyze_block_scope(graph: OpGraph, members: list[int], buildable: bool = True
+                         ) -> PatternAnalysis:
     """The block scopes' analysis (warp/block units own rows; see ``analyze_pattern``).
 
     Each shared reduction starts with every kept dimension as a row dimension. When an op
@@ -468,6 +472,9 @@ def _analyze_block_scope(graph: OpGraph, members: list[int]) -> PatternAnalysis:
         op_class = node.op_class
         if op_class in _BOUNDARY_CLASSES:
             raise KernelEnds(f"{node.name} ({node.opcode}) is a kernel boundary")
+        problem = build_problem(graph, v) if buildable else None
+        if problem:
+            raise KernelEnds(problem)
         opcode = node.opcode
         if opcode == "scatter":
             problem = _atomic_scatter_problem(graph, v, member_set)

@@ -213,6 +213,13 @@ def is_xla_optimized(module: HloModule, graphs: list[OpGraph]) -> bool:
     return any(n.xla_group is not None for g in graphs for n in g.nodes)
 
 
+def places_into_xla(options: "ExplorerOptions", source: str) -> bool:
+    """Whether the plan's kernels go into XLA's own module (the XLA pass: XLA units over
+    XLA's optimized graph), so a loop body's kernels pay the copies of the loop state they
+    write (CostModel(loop_copies=True), hlo_passes.loop_state)."""
+    return options.xla_units and source == "xla"
+
+
 def baseline_groups(graph: OpGraph, source: str) -> list[frozenset[int]]:
     if source == "xla":
         groups = [frozenset(ids) for ids in graph.baseline_groups().values()]
@@ -467,13 +474,15 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                options: ExplorerOptions, weight: int = 1,
                poll: CancelPoll | None = None) -> GraphResult:
     poll = poll or CancelPoll(options.cancel)
+    base_groups = baseline_groups(graph, baseline_source)
     cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains,
                      chain_tf32=options.chain_tf32,
                      chain_spill_check=options.chain_spill_check,
                      chain_grid_sync=options.chain_grid_sync,
                      share_structure=options.share_structure,
-                     grid_sync=options.grid_sync)
-    base_groups = baseline_groups(graph, baseline_source)
+                     grid_sync=options.grid_sync,
+                     loop_copies=places_into_xla(options, baseline_source),
+                     left_to_xla=base_groups)
     baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight,
                        prefix="b")
     start = time.perf_counter()
@@ -684,12 +693,14 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
     try:
         results = []
         for graph, weight, (sets, origins) in zip(graphs, weights, kernel_sets(entry, graphs)):
+            base_groups = baseline_groups(graph, source)
             cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains,
                              chain_tf32=options.chain_tf32,
                              chain_spill_check=options.chain_spill_check,
                              chain_grid_sync=options.chain_grid_sync,
-                             grid_sync=options.grid_sync)
-            base_groups = baseline_groups(graph, source)
+                             grid_sync=options.grid_sync,
+                             loop_copies=places_into_xla(options, source),
+                             left_to_xla=base_groups)
             baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups),
                                False, weight, prefix="b")
             kernels = [make_kernel(graph, cost, m, o) for m, o in zip(sets, origins)]

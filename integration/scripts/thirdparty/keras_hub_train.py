@@ -34,6 +34,19 @@ def llama() -> tuple[keras.Model, object, np.ndarray]:
     return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None), *_lm_data()
 
 
+def bert() -> tuple[keras.Model, object, np.ndarray]:
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=64, intermediate_dim=128,
+        dropout=0.1, max_sequence_length=SEQ)
+    model = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2,
+                                                preprocessor=None)
+    rng = np.random.default_rng(1)
+    x = {"token_ids": rng.integers(1, VOCAB, size=(BATCH, SEQ)).astype("int32"),
+         "segment_ids": np.zeros((BATCH, SEQ), dtype="int32"),
+         "padding_mask": np.ones((BATCH, SEQ), dtype="int32")}
+    return model, x, rng.integers(0, 2, size=(BATCH,))
+
+
 def vit() -> tuple[keras.Model, object, np.ndarray]:
     backbone = keras_hub.models.ViTBackbone(
         image_shape=(32, 32, 3), patch_size=8, num_layers=2, num_heads=2, hidden_dim=64,
@@ -64,7 +77,7 @@ class _StepLosses(keras.callbacks.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("gpt2", "llama", "vit"), required=True)
+    parser.add_argument("--model", choices=("gpt2", "llama", "bert", "vit"), required=True)
     parser.add_argument("--steps", type=int, default=5)
     # Keras' jit_compile="auto" turns XLA off on a CPU-only machine (on a GPU it is on);
     # with dropout, TF's own kernels and XLA draw different random masks.
@@ -74,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     keras.mixed_precision.set_global_policy(args.dtype_policy)
     keras.utils.set_random_seed(0)
-    model, x, y = {"gpt2": gpt2, "llama": llama, "vit": vit}[args.model]()
+    model, x, y = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit}[args.model]()
     model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=True if args.jit_compile else "auto")
