@@ -121,7 +121,12 @@ def test_compiled_on_host_matches_the_evaluator(name):
     exe = stitch.compile(module, "h100", "cpu", cache=False, poison_outputs=True)
     if name in STITCHED:
         assert exe.kernels and not exe.fallbacks, [f.reason for f in exe.fallbacks]
-    rng = np.random.default_rng(abs(hash(name)) % 1000)
+    # Narrow floats anywhere in the module bound the output's precision: an exp a few f32
+    # ulp off rounds to the neighbouring bf16 value near a rounding midpoint (bf16_chain_convert:
+    # 944 vs 940 for 9 of 1,000 seeds, both within one bf16 ulp of the exact result).
+    narrow = 2.0 ** -7 if "bf16" in CASES[name] else 2.0 ** -10 if "f16" in CASES[name] \
+        else 0.0
+    rng = np.random.default_rng()     # fresh inputs each run; a failure prints them below
     for _ in range(4):  # fresh inputs (and start indices) each time
         args = _args(module, rng)
         want = evaluate(module, args)
@@ -131,7 +136,8 @@ def test_compiled_on_host_matches_the_evaluator(name):
             g, w = np.asarray(g), np.asarray(w)
             assert g.shape == w.shape and g.dtype == w.dtype
             if w.dtype.kind == "f":  # exp: a few ulp between libm and the kernel
-                tol = 1e-6 if w.dtype.itemsize >= 4 else 1e-3
-                np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+                tol = max(1e-6 if w.dtype.itemsize >= 4 else 1e-3, narrow)
+                np.testing.assert_allclose(g, w, rtol=tol, atol=tol,
+                                           err_msg=f"inputs: {args!r}")
             else:
                 np.testing.assert_array_equal(g, w)
