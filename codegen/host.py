@@ -553,9 +553,13 @@ def jit_module(module: llvm.ModuleRef, tm: llvm.TargetMachine, *, opt: int | Non
             return object_builder(str(module), opt, codegen_level)
         if cache is None or not cache.enabled or not host_objects_cacheable():
             return _load_object(module, tm, isolated()), False
-        hits = cache.stats.hits
-        obj = cache.get_or_create(key, isolated, validate=host_object_problem)
-        return _load_object(module, tm, obj), cache.stats.hits > hits
+        built_here: list[bool] = []
+
+        def build_isolated() -> bytes:
+            built_here.append(True)
+            return isolated()
+        obj = cache.get_or_create(key, build_isolated, validate=host_object_problem)
+        return _load_object(module, tm, obj), not built_here
     if cache is None or not cache.enabled or not host_objects_cacheable():
         if opt is not None:
             _optimize(module, tm, opt)

@@ -128,10 +128,6 @@ class Delivery:
         return lines
 
 
-def _memory(kind: str) -> bool:
-    return kind not in ("gemm", "gemm_chain", "opaque", "control")
-
-
 def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str, frozenset]],
                    reasons: dict[str, tuple[str, str]],
                    copies: Iterable[LoopCopy] = ()) -> Delivery:
@@ -141,7 +137,7 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
     ``reasons``: kernel name -> (drop kind, reason) for planned kernels left out;
     ``copies``: the copies the rewrite added."""
     from stitch.cost.delta import CostModel, copy_kernel_cost
-    from stitch.explorer.plan import kernel_kind
+    from stitch.explorer.plan import kernel_kind, memory_intensive
 
     by_graph: dict[int, list[tuple[str, frozenset]]] = {}
     for gi, name, members in placed:
@@ -168,7 +164,8 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
                 if cost_model is None:
                     cost_model = CostModel(gp.graph, spec, gemm_chains=False)
                 cost = cost_model.kernel(members)
-                memory = _memory(kernel_kind(gp.graph, tuple(sorted(members))))
+                memory = memory_intensive(kernel_kind(gp.graph, tuple(sorted(members))),
+                                          cost)
             delivered.add(cost, memory, weight)
             taken |= members
         for k in gp.baseline.kernels:

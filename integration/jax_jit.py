@@ -15,6 +15,7 @@ import atexit
 import functools
 import inspect
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -154,9 +155,8 @@ class StitchedFunction(SwitchingFunction):
     def __init__(self, fn: Callable, *, target: str | None, device: str | None,
                  async_compile: bool, verify: bool | int | None, guard: bool,
                  static_argnums: Sequence[int],
-                 static_argnames: Sequence[str], jit_kwargs: dict):
+                 static_argnames: Sequence[str], jit_kwargs: dict, settings: Settings):
         configure_logging()
-        settings = Settings.read()
         self.fn = fn
         self.target = target or settings.target
         self.device = device or settings.device
@@ -468,7 +468,6 @@ def _default_device() -> str:
 
 def _verify_default(settings: Settings) -> bool | int | None:
     """STITCH_VERIFY when set; else None: the first stitched call verified on a GPU."""
-    import os
     if os.environ.get("STITCH_VERIFY", "").strip():
         return settings.verify
     return None
@@ -492,11 +491,12 @@ def jit(fn: Callable | None = None, *, target: str | None = None, device: str | 
     gpu when jax has one); ``async_compile`` (default STITCH_ASYNC, on): compile in the
     background while stock XLA runs; ``verify`` (default STITCH_VERIFY; unset: on a GPU,
     on the host off): check the first stitched call against XLA (on copies of the
-    arguments, so a failure never reruns stock on donated buffers); ``guard`` (default STITCH_GUARD, on): time the first
-    calls after the switch on both paths and keep the faster. Other keyword arguments go to
-    ``jax.jit``.
+    arguments, so a failure never reruns stock on donated buffers); ``guard`` (default
+    STITCH_GUARD, on): time the first calls after the switch on both paths and keep the
+    faster. Other keyword arguments go to ``jax.jit``.
     Usable as ``@stitch.jit`` or ``@stitch.jit(target="v100")``.
     """
+    configure_logging()                  # before the settings: a problem is logged through it
     settings = Settings.read()           # unreadable ones: StitchedFunction stays stock
     options = dict(target=target, device=device,
                    async_compile=settings.async_compile if async_compile is None else async_compile,
@@ -506,7 +506,7 @@ def jit(fn: Callable | None = None, *, target: str | None = None, device: str | 
                    else tuple(static_argnums or ()),
                    static_argnames=(static_argnames,) if isinstance(static_argnames, str)
                    else tuple(static_argnames or ()),
-                   jit_kwargs=jit_kwargs)
+                   jit_kwargs=jit_kwargs, settings=settings)
     if fn is None:
         return lambda f: StitchedFunction(f, **options)
     return StitchedFunction(fn, **options)

@@ -79,9 +79,8 @@ class PlannedKernel:
 
     @property
     def is_memory(self) -> bool:
-        """Memory-intensive launches: everything but GEMM/conv (and control, which launches
-        nothing)."""
-        return self.kind in ("fused", "opaque") and self.cost.launches > 0
+        """Memory-intensive launches (``memory_intensive``)."""
+        return memory_intensive(self.kind, self.cost)
 
 
 @dataclass
@@ -96,6 +95,12 @@ class GraphPlan:
 
     def ops(self, kernel: PlannedKernel) -> list[str]:
         return [self.graph.nodes[v].name for v in kernel.members]
+
+
+def memory_intensive(kind: str, cost: KernelCost) -> bool:
+    """Whether a kernel of ``kind`` costing ``cost`` is a memory-intensive launch: everything
+    but GEMM/conv (and control, which launches nothing)."""
+    return kind in ("fused", "opaque") and cost.launches > 0
 
 
 def kernel_kind(graph: OpGraph, members: tuple[int, ...]) -> str:
