@@ -44,6 +44,7 @@ from stitch.cost.launch_forms import GRID_SYNC_SETTINGS
 from stitch.errors import StitchError
 
 TARGETS = ("v100", "a100", "h100", "h200")
+DEFAULT_TARGET = "h100"          # STITCH_TARGET unset (a GPU pass plans for its device)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -104,7 +105,7 @@ class Settings:
                 return default
 
         settings = cls(async_compile=lenient(lambda: env_flag("STITCH_ASYNC", True), True),
-                       target=lenient(target_setting, "h100"),
+                       target=lenient(target_setting, DEFAULT_TARGET),
                        device=lenient(device_setting, None),
                        verify=lenient(verify_setting, False),
                        guard=lenient(lambda: env_flag("STITCH_GUARD", True), True),
@@ -125,7 +126,7 @@ class Settings:
 
 def target_setting() -> str:
     """STITCH_TARGET: the GPU the plan is made for (default h100)."""
-    target = os.environ.get("STITCH_TARGET", "h100").strip().lower() or "h100"
+    target = os.environ.get("STITCH_TARGET", "").strip().lower() or DEFAULT_TARGET
     if target not in TARGETS:
         raise ConfigError(f"STITCH_TARGET={target!r}: expected one of {', '.join(TARGETS)}")
     return target

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import os
 
+from .config import DEFAULT_TARGET
+
 log = logging.getLogger(__name__)
 
-DEFAULT_TARGET = "h100"          # integration.config's default for STITCH_TARGET
 H200_MIN_MEMORY = 100 * 2**30    # H100: 80 / 94 GB, H200: 141 GB
 
 

@@ -8,33 +8,24 @@ first call at or above it.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable
 
-from stitch.errors import StitchError
+from .config import ConfigError, env_count
 
 log = logging.getLogger("stitch.autoload")
 MIN_BYTES = 1 << 20
 
 
-class SizeSettingError(StitchError, ValueError):
+class SizeSettingError(ConfigError, ValueError):
     """STITCH_MIN_BYTES is not a byte count or off."""
 
 
 def min_bytes_setting() -> int:
-    raw = os.environ.get("STITCH_MIN_BYTES", "").strip().lower()
-    if not raw:
-        return MIN_BYTES
-    if raw in ("off", "0"):
-        return 0
+    """STITCH_MIN_BYTES (``config.env_count``'s spelling: a count, ``off``/0 for none)."""
     try:
-        value = int(raw)
-    except ValueError:
-        raise SizeSettingError(f"STITCH_MIN_BYTES={raw!r}: expected a byte count or off") \
-            from None
-    if value < 0:
-        raise SizeSettingError(f"STITCH_MIN_BYTES={raw!r}: expected a byte count or off")
-    return value
+        return env_count("STITCH_MIN_BYTES", MIN_BYTES, "bytes") or 0
+    except ConfigError as exc:
+        raise SizeSettingError(str(exc)) from None
 
 
 def argument_bytes(args: tuple, kwargs: dict) -> int:
