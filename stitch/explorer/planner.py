@@ -542,6 +542,10 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
             # The beam's kernels (recomputed producers shared between patterns) can still
             # close a cycle its bounded check missed: that candidate is dropped, never used.
             log.info("graph %s: beam %d set aside: %s", graph.name, i, exc)
+    # XLA's own kernels are always a candidate: the plan never moves more memory-intensive
+    # bytes, or launches more memory-intensive kernels, than XLA (the check below), even
+    # where every explored plan would (a loop body's kernels paying their state copies).
+    plans.append(("baseline", baseline))
     plans.append(("baseline packed", _finish(graph, cost, base_groups,
                                              ["baseline"] * len(base_groups),
                                              options.packing, weight, size=size)))
