@@ -1,4 +1,4 @@
-"""What the GPU pass's code budget (integration/code_budget.py) does to the zoo's plans:
+"""What the GPU pass's code budget (stitch/integration/code_budget.py) does to the zoo's plans:
 per model, the stitched kernels over the budget, the Kernel IR statements as tuned and as
 built, and the modeled µs both ways (counted statements, modeled time).
 
@@ -23,8 +23,8 @@ ARCH = {"v100": "sm_70", "a100": "sm_80", "h100": "sm_90"}
 def _build_seconds(kernel, arch: str) -> float:
     """Wall seconds of the kernel's GPU build, one at a time in this process: PTX through
     LLVM (O3, NVPTX), then ptxas."""
-    from codegen.nvptx import emit_ptx
-    from codegen.toolchain import assemble_cubin
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import assemble_cubin
     start = time.perf_counter()
     assemble_cubin(emit_ptx(kernel, arch), arch, kernel_name=kernel.name)
     return time.perf_counter() - start
@@ -33,11 +33,11 @@ def _build_seconds(kernel, arch: str) -> float:
 def measure(model: str, target: str, config: str = "full", build: bool = False) -> dict:
     """The budget applied to every scheduled block-scope kernel of the model's plan;
     ``build``: the narrowed kernels' GPU builds timed both ways."""
-    from codegen.errors import CodegenError
-    from codegen.lower import lower_kernel
-    from hlo_passes import parse_hlo
-    from hlo_passes.evaluator.interpreter import Evaluator
-    from integration import code_budget
+    from stitch.codegen.errors import CodegenError
+    from stitch.codegen.lower import lower_kernel
+    from stitch.hlo_passes import parse_hlo
+    from stitch.hlo_passes.evaluator.interpreter import Evaluator
+    from stitch.integration import code_budget
     from stitch.cost.gpu_specs import get_spec
     from stitch.errors import StitchError
     from stitch.explorer.planner import plan as make_plan
@@ -80,11 +80,11 @@ def measure(model: str, target: str, config: str = "full", build: bool = False) 
 
 def markdown(rows: list[dict], command: str, target: str, seconds: float,
              build: bool = False) -> str:
-    from integration.code_budget import CODE_BUDGET, CODE_TOLERANCE
+    from stitch.integration.code_budget import CODE_BUDGET, CODE_TOLERANCE
     lines = ["## Code budget on the GPU path: kernels built narrower (counted statements, "
              "modeled time)", "", stamp(command) + f" Run time {seconds:.0f} s.", "",
              f"Every scheduled block-scope stitched kernel of the zoo's `<config>.gpu-{target}` "
-             f"plans (the XLA GPU modules of the full-size and the tiny configurations), lowered as tuned and through `integration.code_budget` (budget "
+             f"plans (the XLA GPU modules of the full-size and the tiny configurations), lowered as tuned and through `stitch.integration.code_budget` (budget "
              f"{CODE_BUDGET} Kernel IR statements, tolerance {CODE_TOLERANCE:.0%} of the "
              f"kernel's modeled time). Statements are summed over the kernels; µs are the "
              f"latency-evaluator's, summed.", "",

@@ -63,7 +63,7 @@ class Result:
 
 
 def _phase(text: str, cache_dir: pathlib.Path) -> tuple[Phase, str]:
-    from codegen.cache import CompileCache
+    from stitch.codegen.cache import CompileCache
     from stitch import compiler
 
     start = time.perf_counter()
@@ -123,7 +123,7 @@ def _stat(values: list[float]) -> str:
 
 def render(results: list[Result]) -> str:
     from bench.report import stamp
-    from codegen.toolchain import find_ptxas, ptxas_version
+    from stitch.codegen.toolchain import find_ptxas, ptxas_version
     import llvmlite
 
     ok = [r for r in results if not r.error]

@@ -1,4 +1,4 @@
-"""ptxas on the GEMM chain kernels (codegen.gemm_chain) of MCFuser's chains and attention
+"""ptxas on the GEMM chain kernels (stitch.codegen.gemm_chain) of MCFuser's chains and attention
 modules at full size: registers, spills and shared memory per model, f32 (FMA tiles) and
 bf16 (tensor cores; the fixture's f32 types replaced by bf16), sm_80 and sm_90, with the
 default tiling (``ChainTiling.default_for``).
@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 from bench.report import publish, stamp
-from codegen.gemm_chain import ChainTiling, lower_gemm_chain
-from codegen.nvptx import emit_ptx
-from codegen.toolchain import assemble
-from hlo_passes.gemm_chains import find_gemm_chains
-from hlo_passes.graph import build_op_graphs
-from hlo_passes.parser import parse_hlo
+from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
+from stitch.codegen.nvptx import emit_ptx
+from stitch.codegen.toolchain import assemble
+from stitch.hlo_passes.gemm_chains import find_gemm_chains
+from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo_passes.parser import parse_hlo
 from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS
 
 SECTION = "bench-gemm-chain-ptxas"

@@ -52,8 +52,8 @@ from typing import Callable
 import stitch
 from bench.report import geomean
 from bench.xla_cost_formula import DEVICES, XlaDevice, kernel_flops, kernel_time
-from hlo_passes.graph import OpGraph
-from hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.op_classes import OpClass
 from stitch.cost.chain_pricing import chain_price, graph_chains, xla_gemm_cost
 from stitch.cost.delta import CostModel, kernel_hbm_bytes
 from stitch.cost.gemm_tile import GemmTile, TileCost
@@ -230,10 +230,10 @@ def _memory_latency_us(graph: OpGraph, spec, cost: CostModel, members: frozenset
 def _ptxas_registers(graph: OpGraph, chain, schedule, target: str) -> str:
     """ptxas's registers per thread (and spills) of the chain kernel codegen builds for
     ``schedule`` on ``target``'s arch; a failure is reported in the cell."""
-    from codegen.errors import CodegenError
-    from codegen.gemm_chain import lower_gemm_chain
-    from codegen.nvptx import emit_ptx
-    from codegen.toolchain import assemble
+    from stitch.codegen.errors import CodegenError
+    from stitch.codegen.gemm_chain import lower_gemm_chain
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import assemble
     from stitch.compiler import arch_of
     from stitch.schedule.chain_tiling import tiling_for
     arch = arch_of(target)
@@ -253,7 +253,7 @@ def compare(model: str, target: str, tf32: bool | None = None,
     ``tf32``: chain kernels may use TF32 tensor cores (ExplorerOptions.chain_tf32; default:
     what the GPU compile path plans with). ``grid_sync``: chain schedules may split n
     across blocks (ExplorerOptions.chain_grid_sync)."""
-    from integration.xla_pass import GPU_CHAIN_TF32
+    from stitch.integration.xla_pass import GPU_CHAIN_TF32
     tf32 = GPU_CHAIN_TF32 if tf32 is None else tf32
     path = DATA / model / f"full.gpu-{target}.hlo"
     if not path.exists():

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.report import publish, stamp
-from codegen.errors import CodegenError
-from codegen.gemm_chain import lower_gemm_chain
-from codegen.nvptx import emit_ptx
-from codegen.toolchain import assemble
-from hlo_passes.gemm_chains import find_gemm_chains
-from hlo_passes.graph import build_op_graphs
-from hlo_passes.parser import parse_hlo
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.gemm_chain import lower_gemm_chain
+from stitch.codegen.nvptx import emit_ptx
+from stitch.codegen.toolchain import assemble
+from stitch.hlo_passes.gemm_chains import find_gemm_chains
+from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo_passes.parser import parse_hlo
 from stitch.cost.chain_pricing import chain_dims
 from stitch.cost.gemm_tile import chain_registers
 from stitch.cost.gpu_specs import get_spec

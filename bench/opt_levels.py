@@ -11,14 +11,14 @@ split in two steps on two machines, with files between them:
 ``python -m bench.opt_levels prepare [--models transformer_train:tiny,...] [--dir D]``
     Here, no GPU: each function is compiled with stitch's pass for a deviceless H100 (one
     child per function in scripts/deviceless_check.sh's venv, STITCH_CUDA_VENV); the pass's
-    distinct kernels are built under every pipeline of ``VARIANTS`` (codegen.pipelines'
+    distinct kernels are built under every pipeline of ``VARIANTS`` (stitch.codegen.pipelines'
     ``PIPELINES``, the ones ``STITCH_LLVM_PIPELINE`` may name: PTX, then ptxas for sm_90).
     D/manifest.json gets each build's CPU seconds, PTX lines, registers and spills; the
     cubins go to D.
 ``python -m bench.opt_levels time --dir D --json T.json``
     On a machine with an NVIDIA GPU (numpy and libcuda through ctypes, bench.cuda_driver:
     none of stitch's dependencies, no cupy; of stitch only the plain-Python pipeline table,
-    codegen.pipelines). ``--check-only``: one launch each, untimed (under compute-sanitizer). Each cubin is loaded and its kernel run on fresh random inputs
+    stitch.codegen.pipelines). ``--check-only``: one launch each, untimed (under compute-sanitizer). Each cubin is loaded and its kernel run on fresh random inputs
     (outputs poisoned first); each variant's outputs are checked against the default's.
     Each kernel is then timed as CUDA graph replays of ``REPLAYS`` launches, the median of
     ``REPEATS``, rotating over ``INPUT_SETS`` input sets so no launch reuses the one before.
@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from codegen.pipelines import PIPELINES
+from stitch.codegen.pipelines import PIPELINES
 
 SECTION = "bench-opt-levels"
 DEFAULT_MODELS = ("transformer_train:tiny", "bert_layer_train:tiny", "transformer_train:full")
@@ -58,7 +58,7 @@ class Variant:
     gvn_memdep: bool = True
 
 
-# One variant per pipeline STITCH_LLVM_PIPELINE may name (codegen.pipelines: plain Python,
+# One variant per pipeline STITCH_LLVM_PIPELINE may name (stitch.codegen.pipelines: plain Python,
 # so the GPU machine's `time` step needs none of stitch's dependencies); the first is what
 # stitch builds with, the reference.
 VARIANTS = tuple(Variant(name, **asdict(pipeline)) for name, pipeline in PIPELINES.items())
@@ -74,13 +74,13 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from bench.pass_compile import _keras_hub_llama, _zoo
-    from codegen import kir
-    from codegen.gpu_cache import structure_key
-    from codegen.llvm_emit import STORAGE_BYTES
-    from codegen.nvptx import LlvmPipeline, emit_ptx
-    from codegen.objcheck import cubin_code
-    from codegen.toolchain import assemble_cubin
-    from integration import deviceless
+    from stitch.codegen import kir
+    from stitch.codegen.gpu_cache import structure_key
+    from stitch.codegen.llvm_emit import STORAGE_BYTES
+    from stitch.codegen.nvptx import LlvmPipeline, emit_ptx
+    from stitch.codegen.objcheck import cubin_code
+    from stitch.codegen.toolchain import assemble_cubin
+    from stitch.integration import deviceless
 
     deviceless.check_environment()
     fn, args = _keras_hub_llama() if model == "keras_hub_llama" else _zoo(model, config)
@@ -284,8 +284,8 @@ def time_kernels(directory: Path, replays: int = REPLAYS, repeats: int = REPEATS
 
 
 def _numpy_type(dtype: str):
-    """numpy's storage type for ``dtype`` (codegen.host.NUMPY_DTYPES, bf16 as its bits):
-    written out, as the GPU step imports none of stitch's modules but codegen.pipelines."""
+    """numpy's storage type for ``dtype`` (stitch.codegen.host.NUMPY_DTYPES, bf16 as its bits):
+    written out, as the GPU step imports none of stitch's modules but stitch.codegen.pipelines."""
     import numpy as np
     return {"f32": np.float32, "f64": np.float64, "f16": np.float16, "bf16": np.uint16,
             "i1": np.uint8, "i8": np.int8, "u8": np.uint8, "i32": np.int32,

@@ -21,7 +21,7 @@ import stitch
 from bench.report import fit_exponent, geomean, ratio
 from bench.synthetic import synthetic_hlo
 from bench.xla_cost_formula import DEVICES, KernelTime, kernel_flops, kernel_time
-from hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.op_classes import OpClass
 from stitch.cost.delta import graph_facts, kernel_hbm_bytes, utilization
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.plan import GraphPlan, kernel_kind

@@ -44,8 +44,8 @@ class Row:
 
 
 def _assemble(graph, evaluator, schedule, name: str, arch: str, cache, worker):
-    from codegen.gpu_cache import assemble_cached, emit_ptx_cached
-    from codegen.lower import lower_kernel
+    from stitch.codegen.gpu_cache import assemble_cached, emit_ptx_cached
+    from stitch.codegen.lower import lower_kernel
 
     # in_place: as stitch.compiler builds kernels (atomic scatters add into their operand).
     lowered = lower_kernel(graph, evaluator, schedule, name, in_place=True)
@@ -56,8 +56,8 @@ def _assemble(graph, evaluator, schedule, name: str, arch: str, cache, worker):
 
 def collect(models: list[str], targets: tuple[str, ...], progress=lambda s: None
             ) -> tuple[list[Row], list[str]]:
-    from codegen.cache import CompileCache
-    from codegen.isolation import IsolatedWorker
+    from stitch.codegen.cache import CompileCache
+    from stitch.codegen.isolation import IsolatedWorker
 
     cache = CompileCache()
     rows: list[Row] = []
@@ -73,8 +73,8 @@ def _collect_target(models: list[str], target: str, cache, worker, rows: list[Ro
                     problems: list[str], progress) -> None:
     """Rows for every scheduled kernel of ``models`` on ``target`` (appended to ``rows``)."""
     import stitch
-    from hlo_passes import parse_hlo
-    from hlo_passes.evaluator.interpreter import Evaluator
+    from stitch.hlo_passes import parse_hlo
+    from stitch.hlo_passes.evaluator.interpreter import Evaluator
     from stitch.compiler import arch_of
     from stitch.cost.gpu_specs import get_spec
     from stitch.schedule import schedule_kernel

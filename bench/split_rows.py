@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.report import publish, stamp
-from codegen.errors import CodegenError
-from codegen.lower import lower_kernel
-from hlo_passes.evaluator.interpreter import Evaluator
-from hlo_passes.parser import parse_hlo
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.lower import lower_kernel
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes.parser import parse_hlo
 
 SECTION = "splitred-issue19"
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
@@ -65,8 +65,8 @@ def count(model: str, target: str, ptxas: bool) -> Row:
             row.merged += len(lowered.split_rows)
             label = f"{k.name} ({'/'.join(lowered.schemes)})"
             if ptxas:
-                from codegen.nvptx import emit_ptx
-                from codegen.toolchain import assemble
+                from stitch.codegen.nvptx import emit_ptx
+                from stitch.codegen.toolchain import assemble
                 report = assemble(emit_ptx(lowered.kernel, ARCH[target]),
                                   ARCH[target])[lowered.kernel.name]
                 label += f": {report.registers} regs, " \
@@ -88,7 +88,7 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
              "combine. At full size those kernels did not even get that far: the row-layout "
              "proof refused the [4096,32000] logits as too large for its index arrays and the "
              "planned block composition fell back to thread composition (every consumer "
-             "element re-reducing its row); compact row ids (`codegen/compact_rows.py`) prove "
+             "element re-reducing its row); compact row ids (`stitch/codegen/compact_rows.py`) prove "
              "them now. On the parent commit (c54ad04) 13 of the planned warp/block parts below "
              "were lowered with thread composition for that reason (log_softmax_xent h100, "
              "log_softmax_xent_train(_bf16) and transformer_train(_bf16) on every target); "

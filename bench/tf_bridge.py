@@ -5,11 +5,11 @@ updates back costs, without the program itself.
 - before: the numpy round trip the front end used (``.numpy()`` of every input and
   variable, numpy into jax, ``np.asarray`` of every result, ``assign`` / ``convert_to_tensor``
   from numpy);
-- after: ``integration.tf_bridge.Bridge`` (DLPack both ways, variables assigned from the
+- after: ``stitch.integration.tf_bridge.Bridge`` (DLPack both ways, variables assigned from the
   TF tensor wrapping jax's result).
 
 The models are the integration tests' keras_hub GPT2 and Llama configs
-(``integration/scripts/thirdparty/keras_hub_train.py``: 2 layers, hidden 64, vocabulary 128,
+(``stitch/integration/scripts/thirdparty/keras_hub_train.py``: 2 layers, hidden 64, vocabulary 128,
 batch 4 x 16 tokens, AdamW), trained one step by stock Keras (TF backend) so the optimizer's
 variables exist; the mapping (which values the step reads and writes) is the front end's own.
 
@@ -29,7 +29,7 @@ from typing import Any, Callable
 from bench.report import publish, stamp
 
 SECTION = "bench-tf-bridge"
-SCRIPT = (Path(__file__).resolve().parent.parent / "integration" / "scripts" / "thirdparty"
+SCRIPT = (Path(__file__).resolve().parent.parent / "stitch" / "integration" / "scripts" / "thirdparty"
           / "keras_hub_train.py")
 MODELS = ("gpt2", "llama")
 
@@ -68,7 +68,7 @@ def _step_and_data(name: str) -> tuple[Any, tuple]:
     import keras
     import tensorflow as tf
 
-    from integration.tf_frontend import KerasTrainFunction
+    from stitch.integration.tf_frontend import KerasTrainFunction
 
     script = _script()
     keras.utils.set_random_seed(0)
@@ -98,7 +98,7 @@ def measure(name: str, repeats: int) -> BridgeTiming:
     import numpy as np
     import tensorflow as tf
 
-    from integration.tf_bridge import Bridge
+    from stitch.integration.tf_bridge import Bridge
 
     step, args = _step_and_data(name)
     mapping = step.mapping_for(*args)
@@ -143,7 +143,7 @@ def report(timings: list[BridgeTiming], command: str, load: tuple[float, ...]) -
         "stitched executable, the program itself left out: every input (the batch, each "
         "variable's value, captured constants) in, every output and variable update back "
         "(median of the repeats). *before*: the numpy round trip (`.numpy()` → jax, "
-        "`np.asarray` → `assign`); *after*: DLPack both ways (`integration/tf_bridge.py`). "
+        "`np.asarray` → `assign`); *after*: DLPack both ways (`stitch/integration/tf_bridge.py`). "
         "Per variable: the step's µs over the values moved (inputs + updates). On this CPU "
         "both stay in host memory, so *before* pays memcpys where *after* wraps buffers; "
         "on a GPU *before* crossed PCIe twice per value and *after* stays on the device.",

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.report import publish, stamp
-from codegen.errors import CodegenError
-from codegen.lower import lower_kernel
-from hlo_passes.evaluator.interpreter import Evaluator
-from hlo_passes.parser import parse_hlo
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.lower import lower_kernel
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes.parser import parse_hlo
 
 SECTION = "vecload-issue19"
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
@@ -62,7 +62,7 @@ class Row:
 
 def count(model: str, target: str, ptxas: bool = False) -> Row:
     import stitch
-    from codegen.nvptx import emit_ptx
+    from stitch.codegen.nvptx import emit_ptx
 
     module = parse_hlo((DATA / model / f"full.gpu-{target}.hlo").read_text())
     plan = stitch.plan(module, target=target)
@@ -86,7 +86,7 @@ def count(model: str, target: str, ptxas: bool = False) -> Row:
                 continue
             row.lowered += 1
             if ptxas:
-                from codegen.toolchain import assemble
+                from stitch.codegen.toolchain import assemble
                 report = assemble(ptx, ARCH[target])[lowered.kernel.name]
                 row.assembled += 1
                 spill = report.spill_store_bytes + report.spill_load_bytes

@@ -5,28 +5,50 @@ The public surface: the HLO front end, the reference evaluator, the fusion plann
 kernel) and ``stitch.jit`` for jax. Importing stitch imports neither jax nor tensorflow
 (``stitch.jit`` imports jax on first use).
 
-``stitch.jit`` lives in the framework layer above the optimizer (``integration.jax_jit``,
-on the XLA pass in ``integration.xla_pass``); it is re-exported here, on first access, as
-the public name.
+The layers are subpackages, lowest first: ``stitch.hlo_passes`` (HLO IR, parser, reference
+evaluator, op graphs), the optimizer (``stitch.cost``, ``stitch.explorer``,
+``stitch.schedule``, ``stitch.compiler``), ``stitch.codegen`` (Kernel IR, LLVM, PTX) and
+``stitch.integration`` (the XLA pass, jax and TensorFlow front ends). Every public name
+here is resolved on first access, so importing one subpackage does not import the others.
 """
-from hlo_passes import HloModule, evaluate, parse_hlo, print_hlo
+from __future__ import annotations
 
-from .errors import HloEvaluationError, HloParseError, StitchError, UnsupportedOpcodeError
-from .compiler import Executable, compile
-from .explorer.planner import ExplorerOptions, FusionPlan, plan
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-_FRAMEWORK_NAMES = ("jit", "StitchedFunction")
+# Public name -> the module that defines it.
+_PUBLIC: dict[str, str] = {
+    "HloModule": "stitch.hlo_passes",
+    "evaluate": "stitch.hlo_passes",
+    "parse_hlo": "stitch.hlo_passes",
+    "print_hlo": "stitch.hlo_passes",
+    "HloEvaluationError": "stitch.errors",
+    "HloParseError": "stitch.errors",
+    "StitchError": "stitch.errors",
+    "UnsupportedOpcodeError": "stitch.errors",
+    "Executable": "stitch.compiler",
+    "compile": "stitch.compiler",
+    "ExplorerOptions": "stitch.explorer.planner",
+    "FusionPlan": "stitch.explorer.planner",
+    "plan": "stitch.explorer.planner",
+    "jit": "stitch.integration.jax_jit",
+    "StitchedFunction": "stitch.integration.jax_jit",
+}
 
 
-def __getattr__(name: str):
-    # Lazy: the framework layer imports this package, not the other way round at import.
-    if name in _FRAMEWORK_NAMES:
-        from integration import jax_jit
-        return getattr(jax_jit, name)
-    raise AttributeError(f"module 'stitch' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stitch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value        # later lookups skip this function
+    return value
 
-__all__ = ["Executable", "ExplorerOptions", "FusionPlan", "StitchedFunction", "HloEvaluationError", "HloModule", "HloParseError",
-           "StitchError", "UnsupportedOpcodeError", "__version__", "compile", "evaluate",
-           "jit", "parse_hlo", "plan", "print_hlo"]
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
+
+
+__all__ = sorted([*_PUBLIC, "__version__"])

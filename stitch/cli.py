@@ -19,8 +19,8 @@ import sys
 import time
 from collections import Counter
 
-from hlo_passes import HloModule, StitchError, parse_hlo
-from hlo_passes.kernels import count_kernels
+from stitch.hlo_passes import HloModule, StitchError, parse_hlo
+from stitch.hlo_passes.kernels import count_kernels
 
 log = logging.getLogger("stitch")
 
@@ -272,7 +272,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except ImportError as exc:
         # Unfused input needs the base fusion pass for its baseline; it may be missing.
         raise StitchError(f"planning {origin} needs the base fusion pass "
-                          f"(hlo_passes.base_fusion), which cannot be imported: {exc}") from exc
+                          f"(stitch.hlo_passes.base_fusion), which cannot be imported: {exc}") from exc
     except StitchError as exc:
         raise StitchError(f"planning {origin} failed: {exc}") from exc
     # Files first, so a reader closing stdout early (| head) cannot lose them.
@@ -307,7 +307,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from integration.demo import run_demo
+    from stitch.integration.demo import run_demo
 
     if args.target not in PLAN_TARGETS:
         raise StitchError(f"unknown target {args.target!r} (one of {', '.join(PLAN_TARGETS)})")

@@ -1,16 +1,16 @@
 """The compiler driver: HLO -> fusion plan -> stitched kernels -> an executable.
 
 ``compile(hlo, target, device="cpu")`` plans the module for ``target`` (stitch.plan), lowers
-every scheduled stitched kernel to Kernel IR (codegen.lower) and builds it for the host
+every scheduled stitched kernel to Kernel IR (stitch.codegen.lower) and builds it for the host
 target; ``Executable(*args)`` runs the whole module on the CPU: stitched kernels as compiled
 host kernels, everything else (GEMM, convolution, opaque ops, kernels that could not be
-lowered) through the reference evaluator, op graph by op graph (hlo_passes.graph_exec).
+lowered) through the reference evaluator, op graph by op graph (stitch.hlo_passes.graph_exec).
 A kernel that cannot be lowered or built falls back to the evaluator with the reason logged
 and kept in ``Executable.fallbacks``: compilation never fails because one kernel did.
 
 PTX for the target's architecture is emitted on demand (``exe.ptx``), in a child process
 (an LLVM abort cannot take the caller down) and through the on-disk compile cache
-(``codegen.gpu_cache.emit_ptx_cached``); ``exe.ptxas()`` assembles it (through the cache too:
+(``stitch.codegen.gpu_cache.emit_ptx_cached``); ``exe.ptxas()`` assembles it (through the cache too:
 ``assemble_cached``) and reports registers / shared memory / spills per kernel.
 Times (plan, lower and host build per kernel, PTX and ptxas per kernel) and cache hits are
 in ``exe.stats``.
@@ -33,19 +33,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from codegen.cache import CompileCache
-from codegen.errors import CodegenError
-from codegen.gpu_cache import assemble_cached, emit_ptx_cached
-from codegen.host import NUMPY_DTYPES, HostKernel, compile_host
-from codegen.nvptx import emit_ptx
-from codegen.lower import LoweredKernel, kernel_identifier, lower_kernel
-from codegen.values import leaf
-from hlo_passes import HloModule, HloParseError, parse_hlo
-from hlo_passes.evaluator.dtypes import numpy_dtype
-from hlo_passes.evaluator.interpreter import Evaluator
-from hlo_passes.graph import OpGraph, build_op_graphs
-from hlo_passes.graph_exec import GraphRunner, NumpyBackend, Unit
-from hlo_passes.op_classes import OpClass
+from stitch.codegen.cache import CompileCache
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.gpu_cache import assemble_cached, emit_ptx_cached
+from stitch.codegen.host import NUMPY_DTYPES, HostKernel, compile_host
+from stitch.codegen.nvptx import emit_ptx
+from stitch.codegen.lower import LoweredKernel, kernel_identifier, lower_kernel
+from stitch.codegen.values import leaf
+from stitch.hlo_passes import HloModule, HloParseError, parse_hlo
+from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes.graph import OpGraph, build_op_graphs
+from stitch.hlo_passes.graph_exec import GraphRunner, NumpyBackend, Unit
+from stitch.hlo_passes.op_classes import OpClass
 
 from .cost.gpu_specs import UnknownTargetError, get_spec
 from .errors import StitchError
@@ -118,12 +118,12 @@ class CompileStats:
 
 
 # Kept for callers that send PTX emission to an isolated child by this name: it is
-# codegen.nvptx.emit_ptx itself, so the child imports codegen only (never stitch).
+# stitch.codegen.nvptx.emit_ptx itself, so the child imports codegen only (never stitch).
 _emit_ptx_text = emit_ptx
 
 
 class Executable:
-    """A module compiled by stitch: call it like ``hlo_passes.evaluate`` (args in ENTRY
+    """A module compiled by stitch: call it like ``stitch.hlo_passes.evaluate`` (args in ENTRY
     parameter order; the root's array leaves depth-first)."""
 
     def __init__(self, module: HloModule, plan: FusionPlan | None, target: str,
@@ -212,7 +212,7 @@ class Executable:
         return self._ptx
 
     def emit_ptx(self, arch: str) -> dict[str, str]:
-        from codegen.isolation import IsolatedWorker
+        from stitch.codegen.isolation import IsolatedWorker
 
         out: dict[str, str] = {}
         start = time.perf_counter()
@@ -230,7 +230,7 @@ class Executable:
         return out
 
     def ptxas(self, arch: str | None = None) -> dict[str, object]:
-        """Kernel name -> ``codegen.toolchain.PtxasReport`` (registers, shared memory,
+        """Kernel name -> ``stitch.codegen.toolchain.PtxasReport`` (registers, shared memory,
         spills) for ``arch`` (default: the target's); ptxas results come from the cache."""
         arch = arch or self.arch
         ptx = self.ptx if arch == self.arch else self.emit_ptx(arch)
@@ -280,8 +280,8 @@ def lower_chain_kernel(graph: OpGraph, k, arch: str, *, fma: bool = False) -> Lo
     """A planned ``gemm_chain`` kernel in Kernel IR, tiled as the planner scheduled it;
     ``fma``: codegen's default FMA tiling instead of tensor cores (a kernel that runs on the
     host in production, where emulated MMA only costs time)."""
-    from codegen.gemm_chain import ChainTiling, lower_gemm_chain
-    from hlo_passes.gemm_chains import chain_of
+    from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
+    from stitch.hlo_passes.gemm_chains import chain_of
 
     from .schedule.chain_tiling import tiling_for
 

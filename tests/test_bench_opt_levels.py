@@ -193,7 +193,7 @@ def test_check_only_launches_once_and_times_nothing(tmp_path) -> None:
 def test_variants_are_the_pipelines_stitch_llvm_pipeline_names():
     """bench/opt_levels builds the pipelines nvptx builds with: the same names and
     settings, the default first."""
-    from codegen.nvptx import PIPELINES, LlvmPipeline
+    from stitch.codegen.nvptx import PIPELINES, LlvmPipeline
     assert [v.name for v in opt_levels.VARIANTS] == list(PIPELINES)
     for v in opt_levels.VARIANTS:
         assert LlvmPipeline(v.speed_level, v.loop_unrolling, v.noalias_inputs,

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import stitch
-from codegen import kir
-from hlo_passes import parse_hlo
+from stitch.codegen import kir
+from stitch.hlo_passes import parse_hlo
 from tests.fixtures import DATA, zoo_fixture
 
 jax = pytest.importorskip("jax")

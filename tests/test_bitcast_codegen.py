@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from codegen.errors import CodegenError
-from codegen.lower import lower_kernel, run_on_host
-from codegen.values import reinterpret_problem
-from hlo_passes import evaluate, parse_hlo
-from hlo_passes.evaluator.interpreter import Evaluator
-from hlo_passes.graph import build_op_graphs
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.lower import lower_kernel, run_on_host
+from stitch.codegen.values import reinterpret_problem
+from stitch.hlo_passes import evaluate, parse_hlo
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule.tuner import ScheduleError, schedule_kernel
 

@@ -15,9 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from codegen.cache import SECRET_NAME, CompileCache, decode_entry, encode_entry
-from codegen.host import _object_key, compile_host, emit_host_ir
-from codegen.objcheck import host_object_problem, host_objects_cacheable
+from stitch.codegen.cache import SECRET_NAME, CompileCache, decode_entry, encode_entry
+from stitch.codegen.host import _object_key, compile_host, emit_host_ir
+from stitch.codegen.objcheck import host_object_problem, host_objects_cacheable
 from tests.test_kir_host import add, elementwise_kernel, mul
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -82,8 +82,8 @@ _LOADER = """
 import sys
 sys.path.insert(0, {repo!r})
 import numpy as np
-from codegen.cache import CompileCache
-from codegen.host import compile_host
+from stitch.codegen.cache import CompileCache
+from stitch.codegen.host import compile_host
 from tests.test_cache_objects import fma_kernel
 cache = CompileCache({cache!r})
 kernel = fma_kernel()
@@ -164,8 +164,8 @@ def _ptx_kernel():
 
 
 def test_ptx_built_once_then_served_and_forgeries_rebuilt(tmp_path):
-    from codegen.gpu_cache import emit_ptx_cached, ptx_key
-    from codegen.isolation import IsolatedWorker
+    from stitch.codegen.gpu_cache import emit_ptx_cached, ptx_key
+    from stitch.codegen.isolation import IsolatedWorker
 
     kernel = _ptx_kernel()
     with IsolatedWorker() as worker:
@@ -184,8 +184,8 @@ def test_ptx_built_once_then_served_and_forgeries_rebuilt(tmp_path):
 
 def test_ptx_cached_per_llvm_pipeline(tmp_path, monkeypatch):
     """PTX built under one $STITCH_LLVM_PIPELINE is never served for another."""
-    from codegen.gpu_cache import emit_ptx_cached, ptx_key
-    from codegen.nvptx import PIPELINE_ENV, PIPELINES
+    from stitch.codegen.gpu_cache import emit_ptx_cached, ptx_key
+    from stitch.codegen.nvptx import PIPELINE_ENV, PIPELINES
 
     kernel = _ptx_kernel()
     monkeypatch.delenv(PIPELINE_ENV, raising=False)
@@ -202,9 +202,9 @@ def test_ptx_cached_per_llvm_pipeline(tmp_path, monkeypatch):
 
 
 def test_ptxas_results_cached(tmp_path):
-    from codegen.errors import ToolchainError
-    from codegen.gpu_cache import assemble_cached, emit_ptx_cached
-    from codegen.toolchain import find_ptxas
+    from stitch.codegen.errors import ToolchainError
+    from stitch.codegen.gpu_cache import assemble_cached, emit_ptx_cached
+    from stitch.codegen.toolchain import find_ptxas
 
     try:
         find_ptxas("sm_80")

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from codegen import cache as cache_mod
-from codegen.cache import SECRET_NAME, CompileCache, cache_key, decode_entry, encode_entry
+from stitch.codegen import cache as cache_mod
+from stitch.codegen.cache import SECRET_NAME, CompileCache, cache_key, decode_entry, encode_entry
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_NOFOLLOW"), reason="POSIX only")
 
@@ -69,7 +69,7 @@ def test_group_or_world_writable_directory_refused(tmp_path, caplog):
     directory = tmp_path / "shared"
     directory.mkdir()
     os.chmod(directory, 0o777)  # what another user would pre-create
-    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+    with caplog.at_level(logging.WARNING, logger="stitch.codegen.cache"):
         cache = CompileCache(directory)
     assert not cache.enabled
     assert refused(caplog, directory, "writable by group or others")
@@ -85,7 +85,7 @@ def test_directory_of_another_user_refused(tmp_path, caplog, monkeypatch):
     else:  # cannot give a directory away: be someone else instead
         me = os.geteuid()
         monkeypatch.setattr(cache_mod.os, "geteuid", lambda: me + 1)
-    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+    with caplog.at_level(logging.WARNING, logger="stitch.codegen.cache"):
         cache = CompileCache(directory)
     assert not cache.enabled
     assert refused(caplog, directory, "owned by uid")
@@ -97,7 +97,7 @@ def test_symlinked_directory_refused_and_untouched(tmp_path, caplog):
     target.mkdir(mode=0o700)
     link = tmp_path / "cache"
     link.symlink_to(target)
-    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+    with caplog.at_level(logging.WARNING, logger="stitch.codegen.cache"):
         cache = CompileCache(link)
     assert not cache.enabled
     assert refused(caplog, link, "symbolic link")
@@ -112,7 +112,7 @@ def test_directory_holding_a_symlink_refused(tmp_path, caplog):
     victim = tmp_path / "victim"
     victim.write_bytes(b"x")
     (tmp_path / "c" / f"{cache_key('other')}.bin").symlink_to(victim)
-    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+    with caplog.at_level(logging.WARNING, logger="stitch.codegen.cache"):
         again = CompileCache(tmp_path / "c")
     assert not again.enabled
     assert refused(caplog, tmp_path / "c", "symbolic link")
@@ -138,7 +138,7 @@ def test_entry_links_and_fifos_never_read(tmp_path, caplog):
             results[key] = cache.get_or_create(key, lambda key=key: b"built " + key.encode())
 
     worker = threading.Thread(target=read_all, daemon=True)
-    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+    with caplog.at_level(logging.WARNING, logger="stitch.codegen.cache"):
         worker.start()
         worker.join(20)
     assert not worker.is_alive(), "reading a planted entry blocked"
@@ -156,7 +156,7 @@ def test_oversized_entry_not_read(tmp_path, caplog):
     cache = CompileCache(tmp_path, max_entry_bytes=1024)
     key = cache_key("big")
     (tmp_path / f"{key}.bin").write_bytes(os.urandom(64 << 10))
-    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+    with caplog.at_level(logging.WARNING, logger="stitch.codegen.cache"):
         assert cache.get_or_create(key, lambda: b"small") == b"small"
     assert cache.stats.unsafe == 1
     assert any("cap" in r.getMessage() for r in caplog.records)
@@ -180,7 +180,7 @@ def test_planted_entry_without_our_mac_ignored_and_replaced(tmp_path, caplog, fo
             "other-secret": lambda: encode_entry(os.urandom(32), key, evil),
             "other-key": lambda: encode_entry(secret_of(tmp_path), cache_key("x"), evil)}[forgery]()
     (tmp_path / f"{key}.bin").write_bytes(blob)
-    with caplog.at_level(logging.INFO, logger="codegen.cache"):
+    with caplog.at_level(logging.INFO, logger="stitch.codegen.cache"):
         assert cache.get(key) is None
         assert cache.get_or_create(key, lambda: b"ours") == b"ours"
     expected = "another format version" if forgery == "sha256-v1" else "failed authentication"
@@ -195,7 +195,7 @@ def test_secret_is_stable_and_checked(tmp_path, caplog):
     assert CompileCache(tmp_path / "c").get(cache_key("k")) == b"v"
     assert secret_of(tmp_path / "c") == secret  # created once
     os.chmod(tmp_path / "c" / SECRET_NAME, 0o644)
-    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+    with caplog.at_level(logging.WARNING, logger="stitch.codegen.cache"):
         readable = CompileCache(tmp_path / "c")
     assert not readable.enabled and refused(caplog, tmp_path / "c", "others can read")
     os.chmod(tmp_path / "c" / SECRET_NAME, 0o600)
@@ -264,7 +264,7 @@ def test_compile_goes_on_with_a_refused_default_cache(tmp_path, monkeypatch, cap
 
     import numpy as np
 
-    import hlo_passes
+    import stitch.hlo_passes
     from stitch import compiler
 
     shared = tmp_path / "shared"
@@ -272,15 +272,15 @@ def test_compile_goes_on_with_a_refused_default_cache(tmp_path, monkeypatch, cap
     os.chmod(shared, 0o777)
     monkeypatch.setenv("STITCH_CACHE_DIR", str(shared))
     text = (pathlib.Path(__file__).parent / "data" / "softmax" / "tiny.pre.hlo").read_text()
-    module = hlo_passes.parse_hlo(text)
+    module = stitch.hlo_passes.parse_hlo(text)
     rng = np.random.default_rng(5)
     args = [rng.standard_normal(p.shape.dims).astype(np.float32)
             for p in module.entry.parameters]
-    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+    with caplog.at_level(logging.WARNING, logger="stitch.codegen.cache"):
         exe = compiler.compile(text, "h100", poison_outputs=True)
     assert refused(caplog, shared, "writable by group or others")
     assert exe.kernels and exe.stats.host_cache_hits == 0
-    for got, want in zip(exe(*args), hlo_passes.evaluate(module, args)):
+    for got, want in zip(exe(*args), stitch.hlo_passes.evaluate(module, args)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert list(shared.iterdir()) == []
 
@@ -299,7 +299,7 @@ def test_the_cache_still_works_in_exit_hooks_that_run_after_weakrefs(tmp_path):
             cache.put('k2', b'written at exit')
             sys.stderr.write(f"late put: {cache.get('k2')!r}\\n")
         atexit.register(late)
-        from codegen.cache import CompileCache
+        from stitch.codegen.cache import CompileCache
         cache = CompileCache(sys.argv[1])   # its weakref.finalize: weakref's exit hook
         cache.put('k1', b'written before exit')
     """)

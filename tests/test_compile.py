@@ -10,9 +10,9 @@ import zlib
 import numpy as np
 import pytest
 
-import hlo_passes
-from codegen.cache import CompileCache
-from codegen.errors import CodegenError, ToolchainError
+import stitch.hlo_passes
+from stitch.codegen.cache import CompileCache
+from stitch.codegen.errors import CodegenError, ToolchainError
 from stitch import compiler
 from stitch.compiler import CompileError
 from stitch.errors import StitchError
@@ -110,7 +110,7 @@ def test_zoo_model_matches_evaluator_and_jax(model, target, compiled):
         assert not exe.plan_notes
     got = exe(*args)
     tol = tolerance(exe.module)
-    assert_close(got, hlo_passes.evaluate(exe.module, args), tol, f"{model}/{target} vs evaluator")
+    assert_close(got, stitch.hlo_passes.evaluate(exe.module, args), tol, f"{model}/{target} vs evaluator")
     want = [np.asarray(r) for r in jax.tree_util.tree_leaves(jax.jit(inst.fn)(*args))]
     assert_close(got, want, tol, f"{model}/{target} vs jax")
     if not model.startswith("gemm_chain"):
@@ -124,8 +124,8 @@ def test_zoo_model_matches_evaluator_and_jax(model, target, compiled):
 def test_zoo_ptx_assembles_without_spills(model, target, compiled):
     """Every kernel's PTX for its target's arch (v100: sm_70, a100: sm_80, h100: sm_90)
     through ptxas: no spills, no stack."""
-    from codegen.toolchain import find_ptxas
-    from codegen.nvptx import default_libdevice_path
+    from stitch.codegen.toolchain import find_ptxas
+    from stitch.codegen.nvptx import default_libdevice_path
 
     exe = compiled(model, target)
     if default_libdevice_path() is None:
@@ -188,14 +188,14 @@ def test_second_compile_is_served_from_the_cache(tmp_path):
     warm = compiler.compile(text, "a100", cache=CompileCache(tmp_path), poison_outputs=True)
     assert warm.stats.host_cache_hits == len(warm.kernels) == len(cold.kernels)
     assert all(k.from_cache for k in warm.kernels)
-    module = hlo_passes.parse_hlo(text)
-    want = hlo_passes.evaluate(module, args)
+    module = stitch.hlo_passes.parse_hlo(text)
+    want = stitch.hlo_passes.evaluate(module, args)
     assert_close(warm(*args), want, 1e-4, "warm")
     assert_close(cold(*args), want, 1e-4, "cold")
 
 
 def test_ptx_is_served_from_the_cache(tmp_path):
-    from codegen.nvptx import default_libdevice_path
+    from stitch.codegen.nvptx import default_libdevice_path
     if default_libdevice_path() is None:
         pytest.skip("no libdevice")
     text = DATA.joinpath("softmax", "tiny.pre.hlo").read_text()
@@ -221,8 +221,8 @@ def test_a_corrupt_cache_entry_is_rebuilt(tmp_path):
     rebuilt = compiler.compile(text, "h100", cache=cache, poison_outputs=True)
     assert cache.stats.corrupt == 2
     assert rebuilt.stats.host_cache_hits == len(rebuilt.kernels) - 2
-    module = hlo_passes.parse_hlo(text)
-    assert_close(rebuilt(*args), hlo_passes.evaluate(module, args), 1e-4, "rebuilt")
+    module = stitch.hlo_passes.parse_hlo(text)
+    assert_close(rebuilt(*args), stitch.hlo_passes.evaluate(module, args), 1e-4, "rebuilt")
     again = compiler.compile(text, "h100", cache=CompileCache(tmp_path))
     assert again.stats.host_cache_hits == len(again.kernels)
 
@@ -250,8 +250,8 @@ def test_a_kernel_that_fails_runs_through_the_evaluator(monkeypatch, where, erro
     assert fb.name not in {k.name for k in exe.kernels} and exe.kernels
     assert exe.summary()["fallbacks"] == [(fb.name, fb.reason)]
     args = models.build("bert_layer_train", "tiny").random_args(5)
-    module = hlo_passes.parse_hlo(text)
-    assert_close(exe(*args), hlo_passes.evaluate(module, args), 1e-4, "with a fallback")
+    module = stitch.hlo_passes.parse_hlo(text)
+    assert_close(exe(*args), stitch.hlo_passes.evaluate(module, args), 1e-4, "with a fallback")
 
 
 @pytest.mark.parametrize("failures", [1, 2])
@@ -274,15 +274,15 @@ def test_a_failing_planner_is_retried_then_given_up(monkeypatch, failures):
     else:
         assert exe.plan is None and not exe.kernels     # all through the evaluator
     args = models.build("log_softmax_xent", "tiny").random_args(8)
-    module = hlo_passes.parse_hlo(text)
-    assert_close(exe(*args), hlo_passes.evaluate(module, args), 1e-4, "replanned")
+    module = stitch.hlo_passes.parse_hlo(text)
+    assert_close(exe(*args), stitch.hlo_passes.evaluate(module, args), 1e-4, "replanned")
 
 
 def test_poisoned_outputs_expose_a_kernel_that_writes_nothing():
     """The check above can fail: a kernel that never stores leaves NaN in its outputs."""
     exe = compiler.compile(LAYER_NORM.read_text(), "h100", cache=False, poison_outputs=True)
     args = _layer_norm_args(4)
-    want = hlo_passes.evaluate(exe.module, args)
+    want = stitch.hlo_passes.evaluate(exe.module, args)
     exe.kernels[0].host = lambda *arrays: None      # writes nothing
     got = exe(*args)
     assert np.isnan(got[0]).all()

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from codegen import cache as cache_mod
-from codegen.cache import CompileCache, cache_key, decode_entry, default_cache_dir, encode_entry
+from stitch.codegen import cache as cache_mod
+from stitch.codegen.cache import CompileCache, cache_key, decode_entry, default_cache_dir, encode_entry
 
 
 def test_cache_key_is_length_prefixed_and_stable():
@@ -88,7 +88,7 @@ def test_corrupt_entry_rebuilt(tmp_path, caplog, damage):
         blob = bytearray()
     path.write_bytes(bytes(blob))
 
-    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+    with caplog.at_level(logging.WARNING, logger="stitch.codegen.cache"):
         data = cache.get_or_create(key, lambda: b"B" * 100)
     assert data == b"B" * 100
     assert cache.stats.rebuilt_corrupt == 1 and cache.stats.corrupt == 1
@@ -131,7 +131,7 @@ def test_two_processes_build_once(tmp_path):
 def test_unwritable_directory_falls_back(tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+    with caplog.at_level(logging.WARNING, logger="stitch.codegen.cache"):
         cache = CompileCache(blocker / "cache")
     assert not cache.enabled
     assert any("compile cache disabled" in r.message and str(blocker) in r.message
@@ -153,7 +153,7 @@ def test_write_failure_is_logged_not_raised(tmp_path, caplog, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(cache_mod.os, "replace", failing_replace)
-    with caplog.at_level(logging.WARNING, logger="codegen.cache"):
+    with caplog.at_level(logging.WARNING, logger="stitch.codegen.cache"):
         assert cache.get_or_create(cache_key("k"), lambda: b"data") == b"data"
     assert cache.stats.write_errors == 1
     assert not list(tmp_path.glob(".tmp-*"))

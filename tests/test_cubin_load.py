@@ -11,10 +11,10 @@ import ctypes
 
 import pytest
 
-from codegen import ffi_cuda, nvptx
-from codegen.errors import CodegenError, ImageRefused, ToolchainError
-from codegen.gpu_cache import CANONICAL_NAME, CubinBuild
-from integration import xla_pass
+from stitch.codegen import ffi_cuda, nvptx
+from stitch.codegen.errors import CodegenError, ImageRefused, ToolchainError
+from stitch.codegen.gpu_cache import CANONICAL_NAME, CubinBuild
+from stitch.integration import xla_pass
 from tests.test_kir_host import elementwise_kernel
 
 CUBIN = b"\x7fELF fake cubin"
@@ -105,7 +105,7 @@ def _device_request() -> xla_pass.PassRequest:
 
 
 def _ptxas_or_skip() -> None:
-    from codegen.toolchain import find_ptxas
+    from stitch.codegen.toolchain import find_ptxas
     if nvptx.default_libdevice_path() is None:
         pytest.skip("no libdevice")
     try:
@@ -117,7 +117,7 @@ def _ptxas_or_skip() -> None:
 def _prebuilt(request, monkeypatch, tmp_path):
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(xla_pass, "_CACHE", None)
-    from codegen.isolation import IsolatedWorker
+    from stitch.codegen.isolation import IsolatedWorker
     kernel = _kernel()
     worker = IsolatedWorker(name="cubin-test")
     try:
@@ -144,7 +144,7 @@ def test_without_ptxas_or_after_a_refusal_only_ptx_is_built(monkeypatch, tmp_pat
 
     def no_ptxas(arch=None, **kw):
         raise ToolchainError("ptxas not found (test)")
-    monkeypatch.setattr("codegen.toolchain.find_ptxas", no_ptxas)
+    monkeypatch.setattr("stitch.codegen.toolchain.find_ptxas", no_ptxas)
     _, built = _prebuilt(_device_request(), monkeypatch, tmp_path / "a")
     assert built.assembled is None and built.ptx
     monkeypatch.undo()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hlo_passes import element_types, parse_hlo
-from hlo_passes.graph import build_op_graphs
+from stitch.hlo_passes import element_types, parse_hlo
+from stitch.hlo_passes.graph import build_op_graphs
 from stitch.explorer.buildable import build_problem
 
 
@@ -19,7 +19,7 @@ def _dropout(key, x):
 
 def test_the_pass_plans_no_kernel_codegen_refuses_for_its_types():
     jax = pytest.importorskip("jax")
-    from integration import xla_pass
+    from stitch.integration import xla_pass
     rng = np.random.default_rng()
     rows, cols = int(rng.integers(4, 40)), int(rng.integers(8, 130))
     key = jax.random.key(int(rng.integers(0, 2**31)))
@@ -45,7 +45,7 @@ def test_the_pass_plans_no_kernel_codegen_refuses_for_its_types():
 
 
 def test_codegen_reads_the_hlo_layers_table():
-    from codegen import kir, values
+    from stitch.codegen import kir, values
     assert values.STORAGE is element_types.CODEGEN_STORAGE
     for src in element_types.REINTERPRET_WIDTHS:
         for dst in element_types.REINTERPRET_WIDTHS:

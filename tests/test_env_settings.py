@@ -1,12 +1,12 @@
-"""The GPU pass's count settings (integration.config.env_count behind each): unset gives
+"""The GPU pass's count settings (stitch.integration.config.env_count behind each): unset gives
 the default, ``off`` turns the rule off, a number may carry spaces and underscores, and
 anything else is a ConfigError naming the variable and its value."""
 from __future__ import annotations
 
 import pytest
 
-from integration import code_budget, payback
-from integration.config import ConfigError
+from stitch.integration import code_budget, payback
+from stitch.integration.config import ConfigError
 
 SETTINGS = {
     "payback steps": (payback.payback_setting, payback.PAYBACK_ENV, payback.PAYBACK_STEPS,
@@ -34,7 +34,7 @@ def test_setting_reads_the_environment(monkeypatch, name: str) -> None:
 def test_build_threads_refuses_what_it_cannot_use(monkeypatch, bad):
     """A count it cannot use was dropped silently; now the pass's compile falls back with
     the reason (like every pass setting)."""
-    from integration.xla_pass import build_threads
+    from stitch.integration.xla_pass import build_threads
     monkeypatch.setenv("STITCH_BUILD_THREADS", bad)
     with pytest.raises(ConfigError, match=f"STITCH_BUILD_THREADS='{bad}'"):
         build_threads()

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from codegen.host import build_object  # noqa: E402
+from stitch.codegen.host import build_object  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD_SLEEP_S = 120.0
@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import numpy as np, jax, jax.numpy as jnp
     import stitch
-    from integration import host_builds
+    from stitch.integration import host_builds
     from tests.test_exit_in_flight import slow_build_object
     host_builds.build_object = slow_build_object
     started = []

@@ -31,7 +31,7 @@ def test_zoo_chain_is_planned_when_its_kernel_is_modeled_faster(model, target):
     (>= 1.1x under the latency-evaluator), and not when it is clearly slower (< 0.95x), as
     the GPU pass plans (TF32 tensor cores for f32 dots of DEFAULT precision, as XLA's own
     GEMMs): docs/benchmarks.md records the ratios."""
-    from integration.xla_pass import GPU_CHAIN_TF32
+    from stitch.integration.xla_pass import GPU_CHAIN_TF32
     from stitch.cost.chain_pricing import chain_dims
     from stitch.schedule.chain_tiling import buildable
     # As the GPU pass plans: f32 chains may use TF32 where the dots allow it.
@@ -95,9 +95,9 @@ def test_graphs_without_chains_plan_as_before():
 
 
 def test_compile_builds_the_planned_chain_kernel_and_it_matches():
-    """stitch.compile lowers a gemm_chain kernel as planned (codegen.gemm_chain) and the host
+    """stitch.compile lowers a gemm_chain kernel as planned (stitch.codegen.gemm_chain) and the host
     run matches the evaluator with poisoned outputs."""
-    import hlo_passes
+    import stitch.hlo_passes
     from stitch import models
     from tests.test_compile import assert_close
     text = (DATA / "gemm_chain_g2" / "tiny.gpu-h100.hlo").read_text()
@@ -107,7 +107,7 @@ def test_compile_builds_the_planned_chain_kernel_and_it_matches():
     assert chains[0].name in {k.name for k in exe.kernels} or \
         any(k.members == tuple(chains[0].members) for k in exe.kernels)
     args = models.build("gemm_chain_g2", "tiny").random_args(7)
-    assert_close(exe(*args), hlo_passes.evaluate(exe.module, args), 1e-4, "g2 tiny")
+    assert_close(exe(*args), stitch.hlo_passes.evaluate(exe.module, args), 1e-4, "g2 tiny")
 
 
 def test_render_and_summary_accept_the_new_kind():
@@ -129,8 +129,8 @@ def test_cli_json_carries_the_chain_schedule(capsys):
 
 
 def test_one_model_prices_the_chain_and_the_gemms_it_replaces():
-    from hlo_passes.graph import build_op_graphs
-    from hlo_passes.parser import parse_hlo
+    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo_passes.parser import parse_hlo
     from stitch.cost.chain_pricing import chain_price, xla_gemm_cost
     from stitch.cost.delta import CostModel
     from stitch.cost.gpu_specs import get_spec

@@ -1,4 +1,4 @@
-"""Kernel IR kernels as XLA FFI custom calls (codegen.ffi, codegen.ffi_cuda).
+"""Kernel IR kernels as XLA FFI custom calls (stitch.codegen.ffi, stitch.codegen.ffi_cuda).
 
 Three layers: the struct layouts against ctypes mirrors written from c_api.h; the handlers
 called directly with call frames built in ctypes (CPU handler: probe, errors, results; CUDA
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from codegen import ffi, ffi_cuda, kir
-from codegen.errors import CodegenError
-from codegen.host import NUMPY_DTYPES, compile_host, emit_host_ir
-from codegen.kir import (Assign, Binary, BlockIdx, For, If, Kernel, Let, Load, Local, Param,
-                         Select, Store, ThreadIdx, Unary, WarpReduce, f32, i32)
+from stitch.codegen import ffi, ffi_cuda, kir
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.host import NUMPY_DTYPES, compile_host, emit_host_ir
+from stitch.codegen.kir import (Assign, Binary, BlockIdx, For, If, Kernel, Let, Load, Local, Param,
+                                Select, Store, ThreadIdx, Unary, WarpReduce, f32, i32)
 from tests.test_kir_host import (GLOBAL_ID, LANE, WARP, add, block_softmax_kernel,
                                  elementwise_kernel, eq, lt, mul, poisoned, softmax_ref,
                                  tiled_sum_kernel, v32, vf, warp_softmax_kernel)
@@ -33,7 +33,7 @@ _ENGINES: list = []  # engines of handlers compiled here: their code must outliv
 
 # ---------------------------------------------------------------- c_api.h in ctypes
 # Written from jaxlib/include/xla/ffi/api/c_api.h (jaxlib 0.10.2) independently of the
-# llvmlite layouts in codegen.ffi, which are checked against these.
+# llvmlite layouts in stitch.codegen.ffi, which are checked against these.
 
 c_size_t, c_void_p, c_int, c_int64 = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -414,7 +414,7 @@ def test_targets_are_cached_and_named_by_content() -> None:
 
 def test_handler_object_code_cache(tmp_path) -> None:
     """A second build of the same handler loads its object code from the compile cache."""
-    from codegen.cache import CompileCache
+    from stitch.codegen.cache import CompileCache
     k = ew_kernel("cached")
     kernel_ir, scratch = emit_host_ir(k)
     handler_ir = ffi.emit_host_handler_ir(k, "cached_handler", scratch_bytes=scratch)

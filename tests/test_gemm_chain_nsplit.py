@@ -1,7 +1,7 @@
 """n split across blocks in the GEMM chain kernel (issue 20, helper nsplit): ``n_split`` blocks
 share each output tile, each summing the second GEMM over its share of n; their f32 partials
 go to global scratch, and after a grid barrier the grid adds them in split order and stores
-the result (codegen.gemm_chain, module docstring). Tiny chains with an elementwise op between
+the result (stitch.codegen.gemm_chain, module docstring). Tiny chains with an elementwise op between
 the GEMMs and sizes that fill no tile, and a masked softmax (FlashDecoding's split-KV
 combine by the splits' row maxima and sums), run on the host target (fresh random inputs, NaN-poisoned
 outputs) against the reference evaluator (f32 1e-4, bf16 2e-2); the PTX assembles for sm_80 /
@@ -16,10 +16,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from codegen import kir
-from codegen.errors import CodegenError
-from codegen.gemm_chain import ChainTiling, lower_gemm_chain
-from hlo_passes.evaluator import evaluate
+from stitch.codegen import kir
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
+from stitch.hlo_passes.evaluator import evaluate
 from stitch.cost.gemm_tile import (ChainDims, GemmChainSchedule, chain_cost, chain_grid,
                                    partial_bytes)
 from stitch.cost.gpu_specs import get_spec
@@ -156,8 +156,8 @@ def test_other_row_reductions_over_n_refuse_the_split() -> None:
 @pytest.mark.parametrize("model", ("gemm_chain_g4", "attention_vit_huge"))
 def test_full_size_split_assembles_without_spills(model: str, dtype: str, arch: str) -> None:
     _ptxas_or_skip(arch)
-    from codegen.nvptx import emit_ptx
-    from codegen.toolchain import assemble
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import assemble
     text = _fixture(model, "full", "gpu-h100")
     _, graph, chain = _load(_narrow(text, dtype) if dtype != "f32" else text)
     tiling = ChainTiling(block_m=64, block_n=64, threads=128, thread_m=1, thread_n=1,

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from codegen import toolchain
-from codegen.errors import ToolchainError
-from codegen.gemm_chain import lower_gemm_chain
-from codegen.nvptx import emit_ptx
-from hlo_passes.gemm_chains import find_gemm_chains
-from hlo_passes.graph import build_op_graphs
-from hlo_passes.parser import parse_hlo
+from stitch.codegen import toolchain
+from stitch.codegen.errors import ToolchainError
+from stitch.codegen.gemm_chain import lower_gemm_chain
+from stitch.codegen.nvptx import emit_ptx
+from stitch.hlo_passes.gemm_chains import find_gemm_chains
+from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo_passes.parser import parse_hlo
 from stitch.cost import chain_pricing
 from stitch.cost.chain_pricing import chain_dims, chain_price
 from stitch.cost.gemm_tile import GemmChainSchedule, chain_registers
@@ -112,7 +112,7 @@ def test_spill_bytes_builds_through_the_compile_cache(monkeypatch, tmp_path):
     """The real check: ptxas's spill count of the kernel codegen builds for the schedule,
     emitted and assembled once; a second process (here: a fresh cache object on the same
     directory) reads both from the on-disk cache."""
-    from codegen.cache import CompileCache
+    from stitch.codegen.cache import CompileCache
     graph, chain = _chain("attention_bert_base", "h100")
     spec = get_spec("h100")
     schedule = chain_price(graph, chain, spec, tf32=True, check_spills=False).schedule
@@ -123,7 +123,7 @@ def test_spill_bytes_builds_through_the_compile_cache(monkeypatch, tmp_path):
     assert len(stored) >= 2                 # the PTX and the cubin
     monkeypatch.setattr(chain_pricing, "_CACHE", [CompileCache(tmp_path)])
     emitted = []
-    import codegen.gpu_cache as gpu_cache
+    import stitch.codegen.gpu_cache as gpu_cache
     monkeypatch.setattr(gpu_cache, "run_isolated",
                         lambda *a, **k: emitted.append(a) or pytest.fail("emitted again"))
     assert chain_pricing.spill_bytes(graph, chain, schedule, spec) == 0

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from hlo_passes import gemm_chains
-from hlo_passes.graph import build_op_graphs
-from hlo_passes.op_classes import OpClass
-from hlo_passes.parser import parse_hlo
+from stitch.hlo_passes import gemm_chains
+from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.parser import parse_hlo
 
 
 def _residual_mlp(layers: int, seed: int = 0, side: bool = False) -> str:

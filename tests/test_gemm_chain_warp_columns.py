@@ -1,4 +1,4 @@
-"""Warp columns in the tensor-core chain kernel (codegen.gemm_chain, ``ChainTiling.warp_cols``):
+"""Warp columns in the tensor-core chain kernel (stitch.codegen.gemm_chain, ``ChainTiling.warp_cols``):
 several warps share the same 16 rows, each on its own slice of every n step, and the first
 folds the others' partial results in at the end (a sum; after a softmax FlashAttention's
 split-KV combine of row maxima and sums). Run on the host target with fresh random inputs
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from codegen.errors import CodegenError
-from codegen.gemm_chain import ChainTiling, lower_gemm_chain
-from codegen.nvptx import emit_ptx
-from codegen.toolchain import assemble
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
+from stitch.codegen.nvptx import emit_ptx
+from stitch.codegen.toolchain import assemble
 from tests.test_lowering_gemm_chain import (_EDGE, _GATED, _NORMALIZED, _check, _check_tf32,
                                             _fixture, _load, _narrow, _ptxas_or_skip)
 

@@ -9,12 +9,12 @@ import math
 import numpy as np
 import pytest
 
-from codegen import kir
-from codegen.errors import CodegenError
-from codegen.host import compile_host
-from codegen.kir import (Binary, Compare, For, GlobalScratch, GridBarrier, If, Kernel, Let,
-                         Load, Local, Assign, Param, Ref, Store, ThreadIdx, WarpReduce, i32)
-from codegen.printer import format_kernel
+from stitch.codegen import kir
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.host import compile_host
+from stitch.codegen.kir import (Binary, Compare, For, GlobalScratch, GridBarrier, If, Kernel, Let,
+                                Load, Local, Assign, Param, Ref, Store, ThreadIdx, WarpReduce, i32)
+from stitch.codegen.printer import format_kernel
 
 # ---------------------------------------------------------------- Kernel IR
 
@@ -116,7 +116,7 @@ def test_grid_barrier_validation():
 
 @pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_90"])
 def test_grid_barrier_ptx_assembles_without_spills(arch):
-    from codegen.nvptx import default_libdevice_path, emit_ptx
+    from stitch.codegen.nvptx import default_libdevice_path, emit_ptx
     if default_libdevice_path() is None:
         pytest.skip("no libdevice")
     from tests.test_kir_nvptx import assemble
@@ -131,12 +131,12 @@ def test_grid_barrier_ptx_assembles_without_spills(arch):
 
 # ---------------------------------------------------------------- stitched kernels
 
-from codegen.lower import lower_kernel, reference_values, run_on_host  # noqa: E402
-from codegen.values import leaf  # noqa: E402
-from hlo_passes import parse_hlo  # noqa: E402
-from hlo_passes.evaluator.dtypes import numpy_dtype  # noqa: E402
-from hlo_passes.evaluator.interpreter import Evaluator  # noqa: E402
-from hlo_passes.graph import build_op_graphs  # noqa: E402
+from stitch.codegen.lower import lower_kernel, reference_values, run_on_host  # noqa: E402
+from stitch.codegen.values import leaf  # noqa: E402
+from stitch.hlo_passes import parse_hlo  # noqa: E402
+from stitch.hlo_passes.evaluator.dtypes import numpy_dtype  # noqa: E402
+from stitch.hlo_passes.evaluator.interpreter import Evaluator  # noqa: E402
+from stitch.hlo_passes.graph import build_op_graphs  # noqa: E402
 from stitch.cost.gpu_specs import get_spec  # noqa: E402
 from stitch.explorer.feasibility import analyze_pattern, infeasible_reason  # noqa: E402
 from stitch.schedule import ScheduleError, schedule_kernel  # noqa: E402
@@ -296,7 +296,7 @@ def test_zoo_column_reduce_broadcast_runs_globally_and_the_tuner_prefers_it():
 
 @pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_90"])
 def test_global_kernels_ptx_assembles_without_spills(arch):
-    from codegen.nvptx import default_libdevice_path, emit_ptx
+    from stitch.codegen.nvptx import default_libdevice_path, emit_ptx
     if default_libdevice_path() is None:
         pytest.skip("no libdevice")
     from tests.test_kir_nvptx import assemble
@@ -320,7 +320,7 @@ def test_global_kernels_ptx_assembles_without_spills(arch):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_ffi_host_handler_runs_the_whole_grid_in_one_worker(threads):
-    from codegen import ffi
+    from stitch.codegen import ffi
     from tests.test_ffi import FakeXla
     kernel = normalize_kernel(3000, 6, 64)
     target = ffi.host_ffi_target(kernel, threads=threads)
@@ -333,7 +333,7 @@ def test_ffi_host_handler_runs_the_whole_grid_in_one_worker(threads):
 def test_cuda_handler_launches_grid_barrier_kernels_cooperatively():
     """A grid barrier needs every block resident: the handler makes a cooperative launch
     (the driver's guarantee) for such a kernel and a plain launch for any other."""
-    from codegen import ffi_cuda
+    from stitch.codegen import ffi_cuda
     from tests.test_ffi import FakeDriver, FakeXla
     from tests.test_kir_host import elementwise_kernel, mul
     driver = FakeDriver(current=0x10)
@@ -362,7 +362,7 @@ def test_cuda_handler_relaunches_a_relaunch_kernel_once_per_phase():
     failed launch stops the sequence and names which launch failed."""
     import dataclasses
 
-    from codegen import ffi_cuda
+    from stitch.codegen import ffi_cuda
     from tests.test_ffi import FakeDriver, FakeXla
     driver = FakeDriver(current=0x10)
     loaded = [ffi_cuda.LoadedFunction(0, 0x10, 0x20, 0x30)]
@@ -371,7 +371,7 @@ def test_cuda_handler_relaunches_a_relaunch_kernel_once_per_phase():
     _, engine, address = ffi_cuda.build_cuda_handler(kernel, "relaunch_test",
                                                      loaded, driver.symbols)
     driver.n_params = len(kernel.params)
-    from codegen.host import NUMPY_DTYPES
+    from stitch.codegen.host import NUMPY_DTYPES
     arrays = [np.ones(p.size, NUMPY_DTYPES[p.dtype]) for p in kernel.params]
     inputs = [a for a, p in zip(arrays, kernel.params) if not p.is_output]
     outputs = [a for a, p in zip(arrays, kernel.params) if p.is_output]
@@ -396,7 +396,7 @@ def test_relaunch_ptx_runs_one_phase_per_launch_without_waiting(arch):
     phase counter advanced by the last block to arrive; assembles without spills."""
     import dataclasses
 
-    from codegen.nvptx import default_libdevice_path, emit_ptx
+    from stitch.codegen.nvptx import default_libdevice_path, emit_ptx
     if default_libdevice_path() is None:
         pytest.skip("no libdevice")
     from tests.test_kir_nvptx import assemble
@@ -421,7 +421,7 @@ def test_relaunch_ptx_runs_one_phase_per_launch_without_waiting(arch):
 
 
 def test_grid_barrier_kernels_are_capped_at_the_registers_the_grid_was_sized_for():
-    from codegen.nvptx import GRID_BARRIER_MAX_REGISTERS, default_libdevice_path, emit_ptx
+    from stitch.codegen.nvptx import GRID_BARRIER_MAX_REGISTERS, default_libdevice_path, emit_ptx
     from stitch.schedule.global_scope import GLOBAL_REGISTERS
     assert GRID_BARRIER_MAX_REGISTERS == GLOBAL_REGISTERS
     if default_libdevice_path() is None:
@@ -468,7 +468,7 @@ ENTRY e {""")
 
 
 def test_compile_plans_and_runs_the_global_kernel_end_to_end():
-    import hlo_passes
+    import stitch.hlo_passes
     from stitch import compiler
     module = parse_hlo(HEAD + NORMALIZE + "\n}\n")
     exe = compiler.compile(module, "h100", cache=False, poison_outputs=True)
@@ -477,7 +477,7 @@ def test_compile_plans_and_runs_the_global_kernel_end_to_end():
     assert len(kernels) == 1 and "global" in kernels[0].schemes
     x = np.random.default_rng().standard_normal((300, 257)).astype(np.float32)
     got, = exe(x)
-    want, = hlo_passes.evaluate(module, [x])
+    want, = stitch.hlo_passes.evaluate(module, [x])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
@@ -498,7 +498,7 @@ def test_a_value_two_units_write_is_read_from_the_first():
     """Regression (seen when the global scope changed bert_layer_train's plan): a
     broadcast recomputed and written by two kernels was keyed by the later one, so a kernel
     between them that reads it seemed to wait for a kernel that waits for it."""
-    from hlo_passes.graph_exec import GraphRunner, Unit
+    from stitch.hlo_passes.graph_exec import GraphRunner, Unit
     module = parse_hlo("""HloModule m
 ENTRY e {
   x = f32[4] parameter(0)
@@ -554,7 +554,7 @@ def test_out_of_bounds_scratch_access_is_named():
                      Store("out", ThreadIdx(), Load(scratch, i32(0)))), (scratch,))
     with pytest.raises(CodegenError, match=r"parts\[4\]"):
         compile_host(kernel)(np.zeros(64, np.float32))
-    from codegen import ffi
+    from stitch.codegen import ffi
     from tests.test_ffi import FakeXla
     target = ffi.host_ffi_target(kernel, threads=2)
     xla = FakeXla()

@@ -1,9 +1,9 @@
 """The GPU build's shortcuts give the same code as the long way (issue 17's compile cost):
 
 - kernels that differ only by their names and their parameters' names are emitted once and
-  renamed (``codegen.gpu_cache.distinct_kernels`` / ``renamed_ptx``): the renamed PTX is the
+  renamed (``stitch.codegen.gpu_cache.distinct_kernels`` / ``renamed_ptx``): the renamed PTX is the
   PTX of emitting each kernel itself, and kernels that differ in anything else stay apart;
-- libdevice is linked as the subset a kernel calls (``codegen.nvptx._libdevice_subset``):
+- libdevice is linked as the subset a kernel calls (``stitch.codegen.nvptx._libdevice_subset``):
   the PTX is the PTX of linking all of libdevice;
 - a constant integer divisor is emitted without the divide-by-zero guard: XLA's semantics
   still hold (checked on the host target against numpy);
@@ -19,11 +19,11 @@ import pytest
 
 import llvmlite.binding as llvm
 
-from codegen import kir, nvptx
-from codegen.gpu_cache import (CANONICAL_NAME, distinct_kernels, renamed_ptx,
-                               structure_key)
-from codegen.host import NUMPY_DTYPES
-from codegen.kir import Binary, Const, Kernel, Param, Unary
+from stitch.codegen import kir, nvptx
+from stitch.codegen.gpu_cache import (CANONICAL_NAME, distinct_kernels, renamed_ptx,
+                                      structure_key)
+from stitch.codegen.host import NUMPY_DTYPES
+from stitch.codegen.kir import Binary, Const, Kernel, Param, Unary
 from tests.test_kir_host import (_xla_divrem, elementwise_kernel, run_elementwise,
                                  warp_softmax_kernel)
 
@@ -136,9 +136,9 @@ def test_constant_divisors_keep_xla_semantics(dtype: str) -> None:
 def test_one_ptxas_run_stands_for_the_renamed_copies() -> None:
     """``renamed_cubin_build``: ptxas's report of the canonical PTX is the report of each
     renamed copy's own PTX (same registers, spills, shared memory), filed under its name."""
-    from codegen.errors import ToolchainError
-    from codegen.gpu_cache import assemble_cached, canonical_kernel, renamed_cubin_build
-    from codegen.toolchain import find_ptxas
+    from stitch.codegen.errors import ToolchainError
+    from stitch.codegen.gpu_cache import assemble_cached, canonical_kernel, renamed_cubin_build
+    from stitch.codegen.toolchain import find_ptxas
     try:
         find_ptxas("sm_90")
     except ToolchainError:
@@ -150,7 +150,7 @@ def test_one_ptxas_run_stands_for_the_renamed_copies() -> None:
                           kernel_name=kernel.name)
     renamed = renamed_cubin_build(group, kernel.name)
     assert renamed.reports == own.reports and list(renamed.reports) == [kernel.name]
-    from codegen.objcheck import cubin_problem
+    from stitch.codegen.objcheck import cubin_problem
     assert cubin_problem(renamed.cubin) is None     # a valid sm_90 cubin (canonical names)
 
 
@@ -165,8 +165,8 @@ def _doubling_dag(depth: int, leaf: kir.Expr) -> kir.Expr:
 
 def test_validation_walks_shared_subexpressions_once() -> None:
     import time
-    from codegen.errors import CodegenError
-    from codegen.kir import Ref
+    from stitch.codegen.errors import CodegenError
+    from stitch.codegen.kir import Ref
     kernel = elementwise_kernel("dag", ["f32"], "f32", 256,
                                 lambda x: _doubling_dag(40, x))   # 2**40 paths
     start = time.perf_counter()
@@ -181,8 +181,8 @@ def test_validation_walks_shared_subexpressions_once() -> None:
 
 def test_renamed_copy_of_a_valid_kernel_is_not_walked_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from codegen.errors import CodegenError
-    from codegen.gpu_cache import canonical_kernel
+    from stitch.codegen.errors import CodegenError
+    from stitch.codegen.gpu_cache import canonical_kernel
 
     walks: list[str] = []
     real_run = kir._Checker.run
@@ -204,7 +204,7 @@ def test_renamed_copy_of_a_valid_kernel_is_not_walked_again(
 def _warm_state() -> tuple[int, int, bool]:
     """In a PTX child: the source digests it holds, the compile caches it has open, and
     whether the default one is among them (asking for it is then a hit)."""
-    from codegen import cache, gpu_cache
+    from stitch.codegen import cache, gpu_cache
     opened = gpu_cache._child_cache.cache_info()
     gpu_cache._child_cache(str(cache.default_cache_dir()))
     return (cache.source_digest.cache_info().currsize, opened.currsize,
@@ -216,8 +216,8 @@ def test_a_ptx_child_warms_the_key_facts_and_the_cache_as_it_starts(monkeypatch,
     source digest, versions) and open the compile cache as they start (while the pass
     still plans): a kernel's build finds them ready. GpuPrebuild names that cache to them,
     opened in the calling thread, not in a build thread."""
-    from codegen.isolation import IsolatedWorker
-    from integration import ptx_children, xla_pass
+    from stitch.codegen.isolation import IsolatedWorker
+    from stitch.integration import ptx_children, xla_pass
 
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(xla_pass, "_CACHE", None)
@@ -239,8 +239,8 @@ def test_a_ptx_child_warms_the_key_facts_and_the_cache_as_it_starts(monkeypatch,
 def test_a_structure_keyed_ptx_entry_serves_kernels_equal_but_for_names(tmp_path) -> None:
     """GpuPrebuild keys a canonical kernel's PTX by the structure key it already has: a
     kernel equal but for its parameters' names is a cache hit, with the same PTX."""
-    from codegen.cache import CompileCache
-    from codegen.gpu_cache import canonical_kernel, emit_ptx_cached, ptx_key
+    from stitch.codegen.cache import CompileCache
+    from stitch.codegen.gpu_cache import canonical_kernel, emit_ptx_cached, ptx_key
 
     cache = CompileCache(tmp_path / "cache")
     a = canonical_kernel(_layer("main_k3", 0.5))
@@ -259,9 +259,9 @@ def test_a_kernels_build_in_its_child_assembles_as_asked_and_caches(monkeypatch,
     """``build_in_child`` (what a PTX child runs for the pass): the PTX always, ptxas's
     result per ``assembly`` — "none" none, "must" the cubin or ptxas's error raised, "try"
     the cubin or the error handed back — and both through the cache it names."""
-    from codegen import gpu_cache
-    from codegen.errors import CodegenError, ToolchainError
-    from codegen.toolchain import find_ptxas
+    from stitch.codegen import gpu_cache
+    from stitch.codegen.errors import CodegenError, ToolchainError
+    from stitch.codegen.toolchain import find_ptxas
 
     try:
         find_ptxas("sm_90")
@@ -301,8 +301,8 @@ def test_a_bad_llvm_pipeline_setting_fails_the_gpu_build_once(monkeypatch, tmp_p
     module to XLA), a known one other than the default is logged."""
     import logging
 
-    from codegen.errors import CodegenError
-    from integration import xla_pass
+    from stitch.codegen.errors import CodegenError
+    from stitch.integration import xla_pass
 
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path / "cache"))
     request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True)

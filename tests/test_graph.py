@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 
-from hlo_passes import Instruction, Shape, parse_hlo
-from hlo_passes.graph import OpGraph, build_op_graphs
-from hlo_passes.ir import Computation, HloModule
-from hlo_passes.kernels import FREE_OPS, count_kernels
-from hlo_passes.op_classes import OpClass, classify, classify_with, is_kernel_boundary
+from stitch.hlo_passes import Instruction, Shape, parse_hlo
+from stitch.hlo_passes.graph import OpGraph, build_op_graphs
+from stitch.hlo_passes.ir import Computation, HloModule
+from stitch.hlo_passes.kernels import FREE_OPS, count_kernels
+from stitch.hlo_passes.op_classes import OpClass, classify, classify_with, is_kernel_boundary
 from tests.fixtures import fixture_id, tf_fixture_files, zoo_fixture_files
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from codegen.errors import CodegenError
-from codegen.kir import MAX_INDEX_ELEMENTS, Kernel, Param
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.kir import MAX_INDEX_ELEMENTS, Kernel, Param
 
 # GPT-2 logits at 64k tokens: f32[65536,50257] = 3.3e9 elements.
 SOFTMAX_64K = """HloModule softmax64k

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from codegen import isolation
-from codegen.errors import CodegenError, IsolatedCrash
-from codegen.isolation import IsolatedWorker, run_isolated
+from stitch.codegen import isolation
+from stitch.codegen.errors import CodegenError, IsolatedCrash
+from stitch.codegen.isolation import IsolatedWorker, run_isolated
 
 
 # Top-level so they pickle by reference into the child.
@@ -184,11 +184,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 def test_child_is_a_fresh_interpreter_not_a_fork():
     assert isolation.START_METHOD == "subprocess"
-    import codegen.isolation_child as child_module
+    import stitch.codegen.isolation_child as child_module
     # The child never imports the parent's __main__ (pytest's here).
     assert "pytest" not in run_isolated(main_module_file)
     assert run_isolated(main_module_file).endswith("isolation_child.py")
-    assert child_module.__name__ == "codegen.isolation_child"
+    assert child_module.__name__ == "stitch.codegen.isolation_child"
 
 
 def main_module_file() -> str:
@@ -204,15 +204,15 @@ def _run_script(tmp_path: pathlib.Path, body: str, **kwargs) -> subprocess.Popen
 
 
 def test_script_without_main_guard_runs_once_and_emits_ptx(tmp_path):
-    from codegen.nvptx import default_libdevice_path
+    from stitch.codegen.nvptx import default_libdevice_path
     if default_libdevice_path() is None:
         pytest.skip("no libdevice.10.bc")
     # A training script's shape: no `if __name__ == "__main__":`, top level does the work.
     proc = _run_script(tmp_path, """
         print("TOP-LEVEL-MARKER", flush=True)
-        from codegen.isolation import run_isolated
-        from codegen.kir import Unary
-        from codegen.nvptx import emit_ptx
+        from stitch.codegen.isolation import run_isolated
+        from stitch.codegen.kir import Unary
+        from stitch.codegen.nvptx import emit_ptx
         from tests.test_kir_host import elementwise_kernel
         kernel = elementwise_kernel("scaled_tanh", ["f32"], "f32", 1000, lambda x: Unary("tanh", x))
         ptx = run_isolated(emit_ptx, kernel, "sm_80")
@@ -226,8 +226,8 @@ def test_script_without_main_guard_runs_once_and_emits_ptx(tmp_path):
 
 def test_function_from_main_is_refused_with_a_clear_error(tmp_path):
     proc = _run_script(tmp_path, """
-        from codegen.errors import CodegenError
-        from codegen.isolation import run_isolated
+        from stitch.codegen.errors import CodegenError
+        from stitch.codegen.isolation import run_isolated
         def work():
             return 1
         try:
@@ -251,7 +251,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_stops_the_caller_and_its_child(tmp_path):
     proc = _run_script(tmp_path, """
-        from codegen.isolation import IsolatedWorker
+        from stitch.codegen.isolation import IsolatedWorker
         from tests.test_isolation import child_pid, sleep_for
         worker = IsolatedWorker()
         print(worker.call(child_pid), flush=True)
@@ -281,11 +281,11 @@ def modules_loaded(*names: str) -> list[bool]:
 def test_worker_started_ahead_preloads_and_serves_calls():
     """``start`` spawns the child before the first call (its imports overlap the caller's
     work); that child, with ``preload`` imported, serves the calls."""
-    with IsolatedWorker(preload=("codegen.nvptx",)) as worker:
+    with IsolatedWorker(preload=("stitch.codegen.nvptx",)) as worker:
         worker.start()
         pid = worker.pid
         assert pid is not None and pid != os.getpid()
-        assert worker.call(modules_loaded, "codegen.nvptx", "llvmlite.binding") == [True, True]
+        assert worker.call(modules_loaded, "stitch.codegen.nvptx", "llvmlite.binding") == [True, True]
         assert worker.call(child_pid) == pid and worker.starts == 1
 
 
@@ -335,7 +335,7 @@ def test_worker_warms_its_child_once_before_the_first_call():
 
 
 def test_worker_started_but_unused_closes_without_waiting():
-    worker = IsolatedWorker(preload=("codegen.nvptx", "numpy"))
+    worker = IsolatedWorker(preload=("stitch.codegen.nvptx", "numpy"))
     worker.start()
     child = worker._child
     start = time.perf_counter()
@@ -367,7 +367,7 @@ def test_worker_stop_is_an_orderly_exit_that_keeps_the_childs_stderr(monkeypatch
 def test_a_worker_killed_for_good_starts_no_child_again():
     """At exit the pass's children are killed for good: a build thread's next call must not
     start a fresh interpreter behind the exiting process's back."""
-    from hlo_passes.errors import Cancelled
+    from stitch.hlo_passes.errors import Cancelled
     worker = IsolatedWorker(name="final-test")
     try:
         assert worker.call(sum, [1, 2]) == 3

@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 
-from codegen import kir
-from codegen.gpu_cache import kernel_ir_text, structure_key
+from stitch.codegen import kir
+from stitch.codegen.gpu_cache import kernel_ir_text, structure_key
 
 
 def _doubling(depth: int, leaf: kir.Expr, shared: bool = True) -> kir.Expr:

@@ -10,13 +10,13 @@ import math
 import numpy as np
 import pytest
 
-from codegen import kir
-from codegen.errors import CodegenError
-from codegen.host import NUMPY_DTYPES, compile_host
-from codegen.kir import (Assign, Barrier, Binary, BlockDim, BlockIdx, Compare, Const, Convert,
-                         For, GridDim, If, Kernel, Let, Load, Local, Param, Ref, Select, Shared,
-                         Store, ThreadIdx, Unary, WarpReduce, WarpShuffle, f32, i32)
-from codegen.printer import format_kernel
+from stitch.codegen import kir
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.host import NUMPY_DTYPES, compile_host
+from stitch.codegen.kir import (Assign, Barrier, Binary, BlockDim, BlockIdx, Compare, Const, Convert,
+                                For, GridDim, If, Kernel, Let, Load, Local, Param, Ref, Select, Shared,
+                                Store, ThreadIdx, Unary, WarpReduce, WarpShuffle, f32, i32)
+from stitch.codegen.printer import format_kernel
 
 RNG = np.random.default_rng
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from codegen import kir
-from codegen.errors import CodegenError
-from codegen.kir import (Binary, Compare, Const, Convert, Kernel, Let, Load, Param, Ref, Select,
-                         Store, ThreadIdx, Unary, WarpReduce, f32, i32)
-from codegen.nvptx import LlvmPipeline, default_libdevice_path, emit_llvm_ir, emit_ptx
+from stitch.codegen import kir
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.kir import (Binary, Compare, Const, Convert, Kernel, Let, Load, Param, Ref, Select,
+                                Store, ThreadIdx, Unary, WarpReduce, f32, i32)
+from stitch.codegen.nvptx import LlvmPipeline, default_libdevice_path, emit_llvm_ir, emit_ptx
 from tests.test_kir_host import (UNARY_CASES, block_softmax_kernel, elementwise_kernel,
                                  tiled_sum_kernel, warp_softmax_kernel)
 
@@ -28,9 +28,9 @@ pytestmark = pytest.mark.skipif(default_libdevice_path() is None, reason="no lib
 @functools.lru_cache(maxsize=None)
 def ptxas_for(arch: str) -> str | None:
     """A ptxas that knows `arch` (CUDA 13 dropped sm_70; the CUDA 12 wheel of the `test`
-    extra still has it), as codegen.toolchain picks it."""
-    from codegen.errors import ToolchainError
-    from codegen.toolchain import find_ptxas
+    extra still has it), as stitch.codegen.toolchain picks it."""
+    from stitch.codegen.errors import ToolchainError
+    from stitch.codegen.toolchain import find_ptxas
     try:
         return str(find_ptxas(arch))
     except ToolchainError:
@@ -254,7 +254,7 @@ def test_a_kernel_adding_in_place_keeps_its_inputs_aliasable():
 def test_libdevice_cut_once_per_process_links_the_same_functions(monkeypatch):
     """``warm_up`` cuts libdevice to the functions stitch calls; a kernel's own subset is then
     cut from that, and its PTX is the same as from the whole of libdevice."""
-    from codegen import nvptx
+    from stitch.codegen import nvptx
     kernel = elementwise_kernel("exp_tanh", ["f32"], "f32", 100,
                                 lambda a: Unary("tanh", Unary("exp", a)))
     nvptx._libdevice_subset.cache_clear()
@@ -293,7 +293,7 @@ def test_gvn_without_memory_dependences_keeps_a_redundant_load_and_is_put_back()
     """``LlvmPipeline(gvn_memdep=False)`` (LLVM's process-wide -enable-gvn-memdep) keeps the
     load the default removes; the setting is put back after the build, so the default's
     next build is the same as its first."""
-    from codegen.nvptx import PIPELINES
+    from stitch.codegen.nvptx import PIPELINES
     kernel = _twice_loaded_kernel()
     first = emit_ptx(kernel, "sm_90")
     without = emit_ptx(kernel, "sm_90", pipeline=PIPELINES["O3-no-memdep"])
@@ -303,7 +303,7 @@ def test_gvn_without_memory_dependences_keeps_a_redundant_load_and_is_put_back()
 
 
 def test_gvn_memdep_is_put_back_when_the_build_fails(monkeypatch):
-    from codegen import nvptx
+    from stitch.codegen import nvptx
     calls = []
     monkeypatch.setattr(nvptx.llvm, "set_option", lambda name, opt: calls.append(opt))
 
@@ -322,7 +322,7 @@ def test_gvn_memdep_is_put_back_when_the_build_fails(monkeypatch):
 def test_stitch_llvm_pipeline_names_the_pipeline(monkeypatch):
     """$STITCH_LLVM_PIPELINE picks one of PIPELINES for builds that name none; an unknown
     name is an error naming the known ones."""
-    from codegen.nvptx import DEFAULT_PIPELINE, PIPELINE_ENV, PIPELINES, pipeline_setting
+    from stitch.codegen.nvptx import DEFAULT_PIPELINE, PIPELINE_ENV, PIPELINES, pipeline_setting
     monkeypatch.delenv(PIPELINE_ENV, raising=False)
     assert pipeline_setting() is DEFAULT_PIPELINE
     assert list(PIPELINES)[0] == "O3" and PIPELINES["O3"] == DEFAULT_PIPELINE

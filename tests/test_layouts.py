@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import stitch
-from codegen.lower import lower_kernel, reference_values, run_on_host
-from hlo_passes import evaluate, parse_hlo
-from hlo_passes.evaluator.interpreter import Evaluator
+from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
+from stitch.hlo_passes import evaluate, parse_hlo
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.compiler import compile as stitch_compile
 from stitch.cost.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
@@ -283,9 +283,9 @@ def test_a_reader_falling_back_returns_the_value_to_row_major(tmp_path, monkeypa
                     reason="ptxas not found")
 @pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_90"])
 def test_relaid_kernels_assemble(arch, tmp_path, monkeypatch):
-    from codegen.toolchain import ToolchainError, assemble
-    from codegen.isolation import run_isolated
-    from codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import ToolchainError, assemble
+    from stitch.codegen.isolation import run_isolated
+    from stitch.codegen.nvptx import emit_ptx
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path))
     plan = _two_kernel_plan(BITCAST, "h100", PRODUCER)
     exe = stitch_compile(BITCAST, "h100", plan=plan, layouts=True, cache=False)
@@ -340,7 +340,7 @@ def test_every_zoo_kernel_lowers_with_random_layouts(model):
     thread and global-scope parts): each rank >= 2 input and output buffer gets a random
     layout, and the kernel run on the host (buffers transposed in and out by run_on_host,
     outputs NaN-poisoned) must give the reference evaluator's values."""
-    from codegen.errors import CodegenError
+    from stitch.codegen.errors import CodegenError
     from tests.fixtures import DATA
     from tests.test_lowering import UNSUPPORTED, _check
     module = parse_hlo((DATA / model / "tiny.gpu-h100.hlo").read_text())

@@ -9,12 +9,12 @@ import shutil
 import numpy as np
 import pytest
 
-from codegen.lower import lower_kernel
-from codegen.values import leaf
-from hlo_passes import parse_hlo
-from hlo_passes.evaluator.dtypes import numpy_dtype
-from hlo_passes.evaluator.interpreter import Evaluator
-from hlo_passes.graph import build_op_graphs
+from stitch.codegen.lower import lower_kernel
+from stitch.codegen.values import leaf
+from stitch.hlo_passes import parse_hlo
+from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import ScheduleError, schedule_kernel
 from tests.test_lowering import HEAD, _check
@@ -144,9 +144,9 @@ def test_gather_feeding_a_row_reduction(unit):
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not found")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_gather_kernels_assemble_without_spills(arch):
-    from codegen.isolation import run_isolated
-    from codegen.nvptx import emit_ptx
-    from codegen.toolchain import assemble
+    from stitch.codegen.isolation import run_isolated
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import assemble
 
     cases = [(_gather_modules(t)["embedding"], None, f"embedding_{t}") for t in ("u32", "s64")]
     cases += [(GATHER_REDUCE, unit, f"gather_softmax_{unit}") for unit in ("warp", "block")]

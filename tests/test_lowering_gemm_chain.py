@@ -1,4 +1,4 @@
-"""GEMM chain kernels (codegen.gemm_chain): every MCFuser chain / attention model's tiny
+"""GEMM chain kernels (stitch.codegen.gemm_chain): every MCFuser chain / attention model's tiny
 configuration lowered, run on the host target with fresh random inputs and NaN-poisoned
 outputs, against the reference evaluator (f32 1e-4, bf16 2e-2, f32 on TF32 tensor cores at
 the tolerance of ``tf32_tolerance``); tiles that do not divide the dims; the host's TF32
@@ -13,16 +13,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from codegen import kir
-from codegen.errors import CodegenError, ToolchainError
-from codegen.gemm_chain import ChainTiling, lower_gemm_chain
-from codegen.host import NUMPY_DTYPES, compile_host
-from hlo_passes.evaluator import evaluate
-from hlo_passes.evaluator.dtypes import numpy_dtype
-from hlo_passes.gemm_chains import GemmChain, find_gemm_chains
-from hlo_passes.graph import OpGraph, build_op_graphs
-from hlo_passes.ir import HloModule
-from hlo_passes.parser import parse_hlo
+from stitch.codegen import kir
+from stitch.codegen.errors import CodegenError, ToolchainError
+from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
+from stitch.codegen.host import NUMPY_DTYPES, compile_host
+from stitch.hlo_passes.evaluator import evaluate
+from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+from stitch.hlo_passes.gemm_chains import GemmChain, find_gemm_chains
+from stitch.hlo_passes.graph import OpGraph, build_op_graphs
+from stitch.hlo_passes.ir import HloModule
+from stitch.hlo_passes.parser import parse_hlo
 from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS
 from tests.fixtures import DATA, REDUCERS
 
@@ -113,7 +113,7 @@ def _evaluate_rna(text: str, args: list[np.ndarray], monkeypatch) -> np.ndarray:
     """The evaluator's result with every dot's operands rounded as cvt.rna.tf32 does (its
     own TF32 algorithm rounds to nearest even: on values that came out of a short GEMM,
     with their low bits mostly zero, exact ties are common enough to matter)."""
-    from hlo_passes.evaluator import linalg
+    from stitch.hlo_passes.evaluator import linalg
 
     def round_rna(algorithm: str, *operands: np.ndarray) -> list[np.ndarray]:
         assert "tf32" in algorithm.lower()
@@ -426,8 +426,8 @@ def test_tensor_cores_refuse_full_precision_f32_chains() -> None:
 
 
 def _ptxas_or_skip(arch: str) -> None:
-    from codegen.nvptx import default_libdevice_path
-    from codegen.toolchain import find_ptxas
+    from stitch.codegen.nvptx import default_libdevice_path
+    from stitch.codegen.toolchain import find_ptxas
     if default_libdevice_path() is None:
         pytest.skip("no libdevice")
     try:
@@ -446,8 +446,8 @@ def test_chain_ptx_assembles_without_spills(model: str, config: str, dtype: str,
     _ptxas_or_skip(arch)
     if config == "tiny" and dtype == "bf16":
         pytest.skip("tiny tensor-core tiles are checked on the host; full ones here")
-    from codegen.nvptx import emit_ptx
-    from codegen.toolchain import assemble
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import assemble
     _, graph, chain = _load(_narrow(_fixture(model, config, "gpu-h100"),
                                     "f32" if dtype == "tf32" else dtype))
     tiling = ChainTiling.default_for(chain, arch, allow_tf32=dtype == "tf32")
@@ -489,8 +489,8 @@ def _mma_kernel(dtype: str, warps: int = 2):
     """Each warp loads its own A[16 x k], B[k x 8], C[16 x 8] in the fragment layout of
     dtype's MMA shape (kir.MmaSync's docstring), runs one MmaSync and stores D by C's
     layout."""
-    from codegen.kir import (Binary, Kernel, Let, Load, MmaSync, Param, Ref, Store, ThreadIdx,
-                             i32)
+    from stitch.codegen.kir import (Binary, Kernel, Let, Load, MmaSync, Param, Ref, Store, ThreadIdx,
+                                    i32)
     _, _, depth = _SHAPES[dtype]
     a_size, b_size = 16 * depth, depth * 8
     a_buf, b_buf = Param("a", "f32", warps * a_size), Param("b", "f32", warps * b_size)
@@ -617,8 +617,8 @@ def test_host_tf32_rounding_is_cvt_rna(operand: str) -> None:
 @pytest.mark.parametrize("dtype", ("bf16", "f16", "tf32"))
 def test_mma_sync_ptx_is_the_tensor_core_instruction(dtype: str, arch: str) -> None:
     _ptxas_or_skip(arch)
-    from codegen.nvptx import emit_ptx
-    from codegen.toolchain import assemble
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import assemble
     ptx = emit_ptx(_mma_kernel(dtype), arch)
     m, n, k = _SHAPES[dtype]
     assert f"mma.sync.aligned.m{m}n{n}k{k}.row.col.f32.{dtype}.{dtype}.f32" in ptx
@@ -631,7 +631,7 @@ def test_mma_sync_ptx_is_the_tensor_core_instruction(dtype: str, arch: str) -> N
 def test_mma_sync_fragment_sizes_follow_the_shape() -> None:
     """tf32 (m16n8k8) takes 4 A and 2 B values per lane, bf16 (m16n8k16) 8 and 4: the
     validator refuses one shape's fragments under the other's type."""
-    from codegen.kir import Kernel, MmaSync, Param, Ref, Store, ThreadIdx, f32
+    from stitch.codegen.kir import Kernel, MmaSync, Param, Ref, Store, ThreadIdx, f32
     out = Param("d", "f32", 128, True)
 
     def kernel(dtype: str, a: int, b: int) -> Kernel:
@@ -649,7 +649,7 @@ def test_mma_sync_fragment_sizes_follow_the_shape() -> None:
 
 
 def test_mma_sync_prints() -> None:
-    from codegen.printer import format_kernel
+    from stitch.codegen.printer import format_kernel
     assert "mma_m16n8k16_bf16(" in format_kernel(_mma_kernel("bf16"))
     assert "mma_m16n8k8_tf32(" in format_kernel(_mma_kernel("tf32"))
 
@@ -662,9 +662,9 @@ def test_bert_layer_runs_with_its_chains_as_kernels(stage: str) -> None:
     """The BERT layer (tiny) with every chain (attention with its mask; in jax's form the
     FFN too) run as a chain kernel on the host, the rest by the reference ops, as the
     compiler's runner does; outputs poisoned; against the evaluator on the whole module."""
-    from hlo_passes.graph_exec import GraphRunner, NumpyBackend, Unit
-    from hlo_passes.op_classes import OpClass
-    from codegen.values import leaf
+    from stitch.hlo_passes.graph_exec import GraphRunner, NumpyBackend, Unit
+    from stitch.hlo_passes.op_classes import OpClass
+    from stitch.codegen.values import leaf
     module = parse_hlo(_fixture("bert_layer_infer", "tiny", stage))
     graphs = build_op_graphs(module)
     graph = graphs[0]

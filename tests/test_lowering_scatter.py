@@ -18,14 +18,14 @@ import shutil
 import numpy as np
 import pytest
 
-from codegen.errors import CodegenError
-from codegen.lower import lower_kernel, reference_values, run_on_host
-from codegen.values import leaf
-from hlo_passes import parse_hlo
-from hlo_passes.evaluator.dtypes import numpy_dtype
-from hlo_passes.evaluator.interpreter import Evaluator
-from hlo_passes.graph import build_op_graphs
-from hlo_passes.scatter_forms import scatter_form
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
+from stitch.codegen.values import leaf
+from stitch.hlo_passes import parse_hlo
+from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo_passes.scatter_forms import scatter_form
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.feasibility import infeasible_reason
 from stitch.schedule import ScheduleError, schedule_kernel
@@ -249,7 +249,7 @@ def test_atomic_scatter_needs_an_in_place_output():
 def test_colliding_assign_is_refused_naming_the_op():
     body = ATOMIC_CASES["embedding"].replace("to_apply=add", "to_apply=assign")
     module, graph, members = _module(body, ASSIGN_EXACT)
-    # Refused by the planner's feasibility (hlo_passes.combiners, the rule codegen applies)
+    # Refused by the planner's feasibility (stitch.hlo_passes.combiners, the rule codegen applies)
     # before codegen is asked, or by codegen.
     with pytest.raises((CodegenError, ScheduleError),
                        match=r"sc(: | \(scatter\): )scatter with combiner assign"):
@@ -332,9 +332,9 @@ def test_jax_grad_scatters_plan_lower_and_match(name, form):
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not found")
 @pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_90"])
 def test_scatter_kernels_assemble_without_spills(arch):
-    from codegen.isolation import run_isolated
-    from codegen.nvptx import emit_ptx
-    from codegen.toolchain import assemble, find_ptxas
+    from stitch.codegen.isolation import run_isolated
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import assemble, find_ptxas
 
     try:
         find_ptxas(arch)
@@ -358,8 +358,8 @@ def test_atomic_add_is_exact_under_contention_and_validated():
     """Kernel IR AtomicAdd on the host target: 64 blocks on 4 host threads add into 5
     elements (every add contends); integer adds must be exact, f32 within rounding.
     Validation refuses non-output params and storage-only dtypes."""
-    from codegen import kir
-    from codegen.host import compile_host
+    from stitch.codegen import kir
+    from stitch.codegen.host import compile_host
 
     n = 64 * 128
     for dtype, np_dtype in (("i32", np.int32), ("f32", np.float32)):
@@ -400,7 +400,7 @@ def test_atomic_add_is_exact_under_contention_and_validated():
 
 
 def _narrow_atomic_kernel(dtype: str, n: int, outputs: int):
-    from codegen import kir
+    from stitch.codegen import kir
     idx = kir.Param("idx", "i32", n)
     val = kir.Param("val", dtype, n)
     out = kir.Param("out", dtype, outputs, True)
@@ -417,7 +417,7 @@ def test_narrow_atomic_add_rounds_each_add_and_loses_none(dtype):
     thread it equals adding one update at a time, rounding each sum to the narrow type (what
     XLA's scatter-add computes); under contention (4 host threads) no add is lost — small
     integers, exact in the narrow type, must sum exactly."""
-    from codegen.host import NUMPY_DTYPES, compile_host
+    from stitch.codegen.host import NUMPY_DTYPES, compile_host
     np_dtype = NUMPY_DTYPES[dtype]
     n = 64 * 128
     run = compile_host(_narrow_atomic_kernel(dtype, n, 5))
@@ -444,8 +444,8 @@ def test_narrow_atomic_add_rounds_each_add_and_loses_none(dtype):
 
 @pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_90"])
 def test_narrow_atomic_add_ptx_assembles(arch):
-    from codegen.nvptx import emit_ptx
-    from codegen.toolchain import assemble, find_ptxas
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import assemble, find_ptxas
     try:
         find_ptxas(arch)
     except Exception:  # noqa: BLE001 - no ptxas for this arch here
@@ -526,8 +526,7 @@ def test_compiled_jax_grad_runs_its_scatters_as_kernels(name):
     evaluator, and the results match the evaluator."""
     from stitch import compiler
 
-    import hlo_passes
-
+    import stitch.hlo_passes
     module = parse_hlo(_jax_hlo(name))
     exe = compiler.compile(module, "h100", cache=False, poison_outputs=True)
     assert not exe.fallbacks, exe.fallbacks
@@ -542,7 +541,7 @@ def test_compiled_jax_grad_runs_its_scatters_as_kernels(name):
                     else rng.integers(-3, 53 if name == "xent" else 23,
                                       p.shape.dims).astype(dtype))
     got = exe(*args)
-    want = hlo_passes.evaluate(module, args)
+    want = stitch.hlo_passes.evaluate(module, args)
     want = want if isinstance(want, (list, tuple)) else [want]
     got = got if isinstance(got, (list, tuple)) else [got]
     for g, w in zip(got, want):

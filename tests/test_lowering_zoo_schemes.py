@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 import stitch
-from codegen.errors import CodegenError
-from codegen.lower import lower_kernel, reference_values, run_on_host
-from hlo_passes import parse_hlo
-from codegen.values import leaf
-from hlo_passes.evaluator.dtypes import numpy_dtype
-from hlo_passes.evaluator.interpreter import Evaluator
-from hlo_passes.graph_exec import GraphRunner
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
+from stitch.hlo_passes import parse_hlo
+from stitch.codegen.values import leaf
+from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes.graph_exec import GraphRunner
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import ScheduleError, schedule_kernel
 from tests.fixtures import BF16_TOLERANCE, zoo_fixture

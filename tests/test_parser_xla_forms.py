@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from hlo_passes import HloParseError, evaluate, parse_hlo, print_hlo
+from stitch.hlo_passes import HloParseError, evaluate, parse_hlo, print_hlo
 
 CORPUS = pathlib.Path(__file__).parent / "data" / "corpus"
 MODULES = sorted(CORPUS.glob("*.hlo.txt"))

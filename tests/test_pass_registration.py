@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from integration import xla_pass
+from stitch.integration import xla_pass
 
 jax = pytest.importorskip("jax")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from integration import ptx_children, xla_pass
-from integration.xla_pass import PassRequest
+from stitch.integration import ptx_children, xla_pass
+from stitch.integration.xla_pass import PassRequest
 
 
 def _idle(worker) -> bool:
@@ -129,8 +129,8 @@ def test_exit_kills_the_children_and_their_files(tmp_path) -> None:
     import time
     script = (
         "import os, time\n"
-        "from codegen.isolation import IsolatedWorker\n"
-        "from integration import ptx_children\n"
+        "from stitch.codegen.isolation import IsolatedWorker\n"
+        "from stitch.integration import ptx_children\n"
         "(w,) = ptx_children.acquire(1)\n"
         "w.call(time.sleep, 0)\n"
         "print(w.pid, w._stderr_path, flush=True)\n")

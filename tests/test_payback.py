@@ -1,4 +1,4 @@
-"""integration.payback: on the GPU path a stitched kernel is built only when its modeled
+"""stitch.integration.payback: on the GPU path a stitched kernel is built only when its modeled
 saving per step repays its estimated build within STITCH_PAYBACK_STEPS steps; kernels of
 one structure (built once) repay it together."""
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hlo_passes import parse_hlo
-from hlo_passes.evaluator.interpreter import Evaluator
-from integration import payback, xla_pass
-from integration.code_budget import statements
+from stitch.hlo_passes import parse_hlo
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.integration import payback, xla_pass
+from stitch.integration.code_budget import statements
 from stitch.cost.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.planner import ExplorerOptions, plan
@@ -90,7 +90,7 @@ def test_the_gpu_pass_leaves_kernels_that_do_not_pay_to_xla(monkeypatch):
 
 
 def test_copies_of_one_structure_repay_its_build_together(monkeypatch):
-    from codegen.gpu_cache import structure_key
+    from stitch.codegen.gpu_cache import structure_key
     module, fusion_plan = _planned()
     every, _ = _lower_jobs(module, fusion_plan, monkeypatch, "off")
     every = _stitched(every)
@@ -116,7 +116,7 @@ def test_only_kernels_that_will_be_built_are_validated(monkeypatch):
     """Kernel.validate runs when a kernel is handed to the build, not as it is lowered: one
     payback leaves to XLA is never walked; one that fails the check stays with XLA, said
     in the report's fallbacks, and the others are still built."""
-    from codegen import kir
+    from stitch.codegen import kir
     checked: list[str] = []
     run = kir._Checker.run
 

@@ -2,7 +2,7 @@
 valid (stitch.plan validates coverage, writers, convexity and launch order) and the stitched
 program computes what the module computes.
 
-- keras_jax_train_step: Keras 3's JAX train step (integration/scripts/keras_fit.py). Base
+- keras_jax_train_step: Keras 3's JAX train step (stitch/integration/scripts/keras_fit.py). Base
   fusion duplicated a compare into a second group without its producer (a scalar convert
   no group wrote); packing then joined two kernels whose union a recomputed producer made
   non-convex.
@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import hlo_passes
+import stitch.hlo_passes
 import stitch
-from hlo_passes.evaluator.dtypes import numpy_dtype
+from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
 
 DATA = Path(__file__).parent / "data" / "regress"
 CASES = sorted(p.name.removesuffix(".pre.hlo") for p in DATA.glob("*.pre.hlo"))
@@ -73,11 +73,11 @@ def test_every_fixture_plans_valid_with_both_planners(fixture, target, planner):
 
 @pytest.mark.parametrize("case", CASES)
 def test_compiled_program_matches_the_evaluator(case):
-    module = hlo_passes.parse_hlo((DATA / f"{case}.pre.hlo").read_text())
+    module = stitch.hlo_passes.parse_hlo((DATA / f"{case}.pre.hlo").read_text())
     exe = stitch.compile(module, "h100", cache=False)
     assert exe.kernels
     args = _args(module, 3)
-    for got, want in zip(exe(*args), hlo_passes.evaluate(module, args)):
+    for got, want in zip(exe(*args), stitch.hlo_passes.evaluate(module, args)):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         assert got.shape == want.shape
         err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)

@@ -9,8 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from hlo_passes import parse_hlo
-from hlo_passes.graph import build_op_graphs
+from stitch.hlo_passes import parse_hlo
+from stitch.hlo_passes.graph import build_op_graphs
 from stitch.cost.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.planner import ExplorerOptions, plan
@@ -242,7 +242,7 @@ def test_linear_launch_order_matches_the_round_by_round_order():
 def test_dump_modules_writes_what_the_pass_plans(tmp_path, monkeypatch):
     """STITCH_DUMP_MODULES: each module the XLA pass is handed lands in the folder, one
     file per call, so planning can be profiled without XLA."""
-    from integration.xla_pass import DUMP_ENV, PassRequest, _dump_module
+    from stitch.integration.xla_pass import DUMP_ENV, PassRequest, _dump_module
     request = PassRequest("my fn", "h100", "cpu")
     text = layers_hlo(1)
     monkeypatch.delenv(DUMP_ENV, raising=False)

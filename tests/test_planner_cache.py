@@ -179,7 +179,7 @@ def test_a_second_process_skips_planning(tmp_path):
 def test_module_metadata_attributes_do_not_change_the_fingerprint():
     """XLA GPU's module carries frontend_attributes={fingerprint_before_lhs=...}, a hash taken
     over the module with stitch's request token: new in every process (every plan missed)."""
-    from hlo_passes import parse_hlo
+    from stitch.hlo_passes import parse_hlo
     from stitch.explorer.plan_cache import module_fingerprint
     body = """
 ENTRY e {
@@ -198,7 +198,7 @@ ENTRY e {
 def test_source_digest_follows_every_source_edit(tmp_path):
     """The version part of the keys: a digest of the code's own files, so an edit (no
     release bump) makes earlier plans and PTX unreachable."""
-    from codegen.cache import source_digest
+    from stitch.codegen.cache import source_digest
     package = tmp_path / "pkg"
     (package / "sub").mkdir(parents=True)
     (package / "a.py").write_text("X = 1\n")

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import stitch
-from codegen import toolchain
-from codegen.errors import ToolchainError
-from hlo_passes import evaluate, parse_hlo
+from stitch.codegen import toolchain
+from stitch.codegen.errors import ToolchainError
+from stitch.hlo_passes import evaluate, parse_hlo
 from stitch import compiler
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import schedule_kernel
@@ -110,7 +110,7 @@ def test_revise_flips_when_ptxas_needs_far_more_registers():
 
 @needs_ptxas
 def test_compile_rebuilds_a_kernel_ptxas_says_needs_more_registers(monkeypatch, tmp_path):
-    from codegen.cache import CompileCache
+    from stitch.codegen.cache import CompileCache
 
     _patch_ptxas(monkeypatch, lambda report, estimate: min(4 * estimate, 255))
     exe = compiler.compile(SOFTMAX, "h100", cache=CompileCache(tmp_path), poison_outputs=True,
@@ -136,7 +136,7 @@ def test_compile_rebuilds_a_kernel_ptxas_says_needs_more_registers(monkeypatch, 
 
 @needs_ptxas
 def test_compile_keeps_a_kernel_whose_estimate_is_right(monkeypatch, tmp_path):
-    from codegen.cache import CompileCache
+    from stitch.codegen.cache import CompileCache
 
     _patch_ptxas(monkeypatch, lambda report, estimate: estimate)
     first = compiler.compile(SOFTMAX, "h100", cache=CompileCache(tmp_path))
@@ -153,7 +153,7 @@ def test_compile_keeps_a_kernel_whose_estimate_is_right(monkeypatch, tmp_path):
 @needs_ptxas
 def test_real_ptxas_counts_are_fed_back_once_per_kernel(tmp_path):
     """Without a patch: every kernel gets one revision with ptxas's own count."""
-    from codegen.cache import CompileCache
+    from stitch.codegen.cache import CompileCache
 
     exe = compiler.compile(SOFTMAX, "h100", cache=CompileCache(tmp_path), ptxas_feedback=True)
     reports = exe.ptxas()

@@ -1,13 +1,13 @@
 """One rule for reductions: the planner never offers a kernel holding a reduction codegen
 does not generate (argmax's variadic (value, index) reduce, a combiner of several ops); the
-rule lives in the HLO layer (hlo_passes.combiners), where codegen and the evaluator read it."""
+rule lives in the HLO layer (stitch.hlo_passes.combiners), where codegen and the evaluator read it."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from hlo_passes import combiners, parse_hlo
-from hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes import combiners, parse_hlo
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.explorer.buildable import build_problem
 
 
@@ -21,7 +21,7 @@ def _accuracy_and_loss(logits, labels):
 
 def test_the_pass_plans_no_reduction_codegen_refuses():
     jax = pytest.importorskip("jax")
-    from integration import xla_pass
+    from stitch.integration import xla_pass
     rng = np.random.default_rng()
     rows, classes = int(rng.integers(8, 64)), int(rng.integers(16, 200))
     logits = rng.standard_normal((rows, classes)).astype(np.float32)
@@ -103,7 +103,7 @@ ENTRY main {
 
 @pytest.mark.parametrize("combiner, refused", [("add", False), ("assign", True)])
 def test_feasibility_asks_codegens_scatter_rule(combiner, refused):
-    from hlo_passes.graph import build_op_graphs
+    from stitch.hlo_passes.graph import build_op_graphs
     from stitch.explorer.feasibility import infeasible_reason
     graph = build_op_graphs(parse_hlo(_SCATTER.replace("COMBINER", combiner)))[0]
     members = [n.id for n in graph.nodes if n.opcode not in ("parameter", "constant")]
@@ -144,7 +144,7 @@ def test_xlas_kernels_are_priced_whatever_codegen_can_build(monkeypatch):
     """One of XLA's own kernels holding what stitch's codegen refuses (a u64 counter next
     to a shared row max) is priced by the stitching analysis of its structure, as with no
     codegen limits: the XLA side of every comparison does not depend on them."""
-    from hlo_passes.graph import build_op_graphs
+    from stitch.hlo_passes.graph import build_op_graphs
     from stitch.cost import delta
     from stitch.cost.gpu_specs import get_spec
     from stitch.explorer import feasibility

@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
-from codegen import kir
-from codegen.errors import CodegenError
-from codegen.lower import REGISTER_HINT_ABOVE, register_budget
-from codegen.nvptx import emit_ptx
+from stitch.codegen import kir
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.lower import REGISTER_HINT_ABOVE, register_budget
+from stitch.codegen.nvptx import emit_ptx
 from stitch import compiler
 from tests.fixtures import zoo_fixture
 

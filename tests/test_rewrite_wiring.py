@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hlo_passes import parse_hlo, print_hlo
-from hlo_passes.evaluator import custom_calls
-from hlo_passes.evaluator.interpreter import Evaluator
-from hlo_passes.graph_exec import GraphRunner
-from integration import xla_pass
-from integration.hlo_rewrite import PlacedKernel
+from stitch.hlo_passes import parse_hlo, print_hlo
+from stitch.hlo_passes.evaluator import custom_calls
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes.graph_exec import GraphRunner
+from stitch.integration import xla_pass
+from stitch.integration.hlo_rewrite import PlacedKernel
 from tests.test_graph_exec import random_args
 
 DATA = Path(__file__).parent / "data"

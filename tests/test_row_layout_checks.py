@@ -1,4 +1,4 @@
-"""The layout proof's array checks (codegen.lower): ``_Split.agrees`` and ``_join`` answer
+"""The layout proof's array checks (stitch.codegen.lower): ``_Split.agrees`` and ``_join`` answer
 exactly as their definitions on full index arrays do, which the proof used to build for
 values of millions of elements (transformer_train full: 2M-element row ids, lowering 3.7 s
 of a 4.9 s pass)."""
@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from codegen.lower import _find_split, _join, _Split
+from stitch.codegen.lower import _find_split, _join, _Split
 
 
 def _reference_ids(split: _Split, dims: tuple[int, ...]) -> np.ndarray:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hlo_passes import parse_hlo
-from hlo_passes.graph import build_op_graphs
+from stitch.hlo_passes import parse_hlo
+from stitch.hlo_passes.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.cost.latency import LaunchShape, WarpWork, evaluate
 from stitch.explorer.feasibility import infeasible_reason

@@ -15,13 +15,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from codegen import kir
-from codegen.lower import lower_kernel, reference_values, run_on_host
-from codegen.values import leaf
-from hlo_passes import parse_hlo
-from hlo_passes.evaluator.dtypes import numpy_dtype
-from hlo_passes.evaluator.interpreter import Evaluator
-from hlo_passes.graph import build_op_graphs
+from stitch.codegen import kir
+from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
+from stitch.codegen.values import leaf
+from stitch.hlo_passes import parse_hlo
+from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import schedule_kernel
 from tests.fixtures import REDUCERS as F32_REDUCERS
@@ -243,7 +243,7 @@ ENTRY e {{
 
 @pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_90"])
 def test_split_row_kernels_assemble_without_spills(arch):
-    from codegen.nvptx import default_libdevice_path, emit_ptx
+    from stitch.codegen.nvptx import default_libdevice_path, emit_ptx
     from tests.test_kir_nvptx import assemble
     if default_libdevice_path() is None:
         pytest.skip("no libdevice")
@@ -258,12 +258,12 @@ def test_split_row_kernels_assemble_without_spills(arch):
 
 # ------------------------------------------------- the row-layout proof on compact ids
 # At full size the zoo's cross-entropy logits (f32[4096, 32000]) are too large for the
-# proof's full index arrays: their ids are kept compact (codegen/compact_rows.py). Here the
+# proof's full index arrays: their ids are kept compact (stitch/codegen/compact_rows.py). Here the
 # threshold is lowered to 0, so small kernels are proved the compact way too: the proof
 # must agree with the full one wherever it proves a layout, and the kernels must run right.
 
 def _layouts(graph, module, schedule):
-    from codegen.lower import _KernelBuilder
+    from stitch.codegen.lower import _KernelBuilder
     builder = _KernelBuilder(graph, Evaluator(module), schedule, "k", in_place=True)
     return [builder._row_layout(p) if p.kind == "row" and p.unit in ("warp", "block")
             else None for p in schedule.parts]
@@ -275,7 +275,7 @@ def _same_layout(a, b) -> bool:
 
 def _compare_proofs(monkeypatch, graph, module, schedule) -> tuple[int, int]:
     """(layouts both proofs found, layouts only the full proof found)."""
-    import codegen.lower as lower
+    import stitch.codegen.lower as lower
     full = _layouts(graph, module, schedule)
     with monkeypatch.context() as m:
         m.setattr(lower, "FULL_IDS_ELEMENTS", 0)
@@ -300,7 +300,7 @@ def _compare_proofs(monkeypatch, graph, module, schedule) -> tuple[int, int]:
                                   _split_reduce("bf16", "add", write_partials=True)],
                          ids=["softmax", "softmax-bf16", "max", "written-partials"])
 def test_compact_proof_lowers_split_kernels_right(monkeypatch, text, unit):
-    import codegen.lower as lower
+    import stitch.codegen.lower as lower
     module, graph, members = _graph(text)
     schedule = schedule_kernel(graph, members, get_spec("h100"), force={"unit": unit})
     assert _compare_proofs(monkeypatch, graph, module, schedule) == (1, 0)
@@ -324,7 +324,7 @@ def test_compact_proof_agrees_with_the_full_one_on_zoo_kernels(monkeypatch, mode
     compact proof finds a layout it is the full proof's; the compacted kernels run right
     on the host target."""
     import stitch
-    import codegen.lower as lower
+    import stitch.codegen.lower as lower
     from stitch.schedule import ScheduleError
     from tests.fixtures import zoo_fixture
     module = parse_hlo(zoo_fixture(model, "tiny", stage).read_text())
@@ -416,7 +416,7 @@ def test_full_size_cross_entropy_kernel_walks_its_rows_as_planned(model, target)
     thread composition), its three split reductions as one row walk each, and the PTX
     assembles without spills."""
     import stitch
-    from codegen.nvptx import default_libdevice_path, emit_ptx
+    from stitch.codegen.nvptx import default_libdevice_path, emit_ptx
     from tests.fixtures import DATA
     from tests.test_kir_nvptx import assemble
     module = parse_hlo((DATA / model / f"full.gpu-{target}.hlo").read_text())
@@ -453,7 +453,7 @@ def test_full_size_cross_entropy_kernel_walks_its_rows_as_planned(model, target)
 def test_compact_reshape_and_broadcast_match_numpy(in_dims, out_dims, keep):
     """compact_rows.reshape (a row-major reshape of compact ids) equals numpy's reshape of
     the full ids, for ids that change along ``keep`` only; broadcast likewise."""
-    from codegen import compact_rows
+    from stitch.codegen import compact_rows
     rng = np.random.default_rng()
     shape = tuple(n if d in keep else 1 for d, n in enumerate(in_dims))
     ids = rng.integers(-1, 50, shape)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from codegen import toolchain
-from codegen.errors import ToolchainError
+from stitch.codegen import toolchain
+from stitch.codegen.errors import ToolchainError
 
 
 def _have_ptxas() -> bool:
@@ -408,7 +408,7 @@ def test_a_kernels_machine_code_read_from_its_cubin():
     """``objcheck.cubin_code``: equal for PTX that differs only in what ptxas ignores (a
     comment, register names), different when the instructions differ, None for an entry
     the cubin does not hold; a non-cubin is refused."""
-    from codegen.objcheck import cubin_code
+    from stitch.codegen.objcheck import cubin_code
     arch = "sm_90" if "sm_90" in toolchain.ptxas_arches(toolchain.find_ptxas()) else "sm_80"
     base, _ = toolchain.assemble_cubin(_header(arch) + ADD_ONE, arch)
     code = cubin_code(base, "add_one")

@@ -14,14 +14,14 @@ import shutil
 import numpy as np
 import pytest
 
-from codegen import kir
-from codegen.errors import CodegenError
-from codegen.lower import lower_kernel, reference_values, run_on_host
-from codegen.values import delinearize, leaf, linearize
-from hlo_passes import parse_hlo
-from hlo_passes.evaluator.dtypes import numpy_dtype
-from hlo_passes.evaluator.interpreter import Evaluator
-from hlo_passes.graph import build_op_graphs
+from stitch.codegen import kir
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
+from stitch.codegen.values import delinearize, leaf, linearize
+from stitch.hlo_passes import parse_hlo
+from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import schedule_kernel
 from tests.fixtures import BF16_TOLERANCE, REDUCERS
@@ -233,9 +233,9 @@ def _vector_accesses(ptx: str, op: str) -> list[int]:
 def test_ptx_holds_vector_loads_and_stores(name, unit, arch):
     """vw = 4 (and 2): every global load and store of the kernel's own contiguous walk is
     a v4 (v2) access; ptxas assembles it without spills."""
-    from codegen.isolation import run_isolated
-    from codegen.nvptx import emit_ptx
-    from codegen.toolchain import assemble
+    from stitch.codegen.isolation import run_isolated
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import assemble
 
     module, graph, members = _graph(KERNELS[name])
     for vw in (4, 2):
@@ -308,8 +308,8 @@ def test_reads_through_reshapes_and_minor_kept_transposes_are_vector_loads(name)
     the minor dim and a broadcast along it (``delinearize`` keeps the constant on the
     minor digit, the access carries the alignment its index proves): every global access
     is a v4; the host run matches the evaluator."""
-    from codegen.isolation import run_isolated
-    from codegen.nvptx import emit_ptx
+    from stitch.codegen.isolation import run_isolated
+    from stitch.codegen.nvptx import emit_ptx
 
     module, graph, members = _graph(MINOR_KEPT[name])
     schedule = _forced(graph, members, None, 4)

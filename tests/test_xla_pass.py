@@ -19,9 +19,9 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import stitch  # noqa: E402
-from hlo_passes import parse_hlo  # noqa: E402
-from integration import xla_pass  # noqa: E402
-from integration.verify import compare_trees  # noqa: E402
+from stitch.hlo_passes import parse_hlo  # noqa: E402
+from stitch.integration import xla_pass  # noqa: E402
+from stitch.integration.verify import compare_trees  # noqa: E402
 
 RTOL = 1e-4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,7 +192,7 @@ def test_stitch_stats_file_at_exit(tmp_path):
     assert all(r["function"] == "step" and r["state"] == "ready" for r in records)
     assert records[0]["stitched_calls"] == 3 and records[0]["kernels_stitched"] >= 1
     assert records[0]["kernels_xla"] > 0 and records[0]["compile_s"] > 0
-    from integration.switching import DELIVERY_KEYS
+    from stitch.integration.switching import DELIVERY_KEYS
     assert set(records[0]) == {"function", "calls", "stitched_calls", "kernels_stitched",
                                "kernels_xla", "compile_s", "state", "fallback_reason",
                                *DELIVERY_KEYS}
@@ -272,11 +272,11 @@ def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(mo
     """GpuPrebuild: PTX and ptxas for every kernel on two build threads, each kernel's whole
     build one call into its thread's PTX child; results in kernel order; a kernel whose
     emission fails (in the child) hands back its error and the others still build."""
-    from codegen import gpu_cache, kir
-    from codegen.cache import CompileCache
-    from codegen.errors import CodegenError
-    from codegen.isolation import IsolatedWorker
-    from integration import xla_pass
+    from stitch.codegen import gpu_cache, kir
+    from stitch.codegen.cache import CompileCache
+    from stitch.codegen.errors import CodegenError
+    from stitch.codegen.isolation import IsolatedWorker
+    from stitch.integration import xla_pass
     from tests.test_kir_nvptx import all_float_ops_kernel, half_kernel
 
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hlo_passes import parse_hlo
-from hlo_passes.graph import build_op_graphs
+from stitch.hlo_passes import parse_hlo
+from stitch.hlo_passes.graph import build_op_graphs
 from stitch.explorer.planner import ExplorerOptions, plan
 from stitch.explorer.patterns import PatternExplorer, op_vertices, unit_vertices
 from stitch.cost.delta import CostModel
@@ -16,8 +16,8 @@ from stitch.cost.gpu_specs import get_spec
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from integration import xla_pass  # noqa: E402
-from integration.verify import compare_trees  # noqa: E402
+from stitch.integration import xla_pass  # noqa: E402
+from stitch.integration.verify import compare_trees  # noqa: E402
 from tests.test_snap import MODULE as SNAP_MODULE  # noqa: E402
 
 # A feeds B and D, both feed C; C's body is two ops (c1 = tanh(B), c2 = c1 + D).

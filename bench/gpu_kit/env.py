@@ -32,7 +32,7 @@ def versions() -> dict[str, str | None]:
 
 
 def toolchain() -> dict:
-    from codegen import toolchain as tc
+    from stitch.codegen import toolchain as tc
     facts: dict = {}
     try:
         ptxas = tc.find_ptxas()
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         record["jax"] = jax_view()
     except Exception as exc:  # noqa: BLE001
         record["jax"] = {"error": f"{type(exc).__name__}: {exc}"}
-    from integration.device_target import target_for_device_info
+    from stitch.integration.device_target import target_for_device_info
     cc = record["device"].get("compute_capability")
     record["target"] = target_for_device_info(record["device"].get("name", ""),
                                               tuple(cc) if cc else None)

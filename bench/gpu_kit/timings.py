@@ -40,11 +40,11 @@ def _median_s(fn, args, repeats: int) -> list[float]:
 def save_kernels(report, model: str, config: str, arch: str, directory: Path,
                  manifest: dict) -> None:
     """Each placed kernel's image and launch facts into ``directory`` / ``manifest``."""
-    from codegen import kir
-    from codegen.llvm_emit import STORAGE_BYTES
-    from codegen.nvptx import emit_ptx
-    from codegen.pipelines import PIPELINES
-    from codegen.toolchain import assemble_cubin
+    from stitch.codegen import kir
+    from stitch.codegen.llvm_emit import STORAGE_BYTES
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.pipelines import PIPELINES
+    from stitch.codegen.toolchain import assemble_cubin
 
     variant = next(iter(PIPELINES))
     modeled = {k.name: k.modeled_us for k in report.plan.kernels} if report.plan else {}
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import jax
 
-    from codegen.pipelines import PIPELINES
-    from integration.xla_pass import gpu_arch, target_arch
+    from stitch.codegen.pipelines import PIPELINES
+    from stitch.integration.xla_pass import gpu_arch, target_arch
 
     device = "gpu" if jax.default_backend() == "gpu" else "cpu"
     arch = gpu_arch() if device == "gpu" else target_arch("h100")

@@ -4,7 +4,7 @@ XLA runs them (``gemm_tile.gemm_cost`` with the Triton tile of the fusion's back
 cuBLAS calls and plain dots an assumed library tile). The delta cost model asks here for a
 member set holding a GEMM, so one model prices a chain and the kernels it replaces.
 
-Chains are recognized once per graph (``hlo_passes.gemm_chains.find_gemm_chains``), and
+Chains are recognized once per graph (``stitch.hlo_passes.gemm_chains.find_gemm_chains``), and
 each chain's search result is cached per chain dims and target (``best_schedule``).
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-from hlo_passes.gemm_chains import GemmChain, find_gemm_chains, softmax_parts
-from hlo_passes.gemm_chains import allows_tf32 as dot_allows_tf32
-from hlo_passes.graph import OpGraph, OpNode
-from hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.gemm_chains import GemmChain, find_gemm_chains, softmax_parts
+from stitch.hlo_passes.gemm_chains import allows_tf32 as dot_allows_tf32
+from stitch.hlo_passes.graph import OpGraph, OpNode
+from stitch.hlo_passes.op_classes import OpClass
 
 from .gemm_tile import (OPERAND_BYTES, ChainDims, GemmChainSchedule, TileCost, gemm_cost,
                         xla_gemm_tile)
@@ -81,7 +81,7 @@ def _dot_instruction(graph: OpGraph, node: OpNode):
 
 def allows_tf32(graph: OpGraph, node: OpNode) -> bool:
     """An f32 GEMM node (a dot, a GEMM fusion, a cuBLAS call) may run on TF32 tensor cores:
-    the recognizer's rule (``hlo_passes.gemm_chains.allows_tf32``) on its dot."""
+    the recognizer's rule (``stitch.hlo_passes.gemm_chains.allows_tf32``) on its dot."""
     inst = _dot_instruction(graph, node)
     if inst is None and node.opcode == "custom-call":
         inst = node.instruction
@@ -151,10 +151,10 @@ _CACHE: list = []
 
 
 def _compile_cache():
-    """The process's on-disk compile cache (codegen.cache; an unusable directory turns
+    """The process's on-disk compile cache (stitch.codegen.cache; an unusable directory turns
     caching off there, logged)."""
     if not _CACHE:
-        from codegen.cache import CompileCache
+        from stitch.codegen.cache import CompileCache
         _CACHE.append(CompileCache())
     return _CACHE[0]
 
@@ -163,10 +163,10 @@ def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
                 spec: GpuSpec) -> int | None:
     """ptxas's spill bytes (stores + loads) of the kernel codegen builds for ``schedule`` on
     ``spec``'s arch; None where there is no ptxas or no build (nothing to judge by)."""
-    from codegen.errors import CodegenError
-    from codegen.gemm_chain import lower_gemm_chain
-    from codegen.gpu_cache import CANONICAL_NAME, assemble_cached, emit_ptx_cached
-    from codegen.toolchain import find_ptxas
+    from stitch.codegen.errors import CodegenError
+    from stitch.codegen.gemm_chain import lower_gemm_chain
+    from stitch.codegen.gpu_cache import CANONICAL_NAME, assemble_cached, emit_ptx_cached
+    from stitch.codegen.toolchain import find_ptxas
 
     from ..schedule.chain_tiling import tiling_for
     major, minor = spec.compute_capability

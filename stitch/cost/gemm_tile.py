@@ -98,7 +98,7 @@ class ChainDims:
     # A row reduction between the GEMMs other than a softmax's (a layer norm over n): it
     # needs all of n in one warp (no warp columns).
     row_reductions: bool = False
-    # The target runs grid-barrier kernels (``codegen.kir.GridBarrier``: a cooperative
+    # The target runs grid-barrier kernels (``stitch.codegen.kir.GridBarrier``: a cooperative
     # launch or a launch per phase): n may then be split across blocks (``n_split``).
     grid_sync: bool = False
 

@@ -1,7 +1,7 @@
 """Which launch forms a global-scope (grid barrier) kernel may take on the target, and what
 each costs: the one rule the planner (``stitch.cost.delta``'s price of a global-scope
 pattern, ``ExplorerOptions.grid_sync``) and the XLA pass (the form it builds,
-``integration.xla_pass``) both ask, so the planner never prices a kernel in a form the pass
+``stitch.integration.xla_pass``) both ask, so the planner never prices a kernel in a form the pass
 will not build.
 
 Settings (``STITCH_GRID_SYNC`` on the GPU pass; the host runs every form):
@@ -23,7 +23,7 @@ def allows_global(setting: str) -> bool:
 
 
 def form_for(setting: str, persistent_s: float, chain_s: float) -> str | None:
-    """The launch form (``codegen.kir.GRID_SYNC_MODES``: "barrier" | "relaunch") a
+    """The launch form (``stitch.codegen.kir.GRID_SYNC_MODES``: "barrier" | "relaunch") a
     global-scope kernel takes under ``setting``, given its modeled seconds as one
     persistent launch and as a chain of launches; None under "off"."""
     _check(setting)

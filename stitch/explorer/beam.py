@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from hlo_passes.graph import OpGraph
+from stitch.hlo_passes.graph import OpGraph
 
 from ..cost.delta import CostModel
 from .patterns import MAX_PATTERN_OPS, Pattern

@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from hlo_passes.graph import OpGraph
+from stitch.hlo_passes.graph import OpGraph
 
 from ..cost.delta import CostModel
 from ..errors import StitchError

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from hlo_passes.graph import OpGraph
-from hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.op_classes import OpClass
 
 from ..cost.delta import CostModel
 from .feasibility import Infeasible

@@ -27,9 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hlo_passes.graph import OpGraph
-from hlo_passes.ir import HloModule
-from hlo_passes.printer import print_hlo
+from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.ir import HloModule
+from stitch.hlo_passes.printer import print_hlo
 
 from ..errors import StitchError
 
@@ -63,9 +63,9 @@ def options_key(options: "ExplorerOptions") -> dict:
 
 def code_version() -> str:
     """The stitch version plans are keyed by: the release and a digest of the planning
-    code's own source files (``codegen.cache.source_digest``, computed once per process),
+    code's own source files (``stitch.codegen.cache.source_digest``, computed once per process),
     so any code change invalidates the plans an earlier version made."""
-    from codegen.cache import PLANNING_PACKAGES, source_digest
+    from stitch.codegen.cache import PLANNING_PACKAGES, source_digest
 
     from .. import __version__
     return f"{__version__}+src.{source_digest(PLANNING_PACKAGES)}"
@@ -80,7 +80,7 @@ def plan_key(fingerprint: str, version: str, target: str, planner: str,
 
 
 def default_plan_dir() -> Path:
-    from codegen.cache import default_cache_dir
+    from stitch.codegen.cache import default_cache_dir
     return default_cache_dir() / "plans"
 
 

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection
 
-from hlo_passes.graph import OpGraph, build_op_graphs
-from hlo_passes.ir import HloModule
-from hlo_passes.op_classes import OpClass
-from hlo_passes.parser import parse_hlo
+from stitch.hlo_passes.graph import OpGraph, build_op_graphs
+from stitch.hlo_passes.ir import HloModule
+from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.parser import parse_hlo
 
 from ..cost.chain_pricing import chain_for, chain_price, graph_chains
 from ..cost.delta import CostModel
@@ -68,7 +68,7 @@ class ExplorerOptions:
     recompute: bool = True          # refine each plan by split/recomputation moves
     blp_time_limit_s: float = 30.0
     # Candidate kernels of two GEMMs with the memory-intensive ops between them
-    # (hlo_passes.gemm_chains; kind "gemm_chain"), priced by stitch.cost.gemm_tile at the
+    # (stitch.hlo_passes.gemm_chains; kind "gemm_chain"), priced by stitch.cost.gemm_tile at the
     # schedule the Markov-guided search finds. The compile paths turn them off until
     # codegen lowers them.
     gemm_chains: bool = True
@@ -101,7 +101,7 @@ class ExplorerOptions:
     # Plan an XLA-optimized graph with XLA's instructions as the explorer's vertices (a
     # fusion stays whole: every candidate pattern is a union of XLA's kernels) and no
     # op-level refinement. The XLA pass sets it: its kernels are snapped to whole
-    # instructions anyway (integration.snap), and the graph it plans is ~10x smaller in
+    # instructions anyway (stitch.integration.snap), and the graph it plans is ~10x smaller in
     # units than in ops (docs/benchmarks.md, bench-xla-units).
     xla_units: bool = False
     # Returns True once planning should stop: polled every ~50 ms of planning work, it
@@ -216,7 +216,7 @@ def is_xla_optimized(module: HloModule, graphs: list[OpGraph]) -> bool:
 def places_into_xla(options: "ExplorerOptions", source: str) -> bool:
     """Whether the plan's kernels go into XLA's own module (the XLA pass: XLA units over
     XLA's optimized graph), so a loop body's kernels pay the copies of the loop state they
-    write (CostModel(loop_copies=True), hlo_passes.loop_state)."""
+    write (CostModel(loop_copies=True), stitch.hlo_passes.loop_state)."""
     return options.xla_units and source == "xla"
 
 
@@ -225,7 +225,7 @@ def baseline_groups(graph: OpGraph, source: str) -> list[frozenset[int]]:
         groups = [frozenset(ids) for ids in graph.baseline_groups().values()]
     else:
         try:
-            from hlo_passes.base_fusion import base_fusion
+            from stitch.hlo_passes.base_fusion import base_fusion
         except ImportError as exc:
             raise PlanError(f"pre-optimization HLO needs the base fusion pass: {exc}") from exc
         groups = [frozenset(ids) for ids in base_fusion(graph)]
@@ -415,7 +415,7 @@ def latency_objective_s(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
 
 
 def chain_patterns(graph: OpGraph, cost: CostModel, locked: list[Pattern]) -> list[Pattern]:
-    """A candidate pattern per GEMM chain of the graph (hlo_passes.gemm_chains) whose
+    """A candidate pattern per GEMM chain of the graph (stitch.hlo_passes.gemm_chains) whose
     kernel the GEMM-tile model finds faster than its ops run apart (f > 0), and that takes
     no op of a locked XLA fusion. Free members only a chain reads stay in it; the beam
     and the BLP weigh the pattern like any other."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 
-from hlo_passes.graph import OpGraph
-from hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.op_classes import OpClass
 
 from ..cost.delta import CostModel
 from .patterns import MAX_PATTERN_OPS, is_plannable

@@ -9,8 +9,8 @@ import html
 import logging
 from collections.abc import Iterable
 
-from hlo_passes.graph import OpGraph
-from hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.op_classes import OpClass
 
 from .plan import GraphPlan, PlannedKernel
 from .planner import FusionPlan, GraphResult

@@ -27,9 +27,9 @@ import re
 from collections import Counter
 from typing import Hashable, Iterable
 
-from hlo_passes.graph import OpGraph
-from hlo_passes.ir import Computation, Instruction
-from hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.ir import Computation, Instruction
+from stitch.hlo_passes.op_classes import OpClass
 
 # Attributes no cost or feasibility rule reads and that differ between identical layers.
 _IGNORED_ATTRS = frozenset({"metadata", "frontend_attributes", "statistics"})

@@ -1,4 +1,4 @@
-"""A planned GEMM-chain schedule as the tiling codegen builds (codegen.gemm_chain).
+"""A planned GEMM-chain schedule as the tiling codegen builds (stitch.codegen.gemm_chain).
 
 The planner's schedule (stitch.cost.gemm_tile.GemmChainSchedule) names MCFuser's tiling
 expression; codegen's ``ChainTiling`` has the same tiles. The flat expression "n(k,h)"
@@ -13,8 +13,8 @@ Not carried over: ``stages`` (codegen stages each tile once, no cp.async pipelin
 """
 from __future__ import annotations
 
-from codegen.errors import CodegenError
-from codegen.gemm_chain import ChainTiling
+from stitch.codegen.errors import CodegenError
+from stitch.codegen.gemm_chain import ChainTiling
 
 from ..cost.gemm_tile import ChainDims, GemmChainSchedule, warp_columns
 

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from hlo_passes.graph import OpGraph
+from stitch.hlo_passes.graph import OpGraph
 
 from ..cost.gpu_specs import GpuSpec
 from ..cost.latency import UNROLL, LaunchShape, WarpWork, grid_barrier_cycles, part_cycles
@@ -84,7 +84,7 @@ class _Phase:
 
 
 def launch_form(schedule: KernelSchedule, setting: str = "auto") -> str | None:
-    """The launch form (``codegen.kir.GRID_SYNC_MODES``) of a global-scope schedule under
+    """The launch form (``stitch.codegen.kir.GRID_SYNC_MODES``) of a global-scope schedule under
     ``setting`` (``launch_forms.form_for``; "auto": "relaunch" where the same phases as a
     chain of launches, ``chain_us``, are modeled faster than the persistent kernel with its
     grid barriers, else "barrier")."""

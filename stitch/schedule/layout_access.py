@@ -18,7 +18,7 @@ assumption (coalesced), so a plan without layouts is costed as before.
 
 Approximations (stated, not measured): a warp's store of a re-laid-out value in a row part
 walks its logical last dim (thread composition in a loop part walks the buffer's own
-physical order: ``codegen.lower``); a strided access moves one 32-byte sector per element,
+physical order: ``stitch.codegen.lower``); a strided access moves one 32-byte sector per element,
 served by the L2 (write-back merges the partial sectors before DRAM).
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ import dataclasses
 import math
 from functools import lru_cache
 
-from hlo_passes.graph import OpGraph
-from hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.op_classes import OpClass
 
 from ..explorer.feasibility import _leaf
 
@@ -143,7 +143,7 @@ def _feeding_inputs(graph: OpGraph, members: frozenset[int], r: int) -> set[int]
 
 def _lane_dim(graph: OpGraph, r: int, minor: bool) -> int:
     """The dim of a reduction's operand its unit's lanes walk: the last reduced dim for
-    contiguous rows (``codegen.lower``'s row split), else the last kept dim (a lane per
+    contiguous rows (``stitch.codegen.lower``'s row split), else the last kept dim (a lane per
     row)."""
     node = graph.nodes[r]
     src = _leaf(graph.nodes[node.operands[0]].shape)

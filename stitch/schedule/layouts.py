@@ -2,7 +2,7 @@
 
 A value one stitched kernel writes and only stitched kernels read (a *crossing value*)
 lives in a buffer stitch owns, so its layout is stitch's to choose: the permutation of its
-logical dims that the buffer holds, major to minor (``codegen.values.physical_offset``).
+logical dims that the buffer holds, major to minor (``stitch.codegen.values.physical_offset``).
 Run on a finished plan (the explorer has picked the kernels, the tuner their schedules):
 
 1. crossing values: not free, rank >= 2, written by exactly one fused kernel with a block
@@ -32,7 +32,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from hlo_passes.graph import OpGraph
+from stitch.hlo_passes.graph import OpGraph
 
 from ..cost.gpu_specs import GpuSpec, get_spec
 from ..errors import StitchError

@@ -25,15 +25,15 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hlo_passes.graph import OpGraph
+from stitch.hlo_passes.graph import OpGraph
 
 from ..cost.gpu_specs import GpuSpec, get_spec
 from .kernel_schedule import KernelSchedule
 from .tuner import TIE, ScheduleError, schedule_kernel, schedule_signature
 
 if TYPE_CHECKING:  # the compiler imports this module lazily: no import cycle at run time
-    from hlo_passes.evaluator.interpreter import Evaluator
-    from codegen.cache import CompileCache
+    from stitch.hlo_passes.evaluator.interpreter import Evaluator
+    from stitch.codegen.cache import CompileCache
     from ..compiler import Executable
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def _assemble_rebuilt(old: "Executable", new: "Executable", rebuilt: list,
                       revisions: list[Revision]) -> None:
     """PTX and ptxas for the rebuilt kernels only (the others keep their first PTX), so
     ``new.ptx`` is complete and each rebuilt kernel's Revision has its own count."""
-    from codegen.gpu_cache import assemble_cached, emit_ptx_cached
+    from stitch.codegen.gpu_cache import assemble_cached, emit_ptx_cached
 
     fresh = {id(ck) for ck in rebuilt}
     ptx = {ck.name: old.ptx[ck.name] for ck in new.kernels if id(ck) not in fresh}

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hlo_passes.graph import OpGraph
-from hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.op_classes import OpClass
 
 from ..cost.delta import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT, kernel_hbm_bytes
 from ..explorer.feasibility import PatternAnalysis, _leaf, reduction_rows

@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from hlo_passes.graph import OpGraph
-from hlo_passes.scatter_forms import scatter_form
+from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.scatter_forms import scatter_form
 
 from ..cost.gpu_specs import GpuSpec
 from ..cost.latency import UNROLL, LaunchShape, WarpWork, evaluate, part_cycles
@@ -379,7 +379,7 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
                     buffers = cache.shared(unit, max(tpb // 32, 1), rows_per_block)
                     smem = max((b.offset + b.bytes for b in buffers), default=0)
                     # Kernels declare their shared memory statically: what codegen builds
-                    # (codegen.nvptx.STATIC_SHARED_LIMIT) is the limit without the opt-in,
+                    # (stitch.codegen.nvptx.STATIC_SHARED_LIMIT) is the limit without the opt-in,
                     # not the opt-in's (a schedule past it was planned, then never built).
                     if smem > spec.shared_memory_per_block:
                         rejected.append(f"{label}: needs {smem} bytes of shared memory "
@@ -442,7 +442,7 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
     ``register_scale``. ``layouts``: buffers whose layout stitch chooses (node -> logical
     dims, major to minor; ``layouts.py``): their reads and writes are priced by access
     order (``layout_access.apply_layouts``). ``vector_widths``: only these widths (a
-    narrower kernel: less code to compile, ``integration.code_budget``); the global
+    narrower kernel: less code to compile, ``stitch.integration.code_budget``); the global
     scope is not tried. Raises ScheduleError when nothing is legal, listing why."""
     members = sorted(set(members))
     try:

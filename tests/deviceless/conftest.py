@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from integration import deviceless
+from stitch.integration import deviceless
 
 TARGET = "h100"          # stitch's GPU spec; the compile's target config is made from it
 ARCH = "sm_90"

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from codegen import ffi, ffi_cuda
-from codegen.errors import CodegenError, ToolchainError
-from codegen.ffi_cuda import (ERR_FAILED_PRECONDITION, CompileOnlyCudaTarget,
-                              compile_only_cuda_target, emit_compile_only_handler_ir)
-from codegen.nvptx import emit_ptx
-from codegen.objcheck import cubin_problem
-from codegen.toolchain import find_ptxas
+from stitch.codegen import ffi, ffi_cuda
+from stitch.codegen.errors import CodegenError, ToolchainError
+from stitch.codegen.ffi_cuda import (ERR_FAILED_PRECONDITION, CompileOnlyCudaTarget,
+                                     compile_only_cuda_target, emit_compile_only_handler_ir)
+from stitch.codegen.nvptx import emit_ptx
+from stitch.codegen.objcheck import cubin_problem
+from stitch.codegen.toolchain import find_ptxas
 from tests.test_ffi import ERROR_SENTINEL, FakeXla, ew_kernel, probe
 
 

@@ -20,10 +20,10 @@ import sys
 
 import pytest
 
-from codegen.objcheck import cubin_problem
-from hlo_passes import parse_hlo
-from hlo_passes.graph import FREE_OPCODES
-from integration import deviceless
+from stitch.codegen.objcheck import cubin_problem
+from stitch.hlo_passes import parse_hlo
+from stitch.hlo_passes.graph import FREE_OPCODES
+from stitch.integration import deviceless
 
 from .conftest import ARCH, TARGET
 
@@ -149,7 +149,7 @@ def check_placement(result: deviceless.DevicelessCompile, xla_left: bool = True)
 
 
 def check_assembled(result: deviceless.DevicelessCompile) -> None:
-    from codegen.ffi_cuda import CompileOnlyCudaTarget
+    from stitch.codegen.ffi_cuda import CompileOnlyCudaTarget
     for kernel in result.report.kernels:
         target = kernel.target
         assert isinstance(target, CompileOnlyCudaTarget), type(target)
@@ -224,7 +224,7 @@ def test_a_tagged_compile_without_the_extension_registration_is_not_stitched(dev
         "import jax, jax.numpy as jnp\n"
         "from jax.experimental import topologies\n"
         "from jax.sharding import NamedSharding, PartitionSpec as P\n"
-        "from integration import deviceless, xla_pass\n"
+        "from stitch.integration import deviceless, xla_pass\n"
         "xla_pass.ensure_registered('cuda')\n"
         "mesh = topologies.make_mesh(deviceless.topology('h100'), (1,), ('d',))\n"
         "s = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=NamedSharding(mesh, P()))\n"
@@ -314,7 +314,7 @@ def test_attention_is_one_gemm_chain_kernel_in_xla_gpus_module(h100_mesh, dtype)
 
 
 def _normalize_on_h100(h100_mesh, monkeypatch=None, expect_global=True):
-    # Its kernel saves ~1 µs a step: built whatever it repays (integration/payback.py).
+    # Its kernel saves ~1 µs a step: built whatever it repays (stitch/integration/payback.py).
     if monkeypatch is not None:
         monkeypatch.setenv("STITCH_PAYBACK_STEPS", "off")
     spec = jax.ShapeDtypeStruct((2048, 1024), jnp.float32,
@@ -333,7 +333,7 @@ def test_gpu_kernels_are_relaunched_per_phase_by_default(h100_mesh, monkeypatch)
     """x / sum(x) plans as a global-scope (grid barrier) kernel; by default (STITCH_GRID_SYNC
     unset) the pass builds it in the relaunch form — a launch per phase inside one custom
     call, no co-residency needed — and the planner priced it in that form."""
-    from codegen import kir
+    from stitch.codegen import kir
     monkeypatch.delenv("STITCH_GRID_SYNC", raising=False)
     result = _normalize_on_h100(h100_mesh, monkeypatch)
     report = result.report
@@ -348,7 +348,7 @@ def test_grid_sync_off_plans_no_kernel_only_the_global_scope_builds(h100_mesh, m
     """STITCH_GRID_SYNC=off: no grid-barrier kernel is built, and the planner (asking the
     same launch-form rule, stitch.cost.launch_forms) prices none, so no planned kernel is
     dropped for want of one."""
-    from codegen import kir
+    from stitch.codegen import kir
     monkeypatch.setenv("STITCH_GRID_SYNC", "off")
     report = _normalize_on_h100(h100_mesh, monkeypatch, expect_global=False).report
     for kernel in report.kernels:
@@ -362,8 +362,8 @@ def test_grid_barrier_kernels_as_one_cooperative_launch(h100_mesh, monkeypatch):
     """STITCH_GRID_SYNC=barrier: the global-scope kernel is built as planned — grid barriers
     in the PTX, registers capped (.maxnreg) at what the schedule sized its resident grid for,
     and ptxas's count within it (the CUDA handler launches it cooperatively on a GPU)."""
-    from codegen import kir
-    from codegen.nvptx import GRID_BARRIER_MAX_REGISTERS
+    from stitch.codegen import kir
+    from stitch.codegen.nvptx import GRID_BARRIER_MAX_REGISTERS
     monkeypatch.setenv("STITCH_GRID_SYNC", "barrier")
     result = _normalize_on_h100(h100_mesh, monkeypatch)
     report = result.report
@@ -379,7 +379,7 @@ def test_grid_barrier_kernels_as_one_cooperative_launch(h100_mesh, monkeypatch):
 
 
 def test_a_kernel_that_does_not_repay_its_build_is_left_to_xla(h100_mesh, monkeypatch):
-    """integration.payback: x / sum(x)'s one kernel saves ~1 µs per step for a ~0.1 s build;
+    """stitch.integration.payback: x / sum(x)'s one kernel saves ~1 µs per step for a ~0.1 s build;
     within 1,000 steps it does not repay it and XLA keeps its kernels, with the reason."""
     monkeypatch.setenv("STITCH_GRID_SYNC", "barrier")
     monkeypatch.setenv("STITCH_PAYBACK_STEPS", "1000")
@@ -394,7 +394,7 @@ def test_a_kernel_that_does_not_repay_its_build_is_left_to_xla(h100_mesh, monkey
 def test_grid_barrier_kernels_relaunched_per_phase(h100_mesh, monkeypatch):
     """STITCH_GRID_SYNC=relaunch: the global-scope kernel is built as planned, in the form
     the CUDA handler launches once per phase (no register cap, no residency needed)."""
-    from codegen import kir
+    from stitch.codegen import kir
     monkeypatch.setenv("STITCH_GRID_SYNC", "relaunch")
     result = _normalize_on_h100(h100_mesh, monkeypatch)
     report = result.report
@@ -410,7 +410,7 @@ def test_grid_barrier_kernels_relaunched_per_phase(h100_mesh, monkeypatch):
 def test_grid_barrier_kernels_take_the_modeled_faster_form(h100_mesh, monkeypatch):
     """STITCH_GRID_SYNC=auto: each global-scope kernel is built in the launch form the
     latency-evaluator models faster (stitch.schedule.global_scope.launch_form)."""
-    from codegen import kir
+    from stitch.codegen import kir
     from stitch.schedule.global_scope import launch_form
     monkeypatch.setenv("STITCH_GRID_SYNC", "auto")
     result = _normalize_on_h100(h100_mesh, monkeypatch)

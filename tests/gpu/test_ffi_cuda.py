@@ -1,6 +1,6 @@
-"""The CUDA FFI handler (codegen.ffi_cuda) on a real GPU through jax.jit.
+"""The CUDA FFI handler (stitch.codegen.ffi_cuda) on a real GPU through jax.jit.
 
-Skipped unless jax sees a CUDA device. Kernels are emitted by codegen.nvptx and loaded as a
+Skipped unless jax sees a CUDA device. Kernels are emitted by stitch.codegen.nvptx and loaded as a
 cubin when a ptxas for the device's arch is found, else as PTX (the driver JIT-compiles it).
 Results are compared with the host program (compile_host) and numpy.
 """
@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from codegen import ffi_cuda
-from codegen.errors import CodegenError, ToolchainError
-from codegen.host import NUMPY_DTYPES
-from codegen.kir import Kernel, f32
-from codegen.nvptx import ARCHS, default_libdevice_path, emit_ptx
+from stitch.codegen import ffi_cuda
+from stitch.codegen.errors import CodegenError, ToolchainError
+from stitch.codegen.host import NUMPY_DTYPES
+from stitch.codegen.kir import Kernel, f32
+from stitch.codegen.nvptx import ARCHS, default_libdevice_path, emit_ptx
 from tests.test_ffi import empty_kernel, half_kernel, host_reference, warp_row_sum_kernel
 from tests.test_kir_host import (add, elementwise_kernel, mul, softmax_ref, tiled_sum_kernel,
                                  warp_softmax_kernel)
@@ -41,7 +41,7 @@ def _image(kernel: Kernel, device, *, cubin: bool = True) -> bytes:
     except ToolchainError as exc:
         pytest.skip(f"cannot emit PTX: {exc}")
     if cubin:
-        from codegen.toolchain import assemble_cubin
+        from stitch.codegen.toolchain import assemble_cubin
         try:
             return assemble_cubin(ptx, arch, kernel_name=kernel.name)[0]
         except ToolchainError as exc:
@@ -99,10 +99,10 @@ def test_softmax_with_libdevice(gpu) -> None:
 
 
 def test_the_pass_cubin_of_a_canonical_copy_runs_under_the_kernels_name(gpu) -> None:
-    """The GPU pass's load (integration.xla_pass.build_target): ptxas's cubin of the
+    """The GPU pass's load (stitch.integration.xla_pass.build_target): ptxas's cubin of the
     kernel's canonical copy (entry CANONICAL_NAME), the kernel's own PTX behind it."""
-    from codegen.gpu_cache import CANONICAL_NAME, canonical_kernel
-    from codegen.toolchain import assemble_cubin
+    from stitch.codegen.gpu_cache import CANONICAL_NAME, canonical_kernel
+    from stitch.codegen.toolchain import assemble_cubin
     k = elementwise_kernel("gpu_canonical", ["f32", "f32"], "f32", 30_000,
                            lambda x, y: add(mul(x, y), f32(0.25)), grid_stride=True)
     arch = _arch(gpu)

@@ -1,5 +1,0 @@
-"""Kernel IR, LLVM emission (NVPTX and host), compile cache.
-
-Empty until the code-generation issue lands; the package exists so the layout of the design
-card (stitch/, hlo_passes/, codegen/) installs from the start.
-"""

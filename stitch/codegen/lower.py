@@ -1,0 +1,1264 @@
+"""Lowering of a stitched kernel's schedule (``stitch.schedule.KernelSchedule``) to Kernel IR.
+
+Per part of the schedule (kernel packing: a part owns a range of the grid's blocks):
+
+- *thread composition* (loop parts, ``unit == "thread"`` row parts): a grid-stride loop
+  per written value; each element is computed by index propagation (``values.py``), a
+  reduction by a loop of the thread itself;
+- *warp composition*, contiguous ("minor") rows: one row per warp; each reduction is
+  accumulated by the 32 lanes (strided over the row) and finished with a shuffle
+  butterfly, so every lane holds the row's result in a register; per-row ops (e.g. rsqrt
+  of the variance) are computed once per row; consumer elements of the row are then
+  computed by the warp's lanes;
+- *block composition*, minor rows: one row per block; warp results go through shared
+  memory (partials, a barrier, every thread combines them), then the same as a warp;
+- a *split row reduction* (XLA GPU's reduce over b of [rows, a, b], then over a, both with
+  the same combiner and identity inits, the partials read by nothing else) is lowered as
+  one reduction over the row's a*b elements: the warp's or block's threads stride over
+  them (consecutive threads, consecutive elements), not one serial partial per thread;
+- column rows (rows strided in memory, e.g. a reduction over dim 0): lanes own
+  consecutive rows, so loads are coalesced across the warp. A warp gives each thread a row
+  of its own (no collectives); a block owns 32 rows (column tiling): lane l works on row
+  32 b + l, the warps stride over its elements, and the warps' partials meet in shared
+  memory (a slot per warp and row, a barrier, each thread folds its row's slots, a
+  barrier before the buffer is reused).
+
+A part of kind "global" (the global stitching scope: a persistent kernel with grid barriers
+between reduction stages, partials in global scratch) is lowered by ``lower_global.py``.
+
+Warp/block composition is lowered where the part's row layout is proven on index arrays
+(``_row_layout``): the row id of every element (or -1 where the element does not depend
+on any row's result) is pushed from the reductions through the part with the reference
+evaluator's own data-movement ops; elementwise ops must not join two rows; a reduction
+finished by the unit must read only its own row; and every written value must split into
+the part's rows (row after row, column after column, or rows on some dims in some order).
+Reductions with several outputs per row are reduced per element by the threads that need
+them, row-independent written values by all the part's threads. Where no layout is
+proven the part is lowered with thread composition and ``LoweredKernel.notes`` says why
+(always legal: threads recompute what they need).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stitch.hlo_passes import combiners
+from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo_passes.graph import OpGraph, OpNode
+from stitch.hlo_passes.ir import HloModule, Shape
+from stitch.hlo_passes.literals import literal_to_numpy
+from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.scatter_forms import (gather_index_map, known_index_values, scatter_batch_dims,
+                                             scatter_form, scatter_window)
+
+from . import compact_rows, kir
+from .errors import CodegenError
+from .values import (ValueEmitter, delinearize, iadd, imul, leaf, linearize, logical_index,
+                     physical_offset, storage_dtype)
+
+log = logging.getLogger(__name__)
+
+_c = kir.i32
+# Largest tensor whose row layout is checked on index arrays (8 bytes per element).
+ROW_CHECK_ELEMENTS = 1 << 24
+# Largest value whose row ids the proof holds in full; larger ones are kept compact
+# (``compact_rows``). Tests lower it to prove small kernels the compact way.
+FULL_IDS_ELEMENTS = ROW_CHECK_ELEMENTS
+# Most start positions of a dynamic-(update-)slice the layout proof tries one by one.
+MAX_DYNAMIC_STARTS = 256
+
+
+# Reducers with a warp collective (minor rows); column rows combine with plain ops.
+_WARP_REDUCERS = frozenset({"add", "multiply", "maximum", "minimum"})
+# Ops that only move elements: row ids go through the evaluator's own op.
+_MOVING_OPS = frozenset({"broadcast", "reshape", "bitcast", "transpose", "copy", "slice",
+                         "reverse", "concatenate", "pad"})
+# Integer bits each element type holds exactly (row ids cross data-movement ops in digits
+# of this many bits, so casts to the op's element type keep them).
+_EXACT_BITS = {"pred": 1, "s8": 7, "u8": 8, "s16": 15, "u16": 16, "s32": 31, "u32": 32,
+               "s64": 62, "u64": 62, "f16": 11, "bf16": 8, "f32": 24, "f64": 53}
+
+
+@dataclass(frozen=True)
+class _Split:
+    """Where the ``j``-th element of row ``row`` of a value lies: "rows" (row after row,
+    linear e = row * per_row + j), "columns" (e = j * rows + row) or "dims" (the row's
+    coordinates on ``row_dims``, major first, j's on the other dims, row-major)."""
+    kind: str
+    rows: int
+    per_row: int
+    row_dims: tuple[int, ...] = ()
+
+    def index(self, row: kir.Expr, j: kir.Expr, dims: tuple[int, ...]) -> tuple[kir.Expr, ...]:
+        if self.kind == "rows":
+            return delinearize(iadd(imul(row, self.per_row), j), dims)
+        if self.kind == "columns":
+            return delinearize(iadd(imul(j, self.rows), row), dims)
+        inner = tuple(d for d in range(len(dims)) if d not in self.row_dims)
+        out: list[kir.Expr] = [_c(0)] * len(dims)
+        for group, e in ((self.row_dims, row), (inner, j)):
+            for d, i in zip(group, delinearize(e, tuple(dims[d] for d in group))):
+                out[d] = i
+        return tuple(out)
+
+    def step_dim(self, dims: tuple[int, ...], width: int) -> int | None:
+        """The dim whose index grows by one from a row's element j to j + 1 inside a group
+        of ``width`` (j a multiple of ``width``, which divides ``per_row``): a vector walk
+        adds its offsets there; None where the digits of j + 1 may differ elsewhere."""
+        if self.kind == "columns" or not dims:
+            return None
+        if self.kind == "rows":
+            minor = len(dims) - 1
+        else:
+            inner = [d for d in range(len(dims)) if d not in self.row_dims]
+            if not inner:
+                return None
+            minor = inner[-1]
+        return minor if dims[minor] % width == 0 else None
+
+    def agrees(self, ids: np.ndarray) -> bool:
+        """Whether ``ids`` (a full array, -1 where row-independent) has this split's row
+        wherever it has one: ``ids`` compared where known with ``self.ids``, without
+        building that (the layout proof's values reach millions of elements)."""
+        if self.kind == "rows":
+            view = ids.reshape(self.rows, self.per_row)
+            want = np.arange(self.rows)[:, None]
+        elif self.kind == "columns":
+            view = ids.reshape(self.per_row, self.rows)
+            want = np.arange(self.rows)[None, :]
+        else:
+            # Broadcastable (extent 1 off the row dims): compared with ``ids`` as they are.
+            view, want = ids, compact_rows.dims_ids(ids.shape, self.row_dims)
+        return not np.any(view != want, where=view >= 0)
+
+
+def _group(first: tuple[kir.Expr, ...], dims: tuple[int, ...], step_dim: int | None,
+           width: int, index_of) -> list[tuple[kir.Expr, ...]]:
+    """The indices of a thread's ``width`` consecutive elements whose first is at index
+    ``first``: offsets added on ``step_dim`` (the group lies inside one run of it), else
+    ``index_of(j)`` for each (the digits may carry)."""
+    if step_dim is None:
+        return [index_of(j) for j in range(width)]
+    return [first[:step_dim] + (iadd(first[step_dim], _c(j)),) + first[step_dim + 1:]
+            for j in range(width)]
+
+
+def _loads_first(body: tuple[kir.Stmt, ...]) -> tuple[kir.Stmt, ...]:
+    """``body`` with its top-level loads (``Let x = buffer[i]``) moved to the front, in
+    order, where nothing before them in ``body`` defines or assigns a name they read,
+    writes their buffer or is a barrier. A vector group's loads then share one basic block: the elements'
+    math between them may become branches once LLVM inlines libdevice (tanh, erf, log),
+    which would keep the back end from merging the loads into one vector access."""
+    moved: list[kir.Stmt] = []
+    rest: list[kir.Stmt] = []
+    names: set[str] = set()         # defined or assigned by the statements left in place
+    written: set[str] = set()       # buffers they store to
+    fenced = False                  # a barrier left in place: nothing moves past it
+    for stmt in body:
+        if not fenced and isinstance(stmt, kir.Let) and isinstance(stmt.expr, kir.Load) and \
+                stmt.expr.buffer not in written and \
+                not any(name in names for name, _ in kir.expr_refs(stmt.expr)):
+            moved.append(stmt)
+            continue
+        rest.append(stmt)
+        for inner in kir.walk_stmts((stmt,)):
+            if isinstance(inner, (kir.Let, kir.Local, kir.Assign)):
+                names.add(inner.name)
+            elif isinstance(inner, (kir.WarpReduce, kir.WarpShuffle)):
+                names.add(inner.dest)
+            elif isinstance(inner, kir.MmaSync):
+                names.update(inner.dest)
+            elif isinstance(inner, kir.For):
+                names.add(inner.var)
+            elif isinstance(inner, (kir.Store, kir.AtomicAdd)):
+                written.add(inner.buffer)
+            elif isinstance(inner, (kir.Barrier, kir.GridBarrier)):
+                fenced = True
+    return tuple(moved + rest)
+
+
+def _kept_dims(node: OpNode, rank: int) -> tuple[int, ...]:
+    reduced = set(node.instruction.ints("dimensions"))
+    return tuple(d for d in range(rank) if d not in reduced)
+
+
+def _find_split(ids: np.ndarray, rows: int, minor: bool, dims: tuple[int, ...]
+                ) -> _Split | None:
+    """A split whose row ids agree with ``ids`` (of a value of shape ``dims``, maybe in
+    compact form) wherever the element is row-dependent (ids >= 0), preferring the one
+    the part's thread mapping reads contiguously."""
+    if ids.shape != dims:
+        return _find_compact_split(ids, rows, minor, dims)
+    if ids.size % rows:
+        return None
+    per_row = ids.size // rows
+    candidates = [_Split("rows", rows, per_row), _Split("columns", rows, per_row)]
+    if not minor:
+        candidates.reverse()
+    for split in candidates:
+        if split.agrees(ids):
+            return split
+    # Neither: the row dims, found from how the row id steps along each dim.
+    strides: dict[int, int] = {}        # dims the row changes along -> its step there
+    for d in range(ids.ndim):
+        a, b = np.moveaxis(ids, d, 0)[:-1], np.moveaxis(ids, d, 0)[1:]
+        steps = (b - a)[(a >= 0) & (b >= 0) & (a != b)]
+        if steps.size:
+            strides[d] = int(np.abs(steps).max())
+    if math.prod(ids.shape[d] for d in strides) == rows:
+        # Row dims major to minor (a transposed per-row value has them out of order).
+        split = _Split("dims", rows, per_row, tuple(sorted(strides, key=lambda d: -strides[d])))
+        if split.agrees(ids):
+            return split
+    return None
+
+
+def _find_compact_split(ids: np.ndarray, rows: int, minor: bool, dims: tuple[int, ...]
+                        ) -> _Split | None:
+    """``_find_split`` of a compact value: only splits along whole dims can agree."""
+    n = math.prod(dims)
+    if n % rows:
+        return None
+    for kind, row_dims in compact_rows.candidate_splits(ids, dims, rows, minor):
+        want = compact_rows.dims_ids(dims, row_dims)
+        if compact_rows.broadcast_size(want, ids) > ROW_CHECK_ELEMENTS:
+            continue
+        if np.all((want == ids) | (ids < 0)):
+            return _Split(kind, rows, n // rows, row_dims if kind == "dims" else ())
+    return None
+
+
+def _join(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """Row ids of elements that need both ``a``'s and ``b``'s (None: two different rows)."""
+    if a is b or (a.dtype == b.dtype and np.array_equal(a, b)):
+        # Mostly so (the operands of an elementwise op come from the same rows): one pass
+        # over arrays of up to millions of elements instead of six.
+        return a
+    if np.any((a >= 0) & (b >= 0) & (a != b)):
+        return None
+    return np.where(a >= 0, a, b)
+
+
+def _join_axes(node: OpNode, ids: np.ndarray) -> np.ndarray | None:
+    """Row ids of a reduction's outputs: its inputs' rows joined over the reduced dims."""
+    axes = tuple(node.instruction.ints("dimensions"))
+    if not axes:
+        return ids
+    top = ids.max(axis=axes)
+    low = np.where(ids >= 0, ids, np.iinfo(np.int64).max).min(axis=axes)
+    if np.any((top >= 0) & (low != top)):
+        return None
+    return top
+
+
+@dataclass
+class _RowLayout:
+    reductions: set[int] = field(default_factory=set)         # finished once per row
+    splits: dict[int, _Split] = field(default_factory=dict)   # row-dependent written values
+    per_row: set[int] = field(default_factory=set)            # one element per row, row r at r
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """How the threads of a block own rows. Rows are "minor" (contiguous): the lanes of a
+    warp stride over a row (a warp or the whole block per row); else "columns": lanes own
+    consecutive rows (a thread per row, or 32 rows a block with the warps striding)."""
+    row: kir.Expr                # the row this thread works on (may be past the last)
+    first: kir.Expr              # this thread's first element of the row
+    step: int                    # ... and the stride to its next
+    lanes_per_row: int           # 32: finish with a warp reduction
+    slots: int                   # > 1: partials per row combined in shared memory
+    columns: int = 1             # rows whose partials share the buffer
+    share: kir.Expr = kir.i32(0)     # this thread's partial slot of the row
+    column: kir.Expr = kir.i32(0)    # this thread's row among ``columns``
+    share_writer: kir.Expr | None = None
+
+    @staticmethod
+    def rows_per_block(part, tpb: int) -> int:
+        if part.minor:
+            return tpb // 32 if part.unit == "warp" else 1
+        return tpb if part.unit == "warp" else 32
+
+    @staticmethod
+    def of(part, tpb: int, em: ValueEmitter, bid: kir.Expr) -> "_Unit":
+        warps = tpb // 32
+        tid = kir.ThreadIdx()
+        lane = em.let("lane", kir.Binary("rem", tid, _c(32)))
+        warp = em.let("warp", kir.Binary("div", tid, _c(32)))
+        if part.minor and part.unit == "warp":
+            return _Unit(row=iadd(imul(bid, warps), warp), first=lane, step=32,
+                         lanes_per_row=32, slots=1)
+        if part.minor:
+            return _Unit(row=bid, first=tid, step=tpb, lanes_per_row=32, slots=warps,
+                         share=warp, share_writer=kir.Compare("eq", lane, _c(0)))
+        if part.unit == "warp":
+            return _Unit(row=iadd(imul(bid, tpb), tid), first=_c(0), step=1,
+                         lanes_per_row=1, slots=1)
+        return _Unit(row=iadd(imul(bid, 32), lane), first=warp, step=warps, lanes_per_row=1,
+                     slots=warps, columns=32, share=warp, column=lane)
+
+
+@dataclass
+class LoweredKernel:
+    kernel: kir.Kernel
+    inputs: list[int]               # node ids whose values the kernel reads, param order
+    outputs: list[int]              # node ids the kernel writes, after the inputs
+    schemes: list[str]              # per part: "thread" | "warp" | "block" as lowered
+    notes: list[str] = field(default_factory=list)
+    # Written values whose buffer must hold a copy of an input before the launch (output
+    # node -> input node): a scatter whose colliding updates are added atomically in place.
+    initial: dict[int, int] = field(default_factory=dict)
+    # Params (node ids) whose buffer is laid out by stitch (``stitch.schedule.layouts``):
+    # logical dims, major to minor. Every other buffer is row-major.
+    layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # Unit reductions lowered as one walk over a split row (``_split_row_source``): the
+    # reduction's name -> how many levels were merged into it.
+    split_rows: dict[str, int] = field(default_factory=dict)
+
+
+def _literal(node: OpNode) -> np.ndarray:
+    shape = leaf(node.shape)
+    return literal_to_numpy(node.instruction.literal, shape, numpy_dtype(shape.element_type))
+
+
+def _constant_scalar(node: OpNode) -> object | None:
+    if node.opcode != "constant" or leaf(node.shape).rank != 0 or node.instruction.literal is None:
+        return None
+    shape = leaf(node.shape)
+    item = _literal(node).reshape(()).item()
+    return bool(item) if shape.element_type == "pred" else item
+
+
+def _identity(kind: str, element_type: str) -> object:
+    """The init that leaves a value unchanged under reducer ``kind`` (None: none known)."""
+    dtype = numpy_dtype(element_type)
+    if kind == "add":
+        return 0
+    if kind == "multiply":
+        return 1
+    if kind in ("maximum", "minimum"):
+        if dtype.kind == "f":
+            return -math.inf if kind == "maximum" else math.inf
+        if dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            return int(info.min if kind == "maximum" else info.max)
+    return None
+
+
+class _KernelBuilder:
+    def __init__(self, graph: OpGraph, evaluator: Evaluator, schedule, name: str,
+                 in_place: bool = False, layouts: dict[int, tuple[int, ...]] | None = None):
+        self.in_place = in_place
+        self.graph = graph
+        self.evaluator = evaluator
+        self.schedule = schedule
+        self.name = name
+        self.members = frozenset(schedule.members)
+        self.notes: list[str] = []
+        self.split_rows: dict[str, int] = {}
+        self.shared_sizes: dict[str, int] = {}      # dtype -> elements of its partials
+        self.params: dict[int, kir.Param] = {}
+        self.inputs: list[int] = []
+        self.outputs: list[int] = []
+        # A get-tuple-element of a tuple made outside (a while's results) is read from
+        # its own buffer: the kernel computes only from array values.
+        taken = frozenset(v for v in self.members if graph.nodes[v].opcode == "get-tuple-element"
+                          and any(o not in self.members or graph.nodes[o].shape.is_tuple
+                                  for o in graph.nodes[v].operands))
+        for v in sorted(taken):
+            inner = [o for o in graph.nodes[v].operands if o in self.members]
+            if inner:
+                # Its tuple is made in this kernel (a tuple copy): reading the element from a
+                # buffer would need the kernel's own result first.
+                raise CodegenError(f"{graph.nodes[v].name}: get-tuple-element of the tuple "
+                                   f"{graph.nodes[inner[0]].name}, which this kernel computes")
+            self._param(v, False)
+            self.inputs.append(v)
+        self.computed = self.members - taken
+        members = self.computed
+        outputs = set(graph.outputs)
+        for v in sorted(members):
+            for o in graph.nodes[v].operands:
+                if o not in members and o not in self.params and \
+                        _constant_scalar(graph.nodes[o]) is None:
+                    self._param(o, False)
+                    self.inputs.append(o)
+        for v in sorted(members):
+            node = graph.nodes[v]
+            if node.op_class is OpClass.SOURCE:
+                continue
+            if v in outputs or any(u not in members for u in node.users):
+                self._param(v, True)
+                self.outputs.append(v)
+        self.atomic = self._atomic_scatters()
+        self.layouts = self._check_layouts(layouts or {})
+
+    def _check_layouts(self, layouts: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+        """The given layouts of this kernel's params (identity layouts dropped); a layout
+        that is not a permutation of the value's dims, or one of an atomic scatter's
+        buffers, is refused."""
+        mine: dict[int, tuple[int, ...]] = {}
+        for v, layout in layouts.items():
+            if v not in self.params:
+                continue
+            layout = tuple(layout)
+            rank = leaf(self.graph.nodes[v].shape).rank
+            if sorted(layout) != list(range(rank)):
+                raise CodegenError(f"{self.graph.nodes[v].name}: layout {layout} is not a "
+                                   f"permutation of {rank} dims")
+            if layout == tuple(range(rank)):
+                continue
+            if v in self.atomic or v in self.atomic.values():
+                raise CodegenError(f"{self.graph.nodes[v].name}: an atomic scatter's buffer "
+                                   "keeps the row-major layout")
+            mine[v] = layout
+        return mine
+
+    def output_offset(self, v: int, logical: kir.Expr) -> kir.Expr:
+        """Where the element at row-major offset ``logical`` of written value v goes in its
+        buffer (v's layout)."""
+        layout = self.layouts.get(v)
+        if layout is None:
+            return logical
+        dims = leaf(self.graph.nodes[v].shape).dims
+        return physical_offset(delinearize(logical, dims), dims, layout)
+
+    def _atomic_scatters(self) -> dict[int, int]:
+        """Scatters whose updates may collide (form "atomic"): scatter -> its operand. The
+        kernel ends at them: threads walk the updates and add them atomically into the
+        written buffer, which starts as a copy of the operand (``LoweredKernel.initial``)."""
+        graph = self.graph
+        found: dict[int, int] = {}
+        for v in sorted(self.computed):
+            node = graph.nodes[v]
+            if node.opcode != "scatter" or scatter_form(graph, v).kind == "row":
+                continue
+            form = scatter_form(graph, v)
+            if form.kind != "atomic":
+                raise CodegenError(f"{node.name}: scatter not generated ({form.reason})")
+            # Colliding assignments keep an unspecified one in XLA: only add is generated
+            # (stitch.hlo_passes.combiners' rule, which the planner's feasibility asks too).
+            problem = combiners.scatter_problem(self.reducer_kind(node), True,
+                                                leaf(node.shape).element_type)
+            if problem:
+                raise CodegenError(f"{node.name}: {problem}")
+            if v not in self.outputs or any(u in self.computed for u in node.users):
+                raise CodegenError(f"{node.name}: a scatter with colliding updates must end "
+                                   "its kernel (its result is complete only after every block)")
+            operand = node.operands[0]
+            if operand in self.computed:
+                raise CodegenError(f"{node.name}: the scatter's operand is computed in the same "
+                                   "kernel (it must be in the buffer before any update lands)")
+            if operand not in self.params:
+                self._param(operand, False)
+                self.inputs.append(operand)
+            if not self.in_place:
+                raise CodegenError(f"{node.name}: scatter with colliding updates needs its "
+                                   "output buffer to start as the operand (in_place lowering)")
+            found[v] = operand
+        return found
+
+    def _param(self, v: int, is_output: bool) -> None:
+        node = self.graph.nodes[v]
+        if node.shape.is_tuple and sum(1 for _ in node.shape.leaves()) > 1:
+            # A buffer is one array; read or written whole (a copy of a sort's tuple), a
+            # tuple would be bound as its first leaf only. Such a kernel runs through the
+            # evaluator (refused here, at compile time, never at the call).
+            raise CodegenError(f"{node.name}: a kernel {'output' if is_output else 'input'} "
+                               f"that is a tuple of several arrays ({node.shape})")
+        shape = leaf(node.shape)
+        if shape.num_elements == 0:
+            # An empty buffer (a gather's s32[0] indices) has no element to bind; such a
+            # kernel runs through the evaluator.
+            raise CodegenError(f"{node.name}: a kernel {'output' if is_output else 'input'} "
+                               f"with no elements ({shape})")
+        name = f"{'out' if is_output else 'in'}{len(self.params)}_" + "".join(
+            ch if ch.isalnum() else "_" for ch in node.name)[:40]
+        self.params[v] = kir.Param(name, storage_dtype(shape), max(shape.num_elements, 1),
+                                   is_output)
+
+    def reducer_kind(self, node: OpNode) -> str | None:
+        comp = node.instruction.attrs.get("to_apply")
+        return self.evaluator.binary_kind(comp) if comp else None
+
+    def emitter(self) -> ValueEmitter:
+        em = ValueEmitter(self.graph, self.computed, self.params.get, self.reducer_kind,
+                          _constant_scalar)
+        em.layouts = {v: layout for v, layout in self.layouts.items() if v in self.inputs}
+        return em
+
+    # --- parts ---------------------------------------------------------------------------
+    def build(self) -> LoweredKernel:
+        sched = self.schedule
+        if any(p.kind == "global" for p in sched.parts):
+            return self._build_global()
+        body: list[kir.Stmt] = []
+        schemes = []
+        # A written value in no part (a free op, e.g. a reshape of a parameter the module
+        # returns) is stored by the part with the most blocks: it depends on no part.
+        owned = set().union(*(p.members for p in sched.parts))
+        orphans = [v for v in self.outputs if v not in owned]
+        host_part = max(range(len(sched.parts)), key=lambda i: sched.parts[i].blocks) \
+            if sched.parts else -1
+        for index, part in enumerate(sched.parts):
+            written = [v for v in self.outputs if v in set(part.members)]
+            if index == host_part:
+                written += orphans
+            atomic = [v for v in written if v in self.atomic]
+            written = [v for v in written if v not in self.atomic]
+            self._check_vector_width(index, part)
+            em = self.emitter()
+            em.push()
+            local_block = kir.Binary("sub", kir.BlockIdx(), _c(part.block_offset)) \
+                if part.block_offset else kir.BlockIdx()
+            bid = em.let("block", local_block)
+            scheme = "thread"
+            if part.kind == "row" and part.unit in ("warp", "block"):
+                layout = self._row_layout(part)
+                if isinstance(layout, _RowLayout):
+                    scheme = part.unit
+                    self._unit_part(em, part, layout, written, bid)
+                else:
+                    self.notes.append(f"part {index} ({part.unit} composition) lowered with "
+                                      f"thread composition: {layout}")
+            if scheme == "thread":
+                self._thread_part(em, part, written, bid)
+            # The updates are walked in any order: no value may come from a unit's row
+            # (the row proof already refuses atomic scatters in warp/block parts).
+            em.overrides.clear()
+            for v in atomic:
+                self._atomic_scatter(em, v, bid, part.blocks)
+            schemes.append(scheme)
+            stmts = em.pop()
+            if len(sched.parts) > 1:
+                inside = kir.Binary("and",
+                                    kir.Compare("ge", kir.BlockIdx(), _c(part.block_offset)),
+                                    kir.Compare("lt", kir.BlockIdx(),
+                                                _c(part.block_offset + part.blocks)))
+                body.append(kir.If(inside, stmts))
+            else:
+                body.extend(stmts)
+        params = [self.params[v] for v in self.inputs] + [self.params[v] for v in self.outputs]
+        shared = [kir.Shared(f"partials_{dtype}", dtype, size)
+                  for dtype, size in sorted(self.shared_sizes.items())]
+        kernel = kir.Kernel(self.name, params, shared, sched.grid, sched.block, body,
+                            register_budget=register_budget(sched))
+        return LoweredKernel(kernel, list(self.inputs), list(self.outputs), schemes, self.notes,
+                             dict(self.atomic), dict(self.layouts), dict(self.split_rows))
+
+    def _build_global(self) -> LoweredKernel:
+        """A global-scope kernel: phases and grid barriers (``lower_global``)."""
+        from .lower_global import GlobalLowering
+        sched = self.schedule
+        if len(sched.parts) != 1:
+            raise CodegenError(f"kernel {self.name}: a global-scope kernel has one part")
+        if self.atomic:
+            raise CodegenError(f"kernel {self.name}: atomic scatters are not generated in a "
+                               "global-scope kernel")
+        body, scratch = GlobalLowering(self, sched.parts[0]).body()
+        params = [self.params[v] for v in self.inputs] + [self.params[v] for v in self.outputs]
+        shared = [kir.Shared(f"partials_{dtype}", dtype, size)
+                  for dtype, size in sorted(self.shared_sizes.items())]
+        kernel = kir.Kernel(self.name, params, shared, sched.grid, sched.block, body, scratch)
+        return LoweredKernel(kernel, list(self.inputs), list(self.outputs), ["global"],
+                             self.notes, {}, dict(self.layouts))
+
+    def _thread_part(self, em: ValueEmitter, part, written: list[int], bid: kir.Expr) -> None:
+        tpb = self.schedule.block
+        gtid = em.let("gtid", iadd(imul(bid, tpb), kir.ThreadIdx()))
+        for v in written:
+            self._strided_store(em, v, gtid, part.blocks * tpb, part)
+
+    # --- vector widths ---------------------------------------------------------------------
+    def _check_vector_width(self, index: int, part) -> None:
+        """The schedule's vector width is one codegen can honour: the tuner offers vw > 1
+        only where a part's element count (loops) or row length (contiguous rows) is a
+        multiple of it, and never for column rows (their lanes own rows, not elements)."""
+        vw = part.vector_width
+        if vw < 1 or vw & (vw - 1):
+            raise CodegenError(f"kernel {self.name} part {index}: vector width {vw} is not a "
+                               "power of two")
+        if vw == 1 or part.kind == "global":
+            return
+        if part.kind == "row" and not part.minor:
+            raise CodegenError(f"kernel {self.name} part {index}: vector width {vw} on column "
+                               "rows (lanes own rows there: width 1)")
+        count = part.row_length if part.kind == "row" else part.rows
+        if count % vw:
+            raise CodegenError(f"kernel {self.name} part {index}: {count} "
+                               f"{'row elements' if part.kind == 'row' else 'elements'} are "
+                               f"not a multiple of vector width {vw}")
+
+    def _width(self, part, count: int, what: str) -> int:
+        """Elements a thread takes at once on a walk over ``count`` elements (per row or in
+        all): the part's vector width, or for a walk it does not divide (a written value
+        smaller than the part's largest) the widest power of two that divides both."""
+        vw = max(part.vector_width, 1)
+        width = math.gcd(vw, max(count, 1))
+        if width != vw:
+            self.notes.append(f"{what}: {count} elements walked {width} at a time, not "
+                              f"{vw} (the part's vector width does not divide them)")
+        return width
+
+    def _unit_part(self, em: ValueEmitter, part, layout: "_RowLayout", written: list[int],
+                   bid: kir.Expr) -> None:
+        graph = self.graph
+        tpb = self.schedule.block
+        rows = part.rows
+        tid = kir.ThreadIdx()
+        unit = _Unit.of(part, tpb, em, bid)
+        # Every warp runs the collectives (uniform control flow); a unit past the last row
+        # works on the last row and stores nothing.
+        rowc = em.let("rowc", kir.Binary("min", unit.row, _c(rows - 1)))
+        valid = em.let("valid", kir.Compare("lt", unit.row, _c(rows)))
+        for v in sorted(part.members):
+            node = graph.nodes[v]
+            if v in layout.reductions:
+                result = self._unit_reduce(em, node, unit, rowc, rows, part)
+                em.overrides[v] = lambda idx, r=result: r
+                if v in written:
+                    em.push()
+                    em.emit(kir.Store(self.params[v].name, self.output_offset(v, rowc), result))
+                    store = em.pop()
+                    owner = kir.Compare("eq", unit.first, _c(0))
+                    em.emit(kir.If(kir.Binary("and", valid, owner), store))
+            elif v in layout.per_row:
+                # A per-row value (sub-root): computed once per row, not per element.
+                value = em.value(v, delinearize(rowc, leaf(node.shape).dims))
+                em.overrides[v] = lambda idx, r=value: r
+        for v in written:
+            if v in layout.reductions:
+                continue
+            shape = leaf(graph.nodes[v].shape)
+            split = layout.splits.get(v)
+            if split is None:
+                # Independent of every row: the part's threads share it out element-wise.
+                self._strided_store(em, v, iadd(imul(bid, tpb), tid), part.blocks * tpb,
+                                    part)
+                continue
+            width = self._width(part, split.per_row, graph.nodes[v].name)
+            var = em.fresh("j")
+            em.push(var)
+            first = imul(kir.Ref(var, "i32"), width)
+            indices = _group(split.index(rowc, first, shape.dims), shape.dims,
+                             split.step_dim(shape.dims, width), width,
+                             lambda j: split.index(rowc, iadd(first, _c(j)), shape.dims))
+            values = [em.value(v, index) for index in indices]
+            em.push()
+            for index, value in zip(indices, values):
+                em.emit(kir.Store(self.params[v].name,
+                                  physical_offset(index, shape.dims, self.layouts.get(v)),
+                                  value))
+            store = em.pop()
+            em.emit(kir.If(valid, store))
+            loop = _loads_first(em.pop())
+            em.emit(kir.For(var, unit.first, _c(split.per_row // width), _c(unit.step), loop))
+
+    def _atomic_scatter(self, em: ValueEmitter, v: int, bid: kir.Expr, blocks: int) -> None:
+        """Threads walk the update elements (grid-stride): element u of update batch b goes
+        to operand position start(b) + window(u) when b's whole window lies inside the
+        operand (XLA skips the others), added atomically (updates may collide)."""
+        graph = self.graph
+        node = graph.nodes[v]
+        inst = node.instruction
+        operand_id, indices_id, update_id = node.operands
+        shape = leaf(node.shape)
+        ushape = leaf(graph.nodes[update_id].shape)
+        ishape = leaf(graph.nodes[indices_id].shape)
+        window = scatter_window(graph, node)
+        vector_dim = inst.int("index_vector_dim")
+        tpb = self.schedule.block
+        gtid = em.let("gtid", iadd(imul(bid, tpb), kir.ThreadIdx()))
+        var = em.fresh("u")
+        em.push(var)
+        u = delinearize(kir.Ref(var, "i32"), ushape.dims)
+        batch = [u[p] for p in scatter_batch_dims(node, graph)]
+        skipped = set(inst.ints("inserted_window_dims", ())) | \
+            set(inst.ints("input_batching_dims", ()))
+        spanned = [d for d in range(shape.rank) if d not in skipped]
+        offsets: dict[int, kir.Expr] = {d: u[p] for p, d in
+                                        zip(inst.ints("update_window_dims", ()), spanned)}
+        starts: dict[int, kir.Expr] = {}
+        for k, d in enumerate(inst.ints("scatter_dims_to_operand_dims", ())):
+            at = list(batch)
+            if vector_dim < ishape.rank:
+                at.insert(vector_dim, _c(k))
+            start = em.value(indices_id, tuple(at))
+            starts[d] = start if start.dtype == "i64" else kir.Convert(start, "i64")
+        batch_dims = [d for d in range(ishape.rank) if d != vector_dim]
+        for d, idim in zip(inst.ints("input_batching_dims", ()),
+                           inst.ints("scatter_indices_batching_dims", ())):
+            starts[d] = kir.Convert(batch[batch_dims.index(idim)], "i64")
+        inside: list[kir.Expr] = []
+        position: list[kir.Expr] = []
+        for d in range(shape.rank):
+            start = starts.get(d, kir.i64(0))
+            if window[d] > shape.dims[d]:
+                inside.append(kir.Const(False, "i1"))       # never inside: every update skipped
+            elif d in starts:
+                start = em.let("start", start)
+                inside += [kir.Compare("ge", start, kir.i64(0)),
+                           kir.Compare("le", start, kir.i64(shape.dims[d] - window[d]))]
+            offset = offsets.get(d, _c(0))
+            position.append(iadd(kir.Convert(start, "i32"), offset) if d in starts else offset)
+        em.push()
+        value = em.value(update_id, u)
+        em.emit(kir.AtomicAdd(self.params[v].name, linearize(tuple(position), shape.dims), value))
+        add = em.pop()
+        if inside:
+            cond = inside[0]
+            for c in inside[1:]:
+                cond = kir.Binary("and", cond, c)
+            em.emit(kir.If(cond, add))
+        else:
+            for stmt in add:
+                em.emit(stmt)
+        em.emit(kir.For(var, gtid, _c(ushape.num_elements), _c(blocks * tpb), em.pop()))
+
+    def _strided_store(self, em: ValueEmitter, v: int, start: kir.Expr, threads: int,
+                       part=None) -> None:
+        """Threads ``start``, ``start + threads``, ... each write ``width`` consecutive
+        elements of v per step (step s: elements width*s .. width*s + width-1; the part's
+        vector width, 1 without a part), as the schedule's vector width assumes:
+        straight-line accesses at provably consecutive, aligned offsets, which the NVPTX
+        back end merges into vector loads and stores."""
+        shape = leaf(self.graph.nodes[v].shape)
+        n = max(shape.num_elements, 1)
+        width = 1 if part is None else self._width(part, n, self.graph.nodes[v].name)
+        layout = self.layouts.get(v)
+        var = em.fresh("e")
+        em.push(var)
+        first = imul(kir.Ref(var, "i32"), width)
+        # A buffer in a layout of stitch's choosing is walked in its own (physical) order:
+        # the stores stay coalesced, the loads follow the logical index.
+        minor = (layout[-1] if layout else len(shape.dims) - 1) if shape.dims else None
+        if minor is not None and shape.dims[minor] % width:
+            minor = None
+        indices = _group(logical_index(first, shape.dims, layout), shape.dims, minor, width,
+                         lambda j: logical_index(iadd(first, _c(j)), shape.dims, layout))
+        values = [em.value(v, index) for index in indices]
+        for j, value in enumerate(values):
+            em.emit(kir.Store(self.params[v].name, iadd(first, _c(j)), value))
+        em.emit(kir.For(var, start, _c(n // width), _c(threads), _loads_first(em.pop())))
+
+    def _unit_reduce(self, em: ValueEmitter, node: OpNode, unit: "_Unit", rowc: kir.Expr,
+                     rows: int, part) -> kir.Expr:
+        """This thread's share of row ``rowc`` (with vector width w: elements w*first ..
+        w*first + w-1, then w*(first + step) ..., each group loaded at once), then the
+        unit's threads combine their shares."""
+        op = em.reducer(node)
+        source, src, row_dims = self._split_row_source(node)
+        split = _Split("dims", rows, src.num_elements // rows, row_dims)
+        width = self._width(part, split.per_row, node.name)
+        init = em.value(node.operands[1], ())
+        acc = em.fresh("acc")
+        em.emit(kir.Local(acc, init.dtype, init))
+        var = em.fresh("k")
+        em.push(var)
+        first = imul(kir.Ref(var, "i32"), width)
+        indices = _group(split.index(rowc, first, src.dims), src.dims,
+                         split.step_dim(src.dims, width), width,
+                         lambda j: split.index(rowc, iadd(first, _c(j)), src.dims))
+        # All loads of the group first (one vector access), then the combines.
+        xs = [em.value(source, index) for index in indices]
+        for x in xs:
+            em.emit(kir.Assign(acc, kir.Binary(op, kir.Ref(acc, init.dtype), x)))
+        loop = _loads_first(em.pop())
+        em.emit(kir.For(var, unit.first, _c(split.per_row // width), _c(unit.step), loop))
+        total: kir.Expr = kir.Ref(acc, init.dtype)
+        if unit.lanes_per_row == 32:
+            warp_total = em.fresh("wsum")
+            em.emit(kir.WarpReduce(warp_total, total, op))
+            total = kir.Ref(warp_total, init.dtype)
+        if unit.slots > 1:
+            total = self._combine_shared(em, unit, total, op)
+        return em.let(f"row_{node.name}", total)
+
+    def _split_row_source(self, node: OpNode) -> tuple[int, Shape, tuple[int, ...]]:
+        """What a unit reduction walks: (value, its shape, its dims that index the row).
+        A split row reduction (XLA GPU's [rows, a*b] -> bitcast [rows, a, b] -> reduce b ->
+        reduce a) is walked as ONE row of a*b elements of the first level's input, so the
+        unit's threads stride over consecutive elements (coalesced, as the schedule's
+        latency model assumes) instead of each thread reducing b consecutive elements
+        serially (stride b between neighbouring threads). Levels merge while
+        ``_merges_into`` holds; otherwise the reduction walks its own operand."""
+        graph = self.graph
+        source = node.operands[0]
+        src = leaf(graph.nodes[source].shape)
+        row_dims = _kept_dims(node, src.rank)
+        reader = node
+        while self._merges_into(graph.nodes[source], reader, node):
+            inner = reader = graph.nodes[source]
+            source = inner.operands[0]
+            src = leaf(graph.nodes[source].shape)
+            inner_kept = _kept_dims(inner, src.rank)   # inner's result dim d is src dim kept[d]
+            row_dims = tuple(inner_kept[d] for d in row_dims)
+            self.split_rows[node.name] = self.split_rows.get(node.name, 1) + 1
+        return source, src, row_dims
+
+    def _merges_into(self, inner: OpNode, reader: OpNode, outer: OpNode) -> bool:
+        """Whether reduction ``inner`` can be folded into the unit reduction ``outer`` that
+        reads it through ``reader`` (``outer`` itself or a level already merged into it).
+        Needs: computed here, read by ``reader`` alone (as the reduced operand) and not
+        written — a partial with other readers keeps the per-partial lowering, since they
+        would recompute it serially anyway and merging would read the row twice; the same
+        associative, commutative combiner (add/multiply/max/min, XLA GPU's widened bf16
+        ones included); an init that leaves a partial unchanged (the identity, or for
+        max/min the outer init: they are idempotent). Then reducing all its inputs at once
+        gives the same value up to the order of the float operations (the order XLA's
+        split already changed) and, for a bf16 first level, without rounding each partial
+        to bf16 (the row is accumulated in f32 throughout)."""
+        if inner.opcode != "reduce" or len(inner.operands) != 2 or \
+                inner.id not in self.computed or inner.id in self.outputs or \
+                set(inner.users) != {reader.id} or reader.operands[1] == inner.id:
+            return False
+        kind = self.reducer_kind(outer)
+        if kind not in _WARP_REDUCERS or self.reducer_kind(inner) != kind:
+            return False
+        init = self._init_value(inner.operands[1])
+        if init is None:
+            return False
+        element = leaf(inner.shape).element_type
+        if init == _identity(kind, element):
+            return True
+        return kind in ("maximum", "minimum") and init == self._init_value(outer.operands[1])
+
+    def _init_value(self, v: int) -> object | None:
+        """A reduction's scalar init when it is a constant, or a constant converted (XLA
+        GPU widens a bf16 reduction's init: convert(bf16 -inf) to f32)."""
+        node = self.graph.nodes[v]
+        if node.opcode == "convert" and len(node.operands) == 1 and leaf(node.shape).rank == 0:
+            value = self._init_value(node.operands[0])
+            if value is None or isinstance(value, bool):
+                return None
+            return np.asarray(value).astype(numpy_dtype(leaf(node.shape).element_type)).item()
+        return _constant_scalar(node)
+
+    def _combine_shared(self, em: ValueEmitter, unit: "_Unit", value: kir.Expr, op: str
+                        ) -> kir.Expr:
+        """Partials of a row meet in shared memory: the thread of share ``s`` of a row
+        writes slot (s, column), a barrier, every thread folds its row's slots, and a
+        second barrier before a later reduction reuses the buffer. One buffer per dtype
+        (a row's partial slots: warps of the block, or warps x 32 columns)."""
+        # Parts own disjoint blocks: they share the buffers too.
+        size = max(self.shared_sizes.get(value.dtype, 0), unit.slots * unit.columns)
+        self.shared_sizes[value.dtype] = size
+        buf = kir.Shared(f"partials_{value.dtype}", value.dtype, size)
+        write = kir.Store(buf.name, iadd(imul(unit.share, unit.columns), unit.column), value)
+        em.emit(write if unit.share_writer is None else kir.If(unit.share_writer, (write,)))
+        em.emit(kir.Barrier())
+        total = em.fresh("bacc")
+        em.emit(kir.Local(total, value.dtype, kir.Load(buf, unit.column)))
+        w = em.fresh("w")
+        em.push()
+        slot = iadd(imul(kir.Ref(w, "i32"), unit.columns), unit.column)
+        em.emit(kir.Assign(total, kir.Binary(op, kir.Ref(total, value.dtype),
+                                             kir.Load(buf, slot))))
+        em.emit(kir.For(w, _c(1), _c(unit.slots), _c(1), em.pop()))
+        em.emit(kir.Barrier())
+        return kir.Ref(total, value.dtype)
+
+    # --- layout proof --------------------------------------------------------------------
+    def _row_layout(self, part) -> "_RowLayout | str":
+        """The part's row layout (see the module docstring), or why it has none. Row ids
+        (-1: row-independent) are pushed through the part on index arrays with the
+        reference evaluator's own data-movement ops, so the proof follows HLO semantics."""
+        graph = self.graph
+        rows = part.rows
+        per_block = _Unit.rows_per_block(part, self.schedule.block)
+        if per_block * part.blocks < rows:
+            return f"{part.blocks} blocks of {per_block} rows do not cover {rows} rows"
+        layout = _RowLayout()
+        ids_of: dict[int, np.ndarray] = {}
+        for v in sorted(part.members):
+            node = graph.nodes[v]
+            shape = leaf(node.shape)
+            if node.opcode == "reduce" and self._unit_reduction(node, part):
+                reason = self._check_reduce(node, ids_of.get(node.operands[0]))
+                if reason:
+                    return reason
+                layout.reductions.add(v)
+                ids_of[v] = np.arange(rows).reshape(shape.dims)
+                continue
+            if not any(o in ids_of for o in node.operands):
+                continue        # row-independent: any thread can compute it
+            if shape.num_elements > FULL_IDS_ELEMENTS or any(
+                    o in ids_of and ids_of[o].shape != leaf(graph.nodes[o].shape).dims
+                    for o in node.operands):
+                # Too large to hold in full: compact ids (``compact_rows``), kept compact
+                # while the value is large.
+                got = self._compact_ids(node, ids_of)
+                if not isinstance(got, str) and shape.num_elements <= FULL_IDS_ELEMENTS:
+                    got = np.broadcast_to(got, shape.dims).astype(np.int64)
+            elif node.opcode in _MOVING_OPS:
+                got = self._move_ids(node, [ids_of.get(o) for o in node.operands])
+            elif node.opcode in ("dynamic-slice", "dynamic-update-slice"):
+                got = self._dynamic_ids(node, [ids_of.get(o) for o in node.operands])
+            elif node.opcode == "gather":
+                got = self._gather_ids(node, ids_of)
+            elif node.opcode == "scatter":
+                got = self._scatter_ids(node, ids_of)
+            elif node.opcode == "reduce":
+                # Several outputs per row: reduced per element by the threads needing it.
+                got = _join_axes(node, ids_of[node.operands[0]]) \
+                    if node.operands[0] in ids_of and len(node.operands) == 2 else None
+                got = f"{node.name} reduces values of different rows" if got is None else got
+            elif node.op_class in (OpClass.LIGHT, OpClass.EXPENSIVE):
+                got = self._join_ids(node, ids_of)
+            else:
+                got = f"{node.name} ({node.opcode}) moves values between rows"
+            if isinstance(got, str):
+                return got
+            ids_of[v] = got
+        if not layout.reductions:
+            return "no reduction has one output per row"
+        for v in self.outputs:
+            node = graph.nodes[v]
+            if v not in set(part.members) or v in layout.reductions or v not in ids_of:
+                continue
+            split = _find_split(ids_of[v], rows, part.minor, leaf(node.shape).dims)
+            if split is None:
+                return f"{node.name} does not split into {rows} rows"
+            layout.splits[v] = split
+        for v, ids in ids_of.items():
+            # (A compact value is large: never one element per row.)
+            if v not in layout.reductions and ids.size == rows and not graph.is_free(v) \
+                    and leaf(graph.nodes[v].shape).num_elements == rows \
+                    and np.array_equal(ids.ravel(), np.arange(rows)):
+                layout.per_row.add(v)
+        return layout
+
+    def _unit_reduction(self, node: OpNode, part) -> bool:
+        """A reduction the unit finishes once per row (one output per row, a reducer the
+        unit can combine)."""
+        kind = self.reducer_kind(node)
+        allowed = _WARP_REDUCERS if part.minor else _WARP_REDUCERS | {"and", "or"}
+        return kind in allowed and len(node.operands) == 2 and \
+            leaf(node.shape).num_elements == part.rows
+
+    def _check_reduce(self, node: OpNode, operand_ids: np.ndarray | None) -> str | None:
+        src = leaf(self.graph.nodes[node.operands[0]].shape)
+        if operand_ids is None:
+            return None         # row-independent input: every row may read it
+        # Broadcastable (extent 1 off the kept dims): compared with the operand's ids, full
+        # or compact, as they are.
+        want = compact_rows.dims_ids(src.dims, _kept_dims(node, src.rank))
+        if operand_ids.shape != src.dims and \
+                compact_rows.broadcast_size(want, operand_ids) > ROW_CHECK_ELEMENTS:
+            return f"{node.name} is too large to prove the row layout on index arrays"
+        if not np.all((operand_ids == want) | (operand_ids < 0)):
+            return f"{node.name} reads values of other rows"
+        return None
+
+    def _join_ids(self, node: OpNode, ids_of: dict[int, np.ndarray], compact: bool = False
+                  ) -> np.ndarray | str:
+        """Elementwise ops: an element belongs to the row of its row-dependent operands
+        (which must agree); row-independent operands (-1) fit any row. ``compact``: the
+        ids may be compact (``compact_rows``) and so is the result."""
+        dims = leaf(node.shape).dims
+        out: np.ndarray | None = None
+        for o in node.operands:
+            ids = ids_of.get(o)
+            if ids is None:
+                odims = leaf(self.graph.nodes[o].shape).dims
+                if odims and odims != dims:
+                    return f"{node.name} broadcasts implicitly"
+                continue
+            if ids.shape != dims:
+                if compact and (ids.ndim == 0 or compact_rows.fits(ids, dims)):
+                    ids = ids.reshape(ids.shape or (1,) * len(dims))
+                elif ids.ndim:
+                    return f"{node.name} changes the shape of its operands"
+                else:
+                    ids = np.broadcast_to(ids, dims)
+            if compact and out is not None and \
+                    compact_rows.broadcast_size(out, ids) > ROW_CHECK_ELEMENTS:
+                return f"{node.name} is too large to prove the row layout on index arrays"
+            out = ids if out is None else _join(out, ids)
+            if out is None:
+                return f"{node.name} joins values of different rows"
+        return out
+
+    def _compact_ids(self, node: OpNode, ids_of: dict[int, np.ndarray]) -> np.ndarray | str:
+        """Row ids of an op with a large result or operand, in compact form
+        (``compact_rows``); ops it does not know are too large to prove."""
+        graph = self.graph
+        shape = leaf(node.shape)
+        too_large = f"{node.name} is too large to prove the row layout on index arrays"
+        first = ids_of.get(node.operands[0]) if node.operands else None
+        if node.opcode in ("bitcast", "reshape", "copy", "transpose", "broadcast") and \
+                len(node.operands) == 1 and first is not None:
+            src = leaf(graph.nodes[node.operands[0]].shape)
+            if node.opcode == "copy":
+                return first
+            if node.opcode == "transpose":
+                return np.transpose(first, node.instruction.ints("dimensions"))
+            if node.opcode == "broadcast":
+                return compact_rows.broadcast(first, shape.dims,
+                                              tuple(node.instruction.ints("dimensions", ())))
+            if node.opcode == "bitcast" and (
+                    src.element_type != shape.element_type or
+                    not (compact_rows.is_row_major(src) and compact_rows.is_row_major(shape))):
+                return too_large    # a bitcast that is not a row-major reshape
+            got = compact_rows.reshape(first, src.dims, shape.dims, ROW_CHECK_ELEMENTS)
+            return too_large if got is None else got
+        if node.opcode == "reduce":
+            got = _join_axes(node, first) if first is not None and len(node.operands) == 2 \
+                else None
+            return f"{node.name} reduces values of different rows" if got is None else got
+        if node.opcode == "gather" and first is not None:
+            if node.operands[1] in ids_of:
+                return f"{node.name} gathers at row-dependent indices"
+            return compact_rows.gather(graph, node, first, shape.dims, ROW_CHECK_ELEMENTS)
+        if node.op_class in (OpClass.LIGHT, OpClass.EXPENSIVE) and node.opcode not in \
+                _MOVING_OPS and node.opcode not in ("gather", "scatter", "dynamic-slice",
+                                                    "dynamic-update-slice", "reduce"):
+            return self._join_ids(node, ids_of, compact=True)
+        return too_large
+
+    def _gather_ids(self, node: OpNode, ids_of: dict[int, np.ndarray]) -> np.ndarray | str:
+        """A gather whose loaded starts run along dims where the operand's rows do not
+        change (the loss's gather of one logit per row: the row is the batch point, the
+        column is data): any start gives the same ids, so they are moved by the evaluator's
+        gather with the proved index values (0 for the data ones)."""
+        operand, indices = node.operands[:2]
+        if indices in ids_of:
+            return f"{node.name} gathers at row-dependent indices"
+        imap = gather_index_map(self.graph, node.id)
+        ids = ids_of[operand]
+        if imap is None:
+            return f"{node.name}: gather dimension numbers not readable"
+        for d, _ in imap.data:
+            if ids.shape[d] > 1 and not np.array_equal(ids.max(axis=d), ids.min(axis=d)):
+                return f"{node.name} gathers along a dim its operand's rows change on"
+        ishape = leaf(self.graph.nodes[indices].shape)
+        if ishape.num_elements > ROW_CHECK_ELEMENTS:
+            return f"{node.name} is too large to prove the row layout on index arrays"
+        values, known = known_index_values(self.graph, indices)
+        starts = np.where(known, values, 0).astype(numpy_dtype(ishape.element_type))
+        return self._move_ids(node, [ids, None], {1: starts})
+
+    def _scatter_ids(self, node: OpNode, ids_of: dict[int, np.ndarray]) -> np.ndarray | str:
+        """A scatter of form row: element p joins the operand's row at p and the row of the
+        update of p's batch point (whose ids must not change over its window)."""
+        graph = self.graph
+        operand, indices, update = node.operands
+        form = scatter_form(graph, node.id)
+        if form.kind != "row" or form.index_map is None:
+            return f"{node.name}: updates may collide"
+        if indices in ids_of:
+            return f"{node.name} scatters at row-dependent indices"
+        dims = leaf(node.shape).dims
+        out = ids_of.get(operand, np.full(dims, -1, np.int64))
+        if update not in ids_of:
+            return out
+        imap = form.index_map
+        uids = ids_of[update]
+        window = tuple(node.instruction.ints("update_window_dims", ()))
+        if window:
+            if not np.array_equal(uids.max(axis=window), uids.min(axis=window)):
+                return f"{node.name}: an update window spans several rows"
+            uids = uids.max(axis=window)
+        per_batch = uids.reshape(-1)
+        grid = np.indices(dims, sparse=True)
+        number = np.zeros((1,) * len(dims), np.int64)
+        reach = np.ones(dims, bool)
+        for d, n in zip(imap.identity, imap.radices):
+            number = number * n + grid[d]
+            reach &= grid[d] < n
+        placed = np.where(reach, per_batch[np.where(reach, number, 0)], -1)
+        joined = _join(np.broadcast_to(out, dims), placed)
+        return f"{node.name} joins rows of its operand and its updates" if joined is None \
+            else joined
+
+    def _dynamic_ids(self, node: OpNode, operand_ids: list[np.ndarray | None]
+                     ) -> np.ndarray | str:
+        """dynamic-(update-)slice: the start is data, so the ids of every possible
+        (clamped) start are joined; an element is row-dependent if any start makes it so,
+        and the starts must not disagree on its row."""
+        first = 1 if node.opcode == "dynamic-slice" else 2
+        if any(ids is not None for ids in operand_ids[first:]):
+            return f"{node.name} starts at a row-dependent index"
+        if len(node.operands) == first + 1 and \
+                leaf(self.graph.nodes[node.operands[first]].shape).rank == 1:
+            return f"{node.name} takes its starts as one index vector (the older form)"
+        shapes = [leaf(self.graph.nodes[o].shape) for o in node.operands]
+        if node.opcode == "dynamic-slice":
+            full, sizes = shapes[0].dims, node.instruction.ints("dynamic_slice_sizes")
+        else:
+            full, sizes = shapes[0].dims, shapes[1].dims
+        ranges = [range(max(n - k, 0) + 1) for n, k in zip(full, sizes)]
+        if math.prod(len(r) for r in ranges) > MAX_DYNAMIC_STARTS:
+            return f"{node.name} has too many possible starts to prove the row layout"
+        out: np.ndarray | None = None
+        for starts in itertools.product(*ranges):
+            fixed = {first + i: np.asarray(s, numpy_dtype(shapes[first + i].element_type))
+                     for i, s in enumerate(starts)}
+            got = self._move_ids(node, operand_ids, fixed)
+            if isinstance(got, str):
+                return got
+            out = got if out is None else _join(out, got)
+            if out is None:
+                return f"{node.name} moves values between rows"
+        return out
+
+    def _move_ids(self, node: OpNode, operand_ids: list[np.ndarray | None],
+                  fixed: dict[int, np.ndarray] | None = None) -> np.ndarray | str:
+        """Row ids of a data-movement op, moved by the evaluator's own op (operands in
+        ``fixed`` are passed as given: start indices). Ids travel as digits every element
+        type involved holds exactly (so dtype casts keep them); 0 marks row-independent
+        elements."""
+        graph = self.graph
+        fixed = fixed or {}
+        shapes = [leaf(graph.nodes[o].shape) for o in node.operands]
+        types = {s.element_type for i, s in enumerate(shapes) if i not in fixed} | \
+            {leaf(node.shape).element_type}
+        if node.opcode == "bitcast" and len(types) > 1:
+            return f"{node.name} bitcasts between element types"
+        if any(t not in _EXACT_BITS for t in types):
+            return f"{node.name}: row ids cannot travel in {sorted(types)}"
+        if any(s.num_elements > ROW_CHECK_ELEMENTS for s in shapes):
+            return f"{node.name} is too large to prove the row layout on index arrays"
+        bits = min(_EXACT_BITS[t] for t in types)
+        encoded = [np.zeros(s.dims, np.int64) if ids is None or i in fixed
+                   else ids.astype(np.int64) + 1
+                   for i, (ids, s) in enumerate(zip(operand_ids, shapes))]
+        top = max(int(e.max(initial=0)) for e in encoded)
+        out: np.ndarray | None = None
+        for shift in range(0, max(top.bit_length(), 1), bits):
+            planes = [fixed[i] if i in fixed else
+                      ((e >> shift) & ((1 << bits) - 1)).astype(numpy_dtype(s.element_type))
+                      for i, (e, s) in enumerate(zip(encoded, shapes))]
+            moved = np.asarray(self.evaluator.apply_instruction(
+                node.computation, node.instruction, planes)).astype(np.int64) << shift
+            out = moved if out is None else out | moved
+        return out - 1
+
+
+def kernel_identifier(name: str) -> str:
+    """A planned kernel's name (``main.3.k0``) as a Kernel IR / PTX identifier."""
+    safe = "".join(ch if ch.isalnum() else "_" for ch in name)
+    if not safe or not (safe[0].isalpha() or safe[0] == "_"):
+        safe = "k_" + safe
+    return safe
+
+
+# Schedules estimated above this many registers per thread tell ptxas their budget: below
+# it ptxas's own heuristic is left alone (it moved 16 of 199 zoo kernels' counts either way
+# under a blanket .maxnreg 255, none of them spilling).
+REGISTER_HINT_ABOVE = 64
+REGISTER_FILE = 65536          # 32-bit registers per SM, sm_70 .. sm_90
+
+
+def register_budget(schedule) -> int | None:
+    """The registers per thread the schedule's occupancy leaves each thread (its blocks per
+    SM all resident), in ptxas's granularity of 8 and at most 255, for schedules estimated
+    above REGISTER_HINT_ABOVE registers; else None."""
+    estimate = getattr(schedule, "regs_estimate", 0) or 0
+    occupancy = getattr(schedule, "occupancy", None)
+    blocks = getattr(occupancy, "blocks_per_sm", 0) or 0
+    if estimate <= REGISTER_HINT_ABOVE or blocks <= 0:
+        return None
+    budget = min(255, REGISTER_FILE // (schedule.block * blocks) // 8 * 8)
+    return budget if budget >= estimate else None
+
+
+def lower_kernel(graph: OpGraph, module: HloModule | Evaluator, schedule, name: str,
+                 in_place: bool = False, layouts: dict[int, tuple[int, ...]] | None = None,
+                 validate: bool = True) -> LoweredKernel:
+    """Kernel IR for the stitched kernel ``schedule`` (a KernelSchedule) of ``graph``.
+    ``in_place``: the caller fills the buffers of ``LoweredKernel.initial`` before the
+    launch, so scatters with colliding updates are generated (else refused). ``layouts``:
+    values between stitched kernels whose buffers stitch lays out (node -> logical dims,
+    major to minor; ``stitch.schedule.layouts``): this kernel's loads and stores of them
+    index through the permutation; the caller keeps every other reader off them.
+    ``validate=False`` leaves ``Kernel.validate`` to whatever builds the kernel (every
+    emitter validates first): a caller that may drop the kernel unbuilt skips the check."""
+    evaluator = module if isinstance(module, Evaluator) else Evaluator(module)
+    safe = kernel_identifier(name)
+    try:
+        lowered = _KernelBuilder(graph, evaluator, schedule, safe, in_place, layouts).build()
+        if validate:
+            lowered.kernel.validate()
+        return lowered
+    except CodegenError:
+        raise
+    except (KeyError, ValueError, IndexError) as exc:
+        raise CodegenError(f"kernel {name}: cannot lower: {type(exc).__name__}: {exc}") from exc
+
+
+def reference_values(graph: OpGraph, module: HloModule | Evaluator, members: list[int],
+                     inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """The reference evaluator's values of ``members`` given the kernel's input values (the
+    oracle for lowered kernels)."""
+    evaluator = module if isinstance(module, Evaluator) else Evaluator(module)
+    values = dict(inputs)
+    for v in sorted(members):
+        node = graph.nodes[v]
+        inst = node.instruction
+        if v in values:             # an input (a parameter, a tuple element made outside)
+            continue
+        if inst.opcode == "get-tuple-element" and len(node.operands) == 1 \
+                and node.operands[0] in values:
+            values[v] = values[node.operands[0]]      # operands are already tuple leaves
+            continue
+        if inst.opcode == "constant":
+            values[v] = _literal(node)
+            continue
+        ops = []
+        for o in node.operands:
+            if o not in values:
+                if graph.nodes[o].opcode != "constant":
+                    raise CodegenError(f"no value for {graph.nodes[o].name}")
+                values[o] = _literal(graph.nodes[o])
+            ops.append(values[o])
+        value = evaluator.apply_instruction(node.computation, inst, ops)
+        if isinstance(value, tuple):
+            raise CodegenError(f"{node.name}: tuple-valued ops are not supported")
+        shape = leaf(node.shape)
+        values[v] = np.asarray(value).astype(numpy_dtype(shape.element_type)).reshape(
+            shape.dims)
+    return values
+
+
+def run_on_host(lowered: LoweredKernel, graph: OpGraph, inputs: dict[int, np.ndarray],
+                poison: bool = True, opt: int = 2) -> dict[int, np.ndarray]:
+    """Compile ``lowered`` for the host target (LLVM speed level ``opt``: 0 builds ~3x
+    faster, for tests of the lowering itself) and run it on ``inputs`` (node id -> array,
+    logical shapes; buffers in ``lowered.layouts`` are transposed into and out of their
+    layout here); returns the written values by node id, logical shapes. Float outputs start as NaN so
+    an element the kernel never writes cannot pass for a right one."""
+    from .host import NUMPY_DTYPES, compile_host
+
+    compiled = compile_host(lowered.kernel, opt=opt)
+    params = lowered.kernel.params
+    args = []
+    for p, v in zip(params, lowered.inputs):
+        value = np.asarray(inputs[v])
+        if v in lowered.layouts:        # the buffer holds the value transposed by its layout
+            value = np.transpose(value.reshape(leaf(graph.nodes[v].shape).dims),
+                                 lowered.layouts[v])
+        args.append(np.ascontiguousarray(value, dtype=NUMPY_DTYPES[p.dtype]).reshape(-1))
+    outs = []
+    for p, v in zip(params[len(lowered.inputs):], lowered.outputs):
+        out = np.empty(p.size, NUMPY_DTYPES[p.dtype])
+        if v in lowered.initial:
+            out[:] = np.asarray(inputs[lowered.initial[v]]).reshape(-1)
+        elif poison and out.dtype.kind == "f":
+            out[:] = np.nan
+        elif poison:
+            out[:] = 1
+        outs.append(out)
+    compiled(*args, *outs)
+    values = {}
+    for v, out in zip(lowered.outputs, outs):
+        dims = leaf(graph.nodes[v].shape).dims
+        layout = lowered.layouts.get(v)
+        values[v] = out.reshape(dims) if layout is None else np.transpose(
+            out.reshape(tuple(dims[d] for d in layout)), np.argsort(layout))
+    return values

@@ -1,0 +1,381 @@
+"""Canonicalization: an HloModule becomes op graphs the planner works on.
+
+One graph per launching computation: ENTRY first, then every while body / while condition
+/ conditional branch reached from it (recursively, breadth first). In each graph:
+
+- ``call`` is inlined: the callee's parameters become the call's operands, its root
+  replaces the call;
+- XLA fusions are flattened into their ops, each remembering ``xla_group`` (the fusion's
+  name: XLA's own partition, the baseline). Nested fusions flatten into the same group.
+  GEMM fusions (class COMPUTE: Triton/cuBLAS GEMMs, kLoop-wrapped dots) stay one node;
+- ``tuple`` and ``get-tuple-element`` that only forward values disappear: users read the
+  producing op of each element directly (multi-output fusions included). A gte of a value
+  we cannot see into (a while's result) stays a node reading it;
+- parameters and constants are SOURCE nodes; a tuple-shaped graph parameter (a while
+  body's state) is split into one SOURCE node per leaf, so the body's gtes resolve away;
+- ``while``/``conditional`` stay single OPAQUE nodes whose ``subgraphs`` hold the indices of
+  their body and condition / branch graphs. Ops taking a tuple read each of its leaves:
+  a while's operands are the leaves of its initial state, in order.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Union
+
+from .errors import StitchError
+from .ir import Computation, HloModule, Instruction, Shape, parse_computation_list
+from .op_classes import OpClass, classify_with
+
+log = logging.getLogger(__name__)
+
+# Ops that launch no kernel: they name, alias or sequence buffers, or (while/conditional)
+# hand over to graphs of their own. A reshape is one of them when it is a bitcast.
+FREE_OPCODES = frozenset({"bitcast", "get-tuple-element", "tuple", "add-dependency", "domain",
+                          "optimization-barrier", "after-all", "while", "conditional"})
+
+# Graphs up to this many nodes keep reachability bitmasks for ``OpGraph.is_convex``
+# (2 * n^2 bits: 32 MiB at 16,384 nodes); larger ones search.
+REACHABILITY_MAX_NODES = 16384
+
+# A value during construction: a node id, or a tuple of values (a tuple not materialized).
+Val = Union[int, tuple]
+
+
+@dataclass(eq=False)
+class OpNode:
+    id: int
+    name: str                 # unique in its graph (inner names prefixed on collision)
+    opcode: str
+    shape: Shape
+    op_class: OpClass
+    operands: list[int]       # node ids, one per operand leaf (repeats kept: add(x, x))
+    users: list[int]          # distinct consumer ids, in increasing order
+    xla_group: str | None     # name of the XLA fusion this op came from
+    instruction: Instruction
+    computation: str          # the computation the instruction lives in
+    subgraphs: list[int] = field(default_factory=list)  # while: [body, cond]; conditional: branches
+    index: tuple[int, ...] = ()   # leaf of a tuple-shaped parameter this SOURCE stands for
+
+    def __repr__(self) -> str:
+        group = f" [{self.xla_group}]" if self.xla_group else ""
+        return f"OpNode({self.id} {self.name} = {self.opcode} {self.op_class.value}{group})"
+
+
+@dataclass(eq=False)
+class OpGraph:
+    name: str                 # the computation it was built from
+    kind: str                 # "entry" | "while-body" | "while-cond" | "branch"
+    nodes: list[OpNode]       # topological order; nodes[i].id == i
+    inputs: list[int]         # SOURCE nodes of the parameters (leaves, parameter order)
+    outputs: list[int]        # leaves of the root, in order (repeats kept)
+    trip_count: int | None = None   # known_trip_count of the while (the condition runs n+1 times)
+    _names: dict[str, int] = field(default_factory=dict, repr=False)
+    # (node count, descendants, ancestors): per node, a bitmask of the nodes it reaches
+    # and of the nodes reaching it (``is_convex``); built on first use.
+    _reach: tuple[int, list[int], list[int]] | None = field(default=None, repr=False)
+    # The module's computations by name (shared by all graphs of a module): what a GEMM
+    # fusion kept as one node computes, and reducers' to_apply (stitch.hlo_passes.gemm_chains).
+    computations: dict[str, Computation] = field(default_factory=dict, repr=False)
+
+    def node(self, name: str) -> OpNode:
+        if not self._names:
+            self._names = {n.name: n.id for n in self.nodes}
+        try:
+            return self.nodes[self._names[name]]
+        except KeyError:
+            raise KeyError(f"graph {self.name!r} has no node {name!r}") from None
+
+    def is_free(self, nid: int) -> bool:
+        """True when the op launches no kernel and moves no bytes by itself (sources,
+        bitcasts, tuple plumbing, control flow, reshapes that are bitcasts)."""
+        node = self.nodes[nid]
+        if node.op_class is OpClass.SOURCE or node.opcode in FREE_OPCODES:
+            return True
+        if node.opcode == "reshape" and node.operands:
+            return _is_bitcast_reshape(self.nodes[node.operands[0]].shape, node.shape)
+        return False
+
+    def topological_order(self) -> list[int]:
+        return [n.id for n in self.nodes]
+
+    def baseline_groups(self) -> dict[str, list[int]]:
+        """XLA's partition: fusion name -> its op ids; every unfused op is its own group
+        (keyed by its name). SOURCE nodes belong to no group."""
+        groups: dict[str, list[int]] = {}
+        for n in self.nodes:
+            if n.op_class is not OpClass.SOURCE:
+                groups.setdefault(n.xla_group or n.name, []).append(n.id)
+        return groups
+
+    def is_convex(self, ids: Iterable[int]) -> bool:
+        """True when no path leaves the set and comes back (fusing it creates no cycle).
+
+        Search forward from the set's outside users; ids are topological indices, so a
+        node past the set's last member can never lead back into it.
+        """
+        members = set(ids)
+        if not members:
+            return True
+        reach = self._reachability()
+        if reach is not None:
+            # Not convex exactly when an outside node is both reached from a member and
+            # reaches one: 2 * |members| bitmask ORs instead of a walk over the nodes
+            # between the first and last member (the explorer asks thousands of times).
+            desc, anc = reach
+            below = above = inside = 0
+            for m in members:
+                below |= desc[m]
+                above |= anc[m]
+                inside |= 1 << m
+            return not (below & above & ~inside)
+        last = max(members)
+        stack = [u for m in members for u in self.nodes[m].users
+                 if u not in members and u < last]
+        seen = set(stack)
+        while stack:
+            for u in self.nodes[stack.pop()].users:
+                if u in members:
+                    return False
+                if u < last and u not in seen:
+                    seen.add(u)
+                    stack.append(u)
+        return True
+
+    def _reachability(self) -> tuple[list[int], list[int]] | None:
+        """Descendant and ancestor bitmasks of every node (None above
+        REACHABILITY_MAX_NODES: two n-bit masks per node is n^2 / 4 bytes)."""
+        n = len(self.nodes)
+        if n > REACHABILITY_MAX_NODES:
+            return None
+        if self._reach is None or self._reach[0] != n:
+            desc = [0] * n
+            for node in reversed(self.nodes):
+                d = 0
+                for u in node.users:
+                    d |= desc[u] | (1 << u)
+                desc[node.id] = d
+            anc = [0] * n
+            for node in self.nodes:
+                a = 0
+                for o in node.operands:
+                    a |= anc[o] | (1 << o)
+                anc[node.id] = a
+            self._reach = (n, desc, anc)
+        return self._reach[1], self._reach[2]
+
+    def hbm_bytes(self, ids: Iterable[int]) -> int:
+        """Bytes a kernel made of ``ids`` moves through HBM: each outside value it reads,
+        once, plus each value it produces that is used outside or leaves the graph, once.
+        SOURCE members are memory, not compute: they count as reads, never as writes. A gte
+        reading an outside tuple reads only its element."""
+        members = set(ids)
+        outputs = set(self.outputs)
+        reads: dict[tuple[int, int], int] = {}
+        written = 0
+        for m in members:
+            node = self.nodes[m]
+            if node.op_class is OpClass.SOURCE:
+                if any(u in members for u in node.users):
+                    reads[(m, -1)] = node.shape.byte_size
+                continue
+            for o in node.operands:
+                src = self.nodes[o]
+                if o in members and src.op_class is not OpClass.SOURCE:
+                    continue
+                if node.opcode == "get-tuple-element" and src.shape.is_tuple:
+                    reads[(o, node.instruction.int("index"))] = node.shape.byte_size
+                else:
+                    reads[(o, -1)] = src.shape.byte_size
+            if m in outputs or any(u not in members for u in node.users):
+                written += node.shape.byte_size
+        return sum(reads.values()) + written
+
+
+def _is_bitcast_reshape(src: Shape, dst: Shape) -> bool:
+    """A reshape between row-major layouts only relabels the bytes (XLA makes it a
+    bitcast); with other layouts we assume data moves."""
+    def row_major(shape: Shape) -> bool:
+        return shape.minor_to_major() == tuple(range(shape.rank - 1, -1, -1))
+    return (src.is_array and dst.is_array and row_major(src) and row_major(dst)
+            and src.element_type == dst.element_type)
+
+
+class GraphBuildError(StitchError):
+    """The module cannot be canonicalized (a malformed call/while/fusion)."""
+
+
+def build_op_graphs(module: HloModule) -> list[OpGraph]:
+    """The op graphs of ``module``: ENTRY first, then loop bodies/conditions and branches."""
+    return _ModuleBuilder(module).run()
+
+
+class _ModuleBuilder:
+    def __init__(self, module: HloModule):
+        self.module = module
+        self.comps = {c.name: c for c in module.computations}
+        self.class_cache: dict = {}
+        self.orders: dict[str, list[Instruction]] = {}
+        self.graphs: list[OpGraph | None] = []
+        self.slots: dict[tuple[str, str], int] = {}
+        self.queue: deque[tuple[int, str, str, int | None]] = deque()
+
+    def lookup(self, name: str) -> Computation:
+        try:
+            return self.comps[name.lstrip("%")]
+        except KeyError:
+            raise GraphBuildError(
+                f"module {self.module.name!r} has no computation {name!r}") from None
+
+    def order(self, comp: Computation) -> list[Instruction]:
+        if comp.name not in self.orders:
+            self.orders[comp.name] = comp.post_order()
+        return self.orders[comp.name]
+
+    def slot(self, comp: str, kind: str, trip_count: int | None) -> int:
+        """The index of the graph for (comp, kind), queued for building on first sight.
+        A computation shared by two loops is planned once (first loop's trip count)."""
+        key = (comp, kind)
+        if key not in self.slots:
+            self.slots[key] = len(self.graphs)
+            self.graphs.append(None)
+            self.queue.append((self.slots[key], comp, kind, trip_count))
+        return self.slots[key]
+
+    def run(self) -> list[OpGraph]:
+        self.slot(self.module.entry.name, "entry", None)
+        while self.queue:
+            index, comp, kind, trips = self.queue.popleft()
+            self.graphs[index] = _GraphBuilder(self, self.lookup(comp), kind, trips).build()
+        graphs = [g for g in self.graphs if g is not None]
+        log.debug("module %s: %d graphs, %d nodes", self.module.name, len(graphs),
+                  sum(len(g.nodes) for g in graphs))
+        return graphs
+
+
+def _leaves(val: Val) -> list[int]:
+    if isinstance(val, int):
+        return [val]
+    out: list[int] = []
+    for v in val:
+        out.extend(_leaves(v))
+    return out
+
+
+def _trip_count(inst: Instruction) -> int | None:
+    known = inst.backend_config.get("known_trip_count")
+    if not isinstance(known, dict):
+        return None
+    try:
+        return int(known.get("n"))
+    except (TypeError, ValueError):
+        return None
+
+
+class _GraphBuilder:
+    def __init__(self, owner: _ModuleBuilder, comp: Computation, kind: str,
+                 trip_count: int | None):
+        self.owner = owner
+        self.comp = comp
+        self.kind = kind
+        self.trip_count = trip_count
+        self.nodes: list[OpNode] = []
+        self.inputs: list[int] = []
+        # Names of the graph's own instructions are reserved: inlined ops yield to them.
+        self.used: set[str] = {i.name for i in comp.instructions}
+
+    def build(self) -> OpGraph:
+        root = self.expand(self.comp, None, "", None)
+        for node in self.nodes:
+            for o in node.operands:
+                users = self.nodes[o].users
+                if not users or users[-1] != node.id:
+                    users.append(node.id)
+        return OpGraph(self.comp.name, self.kind, self.nodes, self.inputs, _leaves(root),
+                       self.trip_count, computations=self.owner.comps)
+
+    # --- naming and node creation ------------------------------------------------------
+    def unique(self, name: str, scope: str) -> str:
+        if scope and name in self.used:
+            name = scope + name
+        base, k = name, 1
+        while scope and name in self.used:
+            k += 1
+            name = f"{base}#{k}"
+        self.used.add(name)
+        return name
+
+    def add(self, inst: Instruction, comp: Computation, scope: str, operands: list[int],
+            op_class: OpClass, group: str | None, shape: Shape | None = None,
+            name: str | None = None, index: tuple[int, ...] = ()) -> int:
+        node = OpNode(len(self.nodes), self.unique(name or inst.name, scope), inst.opcode,
+                      shape or inst.shape, op_class, operands, [], group, inst, comp.name,
+                      index=index)
+        self.nodes.append(node)
+        return node.id
+
+    def graph_parameter(self, inst: Instruction, comp: Computation) -> Val:
+        """A parameter of the graph's own computation: one SOURCE node per array leaf."""
+        def split(shape: Shape, index: tuple[int, ...]) -> Val:
+            if shape.is_tuple:
+                return tuple(split(s, index + (i,)) for i, s in enumerate(shape.tuple_shapes))
+            label = inst.name + ("{" + ",".join(map(str, index)) + "}" if index else "")
+            return self.add(inst, comp, "", [], OpClass.SOURCE, None, shape, label, index)
+        val = split(inst.shape, ())
+        self.inputs.extend(_leaves(val))
+        return val
+
+    # --- expansion ---------------------------------------------------------------------
+    def expand(self, comp: Computation, params: list[Val] | None, scope: str,
+               group: str | None) -> Val:
+        """Emit the nodes of ``comp``; ``params`` are the values bound to its parameters
+        (None for the graph's own computation). Returns the value of its root."""
+        owner = self.owner
+        vals: dict[str, Val] = {}
+        for inst in owner.order(comp):
+            op = inst.opcode
+            if op == "parameter":
+                if params is None:
+                    vals[inst.name] = self.graph_parameter(inst, comp)
+                elif inst.parameter_number is None or inst.parameter_number >= len(params):
+                    raise GraphBuildError(f"{comp.name}/{inst.name}: parameter "
+                                          f"{inst.parameter_number} has no operand")
+                else:
+                    vals[inst.name] = params[inst.parameter_number]
+                continue
+            if op == "tuple":
+                vals[inst.name] = tuple(vals[o] for o in inst.operands)
+                continue
+            if op == "get-tuple-element":
+                src = vals[inst.operands[0]]
+                if isinstance(src, tuple):
+                    vals[inst.name] = src[inst.int("index")]
+                    continue
+            op_class = classify_with(inst, owner.lookup, owner.class_cache)
+            args = [vals[o] for o in inst.operands]
+            if op == "call" or (op == "fusion" and op_class is not OpClass.COMPUTE):
+                callee = owner.lookup(inst.called_computations[0])
+                inner_group = group or (inst.name if op == "fusion" else None)
+                vals[inst.name] = self.expand(callee, args, f"{scope}{inst.name}/", inner_group)
+                continue
+            operands = [leaf for a in args for leaf in _leaves(a)]
+            node_group = group or (inst.name if op == "fusion" else None)
+            nid = self.add(inst, comp, scope, operands, op_class, node_group)
+            if op == "while":
+                trips = _trip_count(inst)
+                self.nodes[nid].subgraphs = [
+                    owner.slot(self.callee(inst, "body"), "while-body", trips),
+                    owner.slot(self.callee(inst, "condition"), "while-cond", trips)]
+            elif op == "conditional":
+                self.nodes[nid].subgraphs = [owner.slot(c, "branch", None)
+                                             for c in inst.called_computations]
+            vals[inst.name] = nid
+        return vals[comp.root.name]
+
+    @staticmethod
+    def callee(inst: Instruction, attr: str) -> str:
+        names = parse_computation_list(inst.attrs.get(attr, "{}"))
+        if len(names) != 1:
+            raise GraphBuildError(f"{inst.name}: expected one {attr}= computation, got {names}")
+        return names[0]

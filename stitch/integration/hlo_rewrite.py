@@ -1,0 +1,563 @@
+"""Put stitched kernels into XLA's own module: what each kernel covers becomes one typed-FFI
+custom call; everything else stays exactly as XLA made it.
+
+The planner works on op graphs (``stitch.hlo_passes.graph``), where XLA's fusions are flattened
+into their ops. A stitched kernel can go back into the module when its ops are a union of
+whole *top-level* instructions of one computation (XLA fusions or unfused ops): those
+instructions are removed, one ``custom-call(...), custom_call_target=T,
+api_version=API_VERSION_TYPED_FFI`` takes the kernel's inputs (the values XLA already
+computes: parameters, other instructions' results, tuple elements of multi-output fusions)
+and returns the kernel's outputs as a tuple, and each removed instruction that is read
+outside the kernel is replaced by an instruction *of the same name* reading the custom
+call (a ``get-tuple-element``, or a ``tuple`` of them for a multi-output fusion), so no
+other instruction changes. A kernel that splits an XLA fusion, reads ops inlined from a
+called computation, or would read or write a buffer in another layout than XLA assigned it
+(``xla_layouts``: the kernel is lowered with XLA's layouts) is left to XLA, with the reason.
+
+Kernels that only re-do one XLA kernel are not placed (``same as XLA``): the point of the
+pass is to launch fewer, larger kernels than XLA.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+from typing import Sequence
+from dataclasses import dataclass, field
+
+from stitch.hlo_passes import HloModule
+from stitch.hlo_passes.graph import FREE_OPCODES, OpGraph
+from stitch.hlo_passes.ir import Computation, Instruction, Shape
+from stitch.hlo_passes.loop_state import carried_bytes
+from stitch.hlo_passes.op_classes import OpClass
+
+log = logging.getLogger("stitch.hlo_rewrite")
+
+
+@dataclass
+class KernelSite:
+    """Where one planned kernel sits in the module, once it is known to fit."""
+    name: str                      # the plan's kernel name
+    graph_index: int
+    members: frozenset[int]
+    tops: tuple[str, ...]          # the top-level instructions it replaces, module order
+
+
+@dataclass
+class PlacedKernel:
+    """A built kernel to put at its site: ``inputs``/``outputs`` are graph node ids in the
+    kernel's parameter order, ``target`` the registered FFI target name."""
+    site: KernelSite
+    inputs: list[int]
+    outputs: list[int]
+    target: str
+    # Outputs whose buffer must start as a copy of an input (output node -> input node,
+    # codegen's ``LoweredKernel.initial``: a scatter adding colliding updates atomically in
+    # place). The call's output aliases that operand (``_in_place_operands``).
+    initial: dict[int, int] = field(default_factory=dict)
+    # Params the kernel reads or writes in a layout other than row-major (node -> logical
+    # dims, major to minor: codegen's ``LoweredKernel.layouts``). A buffer XLA laid out
+    # otherwise is placed only where the kernel uses exactly XLA's layout for it.
+    layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class RewriteReport:
+    placed: list[str] = field(default_factory=list)              # kernel names
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (kernel name, reason)
+    # Copies the placed kernels added: (kernel name, graph index, bytes).
+    copies: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+class NotPlaceable(Exception):
+    """Internal: why a kernel cannot go into the module (becomes a skip reason)."""
+
+
+class ComputationView:
+    """One op graph seen against the computation it came from."""
+
+    def __init__(self, module: HloModule, graph: OpGraph):
+        self.module = module
+        self.graph = graph
+        self.comp: Computation = module.computation(graph.name)
+        self.table = self.comp.by_name()
+        self.position = {inst.name: i for i, inst in enumerate(self.comp.instructions)}
+        self.group_ops: dict[str, set[int]] = {}
+        for node in graph.nodes:
+            top = self.top_of(node.id)
+            if top is not None and node.op_class is not OpClass.SOURCE:
+                self.group_ops.setdefault(top, set()).add(node.id)
+
+    def top_of(self, nid: int) -> str | None:
+        """The top-level instruction of the computation holding node ``nid`` (None for ops
+        inlined from a called computation)."""
+        node = self.graph.nodes[nid]
+        if node.xla_group is not None and node.xla_group in self.table:
+            return node.xla_group
+        if node.computation == self.comp.name and node.instruction.name in self.table:
+            return node.instruction.name
+        return None
+
+    def is_top(self, nid: int) -> bool:
+        """Node ``nid`` is itself a top-level instruction (not inside a fusion). Compared by
+        name: a cached plan's graph holds the instructions of an equal, earlier module."""
+        node = self.graph.nodes[nid]
+        return (node.computation == self.comp.name and node.instruction.name in self.table
+                and self.top_of(nid) == node.instruction.name)
+
+    def launches(self, top: str) -> bool:
+        inst = self.table[top]
+        return inst.opcode not in FREE_OPCODES and inst.opcode not in ("parameter", "constant")
+
+    def users_outside(self, top: str, tops: set[str],
+                      added: Sequence[Instruction] = ()) -> list[Instruction]:
+        """Readers of ``top`` outside ``tops``: XLA's instructions and ``added`` ones (the
+        gtes an earlier placed kernel made to read an element of ``top``)."""
+        return [inst for inst in (*self.comp.instructions, *added)
+                if inst.name not in tops and top in inst.operands]
+
+    def fused_root(self, top: str) -> Instruction | None:
+        inst = self.table[top]
+        if inst.opcode != "fusion" or not inst.called_computations:
+            return None
+        return self.module.computation(inst.called_computations[0]).root
+
+
+def find_site(view: ComputationView, graph_index: int, name: str,
+              members: frozenset[int]) -> KernelSite:
+    """The instructions a kernel replaces, or NotPlaceable with the reason."""
+    ops = [m for m in members if view.graph.nodes[m].op_class is not OpClass.SOURCE]
+    tops: set[str] = set()
+    for m in ops:
+        top = view.top_of(m)
+        if top is None:
+            raise NotPlaceable(f"op {view.graph.nodes[m].name} is inlined from a called "
+                               "computation")
+        tops.add(top)
+    for top in tops:
+        missing = view.group_ops.get(top, set()) - members
+        if missing:
+            raise NotPlaceable(f"covers part of XLA's {top} ({len(missing)} of its ops "
+                               "are elsewhere)")
+    launching = [t for t in tops if view.launches(t)]
+    if len(launching) < 2:
+        raise NotPlaceable("same as XLA's kernel" + (f" {launching[0]}" if launching else ""))
+    return KernelSite(name, graph_index, members,
+                      tuple(sorted(tops, key=view.position.__getitem__)))
+
+
+def buffer_layout(shape: Shape) -> tuple[int, ...] | None:
+    """An array's layout as codegen's ``layouts`` take it (the logical dims, major to
+    minor: XLA's minor_to_major reversed), None where it is row-major."""
+    order = tuple(reversed(shape.minor_to_major()))
+    return None if order == tuple(range(shape.rank)) else order
+
+
+def xla_layouts(graph: OpGraph, members: frozenset[int]) -> dict[int, tuple[int, ...]]:
+    """The layouts XLA assigned to the buffers a kernel of ``members`` may read or write
+    (its members and their operands; the rest codegen ignores): node -> logical dims major
+    to minor, row-major ones left out. The kernel loads and stores them in place (the
+    rewrite checks each buffer it wires against them, ``_layout_problem``)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for v in set(members) | {o for m in members for o in graph.nodes[m].operands}:
+        shape = graph.nodes[v].shape
+        if shape.is_tuple:
+            continue
+        layout = buffer_layout(shape)
+        if layout is not None:
+            out[v] = layout
+    return out
+
+
+def _layout_problem(kind: str, name: str, shape: Shape, kernel: "PlacedKernel",
+                    nid: int) -> str | None:
+    """Why the kernel cannot take this buffer (a tuple, or a layout it does not use)."""
+    if shape.is_tuple:
+        return f"{kind} {name} is a tuple ({shape})"
+    want = buffer_layout(shape)
+    if kernel.layouts.get(nid) != want:
+        return (f"{kind} {name} is laid out {shape.layout} but the kernel "
+                f"{'reads' if kind == 'input' else 'writes'} it "
+                f"{'row-major' if nid not in kernel.layouts else kernel.layouts[nid]}")
+    return None
+
+
+def carried_copy_bytes(view: ComputationView, site: KernelSite) -> int:
+    """Bytes of the copies ``place`` will add for ``site`` in a loop body: each value the
+    kernel writes for the loop state (the root's operands) goes through a copy (``place``'s
+    ``carried``). 0 outside loop bodies. The prediction is ``stitch.hlo_passes.loop_state``'s, the
+    one the planner prices kernels with."""
+    return carried_bytes(view.graph, site.members)
+
+
+class _Builder:
+    """Edits one computation: new instructions get fresh names."""
+
+    def __init__(self, module: HloModule, view: ComputationView):
+        self.view = view
+        self.names = {inst.name for _, inst in module.instructions()}
+        self.added: list[tuple[Instruction, float]] = []   # (instruction, sort position)
+        # Bytes of each copy the kernels placed here add (a loop's carried values, an
+        # in-place operand): (kernel name, bytes); the pass prices them (delivered.py).
+        self.copies: list[tuple[str, int]] = []
+
+    def fresh(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.names:
+            i += 1
+            name = f"{base}.{i}"
+        self.names.add(name)
+        return name
+
+    def add(self, inst: Instruction, position: float) -> str:
+        self.added.append((inst, position))
+        return inst.name
+
+    def gte(self, source: str, shape: Shape, index: int, position: float) -> str:
+        inst = Instruction(self.fresh(f"{source}.gte{index}"), shape, "get-tuple-element",
+                           [source], {"index": str(index)})
+        return self.add(inst, position)
+
+
+def _input_value(view: ComputationView, b: _Builder, nid: int) -> tuple[str, Shape]:
+    """(instruction name, shape) carrying node ``nid``'s value in the computation."""
+    node = view.graph.nodes[nid]
+    inst = node.instruction
+    if node.op_class is OpClass.SOURCE and inst.opcode == "parameter":
+        if node.computation != view.comp.name:
+            raise NotPlaceable(f"reads parameter {inst.name} of another computation")
+        name, shape = inst.name, inst.shape
+        for i in node.index:
+            shape = shape.tuple_shapes[i]
+            name = b.gte(name, shape, i, view.position[inst.name] + 0.5)
+        return name, shape
+    if node.op_class is OpClass.SOURCE and inst.opcode == "constant":
+        if node.computation == view.comp.name and inst.name in view.table:
+            return inst.name, inst.shape
+        copy = Instruction(b.fresh(inst.name), inst.shape, "constant", [], dict(inst.attrs),
+                           literal=inst.literal)
+        return b.add(copy, -1.0), inst.shape
+    top = view.top_of(nid)
+    if top is None:
+        raise NotPlaceable(f"reads {node.name}, inlined from a called computation")
+    top_inst = view.table[top]
+    if view.is_top(nid):
+        return top, top_inst.shape
+    root = view.fused_root(top)
+    if root is not None and root.name == inst.name:
+        return top, top_inst.shape
+    if root is not None and root.opcode == "tuple" and inst.name in root.operands:
+        index = root.operands.index(inst.name)
+        return b.gte(top, top_inst.shape.tuple_shapes[index], index,
+                     view.position[top] + 0.5), top_inst.shape.tuple_shapes[index]
+    raise NotPlaceable(f"reads {node.name}, which XLA's {top} does not output")
+
+
+def _output_keys(view: ComputationView, nid: int) -> list[tuple[str, int | None]]:
+    """The (top-level instruction, tuple index or None) values node ``nid`` is."""
+    node = view.graph.nodes[nid]
+    top = view.top_of(nid)
+    if top is None:
+        return []
+    if view.is_top(nid):
+        return [(top, None)]
+    root = view.fused_root(top)
+    if root is not None and root.name == node.instruction.name:
+        return [(top, None)]
+    if root is not None and root.opcode == "tuple":
+        return [(top, j) for j, op in enumerate(root.operands) if op == node.instruction.name]
+    return []
+
+
+@dataclass(frozen=True)
+class _Export:
+    """A value an earlier placed kernel's call returns: element ``index`` of ``call``."""
+    call: str
+    index: int
+    shape: Shape
+    position: float
+
+
+def _exported_input(view: ComputationView, b: _Builder, nid: int,
+                    exported: dict[tuple[str, int | None], _Export]) -> tuple[str, Shape]:
+    """Node ``nid``'s value read from the earlier kernel that replaced its instruction (a
+    multi-output fusion whose element readers were retargeted to that kernel's call leaves
+    no instruction of its name behind)."""
+    for key in _output_keys(view, nid):
+        if key in exported:
+            e = exported[key]
+            return b.gte(e.call, e.shape, e.index, e.position + 0.5), e.shape
+    raise NotPlaceable(f"reads {view.top_of(nid)}, which an earlier stitched kernel "
+                       f"replaced without writing {view.graph.nodes[nid].name}")
+
+
+def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
+          removed: set[str], replaced: dict[str, Instruction] | None = None,
+          exported: dict[tuple[str, int | None], _Export] | None = None
+          ) -> tuple[dict[str, Instruction], dict[tuple[str, int | None], _Export]]:
+    """Add the kernel's custom call; return the replacement instruction per removed name
+    (and mutate gte users in place) and the values the call returns. ``exported``: the
+    values earlier placed kernels' calls return, keyed like ``_output_keys`` (a later kernel
+    reads them there). Raises NotPlaceable without changing anything visible (the builder's
+    additions are dropped by the caller on failure)."""
+    site = kernel.site
+    if set(site.tops) & removed:
+        raise NotPlaceable("overlaps a kernel already placed (recomputed ops)")
+    position = max(view.position[t] for t in site.tops)
+    operands: list[str] = []
+    for nid in kernel.inputs:
+        source = view.top_of(nid)
+        if source in removed and source not in (replaced or {}):
+            name, shape = _exported_input(view, b, nid, exported or {})
+        else:
+            name, shape = _input_value(view, b, nid)
+        problem = _layout_problem("input", name, shape, kernel, nid)
+        if problem:
+            raise NotPlaceable(problem)
+        operands.append(name)
+    # A member the kernel reads from memory (a gte of XLA's tuple all-reduce) stays in the
+    # module: the call takes it as an operand.
+    site.tops = tuple(t for t in site.tops if t not in operands)
+    tops = set(site.tops)
+    out_index: dict[tuple[str, int | None], int] = {}
+    out_shapes: list[Shape] = []
+    for j, nid in enumerate(kernel.outputs):
+        keys = _output_keys(view, nid)
+        if not keys:
+            raise NotPlaceable(f"output {view.graph.nodes[nid].name} is not a value of "
+                               "XLA's instructions")
+        top, index = keys[0]
+        shape = view.table[top].shape if index is None else view.table[top].shape.tuple_shapes[index]
+        problem = _layout_problem("output", top, shape, kernel, nid)
+        if problem:
+            raise NotPlaceable(problem)
+        out_shapes.append(shape)
+        for key in keys:
+            out_index.setdefault(key, j)
+    call_name = b.fresh(f"stitch.{site.name}")
+    attrs = {"custom_call_target": f'"{kernel.target}"', "api_version": "API_VERSION_TYPED_FFI"}
+    aliasing = _in_place_operands(view, b, kernel, operands, position)
+    if aliasing:
+        attrs["output_to_operand_aliasing"] = aliasing
+    call = Instruction(call_name, Shape("tuple", tuple_shapes=tuple(out_shapes)), "custom-call",
+                       operands, attrs)
+    b.add(call, position)
+    exports = {key: _Export(call_name, j, out_shapes[j], position)
+               for key, j in out_index.items()}
+
+    replacements: dict[str, Instruction] = {}
+    retargets: list[tuple[Instruction, int]] = []
+    # In a loop body the root's operands live in the loop-state buffers, which the custom
+    # call also reads: XLA's copy insertion has already run, so a value the kernel writes for
+    # the root goes through a copy again (without it the kernel wrote into buffers it was
+    # reading: dien_train's GRU loop drifted by 2e-4).
+    carried = set(view.comp.root.operands) if view.graph.kind != "entry" else set()
+
+    def value(name: str, shape: Shape, index: int, is_root: bool = False) -> Instruction:
+        if name not in carried:
+            return Instruction(name, shape, "get-tuple-element", [call_name],
+                               {"index": str(index)}, is_root=is_root)
+        part = b.gte(call_name, shape, index, position + 0.5)
+        b.copies.append((site.name, shape.byte_size))
+        return Instruction(name, shape, "copy", [part], is_root=is_root)
+
+    dead_gtes: list[str] = []
+    for top in site.tops:
+        inst = view.table[top]
+        added = [a for a, _ in b.added]
+        users = view.users_outside(top, tops, added)
+        # A gte of a replaced multi-output fusion read only by replaced instructions goes
+        # with them (the op graph has no gte nodes, so no kernel writes its element).
+        dead = [u for u in users if u.opcode == "get-tuple-element" and not u.is_root
+                and u.name in view.table and u.name not in carried
+                and not view.users_outside(u.name, tops, added)]
+        dead_gtes.extend(u.name for u in dead)
+        users = [u for u in users if u not in dead]
+        whole_needed = inst.is_root or any(u.opcode != "get-tuple-element" for u in users)
+        if not users and not inst.is_root:
+            continue
+        if not inst.shape.is_tuple:
+            if (top, None) not in out_index:
+                raise NotPlaceable(f"{top} is read outside but the kernel does not write it")
+            replacements[top] = value(top, inst.shape, out_index[(top, None)], inst.is_root)
+            continue
+        if whole_needed:
+            parts = []
+            for j, shape in enumerate(inst.shape.tuple_shapes):
+                if (top, j) not in out_index:
+                    raise NotPlaceable(f"element {j} of {top} is read but not written")
+                part = b.gte(call_name, shape, out_index[(top, j)], position + 0.5)
+                if top in carried:
+                    part = b.add(Instruction(b.fresh(f"{part}.copy"), shape, "copy", [part]),
+                                 position + 0.6)
+                    b.copies.append((site.name, shape.byte_size))
+                parts.append(part)
+            replacements[top] = Instruction(top, inst.shape, "tuple", parts,
+                                            is_root=inst.is_root)
+            continue
+        for user in users:
+            index = user.int("index")
+            if (top, index) not in out_index:
+                raise NotPlaceable(f"element {index} of {top} is read but not written")
+            retargets.append((user, out_index[(top, index)]))
+    site.tops = site.tops + tuple(dead_gtes)
+    for user, j in retargets:
+        if user.name in carried:
+            part = b.gte(call_name, user.shape, j, position + 0.5)
+            user.opcode, user.operands, user.attrs = "copy", [part], {}
+            b.copies.append((site.name, user.shape.byte_size))
+        else:
+            user.operands = [call_name]
+            user.attrs["index"] = str(j)
+    return replacements, exports
+
+
+def _in_place_operands(view: ComputationView, b: _Builder, kernel: PlacedKernel,
+                       operands: list[str], position: float) -> str:
+    """For each output that starts as a copy of an input (``PlacedKernel.initial``), return
+    the call's ``output_to_operand_aliasing`` text (e.g. ``{{0}: (2, {})}``): XLA then hands
+    the kernel that operand's buffer as the output's. The operand is the input itself where
+    nothing else can see the buffer change (``_private_buffer``), else a fresh ``copy``."""
+    pairs = []
+    tops = set(kernel.site.tops)
+    for out, source in sorted(kernel.initial.items()):
+        if out not in kernel.outputs or source not in kernel.inputs:
+            raise NotPlaceable(f"kernel {kernel.site.name}: an in-place output or its input "
+                               "is not among the kernel's parameters")
+        i, j = kernel.inputs.index(source), kernel.outputs.index(out)
+        if not _private_buffer(view, b, operands[i], tops, operands):
+            shape = _operand_shape(b, operands[i])
+            copy = Instruction(b.fresh(f"{operands[i]}.inplace"), shape, "copy", [operands[i]])
+            operands[i] = b.add(copy, position - 0.5)
+            b.copies.append((kernel.site.name, shape.byte_size))
+        pairs.append(f"{{{j}}}: ({i}, {{}})")
+    return "{" + ", ".join(pairs) + "}" if pairs else ""
+
+
+def _private_buffer(view: ComputationView, b: _Builder, name: str, tops: set[str],
+                    operands: list[str]) -> bool:
+    """``name`` is a buffer only the kernel being placed reads: the result (or a tuple
+    element) of an XLA fusion or copy of this computation, not the root's or a loop
+    state's, and read by no instruction the kernel leaves in the module. Writing it in
+    place is then what XLA's own in-place scatter fusion did (its operand a fresh buffer)."""
+    inst = view.table.get(name)
+    if inst is None or inst.is_root or name in view.comp.root.operands:
+        return False
+    source = view.table.get(inst.operands[0]) if inst.opcode == "get-tuple-element" else inst
+    if source is None or source.opcode not in ("fusion", "copy") or operands.count(name) != 1:
+        return False
+    return not view.users_outside(name, tops, [added for added, _ in b.added])
+
+
+def _operand_shape(b: _Builder, name: str) -> Shape:
+    for inst, _ in reversed(b.added):
+        if inst.name == name:
+            return inst.shape
+    return b.view.table[name].shape
+
+
+def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[PlacedKernel],
+                    views: dict[int, ComputationView] | None = None) -> RewriteReport:
+    """Put ``kernels`` into ``module`` in place (module docstring); kernels that do not fit
+    are reported in ``skipped`` and left to XLA. ``views``: graph index -> the view the
+    caller already built for that graph (else built here)."""
+    report = RewriteReport()
+    by_graph: dict[int, list[PlacedKernel]] = {}
+    for k in kernels:
+        by_graph.setdefault(k.site.graph_index, []).append(k)
+    for gi, placed in by_graph.items():
+        view = (views or {}).get(gi) or ComputationView(module, graphs[gi])
+        # Edit copies: the plan's graphs (possibly cached and reused for a later, equal
+        # module) hold the original Instruction objects.
+        view.comp.instructions = [dataclasses.replace(i, operands=list(i.operands),
+                                                      attrs=dict(i.attrs))
+                                  for i in view.comp.instructions]
+        view.table = view.comp.by_name()
+        b = _Builder(module, view)
+        removed: set[str] = set()
+        replacements: dict[str, Instruction] = {}
+        exported: dict[tuple[str, int | None], _Export] = {}
+        for k in placed:
+            mark, copies_mark = len(b.added), len(b.copies)
+            existing = [*view.comp.instructions, *(inst for inst, _ in b.added)]
+            snapshot = [(i, i.opcode, list(i.operands), dict(i.attrs)) for i in existing]
+            tops_before = k.site.tops
+            try:
+                new, exports = place(view, b, k, removed, replacements, exported)
+                # Convex kernels cannot close a cycle among themselves, but the module has
+                # what the op graph does not (control predecessors...): check each one.
+                _topological(_items(view, b, removed | set(k.site.tops),
+                                    {**replacements, **new}))
+            except NotPlaceable as exc:
+                del b.added[mark:]
+                del b.copies[copies_mark:]
+                for inst, opcode, operands, attrs in snapshot:   # undo gte retargets
+                    inst.opcode, inst.operands, inst.attrs = opcode, operands, attrs
+                k.site.tops = tops_before
+                report.skipped.append((k.site.name, str(exc)))
+                continue
+            removed |= set(k.site.tops)
+            replacements.update(new)
+            exported.update(exports)
+            report.placed.append(k.site.name)
+        if removed:
+            view.comp.instructions = _topological(_items(view, b, removed, replacements))
+        report.copies.extend((name, gi, nbytes) for name, nbytes in b.copies)
+    if report.placed:
+        _drop_unreachable(module)
+    return report
+
+
+def _items(view: ComputationView, b: _Builder, removed: set[str],
+           replacements: dict[str, Instruction]) -> list[tuple[Instruction, float]]:
+    """The computation's new instructions with their sort positions (XLA's order where it
+    can: the text order is the schedule of a scheduled module)."""
+    items: list[tuple[Instruction, float]] = []
+    for i, inst in enumerate(view.comp.instructions):
+        if inst.name in removed:
+            if inst.name in replacements:
+                items.append((replacements[inst.name], float(i)))
+            continue
+        items.append((inst, float(i)))
+    items.extend(b.added)
+    return items
+
+
+def _topological(items: list[tuple[Instruction, float]]) -> list[Instruction]:
+    by_name = {inst.name: inst for inst, _ in items}
+    key = {inst.name: (pos, n) for n, (inst, pos) in enumerate(items)}
+    waiting = {inst.name: len({o for o in inst.operands if o in by_name}) for inst, _ in items}
+    users: dict[str, list[str]] = {}
+    for inst, _ in items:
+        for o in set(inst.operands):
+            if o in by_name:
+                users.setdefault(o, []).append(inst.name)
+    ready = [key[n] + (n,) for n, w in waiting.items() if w == 0]
+    heapq.heapify(ready)
+    order: list[Instruction] = []
+    while ready:
+        *_, name = heapq.heappop(ready)
+        order.append(by_name[name])
+        for u in users.get(name, []):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, key[u] + (u,))
+    if len(order) != len(items):
+        stuck = sorted(n for n, w in waiting.items() if w > 0)
+        raise NotPlaceable(f"placing it would make a cycle through {', '.join(stuck[:4])}")
+    return order
+
+
+def _drop_unreachable(module: HloModule) -> None:
+    """Remove computations nothing calls any more (the replaced fusions' bodies)."""
+    by_name = {c.name: c for c in module.computations}
+    live: set[str] = set()
+    stack = [module.entry.name]
+    while stack:
+        name = stack.pop()
+        if name in live or name not in by_name:
+            continue
+        live.add(name)
+        for inst in by_name[name].instructions:
+            stack.extend(c.lstrip("%") for c in inst.called_computations)
+    module.computations = [c for c in module.computations if c.name in live]

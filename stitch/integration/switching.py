@@ -1,0 +1,308 @@
+"""What stitch.jit (jax) and the TensorFlow front end share: per input signature, a function
+runs the framework's stock path until stitch's program for that signature is built, then
+switches; failures fall back for good and are logged; the guard times both paths over the
+first calls after the switch and keeps the faster.
+
+``SwitchingFunction`` holds the bookkeeping (entries, stats, the switch/fallback/guard log
+lines, ``wait``, ``programs``); a front end supplies how to key a call, compile and run.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+log = logging.getLogger("stitch.jit")
+
+GUARD_CALLS = 5              # timed calls per side before the guard decides
+MAX_SIGNATURES = 64          # per function; the oldest entry is dropped past it (as jax's cache)
+MAX_RECORDS = 10_000         # STITCH_STATS records kept per process
+# The program summary's planned-vs-delivered figures a STITCH_STATS record carries.
+DELIVERY_KEYS = ("xla_mem_us", "planned_mem_us", "delivered_mem_us", "xla_mem_bytes",
+                 "planned_mem_bytes", "delivered_mem_bytes", "delivered_share",
+                 "dropped_kernels", "dropped_payback_us", "dropped_build_us",
+                 "dropped_placement_us", "copies", "copy_bytes")
+
+
+@dataclass
+class SignatureCounters:
+    """What one input signature did: one STITCH_STATS record (outlives its function)."""
+    function: str
+    calls: int = 0
+    stitched_calls: int = 0
+    kernels_stitched: int = 0
+    kernels_xla: int | None = None
+    compile_s: float = 0.0
+    state: str = "compiling"
+    fallback_reason: str = ""
+    # What the pass delivered against what it planned (stitch.integration.delivered: modeled
+    # memory-intensive µs and bytes of XLA's module, the plan and the module returned, the
+    # dropped kernels' lost µs by kind, the loop copies added); empty for a front end
+    # whose program summary has none.
+    delivered: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"function": self.function, "calls": self.calls,
+                "stitched_calls": self.stitched_calls,
+                "kernels_stitched": self.kernels_stitched, "kernels_xla": self.kernels_xla,
+                "compile_s": round(self.compile_s, 3), "state": self.state,
+                "fallback_reason": self.fallback_reason, **self.delivered}
+
+
+_RECORDS: list[SignatureCounters] = []
+_RECORDS_LOCK = threading.Lock()
+
+
+def stats_records() -> list[dict]:
+    """Every signature's record so far (what STITCH_STATS writes at exit)."""
+    with _RECORDS_LOCK:
+        return [r.as_dict() for r in _RECORDS]
+
+
+def write_stats(path: str | None = None) -> str | None:
+    """Write the records as JSON to ``path`` (default STITCH_STATS); the path written."""
+    path = path or os.environ.get("STITCH_STATS", "").strip() or None
+    if path is None:
+        return None
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(stats_records(), f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("STITCH_STATS=%s: cannot write the stats: %s", path, exc)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)                 # a full disk or a failed rename leaves nothing
+        return None
+    return path
+
+
+def _register_record(record: SignatureCounters) -> None:
+    with _RECORDS_LOCK:
+        if not _RECORDS and os.environ.get("STITCH_STATS", "").strip():
+            atexit.register(write_stats)
+        if len(_RECORDS) < MAX_RECORDS:
+            _RECORDS.append(record)
+
+
+@dataclass
+class SwitchStats:
+    """What one stitched function did (all signatures together)."""
+    calls: int = 0
+    stitched_calls: int = 0
+    compile_seconds: float = 0.0
+    switched_at_call: int | None = None        # the first call served by stitched kernels
+    kernels_before: int | None = None          # plan baseline (XLA-like) kernels
+    kernels_after: int | None = None           # kernels of the stitched plan
+    stitched_kernels: int | None = None        # of those, built as stitched FFI kernels
+    signatures: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+    guard: dict = field(default_factory=dict)    # the guard's timings and decision
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SwitchEntry:
+    """One input signature: compiling → ready → (failed | stock-faster); compiling →
+    dropped (cancelled while waiting in the compile queue) → compiling on its next call."""
+    state: str = "compiling"
+    future: Future | None = None
+    program: Any = None                 # stitch.integration.xla_pass.PassReport
+    call: Callable | None = None        # the jitted stitched program
+    verified: bool = False
+    reason: str = ""
+    trial_stitched: list[float] = field(default_factory=list)   # guard timings (s)
+    trial_stock: list[float] = field(default_factory=list)
+    guard_lock: threading.Lock = field(default_factory=threading.Lock)
+    compiled_ok: bool = False           # the compile succeeded (stays so: wait() is monotonic)
+    # Set once the compile was handed on (``future`` set) or failed before that: wait() must
+    # not take an entry whose compile is still being submitted for one that never will be.
+    submitted: threading.Event = field(default_factory=threading.Event)
+    counters: SignatureCounters = field(default_factory=lambda: SignatureCounters(""))
+
+
+class SwitchingFunction:
+    """Bookkeeping base; subclasses set ``stock`` and implement ``_start_compile``."""
+
+    stock_name = "XLA"                 # the stock path, as log lines name it
+    entry_type: type = SwitchEntry
+
+    def _init_switching(self, guard: bool) -> None:
+        self.guard = guard
+        self.stats = SwitchStats()
+        self._entries: dict[Any, SwitchEntry] = {}
+        self._lock = threading.Lock()
+
+    def _start_compile(self, entry: SwitchEntry, args: tuple, kwargs: dict,
+                       call_number: int) -> None:
+        raise NotImplementedError
+
+    # --- calls --------------------------------------------------------------------------
+    def _count_call(self, key: Any, args: tuple, kwargs: dict
+                    ) -> tuple[SwitchEntry | None, int]:
+        """Count the call; a signature seen for the first time starts its compile."""
+        with self._lock:
+            self.stats.calls += 1
+            call_number = self.stats.calls
+            entry = self._entries.get(key) if key is not None else None
+            start = key is not None and entry is None
+            if entry is not None and entry.state == "dropped":   # back in the compile queue
+                entry.submitted.clear()
+                entry.state = entry.counters.state = "compiling"
+                entry.counters.fallback_reason = ""
+                start = True
+            elif start:
+                entry = self._entries[key] = self.entry_type()
+                entry.counters = SignatureCounters(self.__qualname__)
+                _register_record(entry.counters)
+                self.stats.signatures += 1
+                while len(self._entries) > MAX_SIGNATURES:     # oldest first, as jax's cache
+                    evicted = self._entries.pop(next(iter(self._entries)))
+                    evicted.call = evicted.program = None
+                    if evicted.future is not None:
+                        evicted.future.cancel()                  # if it is still waiting
+            if entry is not None:
+                entry.counters.calls += 1
+        if start:
+            try:
+                self._start_compile(entry, args, kwargs, call_number)
+            finally:
+                entry.submitted.set()
+        return entry, call_number
+
+    def _count_stitched(self, entry: SwitchEntry, call_number: int) -> None:
+        with self._lock:
+            self.stats.stitched_calls += 1
+            entry.counters.stitched_calls += 1
+            if self.stats.switched_at_call is None:
+                self.stats.switched_at_call = call_number
+                log.info("%s: switched to stitched kernels at call %d (%s kernels -> %s, "
+                         "%s stitched)", self.__qualname__, call_number,
+                         self.stats.kernels_before, self.stats.kernels_after,
+                         self.stats.stitched_kernels)
+
+    def _program_ready(self, entry: SwitchEntry, program: Any, elapsed: float) -> None:
+        """Record a built program (stats from its summary()); the entry switches on its next
+        call."""
+        summary = program.summary()
+        with self._lock:
+            self.stats.compile_seconds += elapsed
+            self.stats.kernels_before = summary["kernels_before"]
+            self.stats.kernels_after = summary["kernels_after"]
+            self.stats.stitched_kernels = summary["stitched_kernels"]
+            entry.counters.compile_s = elapsed
+            entry.counters.kernels_xla = summary["kernels_before"]
+            entry.counters.kernels_stitched = summary["stitched_kernels"]
+            entry.counters.delivered = {k: summary[k] for k in DELIVERY_KEYS if k in summary}
+            entry.counters.state = "ready"
+        entry.program = program
+        entry.compiled_ok = True
+        entry.state = "ready"
+
+    def _compile_failed(self, entry: SwitchEntry, elapsed: float, exc: BaseException) -> None:
+        with self._lock:
+            self.stats.compile_seconds += elapsed
+            entry.counters.compile_s = elapsed
+        from stitch.errors import Cancelled
+        if isinstance(exc, Cancelled):
+            self._fail(entry, f"{exc} (stopped after {elapsed:.1f}s)")
+        elif isinstance(exc, KeyboardInterrupt):
+            self._fail(entry, f"compile interrupted after {elapsed:.1f}s (KeyboardInterrupt)")
+        else:
+            self._fail(entry, f"compile failed after {elapsed:.1f}s: {type(exc).__name__}: "
+                              f"{exc}")
+
+    def _dropped_from_queue(self, entry: SwitchEntry) -> None:
+        """Its compile was cancelled before it started (newer signatures filled the compile
+        queue, or the signature was evicted): stock until its next call queues it again."""
+        reason = "dropped from the compile queue before it started (newer compiles waiting)"
+        with self._lock:
+            if entry.state != "compiling":
+                return
+            entry.state = entry.counters.state = "dropped"
+            entry.counters.fallback_reason = reason
+        log.info("%s: one signature's compile was %s; it is queued again on its next call",
+                 self.__qualname__, reason)
+
+    def _fail(self, entry: SwitchEntry, reason: str) -> None:
+        entry.state, entry.reason, entry.call = "failed", reason, None
+        entry.counters.state, entry.counters.fallback_reason = "failed", reason
+        with self._lock:
+            self.stats.fallbacks.append(reason)
+        log.warning("%s: falls back to %s: %s", self.__qualname__, self.stock_name, reason)
+
+    # --- the guard ----------------------------------------------------------------------
+    def _in_guard_trial(self, entry: SwitchEntry) -> bool:
+        return self.guard and entry.state == "ready" and len(entry.trial_stock) < GUARD_CALLS
+
+    @staticmethod
+    def _stitched_turn(entry: SwitchEntry) -> bool:
+        with entry.guard_lock:
+            return len(entry.trial_stitched) <= len(entry.trial_stock)
+
+    def _guard_record(self, entry: SwitchEntry, stitched_turn: bool, elapsed: float) -> None:
+        """One timed trial call; after GUARD_CALLS stock ones the faster path stays. The
+        first stitched call also compiled: the median leaves it out."""
+        if entry.state != "ready":
+            return
+        with entry.guard_lock:
+            (entry.trial_stitched if stitched_turn else entry.trial_stock).append(elapsed)
+            if stitched_turn or len(entry.trial_stock) != GUARD_CALLS:
+                return
+            stitched_ms = 1e3 * float(np.median(entry.trial_stitched[1:]
+                                                or entry.trial_stitched))
+            stock_ms = 1e3 * float(np.median(entry.trial_stock))
+        kept = "xla" if stitched_ms > stock_ms else "stitched"
+        with self._lock:
+            self.stats.guard = {"stitched_ms": stitched_ms, "stock_ms": stock_ms, "kept": kept}
+        if kept == "xla":
+            entry.state = "stock-faster"
+            entry.counters.state = "stock-faster"
+            log.info("%s: stays on %s on this device: stitched %.3f ms vs %s %.3f ms per "
+                     "call (STITCH_GUARD=0 keeps the stitched kernels)", self.__qualname__,
+                     self.stock_name, stitched_ms, self.stock_name, stock_ms)
+        else:
+            log.info("%s: keeps the stitched kernels: %.3f ms vs %s %.3f ms per call",
+                     self.__qualname__, stitched_ms, self.stock_name, stock_ms)
+
+    # --- waiting ------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every signature seen so far has finished compiling; True when every
+        compile succeeded (False: one failed or the timeout passed). A later guard decision
+        or run failure does not turn a True into a False: see ``stats`` for those."""
+        with self._lock:
+            entries = list(self._entries.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for e in entries:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not e.submitted.wait(left):
+                return False
+            if e.future is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                e.future.result(left)
+            except Exception:  # noqa: BLE001 - timeouts and failures both mean "not ready"
+                return False
+            except BaseException:  # noqa: BLE001 - a compile interrupted by Ctrl-C
+                if e.state != "compiling":
+                    return False
+                raise
+        return all(e.compiled_ok for e in entries)
+
+    def programs(self) -> list[Any]:
+        """What the pass did for each compiled signature so far (``PassReport``: plan,
+        placed kernels with their Kernel IR, skipped kernels with reasons, timings)."""
+        with self._lock:
+            return [e.program for e in self._entries.values() if e.program is not None]
