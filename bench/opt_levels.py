@@ -73,7 +73,7 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from bench.pass_compile import _keras_hub_llama, _zoo
+    from bench.compile.in_xla import _keras_hub_llama, _zoo
     from codegen import kir
     from codegen.gpu_cache import structure_key
     from codegen.llvm_emit import STORAGE_BYTES

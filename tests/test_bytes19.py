@@ -212,7 +212,7 @@ def test_ops_with_fewer_elements_per_row_are_charged_per_row_not_per_element():
 def test_bf16_cross_entropy_step_is_not_slower_than_xla(target):
     """No model x target slower than XLA on the latency-evaluator
     (log_softmax_xent_train_bf16 on A100 was 1502 vs 1394 us)."""
-    from bench.plans import plan_model
+    from bench.plans.zoo import plan_model
 
     row = plan_model("log_softmax_xent_train_bf16", target)
     assert row.stitch.latency_us < row.xla.latency_us
@@ -222,7 +222,7 @@ def test_crossing_values_marks_activations_a_gemm_separates_as_forced():
     """e = exp(x) feeds a GEMM and, after it, an add with the GEMM's result: e must be
     written and read back whatever the plan (forced); the one-kernel bound does not count
     it, ``PlanRow.forced_bytes`` does."""
-    from bench.plans import crossing_values
+    from bench.plans.zoo import crossing_values
 
     text = """HloModule m
 ENTRY e {

@@ -1,6 +1,6 @@
 """stitch's latency-evaluator against XLA's own per-fusion estimates (both modeled).
 
-    python -m bench.latency_vs_xla [--targets h100,a100,v100] [--models a,b] [--out FILE]
+    python -m bench.plans.estimates [--targets h100,a100,v100] [--models a,b] [--out FILE]
 
 For every zoo model with ``tests/data/xla_costs/<model>.full.<target>.json`` (XLA's own
 estimate of each final fusion, see docs/xla_costs.md), each memory-intensive XLA fusion of
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     models = [m.strip() for m in args.models.split(",") if m.strip()] or None
     reports = [run_target(t, models) for t in targets]
-    command = "python -m bench.latency_vs_xla" + (
+    command = "python -m bench.plans.estimates" + (
         f" --targets {args.targets}" if targets != list(DEFAULT_TARGETS) else "") + (
         f" --models {args.models}" if models else "") + (
         f" --out {args.out}" if args.out else "")

@@ -7,7 +7,7 @@ split reductions (XLA GPU's reduce over b of [rows, a, b], then over a) are lowe
 row walk (``LoweredKernel.split_rows``), with ptxas's registers and spills for the
 target's arch. Counted (codegen and ptxas), not measured on a device.
 
-``python -m bench.split_rows [--out docs/benchmarks.md]`` (~3 minutes on the 2-core box:
+``python -m bench.codegen.row_walks [--out docs/benchmarks.md]`` (~3 minutes on the 2-core box:
 planning the full-size models dominates).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from codegen.lower import lower_kernel
 from hlo_passes.evaluator.interpreter import Evaluator
 from hlo_passes.parser import parse_hlo
 
-SECTION = "splitred-issue19"
+SECTION = "bench-split-rows"
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 ARCH = {"v100": "sm_70", "a100": "sm_80", "h100": "sm_90"}
 
@@ -137,7 +137,7 @@ def main() -> None:
         for target in ARCH:
             if (DATA / model / f"full.gpu-{target}.hlo").exists():
                 rows.append(count(model, target, not args.no_ptxas))
-    command = "python -m bench.split_rows" + (f" --out {args.out}" if args.out else "")
+    command = "python -m bench.codegen.row_walks" + (f" --out {args.out}" if args.out else "")
     body = render(rows, command, time.time() - start)
     publish(args.out, SECTION, body)
 

@@ -1,6 +1,6 @@
 """Compile cost of stitch inside XLA, side by side with jax.jit's own compile (measured).
 
-``python -m bench.pass_compile [--models bert_layer_train:tiny,...] [--out docs/benchmarks.md]``
+``python -m bench.compile.in_xla [--models bert_layer_train:tiny,...] [--out docs/benchmarks.md]``
 
 Per function, in a fresh subprocess with an empty ``STITCH_CACHE_DIR`` (cold) and then again
 with the same directory (warm), after an untimed compile of a small function
@@ -190,7 +190,7 @@ def _run_child(model: str, config: str, cache_dir: str, timeout: float,
     env = {**os.environ, "STITCH_CACHE_DIR": cache_dir, "PYTHONPATH": str(Path(__file__).parents[1])}
     if gpu:
         env.update(CUDA_VISIBLE_DEVICES="-1", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
-    run = subprocess.run([python, "-m", "bench.pass_compile", "--one-gpu" if gpu else "--one",
+    run = subprocess.run([python, "-m", "bench.compile.in_xla", "--one-gpu" if gpu else "--one",
                           f"{model}:{config}"],
                          capture_output=True, text=True, timeout=timeout, env=env)
     lines = [l for l in run.stdout.splitlines() if l.startswith("{")]
@@ -315,7 +315,7 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.pass_compile",
+    parser = argparse.ArgumentParser(prog="python -m bench.compile.in_xla",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(DEFAULT_MODELS))
     parser.add_argument("--out", type=Path)
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         if not Path(python).exists():
             raise SystemExit(f"{python} is missing: run scripts/deviceless_check.sh once")
     rows = collect(args.models, python=python, gpu=args.gpu, repeat=max(1, args.repeat))
-    command = "python -m bench.pass_compile " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.compile.in_xla " + " ".join(argv if argv is not None else sys.argv[1:])
     body = markdown(rows, command.strip(), gpu=args.gpu)
     if args.out:
         from bench.report import write_section

@@ -3,7 +3,7 @@ modules at full size: registers, spills and shared memory per model, f32 (FMA ti
 bf16 (tensor cores; the fixture's f32 types replaced by bf16), sm_80 and sm_90, with the
 default tiling (``ChainTiling.default_for``).
 
-``python -m bench.gemm_chain_ptxas [--out docs/benchmarks.md]`` (about a minute; needs
+``python -m bench.codegen.gemm_chain_ptxas [--out docs/benchmarks.md]`` (about a minute; needs
 ptxas and libdevice, no GPU). Counted by ptxas, not measured on a device.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    command = "python -m bench.gemm_chain_ptxas" + (f" --out {args.out}" if args.out else "")
+    command = "python -m bench.codegen.gemm_chain_ptxas" + (f" --out {args.out}" if args.out else "")
     body = section(command)
     publish(args.out, SECTION, body)
 

@@ -8,7 +8,7 @@ with vector loads/stores (``ld.global.v2/v4``, ``st.global.v2/v4``), and the ker
 global load/store instructions, vector and scalar, counted statically in the PTX.
 Counted (codegen, LLVM's NVPTX back end), not measured on a device.
 
-``python -m bench.vector_access [--ptxas] [--out docs/benchmarks.md] [--target h100]``
+``python -m bench.codegen.vector_access [--ptxas] [--out docs/benchmarks.md] [--target h100]``
 (~1-2 minutes on the 2-core box for h100: planning the full-size models and emitting ~300
 kernels; ``--ptxas`` also assembles every wide kernel and reports spills).
 """
@@ -27,7 +27,7 @@ from codegen.lower import lower_kernel
 from hlo_passes.evaluator.interpreter import Evaluator
 from hlo_passes.parser import parse_hlo
 
-SECTION = "vecload-issue19"
+SECTION = "bench-vector-access"
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 ARCH = {"v100": "sm_70", "a100": "sm_80", "h100": "sm_90"}
 MODELS = ("bert_layer_train", "bert_layer_train_bf16", "dien_train", "dien_train_bf16",
@@ -187,7 +187,7 @@ def main() -> None:
     for model in args.models:
         if (DATA / model / f"full.gpu-{args.target}.hlo").exists():
             rows.append(count(model, args.target, args.ptxas))
-    command = "python -m bench.vector_access" + (" --ptxas" if args.ptxas else "") + \
+    command = "python -m bench.codegen.vector_access" + (" --ptxas" if args.ptxas else "") + \
         (f" --out {args.out}" if args.out else "")
     body = render(rows, command, time.time() - start)
     publish(args.out, SECTION, body)
