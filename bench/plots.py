@@ -139,11 +139,12 @@ def bytes_against_bound(rows: list[tuple[str, float, float, float]], path: Path)
     ax.barh([y + 0.2 for y in ys], [r[2] / r[3] for r in rows], height=0.4, color="tab:blue",
             label="stitch")
     ax.axvline(1.0, color="black", lw=0.8, label="one-kernel bound")
+    ax.set_xlim(0, 1.45 * max(max(r[1], r[2]) / r[3] for r in rows))
     ax.set_yticks(list(ys), [r[0] for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("memory-intensive bytes / one-kernel bound (counted)")
     ax.tick_params(labelsize=7)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower right")
     return _save(fig, path)
 
 
@@ -159,7 +160,8 @@ def planned_vs_delivered(rows: list[tuple[str, float, float, float]], path: Path
     ax.axvline(1.0, color="black", lw=0.8, label="XLA")
     ax.set_yticks(list(ys), [r[0] for r in rows])
     ax.invert_yaxis()
+    ax.set_xlim(0, 1.35)
     ax.set_xlabel("memory-intensive µs per step / XLA's (modeled, H100; lower is better)")
     ax.tick_params(labelsize=7)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower right")
     return _save(fig, path)

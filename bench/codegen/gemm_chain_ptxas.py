@@ -64,7 +64,7 @@ def section(command: str) -> str:
         "",
         stamp(command),
         "",
-        "One kernel per chain (issue 20), default tiling per arch; registers per thread from "
+        "One kernel per chain, default tiling per arch; registers per thread from "
         "`ptxas -v`, no spills unless noted. dims = batch x M x N x K x H. f32 runs "
         "register-tiled FMA; bf16 runs `mma.sync.m16n8k16` tensor cores (fixture types "
         "replaced by bf16).",

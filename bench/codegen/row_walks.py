@@ -1,4 +1,4 @@
-"""Split row reductions in the zoo's full-size plans, as codegen lowers them (issue 19).
+"""Split row reductions in the zoo's full-size plans, as codegen lowers them.
 
 Per model and target (fixture ``full.gpu-<target>.hlo``, the planner's stitched kernels):
 the warp/block row parts codegen lowers with the composition the schedule chose (the rest
@@ -76,7 +76,7 @@ def count(model: str, target: str, ptxas: bool) -> Row:
 
 
 def render(rows: list[Row], command: str, seconds: float) -> str:
-    lines = ["## Issue 19: split row reductions as one row walk (counted)", "",
+    lines = ["## Split row reductions as one row walk (counted)", "",
              stamp(command), "",
              "XLA GPU splits a wide row reduction (sum over the 32000-wide rows of "
              "f32[4096,32000]) into reduce over 250 of [4096,128,250], then over 128. Before, "

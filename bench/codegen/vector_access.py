@@ -1,4 +1,4 @@
-"""Vector accesses in the zoo's full-size training plans, as codegen lowers them (issue 19).
+"""Vector accesses in the zoo's full-size training plans, as codegen lowers them.
 
 The tuner picks a vector width per part (1, 2 or 4 elements a thread takes at once) and
 the latency-evaluator prices it (fewer load/store instructions). Per training model on a
@@ -112,7 +112,7 @@ def count(model: str, target: str, ptxas: bool = False) -> Row:
 
 
 def render(rows: list[Row], command: str, seconds: float) -> str:
-    lines = ["## Issue 19: the tuner's vector width in the generated code (counted)", "",
+    lines = ["## The tuner's vector width in the generated code (counted)", "",
              stamp(command), "",
              "The tuner chooses 1, 2 or 4 elements per thread step for each part and the "
              "latency-evaluator prices the choice (vw elements per load/store instruction). "

@@ -14,7 +14,7 @@ Both sides are traced and lowered before their timers: jax serves a function's s
 lowering from its caches, so a timed lowering would be charged to jax.jit's side alone
 (~0.2 s of transformer_train tiny's). Each side's CPU seconds (this process's threads and
 the child processes that ended meanwhile: ptxas, stitch's PTX children) are recorded too.
-The overhead is stitched − jax.jit; issue 17's goal is at most half of XLA's own compile.
+The overhead is stitched − jax.jit; the goal is at most half of XLA's own compile.
 Kernels: what XLA launched for the module and what is left once stitch's calls are in.
 ``keras_hub_llama`` (a keras_hub Llama backbone step, tiny config) runs when keras_hub is
 installed. ``--gpu``: the same against XLA GPU's compile for an H100, deviceless (jax's CUDA
@@ -273,7 +273,7 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
              "compile of a small function (the process's one-time XLA set-up) and after the "
              "function is traced and lowered (untimed on both sides: jax serves the second "
              "lowering from its caches). " + what +
-             " Overhead = stitched − jax.jit, as a fraction of jax.jit (issue 17's goal: ≤ 0.5)."
+             " Overhead = stitched − jax.jit, as a fraction of jax.jit (the goal: ≤ 0.5)."
              " *CPU s*: the cold run's CPU seconds on each side (this process's threads and the "
              "child processes that ended during the compile: ptxas, stitch's PTX children); "
              "*CPU floor*: the least overhead that CPU allows on the machine's cores "

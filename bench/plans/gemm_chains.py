@@ -1,4 +1,4 @@
-"""GEMM chains and attention (issue 20): stitch's gemm_chain kernel against XLA's own
+"""GEMM chains and attention: stitch's gemm_chain kernel against XLA's own
 kernels for the same ops, and the schedule search against exhaustive enumeration
 (``python -m bench gemm-chains``).
 
@@ -141,7 +141,7 @@ class FormulaLaunch:
 
 @dataclass(frozen=True)
 class FormulaView:
-    """Why the chain kernel's formula time is what it is (issue 20, item 1).
+    """Why the chain kernel's formula time is what it is.
 
     ``chosen``: the planned schedule. ``space_best``: the schedule of the searched space the
     formula likes best. ``bound_us``: the least time XLA's formula gives ANY one kernel that
@@ -385,7 +385,7 @@ def formula_markdown(rows: list[ChainRow]) -> list[str]:
         return []
     capped = [r for r in rows if r.formula_ceiling < GOAL]
     lines = [
-        "", "Under XLA's formula (issue 20, item 1). C = executed flops / (min(blocks, SMs) × "
+        "", "Under XLA's formula. C = executed flops / (min(blocks, SMs) × "
         "min(threads per block, FPUs per SM) × 2 × clock): a chain kernel with few blocks "
         "(batch 1, m / block_m row tiles) or thin blocks is charged its flops on a fraction "
         "of the GPU, and a deep tiling (`nk`, h bound to blocks) executes the first GEMM once "

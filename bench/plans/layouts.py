@@ -1,4 +1,4 @@
-"""What layouts chosen jointly with schedules (issue 19 item 3, ``stitch.schedule.layouts``)
+"""What layouts chosen jointly with schedules (``stitch.schedule.layouts``)
 change in the zoo's plans: per model × target, the values between stitched kernels the
 pass considers, the layouts it prices and chooses, the memory-intensive HBM bytes (a layout
 moves the same bytes: it changes how they are walked) and the modeled memory-intensive time

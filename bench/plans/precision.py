@@ -77,7 +77,7 @@ def _cells(r: PlanRow) -> str:
 
 
 def markdown(rows: list[PlanRow], errors: list[ErrorRow], command: str, seconds: float) -> str:
-    lines = ["## bf16 mixed-precision training steps (issue 19, item 4): plans and bytes "
+    lines = ["## bf16 mixed-precision training steps: plans and bytes "
              "(counted), time (modeled), errors (measured)", "",
              stamp(command) + f" {seconds:.0f} s.", "",
              "`<model>_bf16` = the f32 training step with bf16 activations and gradients and "

@@ -1,4 +1,4 @@
-"""What the global stitching scope (issue 19, item 2) changes in the zoo's plans: counted
+"""What the global stitching scope changes in the zoo's plans: counted
 memory-intensive bytes and kernels, modeled time under the latency-evaluator, per training
 model and column_reduce_broadcast on V100/A100/H100, with the global scope off (the block
 scopes alone, as before it existed) and on.
