@@ -10,9 +10,9 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.report import stamp, write_section
+from bench.report import REPO, stamp, write_section
 
-DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+DATA = REPO / "tests" / "data"
 
 SECTION = "bench-code-budget"
 

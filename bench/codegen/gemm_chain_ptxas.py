@@ -13,7 +13,7 @@ import re
 import time
 from pathlib import Path
 
-from bench.report import publish, stamp
+from bench.report import REPO, publish, stamp
 from codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from codegen.nvptx import emit_ptx
 from codegen.toolchain import assemble
@@ -23,7 +23,7 @@ from hlo_passes.parser import parse_hlo
 from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS
 
 SECTION = "bench-gemm-chain-ptxas"
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+DATA = REPO / "tests" / "data"
 ARCHS = ("sm_80", "sm_90")
 
 

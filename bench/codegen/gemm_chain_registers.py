@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.report import publish, stamp
+from bench.report import REPO, publish, stamp
 from codegen.errors import CodegenError
 from codegen.gemm_chain import lower_gemm_chain
 from codegen.nvptx import emit_ptx
@@ -33,7 +33,7 @@ from stitch.schedule.chain_tiling import tiling_for
 from stitch.schedule.gemm_chain_space import best_schedule, enumerate_schedules
 
 SECTION = "bench-gemm-chains-registers"
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+DATA = REPO / "tests" / "data"
 TARGETS = (("a100", "sm_80"), ("h100", "sm_90"))
 WITHIN = 0.20
 

@@ -17,14 +17,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.report import publish, stamp
+from bench.report import REPO, publish, stamp
 from codegen.errors import CodegenError
 from codegen.lower import lower_kernel
 from hlo_passes.evaluator.interpreter import Evaluator
 from hlo_passes.parser import parse_hlo
 
 SECTION = "bench-split-rows"
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+DATA = REPO / "tests" / "data"
 ARCH = {"v100": "sm_70", "a100": "sm_80", "h100": "sm_90"}
 
 

@@ -21,14 +21,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.report import publish, stamp
+from bench.report import REPO, publish, stamp
 from codegen.errors import CodegenError
 from codegen.lower import lower_kernel
 from hlo_passes.evaluator.interpreter import Evaluator
 from hlo_passes.parser import parse_hlo
 
 SECTION = "bench-vector-access"
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+DATA = REPO / "tests" / "data"
 ARCH = {"v100": "sm_70", "a100": "sm_80", "h100": "sm_90"}
 MODELS = ("bert_layer_train", "bert_layer_train_bf16", "dien_train", "dien_train_bf16",
           "log_softmax_xent_train", "log_softmax_xent_train_bf16", "transformer_train",

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from bench.report import REPO
 
 DEFAULT_MODELS = ("bert_layer_train:tiny", "bert_layer_train:full", "transformer_train:tiny",
                   "keras_hub_llama:tiny")
@@ -187,7 +188,7 @@ def device_handlers_s(report) -> float:
 
 def _run_child(model: str, config: str, cache_dir: str, timeout: float,
                python: str = sys.executable, gpu: bool = False) -> dict:
-    env = {**os.environ, "STITCH_CACHE_DIR": cache_dir, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "STITCH_CACHE_DIR": cache_dir, "PYTHONPATH": str(REPO)}
     if gpu:
         env.update(CUDA_VISIBLE_DEVICES="-1", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
     run = subprocess.run([python, "-m", "bench.compile.in_xla", "--one-gpu" if gpu else "--one",
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     python = sys.executable
     if args.gpu:
-        venv = Path(os.environ.get("STITCH_CUDA_VENV", Path(__file__).parents[1] / ".venv-cuda"))
+        venv = Path(os.environ.get("STITCH_CUDA_VENV", REPO / ".venv-cuda"))
         python = str(venv / "bin" / "python")
         if not Path(python).exists():
             raise SystemExit(f"{python} is missing: run scripts/deviceless_check.sh once")

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from bench.report import REPO
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ MODEL = "bert_layer_train"
 TARGET = "h100"
 SECTION = "compile-time"
 COMMAND = "python -m bench.compile.phases --out docs/benchmarks.md"
-DATA = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data"
+DATA = REPO / "tests" / "data"
 
 
 @dataclass
@@ -102,7 +103,7 @@ def measure_in_child(config: str, budget_s: float) -> Result:
     cmd = [sys.executable, "-m", "bench.compile.phases", "--child", config]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s,
-                              cwd=pathlib.Path(__file__).resolve().parent.parent)
+                              cwd=REPO)
     except subprocess.TimeoutExpired:
         return Result(config, error=f"not measured: over the {budget_s:.0f} s budget")
     if proc.returncode != 0:

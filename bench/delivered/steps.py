@@ -20,9 +20,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from bench.report import REPO
 
 SECTION = "bench-delivered"
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO
 MARK = "DELIVERED "
 
 

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from bench.report import REPO
 
 SECTION = "bench-xla-units"
 MODELS = ("bert_layer_train", "transformer_train", "keras_hub_llama")
@@ -31,7 +32,7 @@ MODELS = ("bert_layer_train", "transformer_train", "keras_hub_llama")
 
 def capture(folder: Path, models: tuple[str, ...] = MODELS) -> list[Path]:
     """The pass's modules for ``models`` (tiny), compiled deviceless, written to ``folder``."""
-    venv = Path(os.environ.get("STITCH_CUDA_VENV", Path(__file__).parents[1] / ".venv-cuda"))
+    venv = Path(os.environ.get("STITCH_CUDA_VENV", REPO / ".venv-cuda"))
     python = venv / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"{python} not found: run scripts/deviceless_check.sh first, or "
@@ -41,7 +42,7 @@ def capture(folder: Path, models: tuple[str, ...] = MODELS) -> list[Path]:
             os.chmod(cache, 0o700)
             env = {**os.environ, "STITCH_DUMP_MODULES": str(folder), "STITCH_CACHE_DIR": cache,
                    "CUDA_VISIBLE_DEVICES": "-1", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
-                   "PYTHONPATH": str(Path(__file__).parents[1])}
+                   "PYTHONPATH": str(REPO)}
             run = subprocess.run([str(python), "-m", "bench.compile.in_xla", "--one-gpu",
                                   f"{model}:tiny"], env=env, capture_output=True, text=True,
                                  timeout=1800)
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     _warm_up()
     if args.zoo:
-        data = Path(__file__).parents[1] / "tests" / "data"
+        data = REPO / "tests" / "data"
         rows = []
         for path in sorted(data.glob("*/*.gpu-h100.hlo")):
             for r in measure(path):

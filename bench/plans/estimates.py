@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.report import cpu_name
+from bench.report import REPO, cpu_name
 from hlo_passes import parse_hlo
 from hlo_passes.graph import OpGraph, build_op_graphs
 from stitch.cost.delta import CostModel, kernel_hbm_bytes
@@ -43,7 +43,7 @@ from stitch.schedule import KernelSchedule, ScheduleError, schedule_kernel
 
 log = logging.getLogger(__name__)
 
-DATA = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data"
+DATA = REPO / "tests" / "data"
 COSTS = DATA / "xla_costs"
 CONFIG = "full"
 DEFAULT_TARGETS = ("h100", "a100", "v100")
