@@ -43,7 +43,8 @@ def run_table(ctx: Context) -> list[str]:
         lines.append(f"| compile, {compiled['models']} zoo models: stitch / jax.jit "
                      f"| measured (CPU) | {_x(compiled['stitch_s'], compiled['jax_s'])} "
                      "||| ")
-    return lines + ["", NONE_YET]
+    links = [ctx.image_link(name) for name in ("delivered_steps", "plans_bytes_bound")]
+    return lines + ["", NONE_YET] + [x for link in links if link for x in ("", link)]
 
 
 MEASURE = Measure(

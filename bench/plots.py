@@ -60,31 +60,6 @@ def plans_ratios(rows: list, path: Path) -> Path:
     return _save(fig, path, layout=False)
 
 
-def plans_roofline(rows: list, path: Path) -> Path:
-    """Every mem kernel's modeled time (latency-evaluator) against its roofline floor."""
-    targets = _targets(rows)
-    fig, axes = plt.subplots(1, len(targets), figsize=(4.2 * len(targets), 3.8), sharey=True)
-    for ax, target in zip(axes, targets):
-        for side, color, marker in (("xla", "tab:red", "x"), ("stitch", "tab:blue", "o")):
-            ks = [k for r in rows if r.target == target for k in getattr(r, side).rows]
-            xs = [max(k.formula.floor_s * 1e6, 1e-4) for k in ks]
-            ax.scatter(xs, [k.latency_us for k in ks], s=8, c=color, marker=marker, alpha=0.5,
-                       label=f"{'XLA' if side == 'xla' else 'stitch'} ({len(ks)} kernels)")
-        ax.plot([1e-4, 1e4], [1e-4, 1e4], color="black", lw=0.8, label="floor")
-        ax.plot([1e-4, 1e4], [1 + 1e-4, 1 + 1e4], color="gray", lw=0.8, ls="--",
-                label="floor + 1 µs launch")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlim(1e-4, 1e4)
-        ax.set_ylim(1e-1, 1e4)
-        ax.set_title(f"{target.upper()}: mem kernels", fontsize=9)
-        ax.set_xlabel("roofline floor, bytes / bandwidth (µs)", fontsize=8)
-        ax.tick_params(labelsize=7)
-    axes[0].set_ylabel("latency-evaluator (µs, incl. launch)", fontsize=8)
-    axes[0].legend(fontsize=7, loc="upper left")
-    return _save(fig, path)
-
-
 def planner_scaling(points: list[tuple[int, float, int]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(4.6, 3.4))
     ops = [o for o, _, _ in points]

@@ -35,7 +35,6 @@ def run_zoo(ctx: Context) -> list[str]:
     ctx.shared["plan_rows"] = rows
     ctx.save("plans", headline_numbers(rows, ctx.args.targets))
     ctx.image("plans_ratios", lambda p: plots.plans_ratios(rows, p))
-    ctx.image("plans_roofline", lambda p: plots.plans_roofline(rows, p))
     bound = [(f"{r.model} {r.target}", r.xla.mem_bytes, r.stitch.mem_bytes, r.bytes_bound)
              for r in rows if r.model in zoo.TRAINING]
     ctx.image("plans_bytes_bound", lambda p: plots.bytes_against_bound(bound, p))

@@ -377,10 +377,9 @@ def plans_markdown(rows: list[PlanRow], image: Callable[[str], str | None]) -> l
                 f"{x.floor_us:.0f} → {s.floor_us:.0f} | {gap} | {r.plan_s:.2f} |")
         lines.append("")
     lines += summary_markdown(rows)
-    for name in ("plans_ratios", "plans_roofline"):
-        link = image(name)
-        if link:
-            lines += [link, ""]
+    link = image("plans_ratios")
+    if link:
+        lines += [link, ""]
     return lines
 
 
