@@ -18,10 +18,9 @@ from pathlib import Path
 
 from bench.measure import Context, Measure, run_measure
 
-# Report order; ``all`` runs these but the slow, optional ones named in EXTRA.
+# Report order; ``all`` runs every one, the headline last (it reads what the others kept).
 MEASURES = ("headline", "plans", "planner", "codegen", "compile", "delivered", "runtime",
             "corpus", "tf", "gpu")
-EXTRA = ("corpus", "tf")        # about 10 minutes / needs tensorflow: only when named
 
 
 def load(name: str) -> Measure:
@@ -65,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             for part in m.parts:
                 print(f"    {part.name:22} {part.title}{'' if part.quick else '  (slow)'}")
         return 0
-    names = [n for n in MEASURES if n not in EXTRA] if "all" in args.measures \
-        else list(dict.fromkeys(args.measures))
+    names = list(MEASURES) if "all" in args.measures else list(dict.fromkeys(args.measures))
     if "all" in args.measures:          # the headline reads what the others kept
         names = [n for n in names if n != "headline"] + ["headline"]
     ctx = Context(args)

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from bench.measure import Context, Measure, Part
-from bench.report import as_part
+from bench.report import as_part, block_body
 
 NONE_YET = ("**No GPU measurement yet.** Every time in this report is counted, modeled, or "
             "measured on a CPU. `scripts/gpu_check.sh` on a GPU machine produces them (the "
@@ -25,9 +25,11 @@ def arguments(parser: argparse.ArgumentParser) -> None:
                         help="gpu: the folder scripts/gpu_check.sh returned")
 
 
-def run_check(ctx: Context) -> list[str]:
+def run_check(ctx: Context) -> list[str] | None:
     if ctx.args.results is None:
-        return [NONE_YET]
+        # without new results an ingested block stays as it is
+        kept = ctx.out is not None and block_body(ctx.out, "bench-gpu-check")
+        return None if kept and NONE_YET not in kept else [NONE_YET]
     from bench.gpu_kit import ingest
     text, _ = ingest.markdown(ctx.args.results, f"python -m bench gpu --results "
                                                 f"{ctx.args.results}")

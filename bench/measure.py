@@ -75,10 +75,11 @@ class Context:
 
 @dataclass(frozen=True)
 class Part:
-    """One part of a measure: ``run`` gives its markdown (without heading or stamp)."""
+    """One part of a measure: ``run`` gives its markdown (without heading or stamp), or None
+    when it cannot measure here (a missing tool or package): the block keeps what it has."""
     name: str
     title: str
-    run: Callable[[Context], list[str]]
+    run: Callable[[Context], list[str] | None]
     quick: bool = True          # run by ``--quick``
 
 
@@ -94,7 +95,7 @@ class Measure:
 
 def script(module: str, argv: Sequence[str] = (), quick_argv: Sequence[str] | None = None,
            block: str | None = None, env: dict[str, str] | None = None
-           ) -> Callable[[Context], list[str]]:
+           ) -> Callable[[Context], list[str] | None]:
     """A part run as ``python -m module argv`` in a child process: its markdown is the block
     ``block`` it writes into a scratch ``--out`` file, or its standard output."""
     def run(ctx: Context) -> list[str]:
@@ -106,8 +107,9 @@ def script(module: str, argv: Sequence[str] = (), quick_argv: Sequence[str] | No
             done = subprocess.run([sys.executable, "-m", module, *args], text=True,
                                   stdout=subprocess.PIPE, env={**os.environ, **(env or {})})
             if done.returncode:
-                return [f"**Not measured: `python -m {module}` exited with "
-                        f"{done.returncode}.**"]
+                log.warning("python -m %s exited with %d: its block keeps its numbers",
+                            module, done.returncode)
+                return None
             text = block_body(scratch, block) if block else done.stdout
         return as_part(text or "")
     return run
@@ -133,6 +135,12 @@ def run_measure(measure: Measure, ctx: Context, parts: Sequence[str] | None,
             start = time.perf_counter()
             lines = part.run(ctx)
             seconds = time.perf_counter() - start
+            if lines is None and ctx.out is not None and block_body(ctx.out, name):
+                previous = name
+                continue
+            if lines is None:
+                lines = [f"**Not measured here** (see the log of `python -m bench "
+                         f"{measure.name} --part {part.name}`)."]
             command = f"python -m bench {measure.name} --part {part.name}" + (
                 " --quick" if ctx.quick else "")
             head = [f"### {part.title}", "",

@@ -18,12 +18,15 @@ def arguments(parser: argparse.ArgumentParser) -> None:
                         help="delivered: third-party step names (bench/thirdparty_steps.py)")
 
 
-def run_steps(ctx: Context) -> list[str]:
+def run_steps(ctx: Context) -> list[str] | None:
     from bench import plots, thirdparty_steps
     from bench.delivered import steps
     names = ctx.args.steps or (["remat MLP"] if ctx.quick else list(thirdparty_steps.STEPS))
     rows = steps.collect(names)
     ok = [r for r in rows if "error" not in r]
+    if not ok:
+        log.warning("delivered: no step compiled (%s)", rows[0].get("error") if rows else "none")
+        return None
     ctx.save("delivered", [{k: r[k] for k in ("step", "xla_mem_us", "planned_mem_us",
                                               "delivered_mem_us")} for r in ok])
     series = [(r["step"], r["xla_mem_us"], r["planned_mem_us"], r["delivered_mem_us"])
