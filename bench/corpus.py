@@ -466,6 +466,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=float,
                         help="seconds for the full stages; then parse stages only (random order)")
 
+def _run_part(ctx) -> list[str]:
+    args = ctx.args
+    limit = args.limit or (20 if ctx.quick else None)
+    start = time.perf_counter()
+    results = run_corpus(args.corpus, tuple(args.stages), limit, args.size_cap, args.timeout,
+                         progress=lambda s: print(s, file=sys.stderr, flush=True),
+                         budget=args.budget)
+    return summary_markdown(results, tuple(args.stages), "", time.perf_counter() - start)
+
+
+def _measure():
+    from bench.measure import Measure, Part
+    return Measure(
+        name="corpus",
+        title="XLA's own test modules through every stage (counted outcomes)",
+        summary="XLA's HLO test corpus (shared/xla_hlo_corpus.tar.xz) through parse, round "
+                "trip, evaluate, plan and compile + run, each stage under a timeout. About "
+                "10 minutes in full; `--limit N` or `--quick` (20 modules) for a short run.",
+        parts=(Part("stages", "Outcomes per stage", _run_part),),
+        arguments=add_arguments)
+
+
+MEASURE = _measure()
 
 if __name__ == "__main__":
     main()

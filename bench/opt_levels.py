@@ -2,7 +2,7 @@
 measured here) and how fast its kernels run (measured on a GPU).
 
 Why: on the GPU path a kernel's build is LLVM (O3), NVPTX codegen and ptxas, and O3's loop
-unrolling is about a third of it (issue 17: the cold compile overhead). Whether the
+unrolling is about a third of it (the cold compile overhead). Whether the
 unrolled code is faster on an H100 decides whether the build may skip it; only a GPU can
 say. The same holds for `noalias` inputs (``LlvmPipeline.noalias_inputs``: `ld.global.nc`
 loads and less LLVM time, but ptxas then spills some kernels for occupancy). So the work is
@@ -73,7 +73,7 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from bench.pass_compile import _keras_hub_llama, _zoo
+    from bench.compile.in_xla import _keras_hub_llama, _zoo
     from stitch.codegen import kir
     from stitch.codegen.gpu_cache import structure_key
     from stitch.codegen.llvm_emit import STORAGE_BYTES

@@ -1,5 +1,6 @@
 """PNG plots of the benchmark report (matplotlib, Agg: no display needed). Each function
-writes one file and returns its path; the caller links it from the markdown."""
+writes one file and returns its path; the caller links it from the markdown. Rows come in
+as the measures' own records (duck-typed: this module imports no measure)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from bench.plans import TARGETS, PlanRow  # noqa: E402
 from bench.report import fit_exponent  # noqa: E402
 
 DPI = 110
@@ -25,14 +25,20 @@ def _save(fig, path: Path, layout: bool = True) -> Path:
     return path
 
 
-def plans_ratios(rows: list[PlanRow], path: Path) -> Path:
+def _targets(rows) -> list[str]:
+    order = ("v100", "a100", "h100", "h200")
+    return sorted({r.target for r in rows}, key=lambda t: order.index(t) if t in order else 9)
+
+
+def plans_ratios(rows: list, path: Path) -> Path:
     """Per model, stitch/XLA of mem kernels, mem bytes and XLA-formula time, per target."""
     names = sorted({r.model for r in rows if r.xla.mem_kernels})
-    fig, axes = plt.subplots(1, len(TARGETS), figsize=(4.2 * len(TARGETS), 0.22 * len(names) + 1.6),
+    targets = _targets(rows)
+    fig, axes = plt.subplots(1, len(targets), figsize=(4.2 * len(targets), 0.22 * len(names) + 1.6),
                              sharey=True)
     series = (("mem kernels", "mem_kernels", "tab:blue"), ("mem bytes", "mem_bytes", "tab:orange"),
               ("XLA-formula time", "formula_us", "tab:green"))
-    for ax, target in zip(axes, TARGETS):
+    for ax, target in zip(axes, targets):
         by_model = {r.model: r for r in rows if r.target == target}
         for i, (label, attr, color) in enumerate(series):
             ys = [n + (i - 1) * 0.27 for n in range(len(names))]
@@ -52,30 +58,6 @@ def plans_ratios(rows: list[PlanRow], path: Path) -> Path:
     fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=3)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return _save(fig, path, layout=False)
-
-
-def plans_roofline(rows: list[PlanRow], path: Path) -> Path:
-    """Every mem kernel's modeled time (latency-evaluator) against its roofline floor."""
-    fig, axes = plt.subplots(1, len(TARGETS), figsize=(4.2 * len(TARGETS), 3.8), sharey=True)
-    for ax, target in zip(axes, TARGETS):
-        for side, color, marker in (("xla", "tab:red", "x"), ("stitch", "tab:blue", "o")):
-            ks = [k for r in rows if r.target == target for k in getattr(r, side).rows]
-            xs = [max(k.formula.floor_s * 1e6, 1e-4) for k in ks]
-            ax.scatter(xs, [k.latency_us for k in ks], s=8, c=color, marker=marker, alpha=0.5,
-                       label=f"{'XLA' if side == 'xla' else 'stitch'} ({len(ks)} kernels)")
-        ax.plot([1e-4, 1e4], [1e-4, 1e4], color="black", lw=0.8, label="floor")
-        ax.plot([1e-4, 1e4], [1 + 1e-4, 1 + 1e4], color="gray", lw=0.8, ls="--",
-                label="floor + 1 µs launch")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlim(1e-4, 1e4)
-        ax.set_ylim(1e-1, 1e4)
-        ax.set_title(f"{target.upper()}: mem kernels", fontsize=9)
-        ax.set_xlabel("roofline floor, bytes / bandwidth (µs)", fontsize=8)
-        ax.tick_params(labelsize=7)
-    axes[0].set_ylabel("latency-evaluator (µs, incl. launch)", fontsize=8)
-    axes[0].legend(fontsize=7, loc="upper left")
-    return _save(fig, path)
 
 
 def planner_scaling(points: list[tuple[int, float, int]], path: Path) -> Path:
@@ -119,4 +101,42 @@ def runtime_ratios(rows: list[tuple[str, float]], path: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("stitched program (guard off) / jax.jit step time, this CPU (log)")
     ax.tick_params(labelsize=7)
+    return _save(fig, path)
+
+
+def bytes_against_bound(rows: list[tuple[str, float, float, float]], path: Path) -> Path:
+    """(label, XLA bytes, stitch bytes, one-kernel bound bytes) per graph and target: both
+    plans' memory-intensive bytes as multiples of the one-kernel bound."""
+    fig, ax = plt.subplots(figsize=(6.4, 0.24 * len(rows) + 1.4))
+    ys = range(len(rows))
+    ax.barh([y - 0.2 for y in ys], [r[1] / r[3] for r in rows], height=0.4, color="tab:red",
+            label="XLA")
+    ax.barh([y + 0.2 for y in ys], [r[2] / r[3] for r in rows], height=0.4, color="tab:blue",
+            label="stitch")
+    ax.axvline(1.0, color="black", lw=0.8, label="one-kernel bound")
+    ax.set_xlim(0, 1.45 * max(max(r[1], r[2]) / r[3] for r in rows))
+    ax.set_yticks(list(ys), [r[0] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("memory-intensive bytes / one-kernel bound (counted)")
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, path)
+
+
+def planned_vs_delivered(rows: list[tuple[str, float, float, float]], path: Path) -> Path:
+    """(step, XLA µs, planned µs, delivered µs) of memory-intensive kernels per step, as a
+    fraction of XLA's."""
+    fig, ax = plt.subplots(figsize=(6.4, 0.3 * len(rows) + 1.4))
+    ys = range(len(rows))
+    ax.barh([y - 0.2 for y in ys], [r[2] / r[1] for r in rows], height=0.4,
+            color="tab:gray", label="planned")
+    ax.barh([y + 0.2 for y in ys], [r[3] / r[1] for r in rows], height=0.4,
+            color="tab:blue", label="delivered")
+    ax.axvline(1.0, color="black", lw=0.8, label="XLA")
+    ax.set_yticks(list(ys), [r[0] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.35)
+    ax.set_xlabel("memory-intensive µs per step / XLA's (modeled, H100; lower is better)")
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7, loc="lower right")
     return _save(fig, path)

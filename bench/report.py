@@ -101,3 +101,28 @@ def fit_exponent(points: list[tuple[float, float]]) -> float:
     ys = [math.log(y) for _, y in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def block_body(path: Path, name: str) -> str | None:
+    """The text between the ``name`` markers of ``path`` (None when absent)."""
+    if not path.exists():
+        return None
+    begin, end = markers(name)
+    text = path.read_text()
+    if begin not in text or end not in text:
+        return None
+    return text[text.index(begin) + len(begin):text.index(end)].strip()
+
+
+_STAMP = re.compile(r"^`[^`]*` — \d{4}-\d\d-\d\d.*$")
+
+
+def as_part(markdown: str) -> list[str]:
+    """A stand-alone benchmark's markdown as a part of a measure's section: headings one
+    level deeper, its own command/date/machine line dropped (the part's stamp replaces it)."""
+    lines = []
+    for line in markdown.strip().splitlines():
+        if _STAMP.match(line):
+            continue
+        lines.append("#" + line if line.startswith("#") else line)
+    return lines

@@ -198,3 +198,30 @@ def markdown(rows: list[RuntimeRow] | None, reason: str,
     if link:
         lines += ["", link]
     return lines
+
+
+def _run_part(ctx) -> list[str]:
+    from bench import plots
+    reason = unavailable()
+    rows = None
+    if not reason:
+        models = ctx.args.zoo_models or (["softmax"] if ctx.quick else None)
+        rows = collect(models)
+        ok = [(f"{r.model} ({r.config})", (r.forced_s or r.stitch_s) / r.jax_s) for r in rows
+              if not r.error and r.jax_s > 0]
+        if ok:
+            ctx.image("runtime_ratios", lambda p: plots.runtime_ratios(ok, p))
+    return markdown(rows, reason, ctx.image_link)
+
+
+def _measure():
+    from bench.measure import Measure, Part
+    return Measure(
+        name="runtime",
+        title="Step time on this CPU: stitch.jit against jax.jit (measured)",
+        summary="The stitched kernels run as host code here (no GPU): these times say what "
+                "the host path costs, not what a GPU gains.",
+        parts=(Part("steps", "Zoo step times", _run_part),))
+
+
+MEASURE = _measure()

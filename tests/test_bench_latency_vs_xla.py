@@ -1,4 +1,4 @@
-"""bench/latency_vs_xla.py: rank statistics and the pairing of XLA fusions with stitch."""
+"""bench/plans/estimates.py: rank statistics and the pairing of XLA fusions with stitch."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.latency_vs_xla import (BEGIN, END, Pair, exclusion, pair_model, ranks, spearman,
+from bench.plans.estimates import (BEGIN, END, Pair, exclusion, pair_model, ranks, spearman,
                                   worst, write_section)
 
 

@@ -1,4 +1,4 @@
-"""bench.pass_compile's accounting and table (no compile here: the rows are made up, the CPU
+"""bench.compile.in_xla's accounting and table (no compile here: the rows are made up, the CPU
 timer runs real work)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bench import pass_compile
+import bench.compile.in_xla as pass_compile
 
 
 def _burn(seconds: float) -> None:
@@ -69,7 +69,7 @@ def test_table_rows_match_the_header(gpu):
             {k: v for k, v in _row(model="old").items()
              if k not in ("jax_cpu_s", "stitched_cpu_s", "cores")},
             {"model": "keras_hub_llama", "config": "tiny", "error": "keras_hub is not installed"}]
-    text = pass_compile.markdown(rows, "python -m bench.pass_compile", gpu=gpu)
+    text = pass_compile.markdown(rows, "python -m bench.compile.in_xla", gpu=gpu)
     table = [line for line in text.splitlines() if line.startswith("|")]
     header, rule, body = _cells(table[0]), _cells(table[1]), table[2:]
     assert len(rule) == len(header)

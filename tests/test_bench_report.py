@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from bench.plans import PlanRow, Side, Totals, targets_markdown, worse_columns
+from bench.plans.zoo import PlanRow, Side, Totals, targets_markdown, worse_columns
 from bench.report import fit_exponent, geomean, write_section
 from bench.runtime import markdown as runtime_markdown
 

@@ -1,4 +1,4 @@
-"""Issue 19, memory-intensive bytes toward the one-kernel bound.
+"""Memory-intensive bytes toward the one-kernel bound.
 
 XLA GPU splits a long row reduction in two (``[rows, 32000] -> [rows, 128, 250]``, reduce
 over 250, then over 128). A shared reduction downstream of another one (log-softmax's
@@ -210,9 +210,9 @@ def test_ops_with_fewer_elements_per_row_are_charged_per_row_not_per_element():
 
 @pytest.mark.parametrize("target", ["a100"])
 def test_bf16_cross_entropy_step_is_not_slower_than_xla(target):
-    """Issue 19 done-when: no model x target slower than XLA on the latency-evaluator
+    """No model x target slower than XLA on the latency-evaluator
     (log_softmax_xent_train_bf16 on A100 was 1502 vs 1394 us)."""
-    from bench.plans import plan_model
+    from bench.plans.zoo import plan_model
 
     row = plan_model("log_softmax_xent_train_bf16", target)
     assert row.stitch.latency_us < row.xla.latency_us
@@ -222,7 +222,7 @@ def test_crossing_values_marks_activations_a_gemm_separates_as_forced():
     """e = exp(x) feeds a GEMM and, after it, an add with the GEMM's result: e must be
     written and read back whatever the plan (forced); the one-kernel bound does not count
     it, ``PlanRow.forced_bytes`` does."""
-    from bench.plans import crossing_values
+    from bench.plans.zoo import crossing_values
 
     text = """HloModule m
 ENTRY e {

@@ -1,5 +1,5 @@
 """Compile cache under a hostile or damaged directory: it may make stitch faster, never make it
-read what another user planted, follow a link, block on a FIFO or eat memory (issue 18)."""
+read what another user planted, follow a link, block on a FIFO or eat memory."""
 from __future__ import annotations
 
 import contextlib

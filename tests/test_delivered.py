@@ -174,9 +174,9 @@ def test_predicted_loop_copies_match_the_rewrite_and_a_losing_kernel_is_refused(
 
 def test_dumped_modules_carry_the_pass_summary_the_xla_units_bench_reads(tmp_path,
                                                                          monkeypatch):
-    """bench/xla_units.py used to report what snapping leaves as if the pass delivered it;
+    """bench/delivered/units.py used to report what snapping leaves as if the pass delivered it;
     it now reads the delivered figure the pass itself wrote beside the module."""
-    from bench.xla_units import delivered_us
+    from bench.delivered.units import delivered_us
     monkeypatch.setenv("STITCH_DUMP_MODULES", str(tmp_path))
     rng = np.random.default_rng()
     report = _compile(_softmax_ln, _rand(rng, 32, 64), _rand(rng, 32, 64))

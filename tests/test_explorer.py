@@ -153,7 +153,7 @@ def test_reduce_whose_consumers_need_cross_block_data_is_stitched_in_global_scop
     # The block scopes cannot stitch it ...
     reason = infeasible_reason(graph, _ids(graph, "s", "sb", "y"))
     assert reason is not None and "cross-block" in reason
-    # ... the global scope (a persistent kernel with a grid barrier) can (issue 19).
+    # ... the global scope (a persistent kernel with a grid barrier) can.
     assert infeasible_reason(graph, _ids(graph, "s", "sb", "y"), allow_global=True) is None
     p = stitch.plan(GLOBAL_NORM, target="v100")
     where = {graph.nodes[v].name: i for i, k in enumerate(p.graphs[0].stitched.kernels)
@@ -224,7 +224,7 @@ def test_single_block_reduction_is_penalised():
     # 1024 columns in tiles of 32: 32 blocks of 1024 threads - below saturation.
     assert fused.threads == 32 * 1024
     assert fused.memory_s > fused.hbm_bytes / get_spec("h100").hbm_bandwidth
-    # The global scope splits the column reduction across every SM (issue 19): its
+    # The global scope splits the column reduction across every SM: its
     # schedule wins under the latency-evaluator.
     from stitch.schedule import schedule_kernel
     members = _ids(graph, "s", "sb", "y")

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 import stitch
-from bench.gemm_chains import chain_models, compare
+from bench.plans.gemm_chains import chain_models, compare
 from stitch.cost.chain_pricing import graph_chains
 from stitch.cost.gemm_tile import GemmChainSchedule
 from stitch.explorer.plan import validate

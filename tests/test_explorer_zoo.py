@@ -24,7 +24,7 @@ def test_plan_is_valid_and_never_worse_than_xla(model, target):
     assert stitched["mem_kernels"] <= base["mem_kernels"]
     assert stitched["mem_hbm_bytes"] <= base["mem_hbm_bytes"]
     # GEMMs/convs are counted identically on both sides, except that a gemm_chain kernel
-    # (issue 20) takes the place of its two GEMMs.
+    # takes the place of its two GEMMs.
     chains = sum(k.kind == "gemm_chain" for k in p.kernels)
     assert (stitched["kernels"] - stitched["mem_kernels"] + chains
             == base["kernels"] - base["mem_kernels"])
@@ -49,7 +49,7 @@ def test_plan_is_valid_and_never_worse_than_xla(model, target):
 
 
 def test_training_graphs_meet_the_kernel_targets():
-    """Issue 3's bar over the zoo's training graphs (sums): memory-intensive kernels
+    """The bar over the zoo's training graphs (sums): memory-intensive kernels
     <= 0.45x XLA on V100 and <= 0.65x on H100."""
     training = ("bert_layer_train", "transformer_train", "dien_train", "log_softmax_xent_train")
     for target, bar in (("v100", 0.45), ("h100", 0.65)):

@@ -131,7 +131,7 @@ def check_seed(seed: int) -> list[str]:
     # The same kernels with one scheme forced (where the schedule space has it), fed the
     # module's own intermediate values (random ones would leave rsqrt/log domains).
     # Kernels with a reduction are also lowered in the global scope (a persistent kernel
-    # with grid barriers, issue 19) where it applies.
+    # with grid barriers) where it applies.
     spec = get_spec(target)
     kernels = [k for k in (exe.plan.graphs[0].stitched.kernels if exe.plan else [])
                if k.schedule is not None]

@@ -1,4 +1,4 @@
-"""n split across blocks in the GEMM chain kernel (issue 20, helper nsplit): ``n_split`` blocks
+"""n split across blocks in the GEMM chain kernel: ``n_split`` blocks
 share each output tile, each summing the second GEMM over its share of n; their f32 partials
 go to global scratch, and after a grid barrier the grid adds them in split order and stores
 the result (stitch.codegen.gemm_chain, module docstring). Tiny chains with an elementwise op between

@@ -1,4 +1,4 @@
-"""Global stitching scope (issue 19 item 2): the Kernel IR grid barrier and global scratch on
+"""Global stitching scope: the Kernel IR grid barrier and global scratch on
 the host target and NVPTX, and stitched kernels whose consumers need every block's data —
 lowered as persistent kernels with grid barriers — run on the host against the reference
 evaluator with poisoned outputs and fresh random inputs."""

@@ -1,4 +1,4 @@
-"""Layouts chosen jointly with schedules (issue 19 item 3, ``stitch.schedule.layouts``):
+"""Layouts chosen jointly with schedules (``stitch.schedule.layouts``):
 a value one stitched kernel writes and another reads may be stored transposed. Checked:
 the pass picks the layout that makes a reader's column reduction a row reduction and the
 one that makes a reader's transpose read in order, the modeled time of the two kernels

@@ -14,7 +14,7 @@ import pytest
 
 import stitch
 from stitch.explorer.plan_cache import PlanCache
-from bench.planner import elementwise_chain_hlo
+from bench.planner.scale import elementwise_chain_hlo
 
 ROOT = Path(__file__).resolve().parents[1]
 SOFTMAX = """HloModule softmax

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import stitch
-from bench.planner import elementwise_chain_hlo
+from bench.planner.scale import elementwise_chain_hlo
 from stitch.errors import PlanCancelled, StitchError
 from stitch.explorer.planner import ExplorerOptions
 

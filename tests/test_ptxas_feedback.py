@@ -165,7 +165,7 @@ def test_real_ptxas_counts_are_fed_back_once_per_kernel(tmp_path):
 
 @needs_ptxas
 def test_bench_counts_revisions_per_target():
-    from bench import ptxas_feedback as bench
+    import bench.codegen.schedule_feedback as bench
 
     rows, problems = bench.collect(["softmax"], ("h100",))
     assert not problems and rows

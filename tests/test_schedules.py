@@ -164,7 +164,7 @@ def test_two_reductions_needing_different_partitions_fail_the_locality_check():
     members = [v for v in _computing(graph) if graph.nodes[v].opcode != "tuple"]
     reason = infeasible_reason(graph, members)
     assert reason is not None and "different block partitions" in reason
-    # The block scopes cannot schedule it; the global scope (issue 19) can.
+    # The block scopes cannot schedule it; the global scope can.
     schedule = schedule_kernel(graph, members, get_spec("h100"))
     assert schedule.parts[0].kind == "global" and "global" in schedule.schemes
     # Each reduction with its own consumers is fine.

@@ -1,4 +1,4 @@
-"""Issue 19: a split row reduction lowered as ONE block-wide (or warp-wide) row reduction.
+"""A split row reduction lowered as ONE block-wide (or warp-wide) row reduction.
 
 XLA GPU splits a wide row reduction in two: ``[rows, a*b] -> bitcast [rows, a, b]``,
 reduce over b, then over a. Before, codegen lowered the first level one partial per thread

@@ -1,4 +1,4 @@
-"""The schedule's vector width in the generated code (issue 19): a thread takes ``vw``
+"""The schedule's vector width in the generated code: a thread takes ``vw``
 CONSECUTIVE elements per step (element vw*s + j, j < vw), as the tuner's latency model
 assumes, emitted as straight-line accesses at provably aligned offsets that the NVPTX back
 end merges into ``ld.global.v{2,4}`` / ``st.global.v{2,4}``. Forced vw = 4 (a pinned

@@ -1,11 +1,11 @@
-"""XLA's GpuPerformanceModel formulas (bench/xla_cost_formula.py) on hand-computed cases."""
+"""XLA's GpuPerformanceModel formulas (bench/xla_formula.py) on hand-computed cases."""
 from __future__ import annotations
 
 import pathlib
 
 import pytest
 
-from bench.xla_cost_formula import (DEVICES, KERNEL_LAUNCH_S, XlaDevice, kernel_flops,
+from bench.xla_formula import (DEVICES, KERNEL_LAUNCH_S, XlaDevice, kernel_flops,
                                     kernel_time, op_flops, read_txtpb)
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.graph import build_op_graphs

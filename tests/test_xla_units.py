@@ -143,9 +143,9 @@ def test_the_pass_plans_with_units_and_its_step_matches_jax():
 
 
 def test_what_the_pass_can_place_of_a_unit_plan_is_the_plan():
-    """Nothing of a unit plan is lost to snapping: what the pass can place (bench.xla_units'
+    """Nothing of a unit plan is lost to snapping: what the pass can place (bench.delivered.units'
     measure) models exactly the plan."""
-    from bench.xla_units import placed_modeled_us
+    from bench.delivered.units import placed_modeled_us
     text = jax.jit(_dense_ln_mse_sgd).lower(*_args()).compile().as_text()
     module = parse_hlo(text)
     units = plan(module, "h100", options=ExplorerOptions(xla_units=True, gemm_chains=False))

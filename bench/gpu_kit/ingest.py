@@ -62,7 +62,7 @@ def markdown(folder: Path, command: str) -> tuple[str, Calibration | None]:
     env = _load(folder, "env.json") or {}
     device = env.get("device", {})
     peak = device.get("peak_hbm_gbs")
-    lines = [f"## GPU check ({'rehearsal: no GPU' if record.get('rehearse') else 'measured'})",
+    lines = [f"### GPU check ({'rehearsal: no GPU' if record.get('rehearse') else 'measured'})",
              "", stamp(command), "",
              f"Device: {device.get('name', 'none')}"
              + (f", compute capability {'.'.join(map(str, device['compute_capability']))}, "

@@ -25,7 +25,7 @@ model, cheap enough to call thousands of times:
   per block, or, for reductions over non-minor dimensions, 32 columns per block of 1024
   threads; a pattern without one runs one thread per output element.
 
-A pattern only the global scope stitches (a persistent kernel with grid barriers, issue 19)
+A pattern only the global scope stitches (a persistent kernel with grid barriers)
 is timed by that scope's schedule model (``stitch.schedule.global_scope``); with
 ``GLOBAL_RIVAL`` a pattern the block scopes stitch too is timed by the faster of the two.
 

@@ -346,7 +346,7 @@ def _thread_cols_second(dims: ChainDims, s: GemmChainSchedule) -> float:
 
 
 # Registers per thread of codegen's chain kernels, calibrated against ptxas -v (sm_80 and
-# sm_90; ``python -m bench.gemm_chains_registers``: the zoo's planned schedules plus random
+# sm_90; ``python -m bench.codegen.gemm_chain_registers``: the zoo's planned schedules plus random
 # legal ones per chain and target; FMA on 236 schedules, MMA on 123 distinct ones, 54 of
 # them with warp columns). MMA: ptxas keeps the S and E accumulators (a warp's n slice / 2
 # + block_h / 2 per thread) and hoists the unrolled MMA steps' fragment loads as far as the

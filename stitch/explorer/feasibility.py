@@ -17,7 +17,7 @@ transform row maps (broadcast, transpose, reshape...). A pattern is rejected whe
 - two operands of one op carry different row maps (two incompatible block partitions), or
 - it contains a kernel boundary (GEMM/conv, opaque op, control flow) or a source.
 
-The *global scope* (issue 19; AStitch's global stitching scope) gets around the first two:
+The *global scope* (AStitch's global stitching scope) gets around the first two:
 with ``analyze_pattern(..., allow_global=True)`` a pattern the block scopes refuse for
 cross-block data is stitched as one persistent kernel with grid barriers between reduction
 stages (``GlobalPhases``); kernel boundaries and atomic scatters still end a kernel

@@ -373,7 +373,7 @@ def _dump_module(text: str, request: PassRequest) -> str | None:
 
 def _dump_summary(path: str | None, report: PassReport) -> None:
     """Next to a dumped module, the pass's ``PassReport.summary()`` (``<...>.summary.json``:
-    planned and delivered figures, bench/xla_units.py reads them)."""
+    planned and delivered figures, bench/delivered/units.py reads them)."""
     if path is None:
         return
     try:

@@ -1,4 +1,4 @@
-"""Schedules of the global stitching scope (issue 19; AStitch's global scope): a kernel
+"""Schedules of the global stitching scope (AStitch's global scope): a kernel
 whose reductions' consumers need data from every block runs as one *persistent* kernel —
 its grid no larger than the blocks that can be resident at once (the occupancy calculator
 × SMs), so a software grid barrier cannot deadlock — in phases separated by grid barriers:

@@ -1,4 +1,4 @@
-"""Layouts chosen jointly with schedules (ALT, issue 19 item 3).
+"""Layouts chosen jointly with schedules (ALT).
 
 A value one stitched kernel writes and only stitched kernels read (a *crossing value*)
 lives in a buffer stitch owns, so its layout is stitch's to choose: the permutation of its

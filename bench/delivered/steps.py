@@ -1,6 +1,6 @@
 """Planned vs delivered on the project's third-party training steps (counted and modeled).
 
-``python -m bench.delivered [--steps NAME,...] [--out docs/benchmarks.md]``
+``python -m bench.delivered.steps [--steps NAME,...] [--out docs/benchmarks.md]``
 
 Each step (``bench/thirdparty_steps.py``) is compiled for an H100 without a device (jax's
 CUDA plugin in the venv scripts/deviceless_check.sh makes, ``STITCH_CUDA_VENV``, default
@@ -20,9 +20,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from bench.report import REPO
 
 SECTION = "bench-delivered"
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO
 MARK = "DELIVERED "
 
 
@@ -76,7 +77,7 @@ def collect(names: list[str], timeout: float = 1800.0) -> list[dict]:
                 env["XLA_FLAGS"] = " ".join(filter(None, (env.get("XLA_FLAGS"),
                                                           XLA_FLAGS[name])))
             try:
-                run = subprocess.run([str(python), "-m", "bench.delivered", "--one", name],
+                run = subprocess.run([str(python), "-m", "bench.delivered.steps", "--one", name],
                                      env=env, capture_output=True, text=True,
                                      timeout=timeout, cwd=REPO)
             except subprocess.TimeoutExpired:
@@ -178,7 +179,7 @@ def _share(xla: float, planned: float, delivered: float) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.delivered",
+    parser = argparse.ArgumentParser(prog="python -m bench.delivered.steps",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--steps", help="comma-separated step names (bench.thirdparty_steps)")
     parser.add_argument("--out", type=Path)
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.thirdparty_steps import STEPS
     names = args.steps.split(",") if args.steps else list(STEPS)
     rows = collect(names)
-    command = "python -m bench.delivered" + (f" --steps {args.steps}" if args.steps else "")
+    command = "python -m bench.delivered.steps" + (f" --steps {args.steps}" if args.steps else "")
     text = markdown(rows, command)
     if args.out:
         from bench.report import write_section

@@ -1,6 +1,6 @@
 """Compile cost of stitch inside XLA, side by side with jax.jit's own compile (measured).
 
-``python -m bench.pass_compile [--models bert_layer_train:tiny,...] [--out docs/benchmarks.md]``
+``python -m bench.compile.in_xla [--models bert_layer_train:tiny,...] [--out docs/benchmarks.md]``
 
 Per function, in a fresh subprocess with an empty ``STITCH_CACHE_DIR`` (cold) and then again
 with the same directory (warm), after an untimed compile of a small function
@@ -14,7 +14,7 @@ Both sides are traced and lowered before their timers: jax serves a function's s
 lowering from its caches, so a timed lowering would be charged to jax.jit's side alone
 (~0.2 s of transformer_train tiny's). Each side's CPU seconds (this process's threads and
 the child processes that ended meanwhile: ptxas, stitch's PTX children) are recorded too.
-The overhead is stitched − jax.jit; issue 17's goal is at most half of XLA's own compile.
+The overhead is stitched − jax.jit; the goal is at most half of XLA's own compile.
 Kernels: what XLA launched for the module and what is left once stitch's calls are in.
 ``keras_hub_llama`` (a keras_hub Llama backbone step, tiny config) runs when keras_hub is
 installed. ``--gpu``: the same against XLA GPU's compile for an H100, deviceless (jax's CUDA
@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from bench.report import REPO
 
 DEFAULT_MODELS = ("bert_layer_train:tiny", "bert_layer_train:full", "transformer_train:tiny",
                   "keras_hub_llama:tiny")
@@ -187,10 +188,10 @@ def device_handlers_s(report) -> float:
 
 def _run_child(model: str, config: str, cache_dir: str, timeout: float,
                python: str = sys.executable, gpu: bool = False) -> dict:
-    env = {**os.environ, "STITCH_CACHE_DIR": cache_dir, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "STITCH_CACHE_DIR": cache_dir, "PYTHONPATH": str(REPO)}
     if gpu:
         env.update(CUDA_VISIBLE_DEVICES="-1", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
-    run = subprocess.run([python, "-m", "bench.pass_compile", "--one-gpu" if gpu else "--one",
+    run = subprocess.run([python, "-m", "bench.compile.in_xla", "--one-gpu" if gpu else "--one",
                           f"{model}:{config}"],
                          capture_output=True, text=True, timeout=timeout, env=env)
     lines = [l for l in run.stdout.splitlines() if l.startswith("{")]
@@ -273,7 +274,7 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
              "compile of a small function (the process's one-time XLA set-up) and after the "
              "function is traced and lowered (untimed on both sides: jax serves the second "
              "lowering from its caches). " + what +
-             " Overhead = stitched − jax.jit, as a fraction of jax.jit (issue 17's goal: ≤ 0.5)."
+             " Overhead = stitched − jax.jit, as a fraction of jax.jit (the goal: ≤ 0.5)."
              " *CPU s*: the cold run's CPU seconds on each side (this process's threads and the "
              "child processes that ended during the compile: ptxas, stitch's PTX children); "
              "*CPU floor*: the least overhead that CPU allows on the machine's cores "
@@ -315,7 +316,7 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.pass_compile",
+    parser = argparse.ArgumentParser(prog="python -m bench.compile.in_xla",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(DEFAULT_MODELS))
     parser.add_argument("--out", type=Path)
@@ -335,12 +336,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     python = sys.executable
     if args.gpu:
-        venv = Path(os.environ.get("STITCH_CUDA_VENV", Path(__file__).parents[1] / ".venv-cuda"))
+        venv = Path(os.environ.get("STITCH_CUDA_VENV", REPO / ".venv-cuda"))
         python = str(venv / "bin" / "python")
         if not Path(python).exists():
             raise SystemExit(f"{python} is missing: run scripts/deviceless_check.sh once")
     rows = collect(args.models, python=python, gpu=args.gpu, repeat=max(1, args.repeat))
-    command = "python -m bench.pass_compile " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.compile.in_xla " + " ".join(argv if argv is not None else sys.argv[1:])
     body = markdown(rows, command.strip(), gpu=args.gpu)
     if args.out:
         from bench.report import write_section

@@ -3,7 +3,7 @@ modules at full size: registers, spills and shared memory per model, f32 (FMA ti
 bf16 (tensor cores; the fixture's f32 types replaced by bf16), sm_80 and sm_90, with the
 default tiling (``ChainTiling.default_for``).
 
-``python -m bench.gemm_chain_ptxas [--out docs/benchmarks.md]`` (about a minute; needs
+``python -m bench.codegen.gemm_chain_ptxas [--out docs/benchmarks.md]`` (about a minute; needs
 ptxas and libdevice, no GPU). Counted by ptxas, not measured on a device.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 import time
 from pathlib import Path
 
-from bench.report import publish, stamp
+from bench.report import REPO, publish, stamp
 from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from stitch.codegen.nvptx import emit_ptx
 from stitch.codegen.toolchain import assemble
@@ -23,7 +23,7 @@ from stitch.hlo_passes.parser import parse_hlo
 from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS
 
 SECTION = "bench-gemm-chain-ptxas"
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+DATA = REPO / "tests" / "data"
 ARCHS = ("sm_80", "sm_90")
 
 
@@ -64,7 +64,7 @@ def section(command: str) -> str:
         "",
         stamp(command),
         "",
-        "One kernel per chain (issue 20), default tiling per arch; registers per thread from "
+        "One kernel per chain, default tiling per arch; registers per thread from "
         "`ptxas -v`, no spills unless noted. dims = batch x M x N x K x H. f32 runs "
         "register-tiled FMA; bf16 runs `mma.sync.m16n8k16` tensor cores (fixture types "
         "replaced by bf16).",
@@ -82,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    command = "python -m bench.gemm_chain_ptxas" + (f" --out {args.out}" if args.out else "")
+    command = "python -m bench.codegen.gemm_chain_ptxas" + (f" --out {args.out}" if args.out else "")
     body = section(command)
     publish(args.out, SECTION, body)
 

@@ -1,7 +1,7 @@
 """Compile time of the BERT training step through ``stitch.compiler.compile`` (h100 plan),
 cold (an empty compile cache) and warm (a second compile with the same cache directory).
 
-    python -m bench.compile_time [--out docs/benchmarks.md] [--configs tiny,full]
+    python -m bench.compile.phases [--out docs/benchmarks.md] [--configs tiny,full]
                                  [--full-budget-s 120]
 
 Per configuration: plan time, lowering and host build time per kernel (median / max) and
@@ -25,14 +25,15 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from bench.report import REPO
 
 log = logging.getLogger(__name__)
 
 MODEL = "bert_layer_train"
 TARGET = "h100"
 SECTION = "compile-time"
-COMMAND = "python -m bench.compile_time --out docs/benchmarks.md"
-DATA = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data"
+COMMAND = "python -m bench.compile.phases --out docs/benchmarks.md"
+DATA = REPO / "tests" / "data"
 
 
 @dataclass
@@ -99,10 +100,10 @@ def measure(config: str) -> Result:
 def measure_in_child(config: str, budget_s: float) -> Result:
     """``measure`` in a child process (a fresh LLVM, no warm caches of this process), or a
     Result naming why there is none."""
-    cmd = [sys.executable, "-m", "bench.compile_time", "--child", config]
+    cmd = [sys.executable, "-m", "bench.compile.phases", "--child", config]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s,
-                              cwd=pathlib.Path(__file__).resolve().parent.parent)
+                              cwd=REPO)
     except subprocess.TimeoutExpired:
         return Result(config, error=f"not measured: over the {budget_s:.0f} s budget")
     if proc.returncode != 0:

@@ -1,6 +1,6 @@
 """Kernels of the base fusion (on pre-optimization HLO) against XLA GPU's own (optimized HLO).
 
-    python -m bench.base_fusion_vs_xla [--config full]
+    python -m bench.plans.base_fusion [--config full]
 
 For every zoo model: the groups ``base_fusion`` makes on each graph of ``<config>.pre.hlo``
 (entry, loop bodies and conditions, branches), without and with ``row_fusion``, and the

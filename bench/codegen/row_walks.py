@@ -1,4 +1,4 @@
-"""Split row reductions in the zoo's full-size plans, as codegen lowers them (issue 19).
+"""Split row reductions in the zoo's full-size plans, as codegen lowers them.
 
 Per model and target (fixture ``full.gpu-<target>.hlo``, the planner's stitched kernels):
 the warp/block row parts codegen lowers with the composition the schedule chose (the rest
@@ -7,7 +7,7 @@ split reductions (XLA GPU's reduce over b of [rows, a, b], then over a) are lowe
 row walk (``LoweredKernel.split_rows``), with ptxas's registers and spills for the
 target's arch. Counted (codegen and ptxas), not measured on a device.
 
-``python -m bench.split_rows [--out docs/benchmarks.md]`` (~3 minutes on the 2-core box:
+``python -m bench.codegen.row_walks [--out docs/benchmarks.md]`` (~3 minutes on the 2-core box:
 planning the full-size models dominates).
 """
 from __future__ import annotations
@@ -17,14 +17,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.report import publish, stamp
+from bench.report import REPO, publish, stamp
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.lower import lower_kernel
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.parser import parse_hlo
 
-SECTION = "splitred-issue19"
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+SECTION = "bench-split-rows"
+DATA = REPO / "tests" / "data"
 ARCH = {"v100": "sm_70", "a100": "sm_80", "h100": "sm_90"}
 
 
@@ -76,7 +76,7 @@ def count(model: str, target: str, ptxas: bool) -> Row:
 
 
 def render(rows: list[Row], command: str, seconds: float) -> str:
-    lines = ["## Issue 19: split row reductions as one row walk (counted)", "",
+    lines = ["## Split row reductions as one row walk (counted)", "",
              stamp(command), "",
              "XLA GPU splits a wide row reduction (sum over the 32000-wide rows of "
              "f32[4096,32000]) into reduce over 250 of [4096,128,250], then over 128. Before, "
@@ -137,7 +137,7 @@ def main() -> None:
         for target in ARCH:
             if (DATA / model / f"full.gpu-{target}.hlo").exists():
                 rows.append(count(model, target, not args.no_ptxas))
-    command = "python -m bench.split_rows" + (f" --out {args.out}" if args.out else "")
+    command = "python -m bench.codegen.row_walks" + (f" --out {args.out}" if args.out else "")
     body = render(rows, command, time.time() - start)
     publish(args.out, SECTION, body)
 

@@ -4,7 +4,7 @@ and target (a100 -> sm_80, h100 -> sm_90), the schedule the Markov search settle
 ``--per`` random schedules of the pruned space (distinct codegen tilings, seeded), each built
 by codegen and assembled; the model's estimate beside ptxas's count and spills.
 
-``python -m bench.gemm_chains_registers [--per 6] [--out docs/benchmarks.md]`` (about 1 s
+``python -m bench.codegen.gemm_chain_registers [--per 6] [--out docs/benchmarks.md]`` (about 1 s
 of ptxas per schedule: ``--per 6`` is ~5 minutes on the 2-core box). Counted by ptxas, not
 measured on a device. The constants of ``chain_registers`` were fitted (least squares on the
 schedules below 250 registers) to a sample drawn this way (294 distinct schedules).
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.report import publish, stamp
+from bench.report import REPO, publish, stamp
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.gemm_chain import lower_gemm_chain
 from stitch.codegen.nvptx import emit_ptx
@@ -33,7 +33,7 @@ from stitch.schedule.chain_tiling import tiling_for
 from stitch.schedule.gemm_chain_space import best_schedule, enumerate_schedules
 
 SECTION = "bench-gemm-chains-registers"
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+DATA = REPO / "tests" / "data"
 TARGETS = (("a100", "sm_80"), ("h100", "sm_90"))
 WITHIN = 0.20
 
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--per", type=int, default=6)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    command = f"python -m bench.gemm_chains_registers --per {args.per}" + (
+    command = f"python -m bench.codegen.gemm_chain_registers --per {args.per}" + (
         f" --out {args.out}" if args.out else "")
     body = section(command, args.per)
     publish(args.out, SECTION, body)

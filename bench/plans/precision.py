@@ -3,12 +3,12 @@ models: plans, memory-intensive bytes against XLA and the one-kernel bound, mode
 and the accuracy of the stitched kernels on the host.
 
 Plans come from the committed XLA-optimized fixtures (tests/data/<model>/full.gpu-*.hlo),
-measured exactly as ``python -m bench plans`` does (bench/plans.py ``plan_model``): kernels
+measured exactly as ``python -m bench plans`` does (bench/plans/zoo.py ``plan_model``): kernels
 and bytes are counted, times modeled by the latency-evaluator. Errors: each tiny config is
 compiled for h100 (``stitch.compiler.compile``, poisoned outputs), run on the host with fresh
 random inputs and compared with the reference evaluator and with jax (measured).
 
-    python -m bench.bf16 --out docs/benchmarks.md [--targets h100] [--no-errors]
+    python -m bench.plans.precision --out docs/benchmarks.md [--targets h100] [--no-errors]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.plans import TARGETS, TRAINING, PlanRow, plan_model
+from bench.plans.zoo import TARGETS, TRAINING, PlanRow, plan_model
 from bench.report import ratio, stamp, write_section
 
 SECTION = "bench-bf16"
@@ -77,7 +77,7 @@ def _cells(r: PlanRow) -> str:
 
 
 def markdown(rows: list[PlanRow], errors: list[ErrorRow], command: str, seconds: float) -> str:
-    lines = ["## bf16 mixed-precision training steps (issue 19, item 4): plans and bytes "
+    lines = ["## bf16 mixed-precision training steps: plans and bytes "
              "(counted), time (modeled), errors (measured)", "",
              stamp(command) + f" {seconds:.0f} s.", "",
              "`<model>_bf16` = the f32 training step with bf16 activations and gradients and "
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{model} {target}: {rows[-1].plan_s:.1f} s", file=sys.stderr, flush=True)
     errors = [] if args.no_errors else host_errors(
         [m for m in models if not m.startswith("transformer")])
-    body = markdown(rows, errors, "python -m bench.bf16 --out docs/benchmarks.md",
+    body = markdown(rows, errors, "python -m bench.plans.precision --out docs/benchmarks.md",
                     time.perf_counter() - start)
     if args.out:
         write_section(args.out, SECTION, body, after="bench-scatter")

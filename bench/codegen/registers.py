@@ -7,7 +7,7 @@ planned and compiled (``stitch.compiler.compile``); every stitched kernel's
 arch. Reported: Spearman rank correlation, median ratio, how often the estimate is low (the
 occupancy the latency-evaluator assumed was too optimistic), and the worst outliers.
 
-    python -m bench.regs_vs_ptxas --out docs/benchmarks.md [--targets h100,v100] [--models m1,m2]
+    python -m bench.codegen.registers --out docs/benchmarks.md [--targets h100,v100] [--models m1,m2]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.latency_vs_xla import spearman
+from bench.plans.estimates import spearman
 from bench.report import REPO, stamp, write_section
 
 DATA = REPO / "tests" / "data"
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
               if (DATA / m).is_dir()]
     start = time.perf_counter()
     pairs, problems = collect(models, tuple(args.targets.split(",")))
-    body = markdown(pairs, problems, "python -m bench.regs_vs_ptxas --out docs/benchmarks.md",
+    body = markdown(pairs, problems, "python -m bench.codegen.registers --out docs/benchmarks.md",
                     time.perf_counter() - start)
     if args.json:
         args.json.write_text(json.dumps([p.__dict__ for p in pairs], indent=1))

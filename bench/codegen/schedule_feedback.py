@@ -7,7 +7,7 @@ GPU); its schedule is revised with ptxas's register count. A kernel another sche
 is lowered and assembled again with it (the rebuild), and that schedule is re-evaluated at
 its own ptxas count: whether the modeled gain held. Counts are counted; times are modeled.
 
-    python -m bench.ptxas_feedback --out docs/benchmarks.md [--targets h100] [--models a,b]
+    python -m bench.codegen.schedule_feedback --out docs/benchmarks.md [--targets h100] [--models a,b]
 """
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows, problems = collect(models, tuple(args.targets.split(",")),
                              lambda s: print(s, file=sys.stderr, flush=True))
-    body = markdown(rows, problems, "python -m bench.ptxas_feedback --out docs/benchmarks.md",
+    body = markdown(rows, problems, "python -m bench.codegen.schedule_feedback --out docs/benchmarks.md",
                     time.perf_counter() - start)
     if args.out:
         write_section(args.out, SECTION, body, after="regs-vs-ptxas")

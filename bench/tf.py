@@ -13,7 +13,7 @@ The models are the integration tests' keras_hub GPT2 and Llama configs
 batch 4 x 16 tokens, AdamW), trained one step by stock Keras (TF backend) so the optimizer's
 variables exist; the mapping (which values the step reads and writes) is the front end's own.
 
-    KERAS_BACKEND=tensorflow python -m bench.tf_bridge --out docs/benchmarks.md
+    KERAS_BACKEND=tensorflow python -m bench.tf --out docs/benchmarks.md
 """
 from __future__ import annotations
 
@@ -156,6 +156,25 @@ def report(timings: list[BridgeTiming], command: str, load: tuple[float, ...]) -
     return "\n".join(lines)
 
 
+def _run_part(ctx) -> list[str]:
+    from bench.measure import script
+    return script("bench.tf", [], ["--repeats", "5", "--models", "gpt2"], block=SECTION,
+                  env={"KERAS_BACKEND": "tensorflow"})(ctx)
+
+
+def _measure():
+    from bench.measure import Measure, Part
+    return Measure(
+        name="tf",
+        title="The TF front end's data path per stitched step (measured, CPU)",
+        summary="What the TensorFlow front end adds around a stitched step: tensors in and "
+                "out of the stitched program (needs tensorflow and keras_hub).",
+        parts=(Part("bridge", "Per-step data path", _run_part),))
+
+
+MEASURE = _measure()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -166,7 +185,7 @@ def main() -> None:
     load = os.getloadavg()
     timings = [measure(m, args.repeats) for m in args.models]
     publish(args.out, SECTION, report(timings, "KERAS_BACKEND=tensorflow python -m "
-                                               "bench.tf_bridge --out docs/benchmarks.md",
+                                               "bench.tf --out docs/benchmarks.md",
                                       load))
 
 

@@ -2,7 +2,7 @@
 per model, the stitched kernels over the budget, the Kernel IR statements as tuned and as
 built, and the modeled µs both ways (counted statements, modeled time).
 
-``python -m bench.code_budget [--target h100] [--models a,b] [--out docs/benchmarks.md]``
+``python -m bench.codegen.code_budget [--target h100] [--models a,b] [--out docs/benchmarks.md]``
 """
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.report import stamp, write_section
+from bench.report import REPO, stamp, write_section
 
-DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+DATA = REPO / "tests" / "data"
 
 SECTION = "bench-code-budget"
 
@@ -110,7 +110,7 @@ def markdown(rows: list[dict], command: str, target: str, seconds: float,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.code_budget")
+    parser = argparse.ArgumentParser(prog="python -m bench.codegen.code_budget")
     parser.add_argument("--target", default="h100")
     parser.add_argument("--models", type=lambda s: s.split(","))
     parser.add_argument("--configs", type=lambda s: s.split(","), default=["full", "tiny"])
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     rows = [measure(m, args.target, c, args.build) for m in models for c in args.configs
             if (DATA / m / f"{c}.gpu-{args.target}.hlo").is_file()]
-    command = "python -m bench.code_budget" + (f" --target {args.target}"
+    command = "python -m bench.codegen.code_budget" + (f" --target {args.target}"
                                                if args.target != "h100" else "") + \
         (" --build" if args.build else "") + (f" --out {args.out}" if args.out else "")
     text = markdown(rows, command, args.target, time.perf_counter() - start, args.build)

@@ -1,4 +1,4 @@
-"""GEMM chains and attention (issue 20): stitch's gemm_chain kernel against XLA's own
+"""GEMM chains and attention: stitch's gemm_chain kernel against XLA's own
 kernels for the same ops, and the schedule search against exhaustive enumeration
 (``python -m bench gemm-chains``).
 
@@ -13,8 +13,8 @@ split-K reduce). Both sides are modeled twice:
   tile of their backend config (the fixture's: XLA compiled them deviceless, without
   autotuning) and, as a second yardstick, the best of ``AUTOTUNE_TILES`` (what autotuning
   could pick); XLA's memory kernels by stitch's schedule tuner (``schedule_kernel``), as
-  bench/plans.py schedules XLA's fusions;
-- XLA's cost formula (bench/xla_cost_formula.py): T = 1 us + C + M - 0.95 min(C, M) per
+  bench/plans/zoo.py schedules XLA's fusions;
+- XLA's cost formula (bench/xla_formula.py): T = 1 us + C + M - 0.95 min(C, M) per
   launch, M = counted HBM bytes / bandwidth, C = flops / (active SMs x active FPUs x 2 x
   clock) with XLA's ComputeTime scaling (min(blocks, SMs), min(threads per block, FPUs per
   SM)), GEMM flops 2 m n k (FP32 FPUs: XLA's formula has no tensor cores), memory ops
@@ -51,7 +51,7 @@ from typing import Callable
 
 import stitch
 from bench.report import geomean
-from bench.xla_cost_formula import DEVICES, XlaDevice, kernel_flops, kernel_time
+from bench.xla_formula import DEVICES, XlaDevice, kernel_flops, kernel_time
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.op_classes import OpClass
 from stitch.cost.chain_pricing import chain_price, graph_chains, xla_gemm_cost
@@ -141,7 +141,7 @@ class FormulaLaunch:
 
 @dataclass(frozen=True)
 class FormulaView:
-    """Why the chain kernel's formula time is what it is (issue 20, item 1).
+    """Why the chain kernel's formula time is what it is.
 
     ``chosen``: the planned schedule. ``space_best``: the schedule of the searched space the
     formula likes best. ``bound_us``: the least time XLA's formula gives ANY one kernel that
@@ -385,7 +385,7 @@ def formula_markdown(rows: list[ChainRow]) -> list[str]:
         return []
     capped = [r for r in rows if r.formula_ceiling < GOAL]
     lines = [
-        "", "Under XLA's formula (issue 20, item 1). C = executed flops / (min(blocks, SMs) × "
+        "", "Under XLA's formula. C = executed flops / (min(blocks, SMs) × "
         "min(threads per block, FPUs per SM) × 2 × clock): a chain kernel with few blocks "
         "(batch 1, m / block_m row tiles) or thin blocks is charged its flops on a fraction "
         "of the GPU, and a deep tiling (`nk`, h bound to blocks) executes the first GEMM once "
@@ -430,7 +430,7 @@ def markdown(rows: list[ChainRow], search: list[SearchRow]) -> list[str]:
         "tiles as the fixture's backend config gives them: deviceless XLA does not autotune; "
         "\"XLA tuned\" takes the best of 8 common Triton tiles per GEMM instead), stitch's schedule "
         "tuner for XLA's softmax / split-K reduce kernels. XLA formula: "
-        "bench/xla_cost_formula.py with XLA's ComputeTime scaling, FP32 FPUs on both sides. "
+        "bench/xla_formula.py with XLA's ComputeTime scaling, FP32 FPUs on both sides. "
         "f32 GEMMs run TF32 tensor cores on both sides under the latency-evaluator (XLA's "
         "default precision; the chain's `mma` schedules are codegen's TF32 mma.sync m16n8k8, "
         "as the GPU pass plans them, ExplorerOptions.chain_tf32; only schedules codegen "

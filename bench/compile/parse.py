@@ -1,6 +1,6 @@
 """Parse (and print) time of the largest committed HLO fixtures.
 
-    python -m bench.parse_speed [--repeat 7]
+    python -m bench.compile.parse [--repeat 7]
 """
 from __future__ import annotations
 

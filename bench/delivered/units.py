@@ -1,7 +1,7 @@
 """Planning XLA's own modules with ops vs with XLA's instructions as the explorer's units
 (``ExplorerOptions.xla_units``, what the XLA pass does), on the modules the pass plans.
 
-``python -m bench.xla_units [--modules DIR | --zoo] [--out docs/benchmarks.md]``
+``python -m bench.delivered.units [--modules DIR | --zoo] [--out docs/benchmarks.md]``
 
 Modules: the ``.hlo`` files in DIR (written by the pass with ``STITCH_DUMP_MODULES``), or by
 default captured here: each model's tiny training step compiled deviceless for an H100 with
@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from bench.report import REPO
 
 SECTION = "bench-xla-units"
 MODELS = ("bert_layer_train", "transformer_train", "keras_hub_llama")
@@ -31,7 +32,7 @@ MODELS = ("bert_layer_train", "transformer_train", "keras_hub_llama")
 
 def capture(folder: Path, models: tuple[str, ...] = MODELS) -> list[Path]:
     """The pass's modules for ``models`` (tiny), compiled deviceless, written to ``folder``."""
-    venv = Path(os.environ.get("STITCH_CUDA_VENV", Path(__file__).parents[1] / ".venv-cuda"))
+    venv = Path(os.environ.get("STITCH_CUDA_VENV", REPO / ".venv-cuda"))
     python = venv / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"{python} not found: run scripts/deviceless_check.sh first, or "
@@ -41,8 +42,8 @@ def capture(folder: Path, models: tuple[str, ...] = MODELS) -> list[Path]:
             os.chmod(cache, 0o700)
             env = {**os.environ, "STITCH_DUMP_MODULES": str(folder), "STITCH_CACHE_DIR": cache,
                    "CUDA_VISIBLE_DEVICES": "-1", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
-                   "PYTHONPATH": str(Path(__file__).parents[1])}
-            run = subprocess.run([str(python), "-m", "bench.pass_compile", "--one-gpu",
+                   "PYTHONPATH": str(REPO)}
+            run = subprocess.run([str(python), "-m", "bench.compile.in_xla", "--one-gpu",
                                   f"{model}:tiny"], env=env, capture_output=True, text=True,
                                  timeout=1800)
             if run.returncode != 0:
@@ -183,7 +184,7 @@ def zoo_markdown(rows: list[dict], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.xla_units",
+    parser = argparse.ArgumentParser(prog="python -m bench.delivered.units",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--modules", type=Path, help="a folder of .hlo files the pass wrote")
     parser.add_argument("--zoo", action="store_true",
@@ -192,13 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     _warm_up()
     if args.zoo:
-        data = Path(__file__).parents[1] / "tests" / "data"
+        data = REPO / "tests" / "data"
         rows = []
         for path in sorted(data.glob("*/*.gpu-h100.hlo")):
             for r in measure(path):
                 r["module"] = f"{path.parent.name} ({path.name.split('.')[0]})"
                 rows.append(r)
-        text = zoo_markdown(rows, "python -m bench.xla_units --zoo")
+        text = zoo_markdown(rows, "python -m bench.delivered.units --zoo")
         if args.out:
             from bench.report import write_section
             write_section(args.out, SECTION + "-zoo", text, after=SECTION)
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         paths = sorted(args.modules.glob("*.hlo")) if args.modules else capture(Path(tmp))
         rows = [r for p in paths for r in measure(p)]
-    command = "python -m bench.xla_units" + (f" --modules {args.modules}" if args.modules
+    command = "python -m bench.delivered.units" + (f" --modules {args.modules}" if args.modules
                                                else "")
     text = markdown(rows, command)
     if args.out:

@@ -1,6 +1,6 @@
 """stitch's latency-evaluator against XLA's own per-fusion estimates (both modeled).
 
-    python -m bench.latency_vs_xla [--targets h100,a100,v100] [--models a,b] [--out FILE]
+    python -m bench.plans.estimates [--targets h100,a100,v100] [--models a,b] [--out FILE]
 
 For every zoo model with ``tests/data/xla_costs/<model>.full.<target>.json`` (XLA's own
 estimate of each final fusion, see docs/xla_costs.md), each memory-intensive XLA fusion of
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.report import cpu_name
+from bench.report import REPO, cpu_name
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.graph import OpGraph, build_op_graphs
 from stitch.cost.delta import CostModel, kernel_hbm_bytes
@@ -43,7 +43,7 @@ from stitch.schedule import KernelSchedule, ScheduleError, schedule_kernel
 
 log = logging.getLogger(__name__)
 
-DATA = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data"
+DATA = REPO / "tests" / "data"
 COSTS = DATA / "xla_costs"
 CONFIG = "full"
 DEFAULT_TARGETS = ("h100", "a100", "v100")
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     models = [m.strip() for m in args.models.split(",") if m.strip()] or None
     reports = [run_target(t, models) for t in targets]
-    command = "python -m bench.latency_vs_xla" + (
+    command = "python -m bench.plans.estimates" + (
         f" --targets {args.targets}" if targets != list(DEFAULT_TARGETS) else "") + (
         f" --models {args.models}" if models else "") + (
         f" --out {args.out}" if args.out else "")

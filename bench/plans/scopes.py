@@ -1,15 +1,15 @@
-"""What the global stitching scope (issue 19, item 2) changes in the zoo's plans: counted
+"""What the global stitching scope changes in the zoo's plans: counted
 memory-intensive bytes and kernels, modeled time under the latency-evaluator, per training
 model and column_reduce_broadcast on V100/A100/H100, with the global scope off (the block
 scopes alone, as before it existed) and on.
 
-    python -m bench.global_scope measure off OUT_OFF.json     # ~3 min each on 2 busy cores
-    python -m bench.global_scope measure on OUT_ON.json
-    python -m bench.global_scope render OUT_OFF.json OUT_ON.json   # markdown to stdout
-    python -m bench.global_scope kernels        # the global-scope kernels of the plans
+    python -m bench.plans.scopes measure off OUT_OFF.json     # ~3 min each on 2 busy cores
+    python -m bench.plans.scopes measure on OUT_ON.json
+    python -m bench.plans.scopes render OUT_OFF.json OUT_ON.json   # markdown to stdout
+    python -m bench.plans.scopes kernels        # the global-scope kernels of the plans
 
 "off" replaces ``feasibility.global_phases`` by a refusal, so neither the explorer nor the
-tuner sees the global scope. XLA's fusions are scheduled by the same tuner (bench.plans), so
+tuner sees the global scope. XLA's fusions are scheduled by the same tuner (bench.plans.zoo), so
 their modeled time changes too: a kernel XLA launches may get a global-scope schedule.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def measure(mode: str, out: str) -> None:
     import stitch.explorer.feasibility as feasibility
     if mode == "off":
         feasibility.global_phases = lambda graph, members: "global scope off"
-    from bench.plans import plan_model
+    from bench.plans.zoo import plan_model
     rows = {}
     for model in MODELS:
         for target in TARGETS:

@@ -1,6 +1,6 @@
 """Planning time at scale: ms per instruction over the zoo fixtures, the XLA corpus's large
 modules and synthetic graphs, with the fitted growth exponent (``python -m bench
-planner-scale``; ``python -m bench.planner`` prints the section).
+planner-scale``; ``python -m bench.planner.scale`` prints the section).
 
 Times are measured (wall clock of ``stitch.plan``, beam planner, H100 target, one process,
 modules planned one after another) on whatever machine runs it; a per-module limit stops a

@@ -1,4 +1,4 @@
-"""Vector accesses in the zoo's full-size training plans, as codegen lowers them (issue 19).
+"""Vector accesses in the zoo's full-size training plans, as codegen lowers them.
 
 The tuner picks a vector width per part (1, 2 or 4 elements a thread takes at once) and
 the latency-evaluator prices it (fewer load/store instructions). Per training model on a
@@ -8,7 +8,7 @@ with vector loads/stores (``ld.global.v2/v4``, ``st.global.v2/v4``), and the ker
 global load/store instructions, vector and scalar, counted statically in the PTX.
 Counted (codegen, LLVM's NVPTX back end), not measured on a device.
 
-``python -m bench.vector_access [--ptxas] [--out docs/benchmarks.md] [--target h100]``
+``python -m bench.codegen.vector_access [--ptxas] [--out docs/benchmarks.md] [--target h100]``
 (~1-2 minutes on the 2-core box for h100: planning the full-size models and emitting ~300
 kernels; ``--ptxas`` also assembles every wide kernel and reports spills).
 """
@@ -21,14 +21,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.report import publish, stamp
+from bench.report import REPO, publish, stamp
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.lower import lower_kernel
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.parser import parse_hlo
 
-SECTION = "vecload-issue19"
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+SECTION = "bench-vector-access"
+DATA = REPO / "tests" / "data"
 ARCH = {"v100": "sm_70", "a100": "sm_80", "h100": "sm_90"}
 MODELS = ("bert_layer_train", "bert_layer_train_bf16", "dien_train", "dien_train_bf16",
           "log_softmax_xent_train", "log_softmax_xent_train_bf16", "transformer_train",
@@ -112,7 +112,7 @@ def count(model: str, target: str, ptxas: bool = False) -> Row:
 
 
 def render(rows: list[Row], command: str, seconds: float) -> str:
-    lines = ["## Issue 19: the tuner's vector width in the generated code (counted)", "",
+    lines = ["## The tuner's vector width in the generated code (counted)", "",
              stamp(command), "",
              "The tuner chooses 1, 2 or 4 elements per thread step for each part and the "
              "latency-evaluator prices the choice (vw elements per load/store instruction). "
@@ -187,7 +187,7 @@ def main() -> None:
     for model in args.models:
         if (DATA / model / f"full.gpu-{args.target}.hlo").exists():
             rows.append(count(model, args.target, args.ptxas))
-    command = "python -m bench.vector_access" + (" --ptxas" if args.ptxas else "") + \
+    command = "python -m bench.codegen.vector_access" + (" --ptxas" if args.ptxas else "") + \
         (f" --out {args.out}" if args.out else "")
     body = render(rows, command, time.time() - start)
     publish(args.out, SECTION, body)

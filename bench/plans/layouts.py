@@ -1,11 +1,11 @@
-"""What layouts chosen jointly with schedules (issue 19 item 3, ``stitch.schedule.layouts``)
+"""What layouts chosen jointly with schedules (``stitch.schedule.layouts``)
 change in the zoo's plans: per model × target, the values between stitched kernels the
 pass considers, the layouts it prices and chooses, the memory-intensive HBM bytes (a layout
 moves the same bytes: it changes how they are walked) and the modeled memory-intensive time
 of stitch's plan without and with the layouts (latency-evaluator, access order priced).
 
-    python -m bench.layouts                       # markdown to stdout (~3 min on 2 busy cores)
-    python -m bench.layouts --out docs/benchmarks.md
+    python -m bench.plans.layouts                       # markdown to stdout (~3 min on 2 busy cores)
+    python -m bench.plans.layouts --out docs/benchmarks.md
     python -m bench layouts --out docs/benchmarks.md      # the same, as a bench section
 
 Every number is modeled (no GPU): bytes are counted, times are the latency-evaluator's.
@@ -149,7 +149,7 @@ def run(report) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.layouts",
+    parser = argparse.ArgumentParser(prog="python -m bench.plans.layouts",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--models", type=lambda s: tuple(s.split(",")), default=MODELS)
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = collect(args.models, args.targets, lambda m: print(m, file=sys.stderr, flush=True))
     seconds = time.perf_counter() - start
     shown = " ".join(argv if argv is not None else sys.argv[1:])
-    body = "\n".join([f"## {TITLE}", "", stamp(f"python -m bench.layouts {shown}".strip(), load)
+    body = "\n".join([f"## {TITLE}", "", stamp(f"python -m bench.plans.layouts {shown}".strip(), load)
                       + f" Section run time {seconds:.0f} s (measured).", ""] + markdown(rows))
     if args.out:
         write_section(args.out, "bench-layouts", body)

@@ -1,0 +1,53 @@
+"""Measure ``delivered``: what stitch's pass delivers into the module XLA compiles, against
+what it planned, on third-party training steps and on the zoo's XLA GPU modules (counted
+kernels and bytes, modeled µs; deviceless H100 compiles)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from bench.measure import Context, Measure, Part, script
+from bench.report import as_part
+
+log = logging.getLogger("bench")
+
+
+def arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=lambda s: s.split(","),
+                        help="delivered: third-party step names (bench/thirdparty_steps.py)")
+
+
+def run_steps(ctx: Context) -> list[str] | None:
+    from bench import plots, thirdparty_steps
+    from bench.delivered import steps
+    names = ctx.args.steps or (["remat MLP"] if ctx.quick else list(thirdparty_steps.STEPS))
+    rows = steps.collect(names)
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        log.warning("delivered: no step compiled (%s)", rows[0].get("error") if rows else "none")
+        return None
+    ctx.save("delivered", [{k: r[k] for k in ("step", "xla_mem_us", "planned_mem_us",
+                                              "delivered_mem_us")} for r in ok])
+    series = [(r["step"], r["xla_mem_us"], r["planned_mem_us"], r["delivered_mem_us"])
+              for r in ok]
+    link = ctx.image("delivered_steps", lambda p: plots.planned_vs_delivered(series, p))
+    lines = as_part(steps.markdown(rows, "python -m bench delivered --part steps"))
+    return lines + ([link] if link else [])
+
+
+MEASURE = Measure(
+    name="delivered",
+    title="Planned against delivered (counted kernels and bytes, modeled µs)",
+    summary="Each step compiled for an H100 without a device, stitch's pass on: the pass "
+            "prices XLA's module, its plan and the module it returns with the delta cost "
+            "model. Needs the deviceless CUDA venv (scripts/deviceless_check.sh); "
+            f"STITCH_GRID_SYNC={os.environ.get('STITCH_GRID_SYNC', 'default')}.",
+    parts=(
+        Part("steps", "Third-party training steps", run_steps, quick=False),
+        Part("units", "The zoo's XLA GPU modules: ops against XLA units",
+             script("bench.delivered.units", ["--zoo"], block="bench-xla-units-zoo"),
+             quick=False),
+    ),
+    arguments=arguments,
+)
