@@ -14,8 +14,7 @@ from hlo_passes import HloModule, evaluate, parse_hlo, print_hlo
 from .errors import HloEvaluationError, HloParseError, StitchError, UnsupportedOpcodeError
 from .compiler import Executable, compile
 from .explorer.planner import ExplorerOptions, FusionPlan, plan
-
-__version__ = "0.1.0"
+from .version import __version__
 
 _FRAMEWORK_NAMES = ("jit", "StitchedFunction")
 

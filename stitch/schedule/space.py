@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from hlo_passes.graph import OpGraph
 from hlo_passes.op_classes import OpClass
 
-from ..cost.delta import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT, kernel_hbm_bytes
+from ..cost.hbm_traffic import kernel_hbm_bytes
+from ..cost.instruction_costs import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT
 from ..explorer.feasibility import PatternAnalysis, _leaf, reduction_rows
 
 
