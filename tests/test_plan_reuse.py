@@ -190,8 +190,8 @@ def test_rename_carries_reasons():
 
 def _rounds_reference(graph, groups):
     """The launch order as first written: rescan every pending kernel each round."""
-    from stitch.explorer.plan import _written, producers_needed
-    written = [_written(graph, set(g)) for g in groups]
+    from stitch.explorer.plan import kernel_writes, producers_needed
+    written = [kernel_writes(graph, set(g)) for g in groups]
     needs = [producers_needed(graph, set(g)) for g in groups]
     available, order, pending = set(), [], list(range(len(groups)))
     while pending:

@@ -43,7 +43,7 @@ from .patterns import (MAX_PATTERN_OPS, Pattern, PatternExplorer, Vertices, is_p
                        unit_vertices)
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
-from .refine import _stages, refine_plan
+from .refine import reduction_stages, refine_plan
 from .plan import (GraphPlan, PlannedKernel, PlannerReport, PlanValidationError,
                    kernel_kind, launch_order, make_kernel, needs_kernel, validate)
 
@@ -276,7 +276,7 @@ def _schedulable_parts(graph: OpGraph, spec: GpuSpec, members: frozenset[int],
     has none cut once more into one part per reduction with its ancestors in the stage
     (shared ancestors go to the first) plus the rest. None when some part still has none."""
     parts: list[frozenset[int]] = []
-    for stage in _stages(graph, members):
+    for stage in reduction_stages(graph, members):
         if isinstance(_tuned(graph, spec, stage, cache, grid_sync), KernelSchedule):
             parts.append(stage)
             continue
