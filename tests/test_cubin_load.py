@@ -14,7 +14,7 @@ import pytest
 from codegen import ffi_cuda, nvptx
 from codegen.errors import CodegenError, ImageRefused, ToolchainError
 from codegen.gpu_cache import CANONICAL_NAME, CubinBuild
-from integration import xla_pass
+from integration import kernel_builds, xla_pass
 from tests.test_kir_host import elementwise_kernel
 
 CUBIN = b"\x7fELF fake cubin"
@@ -116,7 +116,7 @@ def _ptxas_or_skip() -> None:
 
 def _prebuilt(request, monkeypatch, tmp_path):
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(xla_pass, "_CACHE", None)
+    monkeypatch.setattr(kernel_builds, "_CACHE", None)
     from codegen.isolation import IsolatedWorker
     kernel = _kernel()
     worker = IsolatedWorker(name="cubin-test")

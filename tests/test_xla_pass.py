@@ -276,11 +276,11 @@ def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(mo
     from codegen.cache import CompileCache
     from codegen.errors import CodegenError
     from codegen.isolation import IsolatedWorker
-    from integration import xla_pass
+    from integration import kernel_builds, xla_pass
     from tests.test_kir_nvptx import all_float_ops_kernel, half_kernel
 
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(xla_pass, "_CACHE", None)
+    monkeypatch.setattr(kernel_builds, "_CACHE", None)
     first = all_float_ops_kernel("f32")
     # 64 KB of static shared memory: NVPTX's emission refuses it, in the child.
     too_much_shared = dataclasses.replace(
