@@ -45,8 +45,13 @@ MODULES = _module_files()
 
 
 def _resolve(name: str) -> str | None:
-    """The project module a dotted name refers to, under its own name or under ``stitch.``."""
-    for candidate in (name, f"stitch.{name}"):
+    """The project module a dotted name refers to: under its own name, or with the packages
+    moved under ``stitch/`` (``hlo_passes.x`` → ``stitch.hlo_passes.x``) or not yet moved
+    (``stitch.hlo_passes.x`` → ``hlo_passes.x``)."""
+    candidates = [name, f"stitch.{name}"]
+    if name.startswith("stitch."):
+        candidates.append(name[len("stitch."):])
+    for candidate in candidates:
         if candidate in MODULES:
             return candidate
     return None
