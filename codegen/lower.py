@@ -58,6 +58,7 @@ from hlo_passes.scatter_forms import (gather_index_map, known_index_values, scat
 
 from . import compact_rows, kir
 from .errors import CodegenError
+# Shared with lower_global; kept under this module's own short names.
 from .row_mapping import RowSplit as _Split, RowUnit as _Unit, kept_dims as _kept_dims
 from .values import (ValueEmitter, delinearize, iadd, imul, leaf, linearize, logical_index,
                      physical_offset, storage_dtype)
