@@ -429,7 +429,8 @@ class HostKernel:
         pointers = (ctypes.c_void_p * max(1, len(arrays)))(*(a.ctypes.data for a in arrays))
         workers = 1 if grid_synchronized(k) else max(1, min(threads or self.threads, k.grid))
         bounds = np.linspace(0, k.grid, workers + 1).astype(int)
-        scratches = [np.zeros(self.scratch_bytes + BUFFER_ALIGNMENT, np.uint8) for _ in range(workers)]
+        scratches = [np.zeros(self.scratch_bytes + BUFFER_ALIGNMENT, np.uint8)
+                     for _ in range(workers)]
         addrs = [s.ctypes.data + (-s.ctypes.data) % BUFFER_ALIGNMENT for s in scratches]
 
         def run(w: int) -> None:

@@ -375,7 +375,7 @@ class StitchedFunction(SwitchingFunction):
 
         start = time.perf_counter() - earlier
         try:
-            COMPILE_THREAD.check()              # queued before exit began: record it, do not compile
+            COMPILE_THREAD.check()         # queued before exit began: record it, do not compile
             device = entry.device = self.device or _default_device()
             ensure_registered("cpu" if device == "cpu" else "cuda")
             request = PassRequest(self.__qualname__, self.target, device,

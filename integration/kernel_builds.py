@@ -35,8 +35,9 @@ class GpuPrebuild:
     on lowering the next ones: ``submit`` each lowered kernel, then ``each_result()``.
     Emission runs in ``workers``' children on as many threads; kernels that differ only by
     name (and their parameters') are emitted and assembled once
-    (``gpu_cache.structure_key``), then renamed. What needs llvmlite in this process (the FFI handler) is left to the caller,
-    under LLVM_LOCK. Use as a context manager (the threads are joined on exit)."""
+    (``gpu_cache.structure_key``), then renamed. What needs llvmlite in this process (the FFI
+    handler) is left to the caller, under ``pass_planning.LLVM_LOCK``. Use as a context
+    manager (the threads are joined on exit)."""
 
     def __init__(self, request: PassRequest, workers: list) -> None:
         import queue

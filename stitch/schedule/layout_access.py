@@ -212,7 +212,8 @@ def apply_layouts(graph: OpGraph, facts, layouts: dict[int, Layout]):
         relaid = w in layouts and own != identity(shape.rank)
         for v in inputs:
             if v in priced or graph.nodes[v].op_class is OpClass.SOURCE and \
-                    graph.nodes[v].opcode == "constant" or leaf_shape(graph.nodes[v].shape).rank == 0:
+                    graph.nodes[v].opcode == "constant" or \
+                    leaf_shape(graph.nodes[v].shape).rank == 0:
                 continue
             if not (relaid or v in layouts):
                 continue            # neither side's layout is in question: as before
