@@ -24,7 +24,7 @@ launch is the runtime's guarantee that they are co-resident.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 from hlo_passes.graph import OpGraph, OpNode
 
@@ -40,8 +40,10 @@ _GLOBAL_REDUCERS = frozenset({"add", "multiply", "maximum", "minimum"})
 
 class KernelBuilder(Protocol):
     """What a global-scope lowering uses of the kernel builder that owns it (``lower``'s):
-    described here so that this module does not import the builder that imports it."""
-    schedule: object
+    described here so that this module does not import the builder that imports it. The
+    store and shared-memory combine are the builder's own helpers, which it lends this
+    lowering."""
+    schedule: Any                   # stitch's KernelSchedule (codegen does not import stitch)
     graph: OpGraph
     outputs: list[int]
     computed: frozenset[int]
