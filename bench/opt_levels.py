@@ -73,7 +73,7 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from bench.compile.in_xla import _keras_hub_llama, _zoo
+    from bench.compile.in_xla import keras_hub_llama_step, zoo_step
     from stitch.codegen import kir
     from stitch.codegen.gpu_cache import structure_key
     from stitch.codegen.llvm_emit import STORAGE_BYTES
@@ -83,7 +83,7 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
     from stitch.integration import deviceless
 
     deviceless.check_environment()
-    fn, args = _keras_hub_llama() if model == "keras_hub_llama" else _zoo(model, config)
+    fn, args = keras_hub_llama_step() if model == "keras_hub_llama" else zoo_step(model, config)
     mesh = topologies.make_mesh(deviceless.topology("h100", "1x1x1"), (1,), ("d",))
     replicated = NamedSharding(mesh, PartitionSpec())
     specs = jax.tree_util.tree_map(

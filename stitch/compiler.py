@@ -21,8 +21,8 @@ planned again without kernel packing, and failing that runs wholly through the e
 
 ``compile(..., ptxas_feedback=True)`` assembles every kernel after its first build and
 re-tunes its schedule with ptxas's register count; kernels another schedule now wins are
-rebuilt once (stitch/schedule/ptxas_feedback.py; ``exe.ptxas_feedback`` lists each kernel's
-revision).
+rebuilt once (``apply_ptxas_feedback``, judging each schedule with
+stitch/schedule/ptxas_feedback.py; ``exe.ptxas_feedback`` lists each kernel's revision).
 """
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ from stitch.codegen.cache import CompileCache
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.gpu_cache import assemble_cached, emit_ptx_cached
 from stitch.codegen.host import NUMPY_DTYPES, HostKernel, compile_host
-from stitch.codegen.nvptx import emit_ptx
 from stitch.codegen.lower import LoweredKernel, kernel_identifier, lower_kernel
 from stitch.codegen.values import leaf
 from stitch.hlo_passes import HloModule, HloParseError, parse_hlo
@@ -51,6 +50,7 @@ from .cost.gpu_specs import UnknownTargetError, get_spec
 from .errors import StitchError
 from .explorer.patterns import is_plannable
 from .explorer.planner import ExplorerOptions, FusionPlan, PlanError, plan as make_plan
+from .schedule.ptxas_feedback import Revision, revise
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +115,6 @@ class CompileStats:
     @property
     def total_s(self) -> float:
         return self.plan_s + self.lower_s + self.host_build_s
-
-
-# Kept for callers that send PTX emission to an isolated child by this name: it is
-# stitch.codegen.nvptx.emit_ptx itself, so the child imports codegen only (never stitch).
-_emit_ptx_text = emit_ptx
 
 
 class Executable:
@@ -398,8 +393,7 @@ def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
                      graphs=graphs, plan_notes=notes, poison_outputs=poison_outputs)
     exe.layouts = chosen
     if ptxas_feedback:
-        from .schedule.ptxas_feedback import apply_to_executable
-        exe = apply_to_executable(exe, evaluator, store)
+        exe = apply_ptxas_feedback(exe, evaluator, store)
     return exe
 
 
@@ -456,6 +450,81 @@ def _keep_layouts_off_fallbacks(plan: FusionPlan, chosen: list, kernels: list[Co
             (fallbacks if isinstance(rebuilt, Fallback) else kept).append(rebuilt)
         kernels = kept
 
+
+
+def apply_ptxas_feedback(exe: Executable, evaluator: Evaluator,
+                         store: CompileCache | None) -> Executable:
+    """Assemble every kernel of ``exe`` for its target, revise each schedule with ptxas's
+    registers, rebuild the kernels another schedule now wins (once each) and return the
+    Executable with them; ``.ptxas_feedback`` lists a Revision per kernel."""
+    if exe.plan is None or not exe.kernels:
+        exe.ptxas_feedback = []
+        return exe
+    spec = get_spec(exe.target)
+    reports = exe.ptxas()
+    # Built kernels carry the plan kernel's members (their names are sanitized).
+    planned = {(gi, tuple(k.members)): k for gi, g in enumerate(exe.plan.graphs)
+               for k in g.stitched.kernels}
+    revisions: list[Revision] = []
+    kernels: list[CompiledKernel] = []
+    rebuilt: list[CompiledKernel] = []
+    for ck in exe.kernels:
+        k = planned.get((ck.graph_index, tuple(ck.members)))
+        report = reports.get(ck.name)
+        if k is None or k.schedule is None or report is None:
+            kernels.append(ck)
+            continue
+        graph = exe.graphs[ck.graph_index]
+        rev = revise(graph, k.schedule, spec, report.registers, kernel=ck.name,
+                     graph_index=ck.graph_index,
+                     spills=report.spill_store_bytes + report.spill_load_bytes)
+        revisions.append(rev)
+        if not rev.changed:
+            kernels.append(ck)
+            continue
+        old_schedule = k.schedule
+        k.schedule = rev.schedule
+        # A kernel reading or writing a re-laid-out buffer keeps indexing it so.
+        built = _build_kernel(k, ck.graph_index, graph, evaluator, store,
+                              layouts=ck.lowered.layouts or None)
+        if isinstance(built, Fallback):
+            # The revised schedule does not lower: keep the kernel as first built.
+            k.schedule = old_schedule
+            rev.changed, rev.note = False, f"rebuild failed: {built.reason}"[:300]
+            kernels.append(ck)
+            continue
+        rev.rebuilt = True
+        exe.stats.lower_s += built.lower_s
+        exe.stats.host_build_s += built.build_s
+        exe.stats.host_cache_hits += built.from_cache
+        log.info("kernel %s: ptxas %d registers (estimate %d): %s -> %s, %.2f -> %.2f us",
+                 ck.name, rev.measured, rev.estimate, rev.before, rev.after, rev.before_us,
+                 rev.after_us)
+        kernels.append(built)
+        rebuilt.append(built)
+    new = Executable(exe.module, exe.plan, exe.target, kernels, exe.fallbacks, exe.stats,
+                     exe.cache, graphs=exe.graphs, plan_notes=exe.plan_notes,
+                     poison_outputs=exe.poison_outputs)
+    new.ptxas_feedback = revisions
+    new.layouts = exe.layouts
+    if rebuilt:
+        _assemble_rebuilt(exe, new, rebuilt, revisions)
+    return new
+
+
+def _assemble_rebuilt(old: Executable, new: Executable, rebuilt: list[CompiledKernel],
+                      revisions: list[Revision]) -> None:
+    """PTX and ptxas for the rebuilt kernels only (the others keep their first PTX), so
+    ``new.ptx`` is complete and each rebuilt kernel's Revision has its own count."""
+    fresh = {id(ck) for ck in rebuilt}
+    ptx = {ck.name: old.ptx[ck.name] for ck in new.kernels if id(ck) not in fresh}
+    by_name = {r.kernel: r for r in revisions if r.rebuilt}
+    for ck in rebuilt:
+        ptx[ck.name] = emit_ptx_cached(ck.kernel, new.arch, cache=new.cache).ptx
+        report = assemble_cached(ptx[ck.name], new.arch, cache=new.cache,
+                                 kernel_name=ck.name).reports[ck.name]
+        by_name[ck.name].rebuilt_registers = report.registers
+    new._ptx = ptx
 
 __all__ = ["CompileError", "CompileStats", "CompiledKernel", "Executable", "Fallback", "arch_of",
            "compile"]

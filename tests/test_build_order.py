@@ -1,4 +1,4 @@
-"""The pass lowers a graph's stitched kernels largest first (``xla_pass._largest_first``):
+"""The pass lowers a graph's stitched kernels largest first (``pass_planning._largest_first``):
 on the GPU each lowered kernel's PTX build starts at once, so the long builds start first
 and the small ones fill the end, instead of a large kernel planned last building alone
 while the other cores wait. The rewrite still places the kernels in plan order: the module
@@ -10,7 +10,7 @@ import pytest
 
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.integration import payback, xla_pass
+from stitch.integration import pass_planning, payback, xla_pass
 from stitch.integration.code_budget import estimated_statements
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.planner import ExplorerOptions, plan
@@ -48,7 +48,7 @@ def _lower_for_gpu(module, fusion_plan):
     request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True)
     report = xla_pass.PassReport(module.name, 0, 0, 0)
     submitted = []
-    jobs = xla_pass._lower_jobs(request, report, fusion_plan, module, get_spec("h100"),
+    jobs = pass_planning._lower_jobs(request, report, fusion_plan, module, get_spec("h100"),
                                 Evaluator(module), {},
                                 lambda kernel, key=None: submitted.append(kernel))
     return report, jobs, submitted
@@ -78,7 +78,7 @@ def test_the_rewrite_is_the_plan_order_one(monkeypatch):
     plan_names = [k.name for k in report.plan.kernels]
     assert report.placed == sorted(report.placed, key=plan_names.index)
 
-    monkeypatch.setattr(xla_pass, "_largest_first",               # plan order
+    monkeypatch.setattr(pass_planning, "_largest_first",               # plan order
                         lambda kernels, *args, **kwargs: list(kernels))
     again = xla_pass.PassRequest("f", "h100", "cpu", options=OPTIONS, token="order")
     assert xla_pass.stitch_module_text(text, again) == largest_first
@@ -98,12 +98,12 @@ def test_likely_paid_kernels_lead_then_largest_first():
     kernels = [_fake(n, m) for n, m in (("a", 10), ("b", 500), ("c", 300), ("d", 200),
                                          ("e", 400), ("f", 50))]
     paid = {"c", "d", "f"}
-    order = xla_pass._largest_first(kernels, lambda k: k.name in paid, lead=2)
+    order = pass_planning._largest_first(kernels, lambda k: k.name in paid, lead=2)
     assert [k.name for k in order] == ["c", "d", "b", "e", "f", "a"]
-    assert [k.name for k in xla_pass._largest_first(kernels)] == ["b", "e", "c", "d", "f", "a"]
-    assert [k.name for k in xla_pass._largest_first(kernels, lambda k: False, lead=2)] == \
+    assert [k.name for k in pass_planning._largest_first(kernels)] == ["b", "e", "c", "d", "f", "a"]
+    assert [k.name for k in pass_planning._largest_first(kernels, lambda k: False, lead=2)] == \
         ["b", "e", "c", "d", "f", "a"]
-    assert [k.name for k in xla_pass._largest_first(kernels, lambda k: True, lead=0)] == \
+    assert [k.name for k in pass_planning._largest_first(kernels, lambda k: True, lead=0)] == \
         ["b", "e", "c", "d", "f", "a"]
 
 
@@ -118,7 +118,7 @@ def test_the_gpu_pass_lowers_a_likely_paid_kernel_first(monkeypatch):
     planned = [k for k in fusion_plan.kernels if getattr(k.schedule, "parts", None)]
     largest = max(planned, key=lambda k: estimated_statements(k.schedule))
     # The largest never repays its build; the others as payback says (this module's do).
-    monkeypatch.setattr(xla_pass, "build_threads", lambda: 1)
+    monkeypatch.setattr(pass_planning, "build_threads", lambda: 1)
     real_unpaid = payback.unpaid
     monkeypatch.setattr(payback, "unpaid", lambda name, gain, size, limit: (
         payback.Unpaid(name, gain * 1e6, 1.0, 1e9) if name == largest.name

@@ -69,7 +69,7 @@ def test_leaves_off_and_higher_and_foreign_thresholds_alone() -> None:
 
 def test_the_pass_runs_under_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """stitch_module_text's work (parse, plan, build) sees the raised threshold."""
-    from stitch.integration import xla_pass
+    from stitch.integration import pass_registration, xla_pass
 
     seen: list[int] = []
 
@@ -77,7 +77,7 @@ def test_the_pass_runs_under_it(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(gc.get_threshold()[0])
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(xla_pass, "stitch_module", fake_stitch_module)
+    monkeypatch.setattr(pass_registration, "stitch_module", fake_stitch_module)
     text = "HloModule m\n\nENTRY e {\n  ROOT p = f32[4] parameter(0)\n}\n"
     with pytest.raises(RuntimeError, match="stop here"):
         xla_pass.stitch_module_text(text, xla_pass.PassRequest("f", "h100", "cpu"))

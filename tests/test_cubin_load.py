@@ -1,4 +1,4 @@
-"""On a device, the GPU pass loads ptxas's cubins (to cut compile cost): each kernel is
+"""On a device, the GPU pass loads ptxas's cubins (issue 17's compile cost): each kernel is
 assembled in the build threads, in parallel and through the compile cache, instead of the
 driver JIT-compiling every PTX in turn on the pass's thread. The PTX is the fallback where
 the driver refuses a cubin (a ptxas newer than the driver), and where no ptxas is found.
@@ -14,7 +14,7 @@ import pytest
 from stitch.codegen import ffi_cuda, nvptx
 from stitch.codegen.errors import CodegenError, ImageRefused, ToolchainError
 from stitch.codegen.gpu_cache import CANONICAL_NAME, CubinBuild
-from stitch.integration import xla_pass
+from stitch.integration import kernel_builds, xla_pass
 from tests.test_kir_host import elementwise_kernel
 
 CUBIN = b"\x7fELF fake cubin"
@@ -116,7 +116,7 @@ def _ptxas_or_skip() -> None:
 
 def _prebuilt(request, monkeypatch, tmp_path):
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(xla_pass, "_CACHE", None)
+    monkeypatch.setattr(kernel_builds, "_CACHE", None)
     from stitch.codegen.isolation import IsolatedWorker
     kernel = _kernel()
     worker = IsolatedWorker(name="cubin-test")

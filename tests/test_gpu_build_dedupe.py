@@ -1,4 +1,4 @@
-"""The GPU build's shortcuts give the same code as the long way (they cut compile cost):
+"""The GPU build's shortcuts give the same code as the long way (issue 17's compile cost):
 
 - kernels that differ only by their names and their parameters' names are emitted once and
   renamed (``stitch.codegen.gpu_cache.distinct_kernels`` / ``renamed_ptx``): the renamed PTX is the
@@ -217,10 +217,10 @@ def test_a_ptx_child_warms_the_key_facts_and_the_cache_as_it_starts(monkeypatch,
     still plans): a kernel's build finds them ready. GpuPrebuild names that cache to them,
     opened in the calling thread, not in a build thread."""
     from stitch.codegen.isolation import IsolatedWorker
-    from stitch.integration import ptx_children, xla_pass
+    from stitch.integration import kernel_builds, ptx_children, xla_pass
 
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(xla_pass, "_CACHE", None)
+    monkeypatch.setattr(kernel_builds, "_CACHE", None)
     worker = IsolatedWorker(name="warm-test", preload=ptx_children.PTX_CHILD_PRELOAD,
                             warm_up=ptx_children.PTX_CHILD_WARM_UP)
     try:
@@ -232,7 +232,7 @@ def test_a_ptx_child_warms_the_key_facts_and_the_cache_as_it_starts(monkeypatch,
     with xla_pass.GpuPrebuild(xla_pass.PassRequest("f", "h100", "gpu", compile_only=True),
                               []) as prebuild:
         assert prebuild.arch == "sm_90" and prebuild._cache_dir == str(tmp_path / "cache")
-        assert xla_pass._CACHE is not None and xla_pass._CACHE.enabled
+        assert kernel_builds._CACHE is not None and kernel_builds._CACHE.enabled
 
 
 @needs_libdevice

@@ -11,7 +11,7 @@ from stitch.hlo_passes import parse_hlo, print_hlo  # noqa: E402
 from stitch.hlo_passes.graph import build_op_graphs  # noqa: E402
 from stitch.integration.hlo_rewrite import (ComputationView, KernelSite, PlacedKernel,  # noqa: E402
                                             replace_kernels)
-from stitch.integration.xla_pass import _to_proto  # noqa: E402
+from stitch.integration.pass_registration import to_proto  # noqa: E402
 
 MODULE = """HloModule m
 fused_two {
@@ -66,7 +66,7 @@ def test_a_kernel_reading_a_fusion_another_kernel_replaces(order):
     kernels = [reader, fusion] if order == "reader first" else [fusion, reader]
     report = replace_kernels(module, [graph], kernels, {0: view})
     _defined_operands(module)
-    _to_proto(print_hlo(module, operand_shapes=True))      # XLA's parser takes it
+    to_proto(print_hlo(module, operand_shapes=True))      # XLA's parser takes it
     assert sorted(report.placed) == ["fusion", "reader"], report.skipped
     # Either way the reader takes `two`'s elements from the fusion kernel's call: placed
     # second, its gtes are readers the fusion kernel retargets; placed first, nothing named
@@ -113,7 +113,7 @@ def _in_place_call(other: str, source: str):
     report = replace_kernels(module, [graph], [kernel], {0: view})
     assert report.placed == ["k"], report.skipped
     _defined_operands(module)
-    _to_proto(print_hlo(module, operand_shapes=True))      # XLA's parser takes it
+    to_proto(print_hlo(module, operand_shapes=True))      # XLA's parser takes it
     by_name = {i.name: i for i in module.entry.instructions}
     call = next(i for i in module.entry.instructions if i.opcode == "custom-call")
     assert call.attrs["output_to_operand_aliasing"] == "{{0}: (0, {})}"
@@ -148,6 +148,6 @@ def test_gtes_read_only_inside_the_kernel_go_with_the_fusion_they_read():
     report = replace_kernels(module, [graph], [whole], {0: view})
     assert report.placed == ["whole"], report.skipped
     _defined_operands(module)
-    _to_proto(print_hlo(module, operand_shapes=True))
+    to_proto(print_hlo(module, operand_shapes=True))
     names = {i.name for i in module.entry.instructions}
     assert not names & {"two", "g0", "g1"}

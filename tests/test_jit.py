@@ -16,7 +16,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import stitch  # noqa: E402
-from stitch.integration import xla_pass  # noqa: E402
+from stitch.integration import pass_registration  # noqa: E402
 from stitch.integration.jax_jit import StitchedFunction  # noqa: E402
 from stitch.models import build  # noqa: E402
 from stitch.integration.verify import compare_trees, poison_check  # noqa: E402
@@ -103,7 +103,7 @@ def test_new_shapes_compile_again_and_each_signature_is_right():
 def test_compile_failure_falls_back_and_is_logged(monkeypatch, caplog):
     def broken(*a, **k):
         raise RuntimeError("forced failure")
-    monkeypatch.setattr(xla_pass, "stitch_module", broken)
+    monkeypatch.setattr(pass_registration, "stitch_module", broken)
     f = stitch.jit(_layer_norm, async_compile=False, guard=False)
     args = _ln_args(2)
     with caplog.at_level(logging.INFO, logger="stitch"):
@@ -283,7 +283,7 @@ def test_settled_on_xla_new_shapes_still_start_a_compile(monkeypatch):
     def failing(module, *a, **k):
         seen.append(tuple(p.shape.dims for p in module.entry.parameters))
         raise RuntimeError("no kernels today")
-    monkeypatch.setattr(xla_pass, "stitch_module", failing)
+    monkeypatch.setattr(pass_registration, "stitch_module", failing)
     f = stitch.jit(_layer_norm, async_compile=True)
     a = _ln_args(12, 8, 32)
     b = _ln_args(12, 4, 64)

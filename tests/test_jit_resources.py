@@ -60,14 +60,14 @@ def test_compile_thread_drops_the_oldest_waiting_job():
 
 
 def test_dropped_signature_runs_stock_then_compiles_on_its_next_call(monkeypatch):
-    monkeypatch.setattr(jit_module._COMPILER, "max_waiting", 1)
+    monkeypatch.setattr(jit_module.COMPILE_THREAD, "max_waiting", 1)
     release = threading.Event()
     started = threading.Event()
 
     def blocker():
         started.set()
         release.wait(60)
-    busy = jit_module._COMPILER.submit(blocker)       # holds the compile thread
+    busy = jit_module.COMPILE_THREAD.submit(blocker)       # holds the compile thread
     try:
         assert started.wait(30)
         f = stitch.jit(_layer_norm, async_compile=True, guard=False)

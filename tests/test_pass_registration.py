@@ -8,14 +8,14 @@ import types
 
 import pytest
 
-from stitch.integration import xla_pass
+from stitch.integration import pass_registration, xla_pass
 
 jax = pytest.importorskip("jax")
 
 
 @pytest.fixture
 def fresh_registration(monkeypatch):
-    monkeypatch.setattr(xla_pass, "_REGISTERED", set())
+    monkeypatch.setattr(pass_registration, "_REGISTERED", set())
     public: list = []
     import jax.extend.xla as xla_ext
     monkeypatch.setattr(xla_ext, "register_hlo_module_transformation",

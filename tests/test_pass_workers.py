@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from stitch.integration import ptx_children, xla_pass
+from stitch.integration import pass_planning, ptx_children, xla_pass
 from stitch.integration.xla_pass import PassRequest
 
 
@@ -63,7 +63,7 @@ def test_the_pass_takes_them_and_closes_them(monkeypatch: pytest.MonkeyPatch) ->
         assert all(w.pid is not None for w in ptx_workers)
         raise RuntimeError("stop after the hand-over")
 
-    monkeypatch.setattr(xla_pass, "_plan_and_build", fake_plan_and_build)
+    monkeypatch.setattr(pass_planning, "_plan_and_build", fake_plan_and_build)
     request = PassRequest("f", "h100", "gpu", compile_only=True)
     with request:
         started = list(request._ptx_workers)
@@ -76,7 +76,7 @@ def test_the_pass_takes_them_and_closes_them(monkeypatch: pytest.MonkeyPatch) ->
 def test_a_pass_without_an_entered_request_starts_its_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list = []
-    monkeypatch.setattr(xla_pass, "_plan_and_build",
+    monkeypatch.setattr(pass_planning, "_plan_and_build",
                         lambda module, request, timings, ptx_workers: seen.extend(ptx_workers))
     xla_pass.stitch_module(object(), PassRequest("f", "h100", "gpu", compile_only=True))
     assert len(seen) == 1 and _idle(seen[0])
@@ -90,7 +90,7 @@ def test_started_by_the_pass_where_early_start_is_off(monkeypatch: pytest.Monkey
         seen.extend(ptx_workers)
         assert all(w.pid is not None for w in ptx_workers)
 
-    monkeypatch.setattr(xla_pass, "_plan_and_build", fake_plan_and_build)
+    monkeypatch.setattr(pass_planning, "_plan_and_build", fake_plan_and_build)
     with PassRequest("f", "h100", "gpu", compile_only=True) as request:
         assert request._ptx_workers == []
         xla_pass.stitch_module(object(), request)
@@ -102,16 +102,16 @@ def test_early_by_default_only_with_cores_to_spare(monkeypatch: pytest.MonkeyPat
                                                    cores: int, early: bool) -> None:
     monkeypatch.delenv("STITCH_EARLY_PTX_CHILDREN")
     monkeypatch.delenv("STITCH_BUILD_THREADS")
-    monkeypatch.setattr(xla_pass.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(ptx_children.os, "cpu_count", lambda: cores)
     # One child per core up to MAX_BUILD_THREADS (8): only from 10 cores are two to spare.
-    assert xla_pass.early_ptx_children() is early
+    assert ptx_children.early_ptx_children() is early
 
 
 def test_a_bad_setting_is_named_and_the_pass_still_gets_children(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("STITCH_EARLY_PTX_CHILDREN", "sometimes")
     seen: list = []
-    monkeypatch.setattr(xla_pass, "_plan_and_build",
+    monkeypatch.setattr(pass_planning, "_plan_and_build",
                         lambda module, request, timings, ptx_workers: seen.extend(ptx_workers))
     with caplog.at_level("WARNING", logger=xla_pass.log.name):
         with PassRequest("f", "h100", "gpu", compile_only=True) as request:

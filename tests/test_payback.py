@@ -8,7 +8,7 @@ import pytest
 
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.integration import payback, xla_pass
+from stitch.integration import pass_planning, payback, xla_pass
 from stitch.integration.code_budget import statements
 from stitch.cost.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
@@ -67,7 +67,7 @@ def _lower_jobs(module, fusion_plan, monkeypatch, steps: str):
     request = xla_pass.PassRequest("two_blocks", "h100", "gpu", compile_only=True)
     report = xla_pass.PassReport(module.name, 0, 0, 0)
     submitted = []
-    jobs = xla_pass._lower_jobs(request, report, fusion_plan, module, get_spec("h100"),
+    jobs = pass_planning._lower_jobs(request, report, fusion_plan, module, get_spec("h100"),
                                 Evaluator(module), {}, lambda k, key=None: submitted.append(k))
     assert [j[3].kernel for j in jobs] == submitted
     return jobs, report

@@ -190,8 +190,8 @@ def test_rename_carries_reasons():
 
 def _rounds_reference(graph, groups):
     """The launch order as first written: rescan every pending kernel each round."""
-    from stitch.explorer.plan import _written, producers_needed
-    written = [_written(graph, set(g)) for g in groups]
+    from stitch.explorer.plan import kernel_writes, producers_needed
+    written = [kernel_writes(graph, set(g)) for g in groups]
     needs = [producers_needed(graph, set(g)) for g in groups]
     available, order, pending = set(), [], list(range(len(groups)))
     while pending:
@@ -242,7 +242,7 @@ def test_linear_launch_order_matches_the_round_by_round_order():
 def test_dump_modules_writes_what_the_pass_plans(tmp_path, monkeypatch):
     """STITCH_DUMP_MODULES: each module the XLA pass is handed lands in the folder, one
     file per call, so planning can be profiled without XLA."""
-    from stitch.integration.xla_pass import DUMP_ENV, PassRequest, _dump_module
+    from stitch.integration.pass_registration import DUMP_ENV, PassRequest, _dump_module
     request = PassRequest("my fn", "h100", "cpu")
     text = layers_hlo(1)
     monkeypatch.delenv(DUMP_ENV, raising=False)

@@ -17,7 +17,7 @@ from stitch.hlo_passes import parse_hlo, print_hlo
 from stitch.hlo_passes.evaluator import custom_calls
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.graph_exec import GraphRunner
-from stitch.integration import xla_pass
+from stitch.integration import pass_planning, xla_pass
 from stitch.integration.hlo_rewrite import PlacedKernel
 from tests.test_graph_exec import random_args
 
@@ -35,18 +35,18 @@ def _stitched(module_text: str, monkeypatch):
     target, a function computing its outputs from its operands with the replaced ops."""
     module = parse_hlo(module_text)
     placed: list[PlacedKernel] = []
-    original_place = xla_pass.PlacedKernel
+    original_place = pass_planning.PlacedKernel
 
     def fake_build(kernel, device, **_):
         return _FakeTarget(TARGET_PREFIX + kernel.name)
 
-    monkeypatch.setattr(xla_pass, "build_target", fake_build)
+    monkeypatch.setattr(pass_planning, "build_target", fake_build)
 
     def recording(*args, **kwargs):
         k = original_place(*args, **kwargs)
         placed.append(k)
         return k
-    monkeypatch.setattr(xla_pass, "PlacedKernel", recording)
+    monkeypatch.setattr(pass_planning, "PlacedKernel", recording)
     request = xla_pass.PassRequest(function="wiring", target="h100", device="cpu")
     report = xla_pass.stitch_module(module, request)
     return module, report, placed

@@ -276,11 +276,11 @@ def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(mo
     from stitch.codegen.cache import CompileCache
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.isolation import IsolatedWorker
-    from stitch.integration import xla_pass
+    from stitch.integration import kernel_builds, xla_pass
     from tests.test_kir_nvptx import all_float_ops_kernel, half_kernel
 
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(xla_pass, "_CACHE", None)
+    monkeypatch.setattr(kernel_builds, "_CACHE", None)
     first = all_float_ops_kernel("f32")
     # 64 KB of static shared memory: NVPTX's emission refuses it, in the child.
     too_much_shared = dataclasses.replace(

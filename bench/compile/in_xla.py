@@ -37,13 +37,13 @@ DEFAULT_MODELS = ("bert_layer_train:tiny", "bert_layer_train:full", "transformer
 SECTION = "bench-pass-compile"
 
 
-def _zoo(name: str, config: str):
+def zoo_step(name: str, config: str):
     from stitch.models import build
     inst = build(name, config)
     return inst.fn, inst.random_args(0)
 
 
-def _keras_hub_llama():
+def keras_hub_llama_step():
     """A keras_hub Llama backbone's training step as a pure jax function (random init)."""
     os.environ.setdefault("KERAS_BACKEND", "jax")
     import jax
@@ -105,7 +105,7 @@ def measure_one(model: str, config: str) -> dict:
 
     from stitch.integration.xla_pass import PassRequest, compile_with_pass, ensure_registered
 
-    fn, args = _keras_hub_llama() if model == "keras_hub_llama" else _zoo(model, config)
+    fn, args = keras_hub_llama_step() if model == "keras_hub_llama" else zoo_step(model, config)
     warm_up_s = warm_up_backend()
     # Traced and lowered before either timer: a second lowering of the same function is
     # served from jax's caches, so timing it would charge only jax.jit's side with it.
@@ -148,7 +148,7 @@ def measure_one_gpu(model: str, config: str, target: str = "h100") -> dict:
     from stitch.integration import deviceless
 
     deviceless.check_environment()
-    fn, args = _keras_hub_llama() if model == "keras_hub_llama" else _zoo(model, config)
+    fn, args = keras_hub_llama_step() if model == "keras_hub_llama" else zoo_step(model, config)
     mesh = topologies.make_mesh(deviceless.topology(target, "1x1x1"), (1,), ("d",))
     replicated = NamedSharding(mesh, PartitionSpec())
     specs = jax.tree_util.tree_map(

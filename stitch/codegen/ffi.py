@@ -36,7 +36,7 @@ from llvmlite import ir
 from stitch.codegen import kir
 from stitch.codegen.cache import CompileCache, cache_key
 from stitch.codegen.errors import CodegenError
-from stitch.codegen.host import (_ALIGN, NUMPY_DTYPES, ObjectBuilder, _host_machine, emit_host_ir,
+from stitch.codegen.host import (BUFFER_ALIGNMENT, NUMPY_DTYPES, ObjectBuilder, host_machine, emit_host_ir,
                          jit_module)
 from stitch.codegen.llvm_emit import I8, I32, I64
 
@@ -678,12 +678,12 @@ def _emit_worker(module: ir.Module, kernel_fn: ir.Function, scratch_bytes: int) 
     on_heap = scratch_bytes > _ALLOCA_LIMIT
     if on_heap:
         alloc = ir.Function(module, ir.FunctionType(PTR, [I64, I64]), "aligned_alloc")
-        scratch = b.call(alloc, [ir.Constant(I64, _ALIGN), size])
+        scratch = b.call(alloc, [ir.Constant(I64, BUFFER_ALIGNMENT), size])
         with b.if_then(b.icmp_unsigned("==", scratch, ir.Constant(PTR, None)), likely=False):
             b.store(ir.Constant(I32, 1), at("status"))
             b.ret(ir.Constant(PTR, None))
     else:
-        scratch = alloca(b, ir.ArrayType(I8, scratch_bytes), "scratch", _ALIGN)
+        scratch = alloca(b, ir.ArrayType(I8, scratch_bytes), "scratch", BUFFER_ALIGNMENT)
     # Zeroed like HostKernel's numpy scratch: the error record must start clear, and
     # uninitialised shared memory then reads the same as in HostKernel.
     memset = module.declare_intrinsic("llvm.memset", [PTR, I64])
@@ -711,7 +711,7 @@ def new_module(name: str) -> ir.Module:
 @functools.cache
 def _host_data_layout() -> str:
     """The host's data layout, read once (a target machine per handler cost ~1.5 ms)."""
-    return str(_host_machine().target_data)
+    return str(host_machine().target_data)
 
 
 def emit_host_handler_ir(kernel: kir.Kernel, name: str, *, threads: int = 1,
@@ -817,7 +817,7 @@ def compile_handler(name: str, kernel: kir.Kernel | None, modules: Sequence[str]
     few hundred instructions a call are nothing beside a kernel launch. ``object_builder``:
     the object code is built there (``host.jit_module``), only loaded here."""
     whose = f"kernel {kernel.name!r}" if kernel is not None else f"handler {name}"
-    tm = _host_machine(0 if build_fast else 2)
+    tm = host_machine(0 if build_fast else 2)
     _load_libraries()
     try:
         module = llvm.parse_assembly(modules[0])

@@ -58,7 +58,7 @@ from stitch.hlo_passes.graph import OpGraph
 from . import kir
 from .errors import CodegenError
 from .lower import LoweredKernel
-from .values import _BINARY, _COMPARE, _UNARY, leaf, storage_dtype
+from .values import BINARY_OPS, COMPARE_OPS, UNARY_OPS, leaf, storage_dtype
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,8 @@ _c = kir.i32
 _F32 = "f32"
 _NEG_INF = kir.f32(float("-inf"))
 # Ops whose f16/bf16 result XLA rounds to its element type (as values.py's _ROUNDS).
-_ROUNDED = (frozenset(_UNARY) - {"negate", "abs", "sign", "floor", "ceil"}
-            | frozenset(_BINARY) - {"maximum", "minimum"} | {"convert", "logistic"})
+_ROUNDED = (frozenset(UNARY_OPS) - {"negate", "abs", "sign", "floor", "ceil"}
+            | frozenset(BINARY_OPS) - {"maximum", "minimum"} | {"convert", "logistic"})
 # What a column past n contributes to a row reduction.
 _IDENTITY = {"add": 0.0, "multiply": 1.0, "maximum": float("-inf"), "minimum": float("inf")}
 # Shared memory one block may use without opting in to more (bytes).
@@ -443,7 +443,7 @@ class _ChainKernel:
         """One n step of the pass computing row reduction ``r`` (program index) into the
         Locals red{r}_i; columns past n add the reducer's identity."""
         op = self.chain.program[r]
-        code = _BINARY[op.opcode]
+        code = BINARY_OPS[op.opcode]
         identity = kir.f32(_IDENTITY[op.opcode])
         out: list[kir.Stmt] = []
         valid_n, program = self.s_step(out)
@@ -909,12 +909,12 @@ class _Program:
             raise CodegenError(f"{k.name}: a {op.kind} outside the softmax")
         args = [self.value(a, i, j) for a in op.args]
         code = op.opcode
-        if code in _UNARY:
-            return self.rounded(op, kir.Unary(_UNARY[code], args[0]))
-        if code in _BINARY:
-            return self.rounded(op, kir.Binary(_BINARY[code], args[0], args[1]))
+        if code in UNARY_OPS:
+            return self.rounded(op, kir.Unary(UNARY_OPS[code], args[0]))
+        if code in BINARY_OPS:
+            return self.rounded(op, kir.Binary(BINARY_OPS[code], args[0], args[1]))
         if code == "compare":
-            return kir.Compare(_COMPARE[op.direction or "EQ"], args[0], args[1])
+            return kir.Compare(COMPARE_OPS[op.direction or "EQ"], args[0], args[1])
         if code == "select":
             return kir.Select(args[0], args[1], args[2])
         if code == "clamp":

@@ -44,7 +44,7 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
     "i32": np.dtype(np.int32), "i64": np.dtype(np.int64), "u8": np.dtype(np.uint8),
     "u32": np.dtype(np.uint32),
 }
-_ALIGN = 64
+BUFFER_ALIGNMENT = 64
 _ERROR_BYTES = 64  # scratch header: first out-of-bounds access (buffer+1, index, block, thread)
 _LIBM = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "sin", "cos", "tan", "erf", "cbrt",
          "pow", "atan2", "fmod"}
@@ -63,7 +63,7 @@ def _init_llvm() -> None:
             llvm.load_library_permanently(name)
 
 
-def _host_machine(opt: int = 2) -> llvm.TargetMachine:
+def host_machine(opt: int = 2) -> llvm.TargetMachine:
     """A fresh target machine (code generation at LLVM level `opt`; 0: fast instruction
     selection): an MCJIT engine takes ownership of (and frees) its own."""
     _init_llvm()
@@ -74,7 +74,7 @@ def _host_machine(opt: int = 2) -> llvm.TargetMachine:
 
 
 def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    return (n + BUFFER_ALIGNMENT - 1) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT
 
 
 class HostTarget(Target):
@@ -429,8 +429,9 @@ class HostKernel:
         pointers = (ctypes.c_void_p * max(1, len(arrays)))(*(a.ctypes.data for a in arrays))
         workers = 1 if grid_synchronized(k) else max(1, min(threads or self.threads, k.grid))
         bounds = np.linspace(0, k.grid, workers + 1).astype(int)
-        scratches = [np.zeros(self.scratch_bytes + _ALIGN, np.uint8) for _ in range(workers)]
-        addrs = [s.ctypes.data + (-s.ctypes.data) % _ALIGN for s in scratches]
+        scratches = [np.zeros(self.scratch_bytes + BUFFER_ALIGNMENT, np.uint8)
+                     for _ in range(workers)]
+        addrs = [s.ctypes.data + (-s.ctypes.data) % BUFFER_ALIGNMENT for s in scratches]
 
         def run(w: int) -> None:
             self._cfunc(pointers, int(bounds[w]), int(bounds[w + 1]), addrs[w])
@@ -469,7 +470,7 @@ class HostKernel:
 def emit_host_ir(kernel: kir.Kernel, bounds_check: bool = True) -> tuple[str, int]:
     """LLVM IR text of the host function and the scratch bytes it needs per worker."""
     kernel.validate()
-    tm = _host_machine()
+    tm = host_machine()
     module = ir.Module(name=kernel.name)
     module.triple = llvm.get_process_triple()
     module.data_layout = str(tm.target_data)
@@ -500,7 +501,7 @@ def build_object(ir_text: str, opt: int | None, codegen_level: int) -> bytes:
     """Object code for host IR: parsed, verified, optimized at speed level ``opt`` (None: no
     IR passes), compiled for this CPU at ``codegen_level``. Module-level so that a child
     process can run it (``stitch.codegen.isolation``): the caller then only loads the object."""
-    tm = _host_machine(codegen_level)
+    tm = host_machine(codegen_level)
     try:
         module = llvm.parse_assembly(ir_text)
         module.verify()
@@ -586,7 +587,7 @@ def compile_host(kernel: kir.Kernel, *, threads: int | None = None,
     (optimization and code generation are skipped), else it is built under the key's lock and
     stored (see `jit_module`)."""
     text, scratch = emit_host_ir(kernel, bounds_check)
-    tm = _host_machine()
+    tm = host_machine()
     try:
         module = llvm.parse_assembly(text)
         module.verify()

@@ -24,22 +24,46 @@ launch is the runtime's guarantee that they are co-resident.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+from stitch.hlo_passes.graph import OpGraph, OpNode
 
 from . import kir
 from .errors import CodegenError
+from .row_mapping import RowSplit, RowUnit, kept_dims
 from .values import ValueEmitter, iadd, imul, leaf, linearize
-
-if TYPE_CHECKING:
-    from .lower import _KernelBuilder
 
 _c = kir.i32
 # Reducers the block combine finishes (warp butterfly / plain ops in the slots).
 _GLOBAL_REDUCERS = frozenset({"add", "multiply", "maximum", "minimum"})
 
 
+class KernelBuilder(Protocol):
+    """What a global-scope lowering uses of the kernel builder that owns it (``lower``'s):
+    described here so that this module does not import the builder that imports it. The
+    store and shared-memory combine are the builder's own helpers, which it lends this
+    lowering."""
+    schedule: Any                   # stitch's KernelSchedule (codegen does not import stitch)
+    graph: OpGraph
+    outputs: list[int]
+    computed: frozenset[int]
+    params: dict[int, kir.Param]
+
+    def emitter(self) -> ValueEmitter: ...
+
+    def reducer_kind(self, node: OpNode) -> str | None: ...
+
+    def output_offset(self, v: int, logical: kir.Expr) -> kir.Expr: ...
+
+    def _strided_store(self, em: ValueEmitter, v: int, start: kir.Expr, threads: int,
+                       part=None) -> None: ...
+
+    def _combine_shared(self, em: ValueEmitter, unit: RowUnit, value: kir.Expr, op: str
+                        ) -> kir.Expr: ...
+
+
 class GlobalLowering:
-    def __init__(self, builder: "_KernelBuilder", part) -> None:
+    def __init__(self, builder: KernelBuilder, part) -> None:
         self.b = builder
         self.part = part
         self.scope = part.scope
@@ -107,7 +131,6 @@ class GlobalLowering:
 
     def _reduce(self, em: ValueEmitter, r) -> None:
         """Partials of reduction ``r``: one per work item (see the module docstring)."""
-        from .lower import _Split, _kept_dims, _Unit
         graph = self.b.graph
         node = graph.nodes[r.node]
         op = em.reducer(node)
@@ -116,7 +139,7 @@ class GlobalLowering:
         partials = self.partials[r.node] = self._buffer("gp", r.node, dtype,
                                                         r.outputs * r.splits)
         src = leaf(graph.nodes[node.operands[0]].shape)
-        split = _Split("dims", r.outputs, r.row_length, _kept_dims(node, src.rank))
+        split = RowSplit("dims", r.outputs, r.row_length, kept_dims(node, src.rank))
         chunk = math.ceil(r.row_length / r.splits)
         tpb, warps = self.tpb, self.tpb // 32
         tid = kir.ThreadIdx()
@@ -133,7 +156,7 @@ class GlobalLowering:
             out = unit_index
             valid: kir.Expr = kir.Const(True, "i1")
             first, step = iadd(lo, tid), tpb
-            unit = _Unit(row=out, first=tid, step=tpb, lanes_per_row=32, slots=warps,
+            unit = RowUnit(row=out, first=tid, step=tpb, lanes_per_row=32, slots=warps,
                          share=warp, share_writer=kir.Compare("eq", lane, _c(0)))
             writer = kir.Compare("eq", tid, _c(0))
         else:
@@ -141,7 +164,7 @@ class GlobalLowering:
             valid = em.let("valid", kir.Compare("lt", column, _c(r.outputs)))
             out = em.let("col", kir.Binary("min", column, _c(r.outputs - 1)))
             first, step = iadd(lo, warp), warps
-            unit = _Unit(row=out, first=warp, step=warps, lanes_per_row=1, slots=warps,
+            unit = RowUnit(row=out, first=warp, step=warps, lanes_per_row=1, slots=warps,
                          columns=32, share=warp, column=lane)
             writer = kir.Binary("and", kir.Compare("eq", warp, _c(0)), valid)
         acc = em.fresh("acc")

@@ -35,24 +35,24 @@ Expr = kir.Expr
 # planner's feasibility asks too).
 STORAGE = element_types.CODEGEN_STORAGE
 
-_UNARY = {"negate": "neg", "abs": "abs", "exponential": "exp", "log": "log",
+UNARY_OPS = {"negate": "neg", "abs": "abs", "exponential": "exp", "log": "log",
           "log-plus-one": "log1p", "exponential-minus-one": "expm1", "sqrt": "sqrt",
           "rsqrt": "rsqrt", "tanh": "tanh", "sine": "sin", "cosine": "cos", "tan": "tan",
           "erf": "erf", "floor": "floor", "ceil": "ceil",
           "round-nearest-even": "round_half_even", "round-nearest-afz": "round_half_away",
           "sign": "sign", "not": "not", "logistic": "logistic", "cbrt": "cbrt",
           "is-finite": "is_finite"}
-_BINARY = {"add": "add", "subtract": "sub", "multiply": "mul", "divide": "div",
+BINARY_OPS = {"add": "add", "subtract": "sub", "multiply": "mul", "divide": "div",
            "remainder": "rem", "maximum": "max", "minimum": "min", "power": "pow",
            "atan2": "atan2", "and": "and", "or": "or", "xor": "xor",
            "shift-left": "shl", "shift-right-logical": "shr_logical",
            "shift-right-arithmetic": "shr_arith"}
-_COMPARE = {"EQ": "eq", "NE": "ne", "LT": "lt", "LE": "le", "GT": "gt", "GE": "ge"}
+COMPARE_OPS = {"EQ": "eq", "NE": "ne", "LT": "lt", "LE": "le", "GT": "gt", "GE": "ge"}
 # Ops whose f16/bf16 result can need more bits than its element type holds (the others
 # move, select or compare values that already are f16/bf16).
-_ROUNDS = (frozenset(_UNARY) - {"negate", "abs", "sign", "not", "floor", "ceil",
+_ROUNDS = (frozenset(UNARY_OPS) - {"negate", "abs", "sign", "not", "floor", "ceil",
                                 "round-nearest-even", "round-nearest-afz", "is-finite"}
-           | frozenset(_BINARY) - {"maximum", "minimum", "and", "or", "xor"}
+           | frozenset(BINARY_OPS) - {"maximum", "minimum", "and", "or", "xor"}
            | {"convert", "iota", "reduce", "reduce-window", "scatter"})
 # Scatter combiners (by the evaluator's binary kind; "assign" and "keep" pick a side): the
 # HLO layer's rule, which the planner's feasibility asks too.
@@ -402,12 +402,12 @@ class ValueEmitter:
         inst = node.instruction
         ops = node.operands
         shape = leaf(node.shape)
-        if op in _UNARY:
-            return kir.Unary(_UNARY[op], self.value(ops[0], index))
-        if op in _BINARY:
-            return kir.Binary(_BINARY[op], self.value(ops[0], index), self.value(ops[1], index))
+        if op in UNARY_OPS:
+            return kir.Unary(UNARY_OPS[op], self.value(ops[0], index))
+        if op in BINARY_OPS:
+            return kir.Binary(BINARY_OPS[op], self.value(ops[0], index), self.value(ops[1], index))
         if op == "compare":
-            direction = _COMPARE[inst.attrs.get("direction", "EQ")]
+            direction = COMPARE_OPS[inst.attrs.get("direction", "EQ")]
             return kir.Compare(direction, self.value(ops[0], index), self.value(ops[1], index))
         if op == "select":
             return kir.Select(self.value(ops[0], index), self.value(ops[1], index),

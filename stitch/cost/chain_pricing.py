@@ -21,6 +21,7 @@ from stitch.hlo_passes.op_classes import OpClass
 from .gemm_tile import (OPERAND_BYTES, ChainDims, GemmChainSchedule, TileCost, gemm_cost,
                         xla_gemm_tile)
 from .gpu_specs import GpuSpec
+from .instruction_costs import EXPENSIVE_INSTRUCTIONS
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,6 @@ def allows_tf32(graph: OpGraph, node: OpNode) -> bool:
 
 
 def _between_instructions(graph: OpGraph, chain: GemmChain) -> float:
-    from .delta import EXPENSIVE_INSTRUCTIONS
     total = 0.0
     for v in chain.between:
         node = graph.nodes[v]

@@ -29,7 +29,7 @@ from stitch.hlo_passes.graph import OpGraph
 from ..cost.delta import CostModel
 from ..errors import StitchError
 from .cancel import CancelPoll
-from .plan import _written, needs_kernel, producers_needed, resolve_aliases
+from .plan import kernel_writes, needs_kernel, producers_needed, resolve_aliases
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def solve_blp(graph: OpGraph, cost: CostModel, candidates: list[frozenset[int]],
     unique.extend(frozenset((v,)) for v in required if v not in present)
     # Times in microseconds keep the solver's tolerances meaningful.
     times = [cost.kernel(c).total_s * 1e6 for c in unique]
-    written = [_written(graph, set(c)) for c in unique]
+    written = [kernel_writes(graph, set(c)) for c in unique]
     needed = [producers_needed(graph, set(c)) for c in unique]
     writers: dict[int, list[int]] = {}
     for i, w in enumerate(written):

@@ -145,11 +145,11 @@ def global_phases(graph: OpGraph, members: Iterable[int]) -> GlobalPhases | str:
     return GlobalPhases(tuple(tuple(v for v in reduces if stage[v] == k) for k in range(depth)))
 
 
-def _leaf(shape: Shape) -> Shape:
+def leaf_shape(shape: Shape) -> Shape:
     return next(shape.leaves()) if shape.is_tuple else shape
 
 
-def _physical_order(shape: Shape) -> list[int]:
+def physical_order(shape: Shape) -> list[int]:
     """Logical dims from major to minor."""
     return list(reversed(shape.minor_to_major()))
 
@@ -178,7 +178,7 @@ class RowConflict(Exception):
 def _reshape_row_map(src: Shape, dst: Shape, dims: tuple[int, ...]) -> Mapping:
     """Carry row dims through a reshape/bitcast by matching blocks of physical dims with equal
     products. A block that mixes row and non-row dims is a conflict on its row dims."""
-    src_order, dst_order = _physical_order(src), _physical_order(dst)
+    src_order, dst_order = physical_order(src), physical_order(dst)
     src_sizes = [src.dims[d] for d in src_order]
     dst_sizes = [dst.dims[d] for d in dst_order]
     position_of = {src_order.index(d): k for k, d in enumerate(dims)}
@@ -250,8 +250,8 @@ def _transfer(graph: OpGraph, node: OpNode, position: int, dims: tuple[int, ...]
     """Where the row dims ``dims`` of operand ``position`` go in ``node``'s output."""
     op = node.opcode
     inst = node.instruction
-    src = _leaf(graph.nodes[node.operands[position]].shape)
-    out_shape = _leaf(node.shape)
+    src = leaf_shape(graph.nodes[node.operands[position]].shape)
+    out_shape = leaf_shape(node.shape)
 
     def forbid(bad: Iterable[int], what: str) -> None:
         hit = tuple(k for k, d in enumerate(dims) if d in set(bad))
@@ -299,7 +299,7 @@ def _transfer(graph: OpGraph, node: OpNode, position: int, dims: tuple[int, ...]
         if op == "dynamic-slice":
             sizes, full = inst.ints("dynamic_slice_sizes"), src.dims
         else:
-            sizes, full = _leaf(graph.nodes[node.operands[1]].shape).dims, out_shape.dims
+            sizes, full = leaf_shape(graph.nodes[node.operands[1]].shape).dims, out_shape.dims
         forbid([d for d in dims if sizes[d] != full[d]], "slices")
         return _same(dims, dims)
     if op == "pad":
@@ -509,8 +509,8 @@ def _analyze_block_scope(graph: OpGraph, members: list[int], buildable: bool = T
     shared: list[SharedReduction] = []
     for v in shared_ids:
         node = graph.nodes[v]
-        src = _leaf(graph.nodes[node.operands[0]].shape)
-        out = _leaf(node.shape)
+        src = leaf_shape(graph.nodes[node.operands[0]].shape)
+        out = leaf_shape(node.shape)
         # The row dims are the ones its row map carries: a reduction downstream of another
         # shared reduction inherits that partition (its own kept dims are not all rows:
         # log-softmax's two-level max then sum(exp) over [rows,128,250] own whole rows).
@@ -541,11 +541,11 @@ def reduction_rows(graph: OpGraph, v: int, analysis: PatternAnalysis) -> tuple[i
     if known is not None:
         return known.rows, known.minor
     node = graph.nodes[v]
-    src = _leaf(graph.nodes[node.operands[0]].shape)
+    src = leaf_shape(graph.nodes[node.operands[0]].shape)
     reduced = set(node.instruction.ints("dimensions"))
-    order = [d for d in _physical_order(src) if src.dims[d] != 1]
+    order = [d for d in physical_order(src) if src.dims[d] != 1]
     kept = [d for d in order if d not in reduced]
-    return _leaf(node.shape).num_elements, order[:len(kept)] == kept
+    return leaf_shape(node.shape).num_elements, order[:len(kept)] == kept
 
 
 def _check_one_partition(graph: OpGraph, analysis: PatternAnalysis) -> None:
@@ -579,7 +579,7 @@ class _Drop(Exception):
 
 def _rows_are_major(shape: Shape, row_dims: list[int]) -> bool:
     """A block's rows are contiguous when the row dims lead the physical order."""
-    order = [d for d in _physical_order(shape) if shape.dims[d] != 1]
+    order = [d for d in physical_order(shape) if shape.dims[d] != 1]
     rows = [d for d in row_dims if shape.dims[d] != 1]
     return order[:len(rows)] == rows
 
@@ -635,7 +635,7 @@ def _propagate(graph: OpGraph, members: list[int], member_set: set[int], shared:
             else:
                 result = tuple([(d, a | b) for (d, a), (_, b) in zip(result, mapped)])
         if v in shared and result is None:
-            out = _leaf(node.shape)
+            out = leaf_shape(node.shape)
             result = tuple((k, frozenset({(v, k)})) for k in range(out.rank)
                            if (v, k) not in dropped)
         if result is not None:

@@ -151,7 +151,7 @@ def resolve_aliases(graph: OpGraph, starts, within: set[int] | None = None) -> s
     return found
 
 
-def _written(graph: OpGraph, members: set[int]) -> set[int]:
+def kernel_writes(graph: OpGraph, members: set[int]) -> set[int]:
     """The values a kernel writes: members used outside it or leaving the graph. A free
     alias member (a bitcast of a member) stands for the member it aliases, so what is
     recorded as written is always an op that needs a kernel."""
@@ -189,7 +189,7 @@ def launch_indices(graph: OpGraph, groups: list[frozenset[int]],
     for g in groups:
         got = io.get(g)
         if got is None:
-            got = io[g] = (_written(graph, set(g)), producers_needed(graph, set(g)))
+            got = io[g] = (kernel_writes(graph, set(g)), producers_needed(graph, set(g)))
         written_by.append(got[0])
         needs.append(got[1])
     writers: set[int] = set().union(*written_by) if written_by else set()
@@ -262,7 +262,7 @@ def validate(graph: OpGraph, kernels: list[PlannedKernel]) -> None:
                 raise PlanValidationError(
                     f"graph {graph.name}: kernel {index} ({graph.nodes[k.members[0]].name}...) "
                     f"runs before {graph.nodes[v].name} is written")
-        available |= _written(graph, members)
+        available |= kernel_writes(graph, members)
     for o in graph.outputs:
         if needs_kernel(graph, o) and o not in available:
             raise PlanValidationError(f"graph {graph.name}: output "

@@ -25,16 +25,15 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.ir import HloModule
 from stitch.hlo_passes.printer import print_hlo
 
 from ..errors import StitchError
-
-if TYPE_CHECKING:
-    from .planner import ExplorerOptions, FusionPlan
+from ..version import __version__
+from .fusion_plan import FusionPlan
+from .options import ExplorerOptions
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ def module_fingerprint(module: HloModule) -> str:
     return hashlib.sha256(print_hlo(program).encode("utf-8")).hexdigest()
 
 
-def options_key(options: "ExplorerOptions") -> dict:
+def options_key(options: ExplorerOptions) -> dict:
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
             if f.name != "cancel"}
 
@@ -66,13 +65,11 @@ def code_version() -> str:
     code's own source files (``stitch.codegen.cache.source_digest``, computed once per process),
     so any code change invalidates the plans an earlier version made."""
     from stitch.codegen.cache import PLANNING_PACKAGES, source_digest
-
-    from .. import __version__
     return f"{__version__}+src.{source_digest(PLANNING_PACKAGES)}"
 
 
 def plan_key(fingerprint: str, version: str, target: str, planner: str,
-             options: "ExplorerOptions") -> str:
+             options: ExplorerOptions) -> str:
     text = json.dumps({"format": FORMAT, "module": fingerprint, "stitch": version,
                        "target": target, "planner": planner,
                        "options": options_key(options)}, sort_keys=True, default=str)
@@ -104,7 +101,7 @@ def _safe_dir(path: Path) -> bool:
     return True
 
 
-def plan_entry(plan: "FusionPlan", key: str) -> dict:
+def plan_entry(plan: FusionPlan, key: str) -> dict:
     """What is stored: per graph, the stitched kernels' member sets (op ids and names)."""
     return {"format": FORMAT, "key": key, "module": plan.module_name, "target": plan.target,
             "planner": plan.planner, "baseline_source": plan.baseline_source,
@@ -122,7 +119,7 @@ class PlanCache:
         self.directory = Path(directory) if directory is not None else None
         self.disk = disk
         self._checked: bool | None = None
-        self.memory: dict[str, "FusionPlan"] = {}
+        self.memory: dict[str, FusionPlan] = {}
         self.hits = self.disk_hits = self.misses = self.dropped = 0
 
     # --- disk --------------------------------------------------------------------------
@@ -184,7 +181,7 @@ class PlanCache:
                 path.unlink()
 
     # --- memory ------------------------------------------------------------------------
-    def remember(self, key: str, plan: "FusionPlan") -> None:
+    def remember(self, key: str, plan: FusionPlan) -> None:
         if len(self.memory) >= MEMORY_ENTRIES:
             self.memory.pop(next(iter(self.memory)))
         self.memory[key] = plan

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Collection
 
 from stitch.hlo_passes.graph import OpGraph, build_op_graphs
@@ -35,6 +34,8 @@ from ..errors import Cancelled, StitchError
 from .beam import KernelCycleError, beam_search, merge_adjacent, pack_levels
 from .blp import BlpError, solve_blp
 from .cancel import CancelPoll
+from .fusion_plan import FusionPlan, GraphResult
+from .options import ExplorerOptions
 from .plan_cache import (PlanCache, StaleEntry, default_plan_cache, kernel_sets,
                          module_fingerprint, plan_entry, plan_key)
 from .feasibility import infeasible_reason
@@ -42,81 +43,13 @@ from .patterns import (MAX_PATTERN_OPS, Pattern, PatternExplorer, Vertices, is_p
                        unit_vertices)
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
-from .refine import _stages, refine_plan
-from .plan import (GraphPlan, PlannedKernel, PlannerReport, PlanValidationError, SideSummary,
+from .refine import reduction_stages, refine_plan
+from .plan import (GraphPlan, PlannedKernel, PlannerReport, PlanValidationError,
                    kernel_kind, launch_order, make_kernel, needs_kernel, validate)
 
 log = logging.getLogger(__name__)
 
 PLANNERS = ("beam", "blp")
-
-
-@dataclass
-class ExplorerOptions:
-    top_k: int = 3
-    beam_width: int = 3
-    group_size: int = 2
-    remote_fusion: bool = True
-    packing: bool = True
-    lookahead_beam: bool = True
-    schedules: bool = True          # tune a stitching schedule for every stitched kernel
-    # Final choice among the candidate plans: "latency" = the latency-evaluator over each
-    # plan's tuned schedules (§4.3; needs schedules), "delta" = the delta cost model. The
-    # default stays "delta" until the two models agree: on dien_train they still differ
-    # by up to 3x on packed and column-reduction kernels (see docs/benchmarks.md).
-    final_pick: str = "delta"
-    recompute: bool = True          # refine each plan by split/recomputation moves
-    blp_time_limit_s: float = 30.0
-    # Candidate kernels of two GEMMs with the memory-intensive ops between them
-    # (stitch.hlo_passes.gemm_chains; kind "gemm_chain"), priced by stitch.cost.gemm_tile at the
-    # schedule the Markov-guided search finds. The compile paths turn them off until
-    # codegen lowers them.
-    gemm_chains: bool = True
-    # f32 chain kernels may use TF32 tensor cores where the dots allow them (DEFAULT
-    # precision: what XLA GPU does for them too). The GPU compile path turns it on; host
-    # paths keep f32 exact, as XLA CPU computes it.
-    chain_tf32: bool = False
-    # Build each chosen chain schedule and assemble it with ptxas (when installed), striking
-    # schedules ptxas spills (chain_pricing.chain_price): a second or so per distinct chain.
-    # The GPU compile path turns it on; host paths never run the PTX.
-    chain_spill_check: bool = False
-    # Chain schedules may split n across blocks (a grid barrier before the cross-block
-    # combine): only where the target runs grid-barrier kernels (STITCH_GRID_SYNC on GPU).
-    chain_grid_sync: bool = False
-    # The global-scope (grid barrier) launch forms the target builds, as
-    # stitch.cost.launch_forms names them: "off" (none: a pattern only the global scope
-    # stitches is no kernel), "relaunch", "barrier" or "auto"; the cost model prices a
-    # global-scope pattern in the form it will be built in. The host runs every form
-    # ("barrier", the persistent kernel's price); the GPU pass passes STITCH_GRID_SYNC.
-    grid_sync: str = "barrier"
-    # Ops per explored pattern (None: MAX_PATTERN_OPS on graphs of at most
-    # SMALL_GRAPH_OPS ops, LARGE_GRAPH_PATTERN_OPS above). Scoring a pattern costs time
-    # linear in its size and a long chain makes every vertex's patterns that large, so
-    # planning grew quadratically; kernels still grow past the bound by merging adjacent
-    # kernels (refinement and packing, up to MAX_PATTERN_OPS).
-    max_pattern_ops: int | None = None
-    # Share kernel costs and feasibility verdicts between member sets of the same structure
-    # (repeated layers; stitch.explorer.structure). Off only to check it changes no plan.
-    share_structure: bool = True
-    # Plan an XLA-optimized graph with XLA's instructions as the explorer's vertices (a
-    # fusion stays whole: every candidate pattern is a union of XLA's kernels) and no
-    # op-level refinement. The XLA pass sets it: its kernels are snapped to whole
-    # instructions anyway (stitch.integration.snap), and the graph it plans is ~10x smaller in
-    # units than in ops (docs/benchmarks.md, bench-xla-units).
-    xla_units: bool = False
-    # Returns True once planning should stop: polled every ~50 ms of planning work, it
-    # makes stitch.plan raise PlanCancelled (stitch.explorer.cancel). Not part of the
-    # plan cache key.
-    cancel: Callable[[], bool] | None = field(default=None, compare=False)
-
-
-@dataclass
-class GraphResult:
-    graph: OpGraph
-    baseline: GraphPlan
-    stitched: GraphPlan
-    report: PlannerReport
-    reasons: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
 SMALL_GRAPH_OPS = 400
@@ -343,7 +276,7 @@ def _schedulable_parts(graph: OpGraph, spec: GpuSpec, members: frozenset[int],
     has none cut once more into one part per reduction with its ancestors in the stage
     (shared ancestors go to the first) plus the rest. None when some part still has none."""
     parts: list[frozenset[int]] = []
-    for stage in _stages(graph, members):
+    for stage in reduction_stages(graph, members):
         if isinstance(_tuned(graph, spec, stage, cache, grid_sync), KernelSchedule):
             parts.append(stage)
             continue
@@ -737,50 +670,6 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
     fusion_plan = FusionPlan(entry.get("module", ""), spec.name, planner, source, results)
     store.remember(key, fusion_plan)
     return fusion_plan
-
-
-@dataclass
-class FusionPlan:
-    module_name: str
-    target: str
-    planner: str
-    baseline_source: str            # "xla" | "base-fusion"
-    graphs: list[GraphResult]
-    seconds: float = 0.0
-
-    @property
-    def kernels(self) -> list[PlannedKernel]:
-        """The stitched plan's kernels, graph by graph, each graph in launch order."""
-        return [k for g in self.graphs for k in g.stitched.kernels]
-
-    def summary(self) -> dict:
-        base, stitched = SideSummary(), SideSummary()
-        for g in self.graphs:
-            base.add(g.baseline)
-            stitched.add(g.stitched)
-        return {"baseline": base.as_dict(), "stitched": stitched.as_dict(),
-                "baseline_source": self.baseline_source, "target": self.target,
-                "planner": self.planner, "plan_seconds": round(self.seconds, 3)}
-
-    def reasons(self) -> list[str]:
-        """Why producers were not fused with their consumers in the stitched plan."""
-        lines = []
-        for g in self.graphs:
-            graph = g.graph
-            where: dict[int, int] = {}
-            for ki, k in enumerate(g.stitched.kernels):
-                for v in k.members:
-                    where.setdefault(v, ki)
-            for node in graph.nodes:
-                if not needs_kernel(graph, node.id) or kernel_kind(graph, (node.id,)) != "fused":
-                    continue
-                for u in node.users:
-                    if u not in where or where.get(u) == where.get(node.id):
-                        continue
-                    reason = g.reasons.get((node.id, u), "another pattern scored higher "
-                                           "in beam search")
-                    lines.append(f"{graph.name}: {node.name} -> {graph.nodes[u].name}: {reason}")
-        return lines
 
 
 def plan(hlo: str | HloModule, target: str = "h100", planner: str = "beam",

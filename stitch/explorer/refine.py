@@ -23,7 +23,7 @@ from stitch.hlo_passes.op_classes import OpClass
 
 from ..cost.delta import CostModel
 from .patterns import MAX_PATTERN_OPS, is_plannable
-from .plan import (KernelIO, PlannedKernel, PlanValidationError, _written, launch_indices,
+from .plan import (KernelIO, PlannedKernel, PlanValidationError, kernel_writes, launch_indices,
                    launch_order, make_kernel, needs_kernel)
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class _Refiner:
                 before = k_time + self.time(donor)
                 # Recompute u from the donor's inputs, or only back to values the donor
                 # writes anyway (the kernel then reads those).
-                written = frozenset(_written(graph, set(donor))) - {u}
+                written = frozenset(kernel_writes(graph, set(donor))) - {u}
                 for stop in (frozenset(), written):
                     grown = k_members | aliases | _ancestors_within(graph, u, donor, stop)
                     if len(grown) > MAX_PATTERN_OPS:
@@ -257,7 +257,7 @@ class _Refiner:
                 continue
             best: tuple[float, list[frozenset[int]]] | None = None
             whole = self.time(members)
-            cuts = [_stages(graph, members)]
+            cuts = [reduction_stages(graph, members)]
             for r in members:
                 if graph.nodes[r].op_class is not OpClass.REDUCTION:
                     continue
@@ -284,7 +284,7 @@ class _Refiner:
         return moves
 
 
-def _stages(graph: OpGraph, members: frozenset[int]) -> list[frozenset[int]]:
+def reduction_stages(graph: OpGraph, members: frozenset[int]) -> list[frozenset[int]]:
     """``members`` cut after every reduction: an op's stage is the largest number of
     reductions on a path to it inside the kernel (a reduction closes its stage). Stages are
     convex when the kernel is: stage numbers never decrease along a path."""

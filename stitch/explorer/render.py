@@ -13,7 +13,7 @@ from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.op_classes import OpClass
 
 from .plan import GraphPlan, PlannedKernel
-from .planner import FusionPlan, GraphResult
+from .fusion_plan import FusionPlan, GraphResult
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,8 @@ from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.ir import Computation, Instruction
 from stitch.hlo_passes.op_classes import OpClass
 
+from ..cost.hbm_traffic import graph_facts
+
 # Attributes no cost or feasibility rule reads and that differ between identical layers.
 _IGNORED_ATTRS = frozenset({"metadata", "frontend_attributes", "statistics"})
 _CALL_ATTRS = frozenset({"to_apply", "calls", "condition", "body", "true_computation",
@@ -199,5 +201,4 @@ def rename(text: str, before: tuple[str, ...], after: tuple[str, ...]) -> str:
 def _buffers(graph: OpGraph) -> list[int]:
     """The buffer each value lives in, as the delta-evaluator counts it (a bitcast, or a
     free reshape of the same size, is its operand's buffer)."""
-    from ..cost.delta import graph_facts      # the cost model imports this module
     return graph_facts(graph).buffer

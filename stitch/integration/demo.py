@@ -63,15 +63,14 @@ def _ptxas_check(program: Any, arch: str) -> tuple[int, int, list[str]]:
     """(passed, total, problems) for the stitched kernels' PTX on ``arch``."""
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.isolation import IsolatedWorker
+    from stitch.codegen.nvptx import emit_ptx
     from stitch.codegen.toolchain import assemble
-
-    from stitch.compiler import _emit_ptx_text
 
     passed, problems = 0, []
     with IsolatedWorker(name="stitch-demo-ptx") as worker:
         for k in program.kernels:
             try:
-                ptx = worker.call(_emit_ptx_text, k.lowered.kernel, arch)
+                ptx = worker.call(emit_ptx, k.lowered.kernel, arch)
                 report = assemble(ptx, arch, kernel_name=k.lowered.kernel.name)
                 entry = report[k.lowered.kernel.name]
                 if entry.spill_store_bytes or entry.spill_load_bytes:

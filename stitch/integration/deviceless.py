@@ -267,9 +267,9 @@ def register_transform(callback: Callable[[bytes], bytes | None], name: str,
 
 def ensure_pass_registered() -> None:
     """stitch's pass in deviceless GPU compiles (POST_SCHEDULER: the fused module, as
-    ``xla_pass.ensure_registered("cuda")`` registers it on a real GPU)."""
-    from .xla_pass import _callback
-    register_transform(_callback, "stitch", "post_scheduler")
+    ``pass_registration.ensure_registered("cuda")`` registers it on a real GPU)."""
+    from .pass_registration import xla_callback
+    register_transform(xla_callback, "stitch", "post_scheduler")
 
 
 # ---------------------------------------------------------------- the compile's target

@@ -116,14 +116,14 @@ class _CompileThread:
             raise CompileCancelled(_EXITING)
 
 
-_COMPILER = _CompileThread()
+COMPILE_THREAD = _CompileThread()
 
 
 def run_on_compile_thread(job: Callable[[], Any]) -> Any:
     """Run ``job`` on stitch's compile thread and wait for it (keeps LLVM on one thread)."""
     if threading.current_thread().name == "stitch-compile":
         return job()
-    return _COMPILER.submit(job).result()
+    return COMPILE_THREAD.submit(job).result()
 
 
 # ------------------------------------------------------------------------------- entries
@@ -360,7 +360,7 @@ class StitchedFunction(SwitchingFunction):
                  self.target, call_number, "in the background" if self.async_compile
                  else "before running")
         job = functools.partial(self._compile, entry, lowered, time.perf_counter() - start)
-        entry.future = _COMPILER.submit(job)
+        entry.future = COMPILE_THREAD.submit(job)
         entry.future.add_done_callback(
             lambda future: future.cancelled() and self._dropped_from_queue(entry))
         if not self.async_compile:
@@ -375,11 +375,11 @@ class StitchedFunction(SwitchingFunction):
 
         start = time.perf_counter() - earlier
         try:
-            _COMPILER.check()              # queued before exit began: record it, do not compile
+            COMPILE_THREAD.check()         # queued before exit began: record it, do not compile
             device = entry.device = self.device or _default_device()
             ensure_registered("cpu" if device == "cpu" else "cuda")
             request = PassRequest(self.__qualname__, self.target, device,
-                                  cancel=_COMPILER.stopping.is_set)
+                                  cancel=COMPILE_THREAD.stopping.is_set)
             compiled, report = compile_with_pass(lowered, request)
             if not report.kernels_stitched:
                 raise StitchError(report.reason_nothing_stitched())

@@ -8,7 +8,7 @@ kernels cover with FFI custom calls, and the step stays ONE XLA executable. Per 
 signature:
 
 - the first calls run the stock TF function; the HLO is taken and the stitched program built
-  on stitch's compile thread (``jit._COMPILER``);
+  on stitch's compile thread (``jit.COMPILE_THREAD``);
 - the mapping is read from TF, never guessed: the HLO's ENTRY parameters are the concrete
   function's ``inputs`` in order — the tensor leaves of the bound arguments, then
   ``captured_inputs`` (a resource handle → that variable's current value, an eager tensor →
@@ -422,7 +422,7 @@ class TFStitchedFunction(SwitchingFunction):
         TF compiling on the compile thread while the caller's stock step compiles too
         deadlocks (both hold a TF lock and want the GIL). Planning and building go to the
         compile thread."""
-        from .jax_jit import _COMPILER
+        from .jax_jit import COMPILE_THREAD
 
         log.info("%s: compiling stitched kernels for %s (call %d, %s)", self.__qualname__,
                  self.target, call_number, "in the background" if self.async_compile
@@ -437,7 +437,7 @@ class TFStitchedFunction(SwitchingFunction):
         tf_device = tf_runs_on(self._read_values(mapping, args, kwargs))
         entry.device = self.device or tf_device
         entry.bridge = Bridge(gpu=tf_device == "gpu")
-        entry.future = _COMPILER.submit(functools.partial(
+        entry.future = COMPILE_THREAD.submit(functools.partial(
             self._compile, entry, module, mapping, time.perf_counter() - start))
         if not self.async_compile:
             try:
@@ -483,7 +483,7 @@ class TFStitchedFunction(SwitchingFunction):
         from stitch.integration.xla_pass import PassRequest, compile_hlo_text
 
         from .gpu_sharing import check_gpu_allowed
-        from .jax_jit import _COMPILER
+        from .jax_jit import COMPILE_THREAD
 
         start = time.perf_counter()
         try:
@@ -491,7 +491,7 @@ class TFStitchedFunction(SwitchingFunction):
             if device == "gpu":
                 check_gpu_allowed()        # TF and jax could not be set to share the GPU
             request = PassRequest(self.__qualname__, self.target, device,
-                                  cancel=_COMPILER.stopping.is_set)
+                                  cancel=COMPILE_THREAD.stopping.is_set)
             with jax.enable_x64(True):
                 text, platform = print_hlo(module), "cpu" if device == "cpu" else "cuda"
                 call, report = compile_hlo_text(text, request, platform)

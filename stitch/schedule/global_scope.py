@@ -35,7 +35,7 @@ from stitch.hlo_passes.graph import OpGraph
 from ..cost.gpu_specs import GpuSpec
 from ..cost.latency import UNROLL, LaunchShape, WarpWork, grid_barrier_cycles, part_cycles
 from ..cost.occupancy import occupancy
-from ..explorer.feasibility import GlobalPhases, _leaf, _physical_order
+from ..explorer.feasibility import GlobalPhases, leaf_shape, physical_order
 from .kernel_schedule import GroupSchedule, KernelSchedule, PartSchedule
 from ..cost.launch_forms import form_for, form_seconds
 from .space import op_instructions, written_values
@@ -95,22 +95,22 @@ def launch_form(schedule: KernelSchedule, setting: str = "auto") -> str | None:
 
 
 def _elements(graph: OpGraph, v: int) -> int:
-    return _leaf(graph.nodes[v].shape).num_elements
+    return leaf_shape(graph.nodes[v].shape).num_elements
 
 
 def _bytes(graph: OpGraph, v: int) -> int:
     node = graph.nodes[v]
-    return node.shape.byte_size if not node.shape.is_tuple else _leaf(node.shape).byte_size
+    return node.shape.byte_size if not node.shape.is_tuple else leaf_shape(node.shape).byte_size
 
 
 def reduction_geometry(graph: OpGraph, v: int) -> tuple[int, int, bool]:
     """(outputs, row length, minor) of a reduce: minor when its reduced dims are the
     physically minor ones (an output's inputs are contiguous)."""
     node = graph.nodes[v]
-    src = _leaf(graph.nodes[node.operands[0]].shape)
-    outputs = max(_leaf(node.shape).num_elements, 1)
+    src = leaf_shape(graph.nodes[node.operands[0]].shape)
+    outputs = max(leaf_shape(node.shape).num_elements, 1)
     reduced = set(node.instruction.ints("dimensions"))
-    order = [d for d in _physical_order(src) if src.dims[d] != 1]
+    order = [d for d in physical_order(src) if src.dims[d] != 1]
     kept = [d for d in order if d not in reduced]
     return outputs, max(src.num_elements // outputs, 1), order[:len(kept)] == kept
 

@@ -30,12 +30,12 @@ from functools import lru_cache
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.op_classes import OpClass
 
-from ..explorer.feasibility import _leaf
+from ..explorer.feasibility import leaf_shape
 
 Layout = tuple[int, ...]
 SECTOR_BYTES = 32
-_UNKNOWN = -2          # the walk met an op it cannot follow: keep the old assumption
-_UNIFORM = -1          # every lane reads the same element (a broadcast dim)
+UNKNOWN = -2          # the walk met an op it cannot follow: keep the old assumption
+UNIFORM = -1          # every lane reads the same element (a broadcast dim)
 
 
 def identity(rank: int) -> Layout:
@@ -47,19 +47,19 @@ def reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], k: int) -> int:
     """The dim of a row-major ``src`` that a unit step along dim k of ``dst`` (its
     row-major reshape) moves: the minor-most src dim the step's offset touches."""
     if dst[k] == 1:
-        return _UNIFORM
+        return UNIFORM
     step = math.prod(dst[k + 1:])
     for d in range(len(src) - 1, -1, -1):
         inner = math.prod(src[d + 1:])
         if step % inner == 0 and (step // inner) % src[d] != 0:
             return d
-    return _UNKNOWN
+    return UNKNOWN
 
 
 def trace_dim(graph: OpGraph, members: frozenset[int], start: int, dim: int, target: int,
               _seen: dict | None = None) -> int | None:
     """The dim of ``target`` that lanes moving along ``dim`` of ``start`` move along;
-    ``_UNIFORM`` for a broadcast dim, ``_UNKNOWN`` past an op the walk does not follow,
+    ``UNIFORM`` for a broadcast dim, ``UNKNOWN`` past an op the walk does not follow,
     None when ``start`` does not read ``target`` through the part's ops."""
     seen = {} if _seen is None else _seen
     key = (start, dim)
@@ -72,34 +72,34 @@ def trace_dim(graph: OpGraph, members: frozenset[int], start: int, dim: int, tar
     if start not in members or dim < 0:
         return None
     node = graph.nodes[start]
-    shape = _leaf(node.shape)
+    shape = leaf_shape(node.shape)
     found: int | None = None
     for position, o in enumerate(node.operands):
-        odims = _leaf(graph.nodes[o].shape).dims
+        odims = leaf_shape(graph.nodes[o].shape).dims
         op = node.opcode
         if op == "transpose":
             at = node.instruction.ints("dimensions")[dim]
         elif op == "broadcast":
             mapped = list(node.instruction.ints("dimensions"))
-            at = mapped.index(dim) if dim in mapped else _UNIFORM
+            at = mapped.index(dim) if dim in mapped else UNIFORM
         elif op in ("bitcast", "reshape"):
             at = reshape_dim(odims, shape.dims, dim) if \
-                math.prod(odims) == shape.num_elements else _UNKNOWN
+                math.prod(odims) == shape.num_elements else UNKNOWN
         elif odims == shape.dims and node.op_class in (OpClass.LIGHT, OpClass.EXPENSIVE) \
                 or op in ("copy", "convert"):
             at = dim
         elif not odims:
             continue                   # a scalar operand: the same for every lane
         else:
-            at = _UNKNOWN
-        if at == _UNIFORM:
-            got = _UNIFORM if _reads(graph, members, o, target) else None
-        elif at == _UNKNOWN:
-            got = _UNKNOWN if _reads(graph, members, o, target) else None
+            at = UNKNOWN
+        if at == UNIFORM:
+            got = UNIFORM if _reads(graph, members, o, target) else None
+        elif at == UNKNOWN:
+            got = UNKNOWN if _reads(graph, members, o, target) else None
         else:
             got = trace_dim(graph, members, o, at, target, seen)
         if got is not None:
-            found = got if found is None or found == got else _UNKNOWN
+            found = got if found is None or found == got else UNKNOWN
     seen[key] = found
     return found
 
@@ -123,7 +123,7 @@ def strided(layout: Layout, dim: int | None) -> bool:
     return dim is not None and dim >= 0 and len(layout) > 0 and dim != layout[-1]
 
 
-def _feeding_inputs(graph: OpGraph, members: frozenset[int], r: int) -> set[int]:
+def feeding_inputs(graph: OpGraph, members: frozenset[int], r: int) -> set[int]:
     """Outside values a reduction's operand is computed from, not through another
     reduction of the part."""
     out, stack, seen = set(), [graph.nodes[r].operands[0]], set()
@@ -146,10 +146,10 @@ def _lane_dim(graph: OpGraph, r: int, minor: bool) -> int:
     contiguous rows (``stitch.codegen.lower``'s row split), else the last kept dim (a lane per
     row)."""
     node = graph.nodes[r]
-    src = _leaf(graph.nodes[node.operands[0]].shape)
+    src = leaf_shape(graph.nodes[node.operands[0]].shape)
     reduced = set(node.instruction.ints("dimensions"))
     dims = [d for d in range(src.rank) if (d in reduced) == minor and src.dims[d] != 1]
-    return dims[-1] if dims else _UNIFORM
+    return dims[-1] if dims else UNIFORM
 
 
 def apply_layouts(graph: OpGraph, facts, layouts: dict[int, Layout]):
@@ -167,24 +167,24 @@ def apply_layouts(graph: OpGraph, facts, layouts: dict[int, Layout]):
         return facts
 
     def layout_of(v: int) -> Layout:
-        return layouts.get(v, identity(_leaf(graph.nodes[v].shape).rank))
+        return layouts.get(v, identity(leaf_shape(graph.nodes[v].shape).rank))
 
     def elements(v: int) -> int:
-        return _leaf(graph.nodes[v].shape).num_elements
+        return leaf_shape(graph.nodes[v].shape).num_elements
 
     sector_bytes = 0.0
     reductions = list(facts.reductions)
     priced: set[int] = set()
     for i, r in enumerate(reductions):
         operand = graph.nodes[r.node].operands[0]
-        feeding = [v for v in _feeding_inputs(graph, members, r.node)
+        feeding = [v for v in feeding_inputs(graph, members, r.node)
                    if elements(v) == elements(operand)]
         if not any(v in layouts for v in feeding):
             continue
 
         def contiguous(v: int, minor: bool, r=r, operand=operand) -> bool:
             lane = _lane_dim(graph, r.node, minor)
-            dim = trace_dim(graph, members, operand, lane, v) if lane >= 0 else _UNIFORM
+            dim = trace_dim(graph, members, operand, lane, v) if lane >= 0 else UNIFORM
             return not strided(layout_of(v), dim)
         rows_ok = all(contiguous(v, True) for v in feeding)
         cols_ok = all(contiguous(v, False) for v in feeding)
@@ -200,7 +200,7 @@ def apply_layouts(graph: OpGraph, facts, layouts: dict[int, Layout]):
     written = [v for v in facts.members if not graph.is_free(v) and (
         v in graph.outputs or any(u not in members for u in graph.nodes[v].users))]
     for w in written:
-        shape = _leaf(graph.nodes[w].shape)
+        shape = leaf_shape(graph.nodes[w].shape)
         if shape.rank == 0:
             continue
         own = layout_of(w)
@@ -212,7 +212,8 @@ def apply_layouts(graph: OpGraph, facts, layouts: dict[int, Layout]):
         relaid = w in layouts and own != identity(shape.rank)
         for v in inputs:
             if v in priced or graph.nodes[v].op_class is OpClass.SOURCE and \
-                    graph.nodes[v].opcode == "constant" or _leaf(graph.nodes[v].shape).rank == 0:
+                    graph.nodes[v].opcode == "constant" or \
+                    leaf_shape(graph.nodes[v].shape).rank == 0:
                 continue
             if not (relaid or v in layouts):
                 continue            # neither side's layout is in question: as before

@@ -36,9 +36,9 @@ from stitch.hlo_passes.graph import OpGraph
 
 from ..cost.gpu_specs import GpuSpec, get_spec
 from ..errors import StitchError
-from ..explorer.feasibility import _leaf
+from ..explorer.feasibility import leaf_shape
 from .kernel_schedule import KernelSchedule
-from .layout_access import Layout, _UNIFORM, _UNKNOWN, _feeding_inputs, identity, trace_dim
+from .layout_access import Layout, UNIFORM, UNKNOWN, feeding_inputs, identity, trace_dim
 from .tuner import TIE, schedule_kernel
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def crossing_values(graph: OpGraph, kernels: list) -> dict[int, tuple[int, list[
     for v, ks in owners.items():
         node = graph.nodes[v]
         if len(ks) != 1 or graph.is_free(v) or v in outputs or not node.shape.is_array \
-                or _leaf(node.shape).rank < 2 or _leaf(node.shape).num_elements <= 1:
+                or leaf_shape(node.shape).rank < 2 or leaf_shape(node.shape).num_elements <= 1:
             continue
         producer = ks[0]
         if not _block_schedule(kernels[producer]):
@@ -147,25 +147,25 @@ def candidate_layouts(graph: OpGraph, v: int, reader_members: list[frozenset[int
                       producer_members: frozenset[int], chosen: dict[int, Layout]
                       ) -> list[tuple[Layout, str]]:
     """Non-default layouts worth pricing for ``v`` (module docstring, rule 2)."""
-    shape = _leaf(graph.nodes[v].shape)
+    shape = leaf_shape(graph.nodes[v].shape)
     rank = shape.rank
     out: dict[Layout, str] = {}
     for members in reader_members:
         for r in sorted(members):
             node = graph.nodes[r]
             if node.opcode == "reduce" and len(node.operands) == 2 and \
-                    v in _feeding_inputs(graph, members, r):
+                    v in feeding_inputs(graph, members, r):
                 got = _reduction_layout(graph, members, r, v, shape.dims)
                 if got is not None:
                     out.setdefault(got, f"{node.name} reduces it by rows")
             elif node.opcode == "transpose":
                 dims = [trace_dim(graph, members, r, k, v)
-                        for k in range(_leaf(node.shape).rank)]
+                        for k in range(leaf_shape(node.shape).rank)]
                 if sorted(d for d in dims if d is not None) == list(range(rank)):
                     out.setdefault(tuple(dims), f"{node.name} reads it in order")
     # Propagation: the producer computes v from a re-laid-out value of the same dims.
     for u, layout in chosen.items():
-        if _leaf(graph.nodes[u].shape).dims == shape.dims and \
+        if leaf_shape(graph.nodes[u].shape).dims == shape.dims and \
                 any(u in graph.nodes[m].operands for m in producer_members):
             out.setdefault(layout, f"propagated from {graph.nodes[u].name}")
     out.pop(identity(rank), None)
@@ -178,7 +178,7 @@ def _reduction_layout(graph: OpGraph, members: frozenset[int], r: int, v: int,
     both in logical order), or None where the dims do not map one to one."""
     node = graph.nodes[r]
     operand = node.operands[0]
-    src = _leaf(graph.nodes[operand].shape)
+    src = leaf_shape(graph.nodes[operand].shape)
     reduced_axes = set(node.instruction.ints("dimensions"))
     kept_v: list[int] = []
     kept_elements = 1
@@ -187,7 +187,7 @@ def _reduction_layout(graph: OpGraph, members: frozenset[int], r: int, v: int,
             continue
         kept_elements *= src.dims[a]
         d = trace_dim(graph, members, operand, a, v)
-        if d is None or d in (_UNKNOWN, _UNIFORM):
+        if d is None or d in (UNKNOWN, UNIFORM):
             return None
         kept_v.append(d)
     kept = sorted(set(kept_v))
@@ -237,7 +237,7 @@ def choose_layouts(graph: OpGraph, kernels: list, spec: GpuSpec) -> GraphLayouts
     chosen: dict[int, Layout] = {}
     for v in sorted(crossing):
         producer, readers = crossing[v]
-        rank = _leaf(graph.nodes[v].shape).rank
+        rank = leaf_shape(graph.nodes[v].shape).rank
         candidates = candidate_layouts(graph, v, [frozenset(kernels[j].members) for j in readers],
                                        frozenset(kernels[producer].members), chosen)
         if not candidates:

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.op_classes import OpClass
 
-from ..cost.delta import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT, kernel_hbm_bytes
-from ..explorer.feasibility import PatternAnalysis, _leaf, reduction_rows
+from ..cost.hbm_traffic import kernel_hbm_bytes
+from ..cost.instruction_costs import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT
+from ..explorer.feasibility import PatternAnalysis, leaf_shape, reduction_rows
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def op_instructions(graph: OpGraph, v: int) -> tuple[float, float]:
 
 
 def _elements(graph: OpGraph, v: int) -> int:
-    return _leaf(graph.nodes[v].shape).num_elements
+    return leaf_shape(graph.nodes[v].shape).num_elements
 
 
 def _reduction_facts(graph: OpGraph, v: int, members: set[int],

@@ -323,7 +323,7 @@ def shift(ev, inst, ops):
 
 
 # --- compare / select / clamp ------------------------------------------------------------
-def _total_order_key(x: np.ndarray) -> np.ndarray:
+def total_order_key(x: np.ndarray) -> np.ndarray:
     """Integers ordering floats as -NaN < -inf < ... < -0 < +0 < ... < inf < +NaN."""
     x = contiguous(x)
     if is_complex(x.dtype):
@@ -349,7 +349,7 @@ def compare(ev, inst, ops):
     if fn is None:
         raise HloEvaluationError(f"{inst.name}: unknown compare direction {direction!r}")
     if is_float(a.dtype) and kind == "TOTALORDER":
-        a, b = _total_order_key(a), _total_order_key(np.asarray(b, a.dtype))
+        a, b = total_order_key(a), total_order_key(np.asarray(b, a.dtype))
     elif kind == "UNSIGNED" and is_signed_int(a.dtype):
         a, b = _unsigned_view(a), _unsigned_view(np.asarray(b, a.dtype))
     elif kind == "SIGNED" and is_int(a.dtype) and not is_signed_int(a.dtype):

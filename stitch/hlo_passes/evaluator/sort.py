@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import HloEvaluationError
 from .dtypes import is_float
-from .elementwise import _total_order_key
+from .elementwise import total_order_key
 from .registry import handles
 
 
@@ -95,7 +95,7 @@ def topk(ev, inst, ops):
     x = np.asarray(ops[0])
     k = inst.int("k")
     largest = inst.attrs.get("largest", "true") != "false"
-    key = _total_order_key(x).astype(np.int64) if is_float(x.dtype) else x.astype(np.int64)
+    key = total_order_key(x).astype(np.int64) if is_float(x.dtype) else x.astype(np.int64)
     order = np.argsort(-key if largest else key, axis=-1, kind="stable")[..., :k]
     return (np.take_along_axis(x, order, axis=-1), order.astype(np.int32))
 

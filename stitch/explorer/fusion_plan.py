@@ -1,0 +1,62 @@
+"""A module's fusion plan as the planner returns it (``FusionPlan``): per graph, the baseline
+and stitched kernel plans and the planner's report."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stitch.hlo_passes.graph import OpGraph
+
+from .plan import GraphPlan, PlannedKernel, PlannerReport, SideSummary, kernel_kind, needs_kernel
+
+
+@dataclass
+class GraphResult:
+    graph: OpGraph
+    baseline: GraphPlan
+    stitched: GraphPlan
+    report: PlannerReport
+    reasons: dict[tuple[int, int], str] = field(default_factory=dict)
+
+
+@dataclass
+class FusionPlan:
+    module_name: str
+    target: str
+    planner: str
+    baseline_source: str            # "xla" | "base-fusion"
+    graphs: list[GraphResult]
+    seconds: float = 0.0
+
+    @property
+    def kernels(self) -> list[PlannedKernel]:
+        """The stitched plan's kernels, graph by graph, each graph in launch order."""
+        return [k for g in self.graphs for k in g.stitched.kernels]
+
+    def summary(self) -> dict:
+        base, stitched = SideSummary(), SideSummary()
+        for g in self.graphs:
+            base.add(g.baseline)
+            stitched.add(g.stitched)
+        return {"baseline": base.as_dict(), "stitched": stitched.as_dict(),
+                "baseline_source": self.baseline_source, "target": self.target,
+                "planner": self.planner, "plan_seconds": round(self.seconds, 3)}
+
+    def reasons(self) -> list[str]:
+        """Why producers were not fused with their consumers in the stitched plan."""
+        lines = []
+        for g in self.graphs:
+            graph = g.graph
+            where: dict[int, int] = {}
+            for ki, k in enumerate(g.stitched.kernels):
+                for v in k.members:
+                    where.setdefault(v, ki)
+            for node in graph.nodes:
+                if not needs_kernel(graph, node.id) or kernel_kind(graph, (node.id,)) != "fused":
+                    continue
+                for u in node.users:
+                    if u not in where or where.get(u) == where.get(node.id):
+                        continue
+                    reason = g.reasons.get((node.id, u), "another pattern scored higher "
+                                           "in beam search")
+                    lines.append(f"{graph.name}: {node.name} -> {graph.nodes[u].name}: {reason}")
+        return lines

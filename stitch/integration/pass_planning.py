@@ -1,0 +1,428 @@
+"""The pass's work on one module (``stitch_module``): plan it (XLA's own fusions are the
+baseline, XLA's instructions the explorer's units), snap the stitched kernels to whole XLA
+instructions, lower those that can be placed (within the code budget, repaying their build,
+not losing to a loop body's copies), build them for the device (``kernel_builds``) and put
+them in (``hlo_rewrite.replace_kernels``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from stitch.hlo_passes import HloModule
+from stitch.errors import Cancelled, StitchError
+
+from .config import grid_sync_on_gpu
+from .delivered import deliver, loses_with_copies
+from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_copy_bytes,
+                          find_site, replace_kernels, xla_layouts)
+
+
+from .kernel_builds import GpuPrebuild, build_target
+from .pass_request import BuiltKernel, PassError, PassReport, PassRequest
+from .ptx_children import build_threads, release_ptx_workers, start_ptx_workers
+from .snap import snap_kernels
+
+log = logging.getLogger("stitch.xla_pass.planning")
+
+# LLVM (llvmlite's global context) is used by one thread at a time: the pass runs on an
+# XLA thread, stitch.compile and the tests on others.
+LLVM_LOCK = threading.RLock()
+
+
+# GEMM-chain kernels of f32 dots that allow TF32 use TF32 tensor cores on the GPU path
+# (stitch.codegen.gemm_chain's m16n8k8 MMA); host paths keep f32 exact.
+GPU_CHAIN_TF32 = True
+
+# The pass plans with XLA's instructions as the explorer's units (ExplorerOptions.xla_units;
+# a request's own options choose for themselves).
+XLA_UNITS = True
+
+# GPU builds: a kernel whose Kernel IR is over the code budget ($STITCH_CODE_BUDGET, default
+# code_budget.CODE_BUDGET statements) is built at a narrower vector width where the
+# latency-evaluator prices that within tolerance (host builds are for checking, not speed).
+CODE_BUDGET_ON_GPU = True
+
+# GPU builds: a kernel whose modeled saving per step would not repay its build within
+# $STITCH_PAYBACK_STEPS steps is left to XLA (stitch.integration.payback; host builds are checks).
+PAYBACK_ON_GPU = True
+
+# GPU builds: a kernel in a loop body that loses (time, or memory-intensive bytes) once the
+# copies of the loop state it writes are counted is left to XLA (delivered.loses_with_copies;
+# host builds are checks and keep them).
+LOOP_COPIES_ON_GPU = True
+
+
+def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
+    """Plan ``module``, build the kernels that fit, put them in (module docstring)."""
+    timings: dict[str, float] = {}
+    # GPU: PTX is emitted in isolated children, one per build thread, not a fresh
+    # interpreter per kernel; ptxas runs in the same threads. The request started them as
+    # its compile began; else they start now, so their start-up overlaps planning.
+    ptx_workers = []
+    if request.device == "gpu":
+        ptx_workers = request.take_ptx_workers() or start_ptx_workers()
+    try:
+        return _plan_and_build(module, request, timings, ptx_workers)
+    finally:
+        release_ptx_workers(ptx_workers)
+
+
+def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, float],
+                    ptx_workers: list) -> PassReport:
+    from stitch.hlo_passes.evaluator.interpreter import Evaluator
+    from stitch.cost.gpu_specs import get_spec
+    from stitch.explorer.planner import ExplorerOptions, plan as make_plan
+
+    t0, cpu0 = time.perf_counter(), time.thread_time()
+    # Kernels are snapped to whole XLA instructions: plan with those as the units (an
+    # op-level plan's cuts are undone by snapping, and it plans a ~10x larger graph).
+    options = request.options or ExplorerOptions(xla_units=XLA_UNITS)
+    if request.device == "gpu" and GPU_CHAIN_TF32:
+        # XLA GPU runs f32 dots of DEFAULT precision on TF32 tensor cores: so may a chain.
+        # And its chain schedules are assembled by ptxas, spilling ones struck.
+        # Chains split n across blocks (a launch per phase) only where STITCH_GRID_SYNC
+        # lets grid-barrier kernels run.
+        options = dataclasses.replace(options, chain_tf32=True,
+                                      chain_spill_check=True,
+                                      chain_grid_sync=grid_sync_on_gpu() != "off")
+    if request.device == "gpu":
+        # The planner prices a global-scope kernel only in the launch form this pass builds
+        # it in, and none under "off" (stitch.cost.launch_forms, STITCH_GRID_SYNC).
+        options = dataclasses.replace(options, grid_sync=grid_sync_on_gpu())
+    fusion_plan = make_plan(module, request.target, options=options,
+                            cancel=request.cancel, cache=True)
+    timings["plan_s"] = time.perf_counter() - t0
+    # This thread's CPU seconds: what planning cost, whatever else shares the machine.
+    timings["plan_cpu_s"] = time.thread_time() - cpu0
+    summary = fusion_plan.summary()
+    report = PassReport(module.name, summary["baseline"]["kernels"],
+                        summary["baseline"]["kernels"], 0, plan=fusion_plan)
+    evaluator = Evaluator(module)
+    spec = get_spec(request.target)
+    graphs = [g.graph for g in fusion_plan.graphs]
+    placed: list[PlacedKernel] = []
+    views: dict[int, ComputationView] = {}
+    built: dict[str, BuiltKernel] = {}
+    launching: dict[str, int] = {}
+    t1 = time.perf_counter()
+    _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
+                   built, launching, ptx_workers)
+    timings["build_s"] = time.perf_counter() - t1
+    rewrite = replace_kernels(module, graphs, placed, views)
+    report.placed = rewrite.placed
+    report.skipped.extend(rewrite.skipped)
+    report.kernels_stitched = len(rewrite.placed)
+    report.kernels_after = report.kernels_xla - sum(launching[n] - 1 for n in rewrite.placed)
+    report.kernels = [built[name] for name in rewrite.placed]
+    report.in_loop_bodies = sum(1 for p in placed if p.site.name in set(rewrite.placed)
+                                and fusion_plan.graphs[p.site.graph_index].graph.kind != "entry")
+    report.timings.update(timings)
+    report.delivery = deliver(report, fusion_plan, spec, placed, rewrite)
+    log.debug("%s: %d stitched kernels placed, %d skipped, %d failed to build",
+              module.name, len(rewrite.placed), len(report.skipped), len(report.fallbacks))
+    return report
+
+
+def _global_scope(schedule: Any) -> bool:
+    return any(part.kind == "global" for part in getattr(schedule, "parts", ()))
+
+
+def _block_scope_schedule(graph: Any, members: Any, spec: Any) -> Any:
+    """The kernel's best schedule without the global scope: STITCH_GRID_SYNC=off builds no
+    grid-barrier kernel (config.grid_sync_on_gpu; the planner then priced none either,
+    stitch.cost.launch_forms)."""
+    from stitch.schedule.tuner import ScheduleError, schedule_kernel
+    try:
+        return schedule_kernel(graph, members, spec, force={"scope": "block"})
+    except ScheduleError as exc:
+        raise PassError(f"only a global-scope (grid barrier) schedule, and "
+                        f"STITCH_GRID_SYNC=off builds none: {exc}") from exc
+
+
+def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView, gi: int,
+                graph_plan: Any, snapped: list) -> list:
+    """The graph's GEMM-chain kernels, lowered, as (view, kernel, site, lowered) jobs. A
+    chain replaces whole XLA instructions (its GEMM fusions, the softmax fusion, split-K
+    reduces) that no other stitched kernel touches; else it is left to XLA."""
+    from stitch.codegen.errors import CodegenError
+    from stitch.compiler import lower_chain_kernel
+
+    taken = {view.top_of(m) for k in snapped for m in k.members}
+    jobs = []
+    for k in graph_plan.stitched.kernels:
+        if k.kind != "gemm_chain":
+            continue
+        try:
+            site = find_site(view, gi, k.name, frozenset(k.members))
+            if taken & set(site.tops):
+                raise NotPlaceable("shares XLA instructions with another stitched kernel")
+        except NotPlaceable as exc:
+            report.skipped.append((k.name, str(exc)))
+            continue
+        request.check_cancelled()
+        try:
+            with LLVM_LOCK:
+                lowered = lower_chain_kernel(graph_plan.graph, k, request.gpu_arch() if
+                                             request.device == "gpu" else "sm_70",
+                                             fma=request.device != "gpu")
+        except (CodegenError, StitchError) as exc:
+            log.info("kernel %s stays with XLA: %s", k.name, exc)
+            report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
+            continue
+        taken |= set(site.tops)
+        jobs.append((view, k, site, lowered))
+    return jobs
+
+
+def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
+                module: HloModule, spec: Any, evaluator: Any, views: dict,
+                submit: Callable[..., None] | None) -> list:
+    """The plan's placeable kernels lowered to Kernel IR, as (view, kernel, site, lowered)
+    jobs in plan order; ``submit(kernel IR)`` is called for each as soon as it is lowered."""
+    from stitch.codegen import kir
+    from stitch.codegen.errors import CodegenError
+    from stitch.codegen.lower import lower_kernel
+    from stitch.codegen.gpu_cache import structure_key
+    from stitch.cost.delta import CostModel
+    from stitch.schedule.global_scope import launch_form
+
+    from .code_budget import (budget_setting, estimated_statements, lower_within_budget,
+                              statements)
+    from .payback import Unpaid, modeled_gain_s, payback_setting, unpaid
+
+    jobs: list[tuple[ComputationView, Any, Any, Any]] = []
+    # How global-scope kernels run: read once per pass (a bad STITCH_GRID_SYNC fails the
+    # pass with its ConfigError, not every kernel with a copy of it).
+    grid_sync_setting = grid_sync_on_gpu() if request.device == "gpu" else "barrier"
+    budget = budget_setting() if request.device == "gpu" and CODE_BUDGET_ON_GPU else None
+    payback = payback_setting() if request.device == "gpu" and PAYBACK_ON_GPU else None
+
+    def add(job: tuple, key: str | None = None) -> None:
+        try:
+            # Checked only now: a kernel the code budget or payback drops is never built.
+            job[3].kernel.validate()
+        except CodegenError as exc:
+            log.info("kernel %s stays with XLA: %s", job[1].name, exc)
+            report.fallbacks.append((job[1].name, f"{type(exc).__name__}: {exc}"))
+            return
+        jobs.append(job)
+        if submit is not None:
+            submit(job[3].kernel, key)
+
+    def leave(left: Unpaid) -> None:
+        log.info("kernel %s: %s", left.name, left.reason(payback))
+        report.unpaid.append(left)
+        report.skipped.append((left.name, left.reason(payback)))
+
+    # Payback by kernel structure: kernels equal but for names are built once
+    # (GpuPrebuild), so a repeated layer's kernel repays one build with all its copies'
+    # savings. Structures built so far; structures waiting for enough copies to pay.
+    built_keys: set[str] = set()
+    waiting: dict[str, list[tuple[tuple, float, Unpaid]]] = {}
+
+    def add_if_paid(job: tuple, gain_s: float) -> None:
+        assert payback is not None
+        kernel = job[3].kernel
+        key = structure_key(kernel)
+        size = statements(kernel)
+        group = waiting.get(key, [])
+        total = gain_s + sum(g for _, g, _ in group)
+        if key in built_keys or unpaid(job[1].name, total, size, payback) is None:
+            for earlier, _, _ in waiting.pop(key, []):
+                add(earlier, key)
+            built_keys.add(key)
+            add(job, key)
+            return
+        alone = unpaid(job[1].name, gain_s, size, payback)
+        assert alone is not None            # the group's total did not repay it either
+        waiting.setdefault(key, []).append((job, gain_s, alone))
+
+    for gi, graph_plan in enumerate(fusion_plan.graphs):
+        if not request.loop_bodies and graph_plan.graph.kind != "entry":
+            report.skipped.extend((k.name, "in a loop body or branch: left to XLA on retry")
+                                  for k in graph_plan.stitched.kernels if k.schedule)
+            continue
+        try:
+            view = views[gi] = ComputationView(module, graph_plan.graph)
+        except KeyError as exc:
+            report.skipped.extend((k.name, f"graph not found: {exc}")
+                                  for k in graph_plan.stitched.kernels if k.schedule)
+            continue
+        scheduled = [k for k in graph_plan.stitched.kernels if k.schedule is not None]
+        snapped, left_out = snap_kernels(view, scheduled, spec)
+        # Memory-intensive kernels only (GEMM-chain kernels are always built): no chain
+        # pricing, so a GEMM inside XLA's kernels is priced as the planner's baseline was.
+        cost = CostModel(graph_plan.graph, spec, gemm_chains=False) \
+            if payback is not None else None
+        loop_copies = (cost or CostModel(graph_plan.graph, spec, gemm_chains=False)) \
+            if request.device == "gpu" and LOOP_COPIES_ON_GPU and \
+            graph_plan.graph.kind != "entry" else None
+        report.skipped.extend(left_out)
+        for job in _chain_jobs(request, report, view, gi, graph_plan, snapped):
+            add(job)
+        gains = {k.name: modeled_gain_s(graph_plan, k.members, cost) for k in snapped} \
+            if payback is not None else {}
+
+        def likely_paid(k: Any) -> bool:
+            """Whether the kernel's estimated size repays its build alone (its exact size,
+            and its copies, are known only once lowered)."""
+            gain = gains[k.name]
+            size = estimated_statements(k.schedule) if getattr(k.schedule, "parts", None) \
+                else 0
+            return gain > 0 and unpaid(k.name, gain, size, payback) is None
+
+        order = _largest_first(snapped, likely_paid if payback is not None else None,
+                               lead=build_threads() if submit is not None else 0)
+        for k in order:
+            try:
+                site = find_site(view, gi, k.name, k.members)
+            except NotPlaceable as exc:
+                report.skipped.append((k.name, str(exc)))
+                continue
+            if loop_copies is not None:
+                # A kernel the copies of its loop body make lose is left to XLA.
+                loses = loses_with_copies(graph_plan, frozenset(k.members),
+                                          carried_copy_bytes(view, site), spec,
+                                          loop_copies)
+                if loses:
+                    log.info("kernel %s: %s: left to XLA", k.name, loses)
+                    report.skipped.append((k.name, loses))
+                    continue
+            request.check_cancelled()
+            gain_s = 0.0
+            if payback is not None:
+                # A kernel modeled to save nothing is not even lowered. Any other may still
+                # repay its build, alone or with copies of its structure: its size decides.
+                gain_s = gains[k.name]
+                if gain_s <= 0:
+                    leave(Unpaid(k.name, gain_s * 1e6, 0.0, None))
+                    continue
+            try:
+                schedule = k.schedule
+                grid_sync = launch_form(schedule, grid_sync_setting) \
+                    if _global_scope(schedule) else None
+                if _global_scope(schedule) and grid_sync is None:
+                    schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
+                def lower(schedule: Any, graph: Any = graph_plan.graph, name: str = k.name,
+                          layouts: dict = xla_layouts(graph_plan.graph, k.members)) -> Any:
+                    with LLVM_LOCK:
+                        # in_place: the rewrite makes an atomic scatter's output alias its
+                        # operand (output_to_operand_aliasing, PlacedKernel.initial).
+                        # layouts: buffers are read and written in XLA's layouts.
+                        return lower_kernel(graph, evaluator, schedule, name, in_place=True,
+                                            validate=False,    # add() validates
+                                            layouts=layouts)
+                if budget is not None:
+                    lowered, narrowed = lower_within_budget(graph_plan.graph, schedule, spec,
+                                                            k.name, lower, budget)
+                    if narrowed is not None:
+                        report.narrowed.append(narrowed)
+                else:
+                    lowered = lower(schedule)
+                if grid_sync == "relaunch" and kir.has_grid_barrier(lowered.kernel):
+                    lowered = dataclasses.replace(lowered, kernel=dataclasses.replace(
+                        lowered.kernel, grid_sync="relaunch"))
+            except (CodegenError, StitchError) as exc:
+                log.info("kernel %s stays with XLA: %s", k.name, exc)
+                report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
+                continue
+            if payback is not None:
+                add_if_paid((view, k, site, lowered), gain_s)
+            else:
+                add((view, k, site, lowered))
+    for group in waiting.values():
+        for _, _, left in group:
+            leave(left)
+    return jobs
+
+
+def _largest_first(kernels: list, likely_paid: Callable[[Any], bool] | None = None,
+                   lead: int = 0) -> list:
+    """``kernels`` in the order to lower them: the largest first (estimated Kernel IR
+    statements), so that on the GPU the longest PTX builds start first and the small ones
+    fill the end of the build instead of a large one trailing it alone. The rewrite puts
+    the kernels back in plan order (``_place_kernels``).
+
+    ``lead``: that many of the largest kernels ``likely_paid`` says will be built go first.
+    At tiny sizes the largest kernels are often the ones payback then leaves to XLA: lowered
+    first, they kept the PTX children idle for the pass's first 0.17 s (transformer_train
+    tiny: three of them before the first build). The rest stays largest first, so a kernel
+    the rough estimate misjudges is still lowered in its place."""
+    from .code_budget import estimated_statements
+    ordered = sorted(kernels, key=lambda k: -estimated_statements(k.schedule)
+                     if getattr(k.schedule, "parts", None) else 0)
+    if likely_paid is None or lead <= 0:
+        return ordered
+    first = [k for k in ordered if likely_paid(k)][:lead]
+    taken = {id(k) for k in first}
+    return first + [k for k in ordered if id(k) not in taken]
+
+
+def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
+                   module: HloModule, spec: Any, evaluator: Any, placed: list,
+                   views: dict, built: dict, launching: dict, ptx_workers: list) -> None:
+    """Snap, lower and build every stitched kernel of the plan; what builds is appended to
+    ``placed``/``built``, what does not to the report's skipped kernels and fallbacks.
+    Lowering runs in plan order; on the GPU each lowered kernel's PTX and ptxas start at
+    once, in parallel with the lowering of the next (``GpuPrebuild``); the FFI targets are
+    made and registered in order, each as soon as its kernel's PTX is there."""
+    from stitch.codegen.errors import CodegenError
+
+    def place(job: tuple, ptx: Any) -> None:
+        view, k, site, lowered = job
+        try:
+            if isinstance(ptx, Exception):
+                raise ptx
+            with LLVM_LOCK:
+                ffi_target = build_target(lowered.kernel, request.device,
+                                          arch=request.gpu_arch(),
+                                          compile_only=request.compile_only,
+                                          worker=ptx_workers[0] if ptx_workers else None,
+                                          ptx=ptx.ptx if ptx is not None else None,
+                                          assembled=ptx.assembled if ptx is not None
+                                          else None, cancelled=request.cancel)
+        except Cancelled:
+            raise
+        except (CodegenError, StitchError) as exc:
+            log.info("kernel %s stays with XLA: %s", k.name, exc)
+            report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
+            return
+        placed.append(PlacedKernel(site, list(lowered.inputs), list(lowered.outputs),
+                                   ffi_target.name, dict(lowered.initial),
+                                   dict(getattr(lowered, "layouts", {}) or {})))
+        built[k.name] = BuiltKernel(k.name, lowered, ffi_target)
+        launching[k.name] = sum(1 for t in site.tops if view.launches(t))
+
+    start = time.perf_counter()
+    targets_s = 0.0
+    if request.device == "gpu":
+        with GpuPrebuild(request, ptx_workers) as prebuild:
+            jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views,
+                               prebuild.submit)
+            report.timings["lower_s"] = time.perf_counter() - start
+            mark = time.perf_counter()
+            # Each kernel's target is made as soon as its PTX is there, while later
+            # kernels' PTX and ptxas still run.
+            for job, ptx in zip(jobs, prebuild.each_result()):
+                request.check_cancelled()
+                begun = time.perf_counter()
+                place(job, ptx)
+                targets_s += time.perf_counter() - begun
+        # The PTX and ptxas left to wait for once every kernel was lowered.
+        report.timings["ptx_s"] = time.perf_counter() - mark - targets_s
+    else:
+        jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views, None)
+        report.timings["lower_s"] = time.perf_counter() - start
+        begun = time.perf_counter()
+        for job in jobs:
+            request.check_cancelled()    # per kernel: an exit waits for one build at most
+            place(job, None)
+        targets_s = time.perf_counter() - begun
+    report.timings["targets_s"] = targets_s
+    # Lowered largest first (_largest_first): the rewrite places them in plan order.
+    plan_order = {k.name: i for i, k in enumerate(fusion_plan.kernels)}
+    placed.sort(key=lambda p: plan_order.get(p.site.name, len(plan_order)))

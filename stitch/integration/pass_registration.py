@@ -1,0 +1,229 @@
+"""stitch's HLO pass registered with XLA, and XLA's callback into it.
+
+``ensure_registered(platform)`` registers one HLO module transformation with jax
+(``jax.extend.xla.register_hlo_module_transformation``). XLA calls it (``xla_callback``) on
+every fresh compile, jax's own small jits included; it acts only on modules that carry the
+module-level frontend attribute ``stitch.request=<token>`` of a live ``PassRequest``
+(``PassRequest.prepare(lowered)`` returns a private copy of the lowered StableHLO carrying it,
+to ``compile()``). For those it:
+
+1. reads XLA's module (``as_hlo_text(print_large_constants=True)``: without it large
+   constants print as ``{...}`` and would come back as zeros);
+2. has ``pass_planning.stitch_module`` plan it, build the stitched kernels that can be placed
+   and put them in;
+3. hands the rewritten module back to XLA (``to_proto``). Everything else stays as XLA made
+   it: rng, u64, opt-barrier, key types, collectives, aliasing and donation.
+Stage: on CPU both stages already hold XLA's fusions; PRE_SCHEDULER is used so XLA
+schedules the custom calls with the rest. On the CUDA plugin PRE_SCHEDULER is still
+pre-fusion, so POST_SCHEDULER (fused, scheduled: the rewrite keeps a topological order that
+follows XLA's) is the stage that sees XLA's fusions.
+
+Without a GPU (the deviceless check, tests only): ``stitch/integration/deviceless.py`` registers
+``xla_callback`` with the CUDA plugin's XlaTransform extension (jax's public registration
+needs a started GPU backend).
+
+The callback raises into XLA only when its request was cancelled (the interpreter is
+exiting), which stops that compile at once; any other failure leaves the module unchanged
+and is kept on the request (``PassRequest.result()`` raises it as a ``StitchError`` on the
+caller's side).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from typing import Any
+
+from stitch.hlo_passes import HloModule, parse_hlo, print_hlo
+from stitch.errors import Cancelled
+
+from .collector import fewer_collections
+from .pass_planning import stitch_module
+from .pass_request import REQUEST_ATTR, PassError, PassReport, PassRequest, live_request
+
+log = logging.getLogger("stitch.xla_pass")
+
+_REQUEST_BYTES = REQUEST_ATTR.encode()
+_TOKEN = re.compile(r'stitch\.request="?([0-9a-f]+)"?')
+
+_LOCK = threading.Lock()
+
+_REGISTERED: set[str] = set()
+
+# The names a CUDA PJRT client may report as ``client.platform``: jax's public hook
+# (0.10.2) compares them with the platforms it was given, and CUDA clients say "gpu".
+CUDA_PLATFORM_NAMES = ("cuda", "gpu")
+
+
+def ensure_registered(platform: str) -> None:
+    """Register the pass for ``platform`` ("cpu" or "cuda") once per process.
+
+    CUDA: jax's public call under every name a CUDA client reports (jax 0.10.2 registers on
+    clients as they start, keyed on ``client.platform``; 0.11 at once), then directly on any
+    CUDA client already started — 0.10.2's hook never fires for those. A client registered
+    twice calls the pass twice per compile; the second call sees the module already
+    stitched and leaves it (``PassRequest.calls``)."""
+    import jax.extend.xla as xla_ext
+
+    platform = platform.lower()
+    with _LOCK:
+        if platform in _REGISTERED:
+            return
+        stage = (xla_ext.PipelineStage.PRE_SCHEDULER if platform == "cpu"
+                 else xla_ext.PipelineStage.POST_SCHEDULER)
+        if platform == "cpu":
+            xla_ext.register_hlo_module_transformation(xla_callback, name="stitch", stage=stage,
+                                                       platforms=["cpu"])
+        else:
+            xla_ext.register_hlo_module_transformation(
+                xla_callback, name="stitch", stage=stage, platforms=list(CUDA_PLATFORM_NAMES))
+            for client in _started_clients(CUDA_PLATFORM_NAMES):
+                _register_on_client(client, stage)
+        _REGISTERED.add(platform)
+    log.debug("stitch pass registered for %s at %s", platform, stage.name)
+
+
+def registered_platforms() -> list[str]:
+    """The platforms the pass is registered for in this process, sorted."""
+    with _LOCK:
+        return sorted(_REGISTERED)
+
+
+def _started_clients(names: tuple[str, ...]) -> list:
+    """The XLA clients jax has already started for ``names`` (none started: empty; jax keeps
+    them in ``xla_bridge._backends``, which asking for them would fill)."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return []
+    backends = getattr(xla_bridge, "_backends", None) or {}
+    return [c for c in list(backends.values()) if getattr(c, "platform", None) in names]
+
+
+def _register_on_client(client: Any, stage: Any) -> None:
+    """The pass registered on one started client through the PJRT C API."""
+    try:
+        from jax._src.lib import _xla
+        _xla.register_xla_transform_c_api(client, "stitch", stage.value, xla_callback)
+        log.debug("stitch pass registered on the started %s client", client.platform)
+    except Exception as exc:  # noqa: BLE001 - said once; compile_with_pass warns per compile
+        log.warning("stitch: could not register the pass on the started %s client (%s: %s); "
+                    "compiles there will run without it", getattr(client, "platform", "?"),
+                    type(exc).__name__, exc)
+
+
+def xla_callback(data: bytes) -> bytes | None:
+    """XLA's hook (module docstring). Returns None (module unchanged) unless stitched."""
+    if _REQUEST_BYTES not in data:          # cheap: most compiles are not stitch's
+        return None
+    request: PassRequest | None = None
+    try:
+        from jaxlib import _hlo
+
+        text = _hlo.XlaComputation(data).as_hlo_text(print_large_constants=True)
+        match = _TOKEN.search(text[:text.find("\n")] if "\n" in text else text)
+        request = live_request(match.group(1)) if match else None
+        if request is None:
+            return None
+        request.calls += 1
+        if request.calls > 1:               # a second module of the same compile
+            log.debug("%s: pass called again (module %s); left to XLA", request.function,
+                      text[:60])
+            return None
+        new_text = stitch_module_text(text, request)
+        if new_text is None:
+            return None
+        return to_proto(new_text)
+    except Cancelled as exc:
+        # The interpreter is exiting: raised into XLA, which stops this compile at once
+        # (returning None would have XLA compile the whole module itself first).
+        if request is not None:
+            request.error = exc
+        raise
+    except BaseException as exc:  # noqa: BLE001 - never into XLA's compile
+        if request is not None:
+            request.error = exc
+        log.debug("stitch pass failed: %s: %s", type(exc).__name__, exc, exc_info=True)
+        return None
+
+
+def to_proto(text: str) -> bytes:
+    """XLA's parser on stitch's rewritten text; a rejection names the offending line."""
+    from jaxlib import _hlo
+    try:
+        return _hlo.hlo_module_from_text(text).as_serialized_hlo_module_proto()
+    except Exception as exc:  # noqa: BLE001 - XLA's parser error, made specific
+        where = re.search(r"parsing (\d+):(\d+)", str(exc))
+        line = text.splitlines()[int(where.group(1)) - 1].strip() if where else ""
+        raise PassError(f"XLA's parser rejects stitch's rewritten module: "
+                        f"{str(exc).splitlines()[-1].strip()} in: {line[:300]}") from exc
+
+
+def _untag(module: HloModule) -> None:
+    """Drop the request's token from the module (it is unique per compile: left in, the
+    plan cache, keyed by the printed module, would never hit)."""
+    attrs = module.attrs.get("frontend_attributes")
+    if attrs is None:
+        return
+    kept = re.sub(r',?\s*stitch\.request="?[0-9a-f]+"?', "", attrs[1:-1]).strip().lstrip(",")
+    if kept:
+        module.attrs["frontend_attributes"] = "{" + kept + "}"
+    else:
+        del module.attrs["frontend_attributes"]
+
+
+DUMP_ENV = "STITCH_DUMP_MODULES"
+
+
+def _dump_module(text: str, request: PassRequest) -> str | None:
+    """With ``$STITCH_DUMP_MODULES`` set to a folder, write the module the pass plans there
+    (``<function>.<n>.hlo``): planning can then be profiled in-process without XLA. The
+    path written (None: none)."""
+    folder = os.environ.get(DUMP_ENV, "").strip()
+    if not folder:
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", request.function or "module")
+        n = sum(1 for f in os.listdir(folder) if f.startswith(stem + ".") and
+                f.endswith(".hlo"))
+        path = os.path.join(folder, f"{stem}.{n}.hlo")
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+    except OSError as exc:
+        log.warning("%s: could not write the module: %s", DUMP_ENV, exc)
+        return None
+
+
+def _dump_summary(path: str | None, report: PassReport) -> None:
+    """Next to a dumped module, the pass's ``PassReport.summary()`` (``<...>.summary.json``:
+    planned and delivered figures, bench/xla_units.py reads them)."""
+    if path is None:
+        return
+    try:
+        with open(path[:-len(".hlo")] + ".summary.json", "w") as f:
+            json.dump(report.summary(), f)
+    except OSError as exc:
+        log.warning("%s: could not write the summary: %s", DUMP_ENV, exc)
+
+
+def stitch_module_text(text: str, request: PassRequest) -> str | None:
+    """The module with stitch's kernels in (None when none was placed); sets
+    ``request.report``."""
+    start = time.perf_counter()
+    with fewer_collections():        # the pass allocates millions of objects (collector.py)
+        dumped = _dump_module(text, request)
+        module = parse_hlo(text)
+        _untag(module)
+        request.check_cancelled()
+        report = stitch_module(module, request)
+        report.timings["pass_s"] = time.perf_counter() - start
+        request.report = report
+        _dump_summary(dumped, report)
+        if not report.placed:
+            return None
+        return print_hlo(module, operand_shapes=True)
