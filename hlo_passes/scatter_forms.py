@@ -157,7 +157,66 @@ def _apply(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:
         dim = inst.ints("dimensions")[0]
         return (np.concatenate([o[0] for o in ops], axis=dim),
                 np.concatenate([o[1] for o in ops], axis=dim))
+    if op in _INT_ARITHMETIC and shape.element_type in _INT_TYPES:
+        return _arithmetic(node, graph, ops)
     return None
+
+
+# Integer element ops whose result follows from known operands (jax builds index tensors
+# with them: ``iota // L``, negative-index wrapping ``select(i < 0, i + n, i)``, clamps).
+_INT_ARITHMETIC = {"add", "subtract", "multiply", "divide", "remainder", "maximum",
+                   "minimum", "negate", "abs", "select", "clamp"}
+
+
+def _arithmetic(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:
+    """XLA's integer semantics on known values (division truncates toward zero; a
+    division by zero is left unknown); an element is known where every operand is."""
+    op = node.opcode
+    values = [o[0] for o in ops]
+    known = np.logical_and.reduce([o[1] for o in ops]) if ops else None
+    if op == "negate":
+        out = -values[0]
+    elif op == "abs":
+        out = np.abs(values[0])
+    elif op in ("add", "subtract", "multiply", "maximum", "minimum"):
+        fn = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply,
+              "maximum": np.maximum, "minimum": np.minimum}[op]
+        out = fn(values[0], values[1])
+    elif op in ("divide", "remainder"):
+        a, b = values
+        zero = b == 0
+        safe = np.where(zero, 1, b)
+        quotient = np.sign(a) * np.sign(safe) * (np.abs(a) // np.abs(safe))
+        out = quotient if op == "divide" else a - quotient * safe
+        known = known & ~zero
+    elif op == "select":
+        pred = _compare_values(graph, graph.nodes[node.operands[0]])
+        if pred is None:
+            return None
+        out = np.where(pred, values[1], values[2])
+        known = ops[1][1] & ops[2][1] & _compare_known(graph, graph.nodes[node.operands[0]])
+    elif op == "clamp":
+        out = np.minimum(np.maximum(values[1], values[0]), values[2])
+    else:
+        return None
+    dims = tuple(_leaf(node.shape).dims)
+    return np.broadcast_to(out, dims).astype(np.int64), np.broadcast_to(known, dims).copy()
+
+
+def _compare_values(graph: OpGraph, node: OpNode) -> np.ndarray | None:
+    """The values of a ``compare`` of known integer tensors (None otherwise)."""
+    if node.opcode != "compare" or len(node.operands) != 2:
+        return None
+    a, b = (known_index_values(graph, o)[0] for o in node.operands)
+    fn = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal,
+          "GT": np.greater, "GE": np.greater_equal}.get(
+        node.instruction.attrs.get("direction", ""))
+    return None if fn is None else fn(a, b)
+
+
+def _compare_known(graph: OpGraph, node: OpNode) -> np.ndarray:
+    a, b = (known_index_values(graph, o)[1] for o in node.operands)
+    return a & b
 
 
 def known_index_values(graph: OpGraph, v: int) -> _Known:
