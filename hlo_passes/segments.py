@@ -25,7 +25,7 @@ are proved.
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -284,10 +284,13 @@ _REWRITES = {"scatter": "scatter", "gather": "gather", "select": "select"}
 
 
 def rewrite_segments(module: HloModule) -> SegmentRewrite:
-    """A copy of ``module`` whose proved segment scatters and gathers are reductions and
-    broadcasts (``module`` itself is not changed)."""
-    module = copy.deepcopy(module)
+    """``module`` with its proved segment scatters and gathers as reductions and
+    broadcasts: a new module sharing the unchanged computations and instructions
+    (``module`` itself is not changed; returned as it is when nothing is proved)."""
     rewriter = _Rewriter(module)
+    if not any(i.opcode in ("scatter", "gather") for c in module.computations
+               for i in c.instructions):
+        return rewriter.result
     replaced: dict[int, list[Instruction]] = {}
     seeds: dict[str, set[str]] = {}
     for graph in build_op_graphs(module):
@@ -307,17 +310,31 @@ def rewrite_segments(module: HloModule) -> SegmentRewrite:
                 seeds.setdefault(graph.name, set()).update(node.instruction.operands)
     if not replaced:
         return rewriter.result
+    comps: list[Computation] = []
     for comp in module.computations:
-        if not any(id(i) in replaced for i in comp.instructions):
-            continue
-        new: list[Instruction] = []
-        for inst in comp.instructions:
-            new.extend(replaced.get(id(inst), [inst]))
-        comp.instructions = new
-        _drop_dead(comp, seeds.get(comp.name, set()))
+        if any(id(i) in replaced for i in comp.instructions):
+            new: list[Instruction] = []
+            for inst in comp.instructions:
+                new.extend(replaced.get(id(inst), [inst]))
+            comp = dataclasses.replace(comp, instructions=new)
+            _drop_dead(comp, seeds.get(comp.name, set()))
+        comps.append(comp)
+    rewriter.result.module = dataclasses.replace(module, computations=comps)
     log.debug("segments as rows: %d scatters reduced, %d gathers broadcast",
               len(rewriter.result.reductions), len(rewriter.result.broadcasts))
     return rewriter.result
 
 
-__all__ = ["SegmentPattern", "SegmentRewrite", "segment_pattern", "rewrite_segments"]
+def segments_as_rows(module: HloModule) -> HloModule:
+    """``rewrite_segments(module).module`` for a module XLA has not optimized (jax's
+    pre-optimization HLO, what ``stitch.plan`` and ``stitch.compile`` plan from); an
+    optimized one (scheduled, or holding fusions: the XLA pass's input, whose instructions
+    the pass replaces by name) is returned as it is."""
+    if module.attrs.get("is_scheduled", "").strip().lower() == "true" or any(
+            i.opcode == "fusion" for c in module.computations for i in c.instructions):
+        return module
+    return rewrite_segments(module).module
+
+
+__all__ = ["SegmentPattern", "SegmentRewrite", "segment_pattern", "rewrite_segments",
+           "segments_as_rows"]

@@ -10,6 +10,7 @@ import pytest
 from hlo_passes import evaluate, parse_hlo, print_hlo
 from hlo_passes.graph import build_op_graphs
 from hlo_passes.segments import rewrite_segments, segment_pattern
+from stitch.explorer.planner import ExplorerOptions
 
 COMBINER = {"add": "add", "max": "maximum", "min": "minimum"}
 IDENTITY = {"add": "0", "max": "-inf", "min": "inf"}
@@ -139,12 +140,15 @@ def test_segmented_softmax_stitches_into_one_kernel_on_the_host(stage):
         weights = np.random.default_rng().standard_normal(n).astype(np.float32)
         fn = jax.grad(lambda x, f=fn: (f(x) * weights).sum())
     module = parse_hlo(jax.jit(fn).lower(jnp.zeros((n,), jnp.float32)).as_text(dialect="hlo"))
-    rewritten = rewrite_segments(module).module
-    plan = stitch.plan(rewritten, "h100")
+    # stitch.plan and stitch.compile rewrite the segments themselves (the default).
+    plan = stitch.plan(module, "h100")
     kernels = [k for g in plan.graphs for k in g.stitched.kernels if k.cost.launches]
     assert len(kernels) == 1
     assert all(node.opcode != "scatter" for g in plan.graphs for node in g.graph.nodes)
-    exe = stitch.compile(rewritten, "h100", poison_outputs=True, cache=False)
+    kept = stitch.plan(module, "h100", options=ExplorerOptions(segments_as_rows=False))
+    assert any(node.opcode == "scatter" for g in kept.graphs for node in g.graph.nodes)
+    assert len([k for g in kept.graphs for k in g.stitched.kernels if k.cost.launches]) > 1
+    exe = stitch.compile(module, "h100", poison_outputs=True, cache=False)
     assert len(exe.kernels) == 1 and not exe.fallbacks
     x = np.random.default_rng().standard_normal(n).astype(np.float32) * 3
     got = exe(x)[0]

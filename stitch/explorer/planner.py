@@ -26,6 +26,7 @@ from hlo_passes.graph import OpGraph, build_op_graphs
 from hlo_passes.ir import HloModule
 from hlo_passes.op_classes import OpClass
 from hlo_passes.parser import parse_hlo
+from hlo_passes.segments import segments_as_rows
 
 from ..cost.chain_pricing import chain_for, chain_price, graph_chains
 from ..cost.delta import CostModel
@@ -108,6 +109,9 @@ class ExplorerOptions:
     # makes stitch.plan raise PlanCancelled (stitch.explorer.cancel). Not part of the
     # plan cache key.
     cancel: Callable[[], bool] | None = field(default=None, compare=False)
+    # Scatters and gathers over proved sorted fixed-length segments planned as row
+    # reductions and broadcasts (hlo_passes.segments; modules XLA has not optimized only).
+    segments_as_rows: bool = True
 
 
 @dataclass
@@ -813,6 +817,8 @@ def _plan(hlo: str | HloModule, target: str, planner: str, options: ExplorerOpti
         raise PlanError(f"unknown final_pick {options.final_pick!r}: choose latency or delta")
     start = time.perf_counter()
     module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
+    if options.segments_as_rows:
+        module = segments_as_rows(module)
     graphs = build_op_graphs(module)
     source = "xla" if is_xla_optimized(module, graphs) else "base-fusion"
     weights = _graph_weights(graphs)
