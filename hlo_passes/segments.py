@@ -117,6 +117,8 @@ class _Rewriter:
         self.module = module
         self.names = {i.name for c in module.computations for i in c.instructions}
         self.result = SegmentRewrite(module)
+        # computation -> {removed instruction: the one its users read instead}
+        self.aliases: dict[str, dict[str, str]] = {}
 
     def fresh(self, base: str) -> str:
         name = f"{base}.seg"
@@ -175,7 +177,12 @@ class _Rewriter:
                                 "pad", [reduced.name, init.name], {"padding": padding})
             out.append(value)
         if _fills_with(graph, operand, identity, etype):
-            final = Instruction(inst.name, node.shape, "copy", [value.name])
+            # The reduced (or padded) value is the result: it takes the scatter's name.
+            out.pop()
+            value.name, value.shape = inst.name, node.shape
+            value.is_root = inst.is_root
+            self.result.reductions.append(inst.name)
+            return out + [value]
         else:
             final = Instruction(inst.name, node.shape, _COMBINE_OPCODE[kind],
                                 [inst.operands[0], value.name])
@@ -240,10 +247,11 @@ class _Rewriter:
             chosen = inst.operands[2]
         else:
             return None
-        final = Instruction(inst.name, node.shape, "copy", [chosen])
-        final.is_root = inst.is_root
         self.result.selects.append(inst.name)
-        return [final]
+        if not inst.is_root:
+            self.aliases.setdefault(node.computation, {})[inst.name] = chosen
+            return []
+        return [Instruction(inst.name, node.shape, "copy", [chosen], is_root=True)]
 
 
 def _fills_with(graph: OpGraph, node: OpNode, literal: str, etype: str) -> bool:
@@ -257,6 +265,12 @@ def _fills_with(graph: OpGraph, node: OpNode, literal: str, etype: str) -> bool:
         return float(src.instruction.literal.strip()) == float(literal)
     except ValueError:
         return False
+
+
+def _resolve(aliases: dict[str, str], name: str) -> str:
+    while name in aliases:
+        name = aliases[name]
+    return name
 
 
 def _drop_dead(comp: Computation, seeds: set[str]) -> None:
@@ -314,8 +328,13 @@ def rewrite_segments(module: HloModule) -> SegmentRewrite:
     for comp in module.computations:
         if any(id(i) in replaced for i in comp.instructions):
             new: list[Instruction] = []
+            aliases = rewriter.aliases.get(comp.name, {})
             for inst in comp.instructions:
-                new.extend(replaced.get(id(inst), [inst]))
+                for got in replaced.get(id(inst), [inst]):
+                    if any(o in aliases for o in got.operands):
+                        got = dataclasses.replace(
+                            got, operands=[_resolve(aliases, o) for o in got.operands])
+                    new.append(got)
             comp = dataclasses.replace(comp, instructions=new)
             _drop_dead(comp, seeds.get(comp.name, set()))
         comps.append(comp)
