@@ -28,7 +28,7 @@ from .ir import Shape, parse_slice
 from .literals import literal_to_numpy
 
 # Largest index tensor whose values are computed for the proof.
-MAX_INDEX_ELEMENTS = 1 << 22
+MAX_INDEX_ELEMENTS = 1 << 24
 # Most producers followed back from the indices operand.
 MAX_INDEX_OPS = 48
 
@@ -254,28 +254,68 @@ def _predicate(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None
             np.broadcast_to(_all_known(ops), dims).copy())
 
 
+_KNOWN_CACHE: "weakref.WeakKeyDictionary[OpGraph, dict[int, _Known]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def known_index_values(graph: OpGraph, v: int) -> _Known:
     """The values of index tensor ``v`` that follow from its construction alone (iota,
-    constants, data movement), with a mask of which elements are known."""
-    budget = [MAX_INDEX_OPS]
+    constants, data movement, integer arithmetic), with a mask of which elements are known.
+    Cached per graph; the arrays returned are shared and must not be written."""
+    cache = _KNOWN_CACHE.setdefault(graph, {})
+    got = cache.get(v)
+    if got is None:
+        got = cache[v] = _known_values(graph, v)
+    return got
+
+
+def _known_values(graph: OpGraph, v: int) -> _Known:
+    # Which producers are computed (the first MAX_INDEX_OPS met depth first, each at most
+    # MAX_INDEX_ELEMENTS), and how many computed readers each value has, so that an
+    # intermediate is dropped once its last reader has it: index tensors of millions of
+    # elements go through a dozen ops (jax's floor division), not all held at once.
+    budget = MAX_INDEX_OPS
+    computed: set[int] = set()
+    readers: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [v]
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        node = graph.nodes[u]
+        if node.shape.is_tuple or _leaf(node.shape).num_elements > MAX_INDEX_ELEMENTS or \
+                budget <= 0:
+            continue
+        budget -= 1
+        computed.add(u)
+        if node.opcode in ("iota", "constant"):
+            continue
+        for o in node.operands:
+            readers[o] = readers.get(o, 0) + 1
+        stack.extend(reversed(node.operands))
     memo: dict[int, _Known] = {}
 
     def visit(u: int) -> _Known:
         if u in memo:
             return memo[u]
         node = graph.nodes[u]
-        shape = _leaf(node.shape)
         got: _Known | None = None
-        if shape.num_elements <= MAX_INDEX_ELEMENTS and budget[0] > 0 \
-                and not node.shape.is_tuple:
-            budget[0] -= 1
+        if u in computed:
             ops = [visit(o) for o in node.operands] \
                 if node.opcode not in ("iota", "constant") else []
             try:
                 got = _apply(node, graph, ops)
             except (ValueError, IndexError, KeyError):
                 got = None
-        memo[u] = got if got is not None else _unknown(tuple(shape.dims))
+            del ops
+            if node.opcode not in ("iota", "constant"):
+                for o in node.operands:
+                    readers[o] -= 1
+                    if readers[o] == 0 and o != v:
+                        memo.pop(o, None)
+        memo[u] = got if got is not None else _unknown(tuple(_leaf(node.shape).dims))
         return memo[u]
 
     return visit(v)

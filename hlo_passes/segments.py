@@ -35,6 +35,7 @@ from .combiners import combiner_kind
 from .graph import OpGraph, OpNode, build_op_graphs
 from .ir import Computation, HloModule, Instruction, Shape
 from .scatter_forms import known_index_values
+from .segment_shape import shape_segments
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,12 @@ class _Rewriter:
         self.result = SegmentRewrite(module)
         # computation -> {removed instruction: the one its users read instead}
         self.aliases: dict[str, dict[str, str]] = {}
+        # computation -> {updates n: the (count, length) splits proved for it}
+        self.splits: dict[str, dict[int, set[tuple[int, int]]]] = {}
+
+    def note_split(self, node: OpNode, count: int, length: int) -> None:
+        self.splits.setdefault(node.computation, {}).setdefault(
+            count * length, set()).add((count, length))
 
     def fresh(self, base: str) -> str:
         name = f"{base}.seg"
@@ -160,6 +167,7 @@ class _Rewriter:
             return None
         tail = tuple(oshape.dims[1:])
         k, length = pattern.count, pattern.length
+        self.note_split(node, k, length)
         out: list[Instruction] = []
         init = Instruction(self.fresh(f"{inst.name}.identity"), _shape(etype, ()), "constant",
                            literal=identity)
@@ -213,6 +221,7 @@ class _Rewriter:
         if tuple(node.shape.dims) != (k * length,) + tail:
             return None
         etype = tshape.element_type
+        self.note_split(node, k, length)
         out: list[Instruction] = []
         source = inst.operands[0]
         if pattern.first != 0 or k != tshape.dims[0]:
@@ -337,6 +346,10 @@ def rewrite_segments(module: HloModule) -> SegmentRewrite:
                     new.append(got)
             comp = dataclasses.replace(comp, instructions=new)
             _drop_dead(comp, seeds.get(comp.name, set()))
+            split = {n: next(iter(ways)) for n, ways in
+                     rewriter.splits.get(comp.name, {}).items() if len(ways) == 1}
+            if split:
+                comp = shape_segments(comp, split, rewriter.names)
         comps.append(comp)
     rewriter.result.module = dataclasses.replace(module, computations=comps)
     log.debug("segments as rows: %d scatters reduced, %d gathers broadcast",

@@ -149,7 +149,10 @@ def _proved_collisions(graph: OpGraph, indices: int, vector_dim: int, points: in
     else:
         values = np.moveaxis(values, vector_dim, -1)
     flat = values.reshape(points, values.shape[-1])
-    _, counts = np.unique(flat, axis=0, return_counts=True)
+    if flat.shape[1] == 1:
+        _, counts = np.unique(flat[:, 0], return_counts=True)
+    else:
+        _, counts = np.unique(flat, axis=0, return_counts=True)
     counts = counts.astype(np.float64)
     return len(counts), float((counts * counts).sum() / counts.sum())
 
