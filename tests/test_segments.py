@@ -154,3 +154,37 @@ def test_segmented_softmax_stitches_into_one_kernel_on_the_host(stage):
     got = exe(x)[0]
     np.testing.assert_allclose(got, np.asarray(fn(x)), rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(got, evaluate(module, [x])[0], rtol=2e-5, atol=1e-6)
+
+
+def test_segmented_softmax_step_is_one_kernel_moving_its_inputs_and_outputs_once():
+    """Forward and gradient in one module at a size where a warp holds a segment: the
+    elementwise ops between the reductions are computed in the segments' shape, so the
+    whole step is one kernel reading scores and upstream and writing both results once."""
+    import jax
+
+    import stitch
+    from bench.segments import measure, segmented_softmax_step_hlo
+
+    segments, length = 500, 64
+    n = segments * length
+    module = parse_hlo(segmented_softmax_step_hlo(segments, length))
+    plan = stitch.plan(module, "h100")
+    kernels = [k for g in plan.graphs for k in g.stitched.kernels if k.cost.launches]
+    assert len(kernels) == 1
+    assert kernels[0].cost.hbm_bytes == pytest.approx(4 * n * 4, rel=1e-3)
+    assert kernels[0].schedule is not None
+    exe = stitch.compile(module, "h100", poison_outputs=True, cache=False)
+    assert len(exe.kernels) == 1 and not exe.fallbacks
+    rng = np.random.default_rng()
+    scores = (rng.standard_normal(n) * 3).astype(np.float32)
+    upstream = rng.standard_normal(n).astype(np.float32)
+    got = exe(scores, upstream)
+    want = evaluate(module, [scores, upstream])
+    ref = jax.jit(lambda s, u: jax.vjp(
+        lambda x: _segmented_softmax(segments, length)[0](x), s)[1](u)[0])(scores, upstream)
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(got[1], want[1], rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(got[1], np.asarray(ref), rtol=2e-4, atol=1e-6)
+    base, kept, rows = measure(50, 16)
+    assert base.contention_us > 0 and kept.contention_us > 0 and rows.contention_us == 0
+    assert rows.kernels == 1 and rows.modeled_us < kept.modeled_us <= base.modeled_us
