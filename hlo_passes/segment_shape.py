@@ -164,7 +164,8 @@ def shape_segments(comp: Computation, split: Split, names: set[str]) -> Computat
     if not shaper.changed:
         return comp
     log.debug("%s: %d elementwise ops in the segments' shape", comp.name, shaper.changed)
-    return dataclasses.replace(comp, instructions=_drop_unread(_forward_copies(shaper.out, shaper.copies)))
+    kept = _drop_unread(_forward_copies(shaper.out, shaper.copies))
+    return dataclasses.replace(comp, instructions=kept)
 
 
 __all__ = ["shape_segments", "ELEMENTWISE"]

@@ -188,3 +188,13 @@ def test_segmented_softmax_step_is_one_kernel_moving_its_inputs_and_outputs_once
     base, kept, rows = measure(50, 16)
     assert base.contention_us > 0 and kept.contention_us > 0 and rows.contention_us == 0
     assert rows.kernels == 1 and rows.modeled_us < kept.modeled_us <= base.modeled_us
+
+
+def test_modules_xla_optimized_are_left_as_they_are():
+    from hlo_passes.segments import segments_as_rows
+
+    text = _segment_scatter("add", 4, 0, 4, 3, 2)
+    module = parse_hlo(text)
+    assert segments_as_rows(module) is not module
+    module.attrs["is_scheduled"] = "true"
+    assert segments_as_rows(module) is module
