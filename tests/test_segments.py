@@ -198,3 +198,33 @@ def test_modules_xla_optimized_are_left_as_they_are():
     assert segments_as_rows(module) is not module
     module.attrs["is_scheduled"] = "true"
     assert segments_as_rows(module) is module
+
+
+@pytest.mark.parametrize("first,extra", [(0, 0), (2, 1)])
+def test_segment_gathers_become_broadcasts_with_the_same_values(first, extra):
+    rng = np.random.default_rng()
+    count, length, width = int(rng.integers(1, 6)), int(rng.integers(1, 7)), 3
+    rows, n = first + count + extra, count * length
+    text = f"""HloModule m
+ENTRY e {{
+  t = f32[{rows},{width}] parameter(0)
+  i = s32[{n}] iota(), iota_dimension=0
+  l = s32[] constant({length})
+  lb = s32[{n}] broadcast(l), dimensions={{}}
+  q = s32[{n}] divide(i, lb)
+  f = s32[] constant({first})
+  fb = s32[{n}] broadcast(f), dimensions={{}}
+  ids = s32[{n}] add(q, fb)
+  idx = s32[{n},1] reshape(ids)
+  ROOT g = f32[{n},{width}] gather(t, idx), offset_dims={{1}}, collapsed_slice_dims={{0}}, start_index_map={{0}}, index_vector_dim=1, slice_sizes={{1,{width}}}
+}}"""
+    module = parse_hlo(text)
+    rewrite = rewrite_segments(module)
+    assert rewrite.broadcasts == ["g"]
+    opcodes = [i.opcode for i in rewrite.module.entry.instructions]
+    assert "gather" not in opcodes and "broadcast" in opcodes
+    assert ("slice" in opcodes) == (first != 0 or extra != 0)
+    table = rng.standard_normal((rows, width)).astype(np.float32)
+    want = evaluate(module, [table])[0]
+    got = evaluate(parse_hlo(print_hlo(rewrite.module)), [table])[0]
+    np.testing.assert_array_equal(got, want)
