@@ -228,3 +228,30 @@ ENTRY e {{
     want = evaluate(module, [table])[0]
     got = evaluate(parse_hlo(print_hlo(rewrite.module)), [table])[0]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("etype,kind", [("s32", "add"), ("s32", "max"), ("bf16", "add"),
+                                        ("f32", "min")])
+def test_segment_scatters_of_other_types(etype, kind):
+    rng = np.random.default_rng()
+    count, length = int(rng.integers(1, 6)), int(rng.integers(1, 7))
+    identity = {"add": "0", "max": "-2147483648" if etype == "s32" else "-inf",
+                "min": "inf"}[kind]
+    text = _segment_scatter(kind, count + 1, 1, count, length, 2, init=identity, etype=etype)
+    module = parse_hlo(text)
+    rewrite = rewrite_segments(module)
+    assert rewrite.reductions == ["s"]
+    ops = {i.opcode for i in rewrite.module.entry.instructions}
+    assert "scatter" not in ops and COMBINER[kind] not in ops   # identity fill: no combine
+    n = count * length
+    if etype == "s32":
+        x = rng.integers(-1000, 1000, (n, 2)).astype(np.int32)
+    else:
+        from hlo_passes.evaluator.dtypes import numpy_dtype
+        x = rng.standard_normal((n, 2)).astype(numpy_dtype(etype))
+    ids = np.zeros(n, np.int32)
+    want = evaluate(module, [x, ids])[0]
+    got = evaluate(parse_hlo(print_hlo(rewrite.module)), [x, ids])[0]
+    tol = 1e-2 if etype == "bf16" else 1e-6
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                               rtol=tol, atol=tol)
