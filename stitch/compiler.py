@@ -45,6 +45,7 @@ from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.graph import OpGraph, build_op_graphs
 from stitch.hlo_passes.graph_exec import GraphRunner, NumpyBackend, Unit
 from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.segments import segments_as_rows
 
 from .cost.gpu_specs import UnknownTargetError, get_spec
 from .errors import StitchError
@@ -350,6 +351,9 @@ def compile(hlo: str | HloModule, target: str = "h100", device: str = "cpu", *,
         module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
     except HloParseError as exc:
         raise CompileError(f"cannot parse the HLO: {exc}") from exc
+    if (options or ExplorerOptions()).segments_as_rows:
+        # As stitch.plan does: the plan's graphs are the rewritten module's.
+        module = segments_as_rows(module)
     store = CompileCache() if cache is True else (cache or None)
     stats = CompileStats()
     notes: list[str] = []

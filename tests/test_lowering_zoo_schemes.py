@@ -24,6 +24,7 @@ from stitch.codegen.values import leaf
 from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.graph_exec import GraphRunner
+from stitch.hlo_passes.segments import segments_as_rows
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import ScheduleError, schedule_kernel
 from tests.fixtures import BF16_TOLERANCE, zoo_fixture
@@ -78,7 +79,9 @@ def _units(schedule) -> tuple[str, ...]:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_forced_schemes_on_zoo_kernels(model):
-    module = parse_hlo(zoo_fixture(model, "tiny", "pre").read_text())
+    # The module stitch.plan plans (proved segment scatters as reductions): the plan's
+    # graphs are its graphs.
+    module = segments_as_rows(parse_hlo(zoo_fixture(model, "tiny", "pre").read_text()))
     evaluator = Evaluator(module)
     spec = get_spec("h100")
     plan = stitch.plan(module, "h100")

@@ -46,6 +46,7 @@ from stitch.hlo_passes.op_classes import OpClass
 from ..explorer.buildable import build_problem
 from ..explorer.feasibility import Infeasible, PatternAnalysis, analyze_pattern
 from ..explorer.structure import StructureKeys, rename
+from .contention import contention_seconds
 from .hbm_traffic import (element_count, graph_facts, in_place_updates, inside_users,
                           kernel_hbm_bytes, utilization)
 from .launch_forms import allows_global
@@ -73,6 +74,9 @@ class KernelCost:
     # included in hbm_bytes and total_s (CostModel(loop_copies=True)): bytes copied, µs.
     loop_copy_bytes: int = 0
     loop_copy_s: float = 0.0
+    # Colliding scatter atomics serialized per address (stitch.cost.contention), included
+    # in total_s.
+    contention_s: float = 0.0
 
     def with_loop_copies(self, copy: "KernelCost", nbytes: int) -> "KernelCost":
         """This kernel followed by the copy kernel ``copy`` of ``nbytes`` loop state."""
@@ -251,7 +255,7 @@ class CostModel:
             else:
                 self.poll()
                 self.fresh += 1
-                cost = self._kernel(key, analysis)
+                cost = with_contention(self.graph, self.spec, key, self._kernel(key, analysis))
                 if skey is not None:
                     self._cost_by_key[skey] = cost
             if self.loop_copies:
@@ -530,6 +534,15 @@ class CostModel:
                 t = single[v] = self.singleton(v).total_s
             total += t
         return total - fused.total_s
+
+
+def with_contention(graph: OpGraph, spec: GpuSpec, members: Iterable[int],
+                    cost: KernelCost) -> KernelCost:
+    """``cost`` plus what its colliding scatters' atomics wait for one another."""
+    extra = contention_seconds(graph, members, spec)
+    if extra <= 0.0:
+        return cost
+    return dataclasses.replace(cost, total_s=cost.total_s + extra, contention_s=extra)
 
 
 def copy_kernel_cost(spec: GpuSpec, nbytes: int, element_bytes: int = 4) -> KernelCost:

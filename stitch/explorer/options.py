@@ -63,3 +63,7 @@ class ExplorerOptions:
     # makes stitch.plan raise PlanCancelled (stitch.explorer.cancel). Not part of the
     # plan cache key.
     cancel: Callable[[], bool] | None = field(default=None, compare=False)
+    # Scatters and gathers over proved sorted fixed-length segments planned as row
+    # reductions and broadcasts (stitch.hlo_passes.segments; modules XLA has not optimized
+    # only).
+    segments_as_rows: bool = True

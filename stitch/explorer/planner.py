@@ -25,6 +25,7 @@ from stitch.hlo_passes.graph import OpGraph, build_op_graphs
 from stitch.hlo_passes.ir import HloModule
 from stitch.hlo_passes.op_classes import OpClass
 from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo_passes.segments import segments_as_rows
 
 from ..cost.chain_pricing import chain_for, chain_price, graph_chains
 from ..cost.delta import CostModel
@@ -708,6 +709,8 @@ def _plan(hlo: str | HloModule, target: str, planner: str, options: ExplorerOpti
         raise PlanError(f"unknown final_pick {options.final_pick!r}: choose latency or delta")
     start = time.perf_counter()
     module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
+    if options.segments_as_rows:
+        module = segments_as_rows(module)
     graphs = build_op_graphs(module)
     source = "xla" if is_xla_optimized(module, graphs) else "base-fusion"
     weights = _graph_weights(graphs)

@@ -22,17 +22,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .combiners import combiner_kind
 from .graph import OpGraph, OpNode
 from .ir import Shape, parse_slice
 from .literals import literal_to_numpy
 
 # Largest index tensor whose values are computed for the proof.
-MAX_INDEX_ELEMENTS = 1 << 22
+MAX_INDEX_ELEMENTS = 1 << 24
 # Most producers followed back from the indices operand.
 MAX_INDEX_OPS = 48
 
-_INT_TYPES = {"s8": np.int8, "s16": np.int16, "s32": np.int32, "s64": np.int64,
+_INT_TYPES: dict[str, type] = {"s8": np.int8, "s16": np.int16, "s32": np.int32, "s64": np.int64,
               "u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "u64": np.uint64}
+_INDEX_TYPES = set(_INT_TYPES) | {"pred"}
 
 
 @dataclass(frozen=True)
@@ -119,9 +121,10 @@ def _apply(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:
             [dims[dim] if d == dim else 1 for d in range(len(dims))])
         return np.broadcast_to(grid, dims).copy(), np.ones(dims, bool)
     if op == "constant":
-        if inst.literal is None or shape.element_type not in _INT_TYPES:
+        if inst.literal is None or shape.element_type not in _INDEX_TYPES:
             return None
-        value = literal_to_numpy(inst.literal, shape, _INT_TYPES[shape.element_type])
+        value = literal_to_numpy(inst.literal, shape,
+                                 _INT_TYPES.get(shape.element_type, np.bool_))
         return np.asarray(value).astype(np.int64).reshape(dims), np.ones(dims, bool)
     if not ops:
         return None
@@ -157,31 +160,162 @@ def _apply(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:
         dim = inst.ints("dimensions")[0]
         return (np.concatenate([o[0] for o in ops], axis=dim),
                 np.concatenate([o[1] for o in ops], axis=dim))
+    if op == "reduce" and len(ops) == 2 and shape.element_type in _INDEX_TYPES:
+        return _reduce(node, graph, ops)
+    if op in _INT_ARITHMETIC and shape.element_type in _INT_TYPES:
+        return _arithmetic(node, ops)
+    if op in _PRED_OPS and shape.element_type == "pred":
+        return _predicate(node, graph, ops)
     return None
+
+
+# Integer element ops whose result follows from known operands (jax builds index tensors
+# with them: ``iota // L`` as a floor division with sign fix-ups, negative-index wrapping
+# ``select(i < 0, i + n, i)``, clamps); predicates are held as 0/1.
+_INT_ARITHMETIC = {"add", "subtract", "multiply", "divide", "remainder", "maximum",
+                   "minimum", "negate", "abs", "sign", "select", "clamp"}
+_PRED_OPS = {"compare", "and", "or", "xor", "not"}
+_COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal,
+            "GT": np.greater, "GE": np.greater_equal}
+
+
+def _reduce(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:
+    """A single-op and/or/add/max/min reduction of known values (jax's in-bounds checks
+    reduce a [N, 1] predicate with ``and``)."""
+    names = [n.lstrip("%") for n in node.instruction.called_computations]
+    comp = graph.computations.get(names[0]) if names else None
+    kind = combiner_kind(comp) if comp is not None else None
+    fn = {"and": np.logical_and, "or": np.logical_or, "add": np.add,
+          "maximum": np.maximum, "minimum": np.minimum}.get(kind or "")
+    if fn is None:
+        return None
+    dims = tuple(node.instruction.ints("dimensions"))
+    (values, known), (init, init_known) = ops
+    out = fn.reduce(values, axis=dims) if dims else values
+    out = fn(out, init).astype(np.int64)
+    ok = known.all(axis=dims) & init_known if dims else known & init_known
+    return out, np.broadcast_to(ok, out.shape).copy()
+
+
+def _all_known(ops: list[_Known]) -> np.ndarray:
+    return np.logical_and.reduce([o[1] for o in ops])
+
+
+def _arithmetic(node: OpNode, ops: list[_Known]) -> _Known | None:
+    """XLA's integer semantics on known values (division truncates toward zero; a
+    division by zero is left unknown); an element is known where every operand is."""
+    op = node.opcode
+    values = [o[0] for o in ops]
+    known = _all_known(ops)
+    if op == "negate":
+        out = -values[0]
+    elif op == "abs":
+        out = np.abs(values[0])
+    elif op == "sign":
+        out = np.sign(values[0])
+    elif op in ("add", "subtract", "multiply", "maximum", "minimum"):
+        fn = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply,
+              "maximum": np.maximum, "minimum": np.minimum}[op]
+        out = fn(values[0], values[1])
+    elif op in ("divide", "remainder"):
+        a, b = values
+        zero = b == 0
+        safe = np.where(zero, 1, b)
+        quotient = np.sign(a) * np.sign(safe) * (np.abs(a) // np.abs(safe))
+        out = quotient if op == "divide" else a - quotient * safe
+        known = known & ~zero
+    elif op == "select":
+        out = np.where(values[0] != 0, values[1], values[2])
+    elif op == "clamp":
+        out = np.minimum(np.maximum(values[1], values[0]), values[2])
+    else:
+        return None
+    dims = tuple(_leaf(node.shape).dims)
+    return np.broadcast_to(out, dims).astype(np.int64), np.broadcast_to(known, dims).copy()
+
+
+def _predicate(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:
+    """compare of known integers, and/or/xor/not of known predicates, as 0/1."""
+    op = node.opcode
+    values = [o[0] for o in ops]
+    if op == "compare":
+        fn = _COMPARE.get(node.instruction.attrs.get("direction", ""))
+        types = {_leaf(graph.nodes[o].shape).element_type for o in node.operands}
+        if fn is None or not types <= set(_INT_TYPES) | {"pred"}:
+            return None
+        out = fn(values[0], values[1])
+    elif op == "not":
+        out = values[0] == 0
+    else:
+        fn = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}[op]
+        out = fn(values[0] != 0, values[1] != 0)
+    dims = tuple(_leaf(node.shape).dims)
+    return (np.broadcast_to(out, dims).astype(np.int64),
+            np.broadcast_to(_all_known(ops), dims).copy())
+
+
+_KNOWN_CACHE: "weakref.WeakKeyDictionary[OpGraph, dict[int, _Known]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def known_index_values(graph: OpGraph, v: int) -> _Known:
     """The values of index tensor ``v`` that follow from its construction alone (iota,
-    constants, data movement), with a mask of which elements are known."""
-    budget = [MAX_INDEX_OPS]
+    constants, data movement, integer arithmetic), with a mask of which elements are known.
+    Cached per graph; the arrays returned are shared and must not be written."""
+    cache = _KNOWN_CACHE.setdefault(graph, {})
+    got = cache.get(v)
+    if got is None:
+        got = cache[v] = _known_values(graph, v)
+    return got
+
+
+def _known_values(graph: OpGraph, v: int) -> _Known:
+    # Which producers are computed (the first MAX_INDEX_OPS met depth first, each at most
+    # MAX_INDEX_ELEMENTS), and how many computed readers each value has, so that an
+    # intermediate is dropped once its last reader has it: index tensors of millions of
+    # elements go through a dozen ops (jax's floor division), not all held at once.
+    budget = MAX_INDEX_OPS
+    computed: set[int] = set()
+    readers: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [v]
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        node = graph.nodes[u]
+        if node.shape.is_tuple or _leaf(node.shape).num_elements > MAX_INDEX_ELEMENTS or \
+                budget <= 0:
+            continue
+        budget -= 1
+        computed.add(u)
+        if node.opcode in ("iota", "constant"):
+            continue
+        for o in node.operands:
+            readers[o] = readers.get(o, 0) + 1
+        stack.extend(reversed(node.operands))
     memo: dict[int, _Known] = {}
 
     def visit(u: int) -> _Known:
         if u in memo:
             return memo[u]
         node = graph.nodes[u]
-        shape = _leaf(node.shape)
         got: _Known | None = None
-        if shape.num_elements <= MAX_INDEX_ELEMENTS and budget[0] > 0 \
-                and not node.shape.is_tuple:
-            budget[0] -= 1
+        if u in computed:
             ops = [visit(o) for o in node.operands] \
                 if node.opcode not in ("iota", "constant") else []
             try:
                 got = _apply(node, graph, ops)
             except (ValueError, IndexError, KeyError):
                 got = None
-        memo[u] = got if got is not None else _unknown(tuple(shape.dims))
+            del ops
+            if node.opcode not in ("iota", "constant"):
+                for o in node.operands:
+                    readers[o] -= 1
+                    if readers[o] == 0 and o != v:
+                        memo.pop(o, None)
+        memo[u] = got if got is not None else _unknown(tuple(_leaf(node.shape).dims))
         return memo[u]
 
     return visit(v)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from . import asr, bert, crnn, dien, mcfuser, micro, mixed_precision, transformer
+from . import asr, bert, crnn, dien, mcfuser, micro, mixed_precision, segments, transformer
 from .spec import ModelInstance, ModelSpec
 
 # Order of listing: micro patterns first, then whole models, then MCFuser subgraphs, then the
-# bf16 mixed-precision training variants.
-_MODULES = (micro, bert, transformer, dien, asr, crnn, mcfuser, mixed_precision)
+# bf16 mixed-precision training variants, then the segmented reductions and scatters.
+_MODULES = (micro, bert, transformer, dien, asr, crnn, mcfuser, mixed_precision, segments)
 
 
 @lru_cache(maxsize=1)

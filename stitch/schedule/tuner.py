@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.scatter_forms import scatter_form
 
+from ..cost.contention import contention_seconds
 from ..cost.gpu_specs import GpuSpec
 from ..cost.latency import UNROLL, LaunchShape, WarpWork, evaluate, part_cycles
 from ..cost.occupancy import occupancy
@@ -507,6 +508,8 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
         raise ScheduleError(f"no legal schedule for the kernel at "
                             f"{graph.nodes[members[0]].name}: {reasons}")
     best.rejected = list(dict.fromkeys(rejected))
+    # Colliding scatter atomics wait for one another at their addresses' L2 slices.
+    best.modeled_us += contention_seconds(graph, members, spec) * 1e6
     return best
 
 

@@ -1,0 +1,173 @@
+"""What colliding scatter updates cost: atomics to one address serialize at its L2 slice.
+
+A scatter whose updates may collide (``stitch.hlo_passes.scatter_forms``: form ``atomic``) is run,
+by XLA and by stitch alike, as one atomic read-modify-write per update element. Updates to
+distinct addresses pipeline through the L2 at about the speed their bytes already cost; the
+ones that meet another update of the same address wait for it. So the price of a scatter
+is its bytes plus a contention term set by how many updates land on each address:
+
+- ``collisions`` c, the expected number of updates sharing an address, is *proved* where
+  the index values follow from the module (``known_index_values``: iota, constants,
+  ``iota // L`` ...; sorted segments of length L give c = L), and otherwise *assumed*
+  uniform: c = update windows / distinct index vectors the operand offers (at least 1).
+- A native atomic (a hardware ``red``/``atom``: add of f32/f64/s32/u32/s64/u64, of f16 and
+  bf16 from sm_90 on; max/min of integers and, as XLA emits them through the integer
+  units, of f32) holds the address for ``SAME_ADDRESS_ATOMIC_CYCLES``; the waiting
+  fraction (1 - 1/c) of the updates serializes there. A compare-and-swap loop (other
+  combiners and types) makes an address's c contenders retry: about c(c+1)/2 attempts per
+  address, each one L2 operation.
+- The L2 serves different addresses in parallel over ``L2_ATOMIC_SLICES`` slices
+  (assumed: the L2 slice counts of the parts, 64 on V100, 80 on A100 and H100).
+
+    serial_cycles = max(L2 operations that wait × cycles each / slices,
+                        c × cycles each)                 # one address's chain
+    contention_s  = serial_cycles / clock
+
+The figures are assumptions built from the same microbenchmark papers as
+``latency.SAME_ADDRESS_ATOMIC_CYCLES`` (not measured here), and the same for XLA's kernels
+and stitch's, so only the index pattern changes which plan wins.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from stitch.hlo_passes.combiners import combiner_kind
+from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.scatter_forms import known_index_values, scatter_form
+
+from .gpu_specs import GpuSpec
+from .latency import L2_LATENCY_CYCLES, SAME_ADDRESS_ATOMIC_CYCLES
+
+log = logging.getLogger(__name__)
+
+# L2 slices that serve atomics in parallel (assumed; see the module docstring).
+L2_ATOMIC_SLICES = {7: 64, 8: 80, 9: 80}
+
+_NATIVE_ADD = {"f32", "f64", "s32", "u32", "s64", "u64"}
+_NATIVE_ADD_SM90 = _NATIVE_ADD | {"f16", "bf16"}
+_NATIVE_MINMAX = {"s32", "u32", "s64", "u64", "f32"}
+
+
+@dataclass(frozen=True)
+class Contention:
+    """The atomics of one scatter: update elements, distinct addresses they hit, expected
+    updates per address hit, whether that figure is proved from the index values, and
+    whether each update is one hardware atomic (else a compare-and-swap loop)."""
+
+    node: int
+    updates: int
+    addresses: int
+    collisions: float
+    proved: bool
+    native: bool
+
+    def serial_cycles(self, spec: GpuSpec) -> float:
+        """SM-clock cycles the address chains add to the kernel (module docstring)."""
+        c = max(self.collisions, 1.0)
+        if c <= 1.0:
+            return 0.0
+        slices = L2_ATOMIC_SLICES.get(spec.compute_capability[0], 80)
+        if self.native:
+            per_op = float(SAME_ADDRESS_ATOMIC_CYCLES)
+            waiting_ops = self.updates * (1.0 - 1.0 / c)
+        else:
+            per_op = float(L2_LATENCY_CYCLES.get(spec.compute_capability[0], 260))
+            waiting_ops = self.addresses * (c * (c + 1) / 2 - 1)
+        return max(waiting_ops * per_op / slices, c * per_op)
+
+    def seconds(self, spec: GpuSpec) -> float:
+        return self.serial_cycles(spec) / spec.clock_hz
+
+
+def _native(kind: str | None, element_type: str, spec_major: int) -> bool:
+    if kind == "add":
+        return element_type in (_NATIVE_ADD_SM90 if spec_major >= 9 else _NATIVE_ADD)
+    if kind in ("maximum", "minimum"):
+        return element_type in _NATIVE_MINMAX
+    return False
+
+
+_CACHE: "weakref.WeakKeyDictionary[OpGraph, dict[tuple[int, int], Contention | None]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def scatter_contention(graph: OpGraph, v: int, spec_major: int = 9) -> Contention | None:
+    """The atomics of scatter ``v`` (None when it is not a scatter whose updates may
+    collide). Cached per graph."""
+    cache = _CACHE.setdefault(graph, {})
+    key = (v, spec_major)
+    if key not in cache:
+        cache[key] = _contention(graph, v, spec_major)
+    return cache[key]
+
+
+def _contention(graph: OpGraph, v: int, spec_major: int) -> Contention | None:
+    node = graph.nodes[v]
+    if node.opcode != "scatter" or node.shape.is_tuple or len(node.operands) != 3:
+        return None
+    form = scatter_form(graph, v)
+    if form.kind != "atomic" or form.index_map is None:
+        return None
+    imap = form.index_map
+    inst = node.instruction
+    update_shape = graph.nodes[node.operands[2]].shape
+    operand_shape = graph.nodes[node.operands[0]].shape
+    updates = update_shape.num_elements
+    window = int(np.prod(imap.window, dtype=np.int64)) if imap.window else 1
+    points = int(np.prod(imap.batch_shape, dtype=np.int64)) if imap.batch_shape else 1
+    names = [n.lstrip("%") for n in inst.called_computations]
+    comp = graph.computations.get(names[0]) if names else None
+    kind = combiner_kind(comp) if comp is not None else None
+    native = _native(kind, operand_shape.element_type, spec_major)
+    proved = _proved_collisions(graph, node.operands[1], imap.index_vector_dim, points)
+    if proved is not None:
+        distinct, collisions = proved
+    else:
+        # Assumed uniform over the index vectors the operand offers on its data dims.
+        offered = 1
+        for od, _ in imap.data:
+            offered *= max(operand_shape.dims[od] - imap.window[od] + 1, 1)
+        distinct = max(min(points, offered), 1)
+        collisions = max(points / distinct, 1.0)
+    return Contention(v, updates, distinct * window, collisions, proved is not None, native)
+
+
+def _proved_collisions(graph: OpGraph, indices: int, vector_dim: int, points: int
+                       ) -> tuple[int, float] | None:
+    """(distinct index vectors, expected updates per address an update meets) when every
+    index value is known: sum(count²) / sum(count) over the distinct vectors."""
+    values, known = known_index_values(graph, indices)
+    if not bool(known.all()) or points == 0:
+        return None
+    if vector_dim == values.ndim:
+        values = values[..., None]
+    else:
+        values = np.moveaxis(values, vector_dim, -1)
+    flat = values.reshape(points, values.shape[-1])
+    if flat.shape[1] == 1:
+        _, counts = np.unique(flat[:, 0], return_counts=True)
+    else:
+        _, counts = np.unique(flat, axis=0, return_counts=True)
+    counts = counts.astype(np.float64)
+    return len(counts), float((counts * counts).sum() / counts.sum())
+
+
+def contention_seconds(graph: OpGraph, members: Iterable[int], spec: GpuSpec) -> float:
+    """Seconds the colliding scatters among ``members`` add to their kernel."""
+    major = spec.compute_capability[0]
+    total = 0.0
+    for v in members:
+        if graph.nodes[v].opcode != "scatter":
+            continue
+        got = scatter_contention(graph, v, major)
+        if got is not None:
+            total += got.seconds(spec)
+    return total
+
+
+__all__ = ["Contention", "L2_ATOMIC_SLICES", "scatter_contention", "contention_seconds"]

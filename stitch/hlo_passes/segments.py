@@ -1,0 +1,372 @@
+"""Sorted fixed-length segments as rows: a scatter-reduce over them becomes a reduce, the
+matching gather a broadcast.
+
+``jax.ops.segment_sum(x, ids, S, indices_are_sorted=True)`` is a scatter-add of x's rows
+into S rows at ``ids``; ``m[ids]`` gathers a segment's value back to its members. When the
+index values follow from the module (``scatter_forms.known_index_values``: ``iota // L``,
+a constant array) and are ``first + i // L`` for update i — sorted segments of L updates
+each — the scatter is exactly
+
+    combine(operand, pad(reduce(reshape(updates, [K, L, ...]), dims={1}), identity))
+
+(K = updates / L segments from row ``first``; rows no update reaches keep the operand,
+which the identity padding gives), and the gather is ``reshape(broadcast(slice(table)))``.
+Both are ordinary row reductions and broadcasts: the planner stitches a segmented softmax
+as it stitches a row softmax, one kernel and no atomics. The reduce adds the members of a
+segment in a tree instead of one after another: a float sum may round differently, as XLA's
+own atomics (in no fixed order) do.
+
+What is rewritten: a scatter with one index component into operand dim 0, updates
+``[N, *operand.dims[1:]]`` (whole rows), an add/multiply/max/min combiner, no batching
+dims; a gather of whole rows of dim 0 with one index component. Anything else, and index
+values that are data or not a fixed-length sorted pattern, stays as it is (variable-length
+segments, CSR offsets, are not rewritten). ``indices_are_sorted`` is not needed: the values
+are proved.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .combiners import combiner_kind
+from .graph import OpGraph, OpNode, build_op_graphs
+from .ir import Computation, HloModule, Instruction, Shape
+from .scatter_forms import known_index_values
+from .segment_shape import shape_segments
+
+log = logging.getLogger(__name__)
+
+_FLOAT_TYPES = {"f16", "bf16", "f32", "f64"}
+_INT_LIMITS = {"s8": 8, "s16": 16, "s32": 32, "s64": 64}
+_COMBINE_OPCODE = {"add": "add", "multiply": "multiply", "maximum": "maximum",
+                   "minimum": "minimum"}
+
+
+@dataclass(frozen=True)
+class SegmentPattern:
+    """Update i lands on row ``first + i // length``: ``count`` segments of ``length``."""
+    first: int
+    count: int
+    length: int
+
+
+@dataclass
+class SegmentRewrite:
+    """The rewritten module and what was turned into reductions and broadcasts."""
+    module: HloModule
+    reductions: list[str] = field(default_factory=list)   # scatters now reduces
+    broadcasts: list[str] = field(default_factory=list)   # gathers now broadcasts
+    selects: list[str] = field(default_factory=list)      # selects on proved predicates
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.reductions or self.broadcasts)
+
+
+def segment_pattern(graph: OpGraph, indices: int, vector_dim: int) -> SegmentPattern | None:
+    """The sorted fixed-length segments index tensor ``indices`` proves (one component per
+    index vector), or None."""
+    shape = graph.nodes[indices].shape
+    if shape.is_tuple:
+        return None
+    dims = tuple(shape.dims)
+    if vector_dim == len(dims):
+        if len(dims) != 1:
+            return None
+    elif not (len(dims) == 2 and vector_dim == 1 and dims[1] == 1):
+        return None
+    values, known = known_index_values(graph, indices)
+    values = values.reshape(-1)
+    if values.size == 0 or not bool(known.all()):
+        return None
+    first = int(values[0])
+    length = int(np.argmax(values != first)) if bool((values != first).any()) else values.size
+    if first < 0 or values.size % length:
+        return None
+    want = first + np.arange(values.size, dtype=np.int64) // length
+    if not np.array_equal(values, want):
+        return None
+    return SegmentPattern(first, values.size // length, length)
+
+
+def _identity_literal(kind: str, element_type: str) -> str | None:
+    if kind == "add":
+        return "0"
+    if kind == "multiply":
+        return "1"
+    if element_type in _FLOAT_TYPES:
+        return {"maximum": "-inf", "minimum": "inf"}.get(kind)
+    bits = _INT_LIMITS.get(element_type)
+    if bits is None:
+        return None
+    return str(-(1 << (bits - 1))) if kind == "maximum" else str((1 << (bits - 1)) - 1)
+
+
+def _shape(element_type: str, dims: tuple[int, ...]) -> Shape:
+    return Shape(element_type, tuple(dims))
+
+
+def _int_set(values: tuple[int, ...]) -> str:
+    return "{" + ",".join(str(v) for v in values) + "}"
+
+
+class _Rewriter:
+    def __init__(self, module: HloModule):
+        self.module = module
+        self.names = {i.name for c in module.computations for i in c.instructions}
+        self.result = SegmentRewrite(module)
+        # computation -> {removed instruction: the one its users read instead}
+        self.aliases: dict[str, dict[str, str]] = {}
+        # computation -> {updates n: the (count, length) splits proved for it}
+        self.splits: dict[str, dict[int, set[tuple[int, int]]]] = {}
+
+    def note_split(self, node: OpNode, count: int, length: int) -> None:
+        self.splits.setdefault(node.computation, {}).setdefault(
+            count * length, set()).add((count, length))
+
+    def fresh(self, base: str) -> str:
+        name = f"{base}.seg"
+        n = 0
+        while name in self.names:
+            n += 1
+            name = f"{base}.seg{n}"
+        self.names.add(name)
+        return name
+
+    # --- scatter ------------------------------------------------------------------------
+    def scatter(self, graph: OpGraph, node: OpNode) -> list[Instruction] | None:
+        inst = node.instruction
+        if len(node.operands) != 3 or node.shape.is_tuple:
+            return None
+        operand = graph.nodes[node.operands[0]]
+        updates = graph.nodes[node.operands[2]]
+        oshape, ushape = operand.shape, updates.shape
+        rank = oshape.rank
+        if inst.ints("inserted_window_dims", ()) != (0,) or \
+                inst.ints("scatter_dims_to_operand_dims", ()) != (0,) or \
+                inst.ints("input_batching_dims", ()) or \
+                inst.ints("update_window_dims", ()) != tuple(range(1, rank)) or \
+                tuple(ushape.dims[1:]) != tuple(oshape.dims[1:]):
+            return None
+        names = [n.lstrip("%") for n in inst.called_computations]
+        comp = graph.computations.get(names[0]) if names else None
+        kind = combiner_kind(comp) if comp is not None else None
+        if kind not in _COMBINE_OPCODE:
+            return None
+        etype = oshape.element_type
+        identity = _identity_literal(kind, etype)
+        if identity is None or ushape.element_type != etype:
+            return None
+        pattern = segment_pattern(graph, node.operands[1], inst.int("index_vector_dim"))
+        rows = oshape.dims[0]
+        if pattern is None or pattern.first + pattern.count > rows or \
+                pattern.count * pattern.length != ushape.dims[0]:
+            return None
+        tail = tuple(oshape.dims[1:])
+        k, length = pattern.count, pattern.length
+        self.note_split(node, k, length)
+        out: list[Instruction] = []
+        init = Instruction(self.fresh(f"{inst.name}.identity"), _shape(etype, ()), "constant",
+                           literal=identity)
+        grouped = Instruction(self.fresh(f"{inst.name}.segments"),
+                              _shape(etype, (k, length) + tail), "reshape", [inst.operands[2]])
+        reduced = Instruction(self.fresh(f"{inst.name}.reduce"), _shape(etype, (k,) + tail),
+                              "reduce", [grouped.name, init.name],
+                              {"dimensions": "{1}", "to_apply": inst.attrs["to_apply"]})
+        out += [init, grouped, reduced]
+        value = reduced
+        if k != rows:
+            padding = "x".join([f"{pattern.first}_{rows - k - pattern.first}"] +
+                               ["0_0"] * len(tail))
+            value = Instruction(self.fresh(f"{inst.name}.rows"), _shape(etype, tuple(oshape.dims)),
+                                "pad", [reduced.name, init.name], {"padding": padding})
+            out.append(value)
+        if _fills_with(graph, operand, identity, etype):
+            # The reduced (or padded) value is the result: it takes the scatter's name.
+            out.pop()
+            value.name, value.shape = inst.name, node.shape
+            value.is_root = inst.is_root
+            self.result.reductions.append(inst.name)
+            return out + [value]
+        else:
+            final = Instruction(inst.name, node.shape, _COMBINE_OPCODE[kind],
+                                [inst.operands[0], value.name])
+        final.is_root = inst.is_root
+        out.append(final)
+        self.result.reductions.append(inst.name)
+        return out
+
+    # --- gather -------------------------------------------------------------------------
+    def gather(self, graph: OpGraph, node: OpNode) -> list[Instruction] | None:
+        inst = node.instruction
+        if len(node.operands) != 2 or node.shape.is_tuple:
+            return None
+        table = graph.nodes[node.operands[0]]
+        tshape = table.shape
+        rank = tshape.rank
+        tail = tuple(tshape.dims[1:])
+        if inst.ints("collapsed_slice_dims", ()) != (0,) or \
+                inst.ints("start_index_map", ()) != (0,) or \
+                inst.ints("operand_batching_dims", ()) or \
+                inst.ints("offset_dims", ()) != tuple(range(1, rank)) or \
+                inst.ints("slice_sizes", ()) != (1,) + tail:
+            return None
+        pattern = segment_pattern(graph, node.operands[1], inst.int("index_vector_dim"))
+        if pattern is None or pattern.first + pattern.count > tshape.dims[0]:
+            return None
+        k, length = pattern.count, pattern.length
+        if tuple(node.shape.dims) != (k * length,) + tail:
+            return None
+        etype = tshape.element_type
+        self.note_split(node, k, length)
+        out: list[Instruction] = []
+        source = inst.operands[0]
+        if pattern.first != 0 or k != tshape.dims[0]:
+            spec = ", ".join([f"[{pattern.first}:{pattern.first + k}]"] +
+                             [f"[0:{d}]" for d in tail])
+            sliced = Instruction(self.fresh(f"{inst.name}.segments"), _shape(etype, (k,) + tail),
+                                 "slice", [source], {"slice": "{" + spec + "}"})
+            out.append(sliced)
+            source = sliced.name
+        spread = Instruction(self.fresh(f"{inst.name}.members"),
+                             _shape(etype, (k, length) + tail), "broadcast", [source],
+                             {"dimensions": _int_set((0,) + tuple(range(2, rank + 1)))})
+        final = Instruction(inst.name, node.shape, "reshape", [spread.name])
+        final.is_root = inst.is_root
+        out += [spread, final]
+        self.result.broadcasts.append(inst.name)
+        return out
+
+    # --- select on a proved predicate ----------------------------------------------------
+    def select(self, graph: OpGraph, node: OpNode) -> list[Instruction] | None:
+        """``select(p, a, b)`` whose predicate is proved all true (or all false) from the
+        module (jax's in-bounds mask around a gather of proved indices): the chosen side."""
+        inst = node.instruction
+        if len(inst.operands) != 3 or graph.nodes[node.operands[0]].shape.rank == 0:
+            return None
+        values, known = known_index_values(graph, node.operands[0])
+        if values.size == 0 or not bool(known.all()):
+            return None
+        if bool((values != 0).all()):
+            chosen = inst.operands[1]
+        elif bool((values == 0).all()):
+            chosen = inst.operands[2]
+        else:
+            return None
+        self.result.selects.append(inst.name)
+        if not inst.is_root:
+            self.aliases.setdefault(node.computation, {})[inst.name] = chosen
+            return []
+        return [Instruction(inst.name, node.shape, "copy", [chosen], is_root=True)]
+
+
+def _fills_with(graph: OpGraph, node: OpNode, literal: str, etype: str) -> bool:
+    """Whether ``node`` is a broadcast of a scalar constant equal to ``literal``."""
+    if node.opcode != "broadcast" or not node.operands:
+        return False
+    src = graph.nodes[node.operands[0]]
+    if src.opcode != "constant" or src.shape.rank != 0 or src.instruction.literal is None:
+        return False
+    try:
+        return float(src.instruction.literal.strip()) == float(literal)
+    except ValueError:
+        return False
+
+
+def _resolve(aliases: dict[str, str], name: str) -> str:
+    while name in aliases:
+        name = aliases[name]
+    return name
+
+
+def _drop_dead(comp: Computation, seeds: set[str]) -> None:
+    """Remove the instructions only the replaced ones read (their index arithmetic)."""
+    by_name = {i.name: i for i in comp.instructions}
+    users: dict[str, int] = {}
+    for inst in comp.instructions:
+        for o in inst.operands:
+            users[o] = users.get(o, 0) + 1
+    dead: set[str] = set()
+    stack = [s for s in seeds if s in by_name]
+    while stack:
+        name = stack.pop()
+        inst = by_name[name]
+        if name in dead or users.get(name, 0) or inst.is_root or inst.opcode == "parameter":
+            continue
+        dead.add(name)
+        for o in inst.operands:
+            users[o] -= 1
+            stack.append(o)
+    comp.instructions = [i for i in comp.instructions if i.name not in dead]
+
+
+_REWRITES = {"scatter": "scatter", "gather": "gather", "select": "select"}
+
+
+def rewrite_segments(module: HloModule) -> SegmentRewrite:
+    """``module`` with its proved segment scatters and gathers as reductions and
+    broadcasts: a new module sharing the unchanged computations and instructions
+    (``module`` itself is not changed; returned as it is when nothing is proved)."""
+    rewriter = _Rewriter(module)
+    if not any(i.opcode in ("scatter", "gather") for c in module.computations
+               for i in c.instructions):
+        return rewriter.result
+    replaced: dict[int, list[Instruction]] = {}
+    seeds: dict[str, set[str]] = {}
+    for graph in build_op_graphs(module):
+        for node in graph.nodes:
+            if node.opcode not in _REWRITES or node.computation != graph.name:
+                continue
+            if node.opcode == "select" and \
+                    graph.nodes[node.operands[0]].opcode not in ("reduce", "and", "compare"):
+                continue
+            try:
+                got = getattr(rewriter, _REWRITES[node.opcode])(graph, node)
+            except (KeyError, ValueError) as exc:
+                log.debug("%s left as it is: %s", node.name, exc)
+                got = None
+            if got is not None:
+                replaced[id(node.instruction)] = got
+                seeds.setdefault(graph.name, set()).update(node.instruction.operands)
+    if not replaced:
+        return rewriter.result
+    comps: list[Computation] = []
+    for comp in module.computations:
+        if any(id(i) in replaced for i in comp.instructions):
+            new: list[Instruction] = []
+            aliases = rewriter.aliases.get(comp.name, {})
+            for inst in comp.instructions:
+                for got in replaced.get(id(inst), [inst]):
+                    if any(o in aliases for o in got.operands):
+                        got = dataclasses.replace(
+                            got, operands=[_resolve(aliases, o) for o in got.operands])
+                    new.append(got)
+            comp = dataclasses.replace(comp, instructions=new)
+            _drop_dead(comp, seeds.get(comp.name, set()))
+            split = {n: next(iter(ways)) for n, ways in
+                     rewriter.splits.get(comp.name, {}).items() if len(ways) == 1}
+            if split:
+                comp = shape_segments(comp, split, rewriter.names)
+        comps.append(comp)
+    rewriter.result.module = dataclasses.replace(module, computations=comps)
+    log.debug("segments as rows: %d scatters reduced, %d gathers broadcast",
+              len(rewriter.result.reductions), len(rewriter.result.broadcasts))
+    return rewriter.result
+
+
+def segments_as_rows(module: HloModule) -> HloModule:
+    """``rewrite_segments(module).module`` for a module XLA has not optimized (jax's
+    pre-optimization HLO, what ``stitch.plan`` and ``stitch.compile`` plan from); an
+    optimized one (scheduled, or holding fusions: the XLA pass's input, whose instructions
+    the pass replaces by name) is returned as it is."""
+    if module.attrs.get("is_scheduled", "").strip().lower() == "true" or any(
+            i.opcode == "fusion" for c in module.computations for i in c.instructions):
+        return module
+    return rewrite_segments(module).module
+
+
+__all__ = ["SegmentPattern", "SegmentRewrite", "segment_pattern", "rewrite_segments",
+           "segments_as_rows"]
