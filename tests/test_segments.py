@@ -163,7 +163,7 @@ def test_segmented_softmax_step_is_one_kernel_moving_its_inputs_and_outputs_once
     import jax
 
     import stitch
-    from bench.segments import measure, segmented_softmax_step_hlo
+    from bench.plans.segments import measure, segmented_softmax_step_hlo
 
     segments, length = 500, 64
     n = segments * length

@@ -98,6 +98,8 @@ MEASURE = Measure(
              quick=False),
         Part("base-fusion", "Base fusion against XLA's kernel counts",
              script("bench.plans.base_fusion")),
+        Part("segments", "Segmented reductions: sorted segments as rows",
+             script("bench.plans.segments", [], ["--sizes", "10000x64"]), quick=False),
         Part("estimates", "Latency-evaluator against XLA's own per-fusion estimates",
              script("bench.plans.estimates", [], ["--targets", "h100"],
                     block="latency-vs-xla"), quick=False),

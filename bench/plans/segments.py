@@ -1,7 +1,8 @@
 """Segmented softmax, forward and gradient in one step, as jax writes it: the modeled
 memory-intensive time of the XLA-like baseline and of stitch's plans.
 
-    python -m bench.segments [--target h100] [--sizes 10000x64,50000x128]
+    python -m bench plans --part segments      (or: python -m bench.plans.segments
+                                               [--target h100] [--sizes 10000x64,50000x128])
 
 The module is ``jax.vjp`` of a softmax within sorted segments (``jax.ops.segment_max`` /
 ``segment_sum`` with ``indices_are_sorted=True``, ids ``arange(n) // length``), lowered to
@@ -104,18 +105,23 @@ def measure(segments: int, length: int, target: str = "h100") -> list[Side]:
 
 
 def render(results: dict[tuple[int, int], list[Side]], target: str) -> str:
-    lines = [f"segmented softmax forward+gradient, modeled on {target} "
-             "(memory-intensive kernels; delta model µs, latency-evaluator µs)",
-             f"{'size':>10}  {'side':<30} {'kernels':>7} {'MB':>8} {'µs':>9} "
-             f"{'atomics µs':>10} {'sched µs':>9} {'vs baseline':>11}"]
+    """A markdown table: per size and side, kernels, MB, modeled µs (atomics' share), the
+    latency-evaluator's µs where every kernel has a schedule, and the speed-up."""
+    lines = [f"Segmented softmax forward + gradient (jax's HLO, f32), {target}: memory-intensive "
+             "kernels; **counted** kernels and MB, **modeled** µs (delta cost model, atomics' "
+             "contention included; latency-evaluator beside it). Baseline: XLA-GPU-like base "
+             "fusion of jax's module with atomic scatter kernels (not XLA's own optimized "
+             "module).", "",
+             "| size | side | kernels | MB | µs | of which atomics µs | latency-evaluator µs "
+             "| vs baseline |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for (segments, length), sides in results.items():
         base = sides[0].modeled_us
         for side in sides:
-            sched = f"{side.latency_us:9.1f}" if side.latency_us is not None else f"{'-':>9}"
-            lines.append(f"{segments}x{length:<4}  {side.label:<30} {side.kernels:>7} "
-                         f"{side.hbm_bytes / 1e6:8.2f} {side.modeled_us:9.1f} "
-                         f"{side.contention_us:10.1f} {sched} "
-                         f"{base / side.modeled_us:10.2f}x")
+            sched = f"{side.latency_us:.1f}" if side.latency_us is not None else "–"
+            lines.append(f"| {segments}×{length} | {side.label} | {side.kernels} | "
+                         f"{side.hbm_bytes / 1e6:.2f} | {side.modeled_us:.1f} | "
+                         f"{side.contention_us:.1f} | {sched} | "
+                         f"{base / side.modeled_us:.2f}× |")
     return "\n".join(lines)
 
 
