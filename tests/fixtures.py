@@ -7,14 +7,6 @@ DATA = pathlib.Path(__file__).resolve().parent / "data"
 GPU_TARGETS = ("v100", "a100", "h100")
 
 
-# Zoo models whose committed fixtures are the pre-optimization stage only: their XLA GPU
-# stages come from a deviceless compile where jax's CUDA plugin is installed
-# (scripts/gen_fixtures.py without --no-gpu), which the machine that added them lacked.
-PRE_ONLY_MODELS = frozenset({
-    f"{name}{suffix}" for name in ("segment_softmax", "segment_softmax_grad", "embedding_bag",
-                                   "moe_layer") for suffix in ("", "_bf16")})
-
-
 def zoo_fixture_files() -> list[pathlib.Path]:
     """Every jax zoo fixture: tests/data/<model>/<config>.<stage>.hlo."""
     return sorted(p for p in DATA.glob("*/*.hlo") if p.parent.name != "tf")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import stitch
+from stitch.explorer.planner import BYTES_SLACK
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.plan import validate
 from tests.fixtures import DATA
@@ -22,7 +23,8 @@ def test_plan_is_valid_and_never_worse_than_xla(model, target):
     assert summary["baseline_source"] == "xla"
     base, stitched = summary["baseline"], summary["stitched"]
     assert stitched["mem_kernels"] <= base["mem_kernels"]
-    assert stitched["mem_hbm_bytes"] <= base["mem_hbm_bytes"]
+    # Never more than the planner's slack over XLA's bytes (a launch saved for a re-read).
+    assert stitched["mem_hbm_bytes"] <= base["mem_hbm_bytes"] * (1 + BYTES_SLACK)
     # GEMMs/convs are counted identically on both sides, except that a gemm_chain kernel
     # takes the place of its two GEMMs.
     chains = sum(k.kind == "gemm_chain" for k in p.kernels)
@@ -32,13 +34,18 @@ def test_plan_is_valid_and_never_worse_than_xla(model, target):
         validate(g.graph, g.stitched.kernels)
         validate(g.graph, g.baseline.kernels)
     # Every kernel stitch generates has a legal schedule (locality checked, launchable).
-    from stitch.explorer.patterns import is_plannable
+    from stitch.explorer.planner import kept_as_xla
     for g in p.graphs:
         for k in g.stitched.kernels:
             if k.kind != "fused" or not k.cost.launches:
                 continue
-            if not all(is_plannable(g.graph, v) for v in k.members):
-                continue                      # XLA's fusion around a scatter, kept whole
+            if kept_as_xla(g.graph, k.members):
+                # XLA's fusion around an op stitch does not generate, kept whole: one of
+                # XLA's kernels, never a stitched one.
+                assert frozenset(k.members) in {frozenset(b.members)
+                                                for b in g.baseline.kernels}, k.name
+                assert "kept as is" in k.schedule_note
+                continue
             assert k.schedule is not None, (k.name, k.schedule_note)
             assert k.occupancy.blocks_per_sm >= 1 and k.regs_estimate <= 255
             assert k.smem_bytes <= get_spec(target).shared_memory_per_block_optin

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from stitch.hlo_passes import evaluate, parse_hlo
-from tests.fixtures import (BF16_TOLERANCE, DATA, GPU_TARGETS, PRE_ONLY_MODELS, uses_bf16,
-                            zoo_fixture)
+from tests.fixtures import BF16_TOLERANCE, DATA, GPU_TARGETS, uses_bf16, zoo_fixture
 
 jax = pytest.importorskip("jax")
 models = pytest.importorskip("stitch.models")
@@ -56,8 +55,6 @@ def _hlo_text(inst, stage: str) -> str:
     if stage == "cpu":
         return jax.jit(inst.fn).lower(*inst.arg_specs).compile().as_text()
     path = zoo_fixture(inst.name, "tiny", stage)
-    if not path.exists() and stage != "pre" and inst.name in PRE_ONLY_MODELS:
-        pytest.skip(f"{inst.name}: no XLA GPU fixture yet (tests/fixtures.PRE_ONLY_MODELS)")
     if not path.exists():
         pytest.fail(f"missing fixture {path}: run scripts/gen_fixtures.py")
     return path.read_text()

@@ -39,6 +39,7 @@ from .fusion_plan import FusionPlan, GraphResult
 from .options import ExplorerOptions
 from .plan_cache import (PlanCache, StaleEntry, default_plan_cache, kernel_sets,
                          module_fingerprint, plan_entry, plan_key)
+from .buildable import build_problem
 from .feasibility import infeasible_reason
 from .patterns import (MAX_PATTERN_OPS, Pattern, PatternExplorer, Vertices, is_plannable,
                        unit_vertices)
@@ -254,7 +255,7 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
             continue
         if k.kind != "fused" or not k.cost.launches:
             continue
-        if not all(is_plannable(graph, v) for v in k.members):
+        if kept_as_xla(graph, k.members):
             k.schedule_note = "XLA fusion around an op stitch does not generate; kept as is"
             continue
         got = _tuned(graph, spec, frozenset(k.members), cache, grid_sync)
@@ -309,7 +310,7 @@ def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: G
     kernels, changed = [], False
     for k in plan.kernels:
         if k.schedule is None and k.schedule_note and k.schedule_note != AS_XLA_MADE_IT \
-                and k.kind == "fused" and all(is_plannable(graph, v) for v in k.members):
+                and k.kind == "fused" and not kept_as_xla(graph, k.members):
             parts = _schedulable_parts(graph, spec, frozenset(k.members), cache,
                                        cost.grid_sync)
             if parts is not None:
@@ -331,6 +332,14 @@ def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: G
     return repaired
 
 
+def kept_as_xla(graph: OpGraph, members: Collection[int]) -> bool:
+    """Whether a kernel holds an op stitch does not generate — one outside the plannable
+    classes, or one codegen refuses (``buildable.build_problem``: a scatter-max with
+    colliding updates, say): XLA's fusion around it runs as XLA made it, untuned."""
+    return not all(is_plannable(graph, v) for v in members) or \
+        any(build_problem(graph, v) for v in members)
+
+
 def latency_objective_s(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
                         cache: ScheduleCache, grid_sync: str = "barrier") -> float:
     """Modeled time of a plan under the latency-evaluator: each stitched kernel at its
@@ -340,7 +349,7 @@ def latency_objective_s(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
     total = 0.0
     for k in plan.kernels:
         if k.kind == "fused" and k.cost.launches and \
-                all(is_plannable(graph, v) for v in k.members):
+                not kept_as_xla(graph, k.members):
             got = _tuned(graph, spec, frozenset(k.members), cache, grid_sync)
             total += math.inf if isinstance(got, str) else got.modeled_us * 1e-6
         else:
@@ -443,7 +452,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     # XLA fusions around ops we cannot stitch (a scatter with its index computation) stay
     # as XLA made them: every plan keeps them whole, and no pattern may take their ops.
     locked = [Pattern(g, cost.gain(g), "baseline") for g in base_groups
-              if len(g) > 1 and any(kernel_kind(graph, (v,)) != "fused" for v in g)]
+              if len(g) > 1 and (any(kernel_kind(graph, (v,)) != "fused" for v in g)
+                                 or any(build_problem(graph, v) for v in g))]
     if locked:
         taken = frozenset().union(*(p.members for p in locked))
         patterns = [p for p in patterns if not p.members & taken]
@@ -604,7 +614,7 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
             report.detail["split_unschedulable"] = True
         for k in best.kernels:
             if k.schedule is None and k.schedule_note and k.schedule_note != AS_XLA_MADE_IT \
-                    and k.kind == "fused" and all(is_plannable(graph, v) for v in k.members):
+                    and k.kind == "fused" and not kept_as_xla(graph, k.members):
                 log.warning("graph %s: %s has no schedule, its ops run unstitched: %s",
                             graph.name, k.name, k.schedule_note)
         report.detail["schedule_seconds"] = time.perf_counter() - start_schedules
