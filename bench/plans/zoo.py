@@ -14,7 +14,7 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 import stitch
 from bench.report import geomean, ratio
@@ -334,7 +334,11 @@ class Totals:
                        if getattr(r.xla, attr) > 0 and getattr(r.stitch, attr) > 0)
 
 
-def plans_markdown(rows: list[PlanRow], image: Callable[[str], str | None]) -> list[str]:
+def plans_markdown(rows: list[PlanRow], image: Callable[[str], str | None],
+                   models: Collection[str] | None = None,
+                   full_table: str | None = None) -> list[str]:
+    """The section: per target a table of ``models`` (all rows when None; ``full_table``
+    names where every model's table is), the summary, the plot."""
     lines = [
         "Kernels and bytes are **counted** from XLA's optimized HLO (`tests/data/<model>/"
         "full.gpu-<target>.hlo`, jax 0.10.2 deviceless compilation) and from stitch's plan of "
@@ -358,6 +362,20 @@ def plans_markdown(rows: list[PlanRow], image: Callable[[str], str | None]) -> l
         "Roofline floor = Σ bytes / bandwidth of the mem kernels (no launch); gap = XLA-formula "
         "time / floor. Cells read `XLA → stitch (ratio)`; ratios are stitch/XLA for counts "
         "and bytes and XLA/stitch (speed-up, > 1 is better) for times.", ""]
+    if models is not None and full_table:
+        lines += [f"Per target below: the training graphs; every model's row: "
+                  f"[{full_table}]({full_table}).", ""]
+    lines += per_model_tables([r for r in rows if models is None or r.model in models])
+    lines += summary_markdown(rows)
+    link = image("plans_ratios")
+    if link:
+        lines += [link, ""]
+    return lines
+
+
+def per_model_tables(rows: list[PlanRow]) -> list[str]:
+    """Per target, one row per model: XLA → stitch kernels, MB, µs both ways, floor, gap."""
+    lines: list[str] = []
     for target in TARGETS:
         rs = [r for r in rows if r.target == target]
         if not rs:
@@ -376,10 +394,6 @@ def plans_markdown(rows: list[PlanRow], image: Callable[[str], str | None]) -> l
                 f"{_arrow(x.formula_us, s.formula_us, '{:.0f}', True)} | "
                 f"{x.floor_us:.0f} → {s.floor_us:.0f} | {gap} | {r.plan_s:.2f} |")
         lines.append("")
-    lines += summary_markdown(rows)
-    link = image("plans_ratios")
-    if link:
-        lines += [link, ""]
     return lines
 
 

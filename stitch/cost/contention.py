@@ -14,13 +14,14 @@ is its bytes plus a contention term set by how many updates land on each address
   bf16 from sm_90 on; max/min of integers and, as XLA emits them through the integer
   units, of f32) holds the address for ``SAME_ADDRESS_ATOMIC_CYCLES``; the waiting
   fraction (1 - 1/c) of the updates serializes there. A compare-and-swap loop (other
-  combiners and types) makes an address's c contenders retry: about c(c+1)/2 attempts per
-  address, each one L2 operation.
+  combiners and types) makes an address's c contenders retry: c rounds, one winner per
+  round, about c(c+1)/2 attempts per address, each attempt holding the slice as long as a
+  native atomic does; the rounds follow one another an L2 round trip apart.
 - The L2 serves different addresses in parallel over ``L2_ATOMIC_SLICES`` slices
   (assumed: the L2 slice counts of the parts, 64 on V100, 80 on A100 and H100).
 
-    serial_cycles = max(L2 operations that wait × cycles each / slices,
-                        c × cycles each)                 # one address's chain
+    serial_cycles = max(L2 operations that wait × same-address cycles / slices,
+                        one address's chain)   # c × same-address cycles, or c round trips
     contention_s  = serial_cycles / clock
 
 The figures are assumptions built from the same microbenchmark papers as
@@ -72,13 +73,14 @@ class Contention:
         if c <= 1.0:
             return 0.0
         slices = L2_ATOMIC_SLICES.get(spec.compute_capability[0], 80)
+        per_op = float(SAME_ADDRESS_ATOMIC_CYCLES)
         if self.native:
-            per_op = float(SAME_ADDRESS_ATOMIC_CYCLES)
             waiting_ops = self.updates * (1.0 - 1.0 / c)
+            chain = c * per_op
         else:
-            per_op = float(L2_LATENCY_CYCLES.get(spec.compute_capability[0], 260))
             waiting_ops = self.addresses * (c * (c + 1) / 2 - 1)
-        return max(waiting_ops * per_op / slices, c * per_op)
+            chain = c * float(L2_LATENCY_CYCLES.get(spec.compute_capability[0], 260))
+        return max(waiting_ops * per_op / slices, chain)
 
     def seconds(self, spec: GpuSpec) -> float:
         return self.serial_cycles(spec) / spec.clock_hz
