@@ -16,7 +16,7 @@ from stitch.hlo_passes import HloModule
 from stitch.errors import Cancelled, StitchError
 
 from .config import grid_sync_on_gpu
-from .delivered import deliver, loses_with_copies
+from .delivered import deliver, loses_with_copies, price_xla_kernels
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_copy_bytes,
                           find_site, replace_kernels, xla_layouts)
 
@@ -24,6 +24,7 @@ from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_c
 from .kernel_builds import GpuPrebuild, build_target
 from .pass_request import BuiltKernel, PassError, PassReport, PassRequest
 from .ptx_children import build_threads, release_ptx_workers, start_ptx_workers
+from .segment_rows import segment_rows
 from .snap import snap_kernels
 
 log = logging.getLogger("stitch.xla_pass.planning")
@@ -93,15 +94,21 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
         # The planner prices a global-scope kernel only in the launch form this pass builds
         # it in, and none under "off" (stitch.cost.launch_forms, STITCH_GRID_SYNC).
         options = dataclasses.replace(options, grid_sync=grid_sync_on_gpu())
-    fusion_plan = make_plan(module, request.target, options=options,
+    # Planned (and cached, fingerprinted) from the module with proved segments as rows in
+    # XLA's fusion bodies; placed into XLA's own module by instruction name.
+    rows = segment_rows(module)
+    fusion_plan = make_plan(rows.planned, request.target, options=options,
                             cancel=request.cancel, cache=True)
     timings["plan_s"] = time.perf_counter() - t0
     # This thread's CPU seconds: what planning cost, whatever else shares the machine.
     timings["plan_cpu_s"] = time.thread_time() - cpu0
     summary = fusion_plan.summary()
     report = PassReport(module.name, summary["baseline"]["kernels"],
-                        summary["baseline"]["kernels"], 0, plan=fusion_plan)
-    evaluator = Evaluator(module)
+                        summary["baseline"]["kernels"], 0, plan=fusion_plan,
+                        segment_rows=list(rows.reductions))
+    # The kernels are lowered from the planned graphs: their constants are the planned
+    # module's.
+    evaluator = Evaluator(rows.planned)
     spec = get_spec(request.target)
     graphs = [g.graph for g in fusion_plan.graphs]
     placed: list[PlacedKernel] = []
@@ -112,6 +119,9 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
     _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
                    built, launching, ptx_workers)
     timings["build_s"] = time.perf_counter() - t1
+    # Priced before the rewrite changes ``module``: the plan's baseline is of the module
+    # it planned, which computes proved segments as rows.
+    xla_kernels = price_xla_kernels(module, spec) if rows.changed else None
     rewrite = replace_kernels(module, graphs, placed, views)
     report.placed = rewrite.placed
     report.skipped.extend(rewrite.skipped)
@@ -121,7 +131,9 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
     report.in_loop_bodies = sum(1 for p in placed if p.site.name in set(rewrite.placed)
                                 and fusion_plan.graphs[p.site.graph_index].graph.kind != "entry")
     report.timings.update(timings)
-    report.delivery = deliver(report, fusion_plan, spec, placed, rewrite)
+    # The XLA side (and the XLA kernels left) priced as XLA made them, atomics included.
+    report.delivery = deliver(report, fusion_plan, spec, placed, rewrite,
+                              xla_kernels=xla_kernels)
     log.debug("%s: %d stitched kernels placed, %d skipped, %d failed to build",
               module.name, len(rewrite.placed), len(report.skipped), len(report.fallbacks))
     return report
