@@ -174,7 +174,8 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
                    xla_kernels: dict[str, list[XlaKernel]] | None = None) -> Delivery:
     """Price what the pass put in the module (module docstring).
 
-    ``placed``: (graph index, kernel name, members) of each stitch call in the final module;
+    ``placed``: (graph index, kernel name, members[, the top-level instructions it
+    replaced]) of each stitch call in the final module;
     ``reasons``: kernel name -> (drop kind, reason) for planned kernels left out;
     ``copies``: the copies the rewrite added; ``xla_kernels``: XLA's own kernels
     (``price_xla_kernels``) where the plan's baseline is of another module: they are the
@@ -182,9 +183,10 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
     from stitch.cost.delta import CostModel, copy_kernel_cost
     from stitch.explorer.plan import kernel_kind, memory_intensive
 
-    by_graph: dict[int, list[tuple[str, frozenset]]] = {}
-    for gi, name, members in placed:
-        by_graph.setdefault(gi, []).append((name, frozenset(members)))
+    by_graph: dict[int, list[tuple[str, frozenset, frozenset[str]]]] = {}
+    for gi, name, members, *tops in placed:
+        by_graph.setdefault(gi, []).append((name, frozenset(members),
+                                            frozenset(tops[0]) if tops else frozenset()))
     copies = list(copies)
     xla, planned, delivered = Side(), Side(), Side()
     dropped: list[Dropped] = []
@@ -202,7 +204,7 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
         planned_by_name = {k.name: k for k in gp.stitched.kernels}
         cost_model: Any = None
         taken: set[int] = set()
-        for name, members in by_graph.get(gi, []):
+        for name, members, _ in by_graph.get(gi, []):
             k = planned_by_name.get(name)
             if k is not None and frozenset(k.members) == members:
                 # The plan's price less the loop copies it predicted: the copies the
@@ -217,7 +219,8 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
             delivered.add(cost, memory, weight)
             taken |= members
         if own is not None:
-            replaced = _tops(gp.graph, taken)
+            replaced = _tops(gp.graph, taken).union(
+                *(tops for _, _, tops in by_graph.get(gi, [])))
             for x in own:
                 if not replaced & x.tops:
                     delivered.add(x.cost, x.memory, weight)
@@ -225,7 +228,7 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
             for k in gp.baseline.kernels:
                 if not taken & set(k.members):
                     delivered.add(k.cost, k.is_memory, weight)
-        placed_names = {name for name, _ in by_graph.get(gi, [])}
+        placed_names = {name for name, _, _ in by_graph.get(gi, [])}
         for k in gp.stitched.kernels:
             if k.name in placed_names or not _stitched(k):
                 continue
@@ -271,7 +274,7 @@ def deliver(report: Any, fusion_plan: Any, spec: Any, placed: Iterable[Any],
     in, ``rewrite``: hlo_rewrite's RewriteReport, ``xla_kernels``: see
     ``price_delivery``), logged at info."""
     names = set(rewrite.placed)
-    sites = [(p.site.graph_index, p.site.name, p.site.members) for p in placed
+    sites = [(p.site.graph_index, p.site.name, p.site.members, p.site.tops) for p in placed
              if p.site.name in names]
     delivery = price_delivery(
         fusion_plan, spec, sites, drop_reasons(report.skipped, report.fallbacks, report.unpaid),
