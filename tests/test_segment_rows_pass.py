@@ -128,10 +128,14 @@ def test_xla_gpu_module_rewritten_in_fusion_bodies_only(target):
     assert sorted(rewrite.reductions) == sorted(scatters) and scatters
     assert not any(i.opcode in ("scatter", "gather") for c in rewrite.module.computations
                    for i in c.instructions)
-    top = [(i.name, str(i.shape), tuple(i.operands), i.attrs.get("calls"))
-           for i in module.entry.instructions]
-    assert top == [(i.name, str(i.shape), tuple(i.operands), i.attrs.get("calls"))
-                   for i in rewrite.module.entry.instructions]
+    # Top-level instructions keep their names, shapes and called computations (fusions no
+    # longer reading XLA's id fusions drop those operands, and the id fusions go).
+    top = {i.name: (str(i.shape), i.attrs.get("calls")) for i in module.entry.instructions}
+    kept = {i.name: (str(i.shape), i.attrs.get("calls"))
+            for i in rewrite.module.entry.instructions}
+    assert all(top.get(name) == got for name, got in kept.items())
+    assert {i.name for i in module.entry.instructions if i.opcode == "fusion" and
+            any(c in i.attrs.get("calls", "") for c in ("scatter", "fused_add"))} <= set(kept)
     rng = np.random.default_rng()
     args = [rng.standard_normal(tuple(p.shape.dims)).astype(np.float32)
             for p in module.entry.parameters]

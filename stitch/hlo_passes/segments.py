@@ -403,8 +403,77 @@ def rewrite_segments(module: HloModule, fusion_bodies: bool = False) -> SegmentR
 
 def fused_segments_as_rows(module: HloModule) -> SegmentRewrite:
     """``rewrite_segments`` of an XLA-optimized module, in its fusion bodies only (the XLA
-    pass plans from the result and places its kernels into ``module`` by name)."""
-    return rewrite_segments(module, fusion_bodies=True)
+    pass plans from the result and places its kernels into ``module`` by name). The
+    rewritten fusions then stop reading XLA's id and mask fusions: their unread parameters
+    are dropped and the top-level instructions nothing reads any more with them, so the
+    plan holds no dead kernel; every instruction left keeps its name and shape."""
+    rewrite = rewrite_segments(module, fusion_bodies=True)
+    if rewrite.changed:
+        rewrite.module = _without_unread(module, rewrite.module)
+    return rewrite
+
+
+# Top-level instructions dropped from the planned module where nothing reads them.
+_DROPPABLE = {"bitcast", "copy", "broadcast", "reshape", "iota", "constant",
+              "get-tuple-element"}
+
+
+def _without_unread(original: HloModule, rewritten: HloModule) -> HloModule:
+    """``rewritten`` with the parameters its changed fusion bodies no longer read dropped
+    (from the body and from the calling fusion's operands) and then the top-level
+    instructions no one reads (loop and input fusions, data movement)."""
+    before = {c.name: c for c in original.computations}
+    changed = {c.name: c for c in rewritten.computations if before.get(c.name) is not c}
+    comps = {c.name: c for c in rewritten.computations}
+    # fusion body -> positions of the parameters it still reads
+    kept: dict[str, list[int]] = {}
+    for name, comp in changed.items():
+        read = {o for i in comp.instructions for o in i.operands}
+        params = comp.parameters
+        keep = [p.parameter_number for p in params if p.name in read]
+        if len(keep) == len(params):
+            continue
+        kept[name] = keep
+        renumber = {n: k for k, n in enumerate(keep)}
+        comps[name] = dataclasses.replace(comp, instructions=[
+            dataclasses.replace(i, parameter_number=renumber[i.parameter_number])
+            if i.opcode == "parameter" else i
+            for i in comp.instructions if i.opcode != "parameter" or i.name in read])
+    for cname, comp in list(comps.items()):
+        if not any(i.opcode == "fusion" and i.called_computations and
+                   i.called_computations[0].lstrip("%") in kept for i in comp.instructions):
+            continue
+        out = []
+        for inst in comp.instructions:
+            body = inst.called_computations[0].lstrip("%") \
+                if inst.opcode == "fusion" and inst.called_computations else None
+            if body in kept:
+                inst = dataclasses.replace(inst, operands=[inst.operands[k]
+                                                           for k in kept[body]])
+            out.append(inst)
+        comps[cname] = _drop_unread_tops(dataclasses.replace(comp, instructions=out))
+    return dataclasses.replace(rewritten, computations=[
+        comps[c.name] for c in rewritten.computations])
+
+
+def _drop_unread_tops(comp: Computation) -> Computation:
+    users: dict[str, int] = {}
+    for inst in comp.instructions:
+        for o in inst.operands:
+            users[o] = users.get(o, 0) + 1
+    keep = [True] * len(comp.instructions)
+    for k in range(len(comp.instructions) - 1, -1, -1):
+        inst = comp.instructions[k]
+        pure = inst.opcode in _DROPPABLE or (
+            inst.opcode == "fusion" and inst.attrs.get("kind", "").strip() in
+            ("kLoop", "kInput"))
+        if users.get(inst.name, 0) or inst.is_root or not pure:
+            continue
+        keep[k] = False
+        for o in inst.operands:
+            users[o] -= 1
+    return dataclasses.replace(comp, instructions=[
+        i for i, k in zip(comp.instructions, keep) if k])
 
 
 def segments_as_rows(module: HloModule) -> HloModule:

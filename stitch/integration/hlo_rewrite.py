@@ -124,8 +124,10 @@ class ComputationView:
 
 
 def find_site(view: ComputationView, graph_index: int, name: str,
-              members: frozenset[int]) -> KernelSite:
-    """The instructions a kernel replaces, or NotPlaceable with the reason."""
+              members: frozenset[int], alone: bool = False) -> KernelSite:
+    """The instructions a kernel replaces, or NotPlaceable with the reason. ``alone``: one
+    launching instruction is enough (its planned body differs from XLA's, e.g. segments as
+    rows instead of atomics)."""
     ops = [m for m in members if view.graph.nodes[m].op_class is not OpClass.SOURCE]
     tops: set[str] = set()
     for m in ops:
@@ -141,7 +143,7 @@ def find_site(view: ComputationView, graph_index: int, name: str,
                                "are elsewhere)")
     tops |= _unread_by_plan(view, tops)
     launching = [t for t in tops if view.launches(t)]
-    if len(launching) < 2:
+    if len(launching) < (1 if alone else 2):
         raise NotPlaceable("same as XLA's kernel" + (f" {launching[0]}" if launching else ""))
     return KernelSite(name, graph_index, members,
                       tuple(sorted(tops, key=view.position.__getitem__)))
@@ -164,8 +166,10 @@ def _unread_by_plan(view: ComputationView, tops: set[str]) -> set[str]:
         inst = view.table.get(name)
         if inst is None or name in chosen or inst.is_root or not _pure(inst):
             continue
-        ops = view.group_ops.get(name)
-        if not ops or any(u not in ops for n in ops for u in view.graph.nodes[n].users):
+        # Absent from the planned graph (dropped there as unread), or its ops read only
+        # by each other.
+        ops = view.group_ops.get(name, set())
+        if any(u not in ops for n in ops for u in view.graph.nodes[n].users):
             continue
         if all(r in chosen for r in readers.get(name, [])):
             chosen.add(name)

@@ -28,6 +28,9 @@ class SegmentRows:
     planned: HloModule                                   # ``module`` itself when unchanged
     reductions: list[str] = field(default_factory=list)  # scatters planned as reduces
     broadcasts: list[str] = field(default_factory=list)  # gathers planned as broadcasts
+    # Top-level fusions whose bodies the planned module computes otherwise: a kernel of one
+    # of them alone is not "the same as XLA's" (the pass schedules and places it).
+    fusions: frozenset[str] = frozenset()
 
     @property
     def changed(self) -> bool:
@@ -44,7 +47,13 @@ def segment_rows(module: HloModule) -> SegmentRows:
         return SegmentRows(module)
     log.info("%s: %d segment scatters planned as row reductions, %d gathers as broadcasts",
              module.name, len(rewrite.reductions), len(rewrite.broadcasts))
-    return SegmentRows(rewrite.module, list(rewrite.reductions), list(rewrite.broadcasts))
+    before = {c.name: c for c in module.computations}
+    changed = {c.name for c in rewrite.module.computations if before.get(c.name) is not c}
+    fusions = frozenset(i.name for c in module.computations for i in c.instructions
+                        if i.opcode == "fusion" and i.called_computations and
+                        i.called_computations[0].lstrip("%") in changed)
+    return SegmentRows(rewrite.module, list(rewrite.reductions), list(rewrite.broadcasts),
+                       fusions)
 
 
 __all__ = ["SegmentRows", "segment_rows"]
