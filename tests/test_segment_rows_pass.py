@@ -71,12 +71,14 @@ def test_segment_softmax_grad_is_stitched_as_rows(monkeypatch):
     delivery = report.delivery
     assert delivery.delivered.mem_modeled_us < delivery.xla.mem_modeled_us, where
     assert delivery.delivered.mem_hbm_bytes < delivery.xla.mem_hbm_bytes, where
+    assert 1 <= report.kernels_after < report.kernels_xla, where
 
     # The XLA side is XLA's own module: the same figures as with segments as rows off,
     # whose plan keeps XLA's atomic scatters.
     monkeypatch.setenv("STITCH_SEGMENT_ROWS", "0")
     off, compiled_off = _compile(fn, scores, upstream)
     assert off.segment_rows == []
+    assert off.kernels_xla == report.kernels_xla
     assert off.delivery.xla.mem_modeled_us == pytest.approx(delivery.xla.mem_modeled_us,
                                                             rel=1e-9)
     assert off.delivery.xla.mem_hbm_bytes == delivery.xla.mem_hbm_bytes

@@ -119,6 +119,10 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
     # XLA's own kernels priced where the plan's baseline is of another module: the XLA
     # side of payback and delivery (priced before the rewrite changes ``module``).
     xla_kernels = price_xla_kernels(module, spec) if rows.changed else None
+    if xla_kernels is not None:
+        # The kernels XLA launches are those of its own module, not of the planned one.
+        report.kernels_xla = report.kernels_after = sum(
+            1 for kernels in xla_kernels.values() for x in kernels if x.cost.launches)
     _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
                    built, launching, ptx_workers, rows, xla_kernels)
     timings["build_s"] = time.perf_counter() - t1
