@@ -164,6 +164,8 @@ def _apply(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:
         return _reduce(node, graph, ops)
     if op in _INT_ARITHMETIC and shape.element_type in _INT_TYPES:
         return _arithmetic(node, ops)
+    if op in _BITWISE and shape.element_type in _INT_TYPES:
+        return _bitwise(node, shape.element_type, ops)
     if op in _PRED_OPS and shape.element_type == "pred":
         return _predicate(node, graph, ops)
     return None
@@ -175,6 +177,10 @@ def _apply(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:
 _INT_ARITHMETIC = {"add", "subtract", "multiply", "divide", "remainder", "maximum",
                    "minimum", "negate", "abs", "sign", "select", "clamp"}
 _PRED_OPS = {"compare", "and", "or", "xor", "not"}
+# Integer bit operations: XLA's optimizations turn jax's ``iota // 2^k`` into a logical
+# right shift and ``iota % 2^k`` into an ``and`` with a mask.
+_BITWISE = {"and", "or", "xor", "not", "shift-left", "shift-right-logical",
+            "shift-right-arithmetic"}
 _COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal,
             "GT": np.greater, "GE": np.greater_equal}
 
@@ -232,6 +238,40 @@ def _arithmetic(node: OpNode, ops: list[_Known]) -> _Known | None:
         return None
     dims = tuple(_leaf(node.shape).dims)
     return np.broadcast_to(out, dims).astype(np.int64), np.broadcast_to(known, dims).copy()
+
+
+def _bitwise(node: OpNode, element_type: str, ops: list[_Known]) -> _Known | None:
+    """XLA's bit operations on known integers of ``element_type``: values are held
+    sign-extended in int64, so and/or/xor/not are exact; shifts are done on the type's own
+    bits (a shift by the width or more gives 0, or the sign for an arithmetic one)."""
+    op = node.opcode
+    values = [o[0] for o in ops]
+    known = _all_known(ops)
+    np_type = _INT_TYPES[element_type]
+    bits = np.dtype(np_type).itemsize * 8
+    if op == "not":
+        out = np.invert(values[0])
+    elif op in ("and", "or", "xor"):
+        fn = {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}[op]
+        out = fn(values[0], values[1])
+    else:
+        a = values[0].astype(np_type)
+        shift = values[1]
+        over = (shift < 0) | (shift >= bits)
+        amount = np.where(over, 0, shift).astype(np_type)
+        if op == "shift-left":
+            out = np.where(over, 0, np.left_shift(a, amount))
+        elif op == "shift-right-arithmetic":
+            signed = a.astype(np.dtype(f"i{bits // 8}"))
+            out = np.where(over, np.where(signed < 0, -1, 0),
+                           np.right_shift(signed, amount.astype(signed.dtype)))
+        else:
+            unsigned = a.view(np.dtype(f"u{bits // 8}"))
+            out = np.where(over, 0, np.right_shift(unsigned, amount.astype(unsigned.dtype)))
+        out = np.asarray(out).astype(np_type)
+    dims = tuple(_leaf(node.shape).dims)
+    return np.broadcast_to(np.asarray(out).astype(np.int64), dims).copy(), \
+        np.broadcast_to(known, dims).copy()
 
 
 def _predicate(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:

@@ -145,11 +145,16 @@ class _Rewriter:
         updates = graph.nodes[node.operands[2]]
         oshape, ushape = operand.shape, updates.shape
         rank = oshape.rank
-        if inst.ints("inserted_window_dims", ()) != (0,) or \
+        # jax's form inserts the row dim; XLA's canonical form keeps it as a window dim of 1.
+        inserted = inst.ints("inserted_window_dims", ()) == (0,) and \
+            inst.ints("update_window_dims", ()) == tuple(range(1, rank)) and \
+            tuple(ushape.dims[1:]) == tuple(oshape.dims[1:])
+        kept = inst.ints("inserted_window_dims", ()) == () and \
+            inst.ints("update_window_dims", ()) == tuple(range(1, rank + 1)) and \
+            tuple(ushape.dims[1:]) == (1,) + tuple(oshape.dims[1:])
+        if not (inserted or kept) or \
                 inst.ints("scatter_dims_to_operand_dims", ()) != (0,) or \
-                inst.ints("input_batching_dims", ()) or \
-                inst.ints("update_window_dims", ()) != tuple(range(1, rank)) or \
-                tuple(ushape.dims[1:]) != tuple(oshape.dims[1:]):
+                inst.ints("input_batching_dims", ()):
             return None
         names = [n.lstrip("%") for n in inst.called_computations]
         comp = graph.computations.get(names[0]) if names else None
@@ -208,17 +213,22 @@ class _Rewriter:
         tshape = table.shape
         rank = tshape.rank
         tail = tuple(tshape.dims[1:])
-        if inst.ints("collapsed_slice_dims", ()) != (0,) or \
+        # jax's form collapses the row dim; XLA's canonical one keeps it as an offset dim
+        # of 1 (output [n, 1, ...]).
+        collapsed = inst.ints("collapsed_slice_dims", ()) == (0,) and \
+            inst.ints("offset_dims", ()) == tuple(range(1, rank))
+        kept = inst.ints("collapsed_slice_dims", ()) == () and \
+            inst.ints("offset_dims", ()) == tuple(range(1, rank + 1))
+        if not (collapsed or kept) or \
                 inst.ints("start_index_map", ()) != (0,) or \
                 inst.ints("operand_batching_dims", ()) or \
-                inst.ints("offset_dims", ()) != tuple(range(1, rank)) or \
                 inst.ints("slice_sizes", ()) != (1,) + tail:
             return None
         pattern = segment_pattern(graph, node.operands[1], inst.int("index_vector_dim"))
         if pattern is None or pattern.first + pattern.count > tshape.dims[0]:
             return None
         k, length = pattern.count, pattern.length
-        if tuple(node.shape.dims) != (k * length,) + tail:
+        if tuple(node.shape.dims) != (k * length,) + (() if collapsed else (1,)) + tail:
             return None
         etype = tshape.element_type
         self.note_split(node, k, length)
@@ -264,7 +274,10 @@ class _Rewriter:
 
 
 def _fills_with(graph: OpGraph, node: OpNode, literal: str, etype: str) -> bool:
-    """Whether ``node`` is a broadcast of a scalar constant equal to ``literal``."""
+    """Whether ``node`` is a broadcast of a scalar constant equal to ``literal`` (through
+    copies: XLA's fills of several scatters are copies of one broadcast)."""
+    while node.opcode == "copy" and node.operands:
+        node = graph.nodes[node.operands[0]]
     if node.opcode != "broadcast" or not node.operands:
         return False
     src = graph.nodes[node.operands[0]]
@@ -306,22 +319,53 @@ def _drop_dead(comp: Computation, seeds: set[str]) -> None:
 _REWRITES = {"scatter": "scatter", "gather": "gather", "select": "select"}
 
 
-def rewrite_segments(module: HloModule) -> SegmentRewrite:
+def _fusion_bodies(module: HloModule) -> set[str]:
+    """Fused computations a rewrite may change without changing what their fusion returns:
+    called by exactly one fusion instruction and by nothing else, with one (non-tuple)
+    result, whose name and shape the rewrite keeps."""
+    calls: dict[str, int] = {}
+    by_fusion: set[str] = set()
+    for comp in module.computations:
+        for inst in comp.instructions:
+            for name in inst.called_computations:
+                name = name.lstrip("%")
+                calls[name] = calls.get(name, 0) + 1
+                if inst.opcode == "fusion":
+                    by_fusion.add(name)
+    bodies = set()
+    for comp in module.computations:
+        root = comp.root
+        if comp.name in by_fusion and calls.get(comp.name) == 1 and root is not None and \
+                not root.shape.is_tuple:
+            bodies.add(comp.name)
+    return bodies
+
+
+def rewrite_segments(module: HloModule, fusion_bodies: bool = False) -> SegmentRewrite:
     """``module`` with its proved segment scatters and gathers as reductions and
     broadcasts: a new module sharing the unchanged computations and instructions
-    (``module`` itself is not changed; returned as it is when nothing is proved)."""
+    (``module`` itself is not changed; returned as it is when nothing is proved).
+
+    ``fusion_bodies`` (XLA's optimized modules): rewrite only ops inside fusions called
+    once with one result, proved on the flattened op graph (the ids may come from
+    another fusion); every top-level instruction keeps its name, operands and shape and
+    every fusion returns what it returned, so XLA's module and the rewritten one differ in
+    fusion bodies alone."""
     rewriter = _Rewriter(module)
     if not any(i.opcode in ("scatter", "gather") for c in module.computations
                for i in c.instructions):
         return rewriter.result
+    bodies = _fusion_bodies(module) if fusion_bodies else set()
     replaced: dict[int, list[Instruction]] = {}
     seeds: dict[str, set[str]] = {}
     for graph in build_op_graphs(module):
         for node in graph.nodes:
-            if node.opcode not in _REWRITES or node.computation != graph.name:
+            if node.opcode not in _REWRITES or (node.computation not in bodies
+                                                if fusion_bodies
+                                                else node.computation != graph.name):
                 continue
-            if node.opcode == "select" and \
-                    graph.nodes[node.operands[0]].opcode not in ("reduce", "and", "compare"):
+            if node.opcode == "select" and graph.nodes[node.operands[0]].opcode not in \
+                    ("reduce", "and", "compare", "broadcast"):
                 continue
             try:
                 got = getattr(rewriter, _REWRITES[node.opcode])(graph, node)
@@ -330,7 +374,7 @@ def rewrite_segments(module: HloModule) -> SegmentRewrite:
                 got = None
             if got is not None:
                 replaced[id(node.instruction)] = got
-                seeds.setdefault(graph.name, set()).update(node.instruction.operands)
+                seeds.setdefault(node.computation, set()).update(node.instruction.operands)
     if not replaced:
         return rewriter.result
     comps: list[Computation] = []
@@ -357,6 +401,81 @@ def rewrite_segments(module: HloModule) -> SegmentRewrite:
     return rewriter.result
 
 
+def fused_segments_as_rows(module: HloModule) -> SegmentRewrite:
+    """``rewrite_segments`` of an XLA-optimized module, in its fusion bodies only (the XLA
+    pass plans from the result and places its kernels into ``module`` by name). The
+    rewritten fusions then stop reading XLA's id and mask fusions: their unread parameters
+    are dropped and the top-level instructions nothing reads any more with them, so the
+    plan holds no dead kernel; every instruction left keeps its name and shape."""
+    rewrite = rewrite_segments(module, fusion_bodies=True)
+    if rewrite.changed:
+        rewrite.module = _without_unread(module, rewrite.module)
+    return rewrite
+
+
+# Top-level instructions dropped from the planned module where nothing reads them.
+_DROPPABLE = {"bitcast", "copy", "broadcast", "reshape", "iota", "constant",
+              "get-tuple-element"}
+
+
+def _without_unread(original: HloModule, rewritten: HloModule) -> HloModule:
+    """``rewritten`` with the parameters its changed fusion bodies no longer read dropped
+    (from the body and from the calling fusion's operands) and then the top-level
+    instructions no one reads (loop and input fusions, data movement)."""
+    before = {c.name: c for c in original.computations}
+    changed = {c.name: c for c in rewritten.computations if before.get(c.name) is not c}
+    comps = {c.name: c for c in rewritten.computations}
+    # fusion body -> positions of the parameters it still reads
+    kept: dict[str, list[int]] = {}
+    for name, comp in changed.items():
+        read = {o for i in comp.instructions for o in i.operands}
+        params = comp.parameters
+        keep = [p.parameter_number for p in params if p.name in read]
+        if len(keep) == len(params):
+            continue
+        kept[name] = keep
+        renumber = {n: k for k, n in enumerate(keep)}
+        comps[name] = dataclasses.replace(comp, instructions=[
+            dataclasses.replace(i, parameter_number=renumber[i.parameter_number])
+            if i.opcode == "parameter" else i
+            for i in comp.instructions if i.opcode != "parameter" or i.name in read])
+    for cname, comp in list(comps.items()):
+        if not any(i.opcode == "fusion" and i.called_computations and
+                   i.called_computations[0].lstrip("%") in kept for i in comp.instructions):
+            continue
+        out = []
+        for inst in comp.instructions:
+            body = inst.called_computations[0].lstrip("%") \
+                if inst.opcode == "fusion" and inst.called_computations else None
+            if body in kept:
+                inst = dataclasses.replace(inst, operands=[inst.operands[k]
+                                                           for k in kept[body]])
+            out.append(inst)
+        comps[cname] = _drop_unread_tops(dataclasses.replace(comp, instructions=out))
+    return dataclasses.replace(rewritten, computations=[
+        comps[c.name] for c in rewritten.computations])
+
+
+def _drop_unread_tops(comp: Computation) -> Computation:
+    users: dict[str, int] = {}
+    for inst in comp.instructions:
+        for o in inst.operands:
+            users[o] = users.get(o, 0) + 1
+    keep = [True] * len(comp.instructions)
+    for k in range(len(comp.instructions) - 1, -1, -1):
+        inst = comp.instructions[k]
+        pure = inst.opcode in _DROPPABLE or (
+            inst.opcode == "fusion" and inst.attrs.get("kind", "").strip() in
+            ("kLoop", "kInput"))
+        if users.get(inst.name, 0) or inst.is_root or not pure:
+            continue
+        keep[k] = False
+        for o in inst.operands:
+            users[o] -= 1
+    return dataclasses.replace(comp, instructions=[
+        i for i, k in zip(comp.instructions, keep) if k])
+
+
 def segments_as_rows(module: HloModule) -> HloModule:
     """``rewrite_segments(module).module`` for a module XLA has not optimized (jax's
     pre-optimization HLO, what ``stitch.plan`` and ``stitch.compile`` plan from); an
@@ -369,4 +488,4 @@ def segments_as_rows(module: HloModule) -> HloModule:
 
 
 __all__ = ["SegmentPattern", "SegmentRewrite", "segment_pattern", "rewrite_segments",
-           "segments_as_rows"]
+           "fused_segments_as_rows", "segments_as_rows"]

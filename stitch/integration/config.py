@@ -24,6 +24,10 @@ STITCH_CODE_BUDGET  Kernel IR statements above which the GPU pass builds a kerne
 STITCH_PAYBACK_STEPS  steps within which a kernel's modeled saving per step must repay its
                 estimated build for the GPU pass to build it (default 100000; ``off``: every
                 kernel is built; stitch/integration/payback.py)
+STITCH_SEGMENT_ROWS  0/false: the XLA pass plans XLA's module as it is, its proved sorted
+                fixed-length segment scatters/gathers left atomic scatters and gathers
+                (default 1: planned and built as row reductions and broadcasts inside
+                XLA's fusions; stitch/integration/segment_rows.py)
 STITCH_DUMP_MODULES  a folder: the XLA pass writes each module it plans there
                 (``<function>.<n>.hlo``; profiling and bug reports)
 STITCH_INJECT_FAILURE  testing aid: ``compile`` makes every stitched compile fail (the
@@ -167,6 +171,11 @@ def grid_sync_on_gpu() -> str:
         raise ConfigError(f"STITCH_GRID_SYNC={raw!r}: expected one of "
                           f"{', '.join(GRID_SYNC_SETTINGS)}")
     return raw
+
+
+def segment_rows_setting() -> bool:
+    """STITCH_SEGMENT_ROWS: whether the XLA pass plans proved sorted segments as rows."""
+    return env_flag("STITCH_SEGMENT_ROWS", True)
 
 
 def verify_setting() -> bool | int:

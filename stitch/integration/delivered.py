@@ -128,33 +128,83 @@ class Delivery:
         return lines
 
 
+@dataclass(frozen=True)
+class XlaKernel:
+    """One of XLA's kernels as XLA made it: the top-level instructions it is, its price."""
+    tops: frozenset[str]
+    cost: Any
+    memory: bool
+
+
+def _tops(graph: Any, members: Iterable[int]) -> frozenset[str]:
+    """The top-level instructions ``members`` belong to (by name: the planned module and
+    XLA's share them)."""
+    out = set()
+    for m in members:
+        node = graph.nodes[m]
+        out.add(node.xla_group if node.xla_group is not None else node.instruction.name)
+    return frozenset(out)
+
+
+def price_xla_kernels(module: Any, spec: Any) -> dict[str, list[XlaKernel]]:
+    """XLA's kernels of ``module`` per computation, priced by the cost model the planner
+    prices its baseline with (scatter atomics' contention included). The pass asks for
+    them where it planned another module than XLA's (segments as rows in fusion bodies:
+    stitch.integration.segment_rows), so that the XLA side is XLA's own module."""
+    from stitch.cost.delta import CostModel
+    from stitch.explorer.plan import kernel_kind, memory_intensive
+    from stitch.explorer.planner import baseline_groups
+    from stitch.hlo_passes.graph import build_op_graphs
+
+    out: dict[str, list[XlaKernel]] = {}
+    for graph in build_op_graphs(module):
+        cost_model = CostModel(graph, spec, gemm_chains=False)
+        kernels = out.setdefault(graph.name, [])
+        for group in baseline_groups(graph, "xla"):
+            members = tuple(sorted(group))
+            cost = cost_model.kernel(frozenset(members))
+            kernels.append(XlaKernel(_tops(graph, members), cost,
+                                     memory_intensive(kernel_kind(graph, members), cost)))
+    return out
+
+
 def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str, frozenset]],
                    reasons: dict[str, tuple[str, str]],
-                   copies: Iterable[LoopCopy] = ()) -> Delivery:
+                   copies: Iterable[LoopCopy] = (),
+                   xla_kernels: dict[str, list[XlaKernel]] | None = None) -> Delivery:
     """Price what the pass put in the module (module docstring).
 
-    ``placed``: (graph index, kernel name, members) of each stitch call in the final module;
+    ``placed``: (graph index, kernel name, members[, the top-level instructions it
+    replaced]) of each stitch call in the final module;
     ``reasons``: kernel name -> (drop kind, reason) for planned kernels left out;
-    ``copies``: the copies the rewrite added."""
+    ``copies``: the copies the rewrite added; ``xla_kernels``: XLA's own kernels
+    (``price_xla_kernels``) where the plan's baseline is of another module: they are the
+    XLA side, and each one no placed kernel replaces is delivered at its price."""
     from stitch.cost.delta import CostModel, copy_kernel_cost
     from stitch.explorer.plan import kernel_kind, memory_intensive
 
-    by_graph: dict[int, list[tuple[str, frozenset]]] = {}
-    for gi, name, members in placed:
-        by_graph.setdefault(gi, []).append((name, frozenset(members)))
+    by_graph: dict[int, list[tuple[str, frozenset, frozenset[str]]]] = {}
+    for gi, name, members, *tops in placed:
+        by_graph.setdefault(gi, []).append((name, frozenset(members),
+                                            frozenset(tops[0]) if tops else frozenset()))
     copies = list(copies)
     xla, planned, delivered = Side(), Side(), Side()
     dropped: list[Dropped] = []
     for gi, gp in enumerate(fusion_plan.graphs):
         weight = gp.stitched.weight
-        for k in gp.baseline.kernels:
-            xla.add(k.cost, k.is_memory, weight)
+        own = xla_kernels.get(gp.graph.name) if xla_kernels is not None else None
+        if own is not None:
+            for x in own:
+                xla.add(x.cost, x.memory, weight)
+        else:
+            for k in gp.baseline.kernels:
+                xla.add(k.cost, k.is_memory, weight)
         for k in gp.stitched.kernels:
             planned.add(k.cost, k.is_memory, weight)
         planned_by_name = {k.name: k for k in gp.stitched.kernels}
         cost_model: Any = None
         taken: set[int] = set()
-        for name, members in by_graph.get(gi, []):
+        for name, members, _ in by_graph.get(gi, []):
             k = planned_by_name.get(name)
             if k is not None and frozenset(k.members) == members:
                 # The plan's price less the loop copies it predicted: the copies the
@@ -168,10 +218,17 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
                                           cost)
             delivered.add(cost, memory, weight)
             taken |= members
-        for k in gp.baseline.kernels:
-            if not taken & set(k.members):
-                delivered.add(k.cost, k.is_memory, weight)
-        placed_names = {name for name, _ in by_graph.get(gi, [])}
+        if own is not None:
+            replaced = _tops(gp.graph, taken).union(
+                *(tops for _, _, tops in by_graph.get(gi, [])))
+            for x in own:
+                if not replaced & x.tops:
+                    delivered.add(x.cost, x.memory, weight)
+        else:
+            for k in gp.baseline.kernels:
+                if not taken & set(k.members):
+                    delivered.add(k.cost, k.is_memory, weight)
+        placed_names = {name for name, _, _ in by_graph.get(gi, [])}
         for k in gp.stitched.kernels:
             if k.name in placed_names or not _stitched(k):
                 continue
@@ -212,15 +269,16 @@ def drop_reasons(skipped: Iterable[tuple[str, str]], fallbacks: Iterable[tuple[s
 
 
 def deliver(report: Any, fusion_plan: Any, spec: Any, placed: Iterable[Any],
-            rewrite: Any) -> Delivery:
+            rewrite: Any, xla_kernels: dict[str, list[XlaKernel]] | None = None) -> Delivery:
     """The pass's Delivery for its module (``placed``: the PlacedKernels it tried to put
-    in, ``rewrite``: hlo_rewrite's RewriteReport), logged at info."""
+    in, ``rewrite``: hlo_rewrite's RewriteReport, ``xla_kernels``: see
+    ``price_delivery``), logged at info."""
     names = set(rewrite.placed)
-    sites = [(p.site.graph_index, p.site.name, p.site.members) for p in placed
+    sites = [(p.site.graph_index, p.site.name, p.site.members, p.site.tops) for p in placed
              if p.site.name in names]
     delivery = price_delivery(
         fusion_plan, spec, sites, drop_reasons(report.skipped, report.fallbacks, report.unpaid),
-        [LoopCopy(k, gi, n) for k, gi, n in rewrite.copies])
+        [LoopCopy(k, gi, n) for k, gi, n in rewrite.copies], xla_kernels)
     for line in delivery.log_lines(report.module):
         log.info("%s", line)
     return delivery

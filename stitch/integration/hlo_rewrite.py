@@ -124,8 +124,10 @@ class ComputationView:
 
 
 def find_site(view: ComputationView, graph_index: int, name: str,
-              members: frozenset[int]) -> KernelSite:
-    """The instructions a kernel replaces, or NotPlaceable with the reason."""
+              members: frozenset[int], alone: bool = False) -> KernelSite:
+    """The instructions a kernel replaces, or NotPlaceable with the reason. ``alone``: one
+    launching instruction is enough (its planned body differs from XLA's, e.g. segments as
+    rows instead of atomics)."""
     ops = [m for m in members if view.graph.nodes[m].op_class is not OpClass.SOURCE]
     tops: set[str] = set()
     for m in ops:
@@ -139,11 +141,49 @@ def find_site(view: ComputationView, graph_index: int, name: str,
         if missing:
             raise NotPlaceable(f"covers part of XLA's {top} ({len(missing)} of its ops "
                                "are elsewhere)")
+    tops |= _unread_by_plan(view, tops)
     launching = [t for t in tops if view.launches(t)]
-    if len(launching) < 2:
+    if len(launching) < (1 if alone else 2):
         raise NotPlaceable("same as XLA's kernel" + (f" {launching[0]}" if launching else ""))
     return KernelSite(name, graph_index, members,
                       tuple(sorted(tops, key=view.position.__getitem__)))
+
+
+def _unread_by_plan(view: ComputationView, tops: set[str]) -> set[str]:
+    """Top-level instructions that go with a kernel of ``tops`` although it holds none of
+    their ops: every reader of theirs is replaced, and the planned graph reads none of their
+    values (a module planned with segments as rows no longer reads XLA's id and mask
+    fusions; left in, they would read instructions the kernel removes, and still run)."""
+    readers: dict[str, list[str]] = {}
+    for inst in view.comp.instructions:
+        for o in inst.operands:
+            readers.setdefault(o, []).append(inst.name)
+    chosen = set(tops)
+    extra: set[str] = set()
+    stack = [o for t in tops for o in view.table[t].operands]
+    while stack:
+        name = stack.pop()
+        inst = view.table.get(name)
+        if inst is None or name in chosen or inst.is_root or not _pure(inst):
+            continue
+        # Absent from the planned graph (dropped there as unread), or its ops read only
+        # by each other.
+        ops = view.group_ops.get(name, set())
+        if any(u not in ops for n in ops for u in view.graph.nodes[n].users):
+            continue
+        if all(r in chosen for r in readers.get(name, [])):
+            chosen.add(name)
+            extra.add(name)
+            stack.extend(inst.operands)
+    return extra
+
+
+def _pure(inst: Instruction) -> bool:
+    """An instruction whose only effect is its value (XLA's loop and input fusions and data
+    movement): dropping it where nothing reads its value changes nothing else."""
+    if inst.opcode == "fusion":
+        return inst.attrs.get("kind", "").strip() in ("kLoop", "kInput")
+    return inst.opcode in ("bitcast", "copy", "broadcast", "reshape", "iota")
 
 
 def buffer_layout(shape: Shape) -> tuple[int, ...] | None:

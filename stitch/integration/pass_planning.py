@@ -16,7 +16,7 @@ from stitch.hlo_passes import HloModule
 from stitch.errors import Cancelled, StitchError
 
 from .config import grid_sync_on_gpu
-from .delivered import deliver, loses_with_copies
+from .delivered import deliver, loses_with_copies, price_xla_kernels
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_copy_bytes,
                           find_site, replace_kernels, xla_layouts)
 
@@ -24,6 +24,7 @@ from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_c
 from .kernel_builds import GpuPrebuild, build_target
 from .pass_request import BuiltKernel, PassError, PassReport, PassRequest
 from .ptx_children import build_threads, release_ptx_workers, start_ptx_workers
+from .segment_rows import SegmentRows, segment_rows
 from .snap import snap_kernels
 
 log = logging.getLogger("stitch.xla_pass.planning")
@@ -93,15 +94,21 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
         # The planner prices a global-scope kernel only in the launch form this pass builds
         # it in, and none under "off" (stitch.cost.launch_forms, STITCH_GRID_SYNC).
         options = dataclasses.replace(options, grid_sync=grid_sync_on_gpu())
-    fusion_plan = make_plan(module, request.target, options=options,
+    # Planned (and cached, fingerprinted) from the module with proved segments as rows in
+    # XLA's fusion bodies; placed into XLA's own module by instruction name.
+    rows = segment_rows(module)
+    fusion_plan = make_plan(rows.planned, request.target, options=options,
                             cancel=request.cancel, cache=True)
     timings["plan_s"] = time.perf_counter() - t0
     # This thread's CPU seconds: what planning cost, whatever else shares the machine.
     timings["plan_cpu_s"] = time.thread_time() - cpu0
     summary = fusion_plan.summary()
     report = PassReport(module.name, summary["baseline"]["kernels"],
-                        summary["baseline"]["kernels"], 0, plan=fusion_plan)
-    evaluator = Evaluator(module)
+                        summary["baseline"]["kernels"], 0, plan=fusion_plan,
+                        segment_rows=list(rows.reductions))
+    # The kernels are lowered from the planned graphs: their constants are the planned
+    # module's.
+    evaluator = Evaluator(rows.planned)
     spec = get_spec(request.target)
     graphs = [g.graph for g in fusion_plan.graphs]
     placed: list[PlacedKernel] = []
@@ -109,8 +116,15 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
     built: dict[str, BuiltKernel] = {}
     launching: dict[str, int] = {}
     t1 = time.perf_counter()
+    # XLA's own kernels priced where the plan's baseline is of another module: the XLA
+    # side of payback and delivery (priced before the rewrite changes ``module``).
+    xla_kernels = price_xla_kernels(module, spec) if rows.changed else None
+    if xla_kernels is not None:
+        # The kernels XLA launches are those of its own module, not of the planned one.
+        report.kernels_xla = report.kernels_after = sum(
+            1 for kernels in xla_kernels.values() for x in kernels if x.cost.launches)
     _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
-                   built, launching, ptx_workers)
+                   built, launching, ptx_workers, rows, xla_kernels)
     timings["build_s"] = time.perf_counter() - t1
     rewrite = replace_kernels(module, graphs, placed, views)
     report.placed = rewrite.placed
@@ -121,7 +135,9 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
     report.in_loop_bodies = sum(1 for p in placed if p.site.name in set(rewrite.placed)
                                 and fusion_plan.graphs[p.site.graph_index].graph.kind != "entry")
     report.timings.update(timings)
-    report.delivery = deliver(report, fusion_plan, spec, placed, rewrite)
+    # The XLA side (and the XLA kernels left) priced as XLA made them, atomics included.
+    report.delivery = deliver(report, fusion_plan, spec, placed, rewrite,
+                              xla_kernels=xla_kernels)
     log.debug("%s: %d stitched kernels placed, %d skipped, %d failed to build",
               module.name, len(rewrite.placed), len(report.skipped), len(report.fallbacks))
     return report
@@ -178,11 +194,45 @@ def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView,
     return jobs
 
 
+def _rows_alone(kernels: list, view: ComputationView, graph: Any, spec: Any,
+                rows: SegmentRows, report: PassReport) -> list:
+    """Kernels the plan left as one XLA kernel whose planned body is not XLA's (a fusion
+    with segments as rows): scheduled here, so that the pass places them instead of XLA's
+    atomic scatter fusion."""
+    from stitch.schedule.tuner import ScheduleError, schedule_kernel
+    out = []
+    for k in kernels:
+        if k.schedule is not None or k.kind != "fused" or not any(
+                view.top_of(m) in rows.fusions for m in k.members):
+            continue
+        try:
+            schedule = schedule_kernel(graph, frozenset(k.members), spec)
+        except ScheduleError as exc:
+            report.skipped.append((k.name, f"segments as rows, no schedule: {exc}"))
+            continue
+        out.append(dataclasses.replace(k, schedule=schedule))
+    return out
+
+
+def _xla_gain_s(graph_plan: Any, view: ComputationView, members: frozenset[int],
+                cost: Any, xla_kernels: dict) -> float:
+    """``payback.modeled_gain_s`` against XLA's own kernels (``delivered.price_xla_kernels``)
+    where the plan's baseline is of another module: those of the instructions the kernel
+    replaces."""
+    tops = {view.top_of(m) for m in members}
+    replaced = sum(x.cost.total_s for x in xla_kernels.get(graph_plan.graph.name, [])
+                   if x.tops & tops)
+    return (replaced - cost.kernel(members).total_s) * graph_plan.stitched.weight
+
+
 def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 module: HloModule, spec: Any, evaluator: Any, views: dict,
-                submit: Callable[..., None] | None) -> list:
+                submit: Callable[..., None] | None, rows: SegmentRows | None = None,
+                xla_kernels: dict | None = None) -> list:
     """The plan's placeable kernels lowered to Kernel IR, as (view, kernel, site, lowered)
-    jobs in plan order; ``submit(kernel IR)`` is called for each as soon as it is lowered."""
+    jobs in plan order; ``submit(kernel IR)`` is called for each as soon as it is lowered.
+    ``rows``/``xla_kernels``: the plan is of XLA's module with segments as rows
+    (``segment_rows``); XLA's own kernels priced."""
     from stitch.codegen import kir
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.lower import lower_kernel
@@ -253,6 +303,12 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                                   for k in graph_plan.stitched.kernels if k.schedule)
             continue
         scheduled = [k for k in graph_plan.stitched.kernels if k.schedule is not None]
+        alone: set[str] = set()
+        if rows is not None and rows.fusions:
+            extra = _rows_alone(graph_plan.stitched.kernels, view, graph_plan.graph, spec,
+                                rows, report)
+            alone = {k.name for k in extra}
+            scheduled += extra
         snapped, left_out = snap_kernels(view, scheduled, spec)
         # Memory-intensive kernels only (GEMM-chain kernels are always built): no chain
         # pricing, so a GEMM inside XLA's kernels is priced as the planner's baseline was.
@@ -264,8 +320,9 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
         report.skipped.extend(left_out)
         for job in _chain_jobs(request, report, view, gi, graph_plan, snapped):
             add(job)
-        gains = {k.name: modeled_gain_s(graph_plan, k.members, cost) for k in snapped} \
-            if payback is not None else {}
+        gains = {k.name: modeled_gain_s(graph_plan, k.members, cost) if xla_kernels is None
+                 else _xla_gain_s(graph_plan, view, frozenset(k.members), cost, xla_kernels)
+                 for k in snapped} if payback is not None else {}
 
         def likely_paid(k: Any) -> bool:
             """Whether the kernel's estimated size repays its build alone (its exact size,
@@ -279,7 +336,7 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                                lead=build_threads() if submit is not None else 0)
         for k in order:
             try:
-                site = find_site(view, gi, k.name, k.members)
+                site = find_site(view, gi, k.name, k.members, alone=k.name in alone)
             except NotPlaceable as exc:
                 report.skipped.append((k.name, str(exc)))
                 continue
@@ -364,7 +421,8 @@ def _largest_first(kernels: list, likely_paid: Callable[[Any], bool] | None = No
 
 def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                    module: HloModule, spec: Any, evaluator: Any, placed: list,
-                   views: dict, built: dict, launching: dict, ptx_workers: list) -> None:
+                   views: dict, built: dict, launching: dict, ptx_workers: list,
+                   rows: SegmentRows | None = None, xla_kernels: dict | None = None) -> None:
     """Snap, lower and build every stitched kernel of the plan; what builds is appended to
     ``placed``/``built``, what does not to the report's skipped kernels and fallbacks.
     Lowering runs in plan order; on the GPU each lowered kernel's PTX and ptxas start at
@@ -402,7 +460,7 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
     if request.device == "gpu":
         with GpuPrebuild(request, ptx_workers) as prebuild:
             jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views,
-                               prebuild.submit)
+                               prebuild.submit, rows, xla_kernels)
             report.timings["lower_s"] = time.perf_counter() - start
             mark = time.perf_counter()
             # Each kernel's target is made as soon as its PTX is there, while later
@@ -415,7 +473,8 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
         # The PTX and ptxas left to wait for once every kernel was lowered.
         report.timings["ptx_s"] = time.perf_counter() - mark - targets_s
     else:
-        jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views, None)
+        jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views, None,
+                           rows, xla_kernels)
         report.timings["lower_s"] = time.perf_counter() - start
         begun = time.perf_counter()
         for job in jobs:

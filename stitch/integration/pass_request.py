@@ -58,6 +58,9 @@ class PassReport:
     unpaid: list = field(default_factory=list)
     # Planned vs delivered: the final module priced as XLA's is (stitch.integration.delivered).
     delivery: Any = None
+    # XLA's scatters (fused) the plan computed as row reductions: proved sorted fixed-length
+    # segments (stitch.integration.segment_rows); placed where a placed kernel holds them.
+    segment_rows: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
         return {"kernels_before": self.kernels_xla, "kernels_after": self.kernels_after,

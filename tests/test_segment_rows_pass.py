@@ -1,0 +1,145 @@
+"""Sorted fixed-length segments as rows inside the XLA pass (stitch.integration.segment_rows):
+XLA's optimized module keeps jax's segment_max / segment_sum as atomic scatters inside
+fusions; the pass plans from the module with those fusion bodies rewritten as row
+reductions, places its kernels into XLA's module by name, and prices XLA's own module for
+the XLA side. Checked through the CPU pass on fresh random inputs of random sizes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from stitch.hlo_passes import evaluate, parse_hlo, print_hlo  # noqa: E402
+from stitch.hlo_passes.segments import fused_segments_as_rows  # noqa: E402
+from stitch.integration import xla_pass  # noqa: E402
+
+from tests.fixtures import DATA  # noqa: E402
+
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def _compile(fn, *args):
+    xla_pass.ensure_registered("cpu")
+    request = xla_pass.PassRequest(fn.__name__, "h100", "cpu")
+    lowered = request.prepare(jax.jit(fn).lower(*args))
+    with request:
+        compiled = lowered.compile()
+    return request.result(), compiled
+
+
+def _segment_softmax_grad(count: int, length: int):
+    def forward(scores):
+        ids = jnp.arange(count * length, dtype=jnp.int32) // length
+        peak = jax.ops.segment_max(scores, ids, num_segments=count, indices_are_sorted=True)
+        shifted = jnp.exp(scores - peak[ids])
+        total = jax.ops.segment_sum(shifted, ids, num_segments=count,
+                                    indices_are_sorted=True)
+        return shifted / total[ids]
+
+    def segment_softmax_grad(scores, upstream):
+        _, vjp = jax.vjp(forward, scores)
+        return vjp(upstream)[0]
+    return segment_softmax_grad
+
+
+def _placed_opcodes(report) -> set[str]:
+    placed = set(report.placed)
+    return {gp.graph.nodes[m].opcode for gp in report.plan.graphs
+            for k in gp.stitched.kernels if k.name in placed for m in k.members}
+
+
+def test_segment_softmax_grad_is_stitched_as_rows(monkeypatch):
+    monkeypatch.delenv("STITCH_SEGMENT_ROWS", raising=False)
+    rng = np.random.default_rng()
+    count, length, width = (int(rng.integers(3, 50)), int(rng.integers(2, 40)),
+                            int(rng.integers(1, 5)))
+    fn = _segment_softmax_grad(count, length)
+    scores = rng.standard_normal((count * length, width)).astype(np.float32) * 3
+    upstream = rng.standard_normal((count * length, width)).astype(np.float32)
+    report, compiled = _compile(fn, scores, upstream)
+    where = f"{count} segments of {length} x {width}"
+    np.testing.assert_allclose(np.asarray(compiled(scores, upstream)),
+                               np.asarray(jax.jit(fn)(scores, upstream)),
+                               rtol=RTOL, atol=ATOL, err_msg=where)
+    # Both segment reductions of the forward pass and those of the gradient were rows...
+    assert len(report.segment_rows) >= 4, (where, report.segment_rows)
+    # ...and what was placed holds no scatter (no colliding atomic updates) and no gather.
+    assert report.placed, (where, report.skipped, report.fallbacks)
+    assert not _placed_opcodes(report) & {"scatter", "gather"}, where
+    delivery = report.delivery
+    assert delivery.delivered.mem_modeled_us < delivery.xla.mem_modeled_us, where
+    assert delivery.delivered.mem_hbm_bytes < delivery.xla.mem_hbm_bytes, where
+    assert 1 <= report.kernels_after < report.kernels_xla, where
+
+    # The XLA side is XLA's own module: the same figures as with segments as rows off,
+    # whose plan keeps XLA's atomic scatters.
+    monkeypatch.setenv("STITCH_SEGMENT_ROWS", "0")
+    off, compiled_off = _compile(fn, scores, upstream)
+    assert off.segment_rows == []
+    assert off.kernels_xla == report.kernels_xla
+    assert off.delivery.xla.mem_modeled_us == pytest.approx(delivery.xla.mem_modeled_us,
+                                                            rel=1e-9)
+    assert off.delivery.xla.mem_hbm_bytes == delivery.xla.mem_hbm_bytes
+    assert delivery.delivered.mem_modeled_us < off.delivery.delivered.mem_modeled_us, where
+    np.testing.assert_allclose(np.asarray(compiled_off(scores, upstream)),
+                               np.asarray(jax.jit(fn)(scores, upstream)),
+                               rtol=RTOL, atol=ATOL, err_msg=where)
+
+
+@pytest.mark.parametrize("ids", ["modulo", "data"])
+def test_other_scatters_are_left_as_they_were(ids, monkeypatch):
+    """Ids that are not sorted fixed-length segments (proved otherwise, or data even with
+    indices_are_sorted=True) stay scatters: nothing is planned as rows."""
+    monkeypatch.delenv("STITCH_SEGMENT_ROWS", raising=False)
+    rng = np.random.default_rng()
+    count, length = int(rng.integers(3, 30)), int(rng.integers(2, 20))
+    n = count * length
+    x = rng.standard_normal((n, 3)).astype(np.float32)
+    if ids == "modulo":
+        def scatter_modulo(x):
+            seg = jnp.arange(n, dtype=jnp.int32) % count
+            total = jax.ops.segment_sum(jnp.exp(x), seg, num_segments=count)
+            return jnp.exp(x) / total[seg]
+        fn, args = scatter_modulo, (x,)
+    else:
+        seg = np.sort(rng.integers(0, count, n)).astype(np.int32)
+
+        def scatter_data(x, seg):
+            total = jax.ops.segment_sum(jnp.exp(x), seg, num_segments=count,
+                                        indices_are_sorted=True)
+            return jnp.exp(x) / total[seg]
+        fn, args = scatter_data, (x, seg)
+    report, compiled = _compile(fn, *args)
+    assert report.segment_rows == []
+    np.testing.assert_allclose(np.asarray(compiled(*args)), np.asarray(jax.jit(fn)(*args)),
+                               rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("target", ["h100", "v100"])
+def test_xla_gpu_module_rewritten_in_fusion_bodies_only(target):
+    """XLA GPU's deviceless module of the segmented softmax step: every scatter is proved
+    (its ids computed in its own fusion, the bounds mask in a zero-operand fusion), the
+    top-level instructions are unchanged, and the rewritten module computes the same."""
+    path = DATA / "segment_softmax_grad" / f"tiny.gpu-{target}.hlo"
+    module = parse_hlo(path.read_text())
+    rewrite = fused_segments_as_rows(module)
+    scatters = [i.name for c in module.computations for i in c.instructions
+                if i.opcode == "scatter"]
+    assert sorted(rewrite.reductions) == sorted(scatters) and scatters
+    assert not any(i.opcode in ("scatter", "gather") for c in rewrite.module.computations
+                   for i in c.instructions)
+    # Top-level instructions keep their names, shapes and called computations (fusions no
+    # longer reading XLA's id fusions drop those operands, and the id fusions go).
+    top = {i.name: (str(i.shape), i.attrs.get("calls")) for i in module.entry.instructions}
+    kept = {i.name: (str(i.shape), i.attrs.get("calls"))
+            for i in rewrite.module.entry.instructions}
+    assert all(top.get(name) == got for name, got in kept.items())
+    assert {i.name for i in module.entry.instructions if i.opcode == "fusion" and
+            any(c in i.attrs.get("calls", "") for c in ("scatter", "fused_add"))} <= set(kept)
+    rng = np.random.default_rng()
+    args = [rng.standard_normal(tuple(p.shape.dims)).astype(np.float32)
+            for p in module.entry.parameters]
+    np.testing.assert_allclose(evaluate(parse_hlo(print_hlo(rewrite.module)), args)[0],
+                               evaluate(module, args)[0], rtol=RTOL, atol=ATOL)
