@@ -148,3 +148,16 @@ ENTRY e {{
         assert known.all(), name
         np.testing.assert_array_equal(values, want, err_msg=name)
     assert not known_index_values(graph, by_name["mixed"])[1].any()
+
+
+@pytest.mark.parametrize("length", [4, 64, 512])
+def test_a_scatter_kernel_reads_every_update_however_few_rows_it_writes(length):
+    from stitch.cost.hbm_traffic import kernel_hbm_bytes
+    n = int(np.random.default_rng().integers(1 << 12, 1 << 16)) // length * length
+    graph, v = _graph_and_scatter(_scatter(n, n // length, _segments(n, length)))
+    members = frozenset(w for w in range(len(graph.nodes))
+                        if graph.nodes[w].opcode not in ("parameter",))
+    moved = kernel_hbm_bytes(graph, members)
+    # Every f32 update read once, the rows written once (ids computed in the kernel).
+    assert moved >= 4 * n + 4 * (n // length)
+    assert moved <= 4 * n + 4 * (n // length) + 64

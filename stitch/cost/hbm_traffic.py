@@ -104,7 +104,7 @@ class GraphFacts:
                                  if n.opcode == "dynamic-update-slice" and len(n.operands) >= 2)
         # Consumers whose share of an operand is not the plain elementwise one.
         self.plain = [n.op_class not in (OpClass.COMPUTE, OpClass.OPAQUE)
-                      and n.opcode not in ("reduce", "reduce-window", "gather",
+                      and n.opcode not in ("reduce", "reduce-window", "gather", "scatter",
                                            "dynamic-update-slice")
                       for n in graph.nodes]
 
@@ -162,6 +162,10 @@ def utilization(graph: OpGraph, members: Iterable[int], whole: Iterable[int] = (
                 # One index vector per gathered slice: the needed outputs' vectors.
                 best = max(best, uw)
                 continue
+            if node.opcode == "scatter" and position >= len(node.operands) // 2:
+                # Indices and updates: any update may land on a needed output element,
+                # so every one is read (however few elements the scatter writes).
+                return 1.0
             per_output = elems[v] / max(elems[w], 1) if position < data else 1.0
             best = max(best, min(1.0, uw * elems[w] * per_output / max(elems[v], 1)))
         return best
