@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from bench.plans.zoo import PlanRow, Side, Totals, targets_markdown, worse_columns
+from bench.plans.zoo import PlanRow, Side, Totals, worse_columns
 from bench.report import fit_exponent, geomean, write_section
 from bench.runtime import markdown as runtime_markdown
 
@@ -79,17 +79,10 @@ def test_worse_columns_name_every_column_stitch_loses():
     assert [c.split(" ")[0:2] for c in got] == [["mem", "bytes"], ["XLA-formula", "µs"]]
 
 
-def test_targets_are_met_only_when_every_training_graph_meets_them():
+def test_totals_sum_each_side():
     rows = [row("bert_layer_train", "v100", (10, 10, 100, 50, 40), (4, 4, 70, 30, 20)),
             row("dien_train", "v100", (10, 10, 100, 50, 40), (4, 5, 80, 30, 30))]
     assert Totals(rows).sum("mem_kernels") == (20, 9)
-    lines = "\n".join(targets_markdown(rows))
-    # kernels: sum 0.45, dien 0.50 > 0.45 -> missed; bytes: bert 0.70, dien 0.80 -> missed.
-    assert "| mem kernels, v100 | ≤ 0.45 | 0.45 | bert_layer_train 0.40, dien_train 0.50 | missed |" \
-        in lines
-    # Speed-up: sum 80/50 = 1.6 meets 1.4, dien_train's 40/30 = 1.33 does not.
-    assert "| 1.60 | bert_layer_train 2.00, dien_train 1.33 | met by the sum, missed by 1 of 2 " \
-        "graphs |" in lines
 
 
 def test_runtime_section_says_why_it_was_skipped():

@@ -47,7 +47,7 @@ def run_zoo(ctx: Context) -> list[str]:
                         f"{ctx.out.name}; counted kernels and bytes, modeled µs.\n\n"
                         + "\n".join(zoo.per_model_tables(rows)) + "\n")
         full_table = page.name
-    return list(zoo.plans_markdown(rows, ctx.image_link, models=zoo.TRAINING,
+    return list(zoo.plans_markdown(rows, ctx.image_link, models=(),
                                    full_table=full_table))
 
 

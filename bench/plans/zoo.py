@@ -363,8 +363,7 @@ def plans_markdown(rows: list[PlanRow], image: Callable[[str], str | None],
         "time / floor. Cells read `XLA → stitch (ratio)`; ratios are stitch/XLA for counts "
         "and bytes and XLA/stitch (speed-up, > 1 is better) for times.", ""]
     if models is not None and full_table:
-        lines += [f"Per target below: the training graphs; every model's row: "
-                  f"[{full_table}]({full_table}).", ""]
+        lines += [f"Every model's row per target: [{full_table}]({full_table}).", ""]
     lines += per_model_tables([r for r in rows if models is None or r.model in models])
     lines += summary_markdown(rows)
     link = image("plans_ratios")
@@ -417,7 +416,7 @@ def summary_markdown(rows: list[PlanRow]) -> list[str]:
                 f"{t.geo('mem_kernels'):.2f} | {ratio(b[1], b[0])} | {t.geo('mem_bytes'):.2f} | "
                 f"{ratio(lat[0], lat[1])} | {1 / t.geo('latency_us'):.2f} | "
                 f"{ratio(f[0], f[1])} | {1 / t.geo('formula_us'):.2f} |")
-    lines += ["", *targets_markdown(rows), ""]
+    lines.append("")
     worse = [(r, w) for r in rows for w in [worse_columns(r)] if w]
     lines += [f"**Worse than XLA** (any column, more than {100 * (WORSE_TOLERANCE - 1):.1f}% "
               f"above): {len(worse)} of {len(rows)} model × target pairs."]
@@ -472,56 +471,13 @@ def bytes_markdown(rows: list[PlanRow]) -> list[str]:
     lines += ["", "| reason the producer stays apart | " + " | ".join(
         f"{t} MB (largest model)" for t in TARGETS) + " |",
         "|---|" + "---:|" * len(TARGETS)]
-    for reason, _ in reasons.most_common(8):
+    for reason, _ in reasons.most_common(4):
         cells = []
         for t in TARGETS:
             per = {r.model: r.crossing.get(reason, 0) for r in train if r.target == t}
             top = max(per, key=per.get)
             cells.append(f"{sum(per.values()) / 1e6:.0f} ({top})" if per[top] else "0")
         lines.append(f"| {reason} | " + " | ".join(cells) + " |")
-    return lines
-
-
-# The issue's done-when targets over the training graphs: (what, target, limit, kind).
-GOALS = (("mem kernels", "v100", 0.45, "mem_kernels"),
-         ("mem kernels", "h100", 0.65, "mem_kernels"),
-         ("mem bytes", "v100", 0.75, "mem_bytes"),
-         ("mem bytes", "a100", 0.75, "mem_bytes"),
-         ("mem bytes", "h100", 0.75, "mem_bytes"))
-
-
-def targets_markdown(rows: list[PlanRow]) -> list[str]:
-    """The done-when targets, evaluated per training graph and over all of them."""
-    train = [r for r in rows if r.model in TRAINING]
-    lines = ["Done-when targets over the training graphs (stitch/XLA; met = every training "
-             "graph and the sum within the limit):", "",
-             "| target | limit | sum | per graph | met |", "|---|---:|---:|---|---|"]
-    for what, target, limit, attr in GOALS:
-        rs = [r for r in train if r.target == target]
-        if not rs:
-            continue
-        total = Totals(rs).sum(attr)
-        per = {r.model: getattr(r.stitch, attr) / getattr(r.xla, attr) for r in rs}
-        met = total[1] / total[0] <= limit and all(v <= limit for v in per.values())
-        lines.append(f"| {what}, {target} | ≤ {limit:.2f} | {ratio(total[1], total[0])} | "
-                     + ", ".join(f"{m} {v:.2f}" for m, v in per.items())
-                     + f" | {'met' if met else 'missed'} |")
-    for target in ("v100",):
-        rs = [r for r in train if r.target == target]
-        if not rs:
-            continue
-        total = Totals(rs).sum("formula_us")
-        per = {r.model: r.xla.formula_us / r.stitch.formula_us for r in rs}
-        low = [m for m, v in per.items() if v < 1.4]
-        verdict = ("met" if total[0] / total[1] >= 1.4 else "missed") + " by the sum, " + (
-            "met by every graph" if not low else f"missed by {len(low)} of {len(per)} graphs")
-        lines.append(f"| mem time speed-up under the XLA formula, {target} | ≥ 1.40 | "
-                     f"{ratio(total[0], total[1])} | "
-                     + ", ".join(f"{m} {v:.2f}" for m, v in per.items()) + f" | {verdict} |")
-    worse = [r for r in rows if worse_columns(r)]
-    lines.append(f"| no model × target worse than XLA on any column | 0 | {len(worse)} | "
-                 + ", ".join(sorted({f'{r.model} {r.target}' for r in worse})) + " | "
-                 + ("met" if not worse else "missed") + " |")
     return lines
 
 
