@@ -72,7 +72,11 @@ def collect(names: list[str], timeout: float = 1800.0) -> list[dict]:
         with tempfile.TemporaryDirectory() as cache:
             os.chmod(cache, 0o700)
             env = {**os.environ, "STITCH_CACHE_DIR": cache, "CUDA_VISIBLE_DEVICES": "-1",
-                   "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "PYTHONPATH": str(REPO)}
+                   "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
+                   # The repository first; a PYTHONPATH the caller set (keras_hub's
+                   # packages, say) after it.
+                   "PYTHONPATH": os.pathsep.join(filter(None, [
+                       str(REPO), os.environ.get("PYTHONPATH")]))}
             if name in XLA_FLAGS:
                 env["XLA_FLAGS"] = " ".join(filter(None, (env.get("XLA_FLAGS"),
                                                           XLA_FLAGS[name])))
