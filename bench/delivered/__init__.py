@@ -28,7 +28,8 @@ def run_steps(ctx: Context) -> list[str] | None:
         log.warning("delivered: no step compiled (%s)", rows[0].get("error") if rows else "none")
         return None
     ctx.save("delivered", [{k: r[k] for k in ("step", "xla_mem_us", "planned_mem_us",
-                                              "delivered_mem_us")} for r in ok])
+                                              "delivered_mem_us", "xla_mem_bytes",
+                                              "delivered_mem_bytes") if k in r} for r in ok])
     series = [(r["step"], r["xla_mem_us"], r["planned_mem_us"], r["delivered_mem_us"])
               for r in ok]
     link = ctx.image("delivered_steps", lambda p: plots.planned_vs_delivered(series, p))

@@ -54,12 +54,20 @@ def run_zoo(ctx: Context) -> list[str]:
 def headline_numbers(rows, targets) -> dict:
     """Training-graph sums per target: (XLA, stitch) of mem kernels, bytes and modeled µs."""
     from bench.plans import zoo
-    out = {}
+    out: dict = {}
     for target in targets:
-        t = zoo.Totals([r for r in rows if r.target == target and r.model in zoo.TRAINING])
+        train = [r for r in rows if r.target == target and r.model in zoo.TRAINING]
+        t = zoo.Totals(train)
         if t.rows:
             out[target] = {a: list(t.sum(a)) for a in ("mem_kernels", "mem_bytes",
                                                          "latency_us", "formula_us")}
+            out[target]["bytes_bound"] = sum(r.bytes_bound for r in train)
+        every = zoo.Totals([r for r in rows if r.target == target])
+        if every.rows:
+            out.setdefault(target, {})["all_mem_kernels"] = list(every.sum("mem_kernels"))
+    out["models"] = len({r.model for r in rows})
+    out["pairs"] = len(rows)
+    out["worse"] = sum(1 for r in rows if zoo.worse_columns(r))
     return out
 
 
