@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from bench.report import as_part, block_body, stamp, write_section
+from bench.report import as_part, block_body, cap_tables, stamp, write_section
 
 log = logging.getLogger("bench")
 
@@ -155,5 +155,5 @@ def emit(ctx: Context, name: str, body: str, after: str | None) -> None:
     if ctx.out is None:
         print(body + "\n")
     else:
-        write_section(ctx.out, name, body, after=after)
+        write_section(ctx.out, name, cap_tables(body), after=after)
         log.info("wrote %s of %s", name, ctx.out)

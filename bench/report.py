@@ -126,3 +126,37 @@ def as_part(markdown: str) -> list[str]:
             continue
         lines.append("#" + line if line.startswith("#") else line)
     return lines
+
+
+# Data rows a table keeps in the written report (the report stays readable; a measure run
+# without --out prints every row).
+MAX_TABLE_ROWS = 12
+
+
+def cap_tables(markdown: str, most: int = MAX_TABLE_ROWS) -> str:
+    """``markdown`` with every table of more than ``most`` data rows cut to its first
+    ``most``, followed by a line that says how many rows it had."""
+    out: list[str] = []
+    table: list[str] = []
+
+    def flush() -> None:
+        rows = table[2:]
+        if len(rows) > most:
+            out.extend(table[:2 + most])
+            out.append(f"_(first {most} of {len(rows)} rows; the command without --out "
+                       "prints them all)_")
+        else:
+            out.extend(table)
+        table.clear()
+
+    for line in markdown.split("\n"):
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        if table:
+            flush()
+        out.append(line)
+    if table:
+        flush()
+    return "\n".join(out)
+

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from bench.plans.zoo import PlanRow, Side, Totals, worse_columns
@@ -89,3 +90,17 @@ def test_runtime_section_says_why_it_was_skipped():
     text = "\n".join(runtime_markdown(None, "stitch.jit not available", lambda _: None))
     assert "Not measured: stitch.jit not available" in text
     assert "`medium` where the zoo has it" in text
+
+
+def test_long_tables_keep_their_first_rows_in_the_report():
+    from bench.report import cap_tables
+    rng = np.random.default_rng()
+    n = int(rng.integers(13, 40))
+    rows = [f"| m{i} | {rng.integers(100)} |" for i in range(n)]
+    text = "\n".join(["intro", "", "| model | x |", "|---|---:|", *rows, "", "after"])
+    capped = cap_tables(text, most=12).split("\n")
+    assert capped[2:16] == ["| model | x |", "|---|---:|", *rows[:12]]
+    assert capped[16] == f"_(first 12 of {n} rows; the command without --out prints them all)_"
+    assert capped[-1] == "after"
+    short = "\n".join(["| a |", "|---|", *rows[:12]])
+    assert cap_tables(short, most=12) == short
