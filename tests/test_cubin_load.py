@@ -1,4 +1,4 @@
-"""On a device, the GPU pass loads ptxas's cubins (issue 17's compile cost): each kernel is
+"""On a device, the GPU pass loads ptxas's cubins: each kernel is
 assembled in the build threads, in parallel and through the compile cache, instead of the
 driver JIT-compiling every PTX in turn on the pass's thread. The PTX is the fallback where
 the driver refuses a cubin (a ptxas newer than the driver), and where no ptxas is found.

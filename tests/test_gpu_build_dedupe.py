@@ -1,4 +1,4 @@
-"""The GPU build's shortcuts give the same code as the long way (issue 17's compile cost):
+"""The GPU build's shortcuts give the same code as the long way:
 
 - kernels that differ only by their names and their parameters' names are emitted once and
   renamed (``stitch.codegen.gpu_cache.distinct_kernels`` / ``renamed_ptx``): the renamed PTX is the
