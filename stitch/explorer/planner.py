@@ -492,10 +492,6 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
             # The beam's kernels (recomputed producers shared between patterns) can still
             # close a cycle its bounded check missed: that candidate is dropped, never used.
             log.info("graph %s: beam %d set aside: %s", graph.name, i, exc)
-    # XLA's own kernels are always a candidate: the plan never moves more memory-intensive
-    # bytes, or launches more memory-intensive kernels, than XLA (the check below), even
-    # where every explored plan would (a loop body's kernels paying their state copies).
-    plans.append(("baseline", baseline))
     plans.append(("baseline packed", _finish(graph, cost, base_groups,
                                              ["baseline"] * len(base_groups),
                                              options.packing, weight, size=size)))
@@ -540,6 +536,11 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                     plans.append((f"{label} + {moves} refinement moves, merged, {more} more",
                                   _named(graph, kernels, weight)))
     phases["refine_s"] = time.perf_counter() - mark
+    # XLA's own kernels are always a candidate (not refined: they are XLA's choice), so the
+    # plan never moves more memory-intensive bytes, or launches more memory-intensive
+    # kernels, than XLA, even where every explored plan would (a loop body's kernels paying
+    # their state copies); ``allowed`` is never empty.
+    plans.append(("baseline", baseline))
     base_kernels, base_bytes = _memory_counts(baseline)
     allowed = []
     for label, p in plans:
@@ -563,13 +564,13 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
         # delta cost model breaks ties (and stays the BLP's objective).
         latency = {id(p): latency_objective_s(graph, spec, p, schedules,
                                                    options.grid_sync)
-                   for _, p in allowed or plans}
-        label, best = min(allowed or plans, key=lambda lp: (latency[id(lp[1])],
+                   for _, p in allowed}
+        label, best = min(allowed, key=lambda lp: (latency[id(lp[1])],
                                                            lp[1].objective_s))
         detail["latency_objectives_s"] = [latency.get(id(p)) for _, p in plans]
         detail["latency_objective_s"] = latency[id(best)]
     else:
-        label, best = min(allowed or plans, key=lambda lp: lp[1].objective_s)
+        label, best = min(allowed, key=lambda lp: lp[1].objective_s)
     detail["choice"] = label
     report = PlannerReport("beam", best.objective_s, time.perf_counter() - start,
                            detail=detail)
