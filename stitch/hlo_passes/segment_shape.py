@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 ELEMENTWISE = (LIGHT_OPS | EXPENSIVE_OPS) - {"bitcast-convert", "stochastic-convert",
                                              "complex", "real", "imag"}
 # Ops nothing depends on but their result: dropped when their result is not read.
-_PURE = ELEMENTWISE | {"reshape", "broadcast", "constant", "iota"}
+_PURE = ELEMENTWISE | {"reshape", "bitcast", "broadcast", "constant", "iota"}
 
 Split = dict[int, tuple[int, int]]          # n -> (count, length)
 
@@ -54,16 +54,18 @@ class _Shaper:
         return name
 
     def target(self, shape: Shape) -> tuple[int, ...] | None:
-        """[count, length, ...] for a row-major [n, ...] array shape, else None."""
+        """[count, length, ...] for a row-major [n, ...] array shape (its other dims of
+        extent 1 left out: XLA's bodies carry a gather's [n, 1, ...] and its [n, ...]
+        bitcast side by side), else None."""
         if shape.is_tuple or shape.rank == 0 or not _is_row_major(shape):
             return None
         got = self.split.get(shape.dims[0])
-        return None if got is None else got + tuple(shape.dims[1:])
+        return None if got is None else got + tuple(d for d in shape.dims[1:] if d != 1)
 
     def operand_rows(self, name: str, dims: tuple[int, ...]) -> str | None:
         """The [count, length, ...] version of operand ``name``, made when needed."""
         if name in self.rows:
-            return self.rows[name]
+            return self.rows[name] if self.rows_dims[self.rows[name]] == dims else None
         inst = self.by_name.get(name)
         if inst is None or inst.shape.is_tuple:
             return None
@@ -72,7 +74,7 @@ class _Shaper:
                 self.by_name[inst.operands[0]].shape.rank == 0:
             made = Instruction(self.fresh(name), Shape(inst.shape.element_type, dims),
                                "broadcast", [inst.operands[0]], {"dimensions": "{}"})
-        elif tuple(inst.shape.dims) == (dims[0] * dims[1],) + dims[2:]:
+        elif self.target(inst.shape) == dims:
             made = Instruction(self.fresh(name), Shape(inst.shape.element_type, dims),
                                "reshape", [name])
         else:
@@ -84,20 +86,29 @@ class _Shaper:
 
     def visit(self, inst: Instruction) -> None:
         dims = self.target(inst.shape)
-        if dims is not None and inst.opcode == "reshape" and len(inst.operands) == 1:
+        relabels = inst.opcode in ("reshape", "bitcast") and len(inst.operands) == 1
+        if dims is not None and relabels:
             src = self.by_name.get(inst.operands[0])
-            if src is not None and tuple(src.shape.dims) == dims:
-                # A gather's broadcast read back as [n]: its source is the rows version.
-                self.rows[inst.name] = src.name
-                self.rows_dims[src.name] = dims
+            source = None
+            if src is not None and _squeezed(src.shape) == dims:
+                # A gather's broadcast read back as [n]: its source is the rows version
+                # (less the extent-1 dims XLA's canonical gathers keep).
+                source = src.name
+                if tuple(src.shape.dims) != dims:
+                    source = self.add_reshape(src, dims)
+            elif self.rows_dims.get(self.rows.get(inst.operands[0], "")) == dims:
+                source = self.rows[inst.operands[0]]    # [n, 1, ...] <-> [n, ...]
+            if source is not None:
+                self.rows[inst.name] = source
+                self.rows_dims[source] = dims
                 self.out.append(inst)
                 return
         if dims is not None and inst.opcode in ELEMENTWISE and inst.operands and \
                 any(o in self.rows for o in inst.operands):
             operands = []
             for o in inst.operands:
-                got = self.operand_rows(o, (dims[0], dims[1]) + tuple(
-                    self.by_name[o].shape.dims[1:])) if o in self.by_name else None
+                src = self.by_name.get(o)
+                got = None if src is None else self.operand_rows(o, dims)
                 if got is None:
                     break
                 operands.append(got)
@@ -112,15 +123,33 @@ class _Shaper:
                                             is_root=inst.is_root))
                 self.changed += 1
                 return
-        if inst.opcode == "reshape" and len(inst.operands) == 1 and \
-                self.rows_dims.get(self.rows.get(inst.operands[0], "")) == tuple(inst.shape.dims):
-            # [n] -> [count, length] for a reduce: its readers read the rows version.
-            self.out.append(Instruction(inst.name, inst.shape, "copy",
-                                        [self.rows[inst.operands[0]]], is_root=inst.is_root))
-            self.copies.add(inst.name)
+        rows = self.rows.get(inst.operands[0], "") if relabels else ""
+        if rows and _squeezed(inst.shape) == self.rows_dims.get(rows):
+            # [n] -> [count, length] for a reduce: its readers read the rows version
+            # (reshaped where XLA's canonical scatter keeps extent-1 dims).
+            if tuple(inst.shape.dims) == self.rows_dims[rows]:
+                self.out.append(Instruction(inst.name, inst.shape, "copy", [rows],
+                                            is_root=inst.is_root))
+                self.copies.add(inst.name)
+            else:
+                self.out.append(Instruction(inst.name, inst.shape, "reshape", [rows],
+                                            is_root=inst.is_root))
             self.changed += 1
             return
         self.out.append(inst)
+
+    def add_reshape(self, src: Instruction, dims: tuple[int, ...]) -> str:
+        made = Instruction(self.fresh(src.name), Shape(src.shape.element_type, dims),
+                           "reshape", [src.name])
+        self.out.append(made)
+        return made.name
+
+
+def _squeezed(shape: Shape) -> tuple[int, ...] | None:
+    """[count, length, ...] dims less the extent-1 dims after the first two."""
+    if shape.is_tuple or shape.rank < 2:
+        return None
+    return tuple(shape.dims[:2]) + tuple(d for d in shape.dims[2:] if d != 1)
 
 
 def _drop_unread(instructions: list[Instruction]) -> list[Instruction]:

@@ -35,6 +35,7 @@ from .combiners import combiner_kind
 from .graph import OpGraph, OpNode, build_op_graphs
 from .ir import Computation, HloModule, Instruction, Shape
 from .scatter_forms import known_index_values
+from .segment_outputs import fusions_return_rows
 from .segment_shape import shape_segments
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,10 @@ class SegmentRewrite:
     reductions: list[str] = field(default_factory=list)   # scatters now reduces
     broadcasts: list[str] = field(default_factory=list)   # gathers now broadcasts
     selects: list[str] = field(default_factory=list)      # selects on proved predicates
+    # Computations rewritten -> the one (count, length) split per number of updates n.
+    splits: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # Fusions returning the segments' shape (``segment_outputs``; XLA's modules only).
+    rows_outputs: list[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -257,7 +262,12 @@ class _Rewriter:
         inst = node.instruction
         if len(inst.operands) != 3 or graph.nodes[node.operands[0]].shape.rank == 0:
             return None
-        values, known = known_index_values(graph, node.operands[0])
+        # Proved on the value the predicate spreads (a broadcast of a [n] mask to
+        # [n, 1, heads] may be too large to evaluate; every element is one of its source's).
+        source = node.operands[0]
+        while graph.nodes[source].opcode in _SPREADS and graph.nodes[source].operands:
+            source = graph.nodes[source].operands[0]
+        values, known = known_index_values(graph, source)
         if values.size == 0 or not bool(known.all()):
             return None
         if bool((values != 0).all()):
@@ -316,13 +326,16 @@ def _drop_dead(comp: Computation, seeds: set[str]) -> None:
     comp.instructions = [i for i in comp.instructions if i.name not in dead]
 
 
+# Ops whose every element is an element of their first operand.
+_SPREADS = ("broadcast", "bitcast", "reshape", "copy")
+
 _REWRITES = {"scatter": "scatter", "gather": "gather", "select": "select"}
 
 
 def _fusion_bodies(module: HloModule) -> set[str]:
     """Fused computations a rewrite may change without changing what their fusion returns:
-    called by exactly one fusion instruction and by nothing else, with one (non-tuple)
-    result, whose name and shape the rewrite keeps."""
+    called by exactly one fusion instruction and by nothing else; the rewrite keeps the
+    name and shape of the root (or of each element of a root tuple)."""
     calls: dict[str, int] = {}
     by_fusion: set[str] = set()
     for comp in module.computations:
@@ -336,7 +349,7 @@ def _fusion_bodies(module: HloModule) -> set[str]:
     for comp in module.computations:
         root = comp.root
         if comp.name in by_fusion and calls.get(comp.name) == 1 and root is not None and \
-                not root.shape.is_tuple:
+                (not root.shape.is_tuple or root.opcode == "tuple"):
             bodies.add(comp.name)
     return bodies
 
@@ -350,7 +363,8 @@ def rewrite_segments(module: HloModule, fusion_bodies: bool = False) -> SegmentR
     once with one result, proved on the flattened op graph (the ids may come from
     another fusion); every top-level instruction keeps its name, operands and shape and
     every fusion returns what it returned, so XLA's module and the rewritten one differ in
-    fusion bodies alone."""
+    fusion bodies alone (``fused_segments_as_rows`` then lets some return the same bytes
+    in the segments' shape)."""
     rewriter = _Rewriter(module)
     if not any(i.opcode in ("scatter", "gather") for c in module.computations
                for i in c.instructions):
@@ -393,6 +407,7 @@ def rewrite_segments(module: HloModule, fusion_bodies: bool = False) -> SegmentR
             split = {n: next(iter(ways)) for n, ways in
                      rewriter.splits.get(comp.name, {}).items() if len(ways) == 1}
             if split:
+                rewriter.result.splits[comp.name] = split
                 comp = shape_segments(comp, split, rewriter.names)
         comps.append(comp)
     rewriter.result.module = dataclasses.replace(module, computations=comps)
@@ -406,10 +421,15 @@ def fused_segments_as_rows(module: HloModule) -> SegmentRewrite:
     pass plans from the result and places its kernels into ``module`` by name). The
     rewritten fusions then stop reading XLA's id and mask fusions: their unread parameters
     are dropped and the top-level instructions nothing reads any more with them, so the
-    plan holds no dead kernel; every instruction left keeps its name and shape."""
+    plan holds no dead kernel; every instruction left keeps its name, and its shape or
+    the same bytes in the segments' shape (``segment_outputs``)."""
     rewrite = rewrite_segments(module, fusion_bodies=True)
     if rewrite.changed:
         rewrite.module = _without_unread(module, rewrite.module)
+        names = {i.name for c in (*module.computations, *rewrite.module.computations)
+                 for i in c.instructions}
+        rewrite.module, rewrite.rows_outputs = fusions_return_rows(
+            rewrite.module, rewrite.splits, names)
     return rewrite
 
 

@@ -171,7 +171,8 @@ def price_xla_kernels(module: Any, spec: Any) -> dict[str, list[XlaKernel]]:
 def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str, frozenset]],
                    reasons: dict[str, tuple[str, str]],
                    copies: Iterable[LoopCopy] = (),
-                   xla_kernels: dict[str, list[XlaKernel]] | None = None) -> Delivery:
+                   xla_kernels: dict[str, list[XlaKernel]] | None = None,
+                   dead: Iterable[str] = ()) -> Delivery:
     """Price what the pass put in the module (module docstring).
 
     ``placed``: (graph index, kernel name, members[, the top-level instructions it
@@ -179,7 +180,9 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
     ``reasons``: kernel name -> (drop kind, reason) for planned kernels left out;
     ``copies``: the copies the rewrite added; ``xla_kernels``: XLA's own kernels
     (``price_xla_kernels``) where the plan's baseline is of another module: they are the
-    XLA side, and each one no placed kernel replaces is delivered at its price."""
+    XLA side, and each one no placed kernel replaces is delivered at its price;
+    ``dead``: XLA's instructions the rewrite dropped as unread once the placed kernels were
+    in (hlo_rewrite's ``dead_kernels``): delivered at no price."""
     from stitch.cost.delta import CostModel, copy_kernel_cost
     from stitch.explorer.plan import kernel_kind, memory_intensive
 
@@ -188,6 +191,7 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
         by_graph.setdefault(gi, []).append((name, frozenset(members),
                                             frozenset(tops[0]) if tops else frozenset()))
     copies = list(copies)
+    gone = frozenset(dead)
     xla, planned, delivered = Side(), Side(), Side()
     dropped: list[Dropped] = []
     for gi, gp in enumerate(fusion_plan.graphs):
@@ -222,11 +226,12 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
             replaced = _tops(gp.graph, taken).union(
                 *(tops for _, _, tops in by_graph.get(gi, [])))
             for x in own:
-                if not replaced & x.tops:
+                if not (replaced | gone) & x.tops:
                     delivered.add(x.cost, x.memory, weight)
         else:
             for k in gp.baseline.kernels:
-                if not taken & set(k.members):
+                if not taken & set(k.members) and not (gone and
+                                                       _tops(gp.graph, k.members) & gone):
                     delivered.add(k.cost, k.is_memory, weight)
         placed_names = {name for name, _, _ in by_graph.get(gi, [])}
         for k in gp.stitched.kernels:
@@ -278,7 +283,8 @@ def deliver(report: Any, fusion_plan: Any, spec: Any, placed: Iterable[Any],
              if p.site.name in names]
     delivery = price_delivery(
         fusion_plan, spec, sites, drop_reasons(report.skipped, report.fallbacks, report.unpaid),
-        [LoopCopy(k, gi, n) for k, gi, n in rewrite.copies], xla_kernels)
+        [LoopCopy(k, gi, n) for k, gi, n in rewrite.copies], xla_kernels,
+        rewrite.dead_kernels)
     for line in delivery.log_lines(report.module):
         log.info("%s", line)
     return delivery

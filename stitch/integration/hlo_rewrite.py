@@ -67,6 +67,9 @@ class RewriteReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (kernel name, reason)
     # Copies the placed kernels added: (kernel name, graph index, bytes).
     copies: list[tuple[str, int, int]] = field(default_factory=list)
+    # XLA kernels nothing reads once the placed ones are in (the ids and fills a segment
+    # reduction no longer needs): dropped here, as XLA's dead-code pass would.
+    dead_kernels: list[str] = field(default_factory=list)
 
 
 class NotPlaceable(Exception):
@@ -541,7 +544,11 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
             exported.update(exports)
             report.placed.append(k.site.name)
         if removed:
-            view.comp.instructions = _topological(_items(view, b, removed, replacements))
+            kept = _topological(_items(view, b, removed, replacements))
+            dead = _unread_pure(kept)
+            view.comp.instructions = [i for i in kept if i.name not in dead]
+            report.dead_kernels.extend(i.name for i in kept if i.name in dead and
+                                       i.opcode not in FREE_OPCODES)
         report.copies.extend((name, gi, nbytes) for name, nbytes in b.copies)
     if report.placed:
         _drop_unreachable(module)
@@ -561,6 +568,24 @@ def _items(view: ComputationView, b: _Builder, removed: set[str],
         items.append((inst, float(i)))
     items.extend(b.added)
     return items
+
+
+def _unread_pure(instructions: list[Instruction]) -> set[str]:
+    """Names of the pure instructions (``_pure``, and tuple elements) nothing reads,
+    directly or through other such instructions."""
+    users: dict[str, int] = {}
+    for inst in instructions:
+        for o in inst.operands:
+            users[o] = users.get(o, 0) + 1
+    dead: set[str] = set()
+    for inst in reversed(instructions):
+        if users.get(inst.name, 0) or inst.is_root or not (
+                _pure(inst) or inst.opcode == "get-tuple-element"):
+            continue
+        dead.add(inst.name)
+        for o in inst.operands:
+            users[o] -= 1
+    return dead
 
 
 def _topological(items: list[tuple[Instruction, float]]) -> list[Instruction]:

@@ -130,7 +130,8 @@ def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, 
     report.placed = rewrite.placed
     report.skipped.extend(rewrite.skipped)
     report.kernels_stitched = len(rewrite.placed)
-    report.kernels_after = report.kernels_xla - sum(launching[n] - 1 for n in rewrite.placed)
+    report.kernels_after = report.kernels_xla - sum(launching[n] - 1 for n in rewrite.placed) \
+        - len(rewrite.dead_kernels)
     report.kernels = [built[name] for name in rewrite.placed]
     report.in_loop_bodies = sum(1 for p in placed if p.site.name in set(rewrite.placed)
                                 and fusion_plan.graphs[p.site.graph_index].graph.kind != "entry")
