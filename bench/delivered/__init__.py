@@ -46,6 +46,9 @@ MEASURE = Measure(
             f"STITCH_GRID_SYNC={os.environ.get('STITCH_GRID_SYNC', 'default')}.",
     parts=(
         Part("steps", "Third-party training steps", run_steps, quick=False),
+        Part("segments", "Segmented softmax through the pass",
+             script("bench.delivered.segments", [], quick_argv=["--quick"],
+                    block="bench-delivered-segments"), quick=False),
         Part("units", "The zoo's XLA GPU modules: ops against XLA units",
              script("bench.delivered.units", ["--zoo"], block="bench-xla-units-zoo"),
              quick=False),
