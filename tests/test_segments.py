@@ -255,3 +255,34 @@ def test_segment_scatters_of_other_types(etype, kind):
     tol = 1e-2 if etype == "bf16" else 1e-6
     np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
                                rtol=tol, atol=tol)
+
+
+def test_repeat_ids_are_proved_by_evaluating_their_construction():
+    """``jnp.repeat(arange(S), L, total_repeat_length=n)`` builds the ids with cumulative
+    sums (reduce-window), a scatter of the segment starts and a gather: the index proof
+    evaluates those on known operands, so the segmented softmax over them is one kernel
+    without atomics, equal to jax and to the evaluator (poisoned outputs, fresh inputs)."""
+    import jax
+    import jax.numpy as jnp
+
+    import stitch
+
+    rng = np.random.default_rng()
+    count, length = int(rng.integers(3, 30)), int(rng.integers(2, 20))
+    n = count * length
+
+    def fn(x):
+        ids = jnp.repeat(jnp.arange(count), length, total_repeat_length=n)
+        total = jax.ops.segment_sum(jnp.exp(x), ids, num_segments=count)
+        return jnp.exp(x) / total[ids]
+
+    module = parse_hlo(jax.jit(fn).lower(jnp.zeros((n, 2), jnp.float32)).as_text(dialect="hlo"))
+    assert any(i.opcode == "reduce-window" for c in module.computations for i in c.instructions)
+    rewrite = rewrite_segments(module)
+    assert rewrite.reductions and rewrite.broadcasts, (count, length)
+    exe = stitch.compile(module, "h100", poison_outputs=True, cache=False)
+    assert len(exe.kernels) == 1 and not exe.fallbacks
+    x = rng.standard_normal((n, 2)).astype(np.float32)
+    got = exe(x)[0]
+    np.testing.assert_allclose(got, np.asarray(fn(x)), rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(got, evaluate(module, [x])[0], rtol=2e-5, atol=1e-6)

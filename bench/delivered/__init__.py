@@ -46,7 +46,7 @@ MEASURE = Measure(
             f"STITCH_GRID_SYNC={os.environ.get('STITCH_GRID_SYNC', 'default')}.",
     parts=(
         Part("steps", "Third-party training steps", run_steps, quick=False),
-        Part("segments", "Segmented softmax through the pass",
+        Part("segments", "Segmented reductions through the pass",
              script("bench.delivered.segments", [], quick_argv=["--quick"],
                     block="bench-delivered-segments"), quick=False),
         Part("units", "The zoo's XLA GPU modules: ops against XLA units",

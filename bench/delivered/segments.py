@@ -1,4 +1,4 @@
-"""The segmented softmax through stitch's pass: XLA's module against the module the pass
+"""Segmented reductions through stitch's pass: XLA's module against the module the pass
 returns (counted kernels and bytes, modeled µs; deviceless H100 compiles).
 
 ``python -m bench.delivered.segments [--cases NAME,...] [--out docs/benchmarks.md]``
@@ -11,7 +11,8 @@ plugin in ``STITCH_CUDA_VENV``), each case in a fresh child process with an empt
 compile cache. XLA keeps every segment reduction as an atomic scatter kernel; the pass
 plans from XLA's module with the proved segments as rows (``STITCH_SEGMENT_ROWS``). Both
 sides are priced by the delta cost model with the atomics' contention
-(``stitch.cost.contention``).
+(``stitch.cost.contention``). The zoo's embedding bag and mixture-of-experts layer
+(``stitch.models.segments``, full size) go through the same pass.
 """
 from __future__ import annotations
 
@@ -53,17 +54,33 @@ CASES = tuple(Case(s, n, 1, dtype, gradient)
               for dtype in ("f32", "bf16") for gradient in (False, True)) + (
     Case(10_000, 64, 4, "f32", True),)          # the zoo's segment_softmax_grad
 QUICK = (Case(10_000, 64, 1, "f32", True),)
+MODELS = ("embedding_bag", "embedding_bag_bf16", "moe_layer", "moe_layer_bf16")
 
 
-def _case(name: str) -> Case:
+def _case(name: str) -> Case | str:
     for case in CASES:
         if case.name == name:
             return case
-    raise SystemExit(f"unknown case {name!r}: choose from {', '.join(c.name for c in CASES)}")
+    if name in MODELS:
+        return name
+    raise SystemExit(f"unknown case {name!r}: choose from "
+                     f"{', '.join([c.name for c in CASES] + list(MODELS))}")
 
 
-def measure_one(case: Case) -> dict:
-    """In the deviceless venv: the pass's report on one case."""
+def _model_lowered(name: str, mesh):
+    """jax's lowering of zoo model ``name`` (full size) for ``mesh``'s one device."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from stitch import models
+    inst = models.build(name, "full")
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+             for a in inst.arg_specs]
+    return jax.jit(inst.fn).lower(*specs)
+
+
+def measure_one(case: Case | str) -> dict:
+    """In the deviceless venv: the pass's report on one case (or zoo model)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
@@ -74,6 +91,10 @@ def measure_one(case: Case) -> dict:
 
     deviceless.check_environment()
     mesh = topologies.make_mesh(deviceless.topology("h100", "1x1x1"), (1,), ("d",))
+    if isinstance(case, str):
+        report = deviceless.compile_with_pass(_model_lowered(case, mesh), case, "h100").report
+        return {"case": case, **report.summary(),
+                "segment_rows": len(report.segment_rows), "skipped": report.skipped[:3]}
     dtype = jnp.bfloat16 if case.dtype == "bf16" else jnp.float32
     spec = jax.ShapeDtypeStruct((case.segments * case.length, case.heads), dtype,
                                 sharding=NamedSharding(mesh, PartitionSpec()))
@@ -93,13 +114,14 @@ def measure_one(case: Case) -> dict:
             "segment_rows": len(report.segment_rows), "skipped": report.skipped[:3]}
 
 
-def collect(cases: list[Case], timeout: float = 900.0) -> list[dict]:
+def collect(cases: list[Case | str], timeout: float = 900.0) -> list[dict]:
     venv = Path(os.environ.get("STITCH_CUDA_VENV", REPO / ".venv-cuda"))
     python = venv / "bin" / "python"
     rows: list[dict] = []
     for case in cases:
+        name = case if isinstance(case, str) else case.name
         if not python.exists():
-            rows.append({"case": case.name,
+            rows.append({"case": name,
                          "error": f"{python} not found (scripts/deviceless_check.sh makes it)"})
             continue
         with tempfile.TemporaryDirectory() as cache:
@@ -110,15 +132,15 @@ def collect(cases: list[Case], timeout: float = 900.0) -> list[dict]:
                        str(REPO), os.environ.get("PYTHONPATH")]))}
             try:
                 run = subprocess.run([str(python), "-m", "bench.delivered.segments",
-                                      "--one", case.name], env=env, capture_output=True,
+                                      "--one", name], env=env, capture_output=True,
                                      text=True, timeout=timeout, cwd=REPO)
             except subprocess.TimeoutExpired:
-                rows.append({"case": case.name, "error": f"timed out after {timeout:.0f} s"})
+                rows.append({"case": name, "error": f"timed out after {timeout:.0f} s"})
                 continue
         line = next((ln for ln in run.stdout.splitlines() if ln.startswith(MARK)), None)
         if run.returncode != 0 or line is None:
             tail = (run.stderr.strip().splitlines() or ["?"])[-1]
-            rows.append({"case": case.name, "error": f"exit {run.returncode}: {tail[:200]}"})
+            rows.append({"case": name, "error": f"exit {run.returncode}: {tail[:200]}"})
         else:
             rows.append(json.loads(line[len(MARK):]))
         print(f"[segments] {rows[-1]}", file=sys.stderr, flush=True)
@@ -127,7 +149,7 @@ def collect(cases: list[Case], timeout: float = 900.0) -> list[dict]:
 
 def markdown(rows: list[dict], command: str) -> str:
     from bench.report import stamp
-    lines = ["## Segmented softmax through the pass (counted and modeled)", "",
+    lines = ["## Segmented reductions through the pass (counted and modeled)", "",
              stamp(command, os.getloadavg()), "",
              "jax's segmented softmax (`jax.ops.segment_max` / `segment_sum`, sorted ids "
              "`arange(n) // length`, one score per member unless ×heads), compiled for an "
@@ -136,7 +158,10 @@ def markdown(rows: list[dict], command: str) -> str:
              "contention; *delivered*: the module the pass returns. Memory-intensive kernels "
              "only: **counted** kernels and MB, **modeled** µs (delta cost model). *stitched*: "
              f"stitch kernels in the returned module. Anchor, measured elsewhere: {ANCHOR}; "
-             "no GPU time here.", "",
+             "no GPU time here. The last rows are the zoo's embedding bag (4096 bags of 32 "
+             "rows of a 100k × 128 table: XLA fuses the row gather into its atomic scatter) "
+             "and expert-choice MoE layer (its combine scatters to data-dependent tokens: "
+             "atomics either way), full size.", "",
              "| case | XLA kernels | delivered kernels | stitched | XLA MB | delivered MB | "
              "XLA µs | delivered µs | faster |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -169,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         print(MARK + json.dumps(measure_one(_case(args.one))), flush=True)
         return
     cases = [_case(n) for n in args.cases.split(",")] if args.cases else \
-        list(QUICK if args.quick else CASES)
+        list(QUICK if args.quick else CASES + MODELS)
     text = markdown(collect(cases), "python -m bench delivered --part segments")
     if args.out:
         from bench.report import write_section

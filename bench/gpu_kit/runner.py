@@ -63,7 +63,7 @@ def steps(out: Path, python: str) -> list[Step]:
              env={"STITCH_LOG": "debug"}, critical=True),
         Step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                        "tests/gpu"], 150, 60),
-        Step("timings", [python, "-m", "bench.gpu_kit.timings", "--out", str(out)], 110, 60),
+        Step("timings", [python, "-m", "bench.gpu_kit.timings", "--out", str(out)], 150, 60),
         Step("kernels", [python, "-m", "bench.opt_levels", "time", "--dir", str(kernels),
                          "--json", str(out / "kernels.json")], 30, 0, needs_gpu=True),
         Step("memcheck", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3",

@@ -20,7 +20,11 @@ from pathlib import Path
 
 GPU_MODELS = (("layer_norm", "full"), ("log_softmax_xent_train", "full"),
               ("bert_layer_train", "tiny"), ("transformer_train", "tiny"),
-              ("transformer_train_bf16", "tiny"), ("bert_layer_infer", "full"))
+              ("transformer_train_bf16", "tiny"), ("bert_layer_infer", "full"),
+              # Segmented reductions: XLA's atomic scatters against one stitched kernel
+              # (the contention term of stitch.cost.contention is an assumption until
+              # these are timed).
+              ("segment_softmax_grad", "full"), ("embedding_bag", "full"))
 REHEARSAL_MODELS = (("layer_norm", "tiny"), ("log_softmax_xent_train", "tiny"))
 WARMUP = 3
 REPEATS = 20

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .combiners import combiner_kind
+from .errors import StitchError
 from .graph import OpGraph, OpNode
 from .ir import Shape, parse_slice
 from .literals import literal_to_numpy
@@ -30,7 +31,7 @@ from .literals import literal_to_numpy
 # Largest index tensor whose values are computed for the proof.
 MAX_INDEX_ELEMENTS = 1 << 24
 # Most producers followed back from the indices operand.
-MAX_INDEX_OPS = 48
+MAX_INDEX_OPS = 96
 
 _INT_TYPES: dict[str, type] = {"s8": np.int8, "s16": np.int16, "s32": np.int32, "s64": np.int64,
               "u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "u64": np.uint64}
@@ -168,7 +169,45 @@ def _apply(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:
         return _bitwise(node, shape.element_type, ops)
     if op in _PRED_OPS and shape.element_type == "pred":
         return _predicate(node, graph, ops)
+    if op in _EVALUATED and shape.element_type in _INDEX_TYPES and \
+            all(bool(known.all()) for _, known in ops):
+        return _evaluated(node, graph, ops)
     return None
+
+
+# Index-building ops evaluated by the reference evaluator once every operand is known:
+# ``jnp.repeat(arange(S), L, total_repeat_length=n)`` builds its ids with cumulative sums
+# (reduce-window), a scatter of the segment starts and a gather from the arange.
+_EVALUATED = {"reduce-window", "scatter", "gather", "dynamic-slice", "dynamic-update-slice",
+              "pad", "reverse"}
+_EVALUATORS: "weakref.WeakKeyDictionary[OpGraph, object]" = weakref.WeakKeyDictionary()
+
+
+def _evaluated(node: OpNode, graph: OpGraph, ops: list[_Known]) -> _Known | None:
+    from .evaluator import Evaluator
+    from .evaluator.dtypes import numpy_dtype
+    from .ir import HloModule
+
+    evaluator = _EVALUATORS.get(graph)
+    if evaluator is None:
+        evaluator = _EVALUATORS[graph] = Evaluator(
+            HloModule("index_proof", list(graph.computations.values())))
+    operands = []
+    for o, (values, _) in zip(node.operands, ops):
+        oshape = _leaf(graph.nodes[o].shape)
+        if oshape.element_type not in _INDEX_TYPES:
+            return None
+        operands.append(values.astype(numpy_dtype(oshape.element_type)))
+    comp = graph.computations.get(node.computation)
+    if comp is None:
+        return None
+    try:
+        value = evaluator.apply_instruction(comp, node.instruction, operands)
+    except StitchError:
+        return None
+    dims = tuple(_leaf(node.shape).dims)
+    out = np.asarray(value).astype(np.int64).reshape(dims)
+    return out, np.ones(dims, bool)
 
 
 # Integer element ops whose result follows from known operands (jax builds index tensors

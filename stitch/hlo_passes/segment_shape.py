@@ -86,11 +86,14 @@ class _Shaper:
 
     def visit(self, inst: Instruction) -> None:
         dims = self.target(inst.shape)
-        relabels = inst.opcode in ("reshape", "bitcast") and len(inst.operands) == 1
+        src = self.by_name.get(inst.operands[0]) if len(inst.operands) == 1 else None
+        # A reshape, or a bitcast between row-major shapes (the same elements in order).
+        relabels = src is not None and (inst.opcode == "reshape" or (
+            inst.opcode == "bitcast" and _is_row_major(inst.shape) and
+            not src.shape.is_tuple and _is_row_major(src.shape)))
         if dims is not None and relabels:
-            src = self.by_name.get(inst.operands[0])
             source = None
-            if src is not None and _squeezed(src.shape) == dims:
+            if _is_row_major(src.shape) and _squeezed(src.shape) == dims:
                 # A gather's broadcast read back as [n]: its source is the rows version
                 # (less the extent-1 dims XLA's canonical gathers keep).
                 source = src.name

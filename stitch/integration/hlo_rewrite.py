@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
+import re
 from typing import Sequence
 from dataclasses import dataclass, field
 
@@ -577,6 +578,9 @@ def _unread_pure(instructions: list[Instruction]) -> set[str]:
     for inst in instructions:
         for o in inst.operands:
             users[o] = users.get(o, 0) + 1
+        # A control edge names its instruction too (kept: XLA would refuse the module).
+        for name in re.findall(r"%?([\w.\-]+)", inst.attrs.get("control-predecessors", "")):
+            users[name] = users.get(name, 0) + 1
     dead: set[str] = set()
     for inst in reversed(instructions):
         if users.get(inst.name, 0) or inst.is_root or not (
