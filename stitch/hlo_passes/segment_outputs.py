@@ -58,8 +58,11 @@ def _rows_source(body: Computation, by_name: dict[str, Instruction], name: str,
     if source is None or source.opcode == "parameter" or \
             not _segments_shape(flat.shape, source.shape, split):
         return None
-    if sum(1 for i in body.instructions if source.name in i.operands) != 1:
-        return None             # read elsewhere in the body too: kept as it is
+    # Both read by nothing else in the body (the flat value only by the root tuple):
+    # the rows version then takes the flat one's name and place.
+    if sum(1 for i in body.instructions if source.name in i.operands) != 1 or \
+            sum(1 for i in body.instructions if name in i.operands and not i.is_root) != 0:
+        return None
     return source
 
 
