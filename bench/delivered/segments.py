@@ -19,13 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.report import REPO
 
 SECTION = "bench-delivered-segments"
 MARK = "SEGMENTS "
@@ -115,36 +111,9 @@ def measure_one(case: Case | str) -> dict:
 
 
 def collect(cases: list[Case | str], timeout: float = 900.0) -> list[dict]:
-    venv = Path(os.environ.get("STITCH_CUDA_VENV", REPO / ".venv-cuda"))
-    python = venv / "bin" / "python"
-    rows: list[dict] = []
-    for case in cases:
-        name = case if isinstance(case, str) else case.name
-        if not python.exists():
-            rows.append({"case": name,
-                         "error": f"{python} not found (scripts/deviceless_check.sh makes it)"})
-            continue
-        with tempfile.TemporaryDirectory() as cache:
-            os.chmod(cache, 0o700)
-            env = {**os.environ, "STITCH_CACHE_DIR": cache, "CUDA_VISIBLE_DEVICES": "-1",
-                   "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [
-                       str(REPO), os.environ.get("PYTHONPATH")]))}
-            try:
-                run = subprocess.run([str(python), "-m", "bench.delivered.segments",
-                                      "--one", name], env=env, capture_output=True,
-                                     text=True, timeout=timeout, cwd=REPO)
-            except subprocess.TimeoutExpired:
-                rows.append({"case": name, "error": f"timed out after {timeout:.0f} s"})
-                continue
-        line = next((ln for ln in run.stdout.splitlines() if ln.startswith(MARK)), None)
-        if run.returncode != 0 or line is None:
-            tail = (run.stderr.strip().splitlines() or ["?"])[-1]
-            rows.append({"case": name, "error": f"exit {run.returncode}: {tail[:200]}"})
-        else:
-            rows.append(json.loads(line[len(MARK):]))
-        print(f"[segments] {rows[-1]}", file=sys.stderr, flush=True)
-    return rows
+    from bench.delivered.children import run_one
+    return [run_one("bench.delivered.segments", case if isinstance(case, str) else case.name,
+                    MARK, "case", timeout) for case in cases]
 
 
 def markdown(rows: list[dict], command: str) -> str:

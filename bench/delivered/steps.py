@@ -16,9 +16,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from bench.report import REPO
 
@@ -58,42 +55,16 @@ def measure_one(name: str) -> dict:
 
 
 def collect(names: list[str], timeout: float = 1800.0) -> list[dict]:
+    from bench.delivered.children import run_one
     from bench.thirdparty_steps import XLA_FLAGS, available
-    venv = Path(os.environ.get("STITCH_CUDA_VENV", REPO / ".venv-cuda"))
-    python = venv / "bin" / "python"
     rows = []
     for name in names:
         why = available(name)
-        if why is None and not python.exists():
-            why = f"{python} not found (scripts/deviceless_check.sh makes it)"
         if why is not None:
             rows.append({"step": name, "error": why})
             continue
-        with tempfile.TemporaryDirectory() as cache:
-            os.chmod(cache, 0o700)
-            env = {**os.environ, "STITCH_CACHE_DIR": cache, "CUDA_VISIBLE_DEVICES": "-1",
-                   "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
-                   # The repository first; a PYTHONPATH the caller set (keras_hub's
-                   # packages, say) after it.
-                   "PYTHONPATH": os.pathsep.join(filter(None, [
-                       str(REPO), os.environ.get("PYTHONPATH")]))}
-            if name in XLA_FLAGS:
-                env["XLA_FLAGS"] = " ".join(filter(None, (env.get("XLA_FLAGS"),
-                                                          XLA_FLAGS[name])))
-            try:
-                run = subprocess.run([str(python), "-m", "bench.delivered.steps", "--one", name],
-                                     env=env, capture_output=True, text=True,
-                                     timeout=timeout, cwd=REPO)
-            except subprocess.TimeoutExpired:
-                rows.append({"step": name, "error": f"timed out after {timeout:.0f} s"})
-                continue
-        line = next((ln for ln in run.stdout.splitlines() if ln.startswith(MARK)), None)
-        if run.returncode != 0 or line is None:
-            tail = (run.stderr.strip().splitlines() or ["?"])[-1]
-            rows.append({"step": name, "error": f"exit {run.returncode}: {tail[:200]}"})
-        else:
-            rows.append(json.loads(line[len(MARK):]))
-        print(f"[delivered] {rows[-1]}", file=sys.stderr, flush=True)
+        rows.append(run_one("bench.delivered.steps", name, MARK, "step", timeout,
+                            XLA_FLAGS.get(name)))
     return rows
 
 
