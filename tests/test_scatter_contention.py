@@ -1,6 +1,8 @@
 """Colliding scatter atomics priced by their collisions per address (stitch.cost.contention),
-for XLA's kernels (the delta-evaluator prices the baseline) and stitch's (the
-latency-evaluator's schedules) alike; index values proved through integer arithmetic."""
+for XLA's kernels (the delta-evaluator prices the baseline, ``xla_atomics``: an atomic per
+update element) and stitch's (the latency-evaluator's schedules; a scatter-add over sorted
+ids in runs, stitch.hlo_passes.sorted_runs); index values proved through integer
+arithmetic."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +12,7 @@ from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.scatter_forms import known_index_values
 from stitch.cost.contention import scatter_contention
+from stitch.hlo_passes.sorted_runs import RUN_ROWS
 from stitch.cost.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import schedule_kernel
@@ -71,11 +74,14 @@ def test_sorted_segments_cost_more_than_distinct_updates_of_the_same_bytes():
     uncontended = scatter_contention(perm_graph, perm)
     assert uncontended is not None and uncontended.collisions == pytest.approx(1.0)
     assert uncontended.seconds(spec) == 0.0
-    sorted_cost = CostModel(seg_graph, spec).kernel([seg])
+    sorted_cost = CostModel(seg_graph, spec, xla_atomics=True).kernel([seg])
+    # Stitch adds the sorted segments in runs: a fraction of XLA's atomics wait.
+    runs_cost = CostModel(seg_graph, spec).kernel([seg])
+    assert 0.0 < runs_cost.contention_s < sorted_cost.contention_s / 4
     # The same scatter with ids the proof cannot read (a parameter), into as many rows as
     # updates: assumed one update per address, the same bytes.
     free_graph, free = _graph_and_scatter(_scatter(n, n, f"ids = s32[{n}] copy(p)"))
-    free_cost = CostModel(free_graph, spec).kernel([free])
+    free_cost = CostModel(free_graph, spec, xla_atomics=True).kernel([free])
     assert sorted_cost.hbm_bytes == free_cost.hbm_bytes
     assert free_cost.contention_s == 0.0
     assert sorted_cost.contention_s > 0.0
@@ -97,12 +103,12 @@ def test_longer_segments_and_cas_loops_cost_more():
     times = {}
     for length in (16, 64, 256):
         graph, v = _graph_and_scatter(_scatter(n, n, _segments(n, length)))
-        times[length] = CostModel(graph, spec).kernel([v]).total_s
+        times[length] = CostModel(graph, spec, xla_atomics=True).kernel([v]).total_s
     assert times[16] < times[64] < times[256]
     graph, v = _graph_and_scatter(_scatter(n, n, _segments(n, 64), combiner="mul"))
     cas = scatter_contention(graph, v, spec.compute_capability[0])
     assert cas is not None and not cas.native
-    assert CostModel(graph, spec).kernel([v]).total_s > 2 * times[64]
+    assert CostModel(graph, spec, xla_atomics=True).kernel([v]).total_s > 2 * times[64]
 
 
 def test_latency_evaluator_charges_contention_of_stitch_kernels():
@@ -112,8 +118,9 @@ def test_latency_evaluator_charges_contention_of_stitch_kernels():
     free_graph, free = _graph_and_scatter(_scatter(n, n, f"ids = s32[{n}] copy(p)"))
     contended = schedule_kernel(seg_graph, [seg], spec).modeled_us
     plain = schedule_kernel(free_graph, [free], spec).modeled_us
-    expected = scatter_contention(seg_graph, seg).seconds(spec) * 1e6
-    assert expected > 1.0
+    # Stitch's kernel adds the sorted segments in runs (sorted_runs.RUN_ROWS per thread).
+    expected = scatter_contention(seg_graph, seg).in_runs(RUN_ROWS).seconds(spec) * 1e6
+    assert expected > 0.1
     assert contended == pytest.approx(plain + expected, rel=0.05)
 
 

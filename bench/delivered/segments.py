@@ -51,13 +51,16 @@ CASES = tuple(Case(s, n, 1, dtype, gradient)
     Case(10_000, 64, 4, "f32", True),)          # the zoo's segment_softmax_grad
 QUICK = (Case(10_000, 64, 1, "f32", True),)
 MODELS = ("embedding_bag", "embedding_bag_bf16", "moe_layer", "moe_layer_bf16")
+# The zoo's bag sizes with the bag ids data (sorted, any bag sizes: added in runs,
+# stitch.hlo_passes.sorted_runs).
+VARIABLE_BAGS = ("variable bags", "variable bags bf16")
 
 
 def _case(name: str) -> Case | str:
     for case in CASES:
         if case.name == name:
             return case
-    if name in MODELS:
+    if name in MODELS or name in VARIABLE_BAGS:
         return name
     raise SystemExit(f"unknown case {name!r}: choose from "
                      f"{', '.join([c.name for c in CASES] + list(MODELS))}")
@@ -75,6 +78,27 @@ def _model_lowered(name: str, mesh):
     return jax.jit(inst.fn).lower(*specs)
 
 
+def _variable_bags_lowered(name: str, mesh):
+    """An embedding bag of the zoo's full size whose sorted bag ids are an input."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from stitch.models.segments import BAG_SIZES
+    size = BAG_SIZES["full"]
+    dtype = jnp.bfloat16 if name.endswith("bf16") else jnp.float32
+
+    def variable_bags(tokens, bag_ids, table):
+        return jax.ops.segment_sum(table.astype(dtype)[tokens], bag_ids,
+                                   num_segments=size.bags, indices_are_sorted=True)
+    sharding = NamedSharding(mesh, PartitionSpec())
+    n = size.bags * size.per_bag
+    specs = [jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding),
+             jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding),
+             jax.ShapeDtypeStruct((size.vocab, size.dim), jnp.float32, sharding=sharding)]
+    return jax.jit(variable_bags).lower(*specs)
+
+
 def measure_one(case: Case | str) -> dict:
     """In the deviceless venv: the pass's report on one case (or zoo model)."""
     import jax
@@ -88,7 +112,9 @@ def measure_one(case: Case | str) -> dict:
     deviceless.check_environment()
     mesh = topologies.make_mesh(deviceless.topology("h100", "1x1x1"), (1,), ("d",))
     if isinstance(case, str):
-        report = deviceless.compile_with_pass(_model_lowered(case, mesh), case, "h100").report
+        lowered = _variable_bags_lowered(case, mesh) if case in VARIABLE_BAGS \
+            else _model_lowered(case, mesh)
+        report = deviceless.compile_with_pass(lowered, case, "h100").report
         return {"case": case, **report.summary(),
                 "segment_rows": len(report.segment_rows), "skipped": report.skipped[:3]}
     dtype = jnp.bfloat16 if case.dtype == "bf16" else jnp.float32
@@ -130,7 +156,10 @@ def markdown(rows: list[dict], command: str) -> str:
              "no GPU time here. The last rows are the zoo's embedding bag (4096 bags of 32 "
              "rows of a 100k × 128 table: XLA fuses the row gather into its atomic scatter) "
              "and expert-choice MoE layer (its combine scatters to data-dependent tokens: "
-             "atomics either way), full size.", "",
+             "atomics either way), full size; *variable bags*: the same bag sum with the "
+             "sorted bag ids an input (any bag sizes): stitch adds each thread's rows in "
+             "runs of equal ids before its atomics (stitch.hlo_passes.sorted_runs), XLA "
+             "adds every element atomically.", "",
              "| case | XLA kernels | delivered kernels | stitched | XLA MB | delivered MB | "
              "XLA µs | delivered µs | faster |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -163,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         print(MARK + json.dumps(measure_one(_case(args.one))), flush=True)
         return
     cases = [_case(n) for n in args.cases.split(",")] if args.cases else \
-        list(QUICK if args.quick else CASES + MODELS)
+        list(QUICK if args.quick else CASES + MODELS + VARIABLE_BAGS)
     text = markdown(collect(cases), "python -m bench delivered --part segments")
     if args.out:
         from bench.report import write_section

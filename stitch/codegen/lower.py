@@ -53,6 +53,7 @@ from stitch.hlo_passes.graph import OpGraph, OpNode
 from stitch.hlo_passes.ir import HloModule, Shape
 from stitch.hlo_passes.literals import literal_to_numpy
 from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.sorted_runs import RunScatter, run_scatter
 from stitch.hlo_passes.scatter_forms import (gather_index_map, known_index_values, scatter_batch_dims,
                                              scatter_form, scatter_window)
 
@@ -60,8 +61,8 @@ from . import compact_rows, kir
 from .errors import CodegenError
 # Shared with lower_global; kept under this module's own short names.
 from .row_mapping import RowSplit as _Split, RowUnit as _Unit, kept_dims as _kept_dims
-from .values import (ValueEmitter, delinearize, iadd, imul, leaf, linearize, logical_index,
-                     physical_offset, storage_dtype)
+from .values import (ValueEmitter, delinearize, iadd, idiv, imul, irem, leaf, linearize,
+                     logical_index, physical_offset, storage_dtype)
 
 log = logging.getLogger(__name__)
 
@@ -566,7 +567,12 @@ class _KernelBuilder:
     def _atomic_scatter(self, em: ValueEmitter, v: int, bid: kir.Expr, blocks: int) -> None:
         """Threads walk the update elements (grid-stride): element u of update batch b goes
         to operand position start(b) + window(u) when b's whole window lies inside the
-        operand (XLA skips the others), added atomically (updates may collide)."""
+        operand (XLA skips the others), added atomically (updates may collide). A
+        scatter-add over sorted ids is added in runs (``_run_scatter``)."""
+        runs = run_scatter(self.graph, v)
+        if runs is not None:
+            self._run_scatter(em, v, bid, blocks, runs)
+            return
         graph = self.graph
         node = graph.nodes[v]
         inst = node.instruction
@@ -623,6 +629,73 @@ class _KernelBuilder:
             for stmt in add:
                 em.emit(stmt)
         em.emit(kir.For(var, gtid, _c(ushape.num_elements), _c(blocks * tpb), em.pop()))
+
+    def _run_scatter(self, em: ValueEmitter, v: int, bid: kir.Expr, blocks: int,
+                     runs: RunScatter) -> None:
+        """``stitch.hlo_passes.sorted_runs``: work item (column j, chunk k) adds update rows
+        k*R .. k*R + R-1 of element column j while their id stays the same, and adds each
+        run's sum atomically at its row (skipped where the id lies outside the operand)."""
+        graph = self.graph
+        node = graph.nodes[v]
+        inst = node.instruction
+        _, indices_id, update_id = node.operands
+        shape = leaf(node.shape)
+        ushape = leaf(graph.nodes[update_id].shape)
+        ishape = leaf(graph.nodes[indices_id].shape)
+        vector_dim = inst.int("index_vector_dim")
+        skipped = set(inst.ints("inserted_window_dims", ()))
+        spanned = [d for d in range(shape.rank) if d not in skipped]
+        window_dims = inst.ints("update_window_dims", ())
+        rows, per_run = runs.rows, runs.run_rows
+        tpb = self.schedule.block
+        gtid = em.let("gtid", iadd(imul(bid, tpb), kir.ThreadIdx()))
+        item = em.fresh("run")
+        em.push(item)
+        column = em.let("column", irem(kir.Ref(item, "i32"), runs.width))
+        first = em.let("first", imul(idiv(kir.Ref(item, "i32"), runs.width), per_run))
+        last = em.let("last", kir.Binary("min", iadd(first, _c(per_run)), _c(rows)))
+        window = delinearize(column, tuple(ushape.dims[1:]))
+
+        def update_index(b: kir.Expr) -> tuple[kir.Expr, ...]:
+            return (b,) + tuple(window)
+
+        def row_id(b: kir.Expr) -> kir.Expr:
+            at = [b]
+            if vector_dim < ishape.rank:
+                at.insert(vector_dim, _c(0))
+            got = em.value(indices_id, tuple(at))
+            return got if got.dtype == "i64" else kir.Convert(got, "i64")
+
+        offsets = {d: u for u, d in zip([update_index(_c(0))[p] for p in window_dims],
+                                         spanned)}
+
+        def add_run(row: kir.Expr, total: kir.Expr) -> kir.Stmt:
+            position = [iadd(kir.Convert(row, "i32"), offsets.get(0, _c(0)))] + \
+                [offsets.get(d, _c(0)) for d in range(1, shape.rank)]
+            inside = kir.Binary("and", kir.Compare("ge", row, kir.i64(0)),
+                                kir.Compare("le", row, kir.i64(shape.dims[0] - 1)))
+            return kir.If(inside, (kir.AtomicAdd(self.params[v].name,
+                                                 linearize(tuple(position), shape.dims),
+                                                 total),))
+
+        current, total = em.fresh("row"), em.fresh("total")
+        first_id = row_id(first)
+        first_value = em.value(update_id, update_index(first))
+        em.emit(kir.Local(current, "i64", first_id))
+        em.emit(kir.Local(total, first_value.dtype, first_value))
+        row = em.fresh("b")
+        em.push(row)
+        b = kir.Ref(row, "i32")
+        next_id = em.let("id", row_id(b))
+        value = em.value(update_id, update_index(b))
+        here, sum_ = kir.Ref(current, "i64"), kir.Ref(total, first_value.dtype)
+        em.emit(kir.If(kir.Compare("ne", next_id, here),
+                       (add_run(here, sum_), kir.Assign(current, next_id),
+                        kir.Assign(total, value)),
+                       (kir.Assign(total, kir.Binary("add", sum_, value)),)))
+        em.emit(kir.For(row, iadd(first, _c(1)), last, _c(1), em.pop()))
+        em.emit(add_run(here, sum_))
+        em.emit(kir.For(item, gtid, _c(runs.runs), _c(blocks * tpb), em.pop()))
 
     def _strided_store(self, em: ValueEmitter, v: int, start: kir.Expr, threads: int,
                        part=None) -> None:

@@ -26,10 +26,14 @@ is its bytes plus a contention term set by how many updates land on each address
 
 The figures are assumptions built from the same microbenchmark papers as
 ``latency.SAME_ADDRESS_ATOMIC_CYCLES`` (not measured here), and the same for XLA's kernels
-and stitch's, so only the index pattern changes which plan wins.
+and stitch's, so only the index pattern changes which plan wins — except for a
+scatter-add over sorted ids that stitch generates in runs (``hlo_passes.sorted_runs``:
+about c / run_rows + 1 atomics per address instead of c), which XLA does not
+(``contention_seconds(runs=False)`` prices XLA's kernels).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass
@@ -40,6 +44,7 @@ import numpy as np
 from stitch.hlo_passes.combiners import combiner_kind
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.scatter_forms import known_index_values, scatter_form
+from stitch.hlo_passes.sorted_runs import run_scatter
 
 from .gpu_specs import GpuSpec
 from .latency import L2_LATENCY_CYCLES, SAME_ADDRESS_ATOMIC_CYCLES
@@ -84,6 +89,15 @@ class Contention:
 
     def seconds(self, spec: GpuSpec) -> float:
         return self.serial_cycles(spec) / spec.clock_hz
+
+    def in_runs(self, run_rows: int) -> "Contention":
+        """The atomics left when each thread first adds ``run_rows`` consecutive updates
+        of an element column while their id repeats (``hlo_passes.sorted_runs``): a
+        segment of c updates spans about c / run_rows + 1 runs, one atomic each."""
+        c = max(self.collisions, 1.0)
+        runs = min(c, c / run_rows + 1.0)
+        return dataclasses.replace(self, updates=max(int(round(self.updates * runs / c)), 1),
+                                   collisions=runs)
 
 
 def _native(kind: str | None, element_type: str, spec_major: int) -> bool:
@@ -159,16 +173,23 @@ def _proved_collisions(graph: OpGraph, indices: int, vector_dim: int, points: in
     return len(counts), float((counts * counts).sum() / counts.sum())
 
 
-def contention_seconds(graph: OpGraph, members: Iterable[int], spec: GpuSpec) -> float:
-    """Seconds the colliding scatters among ``members`` add to their kernel."""
+def contention_seconds(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
+                       runs: bool = True) -> float:
+    """Seconds the colliding scatters among ``members`` add to their kernel: as stitch
+    generates them (``runs``: a scatter-add over sorted ids in runs,
+    ``hlo_passes.sorted_runs``), or as XLA does (one atomic per update element)."""
     major = spec.compute_capability[0]
     total = 0.0
     for v in members:
         if graph.nodes[v].opcode != "scatter":
             continue
         got = scatter_contention(graph, v, major)
-        if got is not None:
-            total += got.seconds(spec)
+        if got is None:
+            continue
+        in_runs = run_scatter(graph, v) if runs else None
+        if in_runs is not None:
+            got = got.in_runs(in_runs.run_rows)
+        total += got.seconds(spec)
     return total
 
 

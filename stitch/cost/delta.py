@@ -114,8 +114,12 @@ class CostModel:
                  chain_spill_check: bool = False, chain_grid_sync: bool = False,
                  share_structure: bool = True, grid_sync: str = "barrier",
                  loop_copies: bool = False,
-                 left_to_xla: Iterable[frozenset[int]] = ()):
+                 left_to_xla: Iterable[frozenset[int]] = (),
+                 xla_atomics: bool = False):
         self.graph = graph
+        # Price colliding scatters as XLA generates them (an atomic per update element):
+        # the model of XLA's own kernels. Else as stitch does (sorted ids added in runs).
+        self.xla_atomics = xla_atomics
         # Kernels placed into an XLA module (the XLA pass): in a loop body every loop-state
         # value a kernel writes goes through a copy (stitch.hlo_passes.loop_state), priced into the
         # kernel's cost, so a kernel that loses with its copies is not planned. XLA's own
@@ -255,7 +259,8 @@ class CostModel:
             else:
                 self.poll()
                 self.fresh += 1
-                cost = with_contention(self.graph, self.spec, key, self._kernel(key, analysis))
+                cost = with_contention(self.graph, self.spec, key, self._kernel(key, analysis),
+                                       runs=not self.xla_atomics)
                 if skey is not None:
                     self._cost_by_key[skey] = cost
             if self.loop_copies:
@@ -537,9 +542,10 @@ class CostModel:
 
 
 def with_contention(graph: OpGraph, spec: GpuSpec, members: Iterable[int],
-                    cost: KernelCost) -> KernelCost:
-    """``cost`` plus what its colliding scatters' atomics wait for one another."""
-    extra = contention_seconds(graph, members, spec)
+                    cost: KernelCost, runs: bool = True) -> KernelCost:
+    """``cost`` plus what its colliding scatters' atomics wait for one another (``runs``:
+    as stitch generates them, see ``contention.contention_seconds``)."""
+    extra = contention_seconds(graph, members, spec, runs)
     if extra <= 0.0:
         return cost
     return dataclasses.replace(cost, total_s=cost.total_s + extra, contention_s=extra)

@@ -26,6 +26,7 @@ from stitch.hlo_passes.ir import HloModule
 from stitch.hlo_passes.op_classes import OpClass
 from stitch.hlo_passes.parser import parse_hlo
 from stitch.hlo_passes.segments import segments_as_rows
+from stitch.hlo_passes.sorted_runs import run_scatter
 
 from ..cost.chain_pricing import chain_for, chain_price, graph_chains
 from ..cost.delta import CostModel
@@ -270,6 +271,32 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
 AS_XLA_MADE_IT = "one XLA kernel as XLA made it: left to XLA"
 
 
+def _runs_in(graph: OpGraph, members: Collection[int]) -> bool:
+    """Whether ``members`` hold a scatter stitch adds in runs (``hlo_passes.sorted_runs``):
+    stitch's kernel of them is not XLA's, whose atomics take every update one by one."""
+    return any(graph.nodes[v].opcode == "scatter" and run_scatter(graph, v) is not None
+               for v in members)
+
+
+def as_xla_made_them(graph: OpGraph, groups: Collection[frozenset[int]]
+                     ) -> frozenset[frozenset[int]]:
+    """XLA's kernels (``groups``) a kernel of the same members would only redo: all but
+    those stitch generates differently (a scatter added in runs)."""
+    return frozenset(g for g in groups if not _runs_in(graph, g))
+
+
+def xla_cost_model(graph: OpGraph, spec: GpuSpec, cost: CostModel) -> CostModel:
+    """The cost model of XLA's own kernels: ``cost`` unless the graph has a scatter stitch
+    adds in runs (XLA then pays an atomic per update element, ``contention``)."""
+    if not _runs_in(graph, range(len(graph.nodes))):
+        return cost
+    return CostModel(graph, spec, cost.poll, gemm_chains=cost.gemm_chains,
+                     chain_tf32=cost.chain_tf32, chain_spill_check=cost.chain_spill_check,
+                     chain_grid_sync=cost.chain_grid_sync, grid_sync=cost.grid_sync,
+                     loop_copies=cost.loop_copies, left_to_xla=cost.left_to_xla,
+                     xla_atomics=True)
+
+
 def _schedulable_parts(graph: OpGraph, spec: GpuSpec, members: frozenset[int],
                        cache: ScheduleCache, grid_sync: str = "barrier"
                        ) -> list[frozenset[int]] | None:
@@ -432,8 +459,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                      grid_sync=options.grid_sync,
                      loop_copies=places_into_xla(options, baseline_source),
                      left_to_xla=base_groups)
-    baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups), False, weight,
-                       prefix="b")
+    baseline = _finish(graph, xla_cost_model(graph, spec, cost), base_groups,
+                       ["baseline"] * len(base_groups), False, weight, prefix="b")
     start = time.perf_counter()
     # XLA units: the explorer's vertices are XLA's instructions, and the size bounds below
     # count them (an op-level bound would treat a few hundred fusions as a huge graph).
@@ -606,7 +633,8 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
                                     "structure_hits": detail["structure_hits"]})
     if options.schedules:
         start_schedules = time.perf_counter()
-        left_to_xla = frozenset(base_groups) if vertices is not None else frozenset()
+        left_to_xla = as_xla_made_them(graph, base_groups) if vertices is not None \
+            else frozenset()
         schedule_plan(graph, spec, best, schedules, poll, chain_tf32=options.chain_tf32,
                       chain_spill_check=options.chain_spill_check,
                       chain_grid_sync=options.chain_grid_sync, left_to_xla=left_to_xla,
@@ -658,8 +686,8 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
                              grid_sync=options.grid_sync,
                              loop_copies=places_into_xla(options, source),
                              left_to_xla=base_groups)
-            baseline = _finish(graph, cost, base_groups, ["baseline"] * len(base_groups),
-                               False, weight, prefix="b")
+            baseline = _finish(graph, xla_cost_model(graph, spec, cost), base_groups,
+                               ["baseline"] * len(base_groups), False, weight, prefix="b")
             kernels = [make_kernel(graph, cost, m, o) for m, o in zip(sets, origins)]
             stitched = _named(graph, launch_order(graph, kernels), weight)
             if options.schedules:
@@ -668,7 +696,8 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
                 schedule_plan(graph, spec, stitched, {}, poll, chain_tf32=options.chain_tf32,
                               chain_spill_check=options.chain_spill_check,
                               chain_grid_sync=options.chain_grid_sync,
-                              left_to_xla=frozenset(base_groups) if units else frozenset(),
+                              left_to_xla=as_xla_made_them(graph, base_groups) if units
+                              else frozenset(),
                               grid_sync=options.grid_sync)
             report = PlannerReport(planner, stitched.objective_s, 0.0, status="cached")
             results.append(GraphResult(graph, baseline, stitched, report))

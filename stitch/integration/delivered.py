@@ -158,7 +158,7 @@ def price_xla_kernels(module: Any, spec: Any) -> dict[str, list[XlaKernel]]:
 
     out: dict[str, list[XlaKernel]] = {}
     for graph in build_op_graphs(module):
-        cost_model = CostModel(graph, spec, gemm_chains=False)
+        cost_model = CostModel(graph, spec, gemm_chains=False, xla_atomics=True)
         kernels = out.setdefault(graph.name, [])
         for group in baseline_groups(graph, "xla"):
             members = tuple(sorted(group))

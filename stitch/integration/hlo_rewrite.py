@@ -485,7 +485,9 @@ def _private_buffer(view: ComputationView, b: _Builder, name: str, tops: set[str
     state's, and read by no instruction the kernel leaves in the module. Writing it in
     place is then what XLA's own in-place scatter fusion did (its operand a fresh buffer)."""
     inst = view.table.get(name)
-    if inst is None or inst.is_root or name in view.comp.root.operands:
+    root = view.comp.root
+    # Read by the root the kernel leaves (a tuple of outputs or loop state): it escapes.
+    if inst is None or inst.is_root or (name in root.operands and root.name not in tops):
         return False
     source = view.table.get(inst.operands[0]) if inst.opcode == "get-tuple-element" else inst
     if source is None or source.opcode not in ("fusion", "copy") or operands.count(name) != 1:

@@ -46,3 +46,30 @@ def test_moe_layer_is_never_worse_than_xla(h100_mesh, monkeypatch, name):
     assert summary["kernels_after"] <= summary["kernels_before"], summary
     assert summary["delivered_mem_us"] <= summary["xla_mem_us"] + 1e-6, summary
     assert summary["delivered_mem_bytes"] <= summary["xla_mem_bytes"], summary
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_variable_length_bags_are_added_in_runs(h100_mesh, monkeypatch, dtype):
+    """An embedding bag whose bag ids are data (sorted, any bag sizes): XLA's atomic
+    scatter fusion is replaced by stitch's kernel adding each bag's rows in runs (fewer
+    atomics waiting at each bag), the same bytes, modeled >= 1.5x faster."""
+    import jax.numpy as jnp
+
+    bags, vocab, dim, tokens = 4096, 100_000, 128, 131072
+    dt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+
+    def bag_sum(token_ids, bag_ids, table):
+        rows = table.astype(dt)[token_ids]
+        return jax.ops.segment_sum(rows, bag_ids, num_segments=bags, indices_are_sorted=True)
+
+    sharding = NamedSharding(h100_mesh, P())
+    specs = [jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=sharding),
+             jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=sharding),
+             jax.ShapeDtypeStruct((vocab, dim), jnp.float32, sharding=sharding)]
+    result = deviceless.compile_with_pass(jax.jit(bag_sum).lower(*specs), "bag_sum", TARGET)
+    summary = result.report.summary()
+    final = parse_hlo(result.text)
+    assert not [i for _, i in final.instructions() if i.opcode == "scatter"], summary
+    assert summary["stitched_kernels"] == 1 and summary["copies"] == 0, summary
+    assert summary["delivered_mem_bytes"] <= summary["xla_mem_bytes"], summary
+    assert summary["delivered_mem_us"] * 1.5 <= summary["xla_mem_us"], summary

@@ -1,0 +1,83 @@
+"""Scatter-adds over sorted ids whose segments are not known until run time, added in runs.
+
+``jax.ops.segment_sum(x, ids, S, indices_are_sorted=True)`` with ``ids`` data (a graph's
+destination nodes, an embedding bag's bag of each token: segments of any length, CSR
+order) is a scatter-add whose updates collide: XLA adds every update element atomically,
+and the updates of one segment wait for each other at its address. Stitch generates such
+a scatter in *runs*: each thread takes one element column of ``RUN_ROWS`` consecutive
+update rows, adds the rows while their id stays the same and adds the sum atomically when
+it changes (and at the end). A segment of L rows then costs about L / RUN_ROWS + 1 atomic
+adds per element instead of L.
+
+The result does not depend on the ids being sorted: any run of equal ids is summed first,
+so unsorted ids only make more runs (never more atomics than one per update). Sums are
+formed in another order than XLA's (its atomics have no fixed order either). Ids outside
+the operand are skipped per run, as XLA skips their updates.
+
+What qualifies (``run_scatter``): a scatter-add (``combiners.combiner_kind``) whose updates
+may collide (``scatter_forms.scatter_form``: "atomic"), marked ``indices_are_sorted=true``
+(where ids are not sorted, runs buy nothing), with one update batch dim leading the
+updates, one index component into operand dim 0 and the update window spanning the rest
+of the operand (whole rows); no batching dims.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .combiners import combiner_kind
+from .graph import OpGraph
+from .scatter_forms import scatter_batch_dims, scatter_form, scatter_window
+
+# Update rows one thread adds before its atomic (per element column).
+RUN_ROWS = 16
+
+
+@dataclass(frozen=True)
+class RunScatter:
+    """A scatter generated in runs: ``rows`` update rows of ``width`` elements each."""
+    rows: int
+    width: int
+    run_rows: int = RUN_ROWS
+
+    @property
+    def runs(self) -> int:
+        """Work items: element columns times chunks of ``run_rows`` rows."""
+        return self.width * -(-self.rows // self.run_rows)
+
+
+def run_scatter(graph: OpGraph, v: int) -> RunScatter | None:
+    """How scatter ``v`` is generated in runs, or None (module docstring)."""
+    node = graph.nodes[v]
+    if node.opcode != "scatter" or len(node.operands) != 3 or node.shape.is_tuple:
+        return None
+    inst = node.instruction
+    if inst.attrs.get("indices_are_sorted", "false").strip().lower() != "true":
+        return None
+    names = [n.lstrip("%") for n in inst.called_computations]
+    comp = graph.computations.get(names[0]) if names else None
+    if comp is None or combiner_kind(comp) != "add":
+        return None
+    if scatter_form(graph, v).kind != "atomic":
+        return None
+    if inst.ints("input_batching_dims", ()) or \
+            inst.ints("scatter_dims_to_operand_dims", ()) != (0,):
+        return None
+    update = graph.nodes[node.operands[2]].shape
+    operand = node.shape
+    if scatter_batch_dims(node, graph) != [0] or update.rank < 1:
+        return None
+    try:
+        window = scatter_window(graph, node)
+    except ValueError:
+        return None
+    # Whole rows: a window of one row along dim 0, the operand's extent elsewhere.
+    if window != (1,) + tuple(operand.dims[1:]):
+        return None
+    rows = update.dims[0]
+    width = update.num_elements // rows if rows else 0
+    if rows < 2 or width < 1:
+        return None
+    return RunScatter(rows, width)
+
+
+__all__ = ["RUN_ROWS", "RunScatter", "run_scatter"]
