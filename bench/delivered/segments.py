@@ -142,27 +142,12 @@ def collect(cases: list[Case | str], timeout: float = 900.0) -> list[dict]:
                     MARK, "case", timeout) for case in cases]
 
 
-def markdown(rows: list[dict], command: str) -> str:
-    from bench.report import stamp
-    lines = ["## Segmented reductions through the pass (counted and modeled)", "",
-             stamp(command, os.getloadavg()), "",
-             "jax's segmented softmax (`jax.ops.segment_max` / `segment_sum`, sorted ids "
-             "`arange(n) // length`, one score per member unless ×heads), compiled for an "
-             "H100 without a device with stitch's pass on. *XLA*: XLA's own optimized module "
-             "(each segment reduction an atomic scatter kernel), priced with its atomics' "
-             "contention; *delivered*: the module the pass returns. Memory-intensive kernels "
-             "only: **counted** kernels and MB, **modeled** µs (delta cost model). *stitched*: "
-             f"stitch kernels in the returned module. Anchor, measured elsewhere: {ANCHOR}; "
-             "no GPU time here. The last rows are the zoo's embedding bag (4096 bags of 32 "
-             "rows of a 100k × 128 table: XLA fuses the row gather into its atomic scatter) "
-             "and expert-choice MoE layer (its combine scatters to data-dependent tokens: "
-             "atomics either way), full size; *variable bags*: the same bag sum with the "
-             "sorted bag ids an input (any bag sizes): stitch adds each thread's rows in "
-             "runs of equal ids before its atomics (stitch.hlo_passes.sorted_runs), XLA "
-             "adds every element atomically.", "",
-             "| case | XLA kernels | delivered kernels | stitched | XLA MB | delivered MB | "
-             "XLA µs | delivered µs | faster |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+HEADER = ["| case | XLA kernels | delivered kernels | stitched | XLA MB | delivered MB | "
+          "XLA µs | delivered µs | faster |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = list(HEADER)
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['case']} | {r['error']} ||||||||")
@@ -172,12 +157,39 @@ def markdown(rows: list[dict], command: str) -> str:
             f"{r['stitched_kernels']} | {r['xla_mem_bytes'] / 1e6:.1f} | "
             f"{r['delivered_mem_bytes'] / 1e6:.1f} | {r['xla_mem_us']:.1f} | "
             f"{r['delivered_mem_us']:.1f} | {r['xla_mem_us'] / r['delivered_mem_us']:.1f}× |")
-    lines += ["", "XLA's bf16 figures are mostly the contention term of its `segment_max`: "
-              "bf16 max has no native atomic in the model (stitch.cost.contention), so each "
-              "address's `length` updates retry a compare-and-swap loop, one winner a round. "
-              "That term is an assumption from microbenchmark papers, not a measurement: the "
-              "GPU kit times it."]
-    return "\n".join(lines)
+    return lines
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    from bench.report import stamp
+    softmax = [r for r in rows if r["case"] not in MODELS + VARIABLE_BAGS]
+    others = [r for r in rows if r["case"] in MODELS + VARIABLE_BAGS]
+    lines = ["## Segmented reductions through the pass (counted and modeled)", "",
+             stamp(command, os.getloadavg()), "",
+             "Compiled for an H100 without a device with stitch's pass on. *XLA*: XLA's own "
+             "optimized module (each segment reduction an atomic scatter kernel), priced "
+             "with its atomics' contention; *delivered*: the module the pass returns. "
+             "Memory-intensive kernels only: **counted** kernels and MB, **modeled** µs "
+             "(delta cost model). *stitched*: stitch kernels in the returned module. No GPU "
+             "time here.", ""]
+    if softmax:
+        lines += ["jax's segmented softmax (`jax.ops.segment_max` / `segment_sum`, sorted ids "
+                  "`arange(n) // length`, one score per member unless ×heads). Anchor, "
+                  f"measured elsewhere: {ANCHOR}.", "", *_table(softmax), "",
+                  "XLA's bf16 figures are mostly the contention term of its `segment_max`: "
+                  "bf16 max has no native atomic in the model (stitch.cost.contention), so "
+                  "each address's `length` updates retry a compare-and-swap loop, one winner "
+                  "a round. That term is an assumption from microbenchmark papers, not a "
+                  "measurement: the GPU kit times it.", ""]
+    if others:
+        lines += ["The zoo's embedding bag (4096 bags of 32 rows of a 100k × 128 table: XLA "
+                  "fuses the row gather into its atomic scatter) and expert-choice MoE layer "
+                  "(its combine scatters to data-dependent tokens: atomics either way), full "
+                  "size; *variable bags*: the same bag sum with the sorted bag ids an input "
+                  "(any bag sizes), which stitch adds in runs of equal ids before its atomics "
+                  "(stitch.hlo_passes.sorted_runs) while XLA adds every element atomically.",
+                  "", *_table(others)]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
