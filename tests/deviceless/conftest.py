@@ -45,3 +45,14 @@ def h100_mesh2(deviceless_ready):
     """Two H100s (topology 1x2x1) as a 1-D data-parallel mesh."""
     from jax.experimental import topologies
     return topologies.make_mesh(deviceless.topology(TARGET, "1x2x1"), (2,), ("d",))
+
+
+def assert_no_spills(report) -> None:
+    """Every kernel the pass placed assembles for the target (ptxas -v) without spills."""
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import assemble_cubin
+    assert report.kernels, report.summary()
+    for built in report.kernels:
+        _, entries = assemble_cubin(emit_ptx(built.lowered.kernel, ARCH), ARCH)
+        for entry, got in entries.items():
+            assert got.spill_store_bytes == 0 and got.spill_load_bytes == 0, (entry, got)

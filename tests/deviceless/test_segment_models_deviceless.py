@@ -15,7 +15,7 @@ from stitch import models  # noqa: E402
 from stitch.hlo_passes import parse_hlo  # noqa: E402
 from stitch.integration import deviceless  # noqa: E402
 
-from .conftest import TARGET  # noqa: E402
+from .conftest import TARGET, assert_no_spills  # noqa: E402
 
 
 def _compile(h100_mesh, name: str):
@@ -37,6 +37,7 @@ def test_embedding_bag_is_one_kernel_without_atomics(h100_mesh, monkeypatch, nam
     assert summary["kernels_after"] == 1 and summary["stitched_kernels"] == 1, summary
     assert summary["delivered_mem_bytes"] <= summary["xla_mem_bytes"], summary
     assert summary["delivered_mem_us"] * 1.5 <= summary["xla_mem_us"], summary
+    assert_no_spills(report)
 
 
 @pytest.mark.parametrize("name", ["moe_layer", "moe_layer_bf16"])
@@ -73,3 +74,4 @@ def test_variable_length_bags_are_added_in_runs(h100_mesh, monkeypatch, dtype):
     assert summary["stitched_kernels"] == 1 and summary["copies"] == 0, summary
     assert summary["delivered_mem_bytes"] <= summary["xla_mem_bytes"], summary
     assert summary["delivered_mem_us"] * 1.5 <= summary["xla_mem_us"], summary
+    assert_no_spills(result.report)

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from stitch.hlo_passes import parse_hlo  # noqa: E402
 from stitch.integration import deviceless  # noqa: E402
 
-from .conftest import TARGET  # noqa: E402
+from .conftest import TARGET, assert_no_spills  # noqa: E402
 
 ZOO = (10_000, 64, 4)
 ISSUE = (50_000, 128, 1)
@@ -66,6 +66,7 @@ def test_segmented_softmax_step_is_one_kernel_without_atomics(h100_mesh, monkeyp
     itemsize = jnp.dtype(dtype).itemsize
     assert summary["delivered_mem_bytes"] <= 3 * itemsize * size[0] * size[1] * size[2] \
         + 1024, summary
+    assert_no_spills(report)
 
 
 def test_segment_rows_off_keeps_xla_scatters_and_prices_xla_alike(h100_mesh, monkeypatch):
