@@ -1,5 +1,6 @@
 """Measure ``headline``: the report's first table, stitch against XLA per target, from the
-numbers the other measures kept (docs/data/*.json: ``plans``, ``delivered``, ``compile``).
+numbers the other measures kept (docs/data/*.json: ``plans``, ``delivered``, ``segments``,
+``compile``).
 Run it after them (``python -m bench all`` does)."""
 from __future__ import annotations
 
@@ -57,6 +58,16 @@ def run_table(ctx: Context) -> list[str]:
             base = sum(r["xla_mem_bytes"] for r in delivered)
             lines.append(f"| {len(delivered)} third-party training steps: mem bytes, delivered "
                          f"/ XLA | counted | – | – | {_x(moved, base)} |")
+    segments = {r["case"]: r for r in ctx.load("segments") or []}
+    shown = [segments[c] for c in ("10000x64 f32 fwd+grad", "50000x128 f32 fwd+grad")
+             if c in segments]
+    if shown:
+        lines.append("| segmented softmax fwd+grad, " + " / ".join(
+            r["case"].split()[0].replace("x", "×") for r in shown)
+            + " (deviceless H100, the XLA pass): mem µs and kernels, XLA → delivered | "
+            "modeled | – | – | " + "; ".join(
+                f"{r['xla_mem_us']:.0f} → {r['delivered_mem_us']:.1f} µs, "
+                f"{r['kernels_before']} → {r['kernels_after']} kernels" for r in shown) + " |")
     compiled = ctx.load("compile")
     if compiled:
         lines.append(f"| compile, {compiled['models']} zoo models: stitch / jax.jit "

@@ -37,6 +37,21 @@ def run_steps(ctx: Context) -> list[str] | None:
     return lines + ([link] if link else [])
 
 
+def run_segments(ctx: Context) -> list[str] | None:
+    from bench.delivered import segments
+    cases = list(segments.QUICK) if ctx.quick else \
+        list(segments.CASES + segments.MODELS + segments.VARIABLE_BAGS)
+    rows = segments.collect(cases)
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        log.warning("delivered: no segments case compiled (%s)",
+                    rows[0].get("error") if rows else "none")
+        return None
+    ctx.save("segments", [{k: r[k] for k in ("case", "kernels_before", "kernels_after",
+                                             "xla_mem_us", "delivered_mem_us")} for r in ok])
+    return as_part(segments.markdown(rows, "python -m bench delivered --part segments"))
+
+
 MEASURE = Measure(
     name="delivered",
     title="Planned against delivered (counted kernels and bytes, modeled µs)",
@@ -46,9 +61,8 @@ MEASURE = Measure(
             f"STITCH_GRID_SYNC={os.environ.get('STITCH_GRID_SYNC', 'default')}.",
     parts=(
         Part("steps", "Third-party training steps", run_steps, quick=False),
-        Part("segments", "Segmented reductions through the pass",
-             script("bench.delivered.segments", [], quick_argv=["--quick"],
-                    block="bench-delivered-segments"), quick=False),
+        Part("segments", "Segmented reductions through the pass", run_segments,
+             quick=False),
         Part("units", "The zoo's XLA GPU modules: ops against XLA units",
              script("bench.delivered.units", ["--zoo"], block="bench-xla-units-zoo"),
              quick=False),
