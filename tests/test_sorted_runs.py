@@ -72,15 +72,27 @@ def test_only_sorted_add_scatters_of_whole_rows_qualify():
     unsorted = jax.jit(lambda x, ids: jax.ops.segment_sum(x, ids, num_segments=7))
     peak = jax.jit(lambda x, ids: jax.ops.segment_max(x, ids, num_segments=7,
                                                       indices_are_sorted=True))
+    # Constant ids of variable-length segments: sorted by proof, without the flag.
+    rng = np.random.default_rng()
+    sorted_ids = np.sort(rng.integers(0, 7, 40)).astype(np.int32)
+    shuffled = rng.permutation(np.arange(40) % 7).astype(np.int32)
+    constant_sorted = jax.jit(lambda x, ids: jax.ops.segment_sum(
+        x, jnp.asarray(sorted_ids), num_segments=7))
+    constant_shuffled = jax.jit(lambda x, ids: jax.ops.segment_sum(
+        x, jnp.asarray(shuffled), num_segments=7))
     x, ids = np.ones((40, 3), np.float32), np.zeros(40, np.int32)
     found = {}
-    for name, fn in (("base", base), ("unsorted", unsorted), ("max", peak)):
+    for name, fn in (("base", base), ("unsorted", unsorted), ("max", peak),
+                     ("constant sorted", constant_sorted),
+                     ("constant shuffled", constant_shuffled)):
         graph = build_op_graphs(parse_hlo(fn.lower(x, ids).as_text(dialect="hlo")))[0]
         found[name] = [run_scatter(graph, v) for v in range(len(graph.nodes))
                        if graph.nodes[v].opcode == "scatter"]
     assert found["base"] and found["base"][0] is not None
     assert found["base"][0].rows == 40 and found["base"][0].width == 3
+    assert found["constant sorted"][0] == found["base"][0]
     assert found["unsorted"] == [None] and found["max"] == [None]
+    assert found["constant shuffled"] == [None]
 
 
 def test_runs_are_priced_below_xla_atomics():

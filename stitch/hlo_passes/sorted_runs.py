@@ -16,7 +16,8 @@ the operand are skipped per run, as XLA skips their updates.
 
 What qualifies (``run_scatter``): a scatter-add (``combiners.combiner_kind``) whose updates
 may collide (``scatter_forms.scatter_form``: "atomic"), marked ``indices_are_sorted=true``
-(where ids are not sorted, runs buy nothing), with one update batch dim leading the
+or with index values proved never to decrease (where ids are not sorted, runs buy
+nothing), with one update batch dim leading the
 updates, one index component into operand dim 0 and the update window spanning the rest
 of the operand (whole rows); no batching dims.
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 from .combiners import combiner_kind
 from .graph import OpGraph
-from .scatter_forms import scatter_batch_dims, scatter_form, scatter_window
+from .scatter_forms import known_index_values, scatter_batch_dims, scatter_form, scatter_window
 
 # Update rows one thread adds before its atomic (per element column).
 RUN_ROWS = 16
@@ -51,7 +52,8 @@ def run_scatter(graph: OpGraph, v: int) -> RunScatter | None:
     if node.opcode != "scatter" or len(node.operands) != 3 or node.shape.is_tuple:
         return None
     inst = node.instruction
-    if inst.attrs.get("indices_are_sorted", "false").strip().lower() != "true":
+    if inst.attrs.get("indices_are_sorted", "false").strip().lower() != "true" and \
+            not _proved_sorted(graph, node.operands[1]):
         return None
     names = [n.lstrip("%") for n in inst.called_computations]
     comp = graph.computations.get(names[0]) if names else None
@@ -78,6 +80,16 @@ def run_scatter(graph: OpGraph, v: int) -> RunScatter | None:
     if rows < 2 or width < 1:
         return None
     return RunScatter(rows, width)
+
+
+def _proved_sorted(graph: OpGraph, indices: int) -> bool:
+    """Whether the index values follow from the module and never decrease (a constant
+    array of variable-length segments): sorted without the flag."""
+    values, known = known_index_values(graph, indices)
+    if values.size < 2 or not bool(known.all()):
+        return False
+    flat = values.reshape(-1)
+    return bool((flat[1:] >= flat[:-1]).all())
 
 
 __all__ = ["RUN_ROWS", "RunScatter", "run_scatter"]
