@@ -26,7 +26,7 @@ from pathlib import Path
 SECTION = "bench-delivered-segments"
 MARK = "SEGMENTS "
 
-# jax-ml/jax#37511 (A100, 10,000 segments of 64-256 members, forward): the issue's own
+# jax-ml/jax#37511 (A100, 10,000 segments of 64-256 members, forward): that report's own
 # measurements, quoted as the anchor (another GPU, their timing method).
 ANCHOR = "JAX 0.288–0.869 ms, one Triton kernel 0.032–0.035 ms (A100, 10k segments of 64–256)"
 
