@@ -51,9 +51,10 @@ CASES = tuple(Case(s, n, 1, dtype, gradient)
     Case(10_000, 64, 4, "f32", True),)          # the zoo's segment_softmax_grad
 QUICK = (Case(10_000, 64, 1, "f32", True),)
 MODELS = ("embedding_bag", "embedding_bag_bf16", "moe_layer", "moe_layer_bf16")
-# The zoo's bag sizes with the bag ids data (sorted, any bag sizes: added in runs,
-# stitch.hlo_passes.sorted_runs).
-VARIABLE_BAGS = ("variable bags", "variable bags bf16")
+# Sorted ids that are data (any segment sizes: scatter-adds added in runs,
+# stitch.hlo_passes.sorted_runs): the zoo's bag sizes with the bag ids an input, and a
+# GAT layer over a graph of variable in-degrees (edges sorted by destination).
+VARIABLE_BAGS = ("variable bags", "variable bags bf16", "GAT layer with variable degrees")
 
 
 def _case(name: str) -> Case | str:
@@ -63,7 +64,7 @@ def _case(name: str) -> Case | str:
     if name in MODELS or name in VARIABLE_BAGS:
         return name
     raise SystemExit(f"unknown case {name!r}: choose from "
-                     f"{', '.join([c.name for c in CASES] + list(MODELS))}")
+                     f"{', '.join([c.name for c in CASES] + list(MODELS + VARIABLE_BAGS))}")
 
 
 def _model_lowered(name: str, mesh):
@@ -76,6 +77,34 @@ def _model_lowered(name: str, mesh):
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
              for a in inst.arg_specs]
     return jax.jit(inst.fn).lower(*specs)
+
+
+def gat_layer_lowered(mesh, nodes: int = 10_000, edges: int = 320_000, features: int = 64,
+                 heads: int = 4):
+    """One GAT layer as GNN code writes it: attention logits per edge, a softmax over each
+    node's incoming edges (segment_max / segment_sum over the sorted destination ids, data)
+    and the weighted sum of the source features."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def gat(x, w, a_src, a_dst, src, dst):
+        h = (x @ w).reshape(nodes, heads, features // heads)
+        logits = jax.nn.leaky_relu((h * a_src).sum(-1)[src] + (h * a_dst).sum(-1)[dst], 0.2)
+        peak = jax.ops.segment_max(logits, dst, num_segments=nodes, indices_are_sorted=True)
+        weights = jnp.exp(logits - peak[dst])
+        total = jax.ops.segment_sum(weights, dst, num_segments=nodes, indices_are_sorted=True)
+        alpha = weights / total[dst]
+        out = jax.ops.segment_sum(alpha[..., None] * h[src], dst, num_segments=nodes,
+                                  indices_are_sorted=True)
+        return out.reshape(nodes, features)
+    sharding = NamedSharding(mesh, PartitionSpec())
+
+    def spec(shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return jax.jit(gat).lower(spec((nodes, features)), spec((features, features)),
+                              spec((heads, features // heads)), spec((heads, features // heads)),
+                              spec((edges,), jnp.int32), spec((edges,), jnp.int32))
 
 
 def _variable_bags_lowered(name: str, mesh):
@@ -112,8 +141,12 @@ def measure_one(case: Case | str) -> dict:
     deviceless.check_environment()
     mesh = topologies.make_mesh(deviceless.topology("h100", "1x1x1"), (1,), ("d",))
     if isinstance(case, str):
-        lowered = _variable_bags_lowered(case, mesh) if case in VARIABLE_BAGS \
-            else _model_lowered(case, mesh)
+        if case.startswith("GAT"):
+            lowered = gat_layer_lowered(mesh)
+        elif case in VARIABLE_BAGS:
+            lowered = _variable_bags_lowered(case, mesh)
+        else:
+            lowered = _model_lowered(case, mesh)
         report = deviceless.compile_with_pass(lowered, case, "h100").report
         return {"case": case, **report.summary(),
                 "segment_rows": len(report.segment_rows), "skipped": report.skipped[:3]}
@@ -187,7 +220,10 @@ def markdown(rows: list[dict], command: str) -> str:
                   "(its combine scatters to data-dependent tokens: atomics either way), full "
                   "size; *variable bags*: the same bag sum with the sorted bag ids an input "
                   "(any bag sizes), which stitch adds in runs of equal ids before its atomics "
-                  "(stitch.hlo_passes.sorted_runs) while XLA adds every element atomically.",
+                  "(stitch.hlo_passes.sorted_runs) while XLA adds every element atomically; "
+                  "*GAT layer*: 10k nodes, 320k edges sorted by destination (variable "
+                  "in-degrees, ids an input), 4 heads of 16: its segment sums go in runs, "
+                  "its segment_max stays XLA's atomic max.",
                   "", *_table(others)]
     return "\n".join(lines).rstrip() + "\n"
 
