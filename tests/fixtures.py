@@ -54,3 +54,17 @@ max {
   ROOT s = f32[] maximum(a, b)
 }
 """
+
+
+def compile_with_cpu_pass(fn, *args, name: str | None = None, **jit_kwargs):
+    """``jax.jit(fn, **jit_kwargs)`` compiled by XLA CPU with stitch's pass on for it (the
+    pass plans for an H100): (the pass's report, the compiled executable)."""
+    import jax
+
+    from stitch.integration import xla_pass
+    xla_pass.ensure_registered("cpu")
+    request = xla_pass.PassRequest(name or fn.__name__, "h100", "cpu")
+    lowered = request.prepare(jax.jit(fn, **jit_kwargs).lower(*args))
+    with request:
+        compiled = lowered.compile()
+    return request.result(), compiled

@@ -8,7 +8,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from stitch.integration import xla_pass  # noqa: E402
+from tests.fixtures import compile_with_cpu_pass  # noqa: E402
 from stitch.integration.delivered import LoopCopy, price_delivery  # noqa: E402
 from stitch.cost.delta import copy_kernel_cost  # noqa: E402
 from stitch.cost.gpu_specs import get_spec  # noqa: E402
@@ -19,12 +19,7 @@ def _rand(rng, *shape):
 
 
 def _compile(fn, *args):
-    xla_pass.ensure_registered("cpu")
-    request = xla_pass.PassRequest(fn.__name__, "h100", "cpu")
-    lowered = request.prepare(jax.jit(fn).lower(*args))
-    with request:
-        lowered.compile()
-    return request.result()
+    return compile_with_cpu_pass(fn, *args)[0]
 
 
 def _softmax_ln(x, w):

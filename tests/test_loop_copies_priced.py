@@ -10,18 +10,13 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from stitch.hlo_passes.loop_state import carried_copies  # noqa: E402
-from stitch.integration import xla_pass  # noqa: E402
+from tests.fixtures import compile_with_cpu_pass  # noqa: E402
 from stitch.cost.delta import CostModel, copy_kernel_cost  # noqa: E402
 from stitch.cost.gpu_specs import get_spec  # noqa: E402
 
 
 def _compile(fn, *args):
-    xla_pass.ensure_registered("cpu")
-    request = xla_pass.PassRequest(fn.__name__, "h100", "cpu")
-    lowered = request.prepare(jax.jit(fn).lower(*args))
-    with request:
-        compiled = lowered.compile()
-    return request.result(), compiled
+    return compile_with_cpu_pass(fn, *args)
 
 
 def _softmax_scan(w, xs):

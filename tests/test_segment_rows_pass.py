@@ -13,20 +13,14 @@ import jax.numpy as jnp  # noqa: E402
 
 from stitch.hlo_passes import evaluate, parse_hlo, print_hlo  # noqa: E402
 from stitch.hlo_passes.segments import fused_segments_as_rows  # noqa: E402
-from stitch.integration import xla_pass  # noqa: E402
 
-from tests.fixtures import DATA  # noqa: E402
+from tests.fixtures import DATA, compile_with_cpu_pass  # noqa: E402
 
 RTOL, ATOL = 2e-5, 2e-6
 
 
 def _compile(fn, *args):
-    xla_pass.ensure_registered("cpu")
-    request = xla_pass.PassRequest(fn.__name__, "h100", "cpu")
-    lowered = request.prepare(jax.jit(fn).lower(*args))
-    with request:
-        compiled = lowered.compile()
-    return request.result(), compiled
+    return compile_with_cpu_pass(fn, *args)
 
 
 def _segment_softmax_grad(count: int, length: int):

@@ -21,6 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 import stitch  # noqa: E402
 from stitch.hlo_passes import parse_hlo  # noqa: E402
 from stitch.integration import xla_pass  # noqa: E402
+from tests.fixtures import compile_with_cpu_pass  # noqa: E402
 from stitch.integration.verify import compare_trees  # noqa: E402
 
 RTOL = 1e-4
@@ -45,12 +46,8 @@ def _softmax_ln(x, w):
 
 
 def _compile_with_pass(fn, *args, **jit_kwargs):
-    xla_pass.ensure_registered("cpu")
-    request = xla_pass.PassRequest(fn.__name__, "h100", "cpu")
-    lowered = request.prepare(jax.jit(fn, **jit_kwargs).lower(*args))
-    with request:
-        compiled = lowered.compile()
-    return compiled, request.result()
+    report, compiled = compile_with_cpu_pass(fn, *args, **jit_kwargs)
+    return compiled, report
 
 
 def test_pass_puts_custom_calls_into_xlas_module_and_matches():

@@ -16,7 +16,7 @@ from stitch.cost.gpu_specs import get_spec
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from stitch.integration import xla_pass  # noqa: E402
+from tests.fixtures import compile_with_cpu_pass  # noqa: E402
 from stitch.integration.verify import compare_trees  # noqa: E402
 from tests.test_snap import MODULE as SNAP_MODULE  # noqa: E402
 
@@ -125,12 +125,7 @@ def test_units_are_ignored_on_a_module_xla_did_not_fuse():
 
 def test_the_pass_plans_with_units_and_its_step_matches_jax():
     args = _args(3)
-    xla_pass.ensure_registered("cpu")
-    request = xla_pass.PassRequest("dense_ln_mse_sgd", "h100", "cpu")
-    lowered = request.prepare(jax.jit(_dense_ln_mse_sgd).lower(*args))
-    with request:
-        compiled = lowered.compile()
-    report = request.result()
+    report, compiled = compile_with_cpu_pass(_dense_ln_mse_sgd, *args)
     assert report.kernels_stitched >= 1, report.skipped
     for gp in report.plan.graphs:
         # (A plan from the disk cache has no explorer detail; its key holds the options.)

@@ -132,6 +132,15 @@ def _loads_first(body: tuple[kir.Stmt, ...]) -> tuple[kir.Stmt, ...]:
     return tuple(moved + rest)
 
 
+def _window_offsets(inst, rank: int, u: tuple[kir.Expr, ...]) -> dict[int, kir.Expr]:
+    """Operand dim -> the offset inside the update window of scatter ``inst`` at update
+    index ``u`` (the dims the window spans: all but inserted and batching dims)."""
+    skipped = set(inst.ints("inserted_window_dims", ())) | \
+        set(inst.ints("input_batching_dims", ()))
+    spanned = [d for d in range(rank) if d not in skipped]
+    return {d: u[p] for p, d in zip(inst.ints("update_window_dims", ()), spanned)}
+
+
 def _find_split(ids: np.ndarray, rows: int, minor: bool, dims: tuple[int, ...]
                 ) -> _Split | None:
     """A split whose row ids agree with ``ids`` (of a value of shape ``dims``, maybe in
@@ -588,11 +597,7 @@ class _KernelBuilder:
         em.push(var)
         u = delinearize(kir.Ref(var, "i32"), ushape.dims)
         batch = [u[p] for p in scatter_batch_dims(node, graph)]
-        skipped = set(inst.ints("inserted_window_dims", ())) | \
-            set(inst.ints("input_batching_dims", ()))
-        spanned = [d for d in range(shape.rank) if d not in skipped]
-        offsets: dict[int, kir.Expr] = {d: u[p] for p, d in
-                                        zip(inst.ints("update_window_dims", ()), spanned)}
+        offsets = _window_offsets(inst, shape.rank, u)
         starts: dict[int, kir.Expr] = {}
         for k, d in enumerate(inst.ints("scatter_dims_to_operand_dims", ())):
             at = list(batch)
@@ -643,9 +648,6 @@ class _KernelBuilder:
         ushape = leaf(graph.nodes[update_id].shape)
         ishape = leaf(graph.nodes[indices_id].shape)
         vector_dim = inst.int("index_vector_dim")
-        skipped = set(inst.ints("inserted_window_dims", ()))
-        spanned = [d for d in range(shape.rank) if d not in skipped]
-        window_dims = inst.ints("update_window_dims", ())
         rows, per_run = runs.rows, runs.run_rows
         tpb = self.schedule.block
         gtid = em.let("gtid", iadd(imul(bid, tpb), kir.ThreadIdx()))
@@ -666,8 +668,7 @@ class _KernelBuilder:
             got = em.value(indices_id, tuple(at))
             return got if got.dtype == "i64" else kir.Convert(got, "i64")
 
-        offsets = {d: u for u, d in zip([update_index(_c(0))[p] for p in window_dims],
-                                         spanned)}
+        offsets = _window_offsets(inst, shape.rank, update_index(_c(0)))
 
         def add_run(row: kir.Expr, total: kir.Expr) -> kir.Stmt:
             position = [iadd(kir.Convert(row, "i32"), offsets.get(0, _c(0)))] + \

@@ -23,6 +23,7 @@ of the operand (whole rows); no batching dims.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from .combiners import combiner_kind
@@ -46,8 +47,20 @@ class RunScatter:
         return self.width * -(-self.rows // self.run_rows)
 
 
+_CACHE: "weakref.WeakKeyDictionary[OpGraph, dict[int, RunScatter | None]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def run_scatter(graph: OpGraph, v: int) -> RunScatter | None:
-    """How scatter ``v`` is generated in runs, or None (module docstring)."""
+    """How scatter ``v`` is generated in runs, or None (module docstring). Cached per graph:
+    the cost model asks for every pattern holding a scatter."""
+    cache = _CACHE.setdefault(graph, {})
+    if v not in cache:
+        cache[v] = _run_scatter(graph, v)
+    return cache[v]
+
+
+def _run_scatter(graph: OpGraph, v: int) -> RunScatter | None:
     node = graph.nodes[v]
     if node.opcode != "scatter" or len(node.operands) != 3 or node.shape.is_tuple:
         return None
@@ -92,4 +105,11 @@ def _proved_sorted(graph: OpGraph, indices: int) -> bool:
     return bool((flat[1:] >= flat[:-1]).all())
 
 
-__all__ = ["RUN_ROWS", "RunScatter", "run_scatter"]
+def holds_run_scatter(graph: OpGraph, members) -> bool:
+    """Whether ``members`` hold a scatter generated in runs: stitch's kernel of them is not
+    XLA's, whose atomics take every update one by one."""
+    return any(graph.nodes[v].opcode == "scatter" and run_scatter(graph, v) is not None
+               for v in members)
+
+
+__all__ = ["RUN_ROWS", "RunScatter", "holds_run_scatter", "run_scatter"]

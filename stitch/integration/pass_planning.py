@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable
 
 from stitch.hlo_passes import HloModule
-from stitch.hlo_passes.sorted_runs import run_scatter
+from stitch.hlo_passes.sorted_runs import holds_run_scatter
 from stitch.errors import Cancelled, StitchError
 
 from .config import grid_sync_on_gpu
@@ -312,9 +312,7 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             alone = {k.name for k in extra}
             scheduled += extra
         # A kernel that is one XLA kernel whose scatter stitch adds in runs is not XLA's.
-        alone |= {k.name for k in scheduled if any(
-            graph_plan.graph.nodes[m].opcode == "scatter" and
-            run_scatter(graph_plan.graph, m) is not None for m in k.members)}
+        alone |= {k.name for k in scheduled if holds_run_scatter(graph_plan.graph, k.members)}
         snapped, left_out = snap_kernels(view, scheduled, spec)
         # Memory-intensive kernels only (GEMM-chain kernels are always built): no chain
         # pricing, so a GEMM inside XLA's kernels is priced as the planner's baseline was.
