@@ -53,6 +53,7 @@ from stitch.hlo_passes.graph import OpGraph, OpNode
 from stitch.hlo_passes.ir import HloModule, Shape
 from stitch.hlo_passes.literals import literal_to_numpy
 from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.grouped_scatter import UNROLL_ROWS, GroupedScatter, grouped_scatter
 from stitch.hlo_passes.sorted_runs import RunScatter, run_scatter
 from stitch.hlo_passes.scatter_forms import (gather_index_map, known_index_values, scatter_batch_dims,
                                              scatter_form, scatter_window)
@@ -309,6 +310,8 @@ class _KernelBuilder:
             if v in outputs or any(u not in members for u in node.users):
                 self._param(v, True)
                 self.outputs.append(v)
+        # Scatters generated in column tiles (``_grouped_scatter``): no initial copy.
+        self.tiled: set[int] = set()
         self.atomic = self._atomic_scatters()
         self.layouts = self._check_layouts(layouts or {})
 
@@ -327,7 +330,7 @@ class _KernelBuilder:
                                    f"permutation of {rank} dims")
             if layout == tuple(range(rank)):
                 continue
-            if v in self.atomic or v in self.atomic.values():
+            if v in self.atomic or v in self.atomic.values() or v in self.tiled:
                 raise CodegenError(f"{self.graph.nodes[v].name}: an atomic scatter's buffer "
                                    "keeps the row-major layout")
             mine[v] = layout
@@ -364,6 +367,10 @@ class _KernelBuilder:
             if v not in self.outputs or any(u in self.computed for u in node.users):
                 raise CodegenError(f"{node.name}: a scatter with colliding updates must end "
                                    "its kernel (its result is complete only after every block)")
+            if grouped_scatter(graph, v) is not None:
+                # Column tiles: each block writes its tile of the operand itself.
+                self.tiled.add(v)
+                continue
             operand = node.operands[0]
             if operand in self.computed:
                 raise CodegenError(f"{node.name}: the scatter's operand is computed in the same "
@@ -423,8 +430,8 @@ class _KernelBuilder:
             written = [v for v in self.outputs if v in set(part.members)]
             if index == host_part:
                 written += orphans
-            atomic = [v for v in written if v in self.atomic]
-            written = [v for v in written if v not in self.atomic]
+            atomic = [v for v in written if v in self.atomic or v in self.tiled]
+            written = [v for v in written if v not in atomic]
             self._check_vector_width(index, part)
             em = self.emitter()
             em.push()
@@ -471,7 +478,7 @@ class _KernelBuilder:
         sched = self.schedule
         if len(sched.parts) != 1:
             raise CodegenError(f"kernel {self.name}: a global-scope kernel has one part")
-        if self.atomic:
+        if self.atomic or self.tiled:
             raise CodegenError(f"kernel {self.name}: atomic scatters are not generated in a "
                                "global-scope kernel")
         body, scratch = GlobalLowering(self, sched.parts[0]).body()
@@ -578,6 +585,10 @@ class _KernelBuilder:
         to operand position start(b) + window(u) when b's whole window lies inside the
         operand (XLA skips the others), added atomically (updates may collide). A
         scatter-add over sorted ids is added in runs (``_run_scatter``)."""
+        tiles = grouped_scatter(self.graph, v)
+        if tiles is not None:
+            self._grouped_scatter(em, v, bid, blocks, tiles)
+            return
         runs = run_scatter(self.graph, v)
         if runs is not None:
             self._run_scatter(em, v, bid, blocks, runs)
@@ -697,6 +708,102 @@ class _KernelBuilder:
         em.emit(kir.For(row, iadd(first, _c(1)), last, _c(1), em.pop()))
         em.emit(add_run(here, sum_))
         em.emit(kir.For(item, gtid, _c(runs.runs), _c(blocks * tpb), em.pop()))
+
+    def _grouped_scatter(self, em: ValueEmitter, v: int, bid: kir.Expr, blocks: int,
+                         tiles: GroupedScatter) -> None:
+        """``stitch.hlo_passes.grouped_scatter``: a block takes work items (a tile of
+        ``tiles.tile`` element columns over a range of operand rows) one after another;
+        lane ``t % tile`` of the block owns a column, slot ``t // tile`` strides over rows.
+        It stores the operand's values of the tile, then each group in turn: every update
+        row of the group whose id lies in the range is combined into its row with a plain
+        load and store (ids are distinct within a group), a block barrier after each."""
+        graph = self.graph
+        node = graph.nodes[v]
+        inst = node.instruction
+        operand_id, indices_id, update_id = node.operands
+        shape = leaf(node.shape)
+        ushape = leaf(graph.nodes[update_id].shape)
+        ishape = leaf(graph.nodes[indices_id].shape)
+        vector_dim = inst.int("index_vector_dim")
+        kind = self.reducer_kind(node)
+        op = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min"}.get(kind)
+        tpb = self.schedule.block
+        if op is None or tpb % tiles.tile:
+            raise CodegenError(f"{node.name}: column tiles of {tiles.tile} need a {kind!r} "
+                               f"combiner and a block size divisible by them (block {tpb})")
+        slots = tpb // tiles.tile
+        buffer = self.params[v]
+        element = shape.element_type
+        lane = em.let("lane", irem(kir.ThreadIdx(), tiles.tile))
+        slot = em.let("slot", idiv(kir.ThreadIdx(), tiles.tile))
+        item = em.fresh("item")
+        em.push(item)
+        it = kir.Ref(item, "i32")
+        column = em.let("column", iadd(imul(irem(it, tiles.tiles), tiles.tile), lane))
+        low = em.let("low", imul(idiv(it, tiles.tiles), tiles.range_rows))
+        high = em.let("high", kir.Binary("min", iadd(low, _c(tiles.range_rows)),
+                                         _c(tiles.operand_rows)))
+        has_column = kir.Compare("lt", column, _c(tiles.width))
+        row_dims = tuple(shape.dims[1:])
+        update_dims = tuple(ushape.dims[1:])
+
+        def at(row: kir.Expr) -> tuple[kir.Expr, ...]:
+            return (row,) + tuple(delinearize(column, row_dims))
+
+        # The operand's values of the tile.
+        row = em.fresh("r")
+        em.push(row)
+        r = kir.Ref(row, "i32")
+        em.push()
+        em.emit(kir.Store(buffer.name, linearize(at(r), shape.dims),
+                          em.value(operand_id, at(r))))
+        em.emit(kir.If(has_column, em.pop()))
+        em.emit(kir.For(row, iadd(low, slot), high, _c(slots), em.pop()))
+        em.emit(kir.Barrier())
+        # The groups in order, a barrier after each. A thread walks its rows of a group in
+        # chunks of UNROLL_ROWS: the chunk's ids, then its updates (clamped to a valid row
+        # and column, so always loadable), then the read-modify-writes of the rows that hit.
+        group = em.fresh("g")
+        em.push(group)
+        first = em.let("first", imul(kir.Ref(group, "i32"), tiles.group_rows))
+        end = iadd(first, _c(tiles.group_rows))
+        last_row = iadd(first, _c(tiles.group_rows - 1))
+        safe_column = kir.Binary("min", column, _c(tiles.width - 1))
+        chunk = em.fresh("chunk")
+        em.push(chunk)
+        base = em.let("base", iadd(iadd(first, slot),
+                                   imul(kir.Ref(chunk, "i32"), slots * UNROLL_ROWS)))
+        hits, targets, updates = [], [], []
+        for k in range(UNROLL_ROWS):
+            b = em.let("b", iadd(base, _c(k * slots)))
+            valid = kir.Compare("lt", b, end)
+            row_b = em.let("row", kir.Binary("min", b, last_row))
+            at_index = [row_b]
+            if vector_dim < ishape.rank:
+                at_index.insert(vector_dim, _c(0))
+            got = em.value(indices_id, tuple(at_index))
+            target = em.let("id", got if got.dtype == "i64" else kir.Convert(got, "i64"))
+            hits.append(em.let("hit", kir.Binary("and", kir.Binary("and", valid, has_column),
+                                                 kir.Binary("and", kir.Compare(
+                                                     "ge", target, kir.Convert(low, "i64")),
+                                                     kir.Compare("lt", target,
+                                                                 kir.Convert(high, "i64"))))))
+            targets.append(target)
+            updates.append(em.let("update", em.value(
+                update_id, (row_b,) + tuple(delinearize(safe_column, update_dims)))))
+        for hit, target, update in zip(hits, targets, updates):
+            em.push()
+            offset = em.let("at", linearize(at(kir.Convert(target, "i32")), shape.dims))
+            combined = kir.Binary(op, kir.Load(buffer, offset), update)
+            if element in ("f16", "bf16") and combined.dtype == "f32":
+                combined = kir.Unary(f"round_to_{element}", combined)
+            em.emit(kir.Store(buffer.name, offset, combined))
+            em.emit(kir.If(hit, em.pop()))
+        chunks = -(-tiles.group_rows // (slots * UNROLL_ROWS))
+        em.emit(kir.For(chunk, _c(0), _c(chunks), _c(1), _loads_first(em.pop())))
+        em.emit(kir.Barrier())
+        em.emit(kir.For(group, _c(0), _c(tiles.groups), _c(1), em.pop()))
+        em.emit(kir.For(item, bid, _c(tiles.items), _c(blocks), em.pop()))
 
     def _strided_store(self, em: ValueEmitter, v: int, start: kir.Expr, threads: int,
                        part=None) -> None:

@@ -29,7 +29,11 @@ The figures are assumptions built from the same microbenchmark papers as
 and stitch's, so only the index pattern changes which plan wins — except for a
 scatter-add over sorted ids that stitch generates in runs (``hlo_passes.sorted_runs``:
 about c / run_rows + 1 atomics per address instead of c), which XLA does not
-(``contention_seconds(runs=False)`` prices XLA's kernels).
+(``contention_seconds(runs=False)`` prices XLA's kernels); and except for a scatter whose
+update rows fall into groups of distinct ids (``hlo_passes.grouped_scatter``: an
+expert-choice MoE combine), which stitch generates without atomics in column tiles: no
+contention, but its blocks walk the rows in dependent round trips and every tile rereads
+the ids (``tiles_price``).
 """
 from __future__ import annotations
 
@@ -43,11 +47,13 @@ import numpy as np
 
 from stitch.hlo_passes.combiners import combiner_kind
 from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.grouped_scatter import UNROLL_ROWS, GroupedScatter, grouped_scatter
 from stitch.hlo_passes.scatter_forms import known_index_values, scatter_form
 from stitch.hlo_passes.sorted_runs import run_scatter
 
 from .gpu_specs import GpuSpec
-from .latency import L2_LATENCY_CYCLES, SAME_ADDRESS_ATOMIC_CYCLES
+from .latency import (BARRIER_LATENCY_CYCLES, DRAM_LATENCY_CYCLES, L2_LATENCY_CYCLES,
+                      SAME_ADDRESS_ATOMIC_CYCLES)
 
 log = logging.getLogger(__name__)
 
@@ -173,16 +179,51 @@ def _proved_collisions(graph: OpGraph, indices: int, vector_dim: int, points: in
     return len(counts), float((counts * counts).sum() / counts.sum())
 
 
+@dataclass(frozen=True)
+class TilesPrice:
+    """What a scatter generated in column tiles costs beyond its bytes: ``chain_s``, the
+    dependent round trips of one block's walk (a floor under the kernel's time: the items
+    run at most two blocks per SM), and ``extra_s``, the ids every item rereads (L2)."""
+    chain_s: float
+    extra_s: float
+
+
+def tiles_price(grouped: GroupedScatter, spec: GpuSpec) -> TilesPrice:
+    """Per group, a thread walks its rows in chunks of ``UNROLL_ROWS``: the chunk's ids (an
+    L2 round trip), its updates (a DRAM round trip), then a read-modify-write (an L2 round
+    trip) for each row whose id is in the item's range, one after another; a barrier and a
+    round trip start each group and the tile's first stores."""
+    major = spec.compute_capability[0]
+    l2 = L2_LATENCY_CYCLES.get(major, 260)
+    dram = DRAM_LATENCY_CYCLES.get(major, 480)
+    chunk = l2 + dram + UNROLL_ROWS * grouped.hit_share * l2
+    per_item = (grouped.groups + 1) * (BARRIER_LATENCY_CYCLES + l2) + \
+        grouped.groups * grouped.chunks * chunk
+    waves = -(-grouped.items // (2 * spec.sm_count))
+    index_bytes = grouped.items * grouped.rows * 4
+    return TilesPrice(waves * per_item / spec.clock_hz, index_bytes / spec.l2_bandwidth)
+
+
+def tiles_prices(graph: OpGraph, members: Iterable[int], spec: GpuSpec) -> list[TilesPrice]:
+    """The column-tiled scatters among ``members``, priced (``tiles_price``)."""
+    return [tiles_price(g, spec) for g in (grouped_scatter(graph, v) for v in members
+                                            if graph.nodes[v].opcode == "scatter")
+            if g is not None]
+
+
 def contention_seconds(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
                        runs: bool = True) -> float:
     """Seconds the colliding scatters among ``members`` add to their kernel: as stitch
     generates them (``runs``: a scatter-add over sorted ids in runs,
-    ``hlo_passes.sorted_runs``), or as XLA does (one atomic per update element)."""
+    ``hlo_passes.sorted_runs``; one over groups of distinct ids in column tiles,
+    ``hlo_passes.grouped_scatter``), or as XLA does (one atomic per update element)."""
     major = spec.compute_capability[0]
     total = 0.0
     for v in members:
         if graph.nodes[v].opcode != "scatter":
             continue
+        if runs and grouped_scatter(graph, v) is not None:
+            continue        # no atomics: priced by tiles_prices
         got = scatter_contention(graph, v, major)
         if got is None:
             continue
@@ -193,4 +234,5 @@ def contention_seconds(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
     return total
 
 
-__all__ = ["Contention", "L2_ATOMIC_SLICES", "scatter_contention", "contention_seconds"]
+__all__ = ["Contention", "L2_ATOMIC_SLICES", "scatter_contention", "contention_seconds",
+           "TilesPrice", "tiles_price", "tiles_prices"]

@@ -46,7 +46,7 @@ from stitch.hlo_passes.op_classes import OpClass
 from ..explorer.buildable import build_problem
 from ..explorer.feasibility import Infeasible, PatternAnalysis, analyze_pattern
 from ..explorer.structure import StructureKeys, rename
-from .contention import contention_seconds
+from .contention import contention_seconds, tiles_prices
 from .hbm_traffic import (element_count, graph_facts, in_place_updates, inside_users,
                           kernel_hbm_bytes, utilization)
 from .launch_forms import allows_global
@@ -544,11 +544,18 @@ class CostModel:
 def with_contention(graph: OpGraph, spec: GpuSpec, members: Iterable[int],
                     cost: KernelCost, runs: bool = True) -> KernelCost:
     """``cost`` plus what its colliding scatters' atomics wait for one another (``runs``:
-    as stitch generates them, see ``contention.contention_seconds``)."""
+    as stitch generates them, see ``contention.contention_seconds``); a scatter stitch
+    generates in column tiles lasts at least its blocks' chain of round trips, plus the ids
+    its tiles reread (``contention.tiles_price``)."""
+    members = list(members)
     extra = contention_seconds(graph, members, spec, runs)
-    if extra <= 0.0:
+    total = cost.total_s
+    if runs and cost.launches:
+        for tiles in tiles_prices(graph, members, spec):
+            total = max(total, spec.kernel_launch_overhead_s + tiles.chain_s) + tiles.extra_s
+    if extra <= 0.0 and total == cost.total_s:
         return cost
-    return dataclasses.replace(cost, total_s=cost.total_s + extra, contention_s=extra)
+    return dataclasses.replace(cost, total_s=total + extra, contention_s=extra)
 
 
 def copy_kernel_cost(spec: GpuSpec, nbytes: int, element_bytes: int = 4) -> KernelCost:

@@ -33,6 +33,7 @@ from typing import Callable, Iterable
 from stitch.hlo_passes.graph import OpGraph, OpNode
 from stitch.hlo_passes.ir import Shape, parse_padding, parse_slice
 from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo_passes.grouped_scatter import grouped_scatter
 from stitch.hlo_passes.scatter_forms import (IndexMap, gather_batch_dims, gather_index_map,
                                              scatter_batch_dims, scatter_form)
 
@@ -412,7 +413,9 @@ def _atomic_scatter_problem(graph: OpGraph, v: int, member_set: set[int]) -> str
         return f"{node.name}: {form.reason}"
     if any(u in member_set for u in node.users):
         return f"{node.name} (scatter with colliding updates) must end its kernel"
-    if node.operands[0] in member_set:
+    # In column tiles (groups of distinct ids) each block writes its tile of the operand
+    # before its updates: the operand may be computed here.
+    if node.operands[0] in member_set and grouped_scatter(graph, v) is None:
         return (f"{node.name} (scatter with colliding updates) adds into its operand, which "
                 "would have to be complete before any block starts")
     return None

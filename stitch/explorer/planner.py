@@ -26,6 +26,7 @@ from stitch.hlo_passes.ir import HloModule
 from stitch.hlo_passes.op_classes import OpClass
 from stitch.hlo_passes.parser import parse_hlo
 from stitch.hlo_passes.segments import segments_as_rows
+from stitch.hlo_passes.grouped_scatter import holds_grouped_scatter
 from stitch.hlo_passes.sorted_runs import holds_run_scatter
 
 from ..cost.chain_pricing import chain_for, chain_price, graph_chains
@@ -271,17 +272,24 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
 AS_XLA_MADE_IT = "one XLA kernel as XLA made it: left to XLA"
 
 
+def holds_own_scatter(graph: OpGraph, members) -> bool:
+    """Whether ``members`` hold a scatter stitch generates otherwise than XLA's one atomic
+    per update element: added in runs (sorted ids) or in column tiles (groups of distinct
+    ids)."""
+    return holds_run_scatter(graph, members) or holds_grouped_scatter(graph, members)
+
+
 def as_xla_made_them(graph: OpGraph, groups: Collection[frozenset[int]]
                      ) -> frozenset[frozenset[int]]:
     """XLA's kernels (``groups``) a kernel of the same members would only redo: all but
-    those stitch generates differently (a scatter added in runs)."""
-    return frozenset(g for g in groups if not holds_run_scatter(graph, g))
+    those stitch generates differently (``holds_own_scatter``)."""
+    return frozenset(g for g in groups if not holds_own_scatter(graph, g))
 
 
 def xla_cost_model(graph: OpGraph, spec: GpuSpec, cost: CostModel) -> CostModel:
     """The cost model of XLA's own kernels: ``cost`` unless the graph has a scatter stitch
-    adds in runs (XLA then pays an atomic per update element, ``contention``)."""
-    if not holds_run_scatter(graph, range(len(graph.nodes))):
+    generates otherwise (XLA then pays an atomic per update element, ``contention``)."""
+    if not holds_own_scatter(graph, range(len(graph.nodes))):
         return cost
     return CostModel(graph, spec, cost.poll, gemm_chains=cost.gemm_chains,
                      chain_tf32=cost.chain_tf32, chain_spill_check=cost.chain_spill_check,

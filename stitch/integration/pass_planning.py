@@ -13,7 +13,6 @@ import time
 from typing import Any, Callable
 
 from stitch.hlo_passes import HloModule
-from stitch.hlo_passes.sorted_runs import holds_run_scatter
 from stitch.errors import Cancelled, StitchError
 
 from .config import grid_sync_on_gpu
@@ -311,8 +310,10 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                                 rows, report)
             alone = {k.name for k in extra}
             scheduled += extra
-        # A kernel that is one XLA kernel whose scatter stitch adds in runs is not XLA's.
-        alone |= {k.name for k in scheduled if holds_run_scatter(graph_plan.graph, k.members)}
+        from stitch.explorer.planner import holds_own_scatter
+        # A kernel that is one XLA kernel whose scatter stitch generates otherwise (in runs,
+        # in column tiles) is not XLA's.
+        alone |= {k.name for k in scheduled if holds_own_scatter(graph_plan.graph, k.members)}
         snapped, left_out = snap_kernels(view, scheduled, spec)
         # Memory-intensive kernels only (GEMM-chain kernels are always built): no chain
         # pricing, so a GEMM inside XLA's kernels is priced as the planner's baseline was.

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo_passes.grouped_scatter import TILE_THREADS, GroupedScatter, grouped_scatter
 from stitch.hlo_passes.scatter_forms import scatter_form
 
-from ..cost.contention import contention_seconds
+from ..cost.contention import contention_seconds, tiles_prices
 from ..cost.gpu_specs import GpuSpec
 from ..cost.latency import UNROLL, LaunchShape, WarpWork, evaluate, part_cycles
 from ..cost.occupancy import occupancy
@@ -251,11 +252,18 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
     return work, blocks, rows_per_block, cached_regs
 
 
-def _loop_work(facts: PartFacts, tpb: int, vw: int) -> tuple[WarpWork, int] | str:
+def _loop_work(facts: PartFacts, tpb: int, vw: int, tiles: GroupedScatter | None = None
+               ) -> tuple[WarpWork, int] | str:
     if facts.elements % vw:
         return f"{facts.elements} elements are not a multiple of vector width {vw}"
     threads = math.ceil(facts.elements / vw)
     blocks = math.ceil(threads / tpb)
+    if tiles is not None:
+        # A scatter in column tiles (``hlo_passes.grouped_scatter``): one work item a block
+        # of TILE_THREADS; its chain of round trips is priced by ``tiles_price``.
+        if tpb != TILE_THREADS:
+            return f"a scatter in column tiles runs blocks of {TILE_THREADS} threads"
+        blocks = tiles.items
     p = facts.passes[0]
     warps = blocks * max(tpb // 32, 1)
     work = WarpWork(alu=p.alu * vw, sfu=p.sfu * vw,
@@ -315,6 +323,10 @@ class _PartCache:
         atomic = any(graph.nodes[v].opcode == "scatter" and scatter_form(graph, v).kind != "row"
                      for v in self.members)
         self.vector_widths = (1,) if atomic else VECTOR_WIDTHS
+        tiled = [grouped_scatter(graph, v) for v in self.members
+                 if graph.nodes[v].opcode == "scatter"]
+        self.tiles = max((t for t in tiled if t is not None), key=lambda t: t.items,
+                         default=None)
         self._groups: dict[tuple[str, bool], list[GroupSchedule]] = {}
         self._shared: dict[tuple[str, int, int], list[SharedBuffer]] = {}
 
@@ -342,7 +354,7 @@ def _part_choices(graph: OpGraph, spec: GpuSpec, facts: PartFacts, tpb: int,
     choices: list[_Choice] = []
     if not facts.reductions:
         for vw in cache.vector_widths:
-            got = _loop_work(facts, tpb, vw)
+            got = _loop_work(facts, tpb, vw, cache.tiles)
             if isinstance(got, str):
                 rejected.append(f"loop vw={vw}: {got}")
                 continue
@@ -510,6 +522,10 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
     best.rejected = list(dict.fromkeys(rejected))
     # Colliding scatter atomics wait for one another at their addresses' L2 slices.
     best.modeled_us += contention_seconds(graph, members, spec) * 1e6
+    # A scatter in column tiles lasts at least its blocks' chain of round trips.
+    for tiles in tiles_prices(graph, members, spec):
+        best.modeled_us = max(best.modeled_us, (spec.kernel_launch_overhead_s +
+                                                tiles.chain_s) * 1e6) + tiles.extra_s * 1e6
     return best
 
 
