@@ -359,15 +359,17 @@ class _KernelBuilder:
             if form.kind != "atomic":
                 raise CodegenError(f"{node.name}: scatter not generated ({form.reason})")
             # Colliding assignments keep an unspecified one in XLA: only add is generated
-            # (stitch.hlo_passes.combiners' rule, which the planner's feasibility asks too).
-            problem = combiners.scatter_problem(self.reducer_kind(node), True,
+            # (stitch.hlo_passes.combiners' rule, which the planner's feasibility asks too);
+            # in column tiles the updates of an element meet in order, without atomics.
+            tiled = grouped_scatter(graph, v) is not None
+            problem = combiners.scatter_problem(self.reducer_kind(node), not tiled,
                                                 leaf(node.shape).element_type)
             if problem:
                 raise CodegenError(f"{node.name}: {problem}")
             if v not in self.outputs or any(u in self.computed for u in node.users):
                 raise CodegenError(f"{node.name}: a scatter with colliding updates must end "
                                    "its kernel (its result is complete only after every block)")
-            if grouped_scatter(graph, v) is not None:
+            if tiled:
                 # Column tiles: each block writes its tile of the operand itself.
                 self.tiled.add(v)
                 continue

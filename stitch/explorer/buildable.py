@@ -11,6 +11,7 @@ import weakref
 from stitch.hlo_passes import combiners, element_types
 from stitch.hlo_passes.graph import OpGraph, OpNode
 from stitch.hlo_passes.ir import Computation
+from stitch.hlo_passes.grouped_scatter import grouped_scatter
 from stitch.hlo_passes.scatter_forms import scatter_form
 
 # Per graph: node id -> why codegen cannot build it (a pure function of the node).
@@ -55,8 +56,10 @@ def _problem(graph: OpGraph, node: OpNode) -> str | None:
         form = scatter_form(graph, node.id)
         if form.kind in ("row", "atomic"):     # the other forms: feasibility's own reason
             shape = node.shape if not node.shape.is_tuple else next(node.shape.leaves())
-            return combiners.scatter_problem(_combiner_kind(graph, node),
-                                             form.kind == "atomic", shape.element_type)
+            # In column tiles (groups of distinct ids) updates meet only in order.
+            colliding = form.kind == "atomic" and grouped_scatter(graph, node.id) is None
+            return combiners.scatter_problem(_combiner_kind(graph, node), colliding,
+                                             shape.element_type)
     return None
 
 

@@ -20,8 +20,9 @@ update batch dim leading the updates, one index component into operand dim 0 and
 update window spanning the rest of the operand (whole rows), no batching dims; and index
 values proved distinct within consecutive runs of the update rows (``distinct_runs``):
 
-- the indices output of a ``sort`` along the minor dim whose payload is an ``iota`` along
-  it (how XLA lowers ``top_k``), or of XLA's ``topk``: a permutation of 0..n-1 per row;
+- the indices output of a ``sort`` along the minor dim whose payload rows hold distinct
+  known values (an ``iota`` along it: how XLA GPU lowers ``top_k``, and ``argsort``), of XLA's ``topk`` or of XLA CPU's ``TopK`` custom
+  call: a permutation of 0..n-1 per row, or its first k;
 - slices of such rows along the minor dim (the first k of each), and reshapes, bitcasts
   and copies that keep the row-major order, converts to a wider integer;
 - jax's wrap of negative indices, ``select(x < 0, x + n, x)``, where x is proved
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+
+import numpy as np
 
 from .combiners import combiner_kind
 from .graph import OpGraph, OpNode
@@ -216,21 +219,29 @@ def distinct_runs(graph: OpGraph, v: int, depth: int = 0) -> Distinct | None:
 
 
 def _permutation(graph: OpGraph, node: OpNode) -> Distinct | None:
-    """The indices a sort or topk returns: a permutation of 0..n-1 along the minor dim
-    (their first k for topk)."""
+    """The indices a sort or a top-k (``topk``, XLA CPU's ``TopK`` custom call) returns:
+    each row's payload values permuted along the minor dim (0..n-1 for a top-k, its first
+    k of them)."""
     source = graph.nodes[node.operands[0]]
     index = node.instruction.int("index")
     if source.opcode == "sort" and source.shape.is_tuple:
         dims = source.instruction.ints("dimensions", ())
-        payload = graph.nodes[source.operands[index]] if index < len(source.operands) else None
-        if payload is None or payload.opcode != "iota" or len(dims) != 1:
+        if index >= len(source.operands) or len(dims) != 1:
             return None
-        rank = payload.shape.rank
-        if dims[0] != rank - 1 or payload.instruction.int("iota_dimension") != rank - 1:
+        payload = graph.nodes[source.operands[index]].shape
+        if payload.rank < 1 or dims[0] != payload.rank - 1 or payload.dims[-1] < 1:
             return None
-        n = payload.shape.dims[-1]
-        return Distinct(n, 0, n - 1) if n >= 1 else None
-    if source.opcode == "topk" and index == 1 and source.shape.is_tuple:
+        # The sort permutes each row: rows of distinct known values stay distinct.
+        values, known = known_index_values(graph, source.operands[index])
+        if values.size == 0 or not bool(known.all()):
+            return None
+        rows = np.sort(values.reshape(-1, payload.dims[-1]), axis=-1)
+        if bool((rows[:, 1:] == rows[:, :-1]).any()):
+            return None
+        return Distinct(payload.dims[-1], int(values.min()), int(values.max()))
+    if index == 1 and source.shape.is_tuple and (source.opcode == "topk" or (
+            source.opcode == "custom-call" and
+            source.instruction.string("custom_call_target", "") == "TopK")):
         operand = graph.nodes[source.operands[0]].shape
         out = node.shape
         if out.rank < 1 or operand.rank != out.rank:
