@@ -217,8 +217,9 @@ def markdown(rows: list[dict], command: str) -> str:
     if others:
         lines += ["The zoo's embedding bag (4096 bags of 32 rows of a 100k × 128 table: XLA "
                   "fuses the row gather into its atomic scatter) and expert-choice MoE layer "
-                  "(its combine scatters to data-dependent tokens: atomics either way), full "
-                  "size; *variable bags*: the same bag sum with the sorted bag ids an input "
+                  "(its combine scatters to data-dependent tokens, each expert's distinct: "
+                  "stitch generates it without atomics in column tiles, "
+                  "stitch.hlo_passes.grouped_scatter, XLA atomically), full size; *variable bags*: the same bag sum with the sorted bag ids an input "
                   "(any bag sizes), which stitch adds in runs of equal ids before its atomics "
                   "(stitch.hlo_passes.sorted_runs) while XLA adds every element atomically; "
                   "*GAT layer*: 10k nodes, 320k edges sorted by destination (variable "

@@ -23,8 +23,10 @@ GPU_MODELS = (("layer_norm", "full"), ("log_softmax_xent_train", "full"),
               ("transformer_train_bf16", "tiny"), ("bert_layer_infer", "full"),
               # Segmented reductions: XLA's atomic scatters against one stitched kernel
               # (the contention term of stitch.cost.contention is an assumption until
-              # these are timed).
-              ("segment_softmax_grad", "full"), ("embedding_bag", "full"))
+              # these are timed), and the MoE combine in column tiles without atomics
+              # (its chain of round trips, cost.contention.tiles_price, is modeled).
+              ("segment_softmax_grad", "full"), ("embedding_bag", "full"),
+              ("moe_layer", "full"))
 REHEARSAL_MODELS = (("layer_norm", "tiny"), ("log_softmax_xent_train", "tiny"))
 WARMUP = 3
 REPEATS = 20
