@@ -181,3 +181,35 @@ def test_the_pass_places_the_tiles_in_xlas_scatter_fusions_stead():
         got = np.asarray(compiled(*args))
         want = np.asarray(jax.jit(fn)(*args))
         assert np.abs(got - want).max() <= 1e-5 * max(np.abs(want).max(), 1.0)
+
+
+def test_scatters_too_large_to_prove_are_atomic_without_computing_their_indices():
+    """Index tensors of billions of elements (as in XLA's own scatter tests) are unknown
+    without being allocated: every proof declines, the scatter stays atomic."""
+    from stitch.cost.contention import scatter_contention
+    from stitch.hlo_passes.scatter_forms import scatter_form
+    from stitch.hlo_passes.sorted_runs import run_scatter
+
+    text = """HloModule huge_indices
+
+add {
+  lhs = f32[] parameter(0)
+  rhs = f32[] parameter(1)
+  ROOT sum = f32[] add(lhs, rhs)
+}
+
+ENTRY main {
+  operand = f32[4096,4096,64] parameter(0)
+  indices = s32[2048,2048,1024,3] parameter(1)
+  updates = f32[2048,2048,1024] parameter(2)
+  ROOT scattered = f32[4096,4096,64] scatter(operand, indices, updates),
+    update_window_dims={}, inserted_window_dims={0,1,2},
+    scatter_dims_to_operand_dims={0,1,2}, index_vector_dim=3, to_apply=add
+}
+"""
+    graph, scatters = _scatters(parse_hlo(text))
+    (v,) = scatters
+    assert scatter_form(graph, v).kind == "atomic"
+    assert grouped_scatter(graph, v) is None and run_scatter(graph, v) is None
+    contention = scatter_contention(graph, v)
+    assert contention is not None and not contention.proved

@@ -55,16 +55,21 @@ MODELS = ("embedding_bag", "embedding_bag_bf16", "moe_layer", "moe_layer_bf16")
 # stitch.hlo_passes.sorted_runs): the zoo's bag sizes with the bag ids an input, and a
 # GAT layer over a graph of variable in-degrees (edges sorted by destination).
 VARIABLE_BAGS = ("variable bags", "variable bags bf16", "GAT layer with variable degrees")
+# The MoE layer's training step (loss, gradients of the weights and the input, SGD update):
+# the forward combine and the dispatch gather's gradient are both scatters over each
+# expert's distinct top-k tokens (column tiles, stitch.hlo_passes.grouped_scatter).
+TRAIN_STEPS = ("moe_layer train step", "moe_layer_bf16 train step")
 
 
 def _case(name: str) -> Case | str:
     for case in CASES:
         if case.name == name:
             return case
-    if name in MODELS or name in VARIABLE_BAGS:
+    if name in MODELS or name in VARIABLE_BAGS or name in TRAIN_STEPS:
         return name
     raise SystemExit(f"unknown case {name!r}: choose from "
-                     f"{', '.join([c.name for c in CASES] + list(MODELS + VARIABLE_BAGS))}")
+                     f"{', '.join([c.name for c in CASES] + list(MODELS + VARIABLE_BAGS))}, "
+                     f"{', '.join(TRAIN_STEPS)}")
 
 
 def _model_lowered(name: str, mesh):
@@ -107,6 +112,35 @@ def gat_layer_lowered(mesh, nodes: int = 10_000, edges: int = 320_000, features:
                               spec((edges,), jnp.int32), spec((edges,), jnp.int32))
 
 
+def moe_train_lowered(name: str, mesh):
+    """One SGD step of the zoo's MoE layer (full size): the mean square of its output as
+    the loss, gradients of the router, the experts' weights and the input."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from stitch.models.segments import MOE_SIZES, moe_layer
+    size = MOE_SIZES["full"]
+    dtype = jnp.bfloat16 if "bf16" in name else jnp.float32
+
+    def loss(params, x):
+        router, w_in, w_out = params
+        y = moe_layer(x, router.astype(dtype), w_in.astype(dtype), w_out.astype(dtype),
+                      size.capacity)
+        return jnp.mean(y * y)
+
+    def step(params, x):
+        value, (grads, dx) = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+        return value, jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), dx
+    sharding = NamedSharding(mesh, PartitionSpec())
+
+    def spec(shape, dt=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    params = (spec((size.dim, size.experts)), spec((size.experts, size.dim, size.hidden)),
+              spec((size.experts, size.hidden, size.dim)))
+    return jax.jit(step).lower(params, spec((size.tokens, size.dim), dtype))
+
+
 def _variable_bags_lowered(name: str, mesh):
     """An embedding bag of the zoo's full size whose sorted bag ids are an input."""
     import jax
@@ -145,6 +179,8 @@ def measure_one(case: Case | str) -> dict:
             lowered = gat_layer_lowered(mesh)
         elif case in VARIABLE_BAGS:
             lowered = _variable_bags_lowered(case, mesh)
+        elif case in TRAIN_STEPS:
+            lowered = moe_train_lowered(case, mesh)
         else:
             lowered = _model_lowered(case, mesh)
         report = deviceless.compile_with_pass(lowered, case, "h100").report
@@ -195,8 +231,8 @@ def _table(rows: list[dict]) -> list[str]:
 
 def markdown(rows: list[dict], command: str) -> str:
     from bench.report import stamp
-    softmax = [r for r in rows if r["case"] not in MODELS + VARIABLE_BAGS]
-    others = [r for r in rows if r["case"] in MODELS + VARIABLE_BAGS]
+    softmax = [r for r in rows if r["case"] not in MODELS + VARIABLE_BAGS + TRAIN_STEPS]
+    others = [r for r in rows if r["case"] in MODELS + VARIABLE_BAGS + TRAIN_STEPS]
     lines = ["## Segmented reductions through the pass (counted and modeled)", "",
              stamp(command, os.getloadavg()), "",
              "Compiled for an H100 without a device with stitch's pass on. *XLA*: XLA's own "
@@ -224,7 +260,9 @@ def markdown(rows: list[dict], command: str) -> str:
                   "(stitch.hlo_passes.sorted_runs) while XLA adds every element atomically; "
                   "*GAT layer*: 10k nodes, 320k edges sorted by destination (variable "
                   "in-degrees, ids an input), 4 heads of 16: its segment sums go in runs, "
-                  "its segment_max stays XLA's atomic max.",
+                  "its segment_max stays XLA's atomic max; *train step*: one SGD step of the "
+                  "MoE layer (gradients of the weights and the input: the dispatch gather's "
+                  "gradient is a second scatter over each expert's distinct tokens).",
                   "", *_table(others)]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -241,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         print(MARK + json.dumps(measure_one(_case(args.one))), flush=True)
         return
     cases = [_case(n) for n in args.cases.split(",")] if args.cases else \
-        list(QUICK if args.quick else CASES + MODELS + VARIABLE_BAGS)
+        list(QUICK if args.quick else CASES + MODELS + VARIABLE_BAGS + TRAIN_STEPS)
     text = markdown(collect(cases), "python -m bench delivered --part segments")
     if args.out:
         from bench.report import write_section

@@ -96,6 +96,11 @@ _Known = tuple[np.ndarray, np.ndarray]      # (int64 values, bool known) in logi
 
 
 def _unknown(dims: tuple[int, ...]) -> _Known:
+    if int(np.prod(dims, dtype=np.int64)) > MAX_INDEX_ELEMENTS:
+        # Read-only views of one element: an index tensor too large to compute (one of
+        # billions of elements) is unknown without being allocated.
+        return (np.broadcast_to(np.zeros((), np.int64), dims),
+                np.broadcast_to(np.zeros((), bool), dims))
     return np.zeros(dims, np.int64), np.zeros(dims, bool)
 
 
@@ -367,6 +372,12 @@ def _known_values(graph: OpGraph, v: int) -> _Known:
         if node.shape.is_tuple or _leaf(node.shape).num_elements > MAX_INDEX_ELEMENTS or \
                 budget <= 0:
             continue
+        # An op reading a value too large to compute is not computed either (its operand
+        # would be an unknown of that size, walked element by element).
+        if node.opcode not in ("iota", "constant") and any(
+                _leaf(graph.nodes[o].shape).num_elements > MAX_INDEX_ELEMENTS
+                for o in node.operands):
+            continue
         budget -= 1
         computed.add(u)
         if node.opcode in ("iota", "constant"):
@@ -413,6 +424,10 @@ def _index_map(graph: OpGraph, indices: int, vector_dim: int, index_map: tuple[i
     batch_dims = [d for d in range(ishape.rank) if d != vector_dim]
     batch_shape = tuple(ishape.dims[d] for d in batch_dims)
     count = int(np.prod(batch_shape, dtype=np.int64))
+    if count > MAX_INDEX_ELEMENTS:
+        # Too many index vectors to prove anything on: every start is data.
+        return IndexMap(batch_shape, (), (), tuple((od, k) for k, od in enumerate(index_map)),
+                        window, vector_dim, False)
     coords = np.indices(batch_shape, dtype=np.int64).reshape(len(batch_shape), count)
     flat = values.reshape(count, values.shape[-1])
     # Candidate identity starts: fully known components with a one-element window, and the

@@ -57,6 +57,28 @@ def test_moe_layer_combines_without_atomics(h100_mesh, monkeypatch, name):
     assert_no_spills(result.report)
 
 
+@pytest.mark.parametrize("name", ["moe_layer train step", "moe_layer_bf16 train step"])
+def test_moe_training_step_scatters_without_atomics(h100_mesh, name):
+    """The MoE layer's SGD step: the forward combine and the dispatch gather's gradient
+    are scatters over each expert's distinct tokens; both leave XLA's module (stitch's
+    column tiles take them), and the step is never slower or heavier than XLA's."""
+    from bench.delivered.segments import moe_train_lowered
+    from stitch.models.segments import MOE_SIZES
+
+    size = MOE_SIZES["full"]
+    result = deviceless.compile_with_pass(moe_train_lowered(name, h100_mesh), "moe_step",
+                                          TARGET)
+    summary = result.report.summary()
+    final = parse_hlo(result.text)
+    token_scatters = [i.name for _, i in final.instructions() if i.opcode == "scatter"
+                      and tuple(i.shape.dims) == (size.tokens, size.dim)]
+    assert not token_scatters, (token_scatters, summary)
+    assert summary["kernels_after"] < summary["kernels_before"], summary
+    assert summary["delivered_mem_bytes"] <= summary["xla_mem_bytes"], summary
+    assert summary["delivered_mem_us"] * 1.2 <= summary["xla_mem_us"], summary
+    assert_no_spills(result.report)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_variable_length_bags_are_added_in_runs(h100_mesh, monkeypatch, dtype):
     """An embedding bag whose bag ids are data (sorted, any bag sizes): XLA's atomic
