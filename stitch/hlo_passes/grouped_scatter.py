@@ -54,6 +54,8 @@ UNROLL_ROWS = 8
 TARGET_ITEMS = 256
 # Fewest operand rows of a range (smaller ranges rescan the ids for little work).
 MIN_RANGE_ROWS = 64
+# Most bytes of ids the items read in all, in multiples of the updates' bytes.
+ID_REREADS = 4
 # Producers followed back from the indices.
 MAX_DEPTH = 32
 
@@ -178,7 +180,10 @@ def _grouped_scatter(graph: OpGraph, v: int) -> GroupedScatter | None:
         return None
     tile = max(1, TILE_BYTES // element)
     tiles = -(-width // tile)
-    ranges = max(1, min(operand.dims[0] // MIN_RANGE_ROWS, -(-TARGET_ITEMS // tiles)))
+    ranges = max(1, min(operand.dims[0] // MIN_RANGE_ROWS, -(-TARGET_ITEMS // tiles),
+                        # every item rereads the ids: at most ID_REREADS times the
+                        # updates' own bytes in all
+                        ID_REREADS * width * element // (4 * tiles)))
     range_rows = -(-operand.dims[0] // ranges)
     return GroupedScatter(rows, rows // proved.run, width, operand.dims[0], tile, range_rows)
 
