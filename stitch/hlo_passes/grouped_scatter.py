@@ -7,7 +7,8 @@ updates, so XLA adds every update element atomically. But the ids of one expert 
 top-k of a permutation, hence distinct: the update rows fall into E consecutive *groups*
 of C rows, no two rows of a group sharing an id. Stitch generates such a scatter with
 plain loads and stores: a block owns a tile of the operand's element columns over a range
-of its rows (``ColumnTiles``), writes the operand's values there, then adds the groups one
+of its rows (a work item of ``GroupedScatter``), writes the operand's values there, then
+adds the groups one
 after another with a block barrier between them, each row of a group whose id falls in
 its range by one thread per column. No two threads of a group meet at an element, the
 groups are ordered by the barriers, and no other block touches the tile, so there is no
@@ -21,10 +22,11 @@ update window spanning the rest of the operand (whole rows), no batching dims; a
 values proved distinct within consecutive runs of the update rows (``distinct_runs``):
 
 - the indices output of a ``sort`` along the minor dim whose payload rows hold distinct
-  known values (an ``iota`` along it: how XLA GPU lowers ``top_k``, and ``argsort``), of XLA's ``topk`` or of XLA CPU's ``TopK`` custom
-  call: a permutation of 0..n-1 per row, or its first k;
+  known values (an ``iota`` along it: how XLA GPU lowers ``top_k``, and ``argsort``), of
+  XLA's ``topk`` or of XLA CPU's ``TopK`` custom call: each row's values permuted, or the
+  first k of them;
 - slices of such rows along the minor dim (the first k of each), and reshapes, bitcasts
-  and copies that keep the row-major order, converts to a wider integer;
+  and copies that keep the row-major order, converts to an integer type holding the range;
 - jax's wrap of negative indices, ``select(x < 0, x + n, x)``, where x is proved
   non-negative (the select then is x).
 
