@@ -259,8 +259,9 @@ def markdown(rows: list[dict], command: str) -> str:
                   "(any bag sizes), which stitch adds in runs of equal ids before its atomics "
                   "(stitch.hlo_passes.sorted_runs) while XLA adds every element atomically; "
                   "*GAT layer*: 10k nodes, 320k edges sorted by destination (variable "
-                  "in-degrees, ids an input), 4 heads of 16: its segment sums go in runs, "
-                  "its segment_max stays XLA's atomic max; *train step*: one SGD step of the "
+                  "in-degrees, ids an input), 4 heads of 16: its segment sums and its "
+                  "segment_max go in runs (a run's maximum by a compare-and-swap loop); "
+                  "*train step*: one SGD step of the "
                   "MoE layer (gradients of the weights and the input: the dispatch gather's "
                   "gradient is a second scatter over each expert's distinct tokens).",
                   "", *_table(others)]

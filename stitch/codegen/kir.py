@@ -355,20 +355,24 @@ class Store(Stmt):
 
 @dataclass(frozen=True)
 class AtomicAdd(Stmt):
-    """buffer[index] += value as one atomic read-modify-write (relaxed ordering): threads
-    of any block may add to the same element (a scatter whose updates collide). Global
-    buffers of f32/f64/i32/i64/u32 (`atomicrmw add/fadd` on both targets) and bf16/f16 (a
-    compare-and-swap loop on the element's 16 bits; the value is f32, each add rounds to the
-    buffer's type)."""
+    """buffer[index] = op(buffer[index], value) as one atomic read-modify-write (relaxed
+    ordering): threads of any block may combine into the same element (a scatter whose
+    updates collide). ``op`` "add": global buffers of f32/f64/i32/i64/u32 (`atomicrmw
+    add/fadd` on both targets) and bf16/f16 (a compare-and-swap loop on the element's 16
+    bits; the value is f32, each add rounds to the buffer's type). "max"/"min": a
+    compare-and-swap loop on the element's bits for every type, the op as `Binary` computes
+    it (NaN propagates as XLA's maximum does)."""
     buffer: str
     index: Expr
     value: Expr
+    op: str = "add"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buffer", _buffer_name(self.buffer))
 
 
 ATOMIC_DTYPES = frozenset(CODEGEN_STORAGE[t] for t in ATOMIC_ADD_TYPES)
+ATOMIC_OPS = frozenset({"add", "max", "min"})
 
 
 @dataclass(frozen=True)
@@ -954,6 +958,8 @@ class _Checker:
             self.fail(where, f"AtomicAdd needs an output param, {s.buffer!r} is not one")
         if buf.dtype not in ATOMIC_DTYPES:
             self.fail(where, f"AtomicAdd does not take {buf.dtype} buffers")
+        if s.op not in ATOMIC_OPS:
+            self.fail(where, f"AtomicAdd op {s.op!r} is not one of {sorted(ATOMIC_OPS)}")
         self._expr(s.index, scopes, where)
         self._expr(s.value, scopes, where)
         if s.index.dtype not in INDEX_DTYPES:

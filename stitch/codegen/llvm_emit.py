@@ -410,7 +410,9 @@ class KernelEmitter:
             index = self.expr(s.index, scope, ctx)
             value = self.expr(s.value, scope, ctx)
             ptr = self.element_ptr(buf, index, ctx)
-            if buf.dtype in ("bf16", "f16"):
+            if s.op != "add":
+                self.atomic_combine(ptr, value, buf.dtype, s.value.dtype, s.op)
+            elif buf.dtype in ("bf16", "f16"):
                 self.narrow_atomic_add(ptr, value, buf.dtype)
             else:
                 op = "fadd" if s.value.dtype in kir.FLOAT_DTYPES else "add"
@@ -529,6 +531,36 @@ class KernelEmitter:
         stored = self.to_storage(total, dtype)
         bits = b.bitcast(stored, I16) if dtype == "f16" else stored
         pair = b.cmpxchg(ptr, seen, bits, "monotonic", "monotonic")
+        seen.add_incoming(b.extract_value(pair, 0), b.block)
+        b.cbranch(b.extract_value(pair, 1), done, retry)
+        b.position_at_end(done)
+
+    def atomic_combine(self, ptr: ir.Value, value: ir.Value, dtype: str, value_dtype: str,
+                       op: str) -> None:
+        """*ptr = op(*ptr, value) as a compare-and-swap loop on the element's bits (any
+        storage type of 16, 32 or 64 bits), the op computed as ``binary`` computes it."""
+        b = self.builder
+        width = {"bf16": 16, "f16": 16, "f32": 32, "i32": 32, "u32": 32,
+                 "f64": 64, "i64": 64}.get(dtype)
+        if width is None:
+            raise CodegenError(f"atomic {op} of {dtype} is not generated")
+        bits_type = ir.IntType(width)
+        start = b.load_atomic(b.bitcast(ptr, bits_type.as_pointer(ptr.type.addrspace)),
+                              "monotonic", width // 8, typ=bits_type)
+        entry = b.block
+        retry = b.append_basic_block(f"atomic_{op}.retry")
+        done = b.append_basic_block(f"atomic_{op}.done")
+        b.branch(retry)
+        b.position_at_end(retry)
+        seen = b.phi(bits_type, f"atomic_{op}.seen")
+        seen.add_incoming(start, entry)
+        storage = storage_type(dtype)
+        raw = seen if storage == bits_type else b.bitcast(seen, storage)
+        combined = self.binary(op, value_dtype, self.from_storage(raw, dtype), value)
+        stored = self.to_storage(combined, dtype)
+        new_bits = stored if stored.type == bits_type else b.bitcast(stored, bits_type)
+        pair = b.cmpxchg(b.bitcast(ptr, bits_type.as_pointer(ptr.type.addrspace)), seen,
+                         new_bits, "monotonic", "monotonic")
         seen.add_incoming(b.extract_value(pair, 0), b.block)
         b.cbranch(b.extract_value(pair, 1), done, retry)
         b.position_at_end(done)

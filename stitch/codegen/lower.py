@@ -363,7 +363,8 @@ class _KernelBuilder:
             # in column tiles the updates of an element meet in order, without atomics.
             tiled = grouped_scatter(graph, v) is not None
             problem = combiners.scatter_problem(self.reducer_kind(node), not tiled,
-                                                leaf(node.shape).element_type)
+                                                leaf(node.shape).element_type,
+                                                run_scatter(graph, v) is not None)
             if problem:
                 raise CodegenError(f"{node.name}: {problem}")
             if v not in self.outputs or any(u in self.computed for u in node.users):
@@ -650,9 +651,10 @@ class _KernelBuilder:
 
     def _run_scatter(self, em: ValueEmitter, v: int, bid: kir.Expr, blocks: int,
                      runs: RunScatter) -> None:
-        """``stitch.hlo_passes.sorted_runs``: work item (column j, chunk k) adds update rows
-        k*R .. k*R + R-1 of element column j while their id stays the same, and adds each
-        run's sum atomically at its row (skipped where the id lies outside the operand)."""
+        """``stitch.hlo_passes.sorted_runs``: work item (column j, chunk k) combines update
+        rows k*R .. k*R + R-1 of element column j while their id stays the same, and
+        combines each run's result atomically at its row (an atomic add, a compare-and-swap
+        loop for max/min; skipped where the id lies outside the operand)."""
         graph = self.graph
         node = graph.nodes[v]
         inst = node.instruction
@@ -690,7 +692,7 @@ class _KernelBuilder:
                                 kir.Compare("le", row, kir.i64(shape.dims[0] - 1)))
             return kir.If(inside, (kir.AtomicAdd(self.params[v].name,
                                                  linearize(tuple(position), shape.dims),
-                                                 total),))
+                                                 total, runs.op),))
 
         current, total = em.fresh("row"), em.fresh("total")
         first_id = row_id(first)
@@ -706,7 +708,7 @@ class _KernelBuilder:
         em.emit(kir.If(kir.Compare("ne", next_id, here),
                        (add_run(here, sum_), kir.Assign(current, next_id),
                         kir.Assign(total, value)),
-                       (kir.Assign(total, kir.Binary("add", sum_, value)),)))
+                       (kir.Assign(total, kir.Binary(runs.op, sum_, value)),)))
         em.emit(kir.For(row, iadd(first, _c(1)), last, _c(1), em.pop()))
         em.emit(add_run(here, sum_))
         em.emit(kir.For(item, gtid, _c(runs.runs), _c(blocks * tpb), em.pop()))

@@ -69,7 +69,8 @@ def _stmts(body: tuple[kir.Stmt, ...], indent: int, out: list[str]) -> None:
         elif isinstance(s, kir.Store):
             out.append(f"{pad}{s.buffer}[{format_expr(s.index)}] = {format_expr(s.value)};")
         elif isinstance(s, kir.AtomicAdd):
-            out.append(f"{pad}atomicAdd(&{s.buffer}[{format_expr(s.index)}], "
+            name = {"add": "atomicAdd", "max": "atomicMax", "min": "atomicMin"}[s.op]
+            out.append(f"{pad}{name}(&{s.buffer}[{format_expr(s.index)}], "
                        f"{format_expr(s.value)});")
         elif isinstance(s, kir.For):
             t = C_TYPES[s.start.dtype]

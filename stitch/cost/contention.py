@@ -230,6 +230,8 @@ def contention_seconds(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
         in_runs = run_scatter(graph, v) if runs else None
         if in_runs is not None:
             got = got.in_runs(in_runs.run_rows)
+            if in_runs.op != "add":     # a run's max/min: a compare-and-swap loop
+                got = dataclasses.replace(got, native=False)
         total += got.seconds(spec)
     return total
 

@@ -13,6 +13,7 @@ from stitch.hlo_passes.graph import OpGraph, OpNode
 from stitch.hlo_passes.ir import Computation
 from stitch.hlo_passes.grouped_scatter import grouped_scatter
 from stitch.hlo_passes.scatter_forms import scatter_form
+from stitch.hlo_passes.sorted_runs import run_scatter
 
 # Per graph: node id -> why codegen cannot build it (a pure function of the node).
 _BUILD_PROBLEMS: "weakref.WeakKeyDictionary[OpGraph, dict[int, str | None]]" = \
@@ -59,7 +60,8 @@ def _problem(graph: OpGraph, node: OpNode) -> str | None:
             # In column tiles (groups of distinct ids) updates meet only in order.
             colliding = form.kind == "atomic" and grouped_scatter(graph, node.id) is None
             return combiners.scatter_problem(_combiner_kind(graph, node), colliding,
-                                             shape.element_type)
+                                             shape.element_type,
+                                             run_scatter(graph, node.id) is not None)
     return None
 
 

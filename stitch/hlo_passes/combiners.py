@@ -90,13 +90,19 @@ def reduction_problem(operands: int, kind: str | None) -> str | None:
     return None
 
 
-def scatter_problem(kind: str | None, colliding: bool, element_type: str) -> str | None:
+def scatter_problem(kind: str | None, colliding: bool, element_type: str,
+                    in_runs: bool = False) -> str | None:
     """Why codegen does not generate a scatter with combiner ``kind`` (None when it does):
     per element (``colliding`` False: no two updates land on one element) any single-op
     combiner or assign/keep; with colliding updates only an atomic add of a type that has
-    one (XLA keeps an unspecified one of colliding assignments)."""
+    one (XLA keeps an unspecified one of colliding assignments) — or, added in runs of equal
+    ids (``in_runs``, ``sorted_runs``), also maximum and minimum (each run's result combined
+    by a compare-and-swap loop)."""
     if kind not in GENERATED_SCATTER_COMBINERS:
         return f"scatter combiner {kind or 'not a single op'} is not generated"
+    if colliding and in_runs and kind in ("maximum", "minimum"):
+        return None if element_type in ATOMIC_ADD_TYPES else \
+            f"atomic scatter-{kind} of {element_type} is not generated"
     if colliding and kind != "add":
         return (f"scatter with combiner {kind} and colliding updates is not generated "
                 "(only add is)")

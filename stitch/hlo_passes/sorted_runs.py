@@ -1,4 +1,5 @@
-"""Scatter-adds over sorted ids whose segments are not known until run time, added in runs.
+"""Scatter-adds (and -max/-min) over sorted ids whose segments are not known until run time,
+combined in runs.
 
 ``jax.ops.segment_sum(x, ids, S, indices_are_sorted=True)`` with ``ids`` data (a graph's
 destination nodes, an embedding bag's bag of each token: segments of any length, CSR
@@ -7,14 +8,17 @@ and the updates of one segment wait for each other at its address. Stitch genera
 a scatter in *runs*: each thread takes one element column of ``RUN_ROWS`` consecutive
 update rows, adds the rows while their id stays the same and adds the sum atomically when
 it changes (and at the end). A segment of L rows then costs about L / RUN_ROWS + 1 atomic
-adds per element instead of L.
+adds per element instead of L. ``segment_max`` / ``segment_min`` go the same way: each
+run's maximum is combined by a compare-and-swap loop (XLA's own float maximum is an
+atomic per update element).
 
 The result does not depend on the ids being sorted: any run of equal ids is summed first,
 so unsorted ids only make more runs (never more atomics than one per update). Sums are
 formed in another order than XLA's (its atomics have no fixed order either). Ids outside
 the operand are skipped per run, as XLA skips their updates.
 
-What qualifies (``run_scatter``): a scatter-add (``combiners.combiner_kind``) whose updates
+What qualifies (``run_scatter``): a scatter whose combiner is add, maximum or minimum
+(``combiners.combiner_kind``) and whose updates
 may collide (``scatter_forms.scatter_form``: "atomic"), marked ``indices_are_sorted=true``
 or with index values proved never to decrease (where ids are not sorted, runs buy
 nothing), with one update batch dim leading the
@@ -34,11 +38,18 @@ from .scatter_forms import known_index_values, scatter_batch_dims, scatter_form,
 RUN_ROWS = 16
 
 
+# Combiners generated in runs, as codegen's binary ops: a run's result is combined into
+# the operand by an atomic add, or by a compare-and-swap loop for max and min.
+_RUN_OPS = {"add": "add", "maximum": "max", "minimum": "min"}
+
+
 @dataclass(frozen=True)
 class RunScatter:
-    """A scatter generated in runs: ``rows`` update rows of ``width`` elements each."""
+    """A scatter generated in runs: ``rows`` update rows of ``width`` elements each,
+    combined by ``op`` (codegen's "add", "max" or "min")."""
     rows: int
     width: int
+    op: str = "add"
     run_rows: int = RUN_ROWS
 
     @property
@@ -70,7 +81,8 @@ def _run_scatter(graph: OpGraph, v: int) -> RunScatter | None:
         return None
     names = [n.lstrip("%") for n in inst.called_computations]
     comp = graph.computations.get(names[0]) if names else None
-    if comp is None or combiner_kind(comp) != "add":
+    kind = combiner_kind(comp) if comp is not None else None
+    if kind not in _RUN_OPS:
         return None
     if scatter_form(graph, v).kind != "atomic":
         return None
@@ -92,7 +104,7 @@ def _run_scatter(graph: OpGraph, v: int) -> RunScatter | None:
     width = update.num_elements // rows if rows else 0
     if rows < 2 or width < 1:
         return None
-    return RunScatter(rows, width)
+    return RunScatter(rows, width, _RUN_OPS[kind])
 
 
 def _proved_sorted(graph: OpGraph, indices: int) -> bool:

@@ -109,8 +109,8 @@ def test_variable_length_bags_are_added_in_runs(h100_mesh, monkeypatch, dtype):
 
 def test_gat_layer_with_variable_degrees(h100_mesh, monkeypatch):
     """A GAT layer over 320k edges sorted by destination (ids are data): the pass's module
-    is never slower or heavier than XLA's, and its segment sums go in runs (modeled >= 2x
-    on the memory-intensive part; XLA's atomic segment_max stays)."""
+    is never slower or heavier than XLA's, and its segment sums and segment_max go in runs:
+    no scatter of XLA's is left (modeled >= 4x on the memory-intensive part)."""
     from bench.delivered.segments import gat_layer_lowered
 
     result = deviceless.compile_with_pass(gat_layer_lowered(h100_mesh), "gat", TARGET)
@@ -118,5 +118,7 @@ def test_gat_layer_with_variable_degrees(h100_mesh, monkeypatch):
     assert summary["stitched_kernels"] >= 1 and summary["copies"] == 0, summary
     assert summary["kernels_after"] < summary["kernels_before"], summary
     assert summary["delivered_mem_bytes"] <= summary["xla_mem_bytes"], summary
-    assert summary["delivered_mem_us"] * 2 <= summary["xla_mem_us"], summary
+    assert summary["delivered_mem_us"] * 4 <= summary["xla_mem_us"], summary
+    final = parse_hlo(result.text)
+    assert not [i for _, i in final.instructions() if i.opcode == "scatter"], summary
     assert_no_spills(result.report)
