@@ -15,11 +15,10 @@ groups are ordered by the barriers, and no other block touches the tile, so ther
 atomic and no race. The operand may be computed in the same kernel (the zeros XLA fills
 in a kernel of their own).
 
-What qualifies (``grouped_scatter``): a scatter whose combiner is add, multiply, maximum
-or minimum (``combiners.combiner_kind``), of form "atomic" (``scatter_forms``), one
-update batch dim leading the updates, one index component into operand dim 0 and the
-update window spanning the rest of the operand (whole rows), no batching dims; and index
-values proved distinct within consecutive runs of the update rows (``distinct_runs``):
+What qualifies (``grouped_scatter``): a colliding scatter of whole operand rows
+(``scatter_forms.whole_rows_scatter``) whose combiner is add, multiply, maximum or
+minimum, with one index component per update row and index values proved distinct within
+consecutive runs of the update rows (``distinct_runs``):
 
 - the indices output of a ``sort`` along the minor dim whose payload rows hold distinct
   known values (an ``iota`` along it: how XLA GPU lowers ``top_k``, and ``argsort``), of
@@ -39,10 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .combiners import combiner_kind
 from .graph import OpGraph, OpNode
 from .ir import Shape, parse_slice
-from .scatter_forms import known_index_values, scatter_batch_dims, scatter_form, scatter_window
+from .scatter_forms import known_index_values, whole_rows_scatter
 
 # Bytes of a tile's row segment: one 32-byte sector, the unit a row access moves.
 TILE_BYTES = 32
@@ -142,37 +140,20 @@ def holds_grouped_scatter(graph: OpGraph, members) -> bool:
 
 
 def _grouped_scatter(graph: OpGraph, v: int) -> GroupedScatter | None:
+    whole = whole_rows_scatter(graph, v)
+    if whole is None or whole.kind not in _COMBINERS:
+        return None
     node = graph.nodes[v]
-    if node.opcode != "scatter" or len(node.operands) != 3 or node.shape.is_tuple:
-        return None
     inst = node.instruction
-    names = [n.lstrip("%") for n in inst.called_computations]
-    comp = graph.computations.get(names[0]) if names else None
-    if comp is None or combiner_kind(comp) not in _COMBINERS:
-        return None
-    if scatter_form(graph, v).kind != "atomic":
-        return None
-    if inst.ints("input_batching_dims", ()) or \
-            inst.ints("scatter_dims_to_operand_dims", ()) != (0,):
-        return None
-    operand, update = node.shape, graph.nodes[node.operands[2]].shape
-    if scatter_batch_dims(node, graph) != [0] or update.rank < 1 or operand.rank < 1:
-        return None
-    try:
-        window = scatter_window(graph, node)
-    except ValueError:
-        return None
-    if window != (1,) + tuple(operand.dims[1:]):
-        return None
+    operand = node.shape
     indices = graph.nodes[node.operands[1]].shape
     vector_dim = inst.int("index_vector_dim")
     # One index component per update row, the rows in the indices' row-major order.
     if not (vector_dim == indices.rank or
             (vector_dim == indices.rank - 1 and indices.dims[-1] == 1)):
         return None
-    rows = update.dims[0]
-    width = update.num_elements // rows if rows else 0
-    if rows < 2 or width < 1 or operand.dims[0] < 1:
+    rows, width = whole.rows, whole.width
+    if operand.dims[0] < 1:
         return None
     proved = distinct_runs(graph, node.operands[1])
     if proved is None or proved.run < 2 or rows % proved.run:

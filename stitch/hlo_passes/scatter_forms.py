@@ -512,6 +512,47 @@ def _scatter_form(graph: OpGraph, node: OpNode) -> ScatterForm:
     return ScatterForm("row", imap)
 
 
+@dataclass(frozen=True)
+class WholeRows:
+    """A colliding scatter of whole operand rows: ``rows`` update rows of ``width``
+    elements, combined by ``kind`` (``combiners.combiner_kind``)."""
+    kind: str | None
+    rows: int
+    width: int
+
+
+def whole_rows_scatter(graph: OpGraph, v: int) -> WholeRows | None:
+    """Scatter ``v`` when its updates may collide (form "atomic") and it scatters whole
+    rows: one update batch dim leading the updates, one index component into operand
+    dim 0, a window of one row along dim 0 and the operand's extent elsewhere, no batching
+    dims, at least two rows. None otherwise."""
+    node = graph.nodes[v]
+    if node.opcode != "scatter" or len(node.operands) != 3 or node.shape.is_tuple:
+        return None
+    inst = node.instruction
+    if scatter_form(graph, v).kind != "atomic":
+        return None
+    if inst.ints("input_batching_dims", ()) or \
+            inst.ints("scatter_dims_to_operand_dims", ()) != (0,):
+        return None
+    operand, update = node.shape, graph.nodes[node.operands[2]].shape
+    if scatter_batch_dims(node, graph) != [0] or update.rank < 1 or operand.rank < 1:
+        return None
+    try:
+        window = scatter_window(graph, node)
+    except ValueError:
+        return None
+    if window != (1,) + tuple(operand.dims[1:]):
+        return None
+    rows = update.dims[0]
+    width = update.num_elements // rows if rows else 0
+    if rows < 2 or width < 1:
+        return None
+    names = [n.lstrip("%") for n in inst.called_computations]
+    comp = graph.computations.get(names[0]) if names else None
+    return WholeRows(combiner_kind(comp) if comp is not None else None, rows, width)
+
+
 def gather_index_map(graph: OpGraph, v: int) -> IndexMap | None:
     """The index map of gather ``v`` (None when its dimension numbers are not readable)."""
     cache = _GATHER_CACHE.setdefault(graph, {})
@@ -542,5 +583,6 @@ def scatter_batch_dims(node: OpNode, graph: OpGraph) -> list[int]:
             if p not in window]
 
 
-__all__ = ["IndexMap", "ScatterForm", "known_index_values", "scatter_form", "scatter_window",
-           "gather_index_map", "gather_batch_dims", "scatter_batch_dims"]
+__all__ = ["IndexMap", "ScatterForm", "WholeRows", "known_index_values", "scatter_form",
+           "scatter_window", "gather_index_map", "gather_batch_dims", "scatter_batch_dims",
+           "whole_rows_scatter"]

@@ -17,22 +17,19 @@ so unsorted ids only make more runs (never more atomics than one per update). Su
 formed in another order than XLA's (its atomics have no fixed order either). Ids outside
 the operand are skipped per run, as XLA skips their updates.
 
-What qualifies (``run_scatter``): a scatter whose combiner is add, maximum or minimum
-(``combiners.combiner_kind``) and whose updates
-may collide (``scatter_forms.scatter_form``: "atomic"), marked ``indices_are_sorted=true``
-or with index values proved never to decrease (where ids are not sorted, runs buy
-nothing), with one update batch dim leading the
-updates, one index component into operand dim 0 and the update window spanning the rest
-of the operand (whole rows); no batching dims.
+What qualifies (``run_scatter``): a colliding scatter of whole operand rows
+(``scatter_forms.whole_rows_scatter``: one update batch dim leading the updates, one index
+component into operand dim 0, the window spanning the rest of the operand, no batching
+dims) whose combiner is add, maximum or minimum, marked ``indices_are_sorted=true`` or
+with index values proved never to decrease (where ids are not sorted, runs buy nothing).
 """
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
 
-from .combiners import combiner_kind
 from .graph import OpGraph
-from .scatter_forms import known_index_values, scatter_batch_dims, scatter_form, scatter_window
+from .scatter_forms import known_index_values, whole_rows_scatter
 
 # Update rows one thread adds before its atomic (per element column).
 RUN_ROWS = 16
@@ -73,38 +70,15 @@ def run_scatter(graph: OpGraph, v: int) -> RunScatter | None:
 
 def _run_scatter(graph: OpGraph, v: int) -> RunScatter | None:
     node = graph.nodes[v]
-    if node.opcode != "scatter" or len(node.operands) != 3 or node.shape.is_tuple:
+    if node.opcode != "scatter" or len(node.operands) != 3:
         return None
-    inst = node.instruction
-    if inst.attrs.get("indices_are_sorted", "false").strip().lower() != "true" and \
-            not _proved_sorted(graph, node.operands[1]):
+    if node.instruction.attrs.get("indices_are_sorted", "false").strip().lower() != "true" \
+            and not _proved_sorted(graph, node.operands[1]):
         return None
-    names = [n.lstrip("%") for n in inst.called_computations]
-    comp = graph.computations.get(names[0]) if names else None
-    kind = combiner_kind(comp) if comp is not None else None
-    if kind not in _RUN_OPS:
+    rows = whole_rows_scatter(graph, v)
+    if rows is None or rows.kind not in _RUN_OPS:
         return None
-    if scatter_form(graph, v).kind != "atomic":
-        return None
-    if inst.ints("input_batching_dims", ()) or \
-            inst.ints("scatter_dims_to_operand_dims", ()) != (0,):
-        return None
-    update = graph.nodes[node.operands[2]].shape
-    operand = node.shape
-    if scatter_batch_dims(node, graph) != [0] or update.rank < 1:
-        return None
-    try:
-        window = scatter_window(graph, node)
-    except ValueError:
-        return None
-    # Whole rows: a window of one row along dim 0, the operand's extent elsewhere.
-    if window != (1,) + tuple(operand.dims[1:]):
-        return None
-    rows = update.dims[0]
-    width = update.num_elements // rows if rows else 0
-    if rows < 2 or width < 1:
-        return None
-    return RunScatter(rows, width, _RUN_OPS[kind])
+    return RunScatter(rows.rows, rows.width, _RUN_OPS[rows.kind])
 
 
 def _proved_sorted(graph: OpGraph, indices: int) -> bool:
