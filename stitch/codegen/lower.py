@@ -133,6 +133,29 @@ def _loads_first(body: tuple[kir.Stmt, ...]) -> tuple[kir.Stmt, ...]:
     return tuple(moved + rest)
 
 
+@dataclass(frozen=True)
+class _ScatterParts:
+    """A scatter's operands (node ids), its result, update and indices shapes and its
+    index vector dim: what every scatter lowering starts from."""
+    node: OpNode
+    operand: int
+    indices: int
+    update: int
+    shape: Shape
+    ushape: Shape
+    ishape: Shape
+    vector_dim: int
+
+    @staticmethod
+    def of(graph: OpGraph, v: int) -> "_ScatterParts":
+        node = graph.nodes[v]
+        operand, indices, update = node.operands
+        return _ScatterParts(node, operand, indices, update, leaf(node.shape),
+                             leaf(graph.nodes[update].shape),
+                             leaf(graph.nodes[indices].shape),
+                             node.instruction.int("index_vector_dim"))
+
+
 def _window_offsets(inst, rank: int, u: tuple[kir.Expr, ...]) -> dict[int, kir.Expr]:
     """Operand dim -> the offset inside the update window of scatter ``inst`` at update
     index ``u`` (the dims the window spans: all but inserted and batching dims)."""
@@ -597,14 +620,12 @@ class _KernelBuilder:
             self._run_scatter(em, v, bid, blocks, runs)
             return
         graph = self.graph
-        node = graph.nodes[v]
-        inst = node.instruction
-        operand_id, indices_id, update_id = node.operands
-        shape = leaf(node.shape)
-        ushape = leaf(graph.nodes[update_id].shape)
-        ishape = leaf(graph.nodes[indices_id].shape)
+        parts = _ScatterParts.of(graph, v)
+        node, inst = parts.node, parts.node.instruction
+        indices_id, update_id = parts.indices, parts.update
+        shape, ushape, ishape = parts.shape, parts.ushape, parts.ishape
         window = scatter_window(graph, node)
-        vector_dim = inst.int("index_vector_dim")
+        vector_dim = parts.vector_dim
         tpb = self.schedule.block
         gtid = em.let("gtid", iadd(imul(bid, tpb), kir.ThreadIdx()))
         var = em.fresh("u")
@@ -655,14 +676,11 @@ class _KernelBuilder:
         rows k*R .. k*R + R-1 of element column j while their id stays the same, and
         combines each run's result atomically at its row (an atomic add, a compare-and-swap
         loop for max/min; skipped where the id lies outside the operand)."""
-        graph = self.graph
-        node = graph.nodes[v]
-        inst = node.instruction
-        _, indices_id, update_id = node.operands
-        shape = leaf(node.shape)
-        ushape = leaf(graph.nodes[update_id].shape)
-        ishape = leaf(graph.nodes[indices_id].shape)
-        vector_dim = inst.int("index_vector_dim")
+        parts = _ScatterParts.of(self.graph, v)
+        inst = parts.node.instruction
+        indices_id, update_id = parts.indices, parts.update
+        shape, ushape, ishape = parts.shape, parts.ushape, parts.ishape
+        vector_dim = parts.vector_dim
         rows, per_run = runs.rows, runs.run_rows
         tpb = self.schedule.block
         gtid = em.let("gtid", iadd(imul(bid, tpb), kir.ThreadIdx()))
@@ -721,14 +739,11 @@ class _KernelBuilder:
         It stores the operand's values of the tile, then each group in turn: every update
         row of the group whose id lies in the range is combined into its row with a plain
         load and store (ids are distinct within a group), a block barrier after each."""
-        graph = self.graph
-        node = graph.nodes[v]
-        inst = node.instruction
-        operand_id, indices_id, update_id = node.operands
-        shape = leaf(node.shape)
-        ushape = leaf(graph.nodes[update_id].shape)
-        ishape = leaf(graph.nodes[indices_id].shape)
-        vector_dim = inst.int("index_vector_dim")
+        parts = _ScatterParts.of(self.graph, v)
+        node = parts.node
+        operand_id, indices_id, update_id = parts.operand, parts.indices, parts.update
+        shape, ushape, ishape = parts.shape, parts.ushape, parts.ishape
+        vector_dim = parts.vector_dim
         kind = self.reducer_kind(node)
         op = {"add": "add", "multiply": "mul", "maximum": "max", "minimum": "min"}.get(kind)
         tpb = self.schedule.block
