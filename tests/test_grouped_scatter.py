@@ -34,6 +34,20 @@ def _combine(capacity: int, rows: int, kind: str = "add", dtype=jnp.float32):
     return combine
 
 
+@pytest.fixture
+def tiled(monkeypatch):
+    """(kernel name, blocks, work items) of every scatter lowered in column tiles."""
+    from stitch.codegen import lower
+    calls: list[tuple[str, int, int]] = []
+    lowering = lower._KernelBuilder._grouped_scatter
+
+    def spy(self, em, v, bid, blocks, tiles):
+        calls.append((self.name, blocks, tiles.items))
+        return lowering(self, em, v, bid, blocks, tiles)
+    monkeypatch.setattr(lower._KernelBuilder, "_grouped_scatter", spy)
+    return calls
+
+
 def _scatters(module):
     graph = build_op_graphs(module)[0]
     return graph, [v for v in range(len(graph.nodes)) if graph.nodes[v].opcode == "scatter"]
@@ -47,9 +61,8 @@ def _scatters(module):
     (90, 4, 60, 9, 70, "add", "f32"),           # ids past the operand's 70 rows: dropped
     (200, 4, 120, 17, 200, "add", "bf16"),      # bf16 rows, combined in bf16
 ])
-def test_grouped_scatter_built_on_the_host(case):
+def test_grouped_scatter_built_on_the_host(case, tiled):
     import stitch
-    from stitch.codegen import lower
 
     tokens, experts, capacity, width, rows, kind, dtype = case
     dt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
@@ -62,18 +75,8 @@ def test_grouped_scatter_built_on_the_host(case):
     tiles = [grouped_scatter(graph, v) for v in scatters]
     assert len(tiles) == 1 and tiles[0] is not None, module.name
     assert tiles[0].groups == experts and tiles[0].width == width
-    built = []
-    original = lower._KernelBuilder._grouped_scatter
-
-    def spy(self, *args, **kwargs):
-        built.append(self.name)
-        return original(self, *args, **kwargs)
-    lower._KernelBuilder._grouped_scatter = spy
-    try:
-        exe = stitch.compile(module, "h100", poison_outputs=True, cache=False)
-    finally:
-        lower._KernelBuilder._grouped_scatter = original
-    assert built and not exe.fallbacks
+    exe = stitch.compile(module, "h100", poison_outputs=True, cache=False)
+    assert tiled and not exe.fallbacks
     for _ in range(2):                       # fresh inputs each call
         probs = rng.random((tokens, experts)).astype(np.float32)
         out = rng.standard_normal((experts, capacity, width)).astype(np.float32)
@@ -150,10 +153,9 @@ def test_tiles_are_priced_below_xla_atomics_and_at_their_chain():
     assert schedule.modeled_us * 1e-6 >= tiles.chain_s
 
 
-def test_the_pass_places_the_tiles_in_xlas_scatter_fusions_stead():
+def test_the_pass_places_the_tiles_in_xlas_scatter_fusions_stead(tiled):
     """XLA CPU's module (its top-k a ``TopK`` custom call): the pass's kernel holds the
     grouped scatter and the module it returns matches jax."""
-    from stitch.codegen import lower
     from stitch.models.segments import moe_layer
 
     rng = np.random.default_rng()
@@ -163,18 +165,8 @@ def test_the_pass_places_the_tiles_in_xlas_scatter_fusions_stead():
         return moe_layer(x, router, w_in, w_out, capacity)
     args = [rng.standard_normal(s).astype(np.float32) for s in
             [(tokens, dim), (dim, experts), (experts, dim, hidden), (experts, hidden, dim)]]
-    built = []
-    original = lower._KernelBuilder._grouped_scatter
-
-    def spy(self, *a, **k):
-        built.append(self.name)
-        return original(self, *a, **k)
-    lower._KernelBuilder._grouped_scatter = spy
-    try:
-        report, compiled = compile_with_cpu_pass(fn, *args, name="moe_combine")
-    finally:
-        lower._KernelBuilder._grouped_scatter = original
-    assert built and report.kernels_stitched >= 1, report.summary()
+    report, compiled = compile_with_cpu_pass(fn, *args, name="moe_combine")
+    assert tiled and report.kernels_stitched >= 1, report.summary()
     assert report.summary()["delivered_mem_us"] < report.summary()["xla_mem_us"]
     for _ in range(2):
         args = [rng.standard_normal(a.shape).astype(np.float32) for a in args]
@@ -215,7 +207,7 @@ ENTRY main {
     assert contention is not None and not contention.proved
 
 
-def test_blocks_taking_several_items_in_turn(monkeypatch):
+def test_blocks_taking_several_items_in_turn(monkeypatch, tiled):
     """A grid smaller than the work items: each block walks several (tile, range) items,
     its barriers inside the item loop; the result is the same."""
     import stitch
@@ -237,17 +229,9 @@ def test_blocks_taking_several_items_in_turn(monkeypatch):
     module = parse_hlo(jax.jit(fn).lower(probs, out).as_text(dialect="hlo"))
     graph, (v,) = _scatters(module)
     assert grouped_scatter(graph, v).items >= 6
-    from stitch.codegen import lower
-    seen = []
-    lowering = lower._KernelBuilder._grouped_scatter
-
-    def spy(self, em, node, bid, blocks, tiles):
-        seen.append((blocks, tiles.items))
-        return lowering(self, em, node, bid, blocks, tiles)
-    monkeypatch.setattr(lower._KernelBuilder, "_grouped_scatter", spy)
     exe = stitch.compile(module, "h100", poison_outputs=True, cache=False)
     assert not exe.fallbacks
-    assert seen and all(blocks * 2 < items for blocks, items in seen), seen
+    assert tiled and all(blocks * 2 < items for _, blocks, items in tiled), tiled
     got = np.asarray(exe(probs, out)[0], np.float64)
     want = np.asarray(jax.jit(fn)(probs, out), np.float64)
     assert np.abs(got - want).max() <= 1e-5 * max(np.abs(want).max(), 1.0)
