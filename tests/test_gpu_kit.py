@@ -143,7 +143,10 @@ def test_ingest_writes_the_docs_section_and_a_calibration_table(tmp_path) -> Non
          "unwritten_outputs": 0} for i, us in enumerate(measured)]))
     (results / "timings.json").write_text(json.dumps({"models": [
         {"model": "m", "config": "tiny", "stitched_ms": 1.0, "stock_ms": 1.5, "speedup": 1.5,
-         "report": {"kernels_before": 5, "kernels_after": 2}}]}))
+         "report": {"kernels_before": 5, "kernels_after": 2}},
+        {"model": "segment_softmax_grad", "config": "full", "stitched_ms": 0.05,
+         "stock_ms": 0.3, "speedup": 6.0, "report": {"kernels_before": 9,
+                                                     "kernels_after": 1}}]}))
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\nkept\n")
     assert ingest.main([str(results), "--docs", str(docs), "--calibration-dir",
@@ -151,6 +154,9 @@ def test_ingest_writes_the_docs_section_and_a_calibration_table(tmp_path) -> Non
     text = docs.read_text()
     assert "kept" in text and "NVIDIA H200" in text and "| m (tiny) | k2 | 8.00 | 16.00 |" in text
     assert "rank correlation 1.00" in text
+    # The segmented softmax is timed beside the issue's own measurements (the anchor).
+    assert "| segment_softmax_grad (full) | 0.050 | 0.300 | 6.0× | 9 → 1 |" in text
+    assert "one Triton kernel 0.032–0.035 ms" in text
     # 8000 bytes in 16 µs = 0.5 GB/s... of 4800: written as a fraction
     assert "| 0% |" in text
     cal = load_calibration("h200", tmp_path / "cal")

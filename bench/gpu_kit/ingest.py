@@ -90,6 +90,11 @@ def markdown(folder: Path, command: str) -> tuple[str, Calibration | None]:
         lines.append(f"| {row['model']} ({row['config']}) | {row['stitched_ms']:.3f} | "
                      f"{row['stock_ms']:.3f} | {row['speedup']}× | "
                      f"{report.get('kernels_before')} → {report.get('kernels_after')} |")
+    if any(row["model"].startswith("segment_softmax") for row in timings["models"]):
+        from bench.delivered.segments import ANCHOR
+        lines += ["", f"The segmented softmax's anchor, measured elsewhere (jax-ml/jax#37511, "
+                  f"forward only): {ANCHOR}. The zoo's case here is 10k segments of 64 × 4 "
+                  "heads, forward and gradient."]
     rows = kernel_rows(folder, peak)
     measured = [r for r in rows if r["measured_us"] and r["modeled_us"]]
     calibration = None
