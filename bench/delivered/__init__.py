@@ -40,7 +40,7 @@ def run_steps(ctx: Context) -> list[str] | None:
 def run_segments(ctx: Context) -> list[str] | None:
     from bench.delivered import segments
     cases = list(segments.QUICK) if ctx.quick else \
-        list(segments.CASES + segments.MODELS + segments.VARIABLE_BAGS)
+        list(segments.EVERY_CASE)
     rows = segments.collect(cases)
     ok = [r for r in rows if "error" not in r]
     if not ok:

@@ -59,6 +59,7 @@ VARIABLE_BAGS = ("variable bags", "variable bags bf16", "GAT layer with variable
 # the forward combine and the dispatch gather's gradient are both scatters over each
 # expert's distinct top-k tokens (column tiles, stitch.hlo_passes.grouped_scatter).
 TRAIN_STEPS = ("moe_layer train step", "moe_layer_bf16 train step")
+EVERY_CASE = CASES + MODELS + VARIABLE_BAGS + TRAIN_STEPS
 
 
 def _case(name: str) -> Case | str:
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         print(MARK + json.dumps(measure_one(_case(args.one))), flush=True)
         return
     cases = [_case(n) for n in args.cases.split(",")] if args.cases else \
-        list(QUICK if args.quick else CASES + MODELS + VARIABLE_BAGS + TRAIN_STEPS)
+        list(QUICK if args.quick else EVERY_CASE)
     text = markdown(collect(cases), "python -m bench delivered --part segments")
     if args.out:
         from bench.report import write_section
