@@ -53,7 +53,8 @@ from stitch.hlo_passes.graph import OpGraph, OpNode
 from stitch.hlo_passes.ir import HloModule, Shape
 from stitch.hlo_passes.literals import literal_to_numpy
 from stitch.hlo_passes.op_classes import OpClass
-from stitch.hlo_passes.grouped_scatter import UNROLL_ROWS, GroupedScatter, grouped_scatter
+from stitch.hlo_passes.grouped_scatter import (UNROLL_ROWS, GroupedScatter,
+                                                grouped_scatter)
 from stitch.hlo_passes.sorted_runs import RunScatter, run_scatter
 from stitch.hlo_passes.scatter_forms import (gather_index_map, known_index_values, scatter_batch_dims,
                                              scatter_form, scatter_window)

@@ -299,5 +299,5 @@ def _row_major(shape: Shape) -> bool:
     return dims == sorted(dims)
 
 
-__all__ = ["TILE_THREADS", "UNROLL_ROWS", "Distinct", "GroupedScatter", "distinct_runs", "grouped_scatter",
-           "holds_grouped_scatter"]
+__all__ = ["TILE_THREADS", "UNROLL_ROWS", "Distinct", "GroupedScatter", "distinct_runs",
+           "grouped_scatter", "holds_grouped_scatter"]
