@@ -59,18 +59,19 @@ VARIABLE_BAGS = ("variable bags", "variable bags bf16", "GAT layer with variable
 # the forward combine and the dispatch gather's gradient are both scatters over each
 # expert's distinct top-k tokens (column tiles, stitch.hlo_passes.grouped_scatter).
 TRAIN_STEPS = ("moe_layer train step", "moe_layer_bf16 train step")
-EVERY_CASE = CASES + MODELS + VARIABLE_BAGS + TRAIN_STEPS
+# Cases named by a string (their own table); the softmax cases are ``Case``s.
+NAMED = MODELS + VARIABLE_BAGS + TRAIN_STEPS
+EVERY_CASE = CASES + NAMED
 
 
 def _case(name: str) -> Case | str:
     for case in CASES:
         if case.name == name:
             return case
-    if name in MODELS or name in VARIABLE_BAGS or name in TRAIN_STEPS:
+    if name in NAMED:
         return name
     raise SystemExit(f"unknown case {name!r}: choose from "
-                     f"{', '.join([c.name for c in CASES] + list(MODELS + VARIABLE_BAGS))}, "
-                     f"{', '.join(TRAIN_STEPS)}")
+                     f"{', '.join([c.name for c in CASES] + list(NAMED))}")
 
 
 def _model_lowered(name: str, mesh):
@@ -232,8 +233,8 @@ def _table(rows: list[dict]) -> list[str]:
 
 def markdown(rows: list[dict], command: str) -> str:
     from bench.report import stamp
-    softmax = [r for r in rows if r["case"] not in MODELS + VARIABLE_BAGS + TRAIN_STEPS]
-    others = [r for r in rows if r["case"] in MODELS + VARIABLE_BAGS + TRAIN_STEPS]
+    softmax = [r for r in rows if r["case"] not in NAMED]
+    others = [r for r in rows if r["case"] in NAMED]
     lines = ["## Segmented reductions through the pass (counted and modeled)", "",
              stamp(command, os.getloadavg()), "",
              "Compiled for an H100 without a device with stitch's pass on. *XLA*: XLA's own "

@@ -410,10 +410,11 @@ class KernelEmitter:
             index = self.expr(s.index, scope, ctx)
             value = self.expr(s.value, scope, ctx)
             ptr = self.element_ptr(buf, index, ctx)
-            if s.op != "add":
+            if s.op != "add" or buf.dtype in ("bf16", "f16"):
+                # No target has a bf16 atomic add on every arch, nor any float atomic
+                # max/min: a compare-and-swap loop, each add rounded to the narrow type (as
+                # XLA's scatter-add does) by the same rounding as stores.
                 self.atomic_combine(ptr, value, buf.dtype, s.value.dtype, s.op)
-            elif buf.dtype in ("bf16", "f16"):
-                self.narrow_atomic_add(ptr, value, buf.dtype)
             else:
                 op = "fadd" if s.value.dtype in kir.FLOAT_DTYPES else "add"
                 # Relaxed: only the sum matters (red.global.add on NVPTX, lock add / cmpxchg
@@ -512,28 +513,6 @@ class KernelEmitter:
         k = kir.multiple_of(index)
         step = k & -k if k else self.target.param_align      # largest power of 2 dividing it
         return max(size, min(self.target.param_align, size * step))
-
-    def narrow_atomic_add(self, ptr: ir.Value, value: ir.Value, dtype: str) -> None:
-        """*ptr = round(widen(*ptr) + value) for a bf16/f16 element, as a compare-and-swap
-        loop on its 16 bits: each add rounds to the narrow type (as XLA's scatter-add does),
-        by the same rounding as stores; no target has a bf16 atomic add on every arch."""
-        b = self.builder
-        start = b.load_atomic(ptr, "monotonic", 2, typ=I16)
-        entry = b.block
-        retry = b.append_basic_block("narrow_atomic.retry")
-        done = b.append_basic_block("narrow_atomic.done")
-        b.branch(retry)
-        b.position_at_end(retry)
-        seen = b.phi(I16, "narrow_atomic.seen")
-        seen.add_incoming(start, entry)
-        raw = b.bitcast(seen, F16) if dtype == "f16" else seen
-        total = b.fadd(self.from_storage(raw, dtype), value)
-        stored = self.to_storage(total, dtype)
-        bits = b.bitcast(stored, I16) if dtype == "f16" else stored
-        pair = b.cmpxchg(ptr, seen, bits, "monotonic", "monotonic")
-        seen.add_incoming(b.extract_value(pair, 0), b.block)
-        b.cbranch(b.extract_value(pair, 1), done, retry)
-        b.position_at_end(done)
 
     def atomic_combine(self, ptr: ir.Value, value: ir.Value, dtype: str, value_dtype: str,
                        op: str) -> None:

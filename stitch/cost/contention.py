@@ -187,6 +187,10 @@ class TilesPrice:
     chain_s: float
     extra_s: float
 
+    def floor(self, total_s: float, spec: GpuSpec) -> float:
+        """A kernel's ``total_s`` with the tiles' chain as its floor and their rereads added."""
+        return max(total_s, spec.kernel_launch_overhead_s + self.chain_s) + self.extra_s
+
 
 def tiles_price(grouped: GroupedScatter, spec: GpuSpec) -> TilesPrice:
     """Per group, a thread walks its rows in chunks of ``UNROLL_ROWS``: the chunk's ids (an
@@ -198,7 +202,7 @@ def tiles_price(grouped: GroupedScatter, spec: GpuSpec) -> TilesPrice:
     dram = DRAM_LATENCY_CYCLES.get(major, 480)
     chunk = l2 + dram + UNROLL_ROWS * grouped.hit_share * l2
     per_item = (grouped.groups + 1) * (BARRIER_LATENCY_CYCLES + l2) + \
-        grouped.groups * grouped.chunks * chunk
+        grouped.groups * grouped.chunks() * chunk
     waves = -(-grouped.items // (2 * spec.sm_count))
     index_bytes = grouped.items * grouped.rows * 4
     return TilesPrice(waves * per_item / spec.clock_hz, index_bytes / spec.l2_bandwidth)

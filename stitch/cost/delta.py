@@ -552,7 +552,7 @@ def with_contention(graph: OpGraph, spec: GpuSpec, members: Iterable[int],
     total = cost.total_s
     if runs and cost.launches:
         for tiles in tiles_prices(graph, members, spec):
-            total = max(total, spec.kernel_launch_overhead_s + tiles.chain_s) + tiles.extra_s
+            total = tiles.floor(total, spec)
     if extra <= 0.0 and total == cost.total_s:
         return cost
     return dataclasses.replace(cost, total_s=total + extra, contention_s=extra)

@@ -103,16 +103,10 @@ class GroupedScatter:
     def items(self) -> int:
         return self.tiles * self.ranges
 
-    @property
-    def slots(self) -> int:
-        """Threads of a block per column (each strides over rows)."""
-        return TILE_THREADS // self.tile
-
-    @property
-    def chunks(self) -> int:
-        """Rounds of ``UNROLL_ROWS`` rows a thread walks per group."""
-        per_thread = -(-self.group_rows // self.slots)
-        return -(-per_thread // UNROLL_ROWS)
+    def chunks(self, threads: int = TILE_THREADS) -> int:
+        """Rounds of ``UNROLL_ROWS`` rows a thread of a block of ``threads`` walks per
+        group (``threads // tile`` threads per column stride over the group's rows)."""
+        return -(-self.group_rows // (threads // self.tile * UNROLL_ROWS))
 
     @property
     def hit_share(self) -> float:

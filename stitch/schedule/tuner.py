@@ -524,8 +524,7 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
     best.modeled_us += contention_seconds(graph, members, spec) * 1e6
     # A scatter in column tiles lasts at least its blocks' chain of round trips.
     for tiles in tiles_prices(graph, members, spec):
-        best.modeled_us = max(best.modeled_us, (spec.kernel_launch_overhead_s +
-                                                tiles.chain_s) * 1e6) + tiles.extra_s * 1e6
+        best.modeled_us = tiles.floor(best.modeled_us * 1e-6, spec) * 1e6
     return best
 
 
