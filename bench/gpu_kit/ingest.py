@@ -1,6 +1,18 @@
 """The kit's local step, run here on the folder a GPU check returned:
 
     python -m bench.gpu_kit.ingest RESULTS [--docs docs/benchmarks.md] [--calibration-dir D]
+                                           [--partial]
+
+``RESULTS`` is what came back: ``gpu_check.json``, ``gpu_check.md`` and
+``gpu_check.tar.gz`` (the steps' files, unpacked here into a temporary folder; only regular
+files and folders are taken out of it) — or an unpacked work folder.
+
+Only a GPU's complete result is written: the ingest refuses (exit status 2, docs and
+calibration untouched, the reason said) a missing folder, a missing or unreadable
+``gpu_check.json``, a rehearsal, a check that found no GPU, and a result without the
+device's facts, the timings or the saved kernels. ``--partial`` takes a GPU result that
+stopped short (labelled "partial"); rehearsals are never taken into docs/benchmarks.md
+(``--self-check``, the runner's own check of the ingest, writes only elsewhere).
 
 Writes docs/benchmarks.md's section ``bench-gpu-check`` (the steps' outcomes, the device,
 whole steps under stitch.jit vs jax.jit, each stitched kernel's measured µs beside the
@@ -16,12 +28,68 @@ import argparse
 import json
 import statistics
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 from stitch.cost.calibration import Calibration, KernelSample, save_calibration, spearman
 
 SECTION = "bench-gpu-check"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+ARCHIVE = "gpu_check.tar.gz"
+# What a complete GPU result holds besides gpu_check.json.
+COMPLETE = ("env.json", "timings.json", "kernels/manifest.json", "kernels.json")
+
+
+class IngestRefused(Exception):
+    """The folder is not a result the docs may take (the message says why)."""
+
+
+def unpacked(results: Path, scratch: Path) -> Path:
+    """The folder holding the steps' files: ``results`` itself, or its archive unpacked
+    into ``scratch`` (regular files and folders only: tarfile's "data" filter refuses links,
+    devices and paths outside ``scratch``)."""
+    archive = results / ARCHIVE
+    if not archive.exists():
+        return results
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            tar.extractall(scratch, filter="data")
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise IngestRefused(f"{archive}: not a readable archive ({exc})") from exc
+    for name in ("gpu_check.json", "gpu_check.md"):     # the top level's are the newest
+        if (results / name).exists():
+            (scratch / name).write_bytes((results / name).read_bytes())
+    return scratch
+
+
+def check_result(folder: Path, *, partial: bool, self_check: bool) -> dict:
+    """The run's record, when ``folder`` holds a result the docs may take."""
+    if not folder.is_dir():
+        raise IngestRefused(f"{folder}: no such folder")
+    path = folder / "gpu_check.json"
+    if not path.exists():
+        raise IngestRefused(f"{folder}: no gpu_check.json (not a GPU check's results)")
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise IngestRefused(f"{path}: unreadable ({exc})") from exc
+    if self_check:
+        return record
+    if record.get("rehearse"):
+        raise IngestRefused(f"{folder}: a rehearsal (no GPU); its results never replace the "
+                            "GPU section")
+    if not record.get("gpu"):
+        raise IngestRefused(f"{folder}: the check found no GPU on its machine "
+                            f"(device: {record.get('device')})")
+    missing = [name for name in COMPLETE if _load(folder, name) is None]
+    if missing and not partial:
+        raise IngestRefused(f"{folder}: incomplete GPU result, missing or unreadable: "
+                            f"{', '.join(missing)} (steps: " + ", ".join(
+                                f"{s['name']} {s['status']}" for s in record.get("steps", []))
+                            + "); --partial takes it labelled as partial")
+    record["partial"] = bool(missing)
+    return record
 
 
 def _load(folder: Path, name: str):
@@ -56,13 +124,18 @@ def kernel_rows(folder: Path, peak_gbs: float | None) -> list[dict]:
     return rows
 
 
-def markdown(folder: Path, command: str) -> tuple[str, Calibration | None]:
+def markdown(folder: Path, command: str,
+             record: dict | None = None) -> tuple[str, Calibration | None]:
     from bench.report import stamp
-    record = _load(folder, "gpu_check.json") or {"steps": [], "rehearse": True}
+    record = record or _load(folder, "gpu_check.json") or {"steps": [], "rehearse": True}
     env = _load(folder, "env.json") or {}
     device = env.get("device", {})
     peak = device.get("peak_hbm_gbs")
-    lines = [f"### GPU check ({'rehearsal: no GPU' if record.get('rehearse') else 'measured'})",
+    label = ("rehearsal: no GPU" if record.get("rehearse") else
+             "no GPU found" if not record.get("gpu") else
+             "measured, partial" if record.get("partial") else
+             "measured, quick" if record.get("quick") else "measured")
+    lines = [f"### GPU check ({label})",
              "", stamp(command), "",
              f"Device: {device.get('name', 'none')}"
              + (f", compute capability {'.'.join(map(str, device['compute_capability']))}, "
@@ -136,15 +209,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", type=Path)
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--calibration-dir", type=Path)
+    parser.add_argument("--partial", action="store_true",
+                        help="take a GPU result that stopped short (labelled partial)")
+    parser.add_argument("--self-check", action="store_true",
+                        help="the runner's check of the ingest: any result, never into "
+                        "docs/benchmarks.md")
     parser.add_argument("--rehearse", action="store_true")   # the runner passes it
     parser.add_argument("--out", type=Path)                  # the runner's; unused
     args = parser.parse_args(argv)
+    if args.self_check and args.docs.resolve() == DOCS.resolve():
+        print("ingest: --self-check never writes docs/benchmarks.md; name --docs",
+              file=sys.stderr)
+        return 2
     from bench.report import publish
-    text, calibration = markdown(args.results, "python -m bench.gpu_kit.ingest "
-                                 + str(args.results))
+    with tempfile.TemporaryDirectory(prefix="stitch_gpu_ingest_") as scratch:
+        try:
+            if not args.results.is_dir():
+                raise IngestRefused(f"{args.results}: no such folder")
+            folder = unpacked(args.results, Path(scratch))
+            record = check_result(folder, partial=args.partial, self_check=args.self_check)
+        except IngestRefused as exc:
+            said = str(exc).replace(scratch, str(args.results))
+            print(f"ingest: refused, nothing written: {said}", file=sys.stderr)
+            return 2
+        text, calibration = markdown(folder, "python -m bench.gpu_kit.ingest "
+                                     + str(args.results), record)
     publish(args.docs, SECTION, text)
     print(f"ingest: section {SECTION} written to {args.docs}")
-    if calibration is not None:
+    if calibration is not None and not record.get("rehearse"):
         path = save_calibration(calibration, args.calibration_dir)
         print(f"ingest: calibration for {calibration.target} ({calibration.device}) in {path}")
     return 0

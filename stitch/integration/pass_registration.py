@@ -52,38 +52,83 @@ _TOKEN = re.compile(r'stitch\.request="?([0-9a-f]+)"?')
 _LOCK = threading.Lock()
 
 _REGISTERED: set[str] = set()
+_FAILED: dict[str, "PassRegistrationError"] = {}
 
-# The names a CUDA PJRT client may report as ``client.platform``: jax's public hook
-# (0.10.2) compares them with the platforms it was given, and CUDA clients say "gpu".
+# The names a CUDA plugin may be known by. jax 0.10.2 registers on clients as they start,
+# keyed on ``client.platform`` ("gpu" for CUDA clients); jax 0.11 looks each name up among
+# the loaded PJRT plugins at once, where CUDA's is "cuda" and "gpu" is NOT_FOUND.
 CUDA_PLATFORM_NAMES = ("cuda", "gpu")
+
+
+class PassRegistrationError(PassError):
+    """jax would not register stitch's pass for a platform (every name it was tried under
+    refused): nothing can be stitched there in this process."""
 
 
 def ensure_registered(platform: str) -> None:
     """Register the pass for ``platform`` ("cpu" or "cuda") once per process.
 
-    CUDA: jax's public call under every name a CUDA client reports (jax 0.10.2 registers on
-    clients as they start, keyed on ``client.platform``; 0.11 at once), then directly on any
-    CUDA client already started — 0.10.2's hook never fires for those. A client registered
-    twice calls the pass twice per compile; the second call sees the module already
-    stitched and leaves it (``PassRequest.calls``)."""
+    CUDA: jax's public call once per name a CUDA plugin may be known by
+    (``CUDA_PLATFORM_NAMES``); a name this jax does not know is skipped, and at least one
+    must be taken. jax 0.10.2 registers through a hook on clients as they start, so a CUDA
+    client started before stitch registered gets the pass directly; jax 0.11 registers on
+    the plugin itself, which covers its clients. A client registered twice calls the pass
+    twice per compile; the second call sees the module already stitched and leaves it
+    (``PassRequest.calls``).
+
+    Raises ``PassRegistrationError`` naming every name tried and jax's answer; the failure
+    is kept, so later compiles get the same error at once instead of retrying."""
     import jax.extend.xla as xla_ext
 
     platform = platform.lower()
     with _LOCK:
         if platform in _REGISTERED:
             return
+        if platform in _FAILED:
+            raise _FAILED[platform]
         stage = (xla_ext.PipelineStage.PRE_SCHEDULER if platform == "cpu"
                  else xla_ext.PipelineStage.POST_SCHEDULER)
-        if platform == "cpu":
-            xla_ext.register_hlo_module_transformation(xla_callback, name="stitch", stage=stage,
-                                                       platforms=["cpu"])
-        else:
-            xla_ext.register_hlo_module_transformation(
-                xla_callback, name="stitch", stage=stage, platforms=list(CUDA_PLATFORM_NAMES))
+        names = ("cpu",) if platform == "cpu" else CUDA_PLATFORM_NAMES
+        refused: dict[str, str] = {}
+        taken = []
+        for name in names:
+            try:
+                xla_ext.register_hlo_module_transformation(xla_callback, name="stitch",
+                                                           stage=stage, platforms=[name])
+                taken.append(name)
+            except Exception as exc:  # noqa: BLE001 - jax's runtime errors carry the reason
+                refused[name] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        if not taken:
+            error = PassRegistrationError(_refusal_message(platform, refused))
+            _FAILED[platform] = error
+            raise error
+        if platform != "cpu" and registers_on_client_start():
             for client in _started_clients(CUDA_PLATFORM_NAMES):
                 _register_on_client(client, stage)
         _REGISTERED.add(platform)
-    log.debug("stitch pass registered for %s at %s", platform, stage.name)
+    log.debug("stitch pass registered for %s at %s under %s%s", platform, stage.name,
+              ", ".join(taken), "".join(f"; {n} refused ({why})" for n, why in refused.items()))
+
+
+def _refusal_message(platform: str, refused: dict[str, str]) -> str:
+    try:
+        import jax
+        version = f"jax {jax.__version__}"
+    except Exception:  # noqa: BLE001 - only for the message
+        version = "jax"
+    tried = "; ".join(f"{name!r}: {why}" for name, why in refused.items())
+    hint = (" Is jax's CUDA plugin installed and a GPU visible (jax.devices('gpu'))?"
+            if platform != "cpu" else "")
+    return (f"stitch's pass could not be registered with {version} for {platform}: every "
+            f"platform name was refused ({tried}); nothing is stitched on {platform} in this "
+            f"process, every function runs on stock XLA.{hint}")
+
+
+def registers_on_client_start() -> bool:
+    """Whether this jax registers passes through a hook on clients as they start (0.10.2),
+    rather than on the loaded plugin at once (0.11: ``get_pjrt_plugin``)."""
+    from jax._src import xla_bridge
+    return hasattr(xla_bridge, "register_backend_initialization_hook")
 
 
 def registered_platforms() -> list[str]:
