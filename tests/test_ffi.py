@@ -771,3 +771,24 @@ def test_jax_per_call_overhead(jax) -> None:
                 "(kernel included); one-call jit %.2f us vs jit(x + 1) %.2f us; "
                 "HostKernel from Python %.2f us", (t_many / chain) * 1e6, chain,
                 t_one * 1e6, t_plain * 1e6, t_host * 1e6)
+
+
+def test_a_target_made_inside_a_traced_function_outlives_the_trace(jax) -> None:
+    """jax caches the executable that calls the handler; the target made (and dropped)
+    during tracing must keep its code, or the cached executable calls freed code."""
+    import gc
+    import weakref
+    k = ew_kernel(name="traced_only", n=640)
+    made: list = []
+
+    def fn(a, b):
+        target = ffi.host_ffi_target(k)
+        made.append(weakref.ref(target))
+        return target.call(a, b)[0]
+    jitted = jax.jit(fn)
+    a, b = RNG(11).standard_normal((2, 640)).astype(np.float32)
+    jax.block_until_ready(jitted(a, b))
+    gc.collect()
+    assert made[0]() is not None, "the traced target was freed"
+    a, b = RNG(12).standard_normal((2, 640)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jitted(a, b)), host_reference(k, a, b)[0])

@@ -20,27 +20,79 @@ from stitch.cost.calibration import Calibration, KernelSample, load_calibration,
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _unpack(out: Path, into: Path) -> Path:
+    import tarfile
+    with tarfile.open(out / runner.ARCHIVE) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
 def test_rehearsal_passes_with_the_devices_missing_packages_blocked(tmp_path) -> None:
+    out = tmp_path / "out"
     run = subprocess.run([str(REPO / "scripts" / "gpu_check.sh"), "--rehearse", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=300,
-                         cwd="/")
+                          str(out), "--work", str(tmp_path / "work")], capture_output=True,
+                         text=True, timeout=300, cwd="/")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    # What a GPU machine returns: at most 8 files, each under 16 MiB, all at the top.
+    returned = sorted(p.name for p in out.rglob("*"))
+    assert returned == sorted(runner.RESULT_FILES), returned
+    assert all((out / name).stat().st_size < 16 * 2**20 for name in returned)
+    record = json.loads((out / "gpu_check.json").read_text())
     status = {s["name"]: s for s in record["steps"]}
     for name in ("env", "smoke", "tests", "timings", "ingest"):
         assert status[name]["status"] == "passed", status[name]
     for name in ("kernels", "memcheck", "racecheck", "memcheck_jax", "opt_levels"):
         assert status[name]["reason"] == "skipped: no GPU", status[name]
-    smoke = json.loads((tmp_path / "smoke.json").read_text())
+    files = _unpack(out, tmp_path / "unpacked")
+    smoke = json.loads((files / "smoke.json").read_text())
     assert all(m["pass_called"] and m["matches_jax_jit"] for m in smoke["models"])
     assert smoke["autoload"]["patched"]
     # The kernels the timing step saved (for the device's kernel steps) exist.
-    manifest = json.loads((tmp_path / "kernels" / "manifest.json").read_text())
+    manifest = json.loads((files / "kernels" / "manifest.json").read_text())
     assert manifest["kernels"] and all(
-        (tmp_path / "kernels" / e["variants"][next(iter(e["variants"]))]["cubin"]).exists()
+        (files / "kernels" / e["variants"][next(iter(e["variants"]))]["cubin"]).exists()
         for e in manifest["kernels"])
-    assert "bench-gpu-check:begin" in (tmp_path / "benchmarks_section.md").read_text()
-    assert (tmp_path / "gpu_check.md").read_text().count("skipped: no GPU") == 5
+    assert "bench-gpu-check:begin" in (files / "benchmarks_section.md").read_text()
+    assert (out / "gpu_check.md").read_text().count("skipped: no GPU") == 5
+    # A rehearsal never replaces the GPU section: the ingest refuses it, docs untouched.
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    assert ingest.main([str(out), "--docs", str(docs)]) == 2
+    assert docs.read_text() == "# Benchmarks\n"
+
+
+def test_archive_over_the_limit_leaves_the_kernel_images_out(tmp_path, monkeypatch) -> None:
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "kernels").mkdir(parents=True)
+    out.mkdir()
+    (work / "kernels" / "k.cubin").write_bytes(os.urandom(4096))
+    (work / "timings.json").write_text("{}")
+    monkeypatch.setattr(runner, "ARCHIVE_LIMIT", 2048)
+    record = {"rehearse": False, "gpu": True, "date": "d", "device": "x", "budget_s": 1,
+              "total_s": 1.0, "steps": []}
+    runner.pack(work, out, record)
+    import tarfile
+    with tarfile.open(out / runner.ARCHIVE) as tar:
+        assert tar.getnames() == ["timings.json"]
+    assert "kernel images" in json.loads((out / "gpu_check.json").read_text())[
+        "archive_left_out"]
+
+
+def test_sanitizer_refusing_the_device_is_unavailable_not_failed(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(runner, "MIN_STEP_S", 0)
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "manifest.json").write_text("{}")   # kernels were saved
+    refuse = ("import sys; print('========= COMPUTE-SANITIZER'); "
+              "print('========= Error: Device not supported'); sys.exit(1)")
+    step = runner.Step("memcheck", [sys.executable, "-c", refuse], 5, 5,
+                       needs=("compute-sanitizer",))
+    monkeypatch.setattr(runner.shutil, "which", lambda tool: "/bin/" + tool)
+    outcome = runner.run_step(step, tmp_path, dict(os.environ), 5, gpu=True, rehearse=False)
+    assert outcome.status == "unavailable" and "Device not supported" in outcome.reason
+    crash = runner.Step("memcheck", [sys.executable, "-c", "raise SystemExit(3)"], 5, 5,
+                        needs=("compute-sanitizer",))
+    assert runner.run_step(crash, tmp_path, dict(os.environ), 5, gpu=True,
+                           rehearse=False).status == "failed"
 
 
 def _shim_env(blocked: str = "") -> dict:
@@ -121,11 +173,10 @@ def test_spearman() -> None:
     assert spearman([1, 1, 1], [1, 2, 3]) is None
 
 
-def test_ingest_writes_the_docs_section_and_a_calibration_table(tmp_path) -> None:
-    results = tmp_path / "results"
+def _gpu_results(results: Path, *, rehearse: bool = False, gpu: bool = True) -> None:
     (results / "kernels").mkdir(parents=True)
     (results / "gpu_check.json").write_text(json.dumps({
-        "rehearse": False, "date": "2030-01-02 03:04:05 UTC", "total_s": 300,
+        "rehearse": rehearse, "gpu": gpu, "date": "2030-01-02 03:04:05 UTC", "total_s": 300,
         "steps": [{"name": "env", "status": "passed", "seconds": 1.0, "reason": ""}]}))
     (results / "env.json").write_text(json.dumps({
         "target": "h200", "versions": {"jax": "0.11.2"},
@@ -147,12 +198,31 @@ def test_ingest_writes_the_docs_section_and_a_calibration_table(tmp_path) -> Non
         {"model": "segment_softmax_grad", "config": "full", "stitched_ms": 0.05,
          "stock_ms": 0.3, "speedup": 6.0, "report": {"kernels_before": 9,
                                                      "kernels_after": 1}}]}))
+
+
+def _packed(results: Path, into: Path) -> Path:
+    """``results`` as a GPU machine returns it: the record, the summary, one archive."""
+    import tarfile
+    into.mkdir()
+    with tarfile.open(into / runner.ARCHIVE, "w:gz") as tar:
+        for path in results.rglob("*"):
+            if path.is_file():
+                tar.add(path, arcname=str(path.relative_to(results)))
+    (into / "gpu_check.json").write_bytes((results / "gpu_check.json").read_bytes())
+    (into / "gpu_check.md").write_text("# summary\n")
+    return into
+
+
+def test_ingest_writes_the_docs_section_and_a_calibration_table(tmp_path) -> None:
+    _gpu_results(tmp_path / "results")
+    results = _packed(tmp_path / "results", tmp_path / "returned")
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\nkept\n")
     assert ingest.main([str(results), "--docs", str(docs), "--calibration-dir",
                         str(tmp_path / "cal")]) == 0
     text = docs.read_text()
     assert "kept" in text and "NVIDIA H200" in text and "| m (tiny) | k2 | 8.00 | 16.00 |" in text
+    assert "GPU check (measured)" in text
     assert "rank correlation 1.00" in text
     # The segmented softmax is timed beside the issue's own measurements (the anchor).
     assert "| segment_softmax_grad (full) | 0.050 | 0.300 | 6.0× | 9 → 1 |" in text
@@ -164,6 +234,57 @@ def test_ingest_writes_the_docs_section_and_a_calibration_table(tmp_path) -> Non
     assert cal.scale == pytest.approx(2.0)          # median of 2, 1.5, 2
     assert cal.rank_correlation == pytest.approx(1.0)
     assert cal.calibrated_us(3.0) == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("case,why", [
+    ("missing", "no such folder"), ("no_record", "no gpu_check.json"),
+    ("rehearsal", "a rehearsal"), ("no_gpu", "found no GPU"),
+    ("incomplete", "incomplete GPU result"), ("bad_archive", "not a readable archive")])
+def test_ingest_refuses_what_is_not_a_complete_gpu_result(tmp_path, capsys, case, why) -> None:
+    results = tmp_path / "results"
+    if case != "missing":
+        _gpu_results(results, rehearse=case == "rehearsal", gpu=case != "no_gpu")
+    if case == "no_record":
+        (results / "gpu_check.json").unlink()
+    if case == "incomplete":
+        (results / "kernels" / "manifest.json").unlink()
+    if case == "bad_archive":
+        (results / runner.ARCHIVE).write_bytes(b"not gzip")
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    cal = tmp_path / "cal"
+    assert ingest.main([str(results), "--docs", str(docs), "--calibration-dir", str(cal)]) == 2
+    assert why in capsys.readouterr().err
+    assert docs.read_text() == "# Benchmarks\n" and not cal.exists()
+
+
+def test_ingest_takes_a_partial_gpu_result_only_when_asked(tmp_path) -> None:
+    results = tmp_path / "results"
+    _gpu_results(results)
+    (results / "kernels.json").unlink()
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    assert ingest.main([str(results), "--docs", str(docs)]) == 2
+    assert ingest.main([str(results), "--docs", str(docs), "--partial",
+                        "--calibration-dir", str(tmp_path / "cal")]) == 0
+    assert "GPU check (measured, partial)" in docs.read_text()
+    assert ingest.main([str(results), "--self-check"]) == 2      # never into the real docs
+
+
+def test_an_archive_cannot_write_outside_its_folder(tmp_path) -> None:
+    import io
+    import tarfile
+    results = tmp_path / "results"
+    _gpu_results(results)
+    with tarfile.open(results / runner.ARCHIVE, "w:gz") as tar:
+        data = b"x"
+        info = tarfile.TarInfo("../escaped.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    assert ingest.main([str(results), "--docs", str(docs)]) == 2
+    assert not (tmp_path / "escaped.txt").exists()
 
 
 def test_calibration_round_trip(tmp_path) -> None:

@@ -38,7 +38,7 @@ MIN_STEP_S = 10
 RESULT_FILES = ("gpu_check.json", "gpu_check.md", "gpu_check.tar.gz")
 ARCHIVE = "gpu_check.tar.gz"
 ARCHIVE_LIMIT = 15 * 2**20          # what comes back: 16 MiB a file
-QUICK_MODELS = "layer_norm:full"
+QUICK_MODELS = "log_softmax_xent_train:full"
 QUICK_STEPS = ("env", "smoke", "timings", "kernels")
 # compute-sanitizer's words on a machine where it cannot attach to the device (seen on one
 # of the GPU machine's runtimes: "Device not supported", then error 999).

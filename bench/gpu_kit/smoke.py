@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MODELS = ("layer_norm", "log_softmax_xent_train")
+# Models whose plan on every GPU target stitches something (a layer norm alone is one XLA
+# kernel already on an H200, and a plan that fuses nothing is no test of the pass).
+MODELS = ("log_softmax_xent_train", "bert_layer_train")
 CHILD = ("import jax, sys\n"
          "original = getattr(jax.jit, '__stitch_original__', None)\n"
          "print('patched' if original is not None else 'stock')\n")
@@ -90,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in result:
             problems.append(f"{name}: {result['error']}")
         elif not result["pass_called"]:
-            problems.append(f"{name}: XLA compiled without calling stitch's pass "
-                            f"({result['stats']['fallbacks']})")
+            problems.append(f"{name}: no stitched program ({result['stats']['fallbacks']})")
         elif not result["stats"]["stitched_calls"]:
             problems.append(f"{name}: no call ran stitched ({result['stats']['fallbacks']})")
         elif not result["matches_jax_jit"]:

@@ -609,6 +609,11 @@ class FfiTarget:
                 raise CodegenError(f"kernel {self.kernel.name!r}: input {p.name!r} wants "
                                    f"{p.size} x {p.dtype}, got {shape} {dtype}")
         self.register()
+        if any(isinstance(a, jax.core.Tracer) for a in args):
+            # Traced: jax keeps the executable that calls this handler in its caches, out of
+            # reach of any reference we hold, so the handler's code stays for the process.
+            with _LOCK:
+                _PINNED.setdefault(self.name, self)
         outs = jax.ffi.ffi_call(self.name, self.out_types(out_shapes))(*args)
         return tuple(outs)
 
@@ -621,6 +626,8 @@ _REGISTERED: set[str] = set()
 # (the executable of a stitch.jit signature, a stitch.compile program), so a function that
 # is deleted frees its kernels' code.
 _BUILT: weakref.WeakValueDictionary[str, FfiTarget] = weakref.WeakValueDictionary()
+# Targets called inside a traced function (``FfiTarget.call``): held for the process.
+_PINNED: dict[str, FfiTarget] = {}
 _JAX_BACKENDS = {"cpu": "cpu", "CUDA": "gpu"}
 
 

@@ -20,7 +20,8 @@ H100 would run. Two things stand between that compile and stitch's pass:
 
 PJRT facts used (``xla/pjrt/c/pjrt_c_api.h``, ``pjrt_c_api_xla_transform_extension.h``,
 jaxlib's ``xla.cc``; checked against jax-cuda12-plugin 0.10.2's library by walking its list
-and matching the entry to its ``xla_transform_extension`` symbol):
+and matching the entry to its ``xla_transform_extension`` symbol; the same list on
+jax-cuda13-plugin 0.11.2's):
 
 - ``PJRT_Api`` starts ``{size_t struct_size; PJRT_Extension_Base* extension_start; ...}``;
   every extension starts ``PJRT_Extension_Base {size_t struct_size; int32 type; next}``.
@@ -123,22 +124,40 @@ _EXTENSION_MIN_SIZE = _XlaTransformExtension.register_xla_transform.offset + \
 # ---------------------------------------------------------------- the plugin
 
 
+# jax's CUDA plugins, newest first: (the plugin package, the jax_plugins module, CUDA major).
+CUDA_PLUGINS = (("jax_cuda13_plugin", "jax_plugins.xla_cuda13", 13),
+                ("jax_cuda12_plugin", "jax_plugins.xla_cuda12", 12))
+
+
+def installed_plugin() -> tuple[str, str, int] | None:
+    """The first of ``CUDA_PLUGINS`` that imports (None: none does)."""
+    import importlib
+    for package, module, major in CUDA_PLUGINS:
+        try:
+            importlib.import_module(package)
+            importlib.import_module(module)
+        except ImportError:
+            continue
+        return package, module, major
+    return None
+
+
 def plugin_available() -> str | None:
-    """None when jax's CUDA plugin can be imported, else why not."""
-    try:
-        import jax_cuda12_plugin  # noqa: F401
-        import jax_plugins.xla_cuda12  # noqa: F401
-    except ImportError as exc:
-        return f"jax's CUDA plugin is not installed ({exc}); see scripts/deviceless_check.sh"
+    """None when one of jax's CUDA plugins can be imported, else why not."""
+    if installed_plugin() is None:
+        names = " or ".join(package for package, _, _ in CUDA_PLUGINS)
+        return (f"jax's CUDA plugin is not installed (neither {names} imports); see "
+                "scripts/deviceless_check.sh")
     return None
 
 
 def plugin_library() -> str:
     """Path of the CUDA plugin's PJRT library (the one jax loads)."""
-    why = plugin_available()
-    if why:
-        raise DevicelessError(why)
-    import jax_plugins.xla_cuda12 as cuda_plugin
+    found = installed_plugin()
+    if found is None:
+        raise DevicelessError(plugin_available() or "no CUDA plugin")
+    import importlib
+    cuda_plugin = importlib.import_module(found[1])
     path = cuda_plugin._get_library_path()
     if path is None or not os.path.exists(str(path)):
         raise DevicelessError(f"the CUDA plugin's PJRT library is missing ({path})")
@@ -275,10 +294,10 @@ def ensure_pass_registered() -> None:
 # ---------------------------------------------------------------- the compile's target
 
 # Fields of XLA's GpuTargetConfigProto that stitch's GpuSpec does not hold: CUDA's launch
-# limits, and the cuDNN / CUDA runtime versions jax-cuda12-plugin 0.10.2 accepts.
+# limits, and the cuDNN / CUDA runtime versions each CUDA plugin accepts (by CUDA major).
 _BLOCK_DIM_LIMITS = (2147483647, 65535, 65535)
 _DNN_VERSION = (9, 7)
-_RUNTIME_VERSION = (12, 8, 0)
+_RUNTIME_VERSIONS = {12: (12, 8, 0), 13: (13, 0, 0)}
 _DEVICE_NAMES = {"v100": "Tesla V100-SXM2-16GB", "a100": "NVIDIA A100-SXM4-40GB",
                  "h100": "NVIDIA H100 80GB HBM3"}
 
@@ -313,9 +332,14 @@ def target_config(target: str) -> str:
     lines += [f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}",
               'platform_name: "CUDA"',
               f"dnn_version_info {{ major: {_DNN_VERSION[0]} minor: {_DNN_VERSION[1]} }}",
-              "runtime_version {{ major: {} minor: {} patch: {} }}".format(*_RUNTIME_VERSION),
+              "runtime_version {{ major: {} minor: {} patch: {} }}".format(*_runtime_version()),
               f'device_description_str: "{_DEVICE_NAMES.get(spec.name, spec.name)}"']
     return "\n".join(lines) + "\n"
+
+
+def _runtime_version() -> tuple[int, int, int]:
+    found = installed_plugin()
+    return _RUNTIME_VERSIONS[found[2] if found else 12]
 
 
 def check_environment() -> None:

@@ -35,7 +35,6 @@ import os
 import re
 import threading
 import time
-from typing import Any
 
 from stitch.hlo_passes import HloModule, parse_hlo, print_hlo
 from stitch.errors import Cancelled
@@ -70,11 +69,10 @@ def ensure_registered(platform: str) -> None:
 
     CUDA: jax's public call once per name a CUDA plugin may be known by
     (``CUDA_PLATFORM_NAMES``); a name this jax does not know is skipped, and at least one
-    must be taken. jax 0.10.2 registers through a hook on clients as they start, so a CUDA
-    client started before stitch registered gets the pass directly; jax 0.11 registers on
-    the plugin itself, which covers its clients. A client registered twice calls the pass
-    twice per compile; the second call sees the module already stitched and leaves it
-    (``PassRequest.calls``).
+    must be taken. jax 0.10.2 registers through a hook that runs on the clients already
+    started and on each one as it starts; jax 0.11 registers on the plugin itself, which
+    covers its clients. Should a client get the pass twice, the second call per compile
+    sees the module already stitched and leaves it (``PassRequest.calls``).
 
     Raises ``PassRegistrationError`` naming every name tried and jax's answer; the failure
     is kept, so later compiles get the same error at once instead of retrying."""
@@ -102,9 +100,6 @@ def ensure_registered(platform: str) -> None:
             error = PassRegistrationError(_refusal_message(platform, refused))
             _FAILED[platform] = error
             raise error
-        if platform != "cpu" and registers_on_client_start():
-            for client in _started_clients(CUDA_PLATFORM_NAMES):
-                _register_on_client(client, stage)
         _REGISTERED.add(platform)
     log.debug("stitch pass registered for %s at %s under %s%s", platform, stage.name,
               ", ".join(taken), "".join(f"; {n} refused ({why})" for n, why in refused.items()))
@@ -135,29 +130,6 @@ def registered_platforms() -> list[str]:
     """The platforms the pass is registered for in this process, sorted."""
     with _LOCK:
         return sorted(_REGISTERED)
-
-
-def _started_clients(names: tuple[str, ...]) -> list:
-    """The XLA clients jax has already started for ``names`` (none started: empty; jax keeps
-    them in ``xla_bridge._backends``, which asking for them would fill)."""
-    try:
-        from jax._src import xla_bridge
-    except ImportError:
-        return []
-    backends = getattr(xla_bridge, "_backends", None) or {}
-    return [c for c in list(backends.values()) if getattr(c, "platform", None) in names]
-
-
-def _register_on_client(client: Any, stage: Any) -> None:
-    """The pass registered on one started client through the PJRT C API."""
-    try:
-        from jax._src.lib import _xla
-        _xla.register_xla_transform_c_api(client, "stitch", stage.value, xla_callback)
-        log.debug("stitch pass registered on the started %s client", client.platform)
-    except Exception as exc:  # noqa: BLE001 - said once; compile_with_pass warns per compile
-        log.warning("stitch: could not register the pass on the started %s client (%s: %s); "
-                    "compiles there will run without it", getattr(client, "platform", "?"),
-                    type(exc).__name__, exc)
 
 
 def xla_callback(data: bytes) -> bytes | None:
@@ -205,6 +177,34 @@ def to_proto(text: str) -> bytes:
         line = text.splitlines()[int(where.group(1)) - 1].strip() if where else ""
         raise PassError(f"XLA's parser rejects stitch's rewritten module: "
                         f"{str(exc).splitlines()[-1].strip()} in: {line[:300]}") from exc
+
+
+# XLA prints some instructions in a form its own parser refuses: XLA 0.11.2 gives
+# ``all-reduce-start`` a tuple shape whose output aliases its operand
+# (``output_to_operand_aliasing``), which its parser rejects as an attribute and whose shape
+# its verifier rejects. Such a module cannot come back from text at all.
+UNREADABLE_HINT = "output_to_operand_aliasing"
+_PLAIN_ALIASING_OPS = (" custom-call(", " fusion(")
+
+
+def check_readable(text: str) -> None:
+    """PassError when XLA's parser cannot read back XLA's own print of the module (checked
+    only when a line carries ``UNREADABLE_HINT`` outside the ops that always take it)."""
+    suspect = next((line for line in text.splitlines() if UNREADABLE_HINT in line
+                    and not any(op in line for op in _PLAIN_ALIASING_OPS)), None)
+    if suspect is None:
+        return
+    from jaxlib import _hlo
+    try:
+        _hlo.hlo_module_from_text(text)
+    except Exception as exc:  # noqa: BLE001 - XLA's parser error, made specific
+        import jax
+        said = next((line.strip() for line in str(exc).splitlines() if "error:" in line),
+                    str(exc).splitlines()[0])
+        raise PassError(f"XLA (jax {jax.__version__}) cannot read back its own print of this "
+                        f"module ({said[:200]}), so no rewrite of "
+                        f"it can be handed back; left to XLA. The line: "
+                        f"{suspect.strip()[:200]}") from exc
 
 
 def _untag(module: HloModule) -> None:
@@ -262,6 +262,7 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
     start = time.perf_counter()
     with fewer_collections():        # the pass allocates millions of objects (collector.py)
         dumped = _dump_module(text, request)
+        check_readable(text)
         module = parse_hlo(text)
         _untag(module)
         request.check_cancelled()
