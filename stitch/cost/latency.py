@@ -59,6 +59,9 @@ ALU_LATENCY_CYCLES = 4
 L2_LATENCY_CYCLES = {7: 200, 8: 200, 9: 260}
 # Arrivals at one counter serialise at its L2 slice: about this many cycles apart.
 SAME_ADDRESS_ATOMIC_CYCLES = 2
+# L1 hit latency (same papers, rounded): what a thread's loads of data it or its block
+# just touched wait, UNROLL of them in flight.
+L1_LATENCY_CYCLES = {7: 28, 8: 33, 9: 33}
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,19 @@ def warp_chain_cycles(spec: GpuSpec, work: WarpWork) -> float:
             + work.chain_alu * ALU_LATENCY_CYCLES
             # every instruction issues at least one cycle after the previous one
             + work.alu + work.sfu + work.global_instr)
+
+
+def thread_bound_seconds(spec: GpuSpec, loads: float, ops: float) -> float:
+    """A kernel's time as bounded by what its busiest thread executes
+    (``stitch.codegen.thread_work``): its loads at the L1's latency, ``UNROLL`` in flight,
+    or its arithmetic at one instruction a cycle, whichever is longer, plus the launch. No
+    number of threads beside it makes the kernel shorter. An estimate, not a strict floor:
+    on an H200 it was 0.5-1.25× the measured time of the f32 kernels whose time it decides
+    (bf16 ones ran up to 7× longer), where their schedules were priced 30-250× too low
+    (GPU check, 2026-11)."""
+    l1 = L1_LATENCY_CYCLES.get(spec.compute_capability[0], 33)
+    cycles = max(loads * l1 / UNROLL, ops)
+    return spec.kernel_launch_overhead_s + cycles / spec.clock_hz
 
 
 def grid_barrier_cycles(spec: GpuSpec, blocks: int) -> float:

@@ -337,6 +337,7 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 else 0
             return gain > 0 and unpaid(k.name, gain, size, payback) is None
 
+        priced_here = None          # the cost model slower_as_built prices with, made once
         order = _largest_first(snapped, likely_paid if payback is not None else None,
                                lead=build_threads() if submit is not None else 0)
         for k in order:
@@ -392,6 +393,17 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 log.info("kernel %s stays with XLA: %s", k.name, exc)
                 report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
                 continue
+            if request.device == "gpu":
+                if priced_here is None:
+                    priced_here = cost or CostModel(graph_plan.graph, spec, gemm_chains=False)
+                slower = slower_as_built(graph_plan, frozenset(k.members), lowered, spec,
+                                         priced_here,
+                                         gains.get(k.name) if payback is not None else None)
+                if slower is not None:
+                    log.info("kernel %s: %s", k.name, slower)
+                    report.skipped.append((k.name, slower))
+                    report.thread_bound.append(k.name)
+                    continue
             if payback is not None:
                 add_if_paid((view, k, site, lowered), gain_s)
             else:
@@ -400,6 +412,40 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
         for _, _, left in group:
             leave(left)
     return jobs
+
+
+def slower_as_built(graph_plan: Any, members: frozenset[int], lowered: Any, spec: Any,
+                    cost: Any, gain_s: float | None = None) -> str | None:
+    """Why the ``lowered`` kernel of the planned kernel of ``members`` is left to XLA, or
+    None: its busiest thread alone (``codegen.thread_work``,
+    ``cost.latency.thread_bound_seconds``) runs longer than ``cost`` (the delta cost model)
+    priced the kernel, by more than the saving that price promised (``gain_s``: the
+    payback's modeled saving per step, else priced here).
+
+    Where it happens: a warp/block part whose row layout lowering cannot prove is lowered
+    with thread composition (``LoweredKernel.notes``) at the planned launch shape, and a
+    thread then recomputes every row statistic it reads, rows times over for a column
+    reduction, while the price is the warp/block schedule's."""
+    from stitch.codegen.thread_work import busiest_thread
+    from stitch.cost.latency import thread_bound_seconds
+
+    from .payback import modeled_gain_s
+    work = busiest_thread(lowered.kernel)
+    bound = thread_bound_seconds(spec, work.loads, work.ops)
+    priced = cost.kernel(members).total_s
+    if bound <= priced:
+        return None
+    if gain_s is None:
+        gain_s = modeled_gain_s(graph_plan, members, cost)
+    weight = graph_plan.stitched.weight
+    if gain_s - (bound - priced) * weight > 0:
+        return None
+    why = next((n for n in getattr(lowered, "notes", ()) if "thread composition" in n), None)
+    return (f"as built, its busiest thread (block {work.block}, thread {work.thread}) "
+            f"executes {work.loads:,.0f} loads and {work.ops:,.0f} instructions: about "
+            f"{bound * 1e6:.1f} µs, not the {priced * 1e6:.2f} µs its schedule was priced "
+            f"at, which loses the {gain_s * 1e6:.2f} µs it was to save: left to XLA"
+            + (f" ({why})" if why else ""))
 
 
 def _largest_first(kernels: list, likely_paid: Callable[[Any], bool] | None = None,

@@ -56,6 +56,9 @@ class PassReport:
     narrowed: list = field(default_factory=list)
     # Kernels left to XLA because they would not repay their build (stitch.integration.payback).
     unpaid: list = field(default_factory=list)
+    # Kernels left to XLA because their busiest thread as built runs longer than the kernel
+    # was priced at, losing the saving (pass_planning.slower_as_built).
+    thread_bound: list[str] = field(default_factory=list)
     # Planned vs delivered: the final module priced as XLA's is (stitch.integration.delivered).
     delivery: Any = None
     # XLA's scatters (fused) the plan computed as row reductions: proved sorted fixed-length
@@ -65,7 +68,7 @@ class PassReport:
     def summary(self) -> dict:
         return {"kernels_before": self.kernels_xla, "kernels_after": self.kernels_after,
                 "stitched_kernels": self.kernels_stitched,
-                "fallbacks": len(self.fallbacks),
+                "fallbacks": len(self.fallbacks), "thread_bound": len(self.thread_bound),
                 **{k: round(v, 3) for k, v in self.timings.items()},
                 **(self.delivery.summary() if self.delivery is not None else {})}
 

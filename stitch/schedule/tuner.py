@@ -28,7 +28,7 @@ from ..explorer.feasibility import Infeasible, analyze_pattern
 from .global_scope import schedule_global
 from .kernel_schedule import GroupSchedule, KernelSchedule, PartSchedule, SharedBuffer
 from .layout_access import apply_layouts
-from .space import PartFacts, op_instructions, part_facts, written_values
+from .space import PartFacts, PassWork, op_instructions, part_facts, written_values
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,12 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
     length = facts.reduction_length
     outputs = {r.node: r.rows * r.outputs_per_row for r in facts.reductions}
     last = facts.passes[-1]
+    if unit != "thread" and facts.reductions and \
+            all(r.outputs_per_row > 1 for r in facts.reductions):
+        # Codegen proves a row layout only from a reduction with one output per row (its
+        # ``_row_layout``); without one the part is built with thread composition, which
+        # is what must be priced.
+        return "no reduction has one output per row: warp/block composition is not built"
     if unit == "thread":
         # Thread composition (codegen's index propagation): a thread computes vw consumer
         # elements of the last pass, or vw outputs of a reduction finishing there, and
@@ -184,23 +190,11 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
     warps_per_block = max(tpb // 32, 1)
     alu = sfu = instr = shuffles = barriers = shared = chain = rounds = 0.0
     cached_regs = 0
+    thread_iters = _thread_iterations(facts, vw, consumers) if unit == "thread" else []
     for index, p in enumerate(facts.passes):
         if unit == "thread":
             lanes = 1
-            per_output = max((length[v] for v in p.reductions), default=1)
-            if index < len(facts.passes) - 1:
-                # An earlier pass is recomputed once per reduction output the thread's
-                # consumer elements read: one when a row holds one output, else up to vw
-                # different ones.
-                opr = max((r.outputs_per_row for r in facts.reductions
-                           if r.node in p.reductions), default=1)
-                iters = per_output * (1 if opr == 1 else min(vw, opr))
-            else:
-                # The thread's share of the last pass's outputs (vw elements, or the
-                # reduction outputs finishing here, each a loop over its inputs).
-                share = math.ceil(max((outputs[v] for v in p.reductions), default=0)
-                                  / max(consumers, 1))
-                iters = max(vw, share * per_output)
+            iters = thread_iters[index]
         else:
             iters = math.ceil(L / (threads_per_row * vw))
             lanes = vw
@@ -250,6 +244,55 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
                     shuffles=shuffles, barriers=barriers, chain_alu=chain,
                     sector_bytes=facts.sector_bytes / max(total_warps, 1))
     return work, blocks, rows_per_block, cached_regs
+
+
+def _outputs_per_row(facts: PartFacts, p: PassWork) -> int:
+    return max((r.outputs_per_row for r in facts.reductions if r.node in p.reductions),
+               default=1)
+
+
+def _thread_iterations(facts: PartFacts, vw: int, consumers: int) -> list[float]:
+    """Per pass, the loop iterations one thread of a thread-composition part runs.
+
+    The last pass: the thread's share of its outputs (vw elements, or the reduction outputs
+    finishing there, each a loop over its inputs). Earlier passes are recomputed where they
+    are read (codegen's index propagation: a thread keeps no row statistic between
+    iterations of a loop that reads them):
+
+    - a pass whose row holds one output is read as one value per row: once;
+    - a pass whose (coarsened) row holds several outputs, read by a reduction of the next
+      pass with the same outputs per row (the same sub-rows: the value is loop-invariant
+      there), once per output that reduction computes;
+    - read by a reduction across its sub-rows (a column reduction over rows whose
+      statistics each row recomputes: a layer norm's backward), once per iteration of that
+      reduction's loop — priced as one loop, such kernels were modeled at 2-4 µs and ran
+      95-850 µs on an H200 (GPU check, 2026-11);
+    - read by elementwise consumers: once per different output among the thread's vw
+      elements."""
+    length = facts.reduction_length
+    outputs = {r.node: r.rows * r.outputs_per_row for r in facts.reductions}
+    passes = facts.passes
+    last = passes[-1]
+    per_output = max((length[v] for v in last.reductions), default=1)
+    share = math.ceil(max((outputs[v] for v in last.reductions), default=0)
+                      / max(consumers, 1))
+    iters = [0.0] * len(passes)
+    iters[-1] = float(max(vw, share * per_output))
+    computed = float(max(share, 1))         # outputs of the pass after, per thread
+    for index in range(len(passes) - 2, -1, -1):
+        p, after = passes[index], passes[index + 1]
+        opr = _outputs_per_row(facts, p)
+        if opr == 1:
+            reads = 1.0
+        elif not after.reductions:
+            reads = float(min(vw, opr))
+        elif _outputs_per_row(facts, after) == opr:
+            reads = computed
+        else:
+            reads = iters[index + 1]
+        iters[index] = max((length[v] for v in p.reductions), default=1) * reads
+        computed = reads
+    return iters
 
 
 def _loop_work(facts: PartFacts, tpb: int, vw: int, tiles: GroupedScatter | None = None
