@@ -88,7 +88,7 @@ def steps(out: Path, python: str, quick: bool = False) -> list[Step]:
         Step("kernels", [python, "-m", "bench.opt_levels", "time", "--dir", str(kernels),
                          "--json", str(out / "kernels.json")], 30, 0, needs_gpu=True),
         Step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                       "tests/gpu"], 90, 60),
+                       "tests/gpu"], 150, 60),
         Step("memcheck", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3",
                           *sanitize, str(out / "memcheck.json")], 20, 0, needs_gpu=True,
              needs=("compute-sanitizer",)),

@@ -28,6 +28,10 @@ STITCH_SEGMENT_ROWS  0/false: the XLA pass plans XLA's module as it is, its prov
                 fixed-length segment scatters/gathers left atomic scatters and gathers
                 (default 1: planned and built as row reductions and broadcasts inside
                 XLA's fusions; stitch/integration/segment_rows.py)
+STITCH_COMMAND_BUFFERS  0/false: stitched GPU kernels are not offered to XLA's command
+                buffers (CUDA graphs); default 1: every kernel without a grid barrier
+                declares its FFI handler command-buffer compatible, so XLA records it in the
+                graph with its own kernels instead of splitting the graph around it
 STITCH_DUMP_MODULES  a folder: the XLA pass writes each module it plans there
                 (``<function>.<n>.hlo``; profiling and bug reports)
 STITCH_INJECT_FAILURE  testing aid: ``compile`` makes every stitched compile fail (the
@@ -171,6 +175,11 @@ def grid_sync_on_gpu() -> str:
         raise ConfigError(f"STITCH_GRID_SYNC={raw!r}: expected one of "
                           f"{', '.join(GRID_SYNC_SETTINGS)}")
     return raw
+
+
+def command_buffers_setting() -> bool:
+    """STITCH_COMMAND_BUFFERS: whether stitched GPU kernels may join XLA's command buffers."""
+    return env_flag("STITCH_COMMAND_BUFFERS", True)
 
 
 def segment_rows_setting() -> bool:

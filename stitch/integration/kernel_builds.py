@@ -141,6 +141,17 @@ def compile_cache() -> Any:
 _CACHE: Any = None
 
 
+def in_command_buffers(kernel: Any) -> bool:
+    """Whether the kernel's handler declares itself command-buffer compatible: its launches
+    are stream-ordered work XLA can record in a CUDA graph. Not a kernel with a grid barrier
+    (a cooperative launch, or one launch per phase reading the phase from module state),
+    and not when ``STITCH_COMMAND_BUFFERS`` is off."""
+    from stitch.codegen import kir
+
+    from .config import command_buffers_setting
+    return command_buffers_setting() and not kir.has_grid_barrier(kernel)
+
+
 def build_target(kernel: Any, device: str, *, arch: str | None = None,
                  compile_only: bool = False, worker: Any = None, ptx: str | None = None,
                  assembled: Any = None, cancelled: Callable[[], bool] | None = None) -> Any:
@@ -172,9 +183,11 @@ def build_target(kernel: Any, device: str, *, arch: str | None = None,
                                               assembled=assembled)
         elif assembled is not None:
             target = cuda_ffi_target(kernel, assembled.cubin,
-                                     entry=assembled.entry or kernel.name, fallback_ptx=ptx)
+                                     entry=assembled.entry or kernel.name, fallback_ptx=ptx,
+                                     command_buffer_compatible=in_command_buffers(kernel))
         else:
-            target = cuda_ffi_target(kernel, ptx)
+            target = cuda_ffi_target(kernel, ptx,
+                                     command_buffer_compatible=in_command_buffers(kernel))
     else:
         raise PassError(f"device {device!r} is not supported (cpu, gpu)")
     target.register()

@@ -36,7 +36,12 @@ def test_stitched_step_matches_jax_jit_on_the_device(gpu, model, config) -> None
     compile_args = [jax.numpy.asarray(a) for a in inst.random_args(0)]
     jax.block_until_ready(fn(*compile_args))
     programs = fn.programs()
-    assert programs, f"the pass was not called: {fn.stats.fallbacks}"
+    # A plan that fuses nothing beyond XLA's own kernels (a layer norm is one kernel on an
+    # H200) is a reason to skip; any other way of ending without a program is a failure.
+    nothing = [str(f) for f in fn.stats.fallbacks if "fuses nothing beyond XLA" in str(f)]
+    if not programs and nothing:
+        pytest.skip(f"nothing stitched: {nothing[0]}")
+    assert programs, f"no stitched program: {fn.stats.fallbacks}"
     if not programs[0].kernels_stitched:
         pytest.skip(f"nothing stitched: {programs[0].reason_nothing_stitched()}")
     rtol = 2e-2 if "bf16" in model else 1e-4
