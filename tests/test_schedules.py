@@ -242,3 +242,51 @@ def test_column_reduction_with_many_outputs_per_row_fits_shared_memory():
     assert (part.rows, part.minor) == (200, False)
     assert sched.smem_bytes <= get_spec("h100").shared_memory_per_block_optin
     assert part.unit == "block"
+
+
+# ---------------------------------------------------------------- coarsened rows
+
+
+def _coarse_facts(last_is_column_sum: bool = True):
+    """A part over one coarsened row of 16 x 32: row statistics (16 outputs of 32 elements:
+    a mean, then a variance reading it) and, last, a column sum (32 outputs over the 16
+    rows) or an elementwise consumer."""
+    from stitch.schedule.space import PartFacts, PassWork, Reduction
+    mean = Reduction(1, 1, 512, 16, True, True)
+    var = Reduction(2, 1, 512, 16, True, True)
+    colsum = Reduction(3, 1, 512, 32, True, False)
+    passes = [PassWork(loads=1, alu=1, reductions=[1], elements=512),
+              PassWork(loads=1, alu=2, reductions=[2], elements=512),
+              PassWork(loads=1, alu=3, reductions=[3] if last_is_column_sum else [],
+                       stores=0 if last_is_column_sum else 1, elements=512)]
+    reductions = [mean, var] + ([colsum] if last_is_column_sum else [])
+    return PartFacts(members=(1, 2, 3), reductions=reductions, rows=1, row_length=512,
+                     minor=True, elements=512, passes=passes, per_row_expensive=[],
+                     multi_pass_expensive=[], hbm_bytes=4096, thread_bytes=4096)
+
+
+def test_thread_composition_recomputes_row_statistics_per_row_of_a_column_sum() -> None:
+    from stitch.schedule.tuner import _thread_iterations
+    facts = _coarse_facts()
+    # One column output per thread: its loop over 16 rows; each row's variance (32) is
+    # recomputed per row; the mean once per variance output (same rows: loop-invariant).
+    assert _thread_iterations(facts, 1, consumers=32) == [32 * 16, 32 * 16, 16]
+
+
+def test_thread_composition_of_an_elementwise_consumer_reads_its_rows_once() -> None:
+    from stitch.schedule.tuner import _thread_iterations
+    facts = _coarse_facts(last_is_column_sum=False)
+    # vw = 4 consecutive elements of one row: one variance and one mean each.
+    assert _thread_iterations(facts, 4, consumers=128) == [32 * 4, 32 * 4, 4]
+
+
+def test_no_warp_or_block_composition_without_a_one_output_row() -> None:
+    """Lowering proves a row layout only from a reduction with one output per row: the tuner
+    must not price warp/block composition lowering would build as thread composition."""
+    from stitch.hlo_passes.graph import OpGraph
+    from stitch.schedule.tuner import _row_work
+    facts = _coarse_facts()
+    graph = OpGraph.__new__(OpGraph)           # not read before the refusal
+    for unit in ("warp", "block"):
+        got = _row_work(graph, facts, unit, 128, 1, False, False)
+        assert isinstance(got, str) and "one output per row" in got

@@ -450,3 +450,34 @@ def test_grid_barrier_kernels_take_the_modeled_faster_form(h100_mesh, monkeypatc
     check_assembled(result)
     for kernel in built:
         assert kernel.lowered.kernel.grid_sync == launch_form(planned[kernel.name])
+
+
+# ---------------------------------------------------------------- kernels as built
+
+
+def test_kernels_slower_as_built_than_priced_are_left_to_xla(h100_mesh):
+    """The zoo's BERT training step (tiny): its layer-norm backward kernels, planned as
+    warp/block parts over coarsened rows, are built with thread composition and recompute
+    row statistics per row (95-850 µs on an H200 against 2-4 µs priced). The pass must leave
+    each such kernel to XLA with the busiest thread's counts in the reason, and every kernel
+    it places must be one whose busiest thread fits the price plus its saving."""
+    from stitch.codegen.thread_work import busiest_thread
+    from stitch.cost.gpu_specs import get_spec
+    from stitch.cost.latency import thread_bound_seconds
+    from stitch.models import build
+
+    inst = build("bert_layer_train", "tiny")
+    replicated = NamedSharding(h100_mesh, P())
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
+             for a in inst.random_args(0)]
+    result = deviceless.compile_with_pass(jax.jit(inst.fn).lower(*specs), "bert", TARGET)
+    report = result.report
+    assert report.thread_bound, report.skipped
+    reasons = dict(report.skipped)
+    for name in report.thread_bound:
+        assert "busiest thread" in reasons[name] and "left to XLA" in reasons[name]
+    spec = get_spec(TARGET)
+    for built in report.kernels:
+        work = busiest_thread(built.lowered.kernel)
+        assert thread_bound_seconds(spec, work.loads, work.ops) < 20e-6, (built.name, work)
+    check_placement(result)
