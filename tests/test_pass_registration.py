@@ -102,3 +102,31 @@ def test_an_already_started_cuda_client_gets_the_pass_once(monkeypatch) -> None:
     finally:
         xla_bridge._backend_initialization_hooks[:] = hooks  # no stand-in hooks left behind
     assert direct == [started]
+
+
+def test_a_failed_registration_is_said_at_the_first_stitched_compile(monkeypatch, caplog) -> None:
+    """stitch.jit on a platform whose registration jax refused: the function runs on stock
+    XLA with the right result, and the fallback names the registration and its reason."""
+    import logging
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    import stitch
+    refusal = pass_registration.PassRegistrationError(
+        "stitch's pass could not be registered with jax for cpu: every platform name was "
+        "refused ('cpu': JaxRuntimeError: NOT_FOUND)")
+    monkeypatch.setitem(pass_registration._FAILED, "cpu", refusal)
+    monkeypatch.setattr(pass_registration, "_REGISTERED", set())
+
+    def f(x):
+        return jnp.tanh(x) * 2.0 + jnp.sum(x, axis=-1, keepdims=True)
+    fn = stitch.jit(f, async_compile=False, guard=False, device="cpu")
+    x = np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32)
+    with caplog.at_level(logging.WARNING, logger="stitch"):
+        got = fn(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(f)(x)), rtol=1e-6)
+    assert fn.stats.stitched_calls == 0
+    assert any("PassRegistrationError" in r and "every platform name was refused" in r
+               for r in map(str, fn.stats.fallbacks)), fn.stats.fallbacks
+    assert "could not be registered" in caplog.text
