@@ -295,3 +295,23 @@ def test_calibration_round_trip(tmp_path) -> None:
     assert path.name == "h100.json"
     assert load_calibration("h100", tmp_path) == cal
     assert load_calibration("a100", tmp_path) is None
+
+
+def test_profile_summary_splits_device_kernels_from_host_events() -> None:
+    """A perfetto trace's complete events: kernels on the GPU process summed per call inside
+    the marker's window, host dispatch apart, events outside the window ignored."""
+    from bench.gpu_kit.profile import summarize
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
+    marks = [{"ph": "X", "pid": 1, "name": "m", "ts": 100 * i, "dur": 50} for i in (1, 2)]
+    kernels = [{"ph": "X", "pid": 2, "name": k, "ts": 100 * i + 5, "dur": d}
+               for i in (1, 2) for k, d in (("stitch_main_k0", 7.0), ("gemm_fusion", 3.0))]
+    host = [{"ph": "X", "pid": 1, "name": "PjitFunction(step)", "ts": 100 * i, "dur": 20}
+            for i in (1, 2)]
+    outside = [{"ph": "X", "pid": 2, "name": "warmup_kernel", "ts": 10, "dur": 99}]
+    got = summarize({"traceEvents": meta + marks + kernels + host + outside}, 2, "m")
+    assert got["device_us_per_call"] == pytest.approx(10.0)
+    assert got["device_events_per_call"] == pytest.approx(2.0)
+    assert got["top_device"][0] == {"name": "stitch_main_k0", "us_per_call": 7.0,
+                                    "count_per_call": 1.0}
+    assert got["host_us_per_call"] == {"PjitFunction(step)": 20.0}

@@ -14,6 +14,9 @@ recorded and the next one runs):
 ``timings``    whole steps under ``stitch.jit`` vs ``jax.jit`` (warm-up, medians), every
                stitched kernel's cubin and launch facts for the kernel steps, the
                latency-evaluator's prediction per kernel (``timings.py``)
+``profile``    a perfetto trace of a few steps, stock and stitched: device µs per call by
+               kernel, host dispatch per call (``profile.py``): where a stitched step's
+               time goes
 ``kernels``    each stitched kernel timed on the device (``bench.opt_levels time``: CUDA
                graphs through ctypes), HBM bandwidth as a fraction of the device's peak
 ``sanitizer``  compute-sanitizer memcheck and racecheck over those kernels, and memcheck over

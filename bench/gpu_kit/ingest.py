@@ -124,6 +124,33 @@ def kernel_rows(folder: Path, peak_gbs: float | None) -> list[dict]:
     return rows
 
 
+def profile_lines(profile: dict | None) -> list[str]:
+    """The profile step's table: device time and kernels per call, stock vs stitched, and
+    the host's dispatch per call (``bench.gpu_kit.profile``)."""
+    if not profile or not profile.get("models"):
+        return []
+    lines = ["", "Where a step's time goes (perfetto trace, per call):", "",
+             "| model | side | device µs | device events | host µs (largest event) | "
+             "busiest device event |", "|---|---|---:|---:|---|---|"]
+    for row in profile["models"]:
+        if "error" in row:
+            lines.append(f"| {row['model']} ({row['config']}) | – | – | – | – | "
+                         f"{row['error'][:100]} |")
+            continue
+        for side in ("stock", "stitched"):
+            got = row[side]
+            host = max(got["host_us_per_call"].items(), key=lambda kv: kv[1],
+                       default=("–", 0.0))
+            top = got["top_device"][0] if got["top_device"] else None
+            lines.append(f"| {row['model']} ({row['config']}) | {side} | "
+                         f"{got['device_us_per_call']:.1f} | "
+                         f"{got['device_events_per_call']:.0f} | "
+                         f"{host[1]:.1f} ({host[0]}) | "
+                         + (f"{top['name'][:60]} {top['us_per_call']:.1f} µs" if top else "–")
+                         + " |")
+    return lines
+
+
 def markdown(folder: Path, command: str,
              record: dict | None = None) -> tuple[str, Calibration | None]:
     from bench.report import stamp
@@ -168,6 +195,7 @@ def markdown(folder: Path, command: str,
         lines += ["", f"The segmented softmax's anchor, measured elsewhere (jax-ml/jax#37511, "
                   f"forward only): {ANCHOR}. The zoo's case here is 10k segments of 64 × 4 "
                   "heads, forward and gradient."]
+    lines += profile_lines(_load(folder, "profile.json"))
     rows = kernel_rows(folder, peak)
     measured = [r for r in rows if r["measured_us"] and r["modeled_us"]]
     calibration = None

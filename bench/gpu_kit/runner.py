@@ -87,6 +87,7 @@ def steps(out: Path, python: str, quick: bool = False) -> list[Step]:
              60 if quick else 150, 60),
         Step("kernels", [python, "-m", "bench.opt_levels", "time", "--dir", str(kernels),
                          "--json", str(out / "kernels.json")], 30, 0, needs_gpu=True),
+        Step("profile", [python, "-m", "bench.gpu_kit.profile", "--out", str(out)], 60, 40),
         Step("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                        "tests/gpu"], 150, 60),
         Step("memcheck", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3",
