@@ -8,8 +8,9 @@ epoch's loss is that step's), twice from the same seed:
 - stock: Keras' own train function (``jit_compile=True``: XLA, as on a GPU machine, so both
   runs draw the same dropout masks);
 - stitched: ``tf_frontend.KerasTrainFunction`` with the compile before the first call and
-  the guard off (call 1 compiles and runs stock, call 2 is the verified call, every later
-  call runs the stitched program).
+  the guard off: call 1 traces, compiles and is the verified call (the stitched program
+  and the stock step both run, the stock result is kept); every later call runs the
+  stitched program.
 
 Every host conversion of a TF or jax value over the whole ``fit`` is counted
 (``stitch.integration.host_conversions``), per step. ``extra_per_stitched_step``: the
@@ -20,9 +21,12 @@ steps after the switch only. ``loss_mismatch``: the per-step losses against stoc
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import importlib.util
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +36,8 @@ log = logging.getLogger("bench")
 SCRIPT = (Path(__file__).resolve().parent.parent / "stitch" / "integration" / "scripts"
           / "thirdparty" / "keras_hub_train.py")
 MODELS = ("gpt2", "llama")
-STEPS = 8
+STEPS = 15
 LOSS_RTOL = 1e-4               # the third-party scripts' stock-vs-stitched loss bound
-SWITCH_CALLS = 2               # call 1 compiles (stock), call 2 is verified (stock result)
 
 
 def keras_hub_script() -> Any:
@@ -64,15 +67,28 @@ class StepConversions:
     stock: RunCount
     stitched: RunCount
 
+    def as_dict(self) -> dict:
+        run = lambda r: {**r.__dict__, "sites": dict(r.sites)}   # noqa: E731
+        return {"model": self.model, "steps": self.steps, "stock": run(self.stock),
+                "stitched": run(self.stitched)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepConversions":
+        runs = {k: RunCount(**{**d[k], "sites": collections.Counter(d[k]["sites"])})
+                for k in ("stock", "stitched")}
+        return cls(d["model"], d["steps"], runs["stock"], runs["stitched"])
+
     @property
     def extra_per_stitched_step(self) -> float:
         return (self.stitched.total - self.stock.total) / max(self.stitched.stitched_steps, 1)
 
     @property
     def steady_extra_per_step(self) -> float:
-        after = slice(SWITCH_CALLS, None)
-        extra = sum(self.stitched.per_step[after]) - sum(self.stock.per_step[after])
-        return extra / max(self.steps - SWITCH_CALLS, 1)
+        n = self.stitched.stitched_steps
+        if n == 0:
+            return 0.0
+        extra = sum(self.stitched.per_step[-n:]) - sum(self.stock.per_step[-n:])
+        return extra / n
 
     def loss_mismatch(self, rtol: float = LOSS_RTOL) -> str | None:
         """None when every step's loss agrees with stock within ``rtol`` relative."""
@@ -174,3 +190,24 @@ def _per_epoch(counter: Any) -> Any:
             with counter.paused():
                 self.losses.append(float(logs["loss"]))
     return PerEpoch()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", type=str, help="write the counts here (else print them)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    results = [count(m, args.steps, args.seed, where=True).as_dict() for m in args.models]
+    text = json.dumps(results, indent=1)
+    if args.json:
+        Path(args.json).write_text(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

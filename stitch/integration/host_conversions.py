@@ -6,8 +6,8 @@ TF tensor or variable, every ``__array__`` of those, and every ``float()`` / ``i
 ``bool()`` / ``operator.index`` of a TF tensor or jax array is counted — one per host read:
 a conversion made inside another one (``np.asarray(t)`` calling ``t.__array__``, a variable's
 ``numpy()`` calling its value's) is not counted again. With ``where=True`` each count also
-records the call site (the innermost frame outside numpy, TF, Keras and jax). Whatever
-framework is not installed is not watched.
+records the call site (the innermost frame outside numpy, TF, Keras and jax). The
+frameworks watched are those imported when the counter is entered.
 
 The TF front end's tests and ``bench/tf.py`` count with it: stock Keras steps against
 stitched ones (``bench/tf_conversions.py``).
@@ -15,7 +15,6 @@ stitched ones (``bench/tf_conversions.py``).
 from __future__ import annotations
 
 import collections
-import importlib.util
 import inspect
 import logging
 import sys
@@ -41,22 +40,20 @@ def _defining_class(cls: type, name: str) -> type | None:
 
 
 def _watched() -> tuple[tuple[type, ...], list[tuple[type, str]]]:
-    """(the types whose numpy conversion counts, the (class, method) pairs to wrap)."""
+    """(the types whose numpy conversion counts, the (class, method) pairs to wrap), for
+    the frameworks imported so far: a framework not imported yet has no values to read."""
     types: list[type] = []
     methods: list[tuple[type, str]] = []
-    if importlib.util.find_spec("tensorflow") is not None:
+    if "tensorflow" in sys.modules:
         import tensorflow as tf
         tensor, variable = type(tf.constant(0.0)), type(tf.Variable(0.0))
         types += [tf.Tensor, tf.Variable]
         methods += [(tensor, n) for n in ("numpy", "__array__", *_SCALAR_READS)]
         methods += [(variable, n) for n in ("numpy", "__array__")]
-    if "keras" in sys.modules or importlib.util.find_spec("keras") is not None:
-        try:
-            import keras
-            types.append(keras.Variable)
-        except Exception:  # noqa: BLE001 - keras without a usable backend: not watched
-            log.debug("keras variables are not watched", exc_info=True)
-    if importlib.util.find_spec("jax") is not None:
+    keras = sys.modules.get("keras")
+    if keras is not None and isinstance(getattr(keras, "Variable", None), type):
+        types.append(keras.Variable)
+    if "jax" in sys.modules:
         import jax
         array = type(jax.numpy.zeros(1))
         types.append(jax.Array)
