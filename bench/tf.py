@@ -165,10 +165,6 @@ def report(timings: list[BridgeTiming], command: str, load: tuple[float, ...]) -
 def conversions_report(results: list, command: str, load: tuple[float, ...]) -> str:
     """The host-conversion counts (``tf_conversions.StepConversions``) as markdown."""
     lines = [
-        "## Host conversions per training step, stock Keras vs stitched (CPU)",
-        "",
-        stamp(command, load),
-        "",
         "Every host conversion of a TF or jax value (`np.asarray`/`np.array`, `.numpy()`, "
         "`__array__`, `float()`/`int()`/`bool()` of a tensor or jax array; "
         "`stitch/integration/host_conversions.py`) over one `model.fit` of the keras_hub "
@@ -189,6 +185,7 @@ def conversions_report(results: list, command: str, load: tuple[float, ...]) -> 
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [r.row() for r in results]
+    lines += ["", stamp(command, load)]
     return "\n".join(lines)
 
 

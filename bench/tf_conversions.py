@@ -148,7 +148,8 @@ def run(name: str, data: tuple[dict, Any], steps: int, stitched: bool,
     counter = HostConversions(where=where)
     record = _per_epoch(counter)
     with counter:
-        model.fit(dataset, epochs=steps, steps_per_epoch=1, verbose=0, callbacks=[record])
+        model.fit(dataset, epochs=steps, steps_per_epoch=1, verbose=0, shuffle=False,
+                  callbacks=[record])
     out = RunCount(counter.total, record.per_step, record.losses, sites=counter.sites)
     if stitched:
         stats = model.train_function.step.stats
