@@ -23,7 +23,6 @@ step, over whole ``model.fit`` runs (``bench/tf_conversions.py``; section
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import time
@@ -32,12 +31,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.report import publish, stamp
+from bench.tf_conversions import MODELS, keras_hub_script
 
 SECTION = "bench-tf-bridge"
 CONVERSIONS_SECTION = "bench-tf-conversions"
-SCRIPT = (Path(__file__).resolve().parent.parent / "stitch" / "integration" / "scripts" / "thirdparty"
-          / "keras_hub_train.py")
-MODELS = ("gpt2", "llama")
 
 
 @dataclass
@@ -62,13 +59,6 @@ class BridgeTiming:
                 f"{self.before_us / self.after_us:.1f}× |")
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("keras_hub_train", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _step_and_data(name: str) -> tuple[Any, tuple]:
     """The model's train step as the front end wraps it, and one batch as Keras hands it."""
     import keras
@@ -76,7 +66,7 @@ def _step_and_data(name: str) -> tuple[Any, tuple]:
 
     from stitch.integration.tf_frontend import KerasTrainFunction
 
-    script = _script()
+    script = keras_hub_script()
     keras.utils.set_random_seed(0)
     model, x, y = getattr(script, name)()
     model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3),

@@ -15,11 +15,12 @@ stitched ones (``bench/tf_conversions.py``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import logging
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -112,8 +113,14 @@ class HostConversions:
             return
         self._restore.append((owner, name, original))
 
-    def paused(self) -> "_Paused":
-        return _Paused(self)
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No counting inside this block (a measurement's own reads)."""
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
 
     # --- counting -----------------------------------------------------------------------
     def _enter_read(self, kind: str) -> None:
@@ -153,18 +160,6 @@ class HostConversions:
                 counter._leave_read()
         converted.__wrapped__ = real
         return converted
-
-
-class _Paused:
-    def __init__(self, counter: HostConversions):
-        self.counter = counter
-        self.before = False
-
-    def __enter__(self) -> None:
-        self.before, self.counter._paused = self.counter._paused, True
-
-    def __exit__(self, *exc: Any) -> None:
-        self.counter._paused = self.before
 
 
 def _call_site() -> str:
