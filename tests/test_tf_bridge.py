@@ -15,6 +15,7 @@ tf = pytest.importorskip("tensorflow")
 jax = pytest.importorskip("jax")
 
 from stitch.integration import gpu_sharing, tf_bridge, tf_frontend  # noqa: E402
+from stitch.integration.host_conversions import HostConversions  # noqa: E402
 
 
 def _model():
@@ -41,44 +42,6 @@ def _batches(n):
     rng = np.random.default_rng(1)
     return [(tf.constant(rng.standard_normal((32, 8)).astype(np.float32)),
              tf.constant(rng.standard_normal((32, 16)).astype(np.float32))) for _ in range(n)]
-
-
-class HostCopies:
-    """Counts host copies of TF and jax values: ``.numpy()`` of tensors and variables,
-    ``np.asarray``/``np.array`` (and ``__array__``) of TF tensors, variables and jax
-    arrays."""
-
-    def __init__(self, monkeypatch):
-        self.calls: list[str] = []
-        self.on = False
-        tensor_type = type(tf.constant(0.0))
-        variable = tf.Variable(0.0)
-        array_type = type(jax.numpy.zeros(1))
-        for cls, name in ((tensor_type, "numpy"), (tensor_type, "__array__"),
-                          (type(variable), "numpy"), (type(variable), "__array__"),
-                          (array_type, "__array__")):
-            self._wrap_method(monkeypatch, cls, name)
-        for name in ("asarray", "array"):
-            self._wrap_numpy(monkeypatch, name)
-        self.watched = (tf.Tensor, tf.Variable, jax.Array)
-
-    def _wrap_method(self, monkeypatch, cls, name):
-        real = getattr(cls, name)
-
-        def counted(obj, *a, **k):
-            if self.on:
-                self.calls.append(f"{type(obj).__name__}.{name}")
-            return real(obj, *a, **k)
-        monkeypatch.setattr(cls, name, counted)
-
-    def _wrap_numpy(self, monkeypatch, name):
-        real = getattr(np, name)
-
-        def counted(obj, *a, **k):
-            if self.on and isinstance(obj, self.watched):
-                self.calls.append(f"np.{name}({type(obj).__name__})")
-            return real(obj, *a, **k)
-        monkeypatch.setattr(np, name, counted)
 
 
 class RecordingBridge(tf_bridge.Bridge):
@@ -124,15 +87,18 @@ def test_no_host_copy_of_inputs_variables_or_outputs_on_a_stitched_step(monkeypa
     v, _, fn = _stitched(monkeypatch, tf_device, guard=False, device=device)
     batches = _batches(5)
     want = [float(tf.function(step_ref, jit_compile=True)(x, y)["loss"]) for x, y in batches]
-    copies = HostCopies(monkeypatch)
-    got = [float(fn(*batches[0])["loss"])]          # the verified call (compares on host)
+    fn.xla_fn.get_concrete_function(*batches[0])    # TF's trace reads constants: not ours
+    with HostConversions(where=True) as verified:
+        got = [float(fn(*batches[0])["loss"])]      # compiled, then verified on device
     RecordingBridge.events.clear()
-    copies.on = True
-    results = [fn(x, y) for x, y in batches[1:]]
-    copies.on = False
+    with HostConversions(where=True) as copies:
+        results = [fn(x, y) for x, y in batches[1:]]
     got += [float(r["loss"]) for r in results]
     assert fn.stats.fallbacks == [] and fn.stats.stitched_calls == 4
-    assert copies.calls == [], copies.calls
+    assert copies.total == 0, copies.sites
+    # the check of the first stitched call reads one array of figures, not every value;
+    # the caller's float() of the loss is the other
+    assert verified.total == 2, (verified.sites, verified.kinds)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for k in ("w", "b"):
         np.testing.assert_allclose(v[k].numpy(), v_ref[k].numpy(), rtol=1e-5, atol=1e-6)

@@ -19,10 +19,12 @@ signature:
   variable, updates without aliases...) keeps the function on stock TF with a logged reason;
 - the first stitched call is always verified: the stitched program runs on the current
   values (it is pure), then the stock function runs the real step; every output and every
-  updated variable must agree (relative L2 ≤ 1e-4) or the signature falls back for good.
-  From the next call on the stitched program runs the step: inputs go to jax as numpy
-  arrays, the updated variables are written back with ``assign`` and the outputs return as
-  tf tensors;
+  updated variable must agree (relative L2 ≤ 1e-4) or the signature falls back for good;
+  the comparison runs where the values lie (``device_compare``: one host read of a few
+  figures per value, not a copy of every weight). From the next call on the stitched
+  program runs the step: inputs reach jax through DLPack (``tf_bridge``), the updated
+  variables are written back with ``assign`` and the outputs return as tf tensors — no
+  host conversion on a stitched step;
 - with the guard on (STITCH_GUARD, default) the first calls after the switch alternate both
   paths, timed, and the faster stays;
 - any failure is logged ("falls back to XLA: <reason>") and never raised into the caller.
@@ -364,7 +366,9 @@ class TFStitchedFunction(SwitchingFunction):
         client (run on the same values) decides: the stitched result must be as close to it
         as TF's result is (``verify.spread_check``): TF's own kernels (Keras on a CPU-only
         machine runs without XLA) draw other dropout masks than XLA, and compilers round
-        differently; stitch's kernels must not add to that."""
+        differently; stitch's kernels must not add to that. The comparison runs on the
+        values' device (``device_compare``): no host copy of the outputs and variables."""
+        import jax
         import tensorflow as tf
 
         try:
@@ -375,26 +379,27 @@ class TFStitchedFunction(SwitchingFunction):
         except Exception as exc:  # noqa: BLE001
             self._fail(entry, f"stitched call failed: {type(exc).__name__}: {exc}")
             return self.stock(*args, **kwargs)
+        entry.bridge.block(outs + (plain or []))   # computed from the values before the step
         result = self.stock(*args, **kwargs)
         try:
-            from .verify import poison_check, spread_check
+            from .device_compare import first_mismatch
             mapping = entry.mapping
             _, leaves = bound_leaves(self.python_fn, args, kwargs)
             expected = [t for t in tf.nest.flatten(result, expand_composites=True)
                         if isinstance(t, tf.Tensor)]
-            checks = [(f"output {i}", i, expected[i].numpy()) for i in range(mapping.n_outputs)]
-            checks += [(f"variable {self._variable(mapping, p, leaves).name}", o,
-                        self._variable(mapping, p, leaves).numpy())
-                       for o, p in mapping.updates]
-            for what, o, want in checks:
-                got, want = np.asarray(outs[o]), np.asarray(want)
-                why = poison_check(got, want, VERIFY_RTOL)
-                if why is not None and plain is not None:
-                    why = spread_check(got, np.asarray(plain[o]), want, VERIFY_RTOL)
-                if why is not None:
-                    self._fail(entry, f"verify: stitched result differs from TF ({what}: "
-                                      f"{why})")
-                    return result
+            named = [(f"output {i}", i, expected[i]) for i in range(mapping.n_outputs)]
+            for o, p in mapping.updates:
+                var = self._variable(mapping, p, leaves)
+                named.append((f"variable {var.name}", o, var.value()))
+            # TF's results go to jax through DLPack: compared where they lie, one host read
+            with jax.enable_x64(True):
+                wants = entry.bridge.to_jax([t for _, _, t in named])
+            checks = [(what, outs[o], want, None if plain is None else plain[o])
+                      for (what, o, _), want in zip(named, wants)]
+            why = first_mismatch(checks, VERIFY_RTOL)
+            if why is not None:
+                self._fail(entry, f"verify: stitched result differs from TF ({why})")
+                return result
         except Exception as exc:  # noqa: BLE001
             self._fail(entry, f"verify failed: {type(exc).__name__}: {exc}")
             return result
@@ -574,9 +579,11 @@ def patch_tensorflow(tf_module: Any) -> None:
 class KerasTrainFunction:
     """``model.train_function`` under stitch: pulls one batch from the iterator, runs the
     model's train step as a ``TFStitchedFunction`` (stock side: Keras' own step function
-    settings), raises StopIteration at the end of the data like Keras does."""
+    settings), raises StopIteration at the end of the data like Keras does. ``options``
+    (``async_compile``, ``guard``, ``target``, ``device``) go to the ``TFStitchedFunction``;
+    unset, they come from the STITCH_* settings."""
 
-    def __init__(self, model: Any, stock_train_function: Callable):
+    def __init__(self, model: Any, stock_train_function: Callable, **options: Any):
         import tensorflow as tf
         from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
@@ -592,7 +599,7 @@ class KerasTrainFunction:
         stock = original(one_step_on_data, reduce_retracing=True,
                          jit_compile=bool(model.jit_compile))
         xla = original(one_step_on_data, jit_compile=True)
-        self.step = TFStitchedFunction(xla, stock, name=f"{model.name}.train_step")
+        self.step = TFStitchedFunction(xla, stock, name=f"{model.name}.train_step", **options)
         if not model.jit_compile:
             # Keras' "auto" leaves XLA off on CPU-only machines; the stitched program is XLA's.
             log.info("%s.train_step: Keras runs it without XLA (jit_compile=False); once "
