@@ -26,6 +26,9 @@ class FusionPlan:
     baseline_source: str            # "xla" | "base-fusion"
     graphs: list[GraphResult]
     seconds: float = 0.0
+    # Its plan cache key (None: planned uncached) and whether the cache handed it back.
+    cache_key: str | None = field(default=None, compare=False, repr=False)
+    from_cache: bool = field(default=False, compare=False, repr=False)
 
     @property
     def kernels(self) -> list[PlannedKernel]:

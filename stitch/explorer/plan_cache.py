@@ -9,7 +9,10 @@ stitched plan's kernel member sets and origins, nothing else. JSON and not pickl
 read from disk may run code. Loading rebuilds the plan from the member sets: kernels costed
 again, put in launch order and validated, schedules re-tuned; the baseline is recomputed
 (cheap). An entry that does not fit the module or fails validation is deleted and the plan
-recomputed.
+recomputed. One that loads but stitches nothing where it is used (the XLA pass:
+``pass_planning``) is deleted and the module planned again, once; a plan that stitches
+nothing when fresh is noted in its entry (``nothing_stitched``: the reason, an optional key
+older entries lack), so later compiles use it as it is instead of planning again.
 
 The directory is created 0700 and refused (logged once, disk cache off, memory cache on)
 when it is not owned by the user or is group/world-writable; files are written atomically
@@ -120,6 +123,8 @@ class PlanCache:
         self.disk = disk
         self._checked: bool | None = None
         self.memory: dict[str, FusionPlan] = {}
+        # Keys whose fresh plan stitched nothing where it was used: why (note_failure).
+        self.failures: dict[str, str] = {}
         self.hits = self.disk_hits = self.misses = self.dropped = 0
 
     # --- disk --------------------------------------------------------------------------
@@ -150,6 +155,8 @@ class PlanCache:
                 entry.get("key") != key:
             self.drop(key)
             return None
+        if isinstance(entry.get("nothing_stitched"), str):
+            self.failures[key] = entry["nothing_stitched"]
         return entry
 
     def write(self, key: str, entry: dict) -> None:
@@ -175,6 +182,7 @@ class PlanCache:
     def drop(self, key: str) -> None:
         self.dropped += 1
         self.memory.pop(key, None)
+        self.failures.pop(key, None)
         path = self._path(key)
         if path is not None:
             with _suppress():
@@ -183,8 +191,24 @@ class PlanCache:
     # --- memory ------------------------------------------------------------------------
     def remember(self, key: str, plan: FusionPlan) -> None:
         if len(self.memory) >= MEMORY_ENTRIES:
-            self.memory.pop(next(iter(self.memory)))
+            oldest = next(iter(self.memory))
+            self.memory.pop(oldest)
+            self.failures.pop(oldest, None)
         self.memory[key] = plan
+
+    # --- plans that stitch nothing --------------------------------------------------------
+    def failure(self, key: str) -> str | None:
+        """Why the plan of ``key`` stitched nothing when it was fresh, if it did (noted)."""
+        return self.failures.get(key)
+
+    def note_failure(self, key: str, reason: str) -> None:
+        """Remember that the plan of ``key``, freshly made, stitched nothing, and why: in
+        memory and in its disk entry, so no later compile plans it again for that."""
+        self.failures[key] = reason
+        entry = self.read(key)
+        if entry is not None:
+            entry["nothing_stitched"] = reason
+            self.write(key, entry)
 
 
 class _suppress:

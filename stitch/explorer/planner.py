@@ -763,11 +763,12 @@ def _plan(hlo: str | HloModule, target: str, planner: str, options: ExplorerOpti
         hit = _cached_plan(store, key, graphs, weights, source, spec, planner, options, poll)
         if hit is not None:
             hit.seconds = time.perf_counter() - start
+            hit.cache_key, hit.from_cache = key, True
             return hit
     results = [plan_graph(g, spec, planner, source, options, w, poll)
                for g, w in zip(graphs, weights)]
     fusion_plan = FusionPlan(module.name, spec.name, planner, source, results,
-                             time.perf_counter() - start)
+                             time.perf_counter() - start, cache_key=key)
     if store is not None and key is not None:
         store.misses += 1
         store.remember(key, fusion_plan)

@@ -38,6 +38,10 @@ VERIFY_RTOL = 1e-4           # relative L2 error tolerated by verify=True (f32 r
 MAX_WAITING_COMPILES = 8
 
 
+# ``_split``'s key for a call holding an already deleted (donated) array.
+_DELETED = object()
+
+
 class CompileCancelled(Cancelled):
     """The interpreter is exiting: the compile thread stops between kernels."""
 
@@ -191,15 +195,17 @@ class StitchedFunction(SwitchingFunction):
         return f"stitch.jit({self.__qualname__}, target={self.target!r})"
 
     # --- signatures ---------------------------------------------------------------------
-    def _split(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    def _split(self, args: tuple, kwargs: dict, deleted_ok: bool = False
+               ) -> tuple[Any, tuple, dict]:
         """(cache key or None, dynamic positional args, dynamic keyword args).
 
         The key follows jax's own cache: each leaf's abstract value as jax types it (shape,
         dtype and weak type: a Python ``2.0`` is a weak f32, ``np.float64(2.0)`` a strong
         one, and they give different result dtypes), the sharding of committed arrays (an
         executable runs on the devices it was compiled for) and the x64 flag. None (run
-        stock) inside another trace, or when an array is already deleted (donated): jax
-        raises the caller's error itself."""
+        stock) inside another trace; ``_DELETED`` when an array is already deleted
+        (donated), unless ``deleted_ok`` (keyed as when it was live): ``_call_deleted``
+        lets jax raise the caller's error."""
         import jax
 
         # Negative static_argnums count from the end of this call's positional arguments,
@@ -221,8 +227,8 @@ class StitchedFunction(SwitchingFunction):
         avals = []
         for x in leaves:
             if type(x) is array_type:          # the common case: a jax array
-                if x.is_deleted():
-                    return None, dyn_args, dyn_kwargs
+                if not deleted_ok and x.is_deleted():
+                    return _DELETED, dyn_args, dyn_kwargs
                 avals.append((x.shape, x.dtype, x.weak_type,
                               x.sharding if x.committed else None))
                 continue
@@ -255,15 +261,42 @@ class StitchedFunction(SwitchingFunction):
                 with self._lock:
                     self.stats.calls += 1
                 return result
-            self._count_call(self._split(args, kwargs)[0], args, kwargs)
+            key = self._split(args, kwargs)[0]
+            self._count_call(None if key is _DELETED else key, args, kwargs)
             return result
         key, dyn_args, dyn_kwargs = self._split(args, kwargs)
+        if key is _DELETED:
+            return self._call_deleted(args, kwargs)
         entry, call_number = self._count_call(key, args, kwargs)
         if entry is None or entry.state != "ready":
             return self.stock(*args, **kwargs)
         if self._in_guard_trial(entry):
             return self._guarded_call(entry, dyn_args, dyn_kwargs, args, kwargs, call_number)
         return self._call_stitched(entry, dyn_args, dyn_kwargs, args, kwargs, call_number)
+
+    def _call_deleted(self, args: tuple, kwargs: dict) -> Any:
+        """A call holding an already deleted array: the caller's error, raised as jax.jit
+        raises it, by the executable jax.jit would run, unwrapped and uncaught. That is the
+        stitched one where the signature runs stitched (its call donated the array; stock
+        jax may never have run the signature, and jax checks a signature it has not run
+        differently), else stock. A donated buffer: a ValueError from Execute; an array
+        the caller deleted: a RuntimeError. The signature's state does not change."""
+        key, dyn_args, dyn_kwargs = self._split(args, kwargs, deleted_ok=True)
+        with self._lock:              # counted, never a new signature (nor its compile)
+            self.stats.calls += 1
+            call_number = self.stats.calls
+            entry = self._entries.get(key) if key is not None else None
+            if entry is not None:
+                entry.counters.calls += 1
+        call = entry.call if entry is not None and entry.state == "ready" else None
+        if call is None:
+            return self.stock(*args, **kwargs)
+        result = call(*dyn_args, **dyn_kwargs)
+        # It ran: the deleted array was an argument the program does not use.
+        if entry.donated_leaves:
+            _delete_donated((dyn_args, dyn_kwargs), entry.donated_leaves)
+        self._count_stitched(entry, call_number)
+        return result
 
     def _guarded_call(self, entry: _Entry, dyn_args: tuple, dyn_kwargs: dict, args: tuple,
                       kwargs: dict, call_number: int) -> Any:
@@ -425,11 +458,24 @@ def _lost_donations(lowered: Any, compiled: Any) -> tuple[int, ...]:
 
 
 def _delete_donated(tree: Any, leaves: tuple[int, ...]) -> None:
+    """Delete the donated ``leaves`` of ``tree`` as XLA's donation does: their buffers
+    handed to ``device_put(donate=True)`` and freed with its result, so a later call with
+    them raises what jax.jit raises for a donated array (``Array.delete()`` instead leaves
+    an array jax reports as deleted by the caller: another exception). Whatever that did
+    not delete is deleted by hand."""
     import jax
     flat = jax.tree_util.tree_leaves(tree)
-    for i in leaves:
-        x = flat[i] if i < len(flat) else None
-        if isinstance(x, jax.Array) and not x.is_deleted():
+    donated = [flat[i] for i in leaves if i < len(flat)]
+    donated = [x for x in donated if isinstance(x, jax.Array) and not x.is_deleted()]
+    if not donated:
+        return
+    try:
+        for taken in jax.device_put(donated, donate=True, may_alias=False):
+            taken.delete()
+    except Exception as exc:  # noqa: BLE001 - deleted by hand below
+        log.debug("donated buffers deleted by hand: device_put(donate=True) failed: %s", exc)
+    for x in donated:
+        if not x.is_deleted():
             x.delete()
 
 

@@ -74,6 +74,46 @@ def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
 
 def _plan_and_build(module: HloModule, request: PassRequest, timings: dict[str, float],
                     ptx_workers: list) -> PassReport:
+    report = _plan_and_build_once(module, request, timings, ptx_workers)
+    if not report.kernels_stitched:
+        report = _replan_useless(module, request, report, timings, ptx_workers)
+    return report
+
+
+def _replan_useless(module: HloModule, request: PassRequest, report: PassReport,
+                    timings: dict[str, float], ptx_workers: list) -> PassReport:
+    """``report`` placed no stitched kernel. A plan the plan cache handed back (valid, but
+    fusing nothing, its kernels not building or losing to XLA) is dropped and the module
+    planned afresh, once (``module`` is as XLA gave it: nothing was placed); a fresh plan
+    that stitches nothing is noted in the cache with the reason, so later compiles keep it
+    instead of planning again."""
+    from stitch.explorer.plan_cache import default_plan_cache
+
+    key = getattr(report.plan, "cache_key", None)
+    if key is None:
+        return report
+    store = default_plan_cache()
+    if store.failure(key) is not None:
+        log.debug("%s: its plan stitched nothing before either (%s)", module.name,
+                  store.failure(key))
+        return report
+    if report.plan.from_cache:
+        log.info("%s: the cached plan stitches nothing (%s): dropped, planning again",
+                 module.name, report.reason_nothing_stitched())
+        store.drop(key)
+        report = _plan_and_build_once(module, request, timings, ptx_workers)
+        if report.kernels_stitched or report.plan.cache_key is None:
+            return report
+        key = report.plan.cache_key
+    reason = report.reason_nothing_stitched()
+    log.info("%s: its fresh plan stitches nothing (%s): noted in the plan cache, not "
+             "planned again", module.name, reason)
+    store.note_failure(key, reason)
+    return report
+
+
+def _plan_and_build_once(module: HloModule, request: PassRequest,
+                         timings: dict[str, float], ptx_workers: list) -> PassReport:
     from stitch.hlo_passes.evaluator.interpreter import Evaluator
     from stitch.cost.gpu_specs import get_spec
     from stitch.explorer.planner import ExplorerOptions, plan as make_plan

@@ -30,6 +30,17 @@ _VECTOR_SAFE = frozenset({"parameter", "constant", "tuple", "get-tuple-element",
                           "fusion", "map", "optimization-barrier"}) | _SCALAR_IDENTITY
 
 
+# What an op's handler raises when it cannot evaluate its instruction on these values:
+# numpy's errors for mismatched shapes, dtypes without a loop, axes and indices out of
+# range (ValueError, TypeError, IndexError; LinAlgError and AxisError derive from them),
+# arithmetic errors, numpy's NotImplementedError for a dtype it has no routine for, and
+# the attribute lookups of a malformed instruction (KeyError, AttributeError). Only these
+# become an HloEvaluationError naming the instruction; anything else (MemoryError,
+# RecursionError, KeyboardInterrupt, a signal handler's timeout) is not the evaluator's to
+# judge and reaches the caller unchanged.
+EVALUATION_FAILURES: tuple[type[Exception], ...] = (
+    ValueError, TypeError, LookupError, ArithmeticError, AttributeError, NotImplementedError)
+
 
 class Evaluator:
     """Evaluates one module; caches constants and per-computation analyses."""
@@ -126,7 +137,7 @@ class Evaluator:
             return self._conform(inst, inst.shape, handler(self, inst, ops))
         except StitchError:
             raise
-        except Exception as exc:  # numpy / attribute / memory errors: name the instruction
+        except EVALUATION_FAILURES as exc:  # the op failed on these values: name it
             raise HloEvaluationError(
                 f"{comp.name}/{inst.name} ({opcode}): {type(exc).__name__}: {exc}") from exc
 
