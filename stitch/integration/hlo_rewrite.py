@@ -77,6 +77,14 @@ class NotPlaceable(Exception):
     """Internal: why a kernel cannot go into the module (becomes a skip reason)."""
 
 
+class _Cycle(NotPlaceable):
+    """The instructions have a cycle: ``stuck`` are those on one or after one."""
+
+    def __init__(self, message: str, stuck: list[str]):
+        super().__init__(message)
+        self.stuck = stuck
+
+
 class ComputationView:
     """One op graph seen against the computation it came from."""
 
@@ -86,6 +94,10 @@ class ComputationView:
         self.comp: Computation = module.computation(graph.name)
         self.table = self.comp.by_name()
         self.position = {inst.name: i for i, inst in enumerate(self.comp.instructions)}
+        # Made on first use, again when the lists they were made from are replaced:
+        # ``fused_root``'s computations by name, ``readers``' index.
+        self._computations: tuple[list[Computation], dict[str, Computation]] | None = None
+        self._readers: tuple[list[Instruction], dict[str, list[str]]] | None = None
         self.group_ops: dict[str, set[int]] = {}
         for node in graph.nodes:
             top = self.top_of(node.id)
@@ -113,18 +125,28 @@ class ComputationView:
         inst = self.table[top]
         return inst.opcode not in FREE_OPCODES and inst.opcode not in ("parameter", "constant")
 
-    def users_outside(self, top: str, tops: set[str],
-                      added: Sequence[Instruction] = ()) -> list[Instruction]:
-        """Readers of ``top`` outside ``tops``: XLA's instructions and ``added`` ones (the
-        gtes an earlier placed kernel made to read an element of ``top``)."""
-        return [inst for inst in (*self.comp.instructions, *added)
-                if inst.name not in tops and top in inst.operands]
+    def readers(self) -> dict[str, list[str]]:
+        """Instruction name -> the names of the computation's instructions reading it, once
+        per reading operand, in module order (made once, not per kernel: ``find_site``)."""
+        instructions = self.comp.instructions
+        if self._readers is None or self._readers[0] is not instructions:
+            readers: dict[str, list[str]] = {}
+            for inst in instructions:
+                for o in inst.operands:
+                    readers.setdefault(o, []).append(inst.name)
+            self._readers = (instructions, readers)
+        return self._readers[1]
 
     def fused_root(self, top: str) -> Instruction | None:
         inst = self.table[top]
         if inst.opcode != "fusion" or not inst.called_computations:
             return None
-        return self.module.computation(inst.called_computations[0]).root
+        computations = self.module.computations
+        if self._computations is None or self._computations[0] is not computations:
+            self._computations = (computations, {c.name: c for c in computations})
+        name = inst.called_computations[0].lstrip("%")
+        comp = self._computations[1].get(name)
+        return (comp if comp is not None else self.module.computation(name)).root
 
 
 def find_site(view: ComputationView, graph_index: int, name: str,
@@ -158,10 +180,7 @@ def _unread_by_plan(view: ComputationView, tops: set[str]) -> set[str]:
     their ops: every reader of theirs is replaced, and the planned graph reads none of their
     values (a module planned with segments as rows no longer reads XLA's id and mask
     fusions; left in, they would read instructions the kernel removes, and still run)."""
-    readers: dict[str, list[str]] = {}
-    for inst in view.comp.instructions:
-        for o in inst.operands:
-            readers.setdefault(o, []).append(inst.name)
+    readers = view.readers()
     chosen = set(tops)
     extra: set[str] = set()
     stack = [o for t in tops for o in view.table[t].operands]
@@ -235,7 +254,10 @@ def carried_copy_bytes(view: ComputationView, site: KernelSite) -> int:
 
 
 class _Builder:
-    """Edits one computation: new instructions get fresh names."""
+    """Edits one computation: new instructions get fresh names. Keeps who reads what (the
+    computation's instructions and the added ones, ``users_outside``) and an undo log of the
+    instructions it changed (``retarget``), so that placing a kernel costs its own size, not
+    the computation's."""
 
     def __init__(self, module: HloModule, view: ComputationView):
         self.view = view
@@ -244,6 +266,74 @@ class _Builder:
         # Bytes of each copy the kernels placed here add (a loop's carried values, an
         # in-place operand): (kernel name, bytes); the pass prices them (delivered.py).
         self.copies: list[tuple[str, int]] = []
+        # (instruction, opcode, operands, attrs) before ``retarget`` changed it, oldest first.
+        self.undo: list[tuple[Instruction, str, list[str], dict[str, str]]] = []
+        self.root = view.comp.root
+        self._carried: tuple[list[str] | None, frozenset[str]] = (None, frozenset())
+        self.index_readers()
+
+    @property
+    def carried(self) -> frozenset[str]:
+        """In a loop body the values the root returns (``place``'s ``carried``); made again
+        only when the root's operands were changed."""
+        if self.view.graph.kind == "entry":
+            return frozenset()
+        if self._carried[0] is not self.root.operands:
+            self._carried = (self.root.operands, frozenset(self.root.operands))
+        return self._carried[1]
+
+    def index_readers(self) -> None:
+        """Index the computation's instructions by the names they read (again after its
+        instructions were replaced or restored). Readers are keyed by their place: the
+        computation's own by position, the added ones after them in the order added."""
+        self.base = len(self.view.comp.instructions)
+        self.readers: dict[str, list[tuple[int, Instruction]]] = {}
+        # id -> key of the added instructions (an id may be stale: its instruction undone).
+        self.added_keys: dict[int, int] = {}
+        for i, inst in enumerate(self.view.comp.instructions):
+            self._index(i, inst)
+        for i, (inst, _) in enumerate(self.added):
+            self.added_keys[id(inst)] = self.base + i
+            self._index(self.base + i, inst)
+
+    def _index(self, key: int, inst: Instruction) -> None:
+        for o in inst.operands:
+            self.readers.setdefault(o, []).append((key, inst))
+
+    def users_outside(self, top: str, tops: set[str]) -> list[Instruction]:
+        """Readers of ``top`` outside ``tops``: the computation's instructions, then the
+        added ones (the gtes an earlier placed kernel made to read an element of ``top``),
+        each in order. The index may hold readers no longer there (undone, retargeted):
+        each is checked against what it reads now."""
+        found: dict[int, Instruction] = {}
+        for key, inst in self.readers.get(top, ()):
+            if key in found or inst.name in tops or top not in inst.operands:
+                continue
+            if key >= self.base:
+                at = key - self.base
+                if at >= len(self.added) or self.added[at][0] is not inst:
+                    continue
+            found[key] = inst
+        return [found[key] for key in sorted(found)]
+
+    def retarget(self, inst: Instruction, opcode: str, operands: list[str],
+                 attrs: dict[str, str]) -> None:
+        """Change an instruction in place, logged for ``rollback``."""
+        self.undo.append((inst, inst.opcode, inst.operands, inst.attrs))
+        inst.opcode, inst.operands, inst.attrs = opcode, operands, attrs
+        key = self.view.position.get(inst.name)
+        if key is None or key >= self.base or self.view.comp.instructions[key] is not inst:
+            key = self.added_keys[id(inst)]
+        self._index(key, inst)
+
+    def rollback(self, added: int, copies: int, undo: int) -> None:
+        """Back to when ``added``, ``copies`` and ``undo`` were the logs' lengths (the
+        names taken since stay taken)."""
+        del self.added[added:]
+        del self.copies[copies:]
+        for inst, opcode, operands, attrs in reversed(self.undo[undo:]):
+            inst.opcode, inst.operands, inst.attrs = opcode, operands, attrs
+        del self.undo[undo:]
 
     def fresh(self, base: str) -> str:
         name, i = base, 0
@@ -255,6 +345,8 @@ class _Builder:
 
     def add(self, inst: Instruction, position: float) -> str:
         self.added.append((inst, position))
+        key = self.added_keys[id(inst)] = self.base + len(self.added) - 1
+        self._index(key, inst)
         return inst.name
 
     def gte(self, source: str, shape: Shape, index: int, position: float) -> str:
@@ -395,7 +487,7 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
     # call also reads: XLA's copy insertion has already run, so a value the kernel writes for
     # the root goes through a copy again (without it the kernel wrote into buffers it was
     # reading: dien_train's GRU loop drifted by 2e-4).
-    carried = set(view.comp.root.operands) if view.graph.kind != "entry" else set()
+    carried = b.carried
 
     def value(name: str, shape: Shape, index: int, is_root: bool = False) -> Instruction:
         if name not in carried:
@@ -408,13 +500,12 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
     dead_gtes: list[str] = []
     for top in site.tops:
         inst = view.table[top]
-        added = [a for a, _ in b.added]
-        users = view.users_outside(top, tops, added)
+        users = b.users_outside(top, tops)
         # A gte of a replaced multi-output fusion read only by replaced instructions goes
         # with them (the op graph has no gte nodes, so no kernel writes its element).
         dead = [u for u in users if u.opcode == "get-tuple-element" and not u.is_root
                 and u.name in view.table and u.name not in carried
-                and not view.users_outside(u.name, tops, added)]
+                and not b.users_outside(u.name, tops)]
         dead_gtes.extend(u.name for u in dead)
         users = [u for u in users if u not in dead]
         whole_needed = inst.is_root or any(u.opcode != "get-tuple-element" for u in users)
@@ -445,14 +536,14 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
                 raise NotPlaceable(f"element {index} of {top} is read but not written")
             retargets.append((user, out_index[(top, index)]))
     site.tops = site.tops + tuple(dead_gtes)
+    # The only instructions changed in place (``_Builder.retarget`` logs them for undo).
     for user, j in retargets:
         if user.name in carried:
             part = b.gte(call_name, user.shape, j, position + 0.5)
-            user.opcode, user.operands, user.attrs = "copy", [part], {}
+            b.retarget(user, "copy", [part], {})
             b.copies.append((site.name, user.shape.byte_size))
         else:
-            user.operands = [call_name]
-            user.attrs["index"] = str(j)
+            b.retarget(user, user.opcode, [call_name], {**user.attrs, "index": str(j)})
     return replacements, exports
 
 
@@ -485,28 +576,32 @@ def _private_buffer(view: ComputationView, b: _Builder, name: str, tops: set[str
     state's, and read by no instruction the kernel leaves in the module. Writing it in
     place is then what XLA's own in-place scatter fusion did (its operand a fresh buffer)."""
     inst = view.table.get(name)
-    root = view.comp.root
+    root = b.root
     # Read by the root the kernel leaves (a tuple of outputs or loop state): it escapes.
     if inst is None or inst.is_root or (name in root.operands and root.name not in tops):
         return False
     source = view.table.get(inst.operands[0]) if inst.opcode == "get-tuple-element" else inst
     if source is None or source.opcode not in ("fusion", "copy") or operands.count(name) != 1:
         return False
-    return not view.users_outside(name, tops, [added for added, _ in b.added])
+    return not b.users_outside(name, tops)
 
 
 def _operand_shape(b: _Builder, name: str) -> Shape:
+    if name in b.view.table:         # added instructions have fresh names
+        return b.view.table[name].shape
     for inst, _ in reversed(b.added):
         if inst.name == name:
             return inst.shape
-    return b.view.table[name].shape
+    raise KeyError(name)
 
 
 def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[PlacedKernel],
                     views: dict[int, ComputationView] | None = None) -> RewriteReport:
     """Put ``kernels`` into ``module`` in place (module docstring); kernels that do not fit
     are reported in ``skipped`` and left to XLA. ``views``: graph index -> the view the
-    caller already built for that graph (else built here)."""
+    caller already built for that graph (else built here). The kernels of a computation go
+    in one pass, in order, with one check for cycles (``_Placement``): linear in the
+    computation and the kernels, where checking each kernel was their product."""
     report = RewriteReport()
     by_graph: dict[int, list[PlacedKernel]] = {}
     for k in kernels:
@@ -520,34 +615,14 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
                                   for i in view.comp.instructions]
         view.table = view.comp.by_name()
         b = _Builder(module, view)
-        removed: set[str] = set()
-        replacements: dict[str, Instruction] = {}
-        exported: dict[tuple[str, int | None], _Export] = {}
-        for k in placed:
-            mark, copies_mark = len(b.added), len(b.copies)
-            existing = [*view.comp.instructions, *(inst for inst, _ in b.added)]
-            snapshot = [(i, i.opcode, list(i.operands), dict(i.attrs)) for i in existing]
-            tops_before = k.site.tops
-            try:
-                new, exports = place(view, b, k, removed, replacements, exported)
-                # Convex kernels cannot close a cycle among themselves, but the module has
-                # what the op graph does not (control predecessors...): check each one.
-                _topological(_items(view, b, removed | set(k.site.tops),
-                                    {**replacements, **new}))
-            except NotPlaceable as exc:
-                del b.added[mark:]
-                del b.copies[copies_mark:]
-                for inst, opcode, operands, attrs in snapshot:   # undo gte retargets
-                    inst.opcode, inst.operands, inst.attrs = opcode, operands, attrs
-                k.site.tops = tops_before
-                report.skipped.append((k.site.name, str(exc)))
-                continue
-            removed |= set(k.site.tops)
-            replacements.update(new)
-            exported.update(exports)
-            report.placed.append(k.site.name)
-        if removed:
-            kept = _topological(_items(view, b, removed, replacements))
+        placement = _Placement(view, b, placed)
+        kept = placement.run()
+        for k, why in zip(placed, placement.outcome):
+            if why is None:
+                report.placed.append(k.site.name)
+            else:
+                report.skipped.append((k.site.name, why))
+        if kept is not None:
             dead = _unread_pure(kept)
             view.comp.instructions = [i for i in kept if i.name not in dead]
             report.dead_kernels.extend(i.name for i in kept if i.name in dead and
@@ -556,6 +631,183 @@ def replace_kernels(module: HloModule, graphs: list[OpGraph], kernels: list[Plac
     if report.placed:
         _drop_unreachable(module)
     return report
+
+
+class _Placement:
+    """One computation's kernels placed in order, with the result of checking each for a
+    cycle as it goes in (the module has what the op graph that made the kernels convex has
+    not), from one check for all of them.
+
+    A kernel ``place`` refuses is undone at once (``_Builder.rollback``: the instructions it
+    added, the ones it retargeted, its site's tops). The cycle check runs once, on the module
+    with every kernel in, plus, per kernel, an edge into its call from each value its
+    replaced instructions read that the call does not (``lost``: what it drops unread, e.g.
+    XLA's index fusions a segment kernel no longer reads). With those edges placing a kernel
+    only contracts its instructions into its call, which keeps every cycle: none at the end
+    means none after any kernel, and every kernel is in as the per-kernel check put it.
+    Only where there is one are the kernels placed again from the start: halving (over the
+    kernels whose calls the cycle holds up: the first to close one is among them) finds the
+    first kernel after which there is a cycle, that kernel is checked without the added
+    edges (refused where it closes one, with the per-kernel check's reason), and the later
+    kernels go in again. Where cycles are many, the kernels left are checked one by one."""
+
+    def __init__(self, view: ComputationView, b: _Builder, kernels: list[PlacedKernel]):
+        self.view, self.b, self.kernels = view, b, kernels
+        self.tops = [k.site.tops for k in kernels]
+        self.names = set(b.names)
+        self.refused: dict[int, str] = {}          # kernel index -> the cycle it closed
+        self.each_from: int | None = None          # kernels from here on: checked one by one
+        self.replays = 0                           # times placed again from the start
+        self._clear()
+
+    def _clear(self) -> None:
+        self.removed: set[str] = set()
+        self.replacements: dict[str, Instruction] = {}
+        self.exported: dict[tuple[str, int | None], _Export] = {}
+        self.removed_by: dict[str, str] = {}       # removed name -> the call it went into
+        self.calls: dict[str, int] = {}            # call name -> kernel index
+        self.outcome: list[str | None] = []        # per kernel tried: None (placed) or why not
+        self.lost: list[list[tuple[str, str]]] = []   # per kernel tried: (value, call)
+
+    def run(self) -> list[Instruction] | None:
+        """Place every kernel: the computation's instructions in order (None where none was
+        placed); ``outcome`` says which went in."""
+        count = len(self.kernels)
+        self._place(count)
+        since = 0               # the kernels before it are known to close no cycle
+        while self.removed:
+            items = _items(self.view, self.b, self.removed, self.replacements)
+            if self.each_from is not None:
+                return _topological(items)      # the last kernel in was checked
+            edges = self._lost_edges(items, since)
+            try:
+                order = _topological(items, edges)
+            except _Cycle as cycle:
+                stuck = cycle.stuck
+            else:
+                return _topological(items) if edges else order
+            candidates = sorted(self.calls[n] for n in stuck if self.calls.get(n, -1) >= since)
+            if not candidates or 4 * self.replays >= count - since:
+                # Halving has cost more than checking the kernels left one by one would.
+                self.each_from = since
+                self._restart(count)
+                continue
+            first = self._first_cycle(since, candidates)
+            why = self._cycle()
+            if why is not None:
+                log.debug("kernel %s: %s", self.kernels[first].site.name, why)
+                self.refused[first] = why
+            since = first + 1
+            self._restart(count)
+        return None
+
+    def _place(self, count: int) -> None:
+        """Try the kernels from the first not tried yet up to ``count``."""
+        for i in range(len(self.outcome), count):
+            k, b = self.kernels[i], self.b
+            marks = len(b.added), len(b.copies), len(b.undo)
+            try:
+                new, exports = place(self.view, b, k, self.removed, self.replacements,
+                                     self.exported)
+            except NotPlaceable as exc:
+                why: str | None = str(exc)
+            else:
+                why = self.refused.get(i)
+                if why is None and self.each_from is not None and i >= self.each_from:
+                    why = self._cycle(set(k.site.tops), new)
+                    if why is not None:
+                        log.debug("kernel %s: %s", k.site.name, why)
+                        self.refused[i] = why
+            if why is not None:
+                b.rollback(*marks)
+                k.site.tops = self.tops[i]
+                self.outcome.append(why)
+                self.lost.append([])
+                continue
+            call, lost = self._lost(k, marks[0])
+            for t in k.site.tops:
+                if t not in self.removed:
+                    self.removed_by[t] = call
+            self.removed |= set(k.site.tops)
+            self.replacements.update(new)
+            self.exported.update(exports)
+            self.calls[call] = i
+            self.outcome.append(None)
+            self.lost.append(lost)
+
+    def _cycle(self, tops: set[str] | None = None,
+               new: dict[str, Instruction] | None = None) -> str | None:
+        """Why the module as placed (with ``tops`` replaced by ``new``, a kernel just
+        placed) cannot be: a cycle (None: it has none)."""
+        try:
+            _topological(_items(self.view, self.b, self.removed | (tops or set()),
+                                {**self.replacements, **(new or {})}))
+        except NotPlaceable as exc:
+            return str(exc)
+        return None
+
+    def _lost(self, k: PlacedKernel, mark: int) -> tuple[str, list[tuple[str, str]]]:
+        """The call ``k`` just got (its instructions added from ``mark`` on) and the values
+        its replaced instructions read that the call does not, through what it added."""
+        mine = {inst.name: inst for inst, _ in self.b.added[mark:]}
+        call = next(name for name, inst in mine.items() if inst.opcode == "custom-call")
+        reach: set[str] = set()
+        stack = [call]
+        while stack:
+            for o in mine[stack.pop()].operands:
+                if o not in reach:
+                    reach.add(o)
+                    if o in mine:
+                        stack.append(o)
+        gone = {t for t in k.site.tops if t not in self.removed}
+        values = {o for t in gone if t in self.view.table
+                  for o in self.view.table[t].operands if o not in gone and o not in reach}
+        return call, [(v, call) for v in sorted(values)]
+
+    def _lost_edges(self, items: list[tuple[Instruction, float]],
+                    since: int) -> list[tuple[str, str]]:
+        """The ``lost`` edges of the kernels from ``since`` on, from what now holds each
+        value: its instruction, or the call of the kernel that removed it."""
+        present = {inst.name for inst, _ in items}
+        edges = []
+        for lost in self.lost[since:]:
+            for value, call in lost:
+                source = value if value in present else self.removed_by.get(value)
+                if source is not None and source != call:
+                    edges.append((source, call))
+        return edges
+
+    def _first_cycle(self, since: int, candidates: list[int]) -> int:
+        """The first kernel from ``since`` on after which the module with the ``lost``
+        edges has a cycle (it has one after the last), left placed with those before it.
+        It is among ``candidates``, the kernels whose calls that cycle holds up: a cycle,
+        once closed, stays through the call that closed it."""
+        low, high = 0, len(candidates) - 1
+        while low < high:
+            mid = (low + high) // 2
+            self._restart(candidates[mid] + 1)
+            items = _items(self.view, self.b, self.removed, self.replacements)
+            try:
+                _topological(items, self._lost_edges(items, since))
+            except NotPlaceable:
+                high = mid
+            else:
+                low = mid + 1
+        self._restart(candidates[high] + 1)
+        return candidates[high]
+
+    def _restart(self, count: int) -> None:
+        """Undo every kernel (the fresh names they took are free again), place the first
+        ``count`` again."""
+        b = self.b
+        b.rollback(0, 0, 0)
+        b.names = set(self.names)
+        for k, tops in zip(self.kernels, self.tops):
+            k.site.tops = tops
+        b.index_readers()
+        self._clear()
+        self.replays += 1
+        self._place(count)
 
 
 def _items(view: ComputationView, b: _Builder, removed: set[str],
@@ -594,15 +846,21 @@ def _unread_pure(instructions: list[Instruction]) -> set[str]:
     return dead
 
 
-def _topological(items: list[tuple[Instruction, float]]) -> list[Instruction]:
+def _topological(items: list[tuple[Instruction, float]],
+                 extra: Sequence[tuple[str, str]] = ()) -> list[Instruction]:
+    """The instructions with each after those it reads (and after ``a`` for each ``(a, b)``
+    of ``extra``), in their sort positions' order where it can; NotPlaceable on a cycle."""
     by_name = {inst.name: inst for inst, _ in items}
     key = {inst.name: (pos, n) for n, (inst, pos) in enumerate(items)}
-    waiting = {inst.name: len({o for o in inst.operands if o in by_name}) for inst, _ in items}
+    reads = {inst.name: {o for o in inst.operands if o in by_name} for inst, _ in items}
+    for source, target in extra:
+        if source in by_name and target in by_name:
+            reads[target].add(source)
+    waiting = {name: len(names) for name, names in reads.items()}
     users: dict[str, list[str]] = {}
     for inst, _ in items:
-        for o in set(inst.operands):
-            if o in by_name:
-                users.setdefault(o, []).append(inst.name)
+        for o in reads[inst.name]:
+            users.setdefault(o, []).append(inst.name)
     ready = [key[n] + (n,) for n, w in waiting.items() if w == 0]
     heapq.heapify(ready)
     order: list[Instruction] = []
@@ -615,7 +873,7 @@ def _topological(items: list[tuple[Instruction, float]]) -> list[Instruction]:
                 heapq.heappush(ready, key[u] + (u,))
     if len(order) != len(items):
         stuck = sorted(n for n, w in waiting.items() if w > 0)
-        raise NotPlaceable(f"placing it would make a cycle through {', '.join(stuck[:4])}")
+        raise _Cycle(f"placing it would make a cycle through {', '.join(stuck[:4])}", stuck)
     return order
 
 
