@@ -167,8 +167,14 @@ def test_the_device_target_loads_the_cubin_with_the_ptx_behind_it(monkeypatch):
     kernel = _kernel()
     assembled = CubinBuild(CUBIN, {}, False, entry=CANONICAL_NAME)
     xla_pass.build_target(kernel, "gpu", arch="sm_90", ptx=PTX, assembled=assembled)
-    assert asked == [(kernel.name, CUBIN, {"entry": CANONICAL_NAME, "fallback_ptx": PTX}),
+    # A kernel without a grid barrier joins XLA's command buffers (STITCH_COMMAND_BUFFERS).
+    assert asked == [(kernel.name, CUBIN, {"entry": CANONICAL_NAME, "fallback_ptx": PTX,
+                                           "command_buffer_compatible": True}),
                      "registered"]
     asked.clear()
     xla_pass.build_target(kernel, "gpu", arch="sm_90", ptx=PTX)
-    assert asked == [(kernel.name, PTX, {}), "registered"]
+    assert asked == [(kernel.name, PTX, {"command_buffer_compatible": True}), "registered"]
+    asked.clear()
+    monkeypatch.setenv("STITCH_COMMAND_BUFFERS", "0")
+    xla_pass.build_target(kernel, "gpu", arch="sm_90", ptx=PTX)
+    assert asked == [(kernel.name, PTX, {"command_buffer_compatible": False}), "registered"]
