@@ -14,7 +14,15 @@ up; a framework counts as done once its module has run.
 """
 import os
 
-_ON = os.environ.get("STITCH_ENABLE", "").strip().lower() in ("1", "true", "yes", "on")
+_RAW = os.environ.get("STITCH_ENABLE", "").strip().lower()
+_ON = _RAW in ("1", "true", "yes", "on")
+
+if _RAW and not _ON and _RAW not in ("0", "false", "no", "off"):
+    # Said, not guessed: a value that is neither on nor off leaves stitch off.
+    import logging
+    logging.getLogger("stitch.autoload").warning(
+        "STITCH_ENABLE=%r is not one of 1/true/yes/on or 0/false/no/off: stitch stays off",
+        os.environ["STITCH_ENABLE"])
 
 if _ON:
     import sys

@@ -52,13 +52,29 @@ from stitch.cost.launch_forms import GRID_SYNC_SETTINGS
 from stitch.errors import StitchError
 
 TARGETS = ("v100", "a100", "h100", "h200")
+DEVICES = ("cpu", "gpu")
+# Every STITCH_* variable stitch, its scripts and its tests read: any other is a misspelling
+# (said once, with the nearest names).
+KNOWN_SETTINGS = frozenset({
+    "STITCH_ASYNC", "STITCH_BUILD_THREADS", "STITCH_CACHE_DIR", "STITCH_CODE_BUDGET",
+    "STITCH_COMMAND_BUFFERS", "STITCH_DEVICE", "STITCH_DUMP_MODULES",
+    "STITCH_EARLY_PTX_CHILDREN", "STITCH_ENABLE", "STITCH_GRID_SYNC", "STITCH_GUARD",
+    "STITCH_INJECT_FAILURE", "STITCH_ISOLATE", "STITCH_LIBDEVICE", "STITCH_LLVM_PIPELINE",
+    "STITCH_LOG", "STITCH_MIN_BYTES", "STITCH_PAYBACK_STEPS", "STITCH_PTXAS",
+    "STITCH_SEGMENT_ROWS", "STITCH_STATS", "STITCH_TARGET", "STITCH_VERIFY",
+    # scripts, the GPU kit and the tests
+    "STITCH_BLOCK_MODULES", "STITCH_CUDA_VENV", "STITCH_DEVICE_PYTHON", "STITCH_DEVICE_VENV",
+    "STITCH_FUZZ_SEEDS", "STITCH_FUZZ_START", "STITCH_SCENARIO_SECONDS", "STITCH_TEST_MARKER",
+    "STITCH_TEST_RESULT", "STITCH_THIRDPARTY", "STITCH_THIRDPARTY_PLAIN_TIMEOUT",
+    "STITCH_THIRDPARTY_TIMEOUT", "STITCH_WHEELS", "STITCH_XLA_CORPUS"})
 DEFAULT_TARGET = "h100"          # STITCH_TARGET unset (a GPU pass plans for its device)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-class ConfigError(StitchError):
-    """A STITCH_* variable has a value stitch does not understand."""
+class ConfigError(StitchError, ValueError):
+    """A STITCH_* variable, or an argument of stitch's, has a value stitch does not
+    understand (a ValueError too, as jax.jit's own argument errors are)."""
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -130,6 +146,39 @@ class Settings:
         if settings.problems:
             raise ConfigError(settings.problems[0])
         return settings
+
+
+def unknown_settings(environ: dict[str, str] | None = None) -> list[str]:
+    """One line per STITCH_* variable stitch does not read, with the nearest known names."""
+    import difflib
+    environ = os.environ if environ is None else environ
+    lines = []
+    for name in sorted(n for n in environ if n.startswith("STITCH_") and
+                       n not in KNOWN_SETTINGS):
+        near = difflib.get_close_matches(name, sorted(KNOWN_SETTINGS), n=1, cutoff=0.75)
+        lines.append(f"{name} is not a stitch setting and is ignored"
+                     + (f" (did you mean {near[0]}?)" if near else ""))
+    return lines
+
+
+def check_target(target: str | None) -> str | None:
+    """``target`` lowered, or ConfigError naming the targets stitch plans for."""
+    if target is None:
+        return None
+    got = str(target).strip().lower()
+    if got not in TARGETS:
+        raise ConfigError(f"target={target!r}: stitch plans for {', '.join(TARGETS)}")
+    return got
+
+
+def check_device(device: str | None) -> str | None:
+    """``device`` lowered, or ConfigError naming the devices stitch runs kernels on."""
+    if device is None:
+        return None
+    got = str(device).strip().lower()
+    if got not in DEVICES:
+        raise ConfigError(f"device={device!r}: stitched kernels run on {' or '.join(DEVICES)}")
+    return got
 
 
 def target_setting() -> str:
@@ -226,11 +275,18 @@ def log_level_setting() -> int | None:
     return level
 
 
+_NAMES_CHECKED = False
+
+
 def configure_logging() -> None:
     """Honour STITCH_LOG for library use: a stderr handler on the ``stitch`` logger at that
     level (once; nothing happens when the variable is unset, and an unreadable value is
-    reported once and ignored)."""
-    global _HANDLER
+    reported once and ignored). Misspelled STITCH_* variables are said once here too."""
+    global _HANDLER, _NAMES_CHECKED
+    if not _NAMES_CHECKED:
+        _NAMES_CHECKED = True
+        for line in unknown_settings():
+            logging.getLogger("stitch.config").warning("%s", line)
     if _HANDLER is not None:
         return
     try:

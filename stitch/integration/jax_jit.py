@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .config import Settings, configure_logging, injected_failure, log_kernels
+from .config import (Settings, check_device, check_target, configure_logging, injected_failure,
+                     log_kernels)
 from stitch.errors import Cancelled, StitchError, StitchRuntimeError
 from .switching import SwitchEntry, SwitchingFunction
 from .verify import compare_trees
@@ -543,6 +544,8 @@ def jit(fn: Callable | None = None, *, target: str | None = None, device: str | 
     Usable as ``@stitch.jit`` or ``@stitch.jit(target="v100")``.
     """
     configure_logging()                  # before the settings: a problem is logged through it
+    # A wrong argument is the caller's mistake: raised here, as jax.jit raises its own.
+    target, device = check_target(target), check_device(device)
     settings = Settings.read()           # unreadable ones: StitchedFunction stays stock
     options = dict(target=target, device=device,
                    async_compile=settings.async_compile if async_compile is None else async_compile,
