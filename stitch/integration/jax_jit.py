@@ -23,8 +23,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
 from .config import (Settings, check_device, check_target, configure_logging, injected_failure,
                      log_kernels)
 from stitch.errors import Cancelled, StitchError, StitchRuntimeError
