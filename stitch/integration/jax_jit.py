@@ -259,6 +259,8 @@ class StitchedFunction(SwitchingFunction):
             if self._jitted._cache_size() == before:
                 with self._lock:
                     self.stats.calls += 1
+                    if len(self._entries) == 1:      # the signature is the one there is
+                        next(iter(self._entries.values())).counters.calls += 1
                 return result
             key = self._split(args, kwargs)[0]
             self._count_call(None if key is _DELETED else key, args, kwargs)

@@ -216,7 +216,12 @@ class SwitchingFunction:
             entry.counters.compile_s = elapsed
         from stitch.errors import Cancelled
         if isinstance(exc, Cancelled):
-            self._fail(entry, f"{exc} (stopped after {elapsed:.1f}s)")
+            # The program is ending (compiles are cancelled only at exit): not a failure of
+            # stitch's, and nothing falls back — the calls made all ran on stock XLA.
+            reason = f"compile stopped after {elapsed:.1f}s: the program ended first ({exc})"
+            entry.state, entry.reason, entry.call = "cancelled", reason, None
+            entry.counters.state, entry.counters.fallback_reason = "cancelled", reason
+            log.info("%s: %s", self.__qualname__, reason)
         elif isinstance(exc, KeyboardInterrupt):
             self._fail(entry, f"compile interrupted after {elapsed:.1f}s (KeyboardInterrupt)")
         else:
