@@ -444,9 +444,11 @@ def _lost_donations(lowered: Any, compiled: Any) -> tuple[int, ...]:
     """The donated leaves, when the stitched executable has no input/output aliasing left.
 
     jaxlib 0.10.2's HLO transformation hook rebuilds the module it gets back without its
-    ``input_output_alias`` (even for unchanged bytes), so XLA neither reuses nor frees the
-    donated buffers. The caller was promised they are gone after the call: stitch deletes
-    them itself (memory is freed after the call instead of reused during it)."""
+    ``input_output_alias`` (``HloModule::ReplaceEntryComputation`` resets it, even for
+    unchanged bytes), so XLA neither reuses nor frees the donated buffers. The caller was
+    promised they are gone after the call: stitch deletes them itself (memory is freed after
+    the call instead of reused during it). jaxlib 0.11 keeps the aliasing: nothing is lost
+    there and XLA updates the donated buffers in place, as jax.jit does."""
     import jax
 
     donated = tuple(i for i, info in enumerate(jax.tree_util.tree_leaves(lowered.args_info))

@@ -12,7 +12,14 @@ to ``compile()``). For those it:
 2. has ``pass_planning.stitch_module`` plan it, build the stitched kernels that can be placed
    and put them in;
 3. hands the rewritten module back to XLA (``to_proto``). Everything else stays as XLA made
-   it: rng, u64, opt-barrier, key types, collectives, aliasing and donation.
+   it: rng, u64, opt-barrier, key types, collectives, aliasing and donation (the printed
+   module header keeps ``input_output_alias`` and ``buffer_donor``).
+   Except on jaxlib 0.10.2, whose hook rebuilds XLA's module from the proto handed back
+   with ``HloModule::ReplaceEntryComputation``, which resets the module's aliasing and
+   buffer donors: every module handed back loses its donation, even XLA's own bytes
+   unchanged (seen on CPU; the 0.10-era PJRT plugin adapter in XLA's source does the same).
+   ``jax_jit._lost_donations`` then deletes the donated buffers after each call. jaxlib
+   0.11.2 keeps the aliasing (seen: CPU PRE_SCHEDULER, deviceless GPU POST_SCHEDULER).
 Stage: on CPU both stages already hold XLA's fusions; PRE_SCHEDULER is used so XLA
 schedules the custom calls with the rest. On the CUDA plugin PRE_SCHEDULER is still
 pre-fusion, so POST_SCHEDULER (fused, scheduled: the rewrite keeps a topological order that
