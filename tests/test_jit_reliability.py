@@ -296,3 +296,21 @@ def test_verify_allows_bf16_rounding_not_more():
     # f32 keeps the tolerance asked for.
     assert poison_check(exact.astype(np.float32) * (1 + 1e-3), exact.astype(np.float32),
                         1e-4) is not None
+
+
+def test_a_function_jax_cannot_trace_raises_jaxs_error_alone(caplog) -> None:
+    """An untraceable function: the caller gets jax.jit's own error, and stitch adds no
+    second warning repeating it (the signature is recorded as failed, quietly)."""
+    def branchy(x):
+        if x.sum() > 0:                  # a traced value in Python control flow
+            return x * 2
+        return x
+    x = np.ones((64, 64), np.float32)
+    with pytest.raises(Exception) as want:
+        jax.jit(branchy)(x)
+    fn = stitch.jit(branchy, async_compile=False, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="stitch"):
+        with pytest.raises(type(want.value)):
+            fn(x)
+    assert "falls back" not in caplog.text, caplog.text
+    assert fn.stats.stitched_calls == 0

@@ -388,7 +388,13 @@ class StitchedFunction(SwitchingFunction):
             injected_failure("compile")
             lowered = self._jitted.lower(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - stays on stock jax
-            self._compile_failed(entry, time.perf_counter() - start, exc)
+            if isinstance(exc, StitchError):
+                self._compile_failed(entry, time.perf_counter() - start, exc)
+            else:
+                # jax's own error (an untraceable function): the stock call raises it to
+                # the caller as jax.jit does; a second line from stitch would only repeat it.
+                self._fail(entry, f"jax could not lower the function: {type(exc).__name__}: "
+                                  f"{exc}", quiet=True)
             return
         log.info("%s: compiling stitched kernels for %s (call %d, %s)", self.__qualname__,
                  self.target, call_number, "in the background" if self.async_compile

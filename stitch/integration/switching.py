@@ -240,12 +240,15 @@ class SwitchingFunction:
         log.info("%s: one signature's compile was %s; it is queued again on its next call",
                  self.__qualname__, reason)
 
-    def _fail(self, entry: SwitchEntry, reason: str) -> None:
+    def _fail(self, entry: SwitchEntry, reason: str, quiet: bool = False) -> None:
+        """The signature stays on stock for good; said as a warning unless ``quiet`` (the
+        caller already gets the same error from the stock call)."""
         entry.state, entry.reason, entry.call = "failed", reason, None
         entry.counters.state, entry.counters.fallback_reason = "failed", reason
         with self._lock:
             self.stats.fallbacks.append(reason)
-        log.warning("%s: falls back to %s: %s", self.__qualname__, self.stock_name, reason)
+        (log.debug if quiet else log.warning)("%s: falls back to %s: %s", self.__qualname__,
+                                              self.stock_name, reason)
 
     # --- the guard ----------------------------------------------------------------------
     def _in_guard_trial(self, entry: SwitchEntry) -> bool:
