@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.report import publish, stamp
-from bench.tf_conversions import MODELS, keras_hub_script
+from bench.tf_conversions import MODELS, compiled_model
 
 SECTION = "bench-tf-bridge"
 CONVERSIONS_SECTION = "bench-tf-conversions"
@@ -61,17 +61,11 @@ class BridgeTiming:
 
 def _step_and_data(name: str) -> tuple[Any, tuple]:
     """The model's train step as the front end wraps it, and one batch as Keras hands it."""
-    import keras
     import tensorflow as tf
 
     from stitch.integration.tf_frontend import KerasTrainFunction
 
-    script = keras_hub_script()
-    keras.utils.set_random_seed(0)
-    model, x, y = getattr(script, name)()
-    model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=True)
+    script, model, x, y = compiled_model(name)
     model.fit(x, y, batch_size=script.BATCH, epochs=1, verbose=0)   # optimizer variables
     stock = model.make_train_function()
     train = KerasTrainFunction(model, stock)

@@ -125,21 +125,29 @@ def random_batches(steps: int, seed: int) -> tuple[dict, Any]:
     return x, tokens[:, 1:]
 
 
+def compiled_model(name: str) -> tuple[Any, Any, Any, Any]:
+    """(script, model, x, y): the third-party script's keras_hub backbone ``name``, seeded,
+    compiled as its training step is (AdamW, sparse cross-entropy on logits, XLA)."""
+    import keras
+
+    script = keras_hub_script()
+    keras.utils.set_random_seed(0)
+    model, x, y = getattr(script, name)()
+    model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=True)
+    return script, model, x, y
+
+
 def run(name: str, data: tuple[dict, Any], steps: int, stitched: bool,
         where: bool = False) -> RunCount:
     """One ``fit`` of model ``name`` over ``steps`` batches of ``data``, counted."""
-    import keras
     import tensorflow as tf
 
     from stitch.integration.host_conversions import HostConversions
     from stitch.integration.tf_frontend import KerasTrainFunction
 
-    script = keras_hub_script()
-    keras.utils.set_random_seed(0)
-    model, _, _ = getattr(script, name)()
-    model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=True)
+    script, model, _, _ = compiled_model(name)
     stock = model.make_train_function()
     if stitched:
         model.train_function = KerasTrainFunction(model, stock, async_compile=False,

@@ -10,13 +10,14 @@ its time in its own kernels, in XLA's kernels around them, or on the host. Write
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
 import sys
 import tempfile
 from pathlib import Path
+
+from .step_cli import chosen_models, step_arguments
 
 MODELS = (("transformer_train", "tiny"), ("bert_layer_infer", "full"),
           ("embedding_bag", "full"))
@@ -101,15 +102,10 @@ def profile_model(model: str, config: str, device: str, calls: int = CALLS) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_kit.profile")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rehearse", action="store_true")
-    parser.add_argument("--models", help="model:config,... (default: the kit's list)")
-    args = parser.parse_args(argv)
+    args = step_arguments("python -m bench.gpu_kit.profile", argv)
     import jax
     device = "gpu" if jax.default_backend() == "gpu" else "cpu"
-    models = ([tuple(s.split(":")) for s in args.models.split(",")] if args.models
-              else REHEARSAL_MODELS if args.rehearse else MODELS)
+    models = chosen_models(args, MODELS, REHEARSAL_MODELS)
     rows = []
     for model, config in models:
         try:

@@ -11,12 +11,13 @@ time`` times them on the device and compute-sanitizer checks them. Writes
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from .step_cli import chosen_models, step_arguments
 
 GPU_MODELS = (("layer_norm", "full"), ("log_softmax_xent_train", "full"),
               ("bert_layer_train", "tiny"), ("transformer_train", "tiny"),
@@ -122,11 +123,7 @@ def run_model(model: str, config: str, repeats: int, device: str, arch: str | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_kit.timings")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rehearse", action="store_true")
-    parser.add_argument("--models", help="model:config,... (default: the kit's list)")
-    args = parser.parse_args(argv)
+    args = step_arguments("python -m bench.gpu_kit.timings", argv)
     import jax
 
     from stitch.codegen.pipelines import PIPELINES
@@ -134,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "gpu" if jax.default_backend() == "gpu" else "cpu"
     arch = gpu_arch() if device == "gpu" else target_arch("h100")
-    models = ([tuple(s.split(":")) for s in args.models.split(",")] if args.models
-              else REHEARSAL_MODELS if args.rehearse else GPU_MODELS)
+    models = chosen_models(args, GPU_MODELS, REHEARSAL_MODELS)
     kernels_dir = args.out / "kernels"
     kernels_dir.mkdir(parents=True, exist_ok=True)
     manifest = {"arch": arch, "variants": [{"name": n} for n in list(PIPELINES)[:1]],

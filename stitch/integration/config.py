@@ -163,21 +163,20 @@ def unknown_settings(environ: dict[str, str] | None = None) -> list[str]:
 
 def check_target(target: str | None) -> str | None:
     """``target`` lowered, or ConfigError naming the targets stitch plans for."""
-    if target is None:
-        return None
-    got = str(target).strip().lower()
-    if got not in TARGETS:
-        raise ConfigError(f"target={target!r}: stitch plans for {', '.join(TARGETS)}")
-    return got
+    return _one_of(target, TARGETS, "target", f"stitch plans for {', '.join(TARGETS)}")
 
 
 def check_device(device: str | None) -> str | None:
     """``device`` lowered, or ConfigError naming the devices stitch runs kernels on."""
-    if device is None:
+    return _one_of(device, DEVICES, "device", f"stitched kernels run on {' or '.join(DEVICES)}")
+
+
+def _one_of(value: str | None, allowed: tuple[str, ...], name: str, says: str) -> str | None:
+    if value is None:
         return None
-    got = str(device).strip().lower()
-    if got not in DEVICES:
-        raise ConfigError(f"device={device!r}: stitched kernels run on {' or '.join(DEVICES)}")
+    got = str(value).strip().lower()
+    if got not in allowed:
+        raise ConfigError(f"{name}={value!r}: {says}")
     return got
 
 

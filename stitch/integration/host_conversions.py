@@ -136,24 +136,22 @@ class HostConversions:
         self._local.depth -= 1
 
     def _numpy_wrapper(self, name: str, real: Callable) -> Callable:
-        counter = self
-
-        def converted(obj: Any, *args: Any, **kwargs: Any) -> Any:
-            if not isinstance(obj, counter._types):
-                return real(obj, *args, **kwargs)
-            counter._enter_read(f"np.{name}({type(obj).__name__})")
-            try:
-                return real(obj, *args, **kwargs)
-            finally:
-                counter._leave_read()
-        converted.__wrapped__ = real
-        return converted
+        """``np.<name>``: counted when handed one of the watched frameworks' values."""
+        return self._counting(real, lambda obj: f"np.{name}({type(obj).__name__})",
+                              watched_only=True)
 
     def _method_wrapper(self, name: str, real: Callable) -> Callable:
+        """A watched type's ``name`` method (``.numpy()``, ``__array__``, ``__float__``...)."""
+        return self._counting(real, lambda obj: f"{type(obj).__name__}.{name}")
+
+    def _counting(self, real: Callable, kind: Callable[[Any], str],
+                  watched_only: bool = False) -> Callable:
         counter = self
 
         def converted(obj: Any, *args: Any, **kwargs: Any) -> Any:
-            counter._enter_read(f"{type(obj).__name__}.{name}")
+            if watched_only and not isinstance(obj, counter._types):
+                return real(obj, *args, **kwargs)
+            counter._enter_read(kind(obj))
             try:
                 return real(obj, *args, **kwargs)
             finally:
