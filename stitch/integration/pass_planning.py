@@ -483,8 +483,8 @@ def slower_as_built(graph_plan: Any, members: frozenset[int], lowered: Any, spec
     why = next((n for n in getattr(lowered, "notes", ()) if "thread composition" in n), None)
     return (f"as built, its busiest thread (block {work.block}, thread {work.thread}) "
             f"executes {work.loads:,.0f} loads and {work.ops:,.0f} instructions: about "
-            f"{bound * 1e6:.1f} µs, not the {priced * 1e6:.2f} µs its schedule was priced "
-            f"at, which loses the {gain_s * 1e6:.2f} µs it was to save: left to XLA"
+            f"{bound * 1e6:.1f} µs, not the {priced * 1e6:.2f} µs the plan priced it at, "
+            f"which loses the {gain_s * 1e6:.2f} µs it was to save: left to XLA"
             + (f" ({why})" if why else ""))
 
 
