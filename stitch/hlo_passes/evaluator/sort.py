@@ -15,6 +15,7 @@ hold no NaN (the comparator is then no strict weak order, and the merge sort dec
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 
@@ -23,6 +24,11 @@ from ..ir import Computation, Instruction
 from .dtypes import is_float, is_pred
 from .elementwise import total_order_key
 from .registry import handles
+
+log = logging.getLogger(__name__)
+# Past this many elements a merge sort (its comparator applied ~log2(n)^2 times to every
+# element) takes seconds to minutes: said once per sort.
+SLOW_MERGE_ELEMENTS = 1 << 16
 
 
 def _run_search(x: np.ndarray, runs: np.ndarray, pred) -> np.ndarray:
@@ -153,6 +159,11 @@ def sort_order(ev, comp, keys: list[np.ndarray]) -> np.ndarray:
         order = key_order(ev, compare, keys)
         if order is not None:
             return order
+    if rows * n >= SLOW_MERGE_ELEMENTS:
+        log.info("sort of %d x %d by comparator %s: %s; the merge sort applies it "
+                 "(slow at this size)", rows, n, ev.computation(comp).name,
+                 "a plain float compare meets a NaN" if compare is not None
+                 else "not one compare of one operand's keys")
     return merge_sort_order(ev, comp, keys)
 
 
