@@ -27,6 +27,8 @@ DATA_PARALLEL = r'''
 import hashlib, json, os, sys
 rank, nproc, port, out, seed = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                 int(sys.argv[5]))
+if os.environ.get("FAIL_RANK") == str(rank):      # this process cannot build the program
+    os.environ["STITCH_INJECT_FAILURE"] = "compile"
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=rank,
@@ -180,6 +182,17 @@ def test_two_processes_switch_together_and_keep_identical_parameters(tmp_path, m
     assert plain[0]["params"] == plain[1]["params"]
     np.testing.assert_allclose(ranks[0]["losses"], plain[0]["losses"], rtol=0, atol=1e-4)
     np.testing.assert_allclose(ranks[1]["losses"], plain[1]["losses"], rtol=0, atol=1e-4)
+
+
+def test_a_process_that_cannot_build_takes_the_whole_job_to_stock(tmp_path):
+    seed = int(np.random.default_rng().integers(1 << 20))
+    plain = _data_parallel_job(tmp_path, "plain", 20, seed, STITCH_ENABLE="0")
+    ranks = _data_parallel_job(tmp_path, "stitched", 20, seed, STITCH_ENABLE="1",
+                               STITCH_MIN_BYTES="off", STITCH_ASYNC="0", STITCH_GUARD="0",
+                               FAIL_RANK="1")
+    assert [r["switched_at"] for r in ranks] == [None, None]
+    assert any("process 1 could not build" in f for f in ranks[0]["fallbacks"]), ranks[0]
+    assert ranks[0]["params"] == ranks[1]["params"] == plain[0]["params"]
 
 
 def test_four_processes_sharing_a_cache_plan_and_build_each_module_once(tmp_path):
