@@ -93,7 +93,7 @@ from stitch.integration.kernel_builds import compile_cache
 
 def f(x, w):
     h = x @ w
-    for i in range(8):        # planning takes long enough for the processes to overlap
+    for i in range(5):        # planning takes long enough for the processes to overlap
         h = jnp.tanh(h) * jax.nn.sigmoid(h + i)
         h = h - jnp.max(h, axis=1, keepdims=True) + jnp.mean(h, axis=0)
     return h
@@ -164,11 +164,24 @@ def _data_parallel_job(tmp_path: Path, name: str, steps: int, seed: int, **env: 
     return [json.loads(o.read_text()) for o in outs]
 
 
-@pytest.mark.parametrize("mode", ["async", "forced"])
-def test_two_processes_switch_together_and_keep_identical_parameters(tmp_path, mode):
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory) -> tuple[int, list[dict]]:
+    """(seed, each process's result) of the job without stitch, shared by the tests."""
     seed = int(np.random.default_rng().integers(1 << 20))
-    steps = 40
-    plain = _data_parallel_job(tmp_path, "plain", steps, seed, STITCH_ENABLE="0")
+    plain = _data_parallel_job(tmp_path_factory.mktemp("plain"), "plain", STEPS, seed,
+                               STITCH_ENABLE="0")
+    assert plain[0]["params"] == plain[1]["params"]
+    return seed, plain
+
+
+@pytest.mark.parametrize("mode", ["async", "forced"])
+def test_two_processes_switch_together_and_keep_identical_parameters(tmp_path, mode,
+                                                                     plain_run):
+    seed, plain = plain_run
+    steps = STEPS
     settings = ({"STITCH_ASYNC": "1", "STITCH_GUARD": "1"} if mode == "async"
                 else {"STITCH_ASYNC": "0", "STITCH_GUARD": "0"})
     ranks = _data_parallel_job(tmp_path, "stitched", steps, seed, STITCH_ENABLE="1",
@@ -179,15 +192,13 @@ def test_two_processes_switch_together_and_keep_identical_parameters(tmp_path, m
     assert ranks[0]["stitched_calls"] == ranks[1]["stitched_calls"]
     assert ranks[0]["guard"] == ranks[1]["guard"]       # one verdict (process 0's)
     assert ranks[0]["params"] == ranks[1]["params"]     # replicated: byte for byte
-    assert plain[0]["params"] == plain[1]["params"]
     np.testing.assert_allclose(ranks[0]["losses"], plain[0]["losses"], rtol=0, atol=1e-4)
     np.testing.assert_allclose(ranks[1]["losses"], plain[1]["losses"], rtol=0, atol=1e-4)
 
 
-def test_a_process_that_cannot_build_takes_the_whole_job_to_stock(tmp_path):
-    seed = int(np.random.default_rng().integers(1 << 20))
-    plain = _data_parallel_job(tmp_path, "plain", 20, seed, STITCH_ENABLE="0")
-    ranks = _data_parallel_job(tmp_path, "stitched", 20, seed, STITCH_ENABLE="1",
+def test_a_process_that_cannot_build_takes_the_whole_job_to_stock(tmp_path, plain_run):
+    seed, plain = plain_run
+    ranks = _data_parallel_job(tmp_path, "stitched", STEPS, seed, STITCH_ENABLE="1",
                                STITCH_MIN_BYTES="off", STITCH_ASYNC="0", STITCH_GUARD="0",
                                FAIL_RANK="1")
     assert [r["switched_at"] for r in ranks] == [None, None]
