@@ -104,3 +104,12 @@ def test_no_verdict_in_time_drops_the_stitched_program_everywhere():
     late = processes[1].verdict({"kept": "stitched"}, 0.2)
     assert late["kept"] == "xla" and "process 0" in late["reason"]
     assert processes[0].verdict({"kept": "stitched"})["kept"] == "xla"
+
+
+def test_a_stitched_call_failing_in_the_trial_drops_the_program_everywhere():
+    processes = _agreements(2)
+    processes[1].refuse("stitched call failed: boom")
+    verdicts = [p.verdict({"kept": "stitched", "stitched_ms": 1.0, "stock_ms": 2.0}, 1.0)
+                for p in processes]
+    assert [v["kept"] for v in verdicts] == ["xla", "xla"]
+    assert all("process 1" in v["reason"] for v in verdicts)

@@ -196,6 +196,13 @@ class SignatureAgreement:
             return {"kept": "xla", "reason": f"unreadable guard verdict {final[:80]!r}"}
 
 
+    def refuse(self, reason: str) -> None:
+        """This process's stitched program failed during the guard's trial: the verdict is
+        "xla" for every process (unless one was given already)."""
+        self.store.claim(f"{self.prefix}/verdict", json.dumps(
+            {"kept": "xla", "reason": f"process {self.store.rank}: {reason}"}))
+
+
 def _agree(proposals: list[dict]) -> JobDecision:
     """Every process's proposal → the decision (a pure function: each process that computes
     it computes the same one)."""

@@ -196,6 +196,9 @@ class SwitchingFunction:
                 while len(self._entries) > MAX_SIGNATURES:     # oldest first, as jax's cache
                     evicted = self._entries.pop(next(iter(self._entries)))
                     evicted.call = evicted.program = None
+                    if evicted.state == "deciding":   # evicted alike in every process
+                        evicted.state = "failed"
+                        self._undecided -= 1
                     if evicted.future is not None:
                         evicted.future.cancel()                  # if it is still waiting
             if entry is not None:
@@ -380,8 +383,7 @@ class SwitchingFunction:
         if not entry.proposed:
             self._propose(entry, None, reason)
         elif entry.switch_at is not None:
-            entry.agreement.store.claim(f"{entry.agreement.prefix}/verdict", json.dumps(
-                {"kept": "xla", "reason": f"process {entry.agreement.store.rank}: {reason}"}))
+            entry.agreement.refuse(reason)
 
     def _job_gate(self, call_number: int) -> None:
         """On the calling thread, before a call runs: each signature waiting for the job
