@@ -27,6 +27,8 @@ DATA_PARALLEL = r'''
 import hashlib, json, os, sys
 rank, nproc, port, out, seed = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                 int(sys.argv[5]))
+if os.environ.get("SEPARATE_CACHES"):               # each process plans and builds alone
+    os.environ["STITCH_CACHE_DIR"] = os.path.join(os.environ["STITCH_CACHE_DIR"], f"p{rank}")
 if os.environ.get("FAIL_RANK") == str(rank):      # this process cannot build the program
     os.environ["STITCH_INJECT_FAILURE"] = "compile"
 import jax
@@ -182,8 +184,9 @@ def test_two_processes_switch_together_and_keep_identical_parameters(tmp_path, m
                                                                      plain_run):
     seed, plain = plain_run
     steps = STEPS
+    # Forced: each process plans alone (its own cache), so their plans must agree.
     settings = ({"STITCH_ASYNC": "1", "STITCH_GUARD": "1"} if mode == "async"
-                else {"STITCH_ASYNC": "0", "STITCH_GUARD": "0"})
+                else {"STITCH_ASYNC": "0", "STITCH_GUARD": "0", "SEPARATE_CACHES": "1"})
     ranks = _data_parallel_job(tmp_path, "stitched", steps, seed, STITCH_ENABLE="1",
                                STITCH_MIN_BYTES="off", **settings)
     switched = [r["switched_at"] for r in ranks]
