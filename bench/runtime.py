@@ -221,7 +221,14 @@ def _measure():
         title="Step time on this CPU: stitch.jit against jax.jit (measured)",
         summary="The stitched kernels run as host code here (no GPU): these times say what "
                 "the host path costs, not what a GPU gains.",
-        parts=(Part("steps", "Zoo step times", _run_part),))
+        parts=(Part("steps", "Zoo step times", _run_part),
+               Part("host-sort", "Host sorts against XLA's CPU sort",
+                    lambda ctx: _host_sort(ctx))))
+
+
+def _host_sort(ctx) -> list[str]:
+    from bench.host_sort import run_part
+    return run_part(ctx)
 
 
 MEASURE = _measure()

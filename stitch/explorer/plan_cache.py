@@ -14,12 +14,19 @@ recomputed. One that loads but stitches nothing where it is used (the XLA pass:
 nothing when fresh is noted in its entry (``nothing_stitched``: the reason, an optional key
 older entries lack), so later compiles use it as it is instead of planning again.
 
+Processes sharing the directory (a multi-process job on a shared file system) plan each
+module once: ``planning(key)`` takes a per-key ``flock`` under ``plans/.locks/``; the first
+process plans and writes, the others wait (polling, at most ``PLAN_LOCK_TIMEOUT_S``, then
+plan themselves, logged) and read its entry, which is never seen half-written (atomic
+replace).
+
 The directory is created 0700 and refused (logged once, disk cache off, memory cache on)
 when it is not owned by the user or is group/world-writable; files are written atomically
 (temp file in the same directory, fsync, ``os.replace``) with mode 0600.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -27,7 +34,14 @@ import logging
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable, Iterator
+
+try:  # POSIX only; elsewhere processes sharing a directory may plan a module twice.
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.ir import HloModule
@@ -42,6 +56,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 MEMORY_ENTRIES = 64
+# How long a process waits for another one planning the same module before planning
+# itself (planning a large training step takes minutes).
+PLAN_LOCK_TIMEOUT_S = 900.0
 
 
 # Module-level attributes that are compile metadata, not program: XLA's frontend attributes
@@ -188,6 +205,35 @@ class PlanCache:
             with _suppress():
                 path.unlink()
 
+    @contextlib.contextmanager
+    def planning(self, key: str, cancel: Callable[[], bool] | None = None
+                 ) -> Iterator[None]:
+        """Held while ``key`` is planned: across processes sharing the directory, one plans
+        and the others wait here (then find its entry). ``cancel``: polled while waiting;
+        once true, the wait ends (the caller's planning notices the cancel itself). Without
+        a disk directory or flock, nothing is held."""
+        d = self._dir()
+        if d is None or fcntl is None:
+            yield
+            return
+        try:
+            (d / ".locks").mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(d / ".locks" / f"{key}.lock",
+                         os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError as exc:
+            log.warning("plan cache: no lock for %s (%s): planning unlocked", key[:12], exc)
+            yield
+            return
+        try:
+            locked = _acquire(fd, key, cancel)
+            try:
+                yield
+            finally:
+                if locked:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
     # --- memory ------------------------------------------------------------------------
     def remember(self, key: str, plan: FusionPlan) -> None:
         if len(self.memory) >= MEMORY_ENTRIES:
@@ -209,6 +255,35 @@ class PlanCache:
         if entry is not None:
             entry["nothing_stitched"] = reason
             self.write(key, entry)
+
+
+def _acquire(fd: int, key: str, cancel: Callable[[], bool] | None) -> bool:
+    """Poll for the lock (a planner that hangs cannot stall every process for good)."""
+    deadline = time.monotonic() + PLAN_LOCK_TIMEOUT_S
+    delay, waited = 0.002, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if waited:
+                log.debug("plan cache: %s planned by another process; reading its entry",
+                          key[:12])
+            return True
+        except BlockingIOError:
+            if not waited:
+                log.info("plan cache: another process is planning %s; waiting for its plan",
+                         key[:12])
+                waited = True
+            if time.monotonic() >= deadline:
+                log.warning("plan cache: waited %.0fs for another process planning %s; "
+                            "planning here", PLAN_LOCK_TIMEOUT_S, key[:12])
+                return False
+            if cancel is not None and cancel():
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        except OSError as exc:  # a file system without flock
+            log.warning("plan cache: cannot lock %s (%s): planning unlocked", key[:12], exc)
+            return False
 
 
 class _suppress:

@@ -759,12 +759,27 @@ def _plan(hlo: str | HloModule, target: str, planner: str, options: ExplorerOpti
     weights = _graph_weights(graphs)
     store = default_plan_cache() if cache is True else (cache or None)
     key = _cache_key(module, spec.name, planner, options) if store is not None else None
-    if store is not None and key is not None:
-        hit = _cached_plan(store, key, graphs, weights, source, spec, planner, options, poll)
-        if hit is not None:
-            hit.seconds = time.perf_counter() - start
-            hit.cache_key, hit.from_cache = key, True
-            return hit
+    if store is None or key is None:
+        return _fresh_plan(module, graphs, weights, source, spec, planner, options, poll,
+                           start, store, key)
+    hit = _cached_plan(store, key, graphs, weights, source, spec, planner, options, poll)
+    if hit is None:
+        # Processes sharing the cache directory plan a module once: the others wait for
+        # the entry of the one planning it (plan_cache.PlanCache.planning).
+        with store.planning(key, options.cancel):
+            hit = _cached_plan(store, key, graphs, weights, source, spec, planner, options,
+                               poll)
+            if hit is None:
+                return _fresh_plan(module, graphs, weights, source, spec, planner, options,
+                                   poll, start, store, key)
+    hit.seconds = time.perf_counter() - start
+    hit.cache_key, hit.from_cache = key, True
+    return hit
+
+
+def _fresh_plan(module: HloModule, graphs: list[OpGraph], weights: list[int], source: str,
+                spec: GpuSpec, planner: str, options: ExplorerOptions, poll: CancelPoll,
+                start: float, store: PlanCache | None, key: str | None) -> FusionPlan:
     results = [plan_graph(g, spec, planner, source, options, w, poll)
                for g, w in zip(graphs, weights)]
     fusion_plan = FusionPlan(module.name, spec.name, planner, source, results,

@@ -154,6 +154,7 @@ class StitchedFunction(SwitchingFunction):
     come from the stock ``jax.jit`` function."""
 
     entry_type = _Entry
+    job_decisions = True      # in a jax.distributed job, switch and keep with the job
 
     def __init__(self, fn: Callable, *, target: str | None, device: str | None,
                  async_compile: bool, verify: bool | int | None, guard: bool,
@@ -269,6 +270,8 @@ class StitchedFunction(SwitchingFunction):
         if key is _DELETED:
             return self._call_deleted(args, kwargs)
         entry, call_number = self._count_call(key, args, kwargs)
+        if self._undecided:
+            self._job_gate(call_number)
         if entry is None or entry.state != "ready":
             return self.stock(*args, **kwargs)
         if self._in_guard_trial(entry):
@@ -323,7 +326,7 @@ class StitchedFunction(SwitchingFunction):
         # jax shares one compiled-signature cache among all jax.jit wrappers of a function:
         # the first signature always takes the slow path; a later one that jax compiled
         # for another wrapper first stays on stock XLA (correct, just not stitched).
-        return (self._jax_cache_size and bool(entries)
+        return (self._jax_cache_size and bool(entries) and not self._undecided
                 and not any(e.state in ("ready", "dropped") for e in entries))
 
     def _call_stitched(self, entry: _Entry, dyn_args: tuple, dyn_kwargs: dict, args: tuple,

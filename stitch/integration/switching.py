@@ -86,6 +86,20 @@ def write_stats(path: str | None = None) -> str | None:
     return path
 
 
+_FUNCTION_KEYS: dict[str, int] = {}
+_FUNCTION_KEYS_LOCK = threading.Lock()
+
+
+def _function_key(qualname: str) -> str:
+    """A name for a function the same in every process of an SPMD job: its name and how
+    many functions of that name asked before it (asked at first compile, in call order)."""
+    with _FUNCTION_KEYS_LOCK:
+        index = _FUNCTION_KEYS.get(qualname, 0)
+        _FUNCTION_KEYS[qualname] = index + 1
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in qualname)[:80]
+    return f"{safe}.{index}"
+
+
 def _register_record(record: SignatureCounters) -> None:
     with _RECORDS_LOCK:
         if not _RECORDS and os.environ.get("STITCH_STATS", "").strip():
@@ -130,6 +144,14 @@ class SwitchEntry:
     # not take an entry whose compile is still being submitted for one that never will be.
     submitted: threading.Event = field(default_factory=threading.Event)
     counters: SignatureCounters = field(default_factory=lambda: SignatureCounters(""))
+    # In a multi-process job (job_decisions.py): the job's agreement about this signature,
+    # the n-th signature of its function, the call this process promised not to pass
+    # undecided, the call the job switches at.
+    agreement: Any = None
+    signature_index: int = 0
+    proposed: bool = False
+    promise_call: int = 0
+    switch_at: int | None = None
 
 
 class SwitchingFunction:
@@ -137,12 +159,15 @@ class SwitchingFunction:
 
     stock_name = "XLA"                 # the stock path, as log lines name it
     entry_type: type = SwitchEntry
+    job_decisions = False              # decide with the other processes of a jax job
 
     def _init_switching(self, guard: bool) -> None:
         self.guard = guard
         self.stats = SwitchStats()
         self._entries: dict[Any, SwitchEntry] = {}
         self._lock = threading.Lock()
+        self._job_key: str | None = None
+        self._undecided = 0            # entries waiting for the job's decision
 
     def _start_compile(self, entry: SwitchEntry, args: tuple, kwargs: dict,
                        call_number: int) -> None:
@@ -167,15 +192,21 @@ class SwitchingFunction:
                 entry.counters = SignatureCounters(self.__qualname__)
                 _register_record(entry.counters)
                 self.stats.signatures += 1
+                entry.signature_index = self.stats.signatures
                 while len(self._entries) > MAX_SIGNATURES:     # oldest first, as jax's cache
                     evicted = self._entries.pop(next(iter(self._entries)))
                     evicted.call = evicted.program = None
+                    if evicted.state == "deciding":   # evicted alike in every process
+                        evicted.state = "failed"
+                        self._undecided -= 1
                     if evicted.future is not None:
                         evicted.future.cancel()                  # if it is still waiting
             if entry is not None:
                 entry.counters.calls += 1
         if start:
             try:
+                if self.job_decisions and entry.agreement is None:
+                    entry.agreement = self._job_agreement(entry)
                 self._start_compile(entry, args, kwargs, call_number)
             finally:
                 entry.submitted.set()
@@ -208,7 +239,15 @@ class SwitchingFunction:
             entry.counters.state = "ready"
         entry.program = program
         entry.compiled_ok = True
-        entry.state = "ready"
+        if entry.agreement is None:
+            entry.state = "ready"
+            return
+        from .job_decisions import program_digest
+        try:
+            digest, problem = program_digest(program), ""
+        except Exception as exc:  # noqa: BLE001 - the job then stays on stock
+            digest, problem = None, f"no digest of its program: {exc}"
+        self._propose(entry, digest, problem)
 
     def _compile_failed(self, entry: SwitchEntry, elapsed: float, exc: BaseException) -> None:
         with self._lock:
@@ -222,6 +261,8 @@ class SwitchingFunction:
             entry.state, entry.reason, entry.call = "cancelled", reason, None
             entry.counters.state, entry.counters.fallback_reason = "cancelled", reason
             log.info("%s: %s", self.__qualname__, reason)
+            if entry.agreement is not None:
+                self._job_fail(entry, reason)
         elif isinstance(exc, KeyboardInterrupt):
             self._fail(entry, f"compile interrupted after {elapsed:.1f}s (KeyboardInterrupt)")
         else:
@@ -232,6 +273,12 @@ class SwitchingFunction:
         """Its compile was cancelled before it started (newer signatures filled the compile
         queue, or the signature was evicted): stock until its next call queues it again."""
         reason = "dropped from the compile queue before it started (newer compiles waiting)"
+        if entry.agreement is not None:
+            # The job agrees once per signature: a compile some process dropped is one the
+            # job does without (whether a queue overflows is each process's own timing).
+            if entry.state == "compiling":
+                self._fail(entry, reason)
+            return
         with self._lock:
             if entry.state != "compiling":
                 return
@@ -243,10 +290,15 @@ class SwitchingFunction:
     def _fail(self, entry: SwitchEntry, reason: str, quiet: bool = False) -> None:
         """The signature stays on stock for good; said as a warning unless ``quiet`` (the
         caller already gets the same error from the stock call)."""
+        was_deciding = entry.state == "deciding"
         entry.state, entry.reason, entry.call = "failed", reason, None
         entry.counters.state, entry.counters.fallback_reason = "failed", reason
         with self._lock:
             self.stats.fallbacks.append(reason)
+            if was_deciding:
+                self._undecided -= 1
+        if entry.agreement is not None:
+            self._job_fail(entry, reason)
         (log.debug if quiet else log.warning)("%s: falls back to %s: %s", self.__qualname__,
                                               self.stock_name, reason)
 
@@ -272,9 +324,23 @@ class SwitchingFunction:
                                                 or entry.trial_stitched))
             stock_ms = 1e3 * float(np.median(entry.trial_stock))
         kept = "xla" if stitched_ms > stock_ms else "stitched"
+        job_reason = ""
+        if entry.agreement is not None:
+            # One verdict for the job: process 0's timings (waited for, bounded, elsewhere).
+            verdict = entry.agreement.verdict({"kept": kept, "stitched_ms": stitched_ms,
+                                               "stock_ms": stock_ms})
+            kept = "stitched" if verdict.get("kept") == "stitched" else "xla"
+            stitched_ms = float(verdict.get("stitched_ms", stitched_ms))
+            stock_ms = float(verdict.get("stock_ms", stock_ms))
+            job_reason = str(verdict.get("reason", ""))
         with self._lock:
             self.stats.guard = {"stitched_ms": stitched_ms, "stock_ms": stock_ms, "kept": kept}
-        if kept == "xla":
+        if job_reason:
+            entry.state = entry.counters.state = "stock-faster"
+            entry.counters.fallback_reason = job_reason
+            log.warning("%s: the job stays on %s: %s", self.__qualname__, self.stock_name,
+                        job_reason)
+        elif kept == "xla":
             entry.state = "stock-faster"
             entry.counters.state = "stock-faster"
             log.info("%s: stays on %s on this device: stitched %.3f ms vs %s %.3f ms per "
@@ -283,6 +349,65 @@ class SwitchingFunction:
         else:
             log.info("%s: keeps the stitched kernels: %.3f ms vs %s %.3f ms per call",
                      self.__qualname__, stitched_ms, self.stock_name, stock_ms)
+
+    # --- one decision per job (job_decisions.py) -----------------------------------------
+    def _job_agreement(self, entry: SwitchEntry) -> Any:
+        """The job's agreement about ``entry`` when this process is one of several in a
+        jax.distributed job, else None (the process decides alone)."""
+        from .job_decisions import SignatureAgreement, current_store
+        store = current_store()
+        if store is None:
+            return None
+        if self._job_key is None:
+            self._job_key = _function_key(self.__qualname__)
+        return SignatureAgreement(store, self._job_key, entry.signature_index)
+
+    def _propose(self, entry: SwitchEntry, digest: str | None, problem: str) -> None:
+        """Tell the job this process's compile ended; it will not pass the promised call
+        (two calls on: a call already counted but not yet gated may be under way) without
+        the job's decision. Any thread."""
+        with self._lock:
+            if entry.proposed:
+                return
+            entry.proposed = True
+            entry.promise_call = self.stats.calls + 2
+            if digest is not None:
+                entry.state = entry.counters.state = "deciding"
+                self._undecided += 1
+        entry.agreement.propose(entry.promise_call, digest, problem)
+
+    def _job_fail(self, entry: SwitchEntry, reason: str) -> None:
+        """This process cannot go on with what the job chose: before the decision, its
+        proposal says so (the job stays stock); during the guard's trial, the verdict
+        becomes "xla" for every process."""
+        if not entry.proposed:
+            self._propose(entry, None, reason)
+        elif entry.switch_at is not None:
+            entry.agreement.refuse(reason)
+
+    def _job_gate(self, call_number: int) -> None:
+        """On the calling thread, before a call runs: each signature waiting for the job
+        gets its decision at the call this process promised (a bounded wait), and switches
+        at the call the job chose."""
+        if not self._undecided:
+            return
+        with self._lock:
+            waiting = [e for e in self._entries.values() if e.state == "deciding"]
+        for entry in waiting:
+            if entry.switch_at is None:
+                if call_number < entry.promise_call:
+                    continue
+                decision = entry.agreement.decide()
+                if not decision.switch:
+                    self._fail(entry, f"the job stays on {self.stock_name}: {decision.reason}")
+                    continue
+                entry.switch_at = decision.at_call
+                log.info("%s: the job (%d processes) switches at call %d",
+                         self.__qualname__, entry.agreement.store.size, decision.at_call)
+            if call_number >= entry.switch_at:
+                with self._lock:
+                    entry.state = entry.counters.state = "ready"
+                    self._undecided -= 1
 
     # --- waiting ------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
