@@ -107,6 +107,37 @@ ENTRY e {{
 """
 
 
+def _padded_softmax(dtype: str, pad: int = 3) -> str:
+    """Softmax over rows XLA pads before splitting (a 50257-wide vocabulary: padded by 3 to
+    140 * 359): each split reduction reads pad(x, init) — -inf for the max, 0 for the sum
+    of exp."""
+    r, s, i, n = ROWS, SPLIT, INNER, WIDTH - pad
+    return f"""HloModule m
+{REDUCERS}
+ENTRY e {{
+  xin = {dtype}[{r},{n}] parameter(0)
+  x = f32[{r},{n}] convert(xin)
+  ninf = f32[] constant(-inf)
+  z = f32[] constant(0)
+  xp = f32[{r},{WIDTH}] pad(x, ninf), padding=0_0x0_{pad}
+  x3 = f32[{r},{s},{i}] bitcast(xp)
+  m1 = f32[{r},{s}] reduce(x3, ninf), dimensions={{2}}, to_apply=max
+  mx = f32[{r}] reduce(m1, ninf), dimensions={{1}}, to_apply=max
+  mxb = f32[{r},{n}] broadcast(mx), dimensions={{0}}
+  sh = f32[{r},{n}] subtract(x, mxb)
+  ex = f32[{r},{n}] exponential(sh)
+  exp_ = f32[{r},{WIDTH}] pad(ex, z), padding=0_0x0_{pad}
+  ex3 = f32[{r},{s},{i}] bitcast(exp_)
+  s1 = f32[{r},{s}] reduce(ex3, z), dimensions={{2}}, to_apply=add
+  se = f32[{r}] reduce(s1, z), dimensions={{1}}, to_apply=add
+  seb = f32[{r},{n}] broadcast(se), dimensions={{0}}
+  sm = f32[{r},{n}] divide(ex, seb)
+  smo = {dtype}[{r},{n}] convert(sm)
+  ROOT t = ({dtype}[{r},{n}], f32[{r}]) tuple(smo, se)
+}}
+"""
+
+
 def _graph(text: str):
     module = parse_hlo(text)
     graph = build_op_graphs(module)[0]
@@ -297,8 +328,10 @@ def _compare_proofs(monkeypatch, graph, module, schedule) -> tuple[int, int]:
 
 @pytest.mark.parametrize("unit", ["block", "warp"])
 @pytest.mark.parametrize("text", [_softmax("f32"), _softmax("bf16"), _split_reduce("f32", "max"),
-                                  _split_reduce("bf16", "add", write_partials=True)],
-                         ids=["softmax", "softmax-bf16", "max", "written-partials"])
+                                  _split_reduce("bf16", "add", write_partials=True),
+                                  _padded_softmax("f32"), _padded_softmax("bf16")],
+                         ids=["softmax", "softmax-bf16", "max", "written-partials",
+                              "padded-softmax", "padded-softmax-bf16"])
 def test_compact_proof_lowers_split_kernels_right(monkeypatch, text, unit):
     import stitch.codegen.lower as lower
     module, graph, members = _graph(text)
@@ -465,3 +498,31 @@ def test_compact_reshape_and_broadcast_match_numpy(in_dims, out_dims, keep):
     b = compact_rows.broadcast(ids, out, tuple(range(1, len(in_dims) + 1)))
     want = np.broadcast_to(np.broadcast_to(ids, in_dims)[None, ..., None], out)
     assert np.array_equal(np.broadcast_to(b, out), want)
+
+
+@pytest.mark.parametrize("pads", [((0, 0, 0), (0, 3, 0)), ((1, 2, 0), (0, 3, 0)),
+                                  ((0, 0, 1), (-2, 1, 0)), ((0, -1, 0), (2, 0, 2))])
+@pytest.mark.parametrize("keep", [(0,), (1,), (0, 1)])
+def test_compact_pad_is_the_full_pad_where_rows_change(pads, keep):
+    """compact_rows.pad: along dims where the ids change it is the evaluator's pad with -1
+    (row-independent); along the others the result stays compact and each padding element
+    takes its row's id, so the full result equals the full pad wherever that pad is not -1
+    and names one of the row's ids where it is."""
+    from stitch.codegen import compact_rows
+    from stitch.hlo_passes.evaluator.shape_ops import pad_array
+    from stitch.hlo_passes.ir import PadDim
+    dims = (5, 7)
+    pad_dims = [PadDim(*p) for p in pads]
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 50, tuple(n if d in keep else 1 for d, n in enumerate(dims)))
+    got = compact_rows.pad(ids, pad_dims, 1 << 20)
+    want = pad_array(np.broadcast_to(ids, dims), -1, pad_dims)
+    assert got is not None and compact_rows.fits(got, want.shape)
+    full = np.broadcast_to(got, want.shape)
+    assert np.array_equal(full[want >= 0], want[want >= 0])
+    # Padding elements of a dim the ids are constant on carry that row's id, never -1.
+    if len(keep) == 1:
+        constant = 1 - keep[0]
+        along = np.moveaxis(full, constant, 0)
+        assert (along == along[:1]).all()
+    assert compact_rows.pad(ids, pad_dims, 1) is None or full.size <= 1

@@ -7,17 +7,20 @@ dims are the value's, or 1 along a dim where the ids do not change (``np.broadca
 gives the full array). Row ids usually depend on a few dims only (the batch dim of a
 row-wise op), so the compact form is small. The ops that carry such values in the zoo's
 kernels — elementwise ops (numpy broadcasting), broadcast, row-major reshape/bitcast,
-transpose, copy, reductions and gathers of a few elements per row — are transferred here;
+transpose, copy, pad (XLA pads a row to split its reduction in two), reductions and
+gathers of a few elements per row — are transferred here;
 anything else is refused by the caller as too large to prove.
 """
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import numpy as np
 
+from stitch.hlo_passes.evaluator.shape_ops import pad_array
 from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.ir import Shape
+from stitch.hlo_passes.ir import PadDim, Shape
 from stitch.hlo_passes.scatter_forms import known_index_values
 
 
@@ -90,6 +93,20 @@ def reshape(ids: np.ndarray, in_dims: tuple[int, ...], out_dims: tuple[int, ...]
     for q, d in enumerate(dst):
         shape[d] = target[q]
     return flat.reshape(shape)
+
+
+def pad(ids: np.ndarray, pads: Sequence[PadDim], limit: int) -> np.ndarray | None:
+    """HLO pad of a compact array (None: the result would exceed ``limit``). Along a dim
+    where the ids do not change (extent 1) it stays compact: each padding element takes the
+    id of the row around it. The padding value is row-independent, so that row's thread may
+    compute it; claiming a row is only ever stricter than -1. Along a full dim the padding
+    is -1 (row-independent), and edge cropping removes ids as it removes elements."""
+    full = [p if n > 1 else PadDim(0, 0, 0) for n, p in zip(ids.shape, pads)]
+    sizes = [max(p.low, 0) + n + max(n - 1, 0) * p.interior + max(p.high, 0)
+             for n, p in zip(ids.shape, full)]
+    if math.prod(sizes) > limit:
+        return None
+    return pad_array(ids, -1, full)
 
 
 def dims_ids(dims: tuple[int, ...], row_dims: tuple[int, ...]) -> np.ndarray:

@@ -50,7 +50,7 @@ from stitch.hlo_passes import combiners
 from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.ir import HloModule, Shape
+from stitch.hlo_passes.ir import HloModule, Shape, parse_padding
 from stitch.hlo_passes.literals import literal_to_numpy
 from stitch.hlo_passes.op_classes import OpClass
 from stitch.hlo_passes.grouped_scatter import (UNROLL_ROWS, GroupedScatter,
@@ -1110,6 +1110,12 @@ class _KernelBuilder:
                     not (compact_rows.is_row_major(src) and compact_rows.is_row_major(shape))):
                 return too_large    # a bitcast that is not a row-major reshape
             got = compact_rows.reshape(first, src.dims, shape.dims, ROW_CHECK_ELEMENTS)
+            return too_large if got is None else got
+        if node.opcode == "pad" and first is not None:
+            if node.operands[1] in ids_of:
+                return f"{node.name} pads with a row-dependent value"
+            got = compact_rows.pad(first, parse_padding(node.instruction.attrs["padding"]),
+                                   ROW_CHECK_ELEMENTS)
             return too_large if got is None else got
         if node.opcode == "reduce":
             got = _join_axes(node, first) if first is not None and len(node.operands) == 2 \
