@@ -171,6 +171,20 @@ def check_device(device: str | None) -> str | None:
     return _one_of(device, DEVICES, "device", f"stitched kernels run on {' or '.join(DEVICES)}")
 
 
+def check_options(*, async_compile: Any, verify: Any, guard: Any) -> None:
+    """stitch.jit's own switches: ``async_compile``/``guard`` None or a bool, ``verify`` None,
+    a bool or a whole N >= 1 (every N-th call); anything else a TypeError, as jax.jit
+    refuses an argument it cannot use."""
+    for name, value in (("async_compile", async_compile), ("guard", guard)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"stitch.jit: {name}={value!r}: expected True, False or None")
+    if verify is None or isinstance(verify, bool):
+        return
+    if not isinstance(verify, int) or verify < 1:
+        raise TypeError(f"stitch.jit: verify={verify!r}: expected True, False, None or a "
+                        "whole N >= 1 (every N-th stitched call)")
+
+
 def _one_of(value: str | None, allowed: tuple[str, ...], name: str, says: str) -> str | None:
     if value is None:
         return None

@@ -23,8 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .config import (Settings, check_device, check_target, configure_logging, injected_failure,
-                     log_kernels)
+from .config import (Settings, check_device, check_options, check_target, configure_logging,
+                     injected_failure, log_kernels)
 from stitch.errors import Cancelled, StitchError, StitchRuntimeError
 from .switching import SwitchEntry, SwitchingFunction
 from .verify import compare_trees
@@ -535,6 +535,15 @@ def _safe_signature(fn: Callable) -> inspect.Signature | None:
         return None
 
 
+def _argnums(argnums: Sequence[int] | None) -> tuple[int, ...]:
+    """static_argnums as a tuple; anything but whole numbers is a TypeError, as jax says it."""
+    got = tuple(argnums or ())
+    for i in got:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"static_argnums: {i!r} cannot be interpreted as an integer")
+    return got
+
+
 def jit(fn: Callable | None = None, *, target: str | None = None, device: str | None = None,
         async_compile: bool | None = None, verify: bool | None = None,
         guard: bool | None = None, static_argnums: int | Sequence[int] | None = None,
@@ -554,13 +563,14 @@ def jit(fn: Callable | None = None, *, target: str | None = None, device: str | 
     configure_logging()                  # before the settings: a problem is logged through it
     # A wrong argument is the caller's mistake: raised here, as jax.jit raises its own.
     target, device = check_target(target), check_device(device)
+    check_options(async_compile=async_compile, verify=verify, guard=guard)
     settings = Settings.read()           # unreadable ones: StitchedFunction stays stock
     options = dict(target=target, device=device,
                    async_compile=settings.async_compile if async_compile is None else async_compile,
                    verify=_verify_default(settings) if verify is None else verify,
                    guard=settings.guard if guard is None else guard,
                    static_argnums=(static_argnums,) if isinstance(static_argnums, int)
-                   else tuple(static_argnums or ()),
+                   else _argnums(static_argnums),
                    static_argnames=(static_argnames,) if isinstance(static_argnames, str)
                    else tuple(static_argnames or ()),
                    jit_kwargs=jit_kwargs, settings=settings)

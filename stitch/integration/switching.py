@@ -86,7 +86,8 @@ def write_stats(path: str | None = None) -> str | None:
     return path
 
 
-def _register_record(record: SignatureCounters) -> None:
+def register_record(record: SignatureCounters) -> None:
+    """Add ``record`` to what STITCH_STATS writes at exit."""
     with _RECORDS_LOCK:
         if not _RECORDS and os.environ.get("STITCH_STATS", "").strip():
             atexit.register(write_stats)
@@ -165,7 +166,7 @@ class SwitchingFunction:
             elif start:
                 entry = self._entries[key] = self.entry_type()
                 entry.counters = SignatureCounters(self.__qualname__)
-                _register_record(entry.counters)
+                register_record(entry.counters)
                 self.stats.signatures += 1
                 while len(self._entries) > MAX_SIGNATURES:     # oldest first, as jax's cache
                     evicted = self._entries.pop(next(iter(self._entries)))
