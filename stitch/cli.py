@@ -306,6 +306,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_settings(args: argparse.Namespace) -> int:
+    from stitch.integration.config import settings_markdown
+    print(settings_markdown())
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from stitch.integration.demo import run_demo
 
@@ -370,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-ptxas", action="store_true", help="skip the ptxas check")
     demo.add_argument("--json", metavar="OUT", help="also write the report as JSON")
     demo.set_defaults(func=_cmd_demo)
+    sub.add_parser("settings", help="the STITCH_* settings: accepted values, defaults, "
+                   "meaning (markdown)").set_defaults(func=_cmd_settings)
     return parser
 
 
@@ -377,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     args = build_parser().parse_args(argv)
-    level = (args.log or os.environ.get("STITCH_LOG") or "warning").upper()
+    from stitch.integration.config import setting_raw
+    level = (args.log or setting_raw("STITCH_LOG") or "warning").upper()
+    level = "INFO" if level == "KERNELS" else level
     logging.basicConfig(level=getattr(logging, level, logging.WARNING), stream=sys.stderr,
                         format="%(name)s %(levelname)s: %(message)s")
     try:

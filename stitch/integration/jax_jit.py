@@ -15,7 +15,6 @@ import atexit
 import functools
 import inspect
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .config import (Settings, check_device, check_options, check_target, configure_logging,
-                     injected_failure, log_kernels)
+                     injected_failure, log_kernels, setting_raw)
 from stitch.errors import Cancelled, StitchError, StitchRuntimeError
 from .switching import SwitchEntry, SwitchingFunction
 from .verify import compare_trees
@@ -523,7 +522,7 @@ def _default_device() -> str:
 
 def _verify_default(settings: Settings) -> bool | int | None:
     """STITCH_VERIFY when set; else None: the first stitched call verified on a GPU."""
-    if os.environ.get("STITCH_VERIFY", "").strip():
+    if (setting_raw("STITCH_VERIFY") or "").strip():
         return settings.verify
     return None
 

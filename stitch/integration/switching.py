@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .config import setting_raw
+
 log = logging.getLogger("stitch.jit")
 
 GUARD_CALLS = 5              # timed calls per side before the guard decides
@@ -70,7 +72,7 @@ def stats_records() -> list[dict]:
 
 def write_stats(path: str | None = None) -> str | None:
     """Write the records as JSON to ``path`` (default STITCH_STATS); the path written."""
-    path = path or os.environ.get("STITCH_STATS", "").strip() or None
+    path = path or (setting_raw("STITCH_STATS") or "").strip() or None
     if path is None:
         return None
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -89,7 +91,7 @@ def write_stats(path: str | None = None) -> str | None:
 def register_record(record: SignatureCounters) -> None:
     """Add ``record`` to what STITCH_STATS writes at exit."""
     with _RECORDS_LOCK:
-        if not _RECORDS and os.environ.get("STITCH_STATS", "").strip():
+        if not _RECORDS and (setting_raw("STITCH_STATS") or "").strip():
             atexit.register(write_stats)
         if len(_RECORDS) < MAX_RECORDS:
             _RECORDS.append(record)
