@@ -27,6 +27,7 @@ from .config import (Settings, check_device, check_options, check_target, config
 from stitch.errors import Cancelled, StitchError, StitchRuntimeError
 from .switching import SwitchEntry, SwitchingFunction
 from .verify import compare_trees
+from .xla_stderr import xla_stderr_captured
 
 log = logging.getLogger("stitch.jit")  # the user-facing hierarchy (STITCH_LOG)
 
@@ -413,19 +414,27 @@ class StitchedFunction(SwitchingFunction):
         from stitch.integration.xla_pass import PassRequest, compile_with_pass, ensure_registered
 
         start = time.perf_counter() - earlier
+        xla_said = None
         try:
             COMPILE_THREAD.check()         # queued before exit began: record it, do not compile
             device = entry.device = self.device or _default_device()
             ensure_registered("cpu" if device == "cpu" else "cuda")
             request = PassRequest(self.__qualname__, self.target, device,
                                   cancel=COMPILE_THREAD.stopping.is_set)
-            compiled, report = compile_with_pass(lowered, request)
+            # XLA's C++ lines about this attempt (a module it rejects before the retry)
+            # are said in one stitch line, not printed raw (xla_stderr.py).
+            with xla_stderr_captured() as xla_said:
+                compiled, report = compile_with_pass(lowered, request)
+            if xla_said.lines:
+                log.info("%s: XLA's log during stitch's compile, recovered from: %s",
+                         self.__qualname__, xla_said.gist())
             if not report.kernels_stitched:
                 raise StitchError(report.reason_nothing_stitched())
             if log_kernels():
                 log.info("%s: stitched module:\n%s", self.__qualname__, compiled.as_text())
         except BaseException as exc:  # noqa: BLE001 - any failure means stock XLA
-            self._compile_failed(entry, time.perf_counter() - start, exc)
+            self._compile_failed(entry, time.perf_counter() - start, exc,
+                                 xla_said=xla_said.gist() if xla_said is not None else "")
             if not isinstance(exc, Exception):
                 raise                            # Ctrl-C / SystemExit: recorded, then out
             return

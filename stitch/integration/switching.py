@@ -213,7 +213,9 @@ class SwitchingFunction:
         entry.compiled_ok = True
         entry.state = "ready"
 
-    def _compile_failed(self, entry: SwitchEntry, elapsed: float, exc: BaseException) -> None:
+    def _compile_failed(self, entry: SwitchEntry, elapsed: float, exc: BaseException,
+                        xla_said: str = "") -> None:
+        """``xla_said``: the gist of XLA's own log lines during the attempt (one line)."""
         with self._lock:
             self.stats.compile_seconds += elapsed
             entry.counters.compile_s = elapsed
@@ -228,8 +230,9 @@ class SwitchingFunction:
         elif isinstance(exc, KeyboardInterrupt):
             self._fail(entry, f"compile interrupted after {elapsed:.1f}s (KeyboardInterrupt)")
         else:
+            said = f" (XLA's log: {xla_said})" if xla_said else ""
             self._fail(entry, f"compile failed after {elapsed:.1f}s: {type(exc).__name__}: "
-                              f"{exc}")
+                              f"{exc}{said}")
 
     def _dropped_from_queue(self, entry: SwitchEntry) -> None:
         """Its compile was cancelled before it started (newer signatures filled the compile
