@@ -51,13 +51,34 @@ class SignatureCounters:
     # dropped kernels' lost µs by kind, the loop copies added); empty for a front end
     # whose program summary has none.
     delivered: dict = field(default_factory=dict)
+    # Where the stitched and the dropped kernels come from in the user's code
+    # (PassReport.sources(): {"stitched": {kernel: "layer (model.py:12)"}, "dropped": ...}).
+    where: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"function": self.function, "calls": self.calls,
                 "stitched_calls": self.stitched_calls,
                 "kernels_stitched": self.kernels_stitched, "kernels_xla": self.kernels_xla,
                 "compile_s": round(self.compile_s, 3), "state": self.state,
-                "fallback_reason": self.fallback_reason, **self.delivered}
+                "fallback_reason": self.fallback_reason, "where": self.where,
+                **self.delivered}
+
+
+MAX_WHERE_SHOWN = 6          # kernels per side the STITCH_LOG=info line names
+
+
+def where_line(sources: dict[str, dict[str, str]]) -> str:
+    """One line: each stitched kernel and each dropped one with where it comes from."""
+    parts = []
+    for side, label in (("stitched", "stitched kernels"), ("dropped", "left to XLA")):
+        kernels = sources.get(side) or {}
+        if not kernels:
+            continue
+        named = [f"{k} [{w}]" if w else k for k, w in list(kernels.items())[:MAX_WHERE_SHOWN]]
+        more = len(kernels) - MAX_WHERE_SHOWN
+        parts.append(f"{label} {len(kernels)}: " + "; ".join(named)
+                     + (f"; +{more} more" if more > 0 else ""))
+    return " | ".join(parts) or "no kernels"
 
 
 _RECORDS: list[SignatureCounters] = []
@@ -209,6 +230,10 @@ class SwitchingFunction:
             entry.counters.kernels_stitched = summary["stitched_kernels"]
             entry.counters.delivered = {k: summary[k] for k in DELIVERY_KEYS if k in summary}
             entry.counters.state = "ready"
+            sources = program.sources() if hasattr(program, "sources") else {}
+            entry.counters.where = sources
+        if sources:
+            log.info("%s: %s", self.__qualname__, where_line(sources))
         entry.program = program
         entry.compiled_ok = True
         entry.state = "ready"
