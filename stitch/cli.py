@@ -288,13 +288,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                           f"(stitch.hlo_passes.base_fusion), which cannot be imported: {exc}") from exc
     except StitchError as exc:
         raise StitchError(f"planning {origin} failed: {exc}") from exc
+    from .hlo_passes.source_lines import SourceLines, plan_sources
+    sources = SourceLines(module)
+    kernel_where = plan_sources(module, fusion_plan)
+
+    def node_where(graph, nid: int) -> str:
+        return sources.where([graph.nodes[nid].instruction])
+
     # Files first, so a reader closing stdout early (| head) cannot lose them.
     written = []
     if args.html or args.dot:
         from .explorer.render import to_dot, to_html
 
         def html_page(fusion_plan) -> str:
-            return to_html(fusion_plan, reasons=args.reasons)
+            return to_html(fusion_plan, reasons=args.reasons, source=node_where)
 
         for out, render, what in ((args.html, html_page, "HTML"), (args.dot, to_dot, "DOT")):
             if not out:
@@ -304,13 +311,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             except OSError as exc:
                 raise StitchError(f"cannot write {what} to {out!r}: {exc}") from exc
             written.append(f"wrote {what} to {out}")
-    from .hlo_passes.source_lines import SourceLines, plan_sources
-    sources = SourceLines(module)
-    kernel_where = plan_sources(module, fusion_plan)
-
-    def node_where(graph, nid: int) -> str:
-        return sources.where([graph.nodes[nid].instruction])
-
     if args.json:
         print(json.dumps(_plan_json(fusion_plan, origin, notes, args.reasons, kernel_where,
                                     node_where), indent=1))

@@ -316,3 +316,13 @@ def test_the_table_header_names_its_baseline(capsys, pre):
     header = next(line for line in out.splitlines() if line.rstrip().endswith("ratio"))
     assert ("baseline = base fusion" if pre else "baseline = XLA's fusion") in header
     assert ("weaker than XLA's own" in out) is pre
+
+
+def test_the_html_reasons_name_the_source_lines(capsys, tmp_path):
+    page = tmp_path / "plan.html"
+    rc, out, _ = _run(capsys, "--model", "bert_layer_infer", "--config", "tiny", "--reasons",
+                      "--html", str(page))
+    assert rc == 0
+    in_table = set(re.findall(r"\[at ([^\]]+)\]", out))
+    in_page = set(re.findall(r"\[at ([^\]]+)\]", page.read_text()))
+    assert in_table and in_page == in_table
