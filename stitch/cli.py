@@ -194,7 +194,8 @@ def _schedule_cell(kernel) -> str:
             f"L {kernel.modeled_us:.2f} µs")
 
 
-def _plan_json(fusion_plan, origin: str, notes: list[str], with_reasons: bool) -> dict:
+def _plan_json(fusion_plan, origin: str, notes: list[str], with_reasons: bool,
+               kernel_where: dict[str, str] | None = None, node_where=None) -> dict:
     graphs = []
     for result in fusion_plan.graphs:
         report = result.report
@@ -210,12 +211,15 @@ def _plan_json(fusion_plan, origin: str, notes: list[str], with_reasons: bool) -
         })
     out = {"module": fusion_plan.module_name, "input": origin, "notes": notes,
            "summary": fusion_plan.summary(), "graphs": graphs}
+    if kernel_where:
+        out["where"] = {k: w for k, w in kernel_where.items() if w}
     if with_reasons:
-        out["reasons"] = fusion_plan.reasons()
+        out["reasons"] = fusion_plan.reasons(node_where)
     return _json_safe(out)
 
 
-def _plan_table(fusion_plan, origin: str, notes: list[str]) -> str:
+def _plan_table(fusion_plan, origin: str, notes: list[str],
+                kernel_where: dict[str, str] | None = None) -> str:
     from .explorer.render import human_bytes, kernel_us, report_line, summary_rows
 
     summary = fusion_plan.summary()
@@ -225,8 +229,15 @@ def _plan_table(fusion_plan, origin: str, notes: list[str]) -> str:
     lines += [f"  note: {n}" for n in notes]
     lines += [f"  target {fusion_plan.target}, planner {fusion_plan.planner}, "
               f"baseline: {source} ({fusion_plan.baseline_source}), "
-              f"planned in {fusion_plan.seconds:.2f} s", "",
-              f"  {'':28s} {'baseline':>12s} {'stitched':>12s} {'ratio':>7s}"]
+              f"planned in {fusion_plan.seconds:.2f} s"]
+    if fusion_plan.baseline_source != "xla":
+        lines.append("  note: pre-optimization input: the baseline is stitch's base fusion, "
+                     "weaker than XLA's own; plan XLA's optimized module "
+                     "(jax.jit(f).lower(...).compile().as_text()) to compare with XLA")
+    # The header names the baseline: XLA's own fusion, or stitch's base fusion.
+    compared = ("baseline = XLA's fusion" if fusion_plan.baseline_source == "xla"
+                else "baseline = base fusion")
+    lines += ["", f"  {compared:28s} {'baseline':>12s} {'stitched':>12s} {'ratio':>7s}"]
     for label, base, stitched, ratio in summary_rows(summary):
         lines.append(f"  {label:28s} {base:>12s} {stitched:>12s} {ratio:>7s}")
     lines += ["", "  planner status per graph:"]
@@ -249,6 +260,8 @@ def _plan_table(fusion_plan, origin: str, notes: list[str]) -> str:
                          f"{len(kernel.members):4d} {human_bytes(kernel.cost.hbm_bytes):>10s} "
                          f"{kernel_us(kernel):9.2f}  {_schedule_cell(kernel)}")
             lines.append(f"  {'':4s}  {'':24s} ops: {shown}")
+            if (kernel_where or {}).get(kernel.name):
+                lines.append(f"  {'':4s}  {'':24s} from: {kernel_where[kernel.name]}")
     return "\n".join(lines)
 
 
@@ -275,13 +288,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                           f"(stitch.hlo_passes.base_fusion), which cannot be imported: {exc}") from exc
     except StitchError as exc:
         raise StitchError(f"planning {origin} failed: {exc}") from exc
+    from .hlo_passes.source_lines import SourceLines, plan_sources
+    sources = SourceLines(module)
+    kernel_where = plan_sources(module, fusion_plan)
+
+    def node_where(graph, nid: int) -> str:
+        return sources.where([graph.nodes[nid].instruction])
+
     # Files first, so a reader closing stdout early (| head) cannot lose them.
     written = []
     if args.html or args.dot:
         from .explorer.render import to_dot, to_html
 
         def html_page(fusion_plan) -> str:
-            return to_html(fusion_plan, reasons=args.reasons)
+            return to_html(fusion_plan, reasons=args.reasons, source=node_where)
 
         for out, render, what in ((args.html, html_page, "HTML"), (args.dot, to_dot, "DOT")):
             if not out:
@@ -292,17 +312,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 raise StitchError(f"cannot write {what} to {out!r}: {exc}") from exc
             written.append(f"wrote {what} to {out}")
     if args.json:
-        print(json.dumps(_plan_json(fusion_plan, origin, notes, args.reasons), indent=1))
+        print(json.dumps(_plan_json(fusion_plan, origin, notes, args.reasons, kernel_where,
+                                    node_where), indent=1))
     else:
-        print(_plan_table(fusion_plan, origin, notes))
+        print(_plan_table(fusion_plan, origin, notes, kernel_where))
         if args.reasons:
-            reasons = fusion_plan.reasons()
+            reasons = fusion_plan.reasons(node_where)
             print(f"\nwhy producers were not fused with their consumers ({len(reasons)}):")
             for line in reasons:
                 print(f"  {line}")
     # With --json, stdout carries the JSON document only: notices go to stderr.
     for line in written:
         print(line, file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _cmd_settings(args: argparse.Namespace) -> int:
+    from stitch.integration.config import settings_markdown
+    print(settings_markdown())
     return 0
 
 
@@ -370,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-ptxas", action="store_true", help="skip the ptxas check")
     demo.add_argument("--json", metavar="OUT", help="also write the report as JSON")
     demo.set_defaults(func=_cmd_demo)
+    sub.add_parser("settings", help="the STITCH_* settings: accepted values, defaults, "
+                   "meaning (markdown)").set_defaults(func=_cmd_settings)
     return parser
 
 
@@ -377,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     args = build_parser().parse_args(argv)
-    level = (args.log or os.environ.get("STITCH_LOG") or "warning").upper()
+    from stitch.integration.config import setting_raw
+    level = (args.log or setting_raw("STITCH_LOG") or "warning").upper()
+    level = "INFO" if level == "KERNELS" else level
     logging.basicConfig(level=getattr(logging, level, logging.WARNING), stream=sys.stderr,
                         format="%(name)s %(levelname)s: %(message)s")
     try:

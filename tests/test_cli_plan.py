@@ -67,7 +67,12 @@ def test_json_reasons(capsys):
                       "--reasons")
     assert rc == 0
     doc = json.loads(out)
-    assert doc["reasons"] == _plan_fixture("bert_layer_infer", "tiny", "h100").reasons()
+    # Each reason as the plan gives it, then where the producer is in the model's source.
+    plain = [re.sub(r" \[at [^\]]*\]$", "", line) for line in doc["reasons"]]
+    assert plain == _plan_fixture("bert_layer_infer", "tiny", "h100").reasons()
+    placed = [line for line in doc["reasons"] if re.search(r" \[at .*\.py:\d+", line)]
+    assert placed and len(placed) >= len(doc["reasons"]) // 2, doc["reasons"]
+    assert doc["where"] and all(re.search(r"\.py:\d+", w) for w in doc["where"].values())
 
 
 def test_table_shows_both_sides_and_kernels(capsys):
@@ -299,3 +304,25 @@ def test_xla_units_flag_plans_as_the_pass_does(capsys):
     assert _without_time(doc["summary"]) == _without_time(units.summary())
     assert [k["ops"] for k in doc["graphs"][0]["stitched"]] != \
         [ops.graphs[0].stitched.ops(k) for k in ops.graphs[0].stitched.kernels]
+
+
+@pytest.mark.parametrize("pre", [False, True])
+def test_the_table_header_names_its_baseline(capsys, pre):
+    """XLA's own fusion for XLA's optimized module; stitch's base fusion (weaker, said so)
+    for pre-optimization HLO."""
+    rc, out, _ = _run(capsys, "--model", "layer_norm", "--config", "tiny",
+                      *(["--pre"] if pre else []))
+    assert rc == 0
+    header = next(line for line in out.splitlines() if line.rstrip().endswith("ratio"))
+    assert ("baseline = base fusion" if pre else "baseline = XLA's fusion") in header
+    assert ("weaker than XLA's own" in out) is pre
+
+
+def test_the_html_reasons_name_the_source_lines(capsys, tmp_path):
+    page = tmp_path / "plan.html"
+    rc, out, _ = _run(capsys, "--model", "bert_layer_infer", "--config", "tiny", "--reasons",
+                      "--html", str(page))
+    assert rc == 0
+    in_table = set(re.findall(r"\[at ([^\]]+)\]", out))
+    in_page = set(re.findall(r"\[at ([^\]]+)\]", page.read_text()))
+    assert in_table and in_page == in_table

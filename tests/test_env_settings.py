@@ -91,3 +91,23 @@ def test_stitch_enable_neither_on_nor_off_is_said(value, said) -> None:
                          capture_output=True, text=True, timeout=120, cwd=root)
     assert run.returncode == 0, run.stderr
     assert ("stitch stays off" in run.stderr) is said, run.stderr
+
+
+@pytest.mark.parametrize("kwargs,error", [({"verify": "yes"}, TypeError),
+                                          ({"verify": 0}, TypeError),
+                                          ({"guard": "no"}, TypeError),
+                                          ({"async_compile": 2}, TypeError),
+                                          ({"static_argnums": "a"}, TypeError),
+                                          ({"static_argnums": 5}, ValueError)])
+def test_stitch_jit_checks_its_switches_as_jax_jit_does(kwargs, error) -> None:
+    """A switch stitch cannot use is refused when the function is made, not later."""
+    import stitch
+
+    def f(x, y):
+        return x + y
+
+    with pytest.raises(error):
+        stitch.jit(f, **kwargs)
+    with pytest.raises(error):
+        stitch.jit(**kwargs)(f)
+    assert stitch.jit(f, verify=3, guard=False, async_compile=True) is not None

@@ -27,3 +27,19 @@ def test_readme_snippet_runs(index):
                          text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": ROOT, "STITCH_ASYNC": "0"})
     assert run.returncode == 0, f"snippet {index}:\n{code}\n{run.stderr[-2000:]}"
+
+
+def test_the_first_screen_holds_the_two_commands():
+    """A newcomer's first 40 lines: the main job's command and the test commands, the quick
+    one among them; every quick file named exists (a renamed one would shrink the subset)."""
+    from pathlib import Path
+
+    from tests.conftest import QUICK_FILES
+    first = "\n".join(README.splitlines()[:40])
+    assert 'pip install -e ".[jax]" && stitch demo' in first
+    assert "python -m pytest -q -m quick" in first
+    with open(os.path.join(ROOT, ".ci", "run")) as ci:
+        full = next(line for line in ci if "python -m pytest -q" in line).strip()
+    assert full.split("&& scripts/device_stack_check.sh")[0].strip() in first
+    missing = {name for name in QUICK_FILES if not (Path(ROOT) / "tests" / name).is_file()}
+    assert missing == set()

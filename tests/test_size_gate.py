@@ -44,3 +44,31 @@ def test_min_bytes_setting(monkeypatch) -> None:
     monkeypatch.setenv("STITCH_MIN_BYTES", "lots")
     with pytest.raises(SizeSettingError):
         min_bytes_setting()
+
+
+def test_a_skip_below_the_gate_is_said_once_and_recorded(monkeypatch, caplog) -> None:
+    """The function's name and its bytes against the gate, once; STITCH_STATS holds a
+    ``below-size-gate`` record with every call counted."""
+    import logging
+
+    from stitch.integration.switching import stats_records
+    rng = np.random.default_rng()
+    monkeypatch.setenv("STITCH_MIN_BYTES", "1000000")
+    fake = _patched_jax()
+
+    def tiny_update(x):
+        return x * 3.0 - 1.0
+
+    fn = fake.jit(tiny_update)
+    calls = int(rng.integers(3, 9))
+    n = int(rng.integers(4, 64))
+    with caplog.at_level(logging.INFO, logger="stitch.autoload"):
+        for _ in range(calls):
+            x = rng.standard_normal(n).astype(np.float32)
+            np.testing.assert_allclose(np.asarray(fn(x)), x * 3.0 - 1.0, rtol=1e-6, atol=1e-6)
+    said = [r.getMessage() for r in caplog.records if "STITCH_MIN_BYTES" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "tiny_update" in said[0] and f"{4 * n} bytes" in said[0] and "1000000" in said[0]
+    mine = [r for r in stats_records() if r["function"].endswith("tiny_update")
+            and r["state"] == "below-size-gate"]
+    assert len(mine) == 1 and mine[0]["calls"] == calls, mine

@@ -192,8 +192,12 @@ def test_stitch_stats_file_at_exit(tmp_path):
     from stitch.integration.switching import DELIVERY_KEYS
     assert set(records[0]) == {"function", "calls", "stitched_calls", "kernels_stitched",
                                "kernels_xla", "compile_s", "state", "fallback_reason",
-                               *DELIVERY_KEYS}
+                               "where", *DELIVERY_KEYS}
     assert records[0]["delivered_mem_us"] <= records[0]["xla_mem_us"]
+    # Each stitched kernel traced to this script's step (its ops are on its last line).
+    stitched = records[0]["where"]["stitched"]
+    assert len(stitched) == records[0]["kernels_stitched"]
+    assert all(w.startswith("step (") for w in stitched.values()), stitched
 
 
 def test_data_parallel_step_on_four_host_devices_keeps_shardings():

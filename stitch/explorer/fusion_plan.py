@@ -3,6 +3,7 @@ and stitched kernel plans and the planner's report."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from stitch.hlo_passes.graph import OpGraph
 
@@ -44,8 +45,9 @@ class FusionPlan:
                 "baseline_source": self.baseline_source, "target": self.target,
                 "planner": self.planner, "plan_seconds": round(self.seconds, 3)}
 
-    def reasons(self) -> list[str]:
-        """Why producers were not fused with their consumers in the stitched plan."""
+    def reasons(self, source: Callable[[OpGraph, int], str] | None = None) -> list[str]:
+        """Why producers were not fused with their consumers in the stitched plan;
+        ``source(graph, node)``: the producer's place in the user's code, added where known."""
         lines = []
         for g in self.graphs:
             graph = g.graph
@@ -61,5 +63,7 @@ class FusionPlan:
                         continue
                     reason = g.reasons.get((node.id, u), "another pattern scored higher "
                                            "in beam search")
-                    lines.append(f"{graph.name}: {node.name} -> {graph.nodes[u].name}: {reason}")
+                    at = source(graph, node.id) if source is not None else ""
+                    lines.append(f"{graph.name}: {node.name} -> {graph.nodes[u].name}: {reason}"
+                                 + (f" [at {at}]" if at else ""))
         return lines

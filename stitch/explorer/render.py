@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import html
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.op_classes import OpClass
@@ -371,7 +371,8 @@ def _html_reasons(all_reasons: list[str], result: GraphResult) -> list[str]:
     return out
 
 
-def to_html(plan: FusionPlan, reasons: bool = False) -> str:
+def to_html(plan: FusionPlan, reasons: bool = False,
+            source: Callable[[OpGraph, int], str] | None = None) -> str:
     """A self-contained HTML page (inline CSS and SVG, no scripts): the summary table, then
     per graph the baseline and stitched plans side by side, each as a dataflow picture
     (``plan_svg``) and as its kernels in launch order; ``reasons`` adds, per graph, why
@@ -390,7 +391,8 @@ def to_html(plan: FusionPlan, reasons: bool = False) -> str:
            f'other side (b = baseline, s = stitched).</p>',
            '<table class="summary"><tr><th></th><th>baseline</th><th>stitched</th>'
            f'<th>stitched / baseline</th></tr>{rows}</table>']
-    all_reasons = plan.reasons() if reasons else []
+    # source(graph, node): the producer's place in the user's code (FusionPlan.reasons)
+    all_reasons = plan.reasons(source) if reasons else []
     for gi, result in enumerate(plan.graphs):
         out += _html_graph(result, gi)
         if reasons:

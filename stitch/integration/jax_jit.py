@@ -15,7 +15,6 @@ import atexit
 import functools
 import inspect
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -23,11 +22,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .config import (Settings, check_device, check_target, configure_logging, injected_failure,
-                     log_kernels)
+from .config import (Settings, check_device, check_options, check_target, configure_logging,
+                     injected_failure, log_kernels, setting_raw)
 from stitch.errors import Cancelled, StitchError, StitchRuntimeError
 from .switching import SwitchEntry, SwitchingFunction
 from .verify import compare_trees
+from .xla_stderr import xla_stderr_captured
 
 log = logging.getLogger("stitch.jit")  # the user-facing hierarchy (STITCH_LOG)
 
@@ -417,19 +417,27 @@ class StitchedFunction(SwitchingFunction):
         from stitch.integration.xla_pass import PassRequest, compile_with_pass, ensure_registered
 
         start = time.perf_counter() - earlier
+        xla_said = None
         try:
             COMPILE_THREAD.check()         # queued before exit began: record it, do not compile
             device = entry.device = self.device or _default_device()
             ensure_registered("cpu" if device == "cpu" else "cuda")
             request = PassRequest(self.__qualname__, self.target, device,
                                   cancel=COMPILE_THREAD.stopping.is_set)
-            compiled, report = compile_with_pass(lowered, request)
+            # XLA's C++ lines about this attempt (a module it rejects before the retry)
+            # are said in one stitch line, not printed raw (xla_stderr.py).
+            with xla_stderr_captured() as xla_said:
+                compiled, report = compile_with_pass(lowered, request)
+            if xla_said.lines:
+                log.info("%s: XLA's log during stitch's compile, recovered from: %s",
+                         self.__qualname__, xla_said.gist())
             if not report.kernels_stitched:
                 raise StitchError(report.reason_nothing_stitched())
             if log_kernels():
                 log.info("%s: stitched module:\n%s", self.__qualname__, compiled.as_text())
         except BaseException as exc:  # noqa: BLE001 - any failure means stock XLA
-            self._compile_failed(entry, time.perf_counter() - start, exc)
+            self._compile_failed(entry, time.perf_counter() - start, exc,
+                                 xla_said=xla_said.gist() if xla_said is not None else "")
             if not isinstance(exc, Exception):
                 raise                            # Ctrl-C / SystemExit: recorded, then out
             return
@@ -526,7 +534,7 @@ def _default_device() -> str:
 
 def _verify_default(settings: Settings) -> bool | int | None:
     """STITCH_VERIFY when set; else None: the first stitched call verified on a GPU."""
-    if os.environ.get("STITCH_VERIFY", "").strip():
+    if (setting_raw("STITCH_VERIFY") or "").strip():
         return settings.verify
     return None
 
@@ -536,6 +544,15 @@ def _safe_signature(fn: Callable) -> inspect.Signature | None:
         return inspect.signature(fn)
     except (TypeError, ValueError):
         return None
+
+
+def _argnums(argnums: Sequence[int] | None) -> tuple[int, ...]:
+    """static_argnums as a tuple; anything but whole numbers is a TypeError, as jax says it."""
+    got = tuple(argnums or ())
+    for i in got:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"static_argnums: {i!r} cannot be interpreted as an integer")
+    return got
 
 
 def jit(fn: Callable | None = None, *, target: str | None = None, device: str | None = None,
@@ -557,13 +574,14 @@ def jit(fn: Callable | None = None, *, target: str | None = None, device: str | 
     configure_logging()                  # before the settings: a problem is logged through it
     # A wrong argument is the caller's mistake: raised here, as jax.jit raises its own.
     target, device = check_target(target), check_device(device)
+    check_options(async_compile=async_compile, verify=verify, guard=guard)
     settings = Settings.read()           # unreadable ones: StitchedFunction stays stock
     options = dict(target=target, device=device,
                    async_compile=settings.async_compile if async_compile is None else async_compile,
                    verify=_verify_default(settings) if verify is None else verify,
                    guard=settings.guard if guard is None else guard,
                    static_argnums=(static_argnums,) if isinstance(static_argnums, int)
-                   else tuple(static_argnums or ()),
+                   else _argnums(static_argnums),
                    static_argnames=(static_argnames,) if isinstance(static_argnames, str)
                    else tuple(static_argnames or ()),
                    jit_kwargs=jit_kwargs, settings=settings)

@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable
 
 from stitch.hlo_passes import HloModule
+from stitch.hlo_passes.source_lines import plan_sources
 from stitch.errors import Cancelled, StitchError
 
 from .config import grid_sync_on_gpu
@@ -145,7 +146,8 @@ def _plan_and_build_once(module: HloModule, request: PassRequest,
     summary = fusion_plan.summary()
     report = PassReport(module.name, summary["baseline"]["kernels"],
                         summary["baseline"]["kernels"], 0, plan=fusion_plan,
-                        segment_rows=list(rows.reductions))
+                        segment_rows=list(rows.reductions),
+                        where=plan_sources(module, fusion_plan, request.metadata_text))
     # The kernels are lowered from the planned graphs: their constants are the planned
     # module's.
     evaluator = Evaluator(rows.planned)

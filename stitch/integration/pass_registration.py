@@ -47,6 +47,7 @@ from stitch.hlo_passes import HloModule, parse_hlo, print_hlo
 from stitch.errors import Cancelled
 
 from .collector import fewer_collections
+from .config import setting_raw
 from .pass_planning import stitch_module
 from .pass_request import REQUEST_ATTR, PassError, PassReport, PassRequest, live_request
 
@@ -157,6 +158,7 @@ def xla_callback(data: bytes) -> bytes | None:
             log.debug("%s: pass called again (module %s); left to XLA", request.function,
                       text[:60])
             return None
+        request.metadata_text = metadata_text(data) if wants_sources() else ""
         new_text = stitch_module_text(text, request)
         if new_text is None:
             return None
@@ -261,6 +263,26 @@ def _dump_summary(path: str | None, report: PassReport) -> None:
             json.dump(report.summary(), f)
     except OSError as exc:
         log.warning("%s: could not write the summary: %s", DUMP_ENV, exc)
+
+
+def wants_sources() -> bool:
+    """Whether anyone reads the kernels' source lines (STITCH_LOG=info or STITCH_STATS):
+    printing XLA's module again with its metadata costs ~0.1 s on a large module."""
+    return (logging.getLogger("stitch").isEnabledFor(logging.INFO)
+            or bool((setting_raw("STITCH_STATS") or "").strip()))
+
+
+def metadata_text(data: bytes) -> str:
+    """XLA's module (a serialized proto) printed with its metadata and source tables."""
+    try:
+        from jaxlib import _hlo
+        options = _hlo.HloPrintOptions.short_parsable()
+        options.print_metadata = True
+        options.print_large_constants = False
+        return _hlo.XlaComputation(data).get_hlo_module().to_string(options)
+    except Exception as exc:  # noqa: BLE001 - the source lines are a nicety
+        log.debug("no source lines for the report: %s", exc)
+        return ""
 
 
 def stitch_module_text(text: str, request: PassRequest) -> str | None:

@@ -64,6 +64,17 @@ class PassReport:
     # XLA's scatters (fused) the plan computed as row reductions: proved sorted fixed-length
     # segments (stitch.integration.segment_rows); placed where a placed kernel holds them.
     segment_rows: list[str] = field(default_factory=list)
+    # Each planned stitched kernel's place in the user's code (its functions, file:line,
+    # from XLA's metadata; stitch.hlo_passes.source_lines), "" where XLA kept none.
+    where: dict[str, str] = field(default_factory=dict)
+
+    def sources(self) -> dict[str, dict[str, str]]:
+        """Where the placed kernels and the dropped ones come from (STITCH_STATS' ``where``)."""
+        placed = set(self.placed)
+        dropped = [n for n, r in self.skipped + self.fallbacks
+                   if n not in placed and not r.startswith("same as XLA")]
+        return {"stitched": {n: self.where.get(n, "") for n in self.placed},
+                "dropped": {n: self.where.get(n, "") for n in dict.fromkeys(dropped)}}
 
     def summary(self) -> dict:
         return {"kernels_before": self.kernels_xla, "kernels_after": self.kernels_after,
@@ -98,6 +109,9 @@ class PassRequest:
     report: PassReport | None = None
     error: BaseException | None = None
     calls: int = 0                                # modules of this request the pass saw
+    # XLA's module printed with its metadata (op_name, source lines), read for the report's
+    # ``where`` only: the pass's own text is printed without (pass_registration).
+    metadata_text: str = ""
     # GPU, where ``early_ptx_children()``: the PTX children, started as the compile begins
     # (``__enter__``) so that their start-up runs during XLA's own passes; the pass takes
     # them. Elsewhere the pass starts them as it begins, during planning.

@@ -3,14 +3,18 @@ signature would get a background compile with the pass. Tiny jits (an optimizer'
 update, a metric, a PRNG split) cannot repay that: ``SizeGated`` runs calls whose array
 arguments total under ``STITCH_MIN_BYTES`` (default ``MIN_BYTES`` = 1 MiB; ``0``/``off``:
 every call stitched) on stock ``jax.jit`` and makes the ``stitch.jit`` function only at the
-first call at or above it.
+first call at or above it. The first call below the gate is said once at ``STITCH_LOG=info``
+(the function's name, its argument bytes, the gate) and the calls below it are counted in a
+STITCH_STATS record of state ``below-size-gate``.
 """
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable
 
 from .config import ConfigError, env_count
+from .switching import SignatureCounters, register_record
 
 log = logging.getLogger("stitch.autoload")
 MIN_BYTES = 1 << 20
@@ -48,19 +52,37 @@ class SizeGated:
         self._make_stitched = make_stitched
         self._stitched: Any = None
         self.min_bytes = min_bytes
+        self._below: SignatureCounters | None = None   # the calls kept stock, once there is one
+        self._count_lock = threading.Lock()
         self.__wrapped__ = fun
         self.__name__ = getattr(fun, "__name__", "fn")
         self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
         self.__doc__ = getattr(fun, "__doc__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._stitched is None and argument_bytes(args, kwargs) < self.min_bytes:
-            return self._stock(*args, **kwargs)
+        if self._stitched is None:
+            size = argument_bytes(args, kwargs)
+            if size < self.min_bytes:
+                self._count_below(size)
+                return self._stock(*args, **kwargs)
         if self._stitched is None:
             self._stitched = self._make_stitched()
             log.debug("%s: arguments of %d bytes or more: stitched", self.__qualname__,
                       self.min_bytes)
         return self._stitched(*args, **kwargs)
+
+    def _count_below(self, size: int) -> None:
+        """Count a call kept on stock jax.jit; the first one is said and recorded."""
+        with self._count_lock:
+            if self._below is not None:
+                self._below.calls += 1
+                return
+            reason = (f"arguments of {size} bytes are under STITCH_MIN_BYTES={self.min_bytes}: "
+                      "stays on stock jax.jit (STITCH_MIN_BYTES=0 stitches every call)")
+            self._below = SignatureCounters(self.__qualname__, calls=1,
+                                            state="below-size-gate", fallback_reason=reason)
+        register_record(self._below)
+        log.info("%s: %s", self.__qualname__, reason)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_stock"], name)

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .config import setting_raw
+
 log = logging.getLogger("stitch.jit")
 
 GUARD_CALLS = 5              # timed calls per side before the guard decides
@@ -49,13 +51,34 @@ class SignatureCounters:
     # dropped kernels' lost µs by kind, the loop copies added); empty for a front end
     # whose program summary has none.
     delivered: dict = field(default_factory=dict)
+    # Where the stitched and the dropped kernels come from in the user's code
+    # (PassReport.sources(): {"stitched": {kernel: "layer (model.py:12)"}, "dropped": ...}).
+    where: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"function": self.function, "calls": self.calls,
                 "stitched_calls": self.stitched_calls,
                 "kernels_stitched": self.kernels_stitched, "kernels_xla": self.kernels_xla,
                 "compile_s": round(self.compile_s, 3), "state": self.state,
-                "fallback_reason": self.fallback_reason, **self.delivered}
+                "fallback_reason": self.fallback_reason, "where": self.where,
+                **self.delivered}
+
+
+MAX_WHERE_SHOWN = 6          # kernels per side the STITCH_LOG=info line names
+
+
+def where_line(sources: dict[str, dict[str, str]]) -> str:
+    """One line: each stitched kernel and each dropped one with where it comes from."""
+    parts = []
+    for side, label in (("stitched", "stitched kernels"), ("dropped", "left to XLA")):
+        kernels = sources.get(side) or {}
+        if not kernels:
+            continue
+        named = [f"{k} [{w}]" if w else k for k, w in list(kernels.items())[:MAX_WHERE_SHOWN]]
+        more = len(kernels) - MAX_WHERE_SHOWN
+        parts.append(f"{label} {len(kernels)}: " + "; ".join(named)
+                     + (f"; +{more} more" if more > 0 else ""))
+    return " | ".join(parts) or "no kernels"
 
 
 _RECORDS: list[SignatureCounters] = []
@@ -70,7 +93,7 @@ def stats_records() -> list[dict]:
 
 def write_stats(path: str | None = None) -> str | None:
     """Write the records as JSON to ``path`` (default STITCH_STATS); the path written."""
-    path = path or os.environ.get("STITCH_STATS", "").strip() or None
+    path = path or (setting_raw("STITCH_STATS") or "").strip() or None
     if path is None:
         return None
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -100,9 +123,10 @@ def _function_key(qualname: str) -> str:
     return f"{safe}.{index}"
 
 
-def _register_record(record: SignatureCounters) -> None:
+def register_record(record: SignatureCounters) -> None:
+    """Add ``record`` to what STITCH_STATS writes at exit."""
     with _RECORDS_LOCK:
-        if not _RECORDS and os.environ.get("STITCH_STATS", "").strip():
+        if not _RECORDS and (setting_raw("STITCH_STATS") or "").strip():
             atexit.register(write_stats)
         if len(_RECORDS) < MAX_RECORDS:
             _RECORDS.append(record)
@@ -190,7 +214,7 @@ class SwitchingFunction:
             elif start:
                 entry = self._entries[key] = self.entry_type()
                 entry.counters = SignatureCounters(self.__qualname__)
-                _register_record(entry.counters)
+                register_record(entry.counters)
                 self.stats.signatures += 1
                 entry.signature_index = self.stats.signatures
                 while len(self._entries) > MAX_SIGNATURES:     # oldest first, as jax's cache
@@ -237,6 +261,10 @@ class SwitchingFunction:
             entry.counters.kernels_stitched = summary["stitched_kernels"]
             entry.counters.delivered = {k: summary[k] for k in DELIVERY_KEYS if k in summary}
             entry.counters.state = "ready"
+            sources = program.sources() if hasattr(program, "sources") else {}
+            entry.counters.where = sources
+        if sources:
+            log.info("%s: %s", self.__qualname__, where_line(sources))
         entry.program = program
         entry.compiled_ok = True
         if entry.agreement is None:
@@ -249,7 +277,9 @@ class SwitchingFunction:
             digest, problem = None, f"no digest of its program: {exc}"
         self._propose(entry, digest, problem)
 
-    def _compile_failed(self, entry: SwitchEntry, elapsed: float, exc: BaseException) -> None:
+    def _compile_failed(self, entry: SwitchEntry, elapsed: float, exc: BaseException,
+                        xla_said: str = "") -> None:
+        """``xla_said``: the gist of XLA's own log lines during the attempt (one line)."""
         with self._lock:
             self.stats.compile_seconds += elapsed
             entry.counters.compile_s = elapsed
@@ -266,8 +296,9 @@ class SwitchingFunction:
         elif isinstance(exc, KeyboardInterrupt):
             self._fail(entry, f"compile interrupted after {elapsed:.1f}s (KeyboardInterrupt)")
         else:
+            said = f" (XLA's log: {xla_said})" if xla_said else ""
             self._fail(entry, f"compile failed after {elapsed:.1f}s: {type(exc).__name__}: "
-                              f"{exc}")
+                              f"{exc}{said}")
 
     def _dropped_from_queue(self, entry: SwitchEntry) -> None:
         """Its compile was cancelled before it started (newer signatures filled the compile
