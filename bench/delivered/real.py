@@ -101,7 +101,11 @@ def measure_one(name: str) -> dict:
             "lower_s": round(lower_s, 1), "xla_compile_s": round(stock_s, 1),
             "stitched_compile_s": round(stitched_s, 1),
             "stock_memory": stock_mem, "stitched_memory": peak_memory(result.compiled),
-            "left": left}
+            "left": left,
+            "dropped": [[k.name, k.kind, round(k.planned_saving_us, 1), k.reason[:200]]
+                        for k in sorted(report.delivery.dropped,
+                                        key=lambda k: -k.planned_saving_us)[:5]]
+            if report.delivery is not None else []}
 
 
 def collect(names: list[str], timeout: float = 1800.0) -> list[dict]:
@@ -159,6 +163,13 @@ def markdown(rows: list[dict], command: str) -> str:
             f"{r['xla_compile_s']:.1f} / {r['stitched_compile_s']:.1f} | "
             f"{_gb(sm['peak'])} / {_gb(tm['peak'])} | {_gb(sm['alias'])} / "
             f"{_gb(tm['alias'])} | {_left(r)} |")
+    drops = [(r["step"], d) for r in rows if "error" not in r for d in r.get("dropped", [])
+             if d[2] >= 1.0]
+    if drops:
+        lines += ["", "Planned kernels that did not reach the module (largest planned saving "
+                  "first, up to 5 per step):", ""]
+        lines += [f"- {step}: {name} ({kind}, {saving:,.0f} µs): {reason}"
+                  for step, (name, kind, saving, reason) in drops]
     return "\n".join(lines)
 
 
