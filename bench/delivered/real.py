@@ -136,7 +136,8 @@ def markdown(rows: list[dict], command: str) -> str:
              "module → the module the pass returns), *share* (of the plan's saving, what "
              "reached the module), *whole step* (every kernel, GEMMs at the H100's "
              "achievable tensor-core rate for their operand type and precision on both "
-             "sides: stitch/cost/gemm_rates.py). **Counted**: *mem bytes* (HBM bytes of the "
+             "sides: stitch/cost/gemm_rates.py; *GEMMs*: XLA's whole step less its "
+             "memory-intensive kernels, i.e. its GEMM kernels). **Counted**: *mem bytes* (HBM bytes of the "
              "memory-intensive kernels as the model counts them, delivered / XLA), *compile "
              "s* (wall clock, stock / with the pass; the machine is shared: ratios, not "
              "absolutes), *peak* (XLA's buffer assignment of each final module, "
@@ -159,10 +160,18 @@ def markdown(rows: list[dict], command: str) -> str:
             f"({r['xla_mem_us'] / max(r['delivered_mem_us'], 1e-9):.2f}×) | {share} | "
             f"{r['delivered_mem_bytes'] / max(r['xla_mem_bytes'], 1):.2f} | "
             f"{r['xla_us'] / 1e3:,.1f} → {r['delivered_us'] / 1e3:,.1f} "
-            f"({r['xla_us'] / max(r['delivered_us'], 1e-9):.2f}×) | "
+            f"({r['xla_us'] / max(r['delivered_us'], 1e-9):.2f}×; GEMMs "
+            f"{(r['xla_us'] - r['xla_mem_us']) / 1e3:,.1f}) | "
             f"{r['xla_compile_s']:.1f} / {r['stitched_compile_s']:.1f} | "
             f"{_gb(sm['peak'])} / {_gb(tm['peak'])} | {_gb(sm['alias'])} / "
             f"{_gb(tm['alias'])} | {_left(r)} |")
+    unaliased = [r["step"] for r in rows if "error" not in r
+                 and r["stock_memory"]["alias"] > 0 and r["stitched_memory"]["alias"] == 0]
+    if unaliased:
+        lines += ["", "The stitched modules alias no output to a donated input ("
+                  + ", ".join(unaliased) + "): jaxlib before 0.11 drops `input_output_alias` "
+                  "from every module its transformation hook hands back (tests/deviceless/"
+                  "test_gpu_deviceless.py), so their peak counts the donated state twice."]
     drops = [(r["step"], d) for r in rows if "error" not in r for d in r.get("dropped", [])
              if d[2] >= 1.0]
     if drops:
