@@ -119,3 +119,23 @@ def test_targets_without_the_unit_fall_back_to_cuda_cores():
     m, k, n = 4096, 4096, 4096
     assert _gemm_price(_dot_module(m, k, n, "bf16"), "v100").compute_s == pytest.approx(
         2.0 * m * k * n / (ACHIEVABLE_GEMM_FRACTION * v100.fp32_flops))
+
+
+def _algorithm_module(m: int, k: int, n: int, algorithm: str) -> str:
+    return _dot_module(m, k, n, "f32").replace(
+        "rhs_contracting_dims={0}", f"rhs_contracting_dims={{0}}, algorithm={algorithm}")
+
+
+def test_a_named_algorithm_sets_unit_and_passes(rng):
+    m, k, n = _dims(rng, 4096, 8192)
+    bf16 = _gemm_price(_dot_module(m, k, n, "bf16")).compute_s
+    # jax's "bfloat16" / "high" precisions on f32 operands: one or three bf16 passes.
+    one = _gemm_price(_algorithm_module(m, k, n, "dot_bf16_bf16_f32")).compute_s
+    three = _gemm_price(_algorithm_module(m, k, n, "dot_bf16_bf16_f32_x3")).compute_s
+    exact = _gemm_price(_algorithm_module(m, k, n, "dot_f32_f32_f32")).compute_s
+    assert one == pytest.approx(bf16)
+    assert three == pytest.approx(3 * bf16)
+    assert exact == pytest.approx(_gemm_price(_dot_module(m, k, n, "f32", "highest")).compute_s)
+    # On V100 a bf16 algorithm has no tensor cores to run on.
+    assert _gemm_price(_algorithm_module(m, k, n, "dot_bf16_bf16_f32"), "v100").compute_s == \
+        pytest.approx(2.0 * m * k * n / (ACHIEVABLE_GEMM_FRACTION * get_spec("v100").fp32_flops))

@@ -113,22 +113,61 @@ def achievable_flops(spec: GpuSpec, cls: str) -> float:
 
 
 @dataclass(frozen=True)
+class GemmPrecision:
+    """The unit a GEMM runs on and how many passes of it each product takes (XLA's
+    multi-pass algorithms: bf16×3 emulates f32 with three bf16 products)."""
+    unit: str
+    passes: int = 1
+
+
+# XLA's dot algorithms (PrecisionConfig.Algorithm; a dot prints ``algorithm=dot_bf16_bf16_f32_x3``,
+# a cuBLAS call's backend config ``ALG_DOT_BF16_BF16_F32_X3``): the operand type each
+# product is computed in (f32 with or without TF32) and the passes one product takes.
+ALGORITHMS: dict[str, tuple[str, bool, int]] = {
+    "dot_bf16_bf16_f32": ("bf16", False, 1), "dot_bf16_bf16_bf16": ("bf16", False, 1),
+    "dot_f16_f16_f32": ("f16", False, 1), "dot_f16_f16_f16": ("f16", False, 1),
+    "dot_bf16_bf16_f32_x3": ("bf16", False, 3), "dot_bf16_bf16_f32_x6": ("bf16", False, 6),
+    "dot_bf16_bf16_f32_x9": ("bf16", False, 9),
+    "dot_tf32_tf32_f32": ("f32", True, 1), "dot_tf32_tf32_f32_x3": ("f32", True, 3),
+    "dot_f32_f32_f32": ("f32", False, 1),
+    "dot_any_f8_any_f8_f32": ("f8e4m3fn", False, 1),
+    "dot_any_f8_any_f8_f32_fast_accum": ("f8e4m3fn", False, 1),
+}
+
+
+def dot_algorithm(dot: Instruction) -> str:
+    """The algorithm a dot or GEMM call names, normalized (``dot_bf16_bf16_f32_x3``); ""
+    when it names none."""
+    if dot.opcode == "custom-call":
+        cfg = dot.backend_config.get("gemm_backend_config", {})
+        config = cfg.get("precision_config", {}) if isinstance(cfg, dict) else {}
+        text = str(config.get("algorithm", "")) if isinstance(config, dict) else ""
+    else:
+        text = str(dot.attrs.get("algorithm", ""))
+    text = text.strip().lower().removeprefix("alg_")
+    return "" if text in ("", "unset", "alg_unset") else text
+
+
+@dataclass(frozen=True)
 class GemmTime:
-    precision: str
+    precision: GemmPrecision
     compute_s: float
     memory_s: float
     total_s: float       # launch included
 
 
-def gemm_time(spec: GpuSpec, flops: float, hbm_bytes: float, cls: str,
-              launches: int = 1) -> GemmTime:
-    """The roofline of one GEMM kernel: its flops at the achievable rate of ``cls``, its
-    HBM bytes at the peak bandwidth, overlapped as XLA's model overlaps them."""
-    compute_s = flops / achievable_flops(spec, cls)
+def gemm_time(spec: GpuSpec, flops: float, hbm_bytes: float,
+              precision: GemmPrecision | str, launches: int = 1) -> GemmTime:
+    """The roofline of one GEMM kernel: its flops (times the algorithm's passes) at the
+    achievable rate of its unit, its HBM bytes at the peak bandwidth, overlapped as XLA's
+    model overlaps them."""
+    if isinstance(precision, str):
+        precision = GemmPrecision(precision)
+    compute_s = flops * precision.passes / achievable_flops(spec, precision.unit)
     memory_s = hbm_bytes / spec.hbm_bandwidth
     total = launches * spec.kernel_launch_overhead_s + compute_s + memory_s - \
         XLA_MEMORY_COMPUTE_PARALLELISM * min(compute_s, memory_s)
-    return GemmTime(cls, compute_s, memory_s, total)
+    return GemmTime(precision, compute_s, memory_s, total)
 
 
 def gemm_dot(graph: OpGraph, node: OpNode) -> tuple[Instruction | None, tuple[Shape, ...]]:
@@ -158,8 +197,18 @@ def dot_flops(dot: Instruction, operands: tuple[Shape, ...]) -> float | None:
         lhs.dims[d] for d in dot.ints("lhs_contracting_dims"))
 
 
-def gemm_precision(graph: OpGraph, node: OpNode, spec: GpuSpec) -> str:
-    """The precision class a GEMM node of ``graph`` runs in on ``spec`` (module docstring)."""
+def gemm_precision(graph: OpGraph, node: OpNode, spec: GpuSpec) -> GemmPrecision:
+    """How a GEMM node of ``graph`` runs on ``spec``: the algorithm its dot names where it
+    names one the table knows (on CUDA cores where the target lacks that unit), else by its
+    operand types and precision setting (``precision_class``; a GEMM whose dot is not
+    found, a cuDNN fusion, as a TF32-allowed f32 one)."""
     dot, operands = gemm_dot(graph, node)
+    named = ALGORITHMS.get(dot_algorithm(dot)) if dot is not None else None
+    if named is not None:
+        operand, tf32, passes = named
+        unit = precision_class(spec, (operand,), tf32)
+        # A multi-pass algorithm on CUDA cores computes each product once in f32.
+        return GemmPrecision(unit, passes if unit != FP32 else 1)
     tf32 = dot is None or allows_tf32(dot)
-    return precision_class(spec, tuple(s.element_type for s in operands if s.is_array), tf32)
+    return GemmPrecision(precision_class(
+        spec, tuple(s.element_type for s in operands if s.is_array), tf32))
