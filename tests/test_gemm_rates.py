@@ -139,3 +139,19 @@ def test_a_named_algorithm_sets_unit_and_passes(rng):
     # On V100 a bf16 algorithm has no tensor cores to run on.
     assert _gemm_price(_algorithm_module(m, k, n, "dot_bf16_bf16_f32"), "v100").compute_s == \
         pytest.approx(2.0 * m * k * n / (ACHIEVABLE_GEMM_FRACTION * get_spec("v100").fp32_flops))
+
+
+@pytest.mark.parametrize("target", ["a100", "h100"])
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_the_tile_model_never_beats_the_roofline(rng, target, dtype):
+    """Chain kernels and the GEMMs they replace are priced by the GEMM-tile model; the rule
+    XLA's other GEMMs are priced by bounds it: no tiling is faster than the roofline."""
+    from stitch.cost.gemm_rates import gemm_time
+    from stitch.cost.gemm_tile import GemmTile, gemm_cost
+    spec = get_spec(target)
+    m, k, n = _dims(rng, 2048, 8192)
+    batch = rng.choice((1, 4, 12))
+    tile = gemm_cost(spec, batch, m, n, k, GemmTile(128, 128, 32, 8, 3), dtype, True, 4)
+    unit = precision_class(spec, (dtype,), True)
+    roof = gemm_time(spec, 2.0 * batch * m * n * k, tile.hbm_bytes, unit)
+    assert tile.seconds >= roof.total_s * (1 - 1e-9)

@@ -8,6 +8,11 @@ where the target has no tensor cores for that type. Its time is a roofline:
     memory  = HBM bytes / bandwidth
     T       = launch + compute + memory − 0.95 · min(compute, memory)   (XLA's overlap rule)
 
+Every GEMM outside a recognized chain is priced so (``delta.CostModel``); a chain kernel
+and the chain's GEMMs as XLA runs them are priced by the GEMM-tile model
+(``gemm_tile``), whose tensor-core rates are these peaks per SM and clock and whose times
+are never below this roofline.
+
 Precision (``precision_class``): f32 operands run as TF32 on sm_80+ unless the dot asks for
 HIGHEST precision or an f32 algorithm (``stitch.hlo_passes.gemm_chains.allows_tf32``); jax's
 ``jax_default_matmul_precision`` is unset by default, which lowers dots with DEFAULT operand

@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from .gemm_rates import FP32, GemmPrecision, gemm_time, peak_flops, precision_class
 from .gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
 from .latency import BARRIER_LATENCY_CYCLES, DRAM_LATENCY_CYCLES, SFU_PER_SM
 from .occupancy import Occupancy, occupancy
@@ -71,7 +72,6 @@ def tensor_flops_per_clock_per_sm(spec: GpuSpec, operand_dtype: str) -> float | 
     where the model has no tensor cores (module docstring). The rates are the published
     dense peaks of ``gemm_rates`` (the one table every GEMM price reads) per SM and clock;
     on sm_90 mma.sync is assumed to reach ``MMA_SYNC_SHARE_SM90`` of the wgmma peak."""
-    from .gemm_rates import FP32, peak_flops, precision_class
     if spec.compute_capability[0] < 8:
         return None
     cls = precision_class(spec, (operand_dtype,), tf32_allowed=True)
@@ -272,8 +272,17 @@ def tile_kernel_time(spec: GpuSpec, work: BlockWork, blocks: int, threads: int,
     chain = work.steps * 2 * BARRIER_LATENCY_CYCLES + dram * _ceil_div(work.steps,
                                                                        max(work.stages, 1))
     latency = waves * chain
-    cycles = max(throughput, latency)
-    if latency >= throughput:
+    # The rule every GEMM is priced by (gemm_rates): no tiling runs its tensor-core work
+    # faster than the achievable rate's roofline with the kernel's HBM bytes.
+    roofline = 0.0
+    if work.mma_flops:
+        unit = precision_class(spec, (work.mma_dtype,), tf32_allowed=True)
+        roofline = (gemm_time(spec, work.mma_flops * blocks, total_hbm,
+                              GemmPrecision(unit), launches=0).total_s * spec.clock_hz)
+    cycles = max(throughput, latency, roofline)
+    if roofline >= max(throughput, latency):
+        bound = "roofline"
+    elif latency >= throughput:
         bound = "latency"
     elif memory >= compute:
         bound = "memory"
