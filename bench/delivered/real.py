@@ -89,19 +89,20 @@ def measure_one(name: str) -> dict:
     stock = lowered.compile()
     stock_s = time.perf_counter() - start
     stock_mem = peak_memory(stock)
+    dims = {"scores": (cfg.batch, cfg.heads, cfg.seq, cfg.seq),
+            "logits": (cfg.batch, cfg.seq, cfg.vocab)}
+    stock_left = big_buffers(stock.as_text(), dims)
     del stock
     start = time.perf_counter()
     result = deviceless.compile_with_pass(lowered, name, "h100")
     stitched_s = time.perf_counter() - start
     report = result.report
-    dims = {"scores": (cfg.batch, cfg.heads, cfg.seq, cfg.seq),
-            "logits": (cfg.batch, cfg.seq, cfg.vocab)}
     left = big_buffers(result.compiled.as_text(), dims)
     return {"step": name, **report.summary(),
             "lower_s": round(lower_s, 1), "xla_compile_s": round(stock_s, 1),
             "stitched_compile_s": round(stitched_s, 1),
             "stock_memory": stock_mem, "stitched_memory": peak_memory(result.compiled),
-            "left": left,
+            "left": left, "stock_left": stock_left,
             "dropped": [[k.name, k.kind, round(k.planned_saving_us, 1), k.reason[:200]]
                         for k in sorted(report.delivery.dropped,
                                         key=lambda k: -k.planned_saving_us)[:5]]
@@ -118,10 +119,14 @@ def _gb(n: float) -> str:
 
 
 def _left(row: dict) -> str:
+    """Per kind, stock → stitched counts (and the largest buffer's MB)."""
     parts = []
+    stock = row.get("stock_left", {})
     for name, sizes in row["left"].items():
-        if sizes:
-            parts.append(f"{len(sizes)} {name} (largest {max(sizes) / 1e6:.0f} MB)")
+        before = stock.get(name, [])
+        if sizes or before:
+            largest = max(sizes or before) / 1e6
+            parts.append(f"{name} {len(before)} → {len(sizes)} ({largest:,.0f} MB each at most)")
     return ", ".join(parts) or "none"
 
 
@@ -143,11 +148,11 @@ def markdown(rows: list[dict], command: str) -> str:
              "absolutes), *peak* (XLA's buffer assignment of each final module, "
              "`compiled.memory_analysis()`: arguments + outputs + temporaries − aliased), "
              "*alias* (output bytes aliased to donated inputs), *f32 [B,H,S,S] / [B,S,V] "
-             "left* (buffers of that many f32 elements the stitched module's entry and loop "
-             "bodies still materialize, from its final HLO).", "",
+             "buffers* (buffers of that many f32 elements the entry and loop bodies "
+             "materialize, stock → stitched, from each final HLO).", "",
              "| step | mem µs, XLA → delivered | share | mem bytes, delivered / XLA | "
              "whole step ms, XLA → stitch | compile s, XLA / stitched | peak GB, stock / "
-             "stitched | alias GB, stock / stitched | f32 [B,H,S,S] / [B,S,V] left |",
+             "stitched | alias GB, stock / stitched | f32 [B,H,S,S] / [B,S,V] buffers |",
              "|---|---|---:|---:|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
