@@ -64,7 +64,7 @@ def run_real(ctx: Context) -> list[str] | None:
         log.warning("delivered: no real step compiled (%s)",
                     rows[0].get("error") if rows else "none")
         return None
-    ctx.save("real", ok)
+    ctx.save("delivered_real", ok)
     return as_part(real.markdown(rows, "python -m bench delivered --part real"))
 
 
