@@ -21,7 +21,8 @@ def _dot_module(m: int, k: int, n: int, dtype: str, precision: str = "") -> str:
 ENTRY e {{
   a = {dtype}[{m},{k}]{{1,0}} parameter(0)
   b = {dtype}[{k},{n}]{{1,0}} parameter(1)
-  ROOT d = {dtype}[{m},{n}]{{1,0}} dot(a, b), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}{extra}
+  ROOT d = {dtype}[{m},{n}]{{1,0}} dot(a, b), lhs_contracting_dims={{1}}, \
+rhs_contracting_dims={{0}}{extra}
 }}
 """
 
