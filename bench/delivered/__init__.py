@@ -52,6 +52,22 @@ def run_segments(ctx: Context) -> list[str] | None:
     return as_part(segments.markdown(rows, "python -m bench delivered --part segments"))
 
 
+def run_real(ctx: Context) -> list[str] | None:
+    from bench.delivered import real
+    from bench.real_steps import REAL_STEPS
+    names = [c.name for c in (REAL_STEPS[:1] if ctx.quick else REAL_STEPS)]
+    if ctx.args.steps:
+        names = [n for n in names if n in ctx.args.steps] or names
+    rows = real.collect(names)
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        log.warning("delivered: no real step compiled (%s)",
+                    rows[0].get("error") if rows else "none")
+        return None
+    ctx.save("delivered_real", ok)
+    return as_part(real.markdown(rows, "python -m bench delivered --part real"))
+
+
 MEASURE = Measure(
     name="delivered",
     title="Planned against delivered (counted kernels and bytes, modeled µs)",
@@ -62,6 +78,8 @@ MEASURE = Measure(
     parts=(
         Part("steps", "Third-party training steps", run_steps, quick=False),
         Part("segments", "Segmented reductions through the pass", run_segments,
+             quick=False),
+        Part("real", "Real-size training steps: whole step, peak memory", run_real,
              quick=False),
         Part("units", "The zoo's XLA GPU modules: ops against XLA units",
              script("bench.delivered.units", ["--zoo"], block="bench-xla-units-zoo"),

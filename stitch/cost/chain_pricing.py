@@ -20,6 +20,7 @@ from stitch.hlo_passes.op_classes import OpClass
 
 from .gemm_tile import (OPERAND_BYTES, ChainDims, GemmChainSchedule, TileCost, gemm_cost,
                         xla_gemm_tile)
+from .gemm_rates import gemm_dot
 from .gpu_specs import GpuSpec
 from .instruction_costs import EXPENSIVE_INSTRUCTIONS
 
@@ -67,25 +68,10 @@ def chain_for(graph: OpGraph, members) -> GemmChain | None:
     return graph_chains(graph).by_members.get(_core(graph, members))
 
 
-def _dot_instruction(graph: OpGraph, node: OpNode):
-    if node.opcode == "dot":
-        return node.instruction
-    for name in node.instruction.called_computations:
-        comp = graph.computations.get(name)
-        if comp is None:
-            continue
-        for inst in comp.instructions:
-            if inst.opcode == "dot":
-                return inst
-    return None
-
-
 def allows_tf32(graph: OpGraph, node: OpNode) -> bool:
     """An f32 GEMM node (a dot, a GEMM fusion, a cuBLAS call) may run on TF32 tensor cores:
     the recognizer's rule (``stitch.hlo_passes.gemm_chains.allows_tf32``) on its dot."""
-    inst = _dot_instruction(graph, node)
-    if inst is None and node.opcode == "custom-call":
-        inst = node.instruction
+    inst, _operands = gemm_dot(graph, node)
     return inst is None or dot_allows_tf32(inst)
 
 

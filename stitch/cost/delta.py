@@ -49,6 +49,7 @@ from ..explorer.structure import StructureKeys, rename
 from .contention import contention_seconds, tiles_prices
 from .hbm_traffic import (element_count, graph_facts, in_place_updates, inside_users,
                           kernel_hbm_bytes, utilization)
+from .gemm_rates import dot_flops, gemm_dot, gemm_precision, gemm_time
 from .launch_forms import allows_global
 from .gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
 
@@ -413,21 +414,21 @@ class CostModel:
         return _tile_kernel_cost(self.spec, tile, kernel_hbm_bytes(self.graph, members))
 
     def _compute_kernel(self, node: OpNode, nbytes: int) -> KernelCost:
-        """GEMM/conv: a roofline at peak FP32 (the same on both sides of any comparison),
-        except the GEMMs of a GEMM chain: those are priced by the same GEMM-tile model as
-        the chain kernel that may replace them (XLA's Triton tile from the fusion's backend
-        config), so chain and unfused GEMMs compare under one model."""
+        """GEMM/conv: a roofline at the target's achievable tensor-core rate for the dot's
+        operand type and precision (``stitch.cost.gemm_rates``: the same rule on both sides
+        of any comparison), except the GEMMs of a GEMM chain: those are priced by the same
+        GEMM-tile model as the chain kernel that may replace them (XLA's Triton tile from
+        the fusion's backend config; its tensor rates from the same table), so chain and
+        unfused GEMMs compare under one model."""
         spec = self.spec
         if self.gemm_chains:
             from .chain_pricing import xla_gemm_cost
             tile = xla_gemm_cost(self.graph, node.id, spec)
             if tile is not None:
                 return _tile_kernel_cost(spec, tile, nbytes)
-        memory_s = nbytes / spec.hbm_bandwidth
-        compute_s = _flops(self.graph, node) / spec.fp32_flops
-        total = spec.kernel_launch_overhead_s + compute_s + memory_s - \
-            XLA_MEMORY_COMPUTE_PARALLELISM * min(compute_s, memory_s)
-        return KernelCost(nbytes, 1, memory_s, compute_s, 0, total)
+        cls = gemm_precision(self.graph, node, spec)
+        t = gemm_time(spec, _flops(self.graph, node), nbytes, cls)
+        return KernelCost(nbytes, 1, t.memory_s, t.compute_s, 0, t.total_s)
 
     def _parallelism(self, members: frozenset[int], analysis: PatternAnalysis | None,
                      used: dict[int, float]) -> tuple[list[int], int]:
@@ -585,6 +586,10 @@ def _tile_kernel_cost(spec: GpuSpec, tile, nbytes: int) -> KernelCost:
 def _flops(graph: OpGraph, node: OpNode) -> float:
     """2 * output elements * contracted size for dots/GEMM calls; convolutions: 2 * output
     elements * kernel elements / output features. Best effort: 0 when unknown."""
+    dot, dot_operands = gemm_dot(graph, node)
+    inside = None if dot is None else dot_flops(dot, dot_operands)
+    if inside is not None:       # the dot itself, or the dot in a GEMM fusion's body
+        return inside
     out = element_count(node)
     operands = [graph.nodes[o].shape for o in node.operands]
     if len(operands) < 2 or not operands[0].is_array or not operands[1].is_array:

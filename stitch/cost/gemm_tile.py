@@ -29,10 +29,10 @@ the N x N score matrix never leaves the chip. XLA's GEMM kernels: A is read once
 and B once per M-block, once from HBM and the rest from L2 under the same rule; the result
 (the score matrix for the first GEMM, split-K partials for a split second GEMM) is written.
 
-Math throughput per SM per clock (documented, whitepapers: "NVIDIA A100 Tensor Core GPU
-Architecture" table 3 and "NVIDIA H100 Tensor Core GPU Architecture" table 2; dense):
-FP32 FMA on the CUDA cores = ``fp32_cores_per_sm`` lanes; A100 tensor cores 1024 FMA/clk
-(2048 flops) for FP16/BF16 and 512 FMA/clk for TF32; H100 2x those per SM with wgmma. The
+Math throughput per SM per clock: FP32 FMA on the CUDA cores = ``fp32_cores_per_sm`` lanes;
+tensor cores the published dense peaks of ``gemm_rates.TENSOR_CORE_RATES`` (the table XLA's
+GEMMs are priced by) over SMs x clock: A100 ~1024 FMA/clk (2048 flops) for FP16/BF16 and
+~512 FMA/clk for TF32 (whitepaper table 3); H100 2x those per SM with wgmma. The
 chain kernel and XLA's Triton tiles of the fixtures (2 warps, 16-row tiles) issue
 ``mma.sync``, not ``wgmma``: on sm_90 we assume half the wgmma rate for it (the A100 rate
 per SM; assumed, Luo et al. 2024 measured mma.sync well below wgmma on H100). V100: no
@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from .gemm_rates import FP32, GemmPrecision, gemm_time, peak_flops, precision_class
 from .gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
 from .latency import BARRIER_LATENCY_CYCLES, DRAM_LATENCY_CYCLES, SFU_PER_SM
 from .occupancy import Occupancy, occupancy
@@ -68,12 +69,21 @@ L2_RESIDENT_SHARE = 0.5
 
 def tensor_flops_per_clock_per_sm(spec: GpuSpec, operand_dtype: str) -> float | None:
     """Dense mma.sync flops per SM per clock for the operand type ("f32" means TF32), None
-    where the model has no tensor cores (module docstring)."""
-    major = spec.compute_capability[0]
-    if major < 8:
+    where the model has no tensor cores (module docstring). The rates are the published
+    dense peaks of ``gemm_rates`` (the one table every GEMM price reads) per SM and clock;
+    on sm_90 mma.sync is assumed to reach ``MMA_SYNC_SHARE_SM90`` of the wgmma peak."""
+    if spec.compute_capability[0] < 8:
         return None
-    # A100 per SM: 1024 FMA/clk FP16/BF16, 512 TF32; sm_90 mma.sync assumed the same.
-    return 1024.0 if operand_dtype == "f32" else 2048.0
+    cls = precision_class(spec, (operand_dtype,), tf32_allowed=True)
+    if cls == FP32:
+        return None
+    share = MMA_SYNC_SHARE_SM90 if spec.compute_capability[0] >= 9 else 1.0
+    return peak_flops(spec, cls) / (spec.sm_count * spec.clock_hz) * share
+
+
+# mma.sync on Hopper: about half the wgmma rate per SM (assumed; Luo et al. 2024 measured
+# mma.sync well below wgmma on H100), i.e. roughly A100's per-SM rate.
+MMA_SYNC_SHARE_SM90 = 0.5
 
 
 @dataclass(frozen=True)
@@ -262,8 +272,17 @@ def tile_kernel_time(spec: GpuSpec, work: BlockWork, blocks: int, threads: int,
     chain = work.steps * 2 * BARRIER_LATENCY_CYCLES + dram * _ceil_div(work.steps,
                                                                        max(work.stages, 1))
     latency = waves * chain
-    cycles = max(throughput, latency)
-    if latency >= throughput:
+    # The rule every GEMM is priced by (gemm_rates): no tiling runs its tensor-core work
+    # faster than the achievable rate's roofline with the kernel's HBM bytes.
+    roofline = 0.0
+    if work.mma_flops:
+        unit = precision_class(spec, (work.mma_dtype,), tf32_allowed=True)
+        roofline = (gemm_time(spec, work.mma_flops * blocks, total_hbm,
+                              GemmPrecision(unit), launches=0).total_s * spec.clock_hz)
+    cycles = max(throughput, latency, roofline)
+    if roofline >= max(throughput, latency):
+        bound = "roofline"
+    elif latency >= throughput:
         bound = "latency"
     elif memory >= compute:
         bound = "memory"

@@ -102,6 +102,13 @@ class Delivery:
             "xla_mem_bytes": int(self.xla.mem_hbm_bytes),
             "planned_mem_bytes": int(self.planned.mem_hbm_bytes),
             "delivered_mem_bytes": int(self.delivered.mem_hbm_bytes),
+            # The whole module, GEMMs included (at the target's tensor-core rates).
+            "xla_us": round(self.xla.modeled_us, 3),
+            "delivered_us": round(self.delivered.modeled_us, 3),
+            "xla_bytes": int(self.xla.hbm_bytes),
+            "delivered_bytes": int(self.delivered.hbm_bytes),
+            "xla_kernels": self.xla.kernels,
+            "delivered_kernels": self.delivered.kernels,
             "delivered_share": None if share is None else round(share, 4),
             "dropped_kernels": len(self.dropped),
             **{f"dropped_{kind}_us": round(self.lost_us(kind), 3) for kind in DROP_KINDS},
