@@ -55,7 +55,7 @@ ENTRY %main (a: f32[64,128], b: f32[64,128]) -> (f32[64,128], f32[64,128], f32[6
   %l2.out = f32[64,128]{1,0} subtract(%l2.scaled, %l2.maxb), metadata={op_name="layer_2"}
   %s3 = f32[] constant(0.25)
   %s3b = f32[64,128]{1,0} broadcast(%s3), dimensions={}
-  %l3.scaled = f32[64,128]{1,0} multiply(%l1.out, %s3b)
+  %l3.scaled = f32[64,128]{1,0} multiply(%a, %s3b)
   %l3.ninf = f32[] constant(-inf)
   %l3.max = f32[64]{0} reduce(%l3.scaled, %l3.ninf), dimensions={1}, to_apply=%max_a
   %l3.maxb = f32[64,128]{1,0} broadcast(%l3.max), dimensions={0}
@@ -156,3 +156,34 @@ ENTRY %main (t: f32[16,8], i: s32[4,1]) -> f32[4,8] {
     graph = build_op_graphs(module)[0]
     members = frozenset(n.id for n in graph.nodes if n.name in ("g", "n"))
     assert site_key(graph, members, None) is None
+
+
+def _without_notes(schedule):
+    import dataclasses
+    return dataclasses.replace(schedule, rejected=[])
+
+
+def test_a_repeated_layer_gets_the_first_ones_schedule_renumbered(setting) -> None:
+    from stitch.explorer.planner import SharedSchedules
+    graph, _, layers = setting
+    shared = SharedSchedules(graph)
+    (m1, s1), (m2, s2), (m3, _) = layers["l1"], layers["l2"], layers["l3"]
+    shared.put(m1, s1)
+    got = shared.get(m2)
+    assert got is not None and shared.shared == 1
+    assert _without_notes(got) == _without_notes(s2)
+    assert set(got.members) == set(m2)
+    assert shared.get(m3) is None             # another constant: tuned on its own
+
+
+def test_plans_with_and_without_shared_schedules_are_equal(monkeypatch) -> None:
+    from stitch.explorer import planner
+    plans = []
+    for share in (False, True):
+        monkeypatch.setattr(planner, "SHARE_SCHEDULES", share)
+        plan = planner.plan(HLO, "h100")
+        plans.append([(k.name, sorted(k.members),
+                       _without_notes(k.schedule) if k.schedule else None)
+                      for k in plan.kernels])
+    assert plans[0] == plans[1]
+    assert any(s is not None for _, _, s in plans[0])
