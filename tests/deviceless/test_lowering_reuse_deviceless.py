@@ -60,10 +60,8 @@ def test_reuse_delivers_the_same_kernels_module_and_price(deviceless_ready, monk
     # The same PTX per kernel (up to the kernel's own name).
     for a, b in zip(plain.kernels, reused.kernels):
         assert a.name == b.name
-        ptx = getattr(a.ffi_target, "ptx", None)
-        if ptx is not None:
-            assert _no_names(ptx, a.lowered.kernel) == _no_names(b.ffi_target.ptx,
-                                                                  b.lowered.kernel)
+        assert a.target.ptx and _no_names(a.target.ptx, a.lowered.kernel) == \
+            _no_names(b.target.ptx, b.lowered.kernel)
 
 
 def _no_names(ptx: str, kernel) -> str:
