@@ -187,3 +187,35 @@ def test_plans_with_and_without_shared_schedules_are_equal(monkeypatch) -> None:
                       for k in plan.kernels])
     assert plans[0] == plans[1]
     assert any(s is not None for _, _, s in plans[0])
+
+
+def test_a_lowering_is_read_back_from_the_compile_cache_in_another_process(
+        setting, tmp_path) -> None:
+    from stitch.codegen.cache import CompileCache
+    graph, evaluator, layers = setting
+    (m1, s1), (m2, s2) = layers["l1"], layers["l2"]
+    writer = LoweringReuse(cache=CompileCache(tmp_path))
+    _lower(writer, graph, evaluator, m1, s1, "main.k1")
+    lowering_reuse.forget_lowerings()          # what a new process starts with
+    reader = LoweringReuse(cache=CompileCache(tmp_path))
+    second = _lower(reader, graph, evaluator, m2, s2, "main.k2")
+    assert (reader.lowered, reader.reused, reader.from_disk) == (0, 1, 1)
+    fresh = lower_kernel(graph, evaluator, s2, "main.k2")
+    assert _normalized(second.kernel) == _normalized(fresh.kernel)
+    assert (second.inputs, second.outputs, second.schemes) == \
+        (fresh.inputs, fresh.outputs, fresh.schemes)
+    second.kernel.validate()
+
+
+def test_kernel_ir_data_round_trips_and_refuses_other_types(setting) -> None:
+    import json
+
+    from stitch.codegen.kir_data import KirDataError, kernel_from_data, kernel_to_data
+    graph, evaluator, layers = setting
+    members, schedule = layers["l3"]
+    kernel = lower_kernel(graph, evaluator, schedule, "main.k3").kernel
+    data = json.loads(json.dumps(kernel_to_data(kernel)))
+    assert kernel_from_data(data) == kernel
+    data["nodes"][0][0] = "Popen"
+    with pytest.raises(KirDataError):
+        kernel_from_data(data)

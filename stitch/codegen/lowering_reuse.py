@@ -20,13 +20,18 @@ and the FFI bind parameters by position (NVPTX names them ``<entry>_param_<i>``)
 structure key (``gpu_cache.structure_key``) replaces them by position anyway. The binding
 is checked against the site where that is cheap: each parameter's element count against
 the node it is bound to. Global scratch buffers keep the first site's names too (module
-globals of the kernel's own loaded image). Nothing is stored on disk: a lowering is Python objects,
-and the compile cache holds only data.
+globals of the kernel's own loaded image).
+
+Lowerings are kept per process (``MAX_KEPT``, across modules) and, given a compile cache,
+across processes: stored as data (``kir_data``: JSON of Kernel IR's own dataclasses, the
+site's values by position), keyed by the site key, codegen's and the HLO layer's source
+digest and stitch's version; an entry that does not read back is lowered afresh.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import re
 import threading
@@ -228,13 +233,58 @@ def forget_lowerings() -> None:
         _TEMPLATES.clear()
 
 
+def _disk_key(key: str) -> str:
+    from .cache import CODEGEN_PACKAGES, cache_key, source_digest
+    from .gpu_cache import stitch_version
+    return cache_key("lowering", key, source_digest(CODEGEN_PACKAGES), stitch_version())
+
+
+def template_to_bytes(template: _Template) -> bytes:
+    """A kept lowering as data: its kernel (``kir_data``) and its values by position."""
+    from .kir_data import kernel_to_data
+    lowered = template.lowered
+    at = {v: i for i, v in enumerate(template.nodes)}
+    at_name = {n: i for i, n in enumerate(template.names)}
+    return json.dumps({
+        "kernel": kernel_to_data(lowered.kernel), "names": list(template.names),
+        "inputs": [at[v] for v in lowered.inputs], "outputs": [at[v] for v in lowered.outputs],
+        "schemes": list(lowered.schemes), "notes": list(lowered.notes),
+        "initial": [[at[o], at[i]] for o, i in lowered.initial.items()],
+        "layouts": [[at[v], list(layout)] for v, layout in lowered.layouts.items()],
+        "split_rows": [[at_name[n], k] for n, k in lowered.split_rows.items()],
+    }).encode()
+
+
+def template_from_bytes(payload: bytes) -> _Template:
+    """``template_to_bytes``'s lowering, its nodes numbered by position (KirDataError where
+    the payload is not one)."""
+    from .kir_data import KirDataError, kernel_from_data
+    from .lower import LoweredKernel
+    try:
+        data = json.loads(payload)
+        names = tuple(str(n) for n in data["names"])
+        lowered = LoweredKernel(
+            kernel_from_data(data["kernel"]), [int(v) for v in data["inputs"]],
+            [int(v) for v in data["outputs"]], [str(x) for x in data["schemes"]],
+            [str(x) for x in data["notes"]],
+            {int(o): int(i) for o, i in data["initial"]},
+            {int(v): tuple(int(d) for d in layout) for v, layout in data["layouts"]},
+            {names[int(i)]: int(k) for i, k in data["split_rows"]})
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise KirDataError(f"not a stored lowering: {exc}") from exc
+    return _Template(lowered, tuple(range(len(names))), names)
+
+
 @dataclass
 class LoweringReuse:
     """One pass's lowerings through the process's kept ones (module docstring).
-    ``enabled`` False lowers every site (what a test compares against)."""
+    ``enabled`` False lowers every site (what a test compares against); ``cache``: a
+    ``CompileCache`` lowerings are stored in and read from across processes."""
     enabled: bool = True
+    cache: Any = None
     lowered: int = 0          # sites lowered
     reused: int = 0           # sites bound to an earlier lowering
+    from_disk: int = 0        # of those, lowerings read from the compile cache
     # Called computations' texts per module (the computations dict, held so its id stays
     # its own).
     _memo: dict[int, tuple[dict, dict[str, str]]] = field(default_factory=dict)
@@ -258,6 +308,8 @@ class LoweringReuse:
                 kept = _TEMPLATES.get(key.key)
                 if kept is not None:
                     _TEMPLATES.move_to_end(key.key)
+            if kept is None and self.cache is not None:
+                kept = self._read(key.key)
             if kept is not None:
                 bound = bind(kept.lowered, kept.nodes, kept.names, key.nodes, graph, name)
                 self.reused += 1
@@ -268,12 +320,41 @@ class LoweringReuse:
         if key is not None:
             template = _Template(result, key.nodes,
                                  tuple(graph.nodes[v].name for v in key.nodes))
-            with _TEMPLATES_LOCK:
-                _TEMPLATES[key.key] = template
-                while len(_TEMPLATES) > MAX_KEPT:
-                    _TEMPLATES.popitem(last=False)
+            self._keep(key.key, template)
+            if self.cache is not None:
+                self._write(key.key, template)
             self._key_of[id(result.kernel)] = (result.kernel, key.key)
         return result
+
+    @staticmethod
+    def _keep(key: str, template: _Template) -> None:
+        with _TEMPLATES_LOCK:
+            _TEMPLATES[key] = template
+            while len(_TEMPLATES) > MAX_KEPT:
+                _TEMPLATES.popitem(last=False)
+
+    def _read(self, key: str) -> _Template | None:
+        from .kir_data import KirDataError
+        payload = self.cache.get(_disk_key(key))
+        if payload is None:
+            return None
+        try:
+            template = template_from_bytes(payload)
+        except KirDataError as exc:
+            log.info("stored lowering %s not used: %s", key[:12], exc)
+            return None
+        self.from_disk += 1
+        self._keep(key, template)
+        return template
+
+    def _write(self, key: str, template: _Template) -> None:
+        from .kir_data import KirDataError
+        try:
+            payload = template_to_bytes(template)
+        except (KirDataError, KeyError) as exc:
+            log.debug("lowering %s not stored: %s", key[:12], exc)
+            return
+        self.cache.put(_disk_key(key), payload)
 
     def alias(self, kernel: kir.Kernel, lowered: kir.Kernel, how: str) -> None:
         """``kernel`` is ``lowered`` changed the same way (``how``) at every site: what is

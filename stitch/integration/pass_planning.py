@@ -21,7 +21,7 @@ from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_c
                           find_site, replace_kernels, xla_layouts)
 
 
-from .kernel_builds import GpuPrebuild, build_target
+from .kernel_builds import GpuPrebuild, build_target, compile_cache
 from .pass_request import BuiltKernel, PassError, PassReport, PassRequest
 from .ptx_children import build_threads, release_ptx_workers, start_ptx_workers
 from .segment_rows import SegmentRows, segment_rows
@@ -297,7 +297,8 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     grid_sync_setting = grid_sync_on_gpu() if request.device == "gpu" else "barrier"
     budget = budget_setting() if request.device == "gpu" and CODE_BUDGET_ON_GPU else None
     payback = payback_setting() if request.device == "gpu" and PAYBACK_ON_GPU else None
-    reuse = LoweringReuse(enabled=REUSE_LOWERING)
+    reuse = LoweringReuse(enabled=REUSE_LOWERING,
+                          cache=compile_cache() if REUSE_LOWERING else None)
 
     def structure_of(kernel: Any) -> str:
         return reuse.derived(kernel, "structure", lambda: structure_key(kernel))
@@ -473,6 +474,7 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             leave(left)
     report.timings["kernels_lowered"] = reuse.lowered
     report.timings["lowerings_reused"] = reuse.reused
+    report.timings["lowerings_from_cache"] = reuse.from_disk
     return jobs
 
 
