@@ -14,7 +14,8 @@ Kernel IR lowering (with snapping, payback and the as-built check), the wait for
 ptxas left after lowering, and the rest (the rewrite, pricing the delivered module).
 Kernels: placed / distinct structures among them (``gpu_cache.structure_key``: PTX built
 once each) / lowered (Kernel IR lowered once per distinct kernel,
-``stitch.codegen.lowering_reuse``). ``--quick``: GPT-2 at one layer.
+``stitch.codegen.lowering_reuse``; warm: read back from the compile cache).
+``--quick``: GPT-2 at one layer.
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def _phases(r: dict) -> str:
 def markdown(rows: list[dict]) -> list[str]:
     out = ["| step | XLA s | stitched s | ratio | pass: plan / lower / PTX wait / rest s "
            "| warm: XLA s | stitched s | ratio | pass: plan / lower / PTX wait / rest s "
-           "| kernels placed / distinct / lowered |",
+           "| kernels placed / distinct / lowered cold / warm |",
            "|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
     for row in rows:
         cold, warm = row["cold"], row["warm"]
@@ -132,15 +133,17 @@ def markdown(rows: list[dict]) -> list[str]:
                       f"{warm['stitched_s'] / warm['xla_s']:.2f}", _phases(warm)]
         else:
             cells += ["", "", "", warm.get("error", "")]
-        cells.append(f"{cold['placed']} / {cold['distinct']} / {cold['lowered']}")
+        cells.append(f"{cold['placed']} / {cold['distinct']} / {cold['lowered']} / "
+                     f"{warm.get('lowered', '')}")
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "Ratio: stitched / XLA compile seconds of the same child. Cold: an empty "
             "compile and plan cache; warm: the cache the cold child filled, a new process "
-            "(lowerings are kept per process only). Lower: Kernel IR lowering with snapping, "
+            "(lowerings read back from it). Lower: Kernel IR lowering with snapping, "
             "payback and the as-built check; PTX wait: PTX and ptxas left to wait for after "
             "the last kernel was lowered; rest: the rewrite, FFI targets and the pricing of "
             "the delivered module. Kernels placed / distinct structures (PTX built once "
-            "each) / Kernel IR lowerings (once per distinct kernel, the others bound)."]
+            "each) / Kernel IR lowerings, cold and warm (once per distinct kernel, the others "
+            "bound; warm: read from the compile cache)."]
     return out
 
 
