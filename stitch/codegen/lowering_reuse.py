@@ -65,7 +65,7 @@ MAX_KEPT = 4096
 _IDENT = re.compile(r"%?[A-Za-z_][\w.\-]*")
 
 
-class _NoKey(Exception):
+class _NoKey(CodegenError):
     """The site cannot be described without its names or node ids."""
 
 
@@ -86,8 +86,9 @@ def _computation_text(comp: Computation, computations: dict[str, Computation],
     lines = []
     for inst in comp.instructions:
         attrs = _attrs_text(inst.attrs, computations, memo)
-        lines.append(f"{inst.opcode} {inst.shape} ({','.join(str(at.get(o, o)) for o in inst.operands)})"
-                     f" {attrs} {inst.literal!r} {inst.parameter_number} {inst.is_root}")
+        operands = ",".join(str(at.get(o, o)) for o in inst.operands)
+        lines.append(f"{inst.opcode} {inst.shape} ({operands}) {attrs} {inst.literal!r} "
+                     f"{inst.parameter_number} {inst.is_root}")
     text = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     memo[comp.name] = text
     return text
