@@ -1,6 +1,7 @@
 """Measure ``compile``: what stitch adds to compile time (measured wall seconds): the
 stand-alone compiler against jax.jit's XLA compile, stitch's pass inside XLA (CPU and a
-deviceless H100 compile), the compile phases of one model, and HLO parse speed."""
+deviceless H100 compile), real-size training steps against XLA's own compile, the compile
+phases of one model, and HLO parse speed."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,11 @@ def run_jit(ctx: Context) -> list[str]:
     return jit.markdown(rows, ctx.image_link)
 
 
+def run_real(ctx: Context) -> list[str]:
+    from bench.compile import real
+    return real.markdown(real.collect(ctx.quick, progress=log.info))
+
+
 MEASURE = Measure(
     name="compile",
     title="Compile cost (measured)",
@@ -49,6 +55,8 @@ MEASURE = Measure(
         Part("phases", "Compile phases of bert_layer_train",
              script("bench.compile.phases", [], ["--configs", "tiny"], block="compile-time"),
              quick=False),
+        Part("real", "Real-size training steps: XLA's compile against the compile with "
+             "stitch's pass (deviceless H100), cold and warm cache", run_real),
         Part("parse", "HLO parse speed", script("bench.compile.parse", [], ["--repeat", "1",
                                                                             "--top", "2"])),
     ),

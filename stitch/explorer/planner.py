@@ -48,6 +48,7 @@ from .patterns import (MAX_PATTERN_OPS, Pattern, PatternExplorer, Vertices, is_p
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
 from .refine import reduction_stages, refine_plan
+from .structure import StructureKeys
 from .plan import (GraphPlan, PlannedKernel, PlannerReport, PlanValidationError,
                    kernel_kind, launch_order, make_kernel, needs_kernel, validate)
 
@@ -213,20 +214,76 @@ def _named(graph: OpGraph, kernels: list[PlannedKernel], weight: int,
 
 ScheduleCache = dict[frozenset[int], KernelSchedule | str]
 
+# A kernel whose member set has the structure key (``structure.StructureKeys``) of one tuned
+# before gets that schedule with its node ids renumbered, not a tuning of its own: a repeated
+# layer's kernels are tuned once.
+SHARE_SCHEDULES = True
+
+# Schedule fields holding node ids (KernelSchedule, PartSchedule, GroupSchedule,
+# SharedBuffer, GlobalReduction).
+_SCHEDULE_ID_FIELDS = frozenset({"members", "root", "node", "cached"})
+
+
+def _renumbered(value, ids: dict[int, int], is_id: bool = False):
+    """A schedule (or part of one) with its node ids mapped by ``ids``."""
+    if is_id:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return ids[value]
+        if isinstance(value, (tuple, list, frozenset, set)):
+            return type(value)(ids[v] for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{
+            f.name: _renumbered(getattr(value, f.name), ids, f.name in _SCHEDULE_ID_FIELDS)
+            for f in dataclasses.fields(value) if f.init})
+    if isinstance(value, list):
+        return [_renumbered(v, ids) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_renumbered(v, ids) for v in value)
+    return value
+
+
+class SharedSchedules:
+    """Tuned schedules by structure key within one graph (``SHARE_SCHEDULES``)."""
+
+    def __init__(self, graph: OpGraph):
+        self.keys = StructureKeys(graph)
+        self.first: dict = {}          # key -> (the tuned set's members sorted, schedule)
+        self.shared = 0
+
+    def get(self, members: frozenset[int]) -> KernelSchedule | None:
+        key = self.keys.key(members)
+        if key is None or key not in self.first:
+            return None
+        tuned, schedule = self.first[key]
+        self.shared += 1
+        return _renumbered(schedule, dict(zip(tuned, sorted(members))))
+
+    def put(self, members: frozenset[int], schedule: KernelSchedule | str) -> None:
+        if isinstance(schedule, str):
+            return                          # a reason names the set's own nodes
+        key = self.keys.key(members)
+        if key is not None:
+            self.first.setdefault(key, (tuple(sorted(members)), schedule))
+
 
 def _tuned(graph: OpGraph, spec: GpuSpec, members: frozenset[int], cache: ScheduleCache,
-           grid_sync: str = "barrier") -> KernelSchedule | str:
+           grid_sync: str = "barrier", shared: SharedSchedules | None = None
+           ) -> KernelSchedule | str:
     """The tuned schedule of a kernel, or why it has none (cached by member set; a cache
     serves one ``grid_sync`` setting: under "off" only the block scopes are tried,
-    stitch.cost.launch_forms)."""
+    stitch.cost.launch_forms). ``shared``: a same-structure set's schedule, renumbered."""
     got = cache.get(members)
+    if got is None and shared is not None:
+        got = shared.get(members)
     if got is None:
         force = None if allows_global(grid_sync) else {"scope": "block"}
         try:
             got = schedule_kernel(graph, members, spec, force)
         except ScheduleError as exc:
             got = str(exc)
-        cache[members] = got
+        if shared is not None:
+            shared.put(members, got)
+    cache[members] = got
     return got
 
 
@@ -242,6 +299,7 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
     XLA units: a kernel that is one XLA kernel as XLA made it, which the pass leaves to
     XLA, so tuning it is wasted)."""
     cache = {} if cache is None else cache
+    shared = SharedSchedules(graph) if SHARE_SCHEDULES else None
     for k in plan.kernels:
         if poll is not None:
             poll()
@@ -260,7 +318,7 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
         if kept_as_xla(graph, k.members):
             k.schedule_note = "XLA fusion around an op stitch does not generate; kept as is"
             continue
-        got = _tuned(graph, spec, frozenset(k.members), cache, grid_sync)
+        got = _tuned(graph, spec, frozenset(k.members), cache, grid_sync, shared)
         if isinstance(got, str):
             k.schedule_note = got
             log.debug("graph %s: %s has no schedule: %s", graph.name, k.name, got)

@@ -22,7 +22,7 @@ from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_c
                           find_site, replace_kernels, xla_layouts)
 
 
-from .kernel_builds import GpuPrebuild, build_target
+from .kernel_builds import GpuPrebuild, build_target, compile_cache
 from .pass_request import BuiltKernel, PassError, PassReport, PassRequest
 from .ptx_children import build_threads, release_ptx_workers, start_ptx_workers
 from .segment_rows import SegmentRows, segment_rows
@@ -56,6 +56,11 @@ PAYBACK_ON_GPU = True
 # copies of the loop state it writes are counted is left to XLA (delivered.loses_with_copies;
 # host builds are checks and keep them).
 LOOP_COPIES_ON_GPU = True
+
+# Kernel IR lowered once per distinct kernel (stitch.codegen.lowering_reuse): a repeated
+# layer's kernels are bound to the first one's lowering, as is what is derived from it (its
+# structure key, its check, its busiest thread).
+REUSE_LOWERING = True
 
 
 def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
@@ -278,7 +283,8 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     (``segment_rows``); XLA's own kernels priced."""
     from stitch.codegen import kir
     from stitch.codegen.errors import CodegenError
-    from stitch.codegen.lower import lower_kernel
+    from stitch.codegen.lower import kernel_identifier, lower_kernel
+    from stitch.codegen.lowering_reuse import LoweringReuse
     from stitch.codegen.gpu_cache import structure_key
     from stitch.cost.delta import CostModel
     from stitch.schedule.global_scope import launch_form
@@ -293,18 +299,25 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     grid_sync_setting = grid_sync_on_gpu() if request.device == "gpu" else "barrier"
     budget = budget_setting() if request.device == "gpu" and CODE_BUDGET_ON_GPU else None
     payback = payback_setting() if request.device == "gpu" and PAYBACK_ON_GPU else None
+    reuse = LoweringReuse(enabled=REUSE_LOWERING,
+                          cache=compile_cache() if REUSE_LOWERING else None)
+
+    def structure_of(kernel: Any) -> str:
+        return reuse.derived(kernel, "structure", lambda: structure_key(kernel))
 
     def add(job: tuple, key: str | None = None) -> None:
+        kernel = job[3].kernel
         try:
             # Checked only now: a kernel the code budget or payback drops is never built.
-            job[3].kernel.validate()
+            # Validity does not depend on names: checked once per lowering.
+            reuse.derived(kernel, "valid", lambda: kernel.validate() is not None)
         except CodegenError as exc:
             log.info("kernel %s stays with XLA: %s", job[1].name, exc)
             report.fallbacks.append((job[1].name, f"{type(exc).__name__}: {exc}"))
             return
         jobs.append(job)
         if submit is not None:
-            submit(job[3].kernel, key)
+            submit(kernel, key if key is not None else structure_of(kernel))
 
     def leave(left: Unpaid) -> None:
         log.info("kernel %s: %s", left.name, left.reason(payback))
@@ -320,8 +333,8 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     def add_if_paid(job: tuple, gain_s: float) -> None:
         assert payback is not None
         kernel = job[3].kernel
-        key = structure_key(kernel)
-        size = statements(kernel)
+        key = structure_of(kernel)
+        size = reuse.derived(kernel, "statements", lambda: statements(kernel))
         group = waiting.get(key, [])
         total = gain_s + sum(g for _, g, _ in group)
         if key in built_keys or unpaid(job[1].name, total, size, payback) is None:
@@ -413,14 +426,19 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 if _global_scope(schedule) and grid_sync is None:
                     schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
                 def lower(schedule: Any, graph: Any = graph_plan.graph, name: str = k.name,
+                          members: frozenset = frozenset(k.members),
                           layouts: dict = xla_layouts(graph_plan.graph, k.members)) -> Any:
-                    with LLVM_LOCK:
-                        # in_place: the rewrite makes an atomic scatter's output alias its
-                        # operand (output_to_operand_aliasing, PlacedKernel.initial).
-                        # layouts: buffers are read and written in XLA's layouts.
-                        return lower_kernel(graph, evaluator, schedule, name, in_place=True,
-                                            validate=False,    # add() validates
-                                            layouts=layouts)
+                    def fresh() -> Any:
+                        with LLVM_LOCK:
+                            # in_place: the rewrite makes an atomic scatter's output alias
+                            # its operand (output_to_operand_aliasing, PlacedKernel.initial).
+                            # layouts: buffers are read and written in XLA's layouts.
+                            return lower_kernel(graph, evaluator, schedule, name,
+                                                in_place=True,
+                                                validate=False,    # add() validates
+                                                layouts=layouts)
+                    return reuse.lower(graph, members, schedule, kernel_identifier(name),
+                                       fresh, layouts=layouts, in_place=True)
                 if budget is not None:
                     lowered, narrowed = lower_within_budget(graph_plan.graph, schedule, spec,
                                                             k.name, lower, budget)
@@ -429,8 +447,9 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 else:
                     lowered = lower(schedule)
                 if grid_sync == "relaunch" and kir.has_grid_barrier(lowered.kernel):
-                    lowered = dataclasses.replace(lowered, kernel=dataclasses.replace(
-                        lowered.kernel, grid_sync="relaunch"))
+                    relaunched = dataclasses.replace(lowered.kernel, grid_sync="relaunch")
+                    reuse.alias(relaunched, lowered.kernel, "relaunch")
+                    lowered = dataclasses.replace(lowered, kernel=relaunched)
             except (CodegenError, StitchError) as exc:
                 log.info("kernel %s stays with XLA: %s", k.name, exc)
                 report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
@@ -440,7 +459,9 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                     priced_here = cost or CostModel(graph_plan.graph, spec, gemm_chains=False)
                 slower = slower_as_built(graph_plan, frozenset(k.members), lowered, spec,
                                          priced_here,
-                                         gains.get(k.name) if payback is not None else None)
+                                         gains.get(k.name) if payback is not None else None,
+                                         work=reuse.derived(lowered.kernel, "busiest",
+                                                            lambda: busiest_of(lowered.kernel)))
                 if slower is not None:
                     log.info("kernel %s: %s", k.name, slower)
                     report.skipped.append((k.name, slower))
@@ -453,16 +474,27 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     for group in waiting.values():
         for _, _, left in group:
             leave(left)
+    report.timings["kernels_lowered"] = reuse.lowered
+    report.timings["lowerings_reused"] = reuse.reused
+    report.timings["lowerings_from_cache"] = reuse.from_disk
     return jobs
 
 
+def busiest_of(kernel: Any) -> Any:
+    """``codegen.thread_work.busiest_thread``: what one lowering's sites share."""
+    from stitch.codegen.thread_work import busiest_thread
+    return busiest_thread(kernel)
+
+
 def slower_as_built(graph_plan: Any, members: frozenset[int], lowered: Any, spec: Any,
-                    cost: Any, gain_s: float | None = None) -> str | None:
+                    cost: Any, gain_s: float | None = None,
+                    work: Any = None) -> str | None:
     """Why the ``lowered`` kernel of the planned kernel of ``members`` is left to XLA, or
     None: its busiest thread alone (``codegen.thread_work``,
     ``cost.latency.thread_bound_seconds``) runs longer than ``cost`` (the delta cost model)
     priced the kernel, by more than the saving that price promised (``gain_s``: the
-    payback's modeled saving per step, else priced here).
+    payback's modeled saving per step, else priced here; ``work``: the kernel's busiest
+    thread where the caller has it).
 
     Where it happens: a warp/block part whose row layout lowering cannot prove is lowered
     with thread composition (``LoweredKernel.notes``) at the planned launch shape, and a
@@ -472,7 +504,7 @@ def slower_as_built(graph_plan: Any, members: frozenset[int], lowered: Any, spec
     from stitch.cost.latency import thread_bound_seconds
 
     from .payback import modeled_gain_s
-    work = busiest_thread(lowered.kernel)
+    work = busiest_thread(lowered.kernel) if work is None else work
     bound = thread_bound_seconds(spec, work.loads, work.ops)
     priced = cost.kernel(members).total_s
     if bound <= priced:
