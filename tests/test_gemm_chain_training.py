@@ -1,0 +1,149 @@
+"""GEMM chains of a training step's forward attention: the backward also reads S, the
+softmax's row sums or P, so the chain kernel writes them too (``ChainOutput``), and the
+causal mask XLA computes from iotas is recomputed in the kernel. Host-target runs with
+fresh random inputs and NaN-poisoned outputs against the reference evaluator (f32 1e-4,
+bf16 on tensor cores 2e-2); the kernels' PTX assembled for sm_80 / sm_90 without spills."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stitch.codegen import kir
+from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
+from stitch.codegen.host import NUMPY_DTYPES, compile_host
+from stitch.hlo_passes.evaluator import evaluate
+from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+from stitch.hlo_passes.gemm_chains import find_gemm_chains, needs_row_pass
+from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo_passes.parser import parse_hlo
+from tests.fixtures import REDUCERS
+
+# Batch 4 (2 x 2 heads), m = 20, n = 24, k = 10, h = 6: no tile divides them.
+_BODY = """
+ENTRY e {
+  a = f32[4,20,10] parameter(0)
+  b = f32[4,10,24] parameter(1)
+  c = f32[4,24,6] parameter(2)
+  s0 = f32[4,20,24] dot(a, b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  scale = f32[] constant(0.3)
+  scaleb = f32[4,20,24] broadcast(scale), dimensions={}
+  s = f32[4,20,24] multiply(s0, scaleb)
+  s4 = f32[2,2,20,24] reshape(s)
+  row = s32[20,24] iota(), iota_dimension=0
+  col = s32[20,24] iota(), iota_dimension=1
+  le = pred[20,24] compare(col, row), direction=LE
+  leb = pred[2,2,20,24] broadcast(le), dimensions={2,3}
+  big = f32[] constant(-1e+09)
+  bigb = f32[2,2,20,24] broadcast(big), dimensions={}
+  x = f32[2,2,20,24] select(leb, s4, bigb)
+  ninf = f32[] constant(-inf)
+  mx = f32[2,2,20] reduce(x, ninf), dimensions={3}, to_apply=max
+  mxb = f32[2,2,20,24] broadcast(mx), dimensions={0,1,2}
+  d = f32[2,2,20,24] subtract(x, mxb)
+  ex = f32[2,2,20,24] exponential(d)
+  zero = f32[] constant(0)
+  sm = f32[2,2,20] reduce(ex, zero), dimensions={3}, to_apply=add
+  smb = f32[2,2,20,24] broadcast(sm), dimensions={0,1,2}
+  p = f32[2,2,20,24] divide(ex, smb)
+  p3 = f32[4,20,24] reshape(p)
+  o = f32[4,20,6] dot(p3, c), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  ROOT t = ROOT_TYPE tuple(ROOT_VALUES)
+}
+"""
+
+
+def _text(values: str, types: str) -> str:
+    return "HloModule train\n" + REDUCERS + _BODY.replace("ROOT_VALUES", values).replace(
+        "ROOT_TYPE", types)
+
+
+# What XLA's GPT-2 step leaves for the backward at seq 1024 (S and the row sums) and at
+# seq 256 (S and P).
+STATS = _text("o, s, sm", "(f32[4,20,6], f32[4,20,24], f32[2,2,20])")
+PROBS = _text("o, p, s", "(f32[4,20,6], f32[2,2,20,24], f32[4,20,24])")
+CAUSAL_ONLY = _text("o", "(f32[4,20,6])")
+
+_SMALL_TILES = ChainTiling(block_m=16, block_n=16, threads=32, thread_m=4, thread_n=2,
+                           block_k=4, block_h=8)
+_MMA_TILES = ChainTiling(block_m=16, block_n=16, threads=32, thread_m=1, thread_n=1,
+                         block_k=16, block_h=8, mma=True)
+
+
+def _narrow(text: str, dtype: str) -> str:
+    return text.replace("f32[", f"{dtype}[")
+
+
+def _chain(text: str):
+    module = parse_hlo(text)
+    graph = build_op_graphs(module)[0]
+    chains = find_gemm_chains(graph)
+    assert len(chains) == 1
+    return module, graph, chains[0]
+
+
+def _run(text: str, seed: int, tol: float, tiling: ChainTiling | None) -> None:
+    """Every value the kernel writes against the evaluator's, all outputs poisoned."""
+    module, graph, chain = _chain(text)
+    rng = np.random.default_rng(seed)
+    args = [rng.standard_normal(p.shape.dims).astype(numpy_dtype(p.shape.element_type))
+            for p in module.entry.parameters]
+    want = evaluate(module, args)
+    lowered = lower_gemm_chain(graph, chain, tiling, name="chain")
+    kernel = compile_host(lowered.kernel)
+    params = lowered.kernel.params
+    ins = [np.ascontiguousarray(args[graph.nodes[v].instruction.parameter_number],
+                                dtype=NUMPY_DTYPES[p.dtype]).reshape(-1)
+           for p, v in zip(params, lowered.inputs)]
+    outs = [np.full(p.size, np.nan, NUMPY_DTYPES[p.dtype]) for p in params[len(ins):]]
+    kernel(*ins, *outs)
+    root = module.entry.root
+    names = [graph.nodes[v].name for v in lowered.outputs]
+    for name, got in zip(names, outs):
+        # The tuple element the node is (through a reshape for P's [4, 20, 24] view).
+        position = next(i for i, o in enumerate(root.operands) if o == name)
+        expected = np.asarray(want[position], np.float64).reshape(-1)
+        got = got.astype(np.float64)
+        assert not np.isnan(got).any(), f"{name}: poisoned elements left"
+        np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, err_msg=name)
+    assert len(outs) == len(root.operands)
+
+
+@pytest.mark.parametrize("tiling", (_SMALL_TILES, None), ids=("partial", "default"))
+def test_scores_and_row_sums_written_in_one_online_pass(tiling) -> None:
+    module, graph, chain = _chain(STATS)
+    assert chain.softmax and not needs_row_pass(chain)
+    assert sorted(o.rank for o in chain.extra_outputs) == ["row", "tile"]
+    assert len(chain.inputs) == 3        # the mask is computed, not read
+    _run(STATS, seed=21, tol=1e-4, tiling=tiling)
+    kernel = lower_gemm_chain(graph, chain, _SMALL_TILES).kernel
+    assert sum(isinstance(s, kir.For) and s.var == "n0" for s in kernel.body) == 1
+
+
+@pytest.mark.parametrize("tiling", (_SMALL_TILES, None), ids=("partial", "default"))
+def test_probabilities_written_exactly_after_a_row_pass(tiling) -> None:
+    module, graph, chain = _chain(PROBS)
+    assert chain.softmax and needs_row_pass(chain)
+    _run(PROBS, seed=22, tol=1e-4, tiling=tiling)
+    kernel = lower_gemm_chain(graph, chain, _SMALL_TILES).kernel
+    assert sum(isinstance(s, kir.For) and s.var == "n0" for s in kernel.body) == 2
+
+
+def test_causal_mask_of_iotas_is_computed_in_the_kernel() -> None:
+    _, _, chain = _chain(CAUSAL_ONLY)
+    assert not chain.extra_outputs and len(chain.inputs) == 3
+    assert sum(op.kind == "iota" for op in chain.program) == 2
+    _run(CAUSAL_ONLY, seed=23, tol=1e-4, tiling=_SMALL_TILES)
+
+
+@pytest.mark.parametrize("text", (STATS, PROBS), ids=("stats", "probs"))
+def test_training_chain_on_tensor_cores(text: str) -> None:
+    _run(_narrow(text, "bf16"), seed=24, tol=2e-2, tiling=_MMA_TILES)
+
+
+def test_warp_columns_and_n_splits_are_refused_with_outputs_read_outside() -> None:
+    from stitch.codegen.errors import CodegenError
+    _, graph, chain = _chain(STATS)
+    wide = ChainTiling(block_m=16, block_n=32, threads=64, thread_m=1, thread_n=1,
+                       block_k=16, block_h=8, mma=True)
+    with pytest.raises(CodegenError):
+        lower_gemm_chain(graph, chain, wide, arch="sm_80")
