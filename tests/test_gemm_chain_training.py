@@ -147,3 +147,34 @@ def test_warp_columns_and_n_splits_are_refused_with_outputs_read_outside() -> No
                        block_k=16, block_h=8, mma=True)
     with pytest.raises(CodegenError):
         lower_gemm_chain(graph, chain, wide, arch="sm_80")
+
+
+def test_written_values_and_the_row_pass_are_priced() -> None:
+    """chain_pricing: the values written out are HBM bytes of the chain kernel, the row
+    pass the first GEMM's flops again; neither allows warp columns or n splits."""
+    from dataclasses import replace
+
+    from stitch.cost import get_spec
+    from stitch.cost.chain_pricing import chain_dims
+    from stitch.cost.gemm_tile import chain_cost
+    from stitch.schedule.chain_tiling import buildable
+    from stitch.schedule.gemm_chain_space import best_schedule
+    _, graph, stats = _chain(STATS)
+    dims = chain_dims(graph, stats, tf32=True, grid_sync=True)
+    assert dims.extra_output_bytes == 4 * 20 * 24 * 4 + 4 * 20 * 4
+    assert not dims.row_pass and dims.row_reductions and not dims.n_splittable
+    _, graph, probs = _chain(PROBS)
+    dims = chain_dims(graph, probs, tf32=True)
+    assert dims.row_pass and dims.extra_output_bytes == 2 * 4 * 20 * 24 * 4
+    spec = get_spec("h100")
+    # GPT-2 small's attention sizes, per layer.
+    big = replace(dims, batch=96, m=1024, n=1024, k=64, h=64,
+                  extra_output_bytes=2 * 96 * 1024 * 1024 * 4)
+    found = best_schedule(spec, big)
+    assert buildable(big, found.schedule)
+    plain = replace(big, extra_output_bytes=0.0, row_pass=False)
+    written = replace(plain, extra_output_bytes=big.extra_output_bytes)
+    costs = [chain_cost(spec, d, found.schedule) for d in (plain, written, big)]
+    assert costs[1].hbm_bytes - costs[0].hbm_bytes == pytest.approx(big.extra_output_bytes)
+    assert costs[0].seconds < costs[1].seconds <= costs[2].seconds
+    assert costs[1].flops < costs[2].flops < 2 * costs[1].flops    # S once more

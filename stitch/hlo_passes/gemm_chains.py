@@ -960,6 +960,10 @@ class _Recognizer:
             ChainOutput(v, where[value], program[where[value]].rank,
                         g.nodes[v].shape.element_type, view)
             for v, (value, view) in zip(escaping, extra_values))
+        if extra_outputs and softmax_parts(program) is None:
+            # (Written out only around a softmax, the form checked end to end.)
+            raise _NotAChain(f"{g.nodes[escaping[0]].name} is also read outside a chain "
+                             f"without a softmax")
         return GemmChain(
             members=tuple(sorted(self.members)), first=self.first, second=self.second,
             batch=batch, m=m, n=n, k=k, h=h, operand_dtype=dtype,
@@ -976,7 +980,7 @@ class _Recognizer:
         node = self.g.nodes[v]
         value = self.value_of.get(v)
         shape = node.shape
-        if value is None or not shape.is_array or self.g.is_free(v):
+        if value is None or not shape.is_array:
             raise _NotAChain(f"{node.name} is also read outside the chain")
         rank = self.rank_of(shape)
         op = self.ops[value]
