@@ -21,47 +21,50 @@ from tests.fixtures import REDUCERS
 # Batch 4 (2 x 2 heads), m = 20, n = 24, k = 10, h = 6: no tile divides them.
 _BODY = """
 ENTRY e {
-  a = f32[4,20,10] parameter(0)
-  b = f32[4,10,24] parameter(1)
-  c = f32[4,24,6] parameter(2)
-  s0 = f32[4,20,24] dot(a, b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  a = f32[4,{m},{k}] parameter(0)
+  b = f32[4,{k},{n}] parameter(1)
+  c = f32[4,{n},{h}] parameter(2)
+  s0 = f32[4,{m},{n}] dot(a, b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
   scale = f32[] constant(0.3)
-  scaleb = f32[4,20,24] broadcast(scale), dimensions={}
-  s = f32[4,20,24] multiply(s0, scaleb)
-  s4 = f32[2,2,20,24] reshape(s)
-  row = s32[20,24] iota(), iota_dimension=0
-  col = s32[20,24] iota(), iota_dimension=1
-  le = pred[20,24] compare(col, row), direction=LE
-  leb = pred[2,2,20,24] broadcast(le), dimensions={2,3}
+  scaleb = f32[4,{m},{n}] broadcast(scale), dimensions={}
+  s = f32[4,{m},{n}] multiply(s0, scaleb)
+  s4 = f32[2,2,{m},{n}] reshape(s)
+  row = s32[{m},{n}] iota(), iota_dimension=0
+  col = s32[{m},{n}] iota(), iota_dimension=1
+  le = pred[{m},{n}] compare(col, row), direction=LE
+  leb = pred[2,2,{m},{n}] broadcast(le), dimensions={2,3}
   big = f32[] constant(-1e+09)
-  bigb = f32[2,2,20,24] broadcast(big), dimensions={}
-  x = f32[2,2,20,24] select(leb, s4, bigb)
+  bigb = f32[2,2,{m},{n}] broadcast(big), dimensions={}
+  x = f32[2,2,{m},{n}] select(leb, s4, bigb)
   ninf = f32[] constant(-inf)
-  mx = f32[2,2,20] reduce(x, ninf), dimensions={3}, to_apply=max
-  mxb = f32[2,2,20,24] broadcast(mx), dimensions={0,1,2}
-  d = f32[2,2,20,24] subtract(x, mxb)
-  ex = f32[2,2,20,24] exponential(d)
+  mx = f32[2,2,{m}] reduce(x, ninf), dimensions={3}, to_apply=max
+  mxb = f32[2,2,{m},{n}] broadcast(mx), dimensions={0,1,2}
+  d = f32[2,2,{m},{n}] subtract(x, mxb)
+  ex = f32[2,2,{m},{n}] exponential(d)
   zero = f32[] constant(0)
-  sm = f32[2,2,20] reduce(ex, zero), dimensions={3}, to_apply=add
-  smb = f32[2,2,20,24] broadcast(sm), dimensions={0,1,2}
-  p = f32[2,2,20,24] divide(ex, smb)
-  p3 = f32[4,20,24] reshape(p)
-  o = f32[4,20,6] dot(p3, c), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  sm = f32[2,2,{m}] reduce(ex, zero), dimensions={3}, to_apply=add
+  smb = f32[2,2,{m},{n}] broadcast(sm), dimensions={0,1,2}
+  p = f32[2,2,{m},{n}] divide(ex, smb)
+  p3 = f32[4,{m},{n}] reshape(p)
+  o = f32[4,{m},{h}] dot(p3, c), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
   ROOT t = ROOT_TYPE tuple(ROOT_VALUES)
 }
 """
 
 
-def _text(values: str, types: str) -> str:
-    return "HloModule train\n" + REDUCERS + _BODY.replace("ROOT_VALUES", values).replace(
-        "ROOT_TYPE", types)
+def _text(values: str, types: str, m: int = 20, n: int = 24, k: int = 10, h: int = 6) -> str:
+    body = _BODY.replace("{m}", str(m)).replace("{n}", str(n)).replace("{k}", str(k))
+    return "HloModule train\n" + REDUCERS + body.replace("{h}", str(h)).replace(
+        "ROOT_VALUES", values).replace("ROOT_TYPE", types.format(m=m, n=n, h=h))
 
 
 # What XLA's GPT-2 step leaves for the backward at seq 1024 (S and the row sums) and at
 # seq 256 (S and P).
-STATS = _text("o, s, sm", "(f32[4,20,6], f32[4,20,24], f32[2,2,20])")
-PROBS = _text("o, p, s", "(f32[4,20,6], f32[2,2,20,24], f32[4,20,24])")
-CAUSAL_ONLY = _text("o", "(f32[4,20,6])")
+_STATS = ("o, s, sm", "(f32[4,{m},{h}], f32[4,{m},{n}], f32[2,2,{m}])")
+_PROBS = ("o, p, s", "(f32[4,{m},{h}], f32[2,2,{m},{n}], f32[4,{m},{n}])")
+STATS = _text(*_STATS)
+PROBS = _text(*_PROBS)
+CAUSAL_ONLY = _text("o", "(f32[4,{m},{h}])")
 
 _SMALL_TILES = ChainTiling(block_m=16, block_n=16, threads=32, thread_m=4, thread_n=2,
                            block_k=4, block_h=8)
@@ -178,3 +181,23 @@ def test_written_values_and_the_row_pass_are_priced() -> None:
     assert costs[1].hbm_bytes - costs[0].hbm_bytes == pytest.approx(big.extra_output_bytes)
     assert costs[0].seconds < costs[1].seconds <= costs[2].seconds
     assert costs[1].flops < costs[2].flops < 2 * costs[1].flops    # S once more
+
+
+@pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
+@pytest.mark.parametrize("dtype", ("f32", "bf16", "tf32"))
+@pytest.mark.parametrize("form", (_STATS, _PROBS), ids=("stats", "probs"))
+def test_training_chain_ptx_assembles_without_spills(form, dtype: str, arch: str) -> None:
+    """Attention-sized (m = n = 256, k = h = 64) with codegen's default tiles; "tf32":
+    f32 on TF32 tensor cores."""
+    from stitch.codegen.nvptx import emit_ptx
+    from tests.test_lowering_gemm_chain import _ptxas_or_skip
+    _ptxas_or_skip(arch)
+    from stitch.codegen.toolchain import assemble
+    text = _text(*form, m=256, n=256, k=64, h=64)
+    _, graph, chain = _chain(_narrow(text, dtype) if dtype == "bf16" else text)
+    tiling = ChainTiling.default_for(chain, arch, allow_tf32=dtype == "tf32")
+    assert tiling.mma == (dtype != "f32") and tiling.warp_cols == 1
+    ptx = emit_ptx(lower_gemm_chain(graph, chain, tiling, name="chain", arch=arch).kernel, arch)
+    report = assemble(ptx, arch, kernel_name="chain")["chain"]
+    assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report
+    assert 0 < report.registers <= 255

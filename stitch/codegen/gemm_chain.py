@@ -165,19 +165,24 @@ class ChainTiling:
         cores, 4 warps of 16 rows, 32-wide n steps, k in stages of 16 (<= 128 registers, no
         spills on sm_80 / sm_90 for the MCFuser shapes in bf16). f32 with ``allow_tf32`` on
         sm_80+ where the chain's dots allow it (``GemmChain.tf32``): the same on TF32 tensor
-        cores (m16n8k8), n and k in multiples of 8."""
+        cores (m16n8k8), n and k in multiples of 8. A chain writing P after a row pass
+        holds more live values: 16-wide n steps (MMA) or 32-row blocks (FMA), which ptxas
+        keeps without spills on sm_80 / sm_90 at attention sizes."""
         tf32 = (chain.operand_dtype == _F32 and allow_tf32 and chain.tf32)
+        row_pass = chain.softmax and needs_row_pass(chain)
         if (chain.operand_dtype in ("bf16", "f16") or tf32) and _sm(arch) >= 80:
             step = 8 if tf32 else 16
             block_m = 64 if chain.m >= 64 else 16 * -(-chain.m // 16)
-            block_n = 32 if chain.n >= 32 else step * -(-chain.n // step)
+            wide = 16 if row_pass else 32
+            block_n = wide if chain.n >= wide else step * -(-chain.n // step)
             block_k = 16 if chain.k >= 16 else step * -(-chain.k // step)
             block_h = 64 if chain.h >= 64 else 8 * -(-chain.h // 8)
             tiling = ChainTiling(block_m, block_n, 2 * block_m, 1, 1, block_k, block_h,
                                  mma=True)
             tiling.check(chain.operand_dtype)
             return tiling
-        block_m = 64 if chain.m >= 64 else max(16, _pow2_at_least(chain.m))
+        tall = 32 if row_pass else 64
+        block_m = tall if chain.m >= tall else max(16, _pow2_at_least(chain.m))
         block_n = 64 if chain.n >= 64 else max(8, _pow2_at_least(chain.n))
         thread_m, thread_n = 4, (4 if block_n >= 32 else 2)
         lanes = block_n // thread_n
