@@ -66,6 +66,21 @@ STATS = _text(*_STATS)
 PROBS = _text(*_PROBS)
 CAUSAL_ONLY = _text("o", "(f32[4,{m},{h}])")
 
+# bf16 as XLA leaves a bf16 step: scores masked in bf16, the softmax in f32, P converted
+# back to bf16 for the second GEMM (and for the backward, which reads it).
+_BF16_BODY = _BODY.replace("f32[", "bf16[").replace(
+    "  ninf = bf16[] constant(-inf)\n",
+    "  xf = f32[2,2,{m},{n}] convert(x)\n  ninf = f32[] constant(-inf)\n").replace(
+    "reduce(x, ninf)", "reduce(xf, ninf)").replace("subtract(x, mxb)", "subtract(xf, mxb)")
+for name in ("mx", "mxb", "d", "ex", "zero", "sm", "smb", "p"):
+    _BF16_BODY = _BF16_BODY.replace(f"  {name} = bf16[", f"  {name} = f32[")
+_BF16_BODY = _BF16_BODY.replace(
+    "  p3 = bf16[4,{m},{n}] reshape(p)",
+    "  pb = bf16[2,2,{m},{n}] convert(p)\n  p3 = bf16[4,{m},{n}] reshape(pb)")
+BF16_PROBS = ("HloModule train_bf16\n" + REDUCERS + _BF16_BODY.replace("{m}", "20").replace(
+    "{n}", "24").replace("{k}", "10").replace("{h}", "6").replace("ROOT_VALUES", "o, pb, sm")
+    .replace("ROOT_TYPE", "(bf16[4,20,6], bf16[2,2,20,24], f32[2,2,20])"))
+
 _SMALL_TILES = ChainTiling(block_m=16, block_n=16, threads=32, thread_m=4, thread_n=2,
                            block_k=4, block_h=8)
 _MMA_TILES = ChainTiling(block_m=16, block_n=16, threads=32, thread_m=1, thread_n=1,
@@ -141,6 +156,15 @@ def test_causal_mask_of_iotas_is_computed_in_the_kernel() -> None:
 @pytest.mark.parametrize("text", (STATS, PROBS), ids=("stats", "probs"))
 def test_training_chain_on_tensor_cores(text: str) -> None:
     _run(_narrow(text, "bf16"), seed=24, tol=2e-2, tiling=_MMA_TILES)
+
+
+def test_bf16_step_form_with_p_converted_last() -> None:
+    """softmax_parts through the final convert: P (bf16) and the row sums written after a
+    row pass; the chain is no online softmax (``chain.softmax``), as before."""
+    _, _, chain = _chain(BF16_PROBS)
+    assert not chain.softmax and needs_row_pass(chain)
+    _run(BF16_PROBS, seed=25, tol=2e-2, tiling=_MMA_TILES)
+    _run(BF16_PROBS, seed=26, tol=2e-2, tiling=_SMALL_TILES)
 
 
 def test_warp_columns_and_n_splits_are_refused_with_outputs_read_outside() -> None:

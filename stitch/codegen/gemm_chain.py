@@ -169,7 +169,8 @@ class ChainTiling:
         holds more live values: 16-wide n steps (MMA) or 32-row blocks (FMA), which ptxas
         keeps without spills on sm_80 / sm_90 at attention sizes."""
         tf32 = (chain.operand_dtype == _F32 and allow_tf32 and chain.tf32)
-        row_pass = chain.softmax and needs_row_pass(chain)
+        row_pass = softmax_parts(chain.program, through_convert=True) is not None \
+            and needs_row_pass(chain)
         if (chain.operand_dtype in ("bf16", "f16") or tf32) and _sm(arch) >= 80:
             step = 8 if tf32 else 16
             block_m = 64 if chain.m >= 64 else 16 * -(-chain.m // 16)
@@ -234,7 +235,8 @@ def lower_gemm_chain(graph: OpGraph, chain: GemmChain, tiling: ChainTiling | Non
                            f"all of n in one warp and one block (no warp columns, no n split)")
     layout = _MmaChainKernel if tiling.mma else _FmaChainKernel
     kernel = layout(graph, chain, tiling, name).build()
-    softmax = ("softmax, row pass first" if chain.softmax and needs_row_pass(chain) else
+    softmax = ("softmax, row pass first" if needs_row_pass(chain) and softmax_parts(
+        chain.program, through_convert=True) is not None else
                "online softmax" if chain.softmax else "no softmax")
     also = f", also writes {len(chain.extra_outputs)} value(s)" if chain.extra_outputs else ""
     note = (f"gemm chain {chain.batch}x{chain.m}x{chain.n}x{chain.k}x{chain.h} "
@@ -326,8 +328,8 @@ class _ChainKernel:
         # A softmax whose P (or another value after its reductions) is written out: one pass
         # over n computes the rows' max and sum (online, their final values exact), the
         # main pass then evaluates the program with them: P exact, no rescaling.
-        self.row_pass = self.softmax if self.softmax is not None and needs_row_pass(chain) \
-            else None
+        parts = softmax_parts(chain.program, through_convert=True)
+        self.row_pass = parts if parts is not None and needs_row_pass(chain) else None
         if self.row_pass is not None:
             self.softmax = None
         # Row reductions other than a softmax's: one pass over n each (S recomputed),

@@ -139,7 +139,8 @@ def chain_dims(graph: OpGraph, chain: GemmChain, tf32: bool = False,
                      # Values written out need all of n in one warp and block (codegen).
                      bool(chain.extra_outputs) or softmax_parts(chain.program) is None
                      and any(op.kind == "reduce" for op in chain.program), grid_sync,
-                     _extra_output_bytes(chain), chain.softmax and needs_row_pass(chain))
+                     _extra_output_bytes(chain), needs_row_pass(chain) and softmax_parts(
+                         chain.program, through_convert=True) is not None)
 
 
 @dataclass(frozen=True)

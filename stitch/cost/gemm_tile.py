@@ -446,10 +446,13 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
         sfu += scores * SOFTMAX_SFU_PER_ELEMENT + bm * n_tiles
         threads_per_row = max(threads / bm, 1.0)
         shuffles = 2 * bm * n_tiles * math.log2(threads_per_row) if threads_per_row > 1 else 0
-        if dims.row_pass:       # the row pass's max, exps and sum, the main pass's exps
-            alu += scores * SOFTMAX_ALU_PER_ELEMENT + bm * n_tiles * SOFTMAX_ALU_PER_ROW_STEP
-            sfu += scores * SOFTMAX_SFU_PER_ELEMENT + bm * n_tiles
+        if dims.row_pass:
             shuffles *= 2
+    if dims.row_pass:
+        # The row pass's max, exps and sum (a softmax P converted last is not
+        # ``dims.softmax``: its main-pass ops are among ``between_instructions``).
+        alu += scores * SOFTMAX_ALU_PER_ELEMENT + bm * n_tiles * SOFTMAX_ALU_PER_ROW_STEP
+        sfu += scores * SOFTMAX_SFU_PER_ELEMENT + bm * n_tiles
     # Global traffic per block.
     a_bytes = bm * dims.k * isz
     rhs = (dims.k + hb) * n_local * isz                # B and D: this block's n and h share

@@ -679,11 +679,22 @@ class _Recognizer:
         view = self.value_view(root, shape.dims, digits, rank)
         index = self.index_value(root, dataclasses.replace(view, node=-1), rank, set())
         if index is not None:
-            # Computed from iotas only (a causal mask): the kernel computes it; its ops join
-            # the chain (one read outside refuses the chain as any member does).
+            # Computed from iotas only (a causal mask): the kernel computes it. Its ops join
+            # the chain where only the chain reads them; one XLA also reads elsewhere (bf16:
+            # the mask is a kernel of its own, the backward reads it too) stays outside,
+            # neither read nor written by the chain.
             value, nodes = index
             self.members.update(moved)
-            self.members.update(nodes)
+            inside = set(nodes)
+            changed = True
+            while changed:
+                changed = False
+                for v in list(inside):
+                    if any(u not in self.members and u not in inside
+                           for u in self.g.nodes[v].users):
+                        inside.discard(v)
+                        changed = True
+            self.members.update(inside)
             return value
         self.members.update(moved)
         if root not in self.inputs:
@@ -960,7 +971,7 @@ class _Recognizer:
             ChainOutput(v, where[value], program[where[value]].rank,
                         g.nodes[v].shape.element_type, view)
             for v, (value, view) in zip(escaping, extra_values))
-        if extra_outputs and softmax_parts(program) is None:
+        if extra_outputs and softmax_parts(program, through_convert=True) is None:
             # (Written out only around a softmax, the form checked end to end.)
             raise _NotAChain(f"{g.nodes[escaping[0]].name} is also read outside a chain "
                              f"without a softmax")
@@ -1126,12 +1137,18 @@ class SoftmaxParts:
     p: int
 
 
-def softmax_parts(program: tuple[ChainOp, ...]) -> SoftmaxParts | None:
-    """The row softmax the program ends in, or None (see ``SoftmaxParts``)."""
+def softmax_parts(program: tuple[ChainOp, ...], through_convert: bool = False
+                  ) -> SoftmaxParts | None:
+    """The row softmax the program ends in, or None (see ``SoftmaxParts``).
+    ``through_convert``: also one whose P is converted last (bf16 attention's
+    ``convert(divide(E, sum))``; ``p`` is then the divide)."""
     if not program:
         return None
     p = len(program) - 1
     last = program[p]
+    if through_convert and last.kind == "elementwise" and last.opcode == "convert":
+        p = last.args[0]
+        last = program[p]
     if last.kind != "elementwise" or last.opcode != "divide":
         return None
     e, row_sum = last.args
