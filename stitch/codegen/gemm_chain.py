@@ -52,7 +52,8 @@ import logging
 import math
 from dataclasses import dataclass
 
-from stitch.hlo_passes.gemm_chains import ChainOp, GemmChain, OperandView, softmax_parts
+from stitch.hlo_passes.gemm_chains import (ChainOp, GemmChain, OperandView, needs_row_pass,
+                                           softmax_parts)
 from stitch.hlo_passes.graph import OpGraph
 
 from . import kir
@@ -164,19 +165,25 @@ class ChainTiling:
         cores, 4 warps of 16 rows, 32-wide n steps, k in stages of 16 (<= 128 registers, no
         spills on sm_80 / sm_90 for the MCFuser shapes in bf16). f32 with ``allow_tf32`` on
         sm_80+ where the chain's dots allow it (``GemmChain.tf32``): the same on TF32 tensor
-        cores (m16n8k8), n and k in multiples of 8."""
+        cores (m16n8k8), n and k in multiples of 8. A chain writing P after a row pass
+        holds more live values: 16-wide n steps (MMA) or 32-row blocks (FMA), which ptxas
+        keeps without spills on sm_80 / sm_90 at attention sizes."""
         tf32 = (chain.operand_dtype == _F32 and allow_tf32 and chain.tf32)
+        row_pass = softmax_parts(chain.program, through_convert=True) is not None \
+            and needs_row_pass(chain)
         if (chain.operand_dtype in ("bf16", "f16") or tf32) and _sm(arch) >= 80:
             step = 8 if tf32 else 16
             block_m = 64 if chain.m >= 64 else 16 * -(-chain.m // 16)
-            block_n = 32 if chain.n >= 32 else step * -(-chain.n // step)
+            wide = 16 if row_pass else 32
+            block_n = wide if chain.n >= wide else step * -(-chain.n // step)
             block_k = 16 if chain.k >= 16 else step * -(-chain.k // step)
             block_h = 64 if chain.h >= 64 else 8 * -(-chain.h // 8)
             tiling = ChainTiling(block_m, block_n, 2 * block_m, 1, 1, block_k, block_h,
                                  mma=True)
             tiling.check(chain.operand_dtype)
             return tiling
-        block_m = 64 if chain.m >= 64 else max(16, _pow2_at_least(chain.m))
+        tall = 32 if row_pass else 64
+        block_m = tall if chain.m >= tall else max(16, _pow2_at_least(chain.m))
         block_n = 64 if chain.n >= 64 else max(8, _pow2_at_least(chain.n))
         thread_m, thread_n = 4, (4 if block_n >= 32 else 2)
         lanes = block_n // thread_n
@@ -223,15 +230,24 @@ def lower_gemm_chain(graph: OpGraph, chain: GemmChain, tiling: ChainTiling | Non
             op.kind == "reduce" for op in chain.program):
         raise CodegenError(f"{name}: n is split across blocks, and a row reduction over n "
                            f"other than a softmax's needs every block's share of the row")
+    if chain.extra_outputs and (tiling.n_split > 1 or tiling.warp_cols > 1):
+        raise CodegenError(f"{name}: the chain also writes values read outside, which needs "
+                           f"all of n in one warp and one block (no warp columns, no n split)")
     layout = _MmaChainKernel if tiling.mma else _FmaChainKernel
     kernel = layout(graph, chain, tiling, name).build()
+    softmax = ("softmax, row pass first" if needs_row_pass(chain) and softmax_parts(
+        chain.program, through_convert=True) is not None else
+               "online softmax" if chain.softmax else "no softmax")
+    also = f", also writes {len(chain.extra_outputs)} value(s)" if chain.extra_outputs else ""
     note = (f"gemm chain {chain.batch}x{chain.m}x{chain.n}x{chain.k}x{chain.h} "
-            f"({'online softmax' if chain.softmax else 'no softmax'}), tiles "
+            f"({softmax}{also}), tiles "
             f"m{tiling.block_m} n{tiling.block_n} k{tiling.block_k} h{tiling.block_h}, "
             f"{tiling.threads} threads{_math_note(chain, tiling)}"
             f"{f', n split over {tiling.n_split} blocks' if tiling.n_split > 1 else ''}")
     log.debug("%s: %s", name, note)
-    return LoweredKernel(kernel, list(chain.inputs), [chain.output], ["gemm_chain"], [note])
+    return LoweredKernel(kernel, list(chain.inputs),
+                         [chain.output, *(out.node for out in chain.extra_outputs)],
+                         ["gemm_chain"], [note])
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -297,16 +313,31 @@ class _ChainKernel:
         out_shape = leaf(graph.nodes[chain.output].shape)
         self.out = kir.Param("out0", storage_dtype(out_shape), out_shape.num_elements,
                              is_output=True)
+        # Values also read outside the chain (ChainOutput), written as they are computed.
+        self.extra: list[kir.Param] = []
+        for i, extra in enumerate(chain.extra_outputs):
+            shape = leaf(graph.nodes[extra.node].shape)
+            self.extra.append(kir.Param(f"out{i + 1}", storage_dtype(shape),
+                                        shape.num_elements, is_output=True))
         t = tiling
         self.sa = kir.Shared("tile_a", _F32, t.block_m * t.block_k)
         self.sb = kir.Shared("tile_b", _F32, t.block_k * t.block_n)
         self.sc = kir.Shared("tile_c", _F32, t.block_n * t.block_h)
         self.shared = [self.sa, self.sb, self.sc]
         self.softmax = softmax_parts(chain.program)
+        # A softmax whose P (or another value after its reductions) is written out: one pass
+        # over n computes the rows' max and sum (online, their final values exact), the
+        # main pass then evaluates the program with them: P exact, no rescaling.
+        parts = softmax_parts(chain.program, through_convert=True)
+        self.row_pass = parts if parts is not None and needs_row_pass(chain) else None
+        if self.row_pass is not None:
+            self.softmax = None
         # Row reductions other than a softmax's: one pass over n each (S recomputed),
         # before the pass that feeds the second GEMM.
         self.reductions = [] if self.softmax is not None else \
             [i for i, op in enumerate(chain.program) if op.kind == "reduce"]
+        # Program reductions whose row value sits in a Local (name prefix; row i: _{i}).
+        self.row_locals: dict[int, str] = {r: f"red{r}" for r in self.reductions}
         self.names = 0
         self.rows: list[kir.Expr] = []
         self.cols: list[kir.Expr] = []
@@ -404,17 +435,24 @@ class _ChainKernel:
             init = kir.f32(float(ch.program[r].value))
             for i in range(len(self.rows)):
                 body.append(kir.Local(f"red{r}_{i}", _F32, init))
+        if self.row_pass is not None:
             body.append(kir.For("n0", _c(0), _c(ch.n), _c(t.block_n),
-                                tuple(self.reduction_step(r))))
+                                tuple(self.row_pass_step(self.row_pass))))
+        else:
+            for r in self.reductions:
+                body.append(kir.For("n0", _c(0), _c(ch.n), _c(t.block_n),
+                                    tuple(self.reduction_step(r))))
         body.append(kir.For("n0", n_lo, n_hi, _c(t.block_n), tuple(self.n_step())))
         body.extend(self.store())
+        body.extend(self.store_rows())
         scratch: tuple[kir.GlobalScratch, ...] = ()
         if self.partials is not None:
             body.append(kir.GridBarrier())
             body.extend(self.combine(grid))
             scratch = (self.partials,) + ((self.row_stats,) if self.row_stats else ())
         # n split: a launch per phase (module docstring).
-        return kir.Kernel(self.name, (*self.params.values(), self.out), tuple(self.shared),
+        return kir.Kernel(self.name, (*self.params.values(), self.out, *self.extra),
+                          tuple(self.shared),
                           grid, t.threads, tuple(body), scratch,
                           "relaunch" if self.partials is not None else "barrier").validate()
 
@@ -455,12 +493,71 @@ class _ChainKernel:
             out.append(kir.Assign(name, kir.Binary(code, kir.Ref(name, _F32), total)))
         return out
 
+    def row_pass_step(self, parts) -> list[kir.Stmt]:
+        """One n step of the pass before the main one that computes a softmax's row max
+        and sum (into the Locals of its reductions), online: the sum rescaled as the max
+        grows, so after the last step both are the rows' exact max and sum."""
+        out: list[kir.Stmt] = []
+        valid_n, program = self.s_step(out)
+        for i in range(len(self.rows)):
+            x = [self.let(out, "x", kir.Select(valid_n[j], program.value(parts.x, i, j),
+                                               _NEG_INF)) for j in range(len(self.cols))]
+            mx, total_name = f"red{parts.row_max}_{i}", f"red{parts.row_sum}_{i}"
+            old = kir.Ref(mx, _F32)
+            new = self.let(out, "mnew", kir.Binary("max", old, self.row_reduce(out, "max", x)))
+            dead = self.let(out, "dead", kir.Compare("eq", new, _NEG_INF))
+            scale = self.let(out, "scale", kir.Select(
+                dead, kir.f32(1.0), kir.Unary("exp", kir.Binary("sub", old, new))))
+            e = [self.let(out, "e", kir.Select(dead, kir.f32(0.0), kir.Unary(
+                "exp", kir.Binary("sub", xj, new)))) for xj in x]
+            total = self.row_reduce(out, "add", e)
+            out.append(kir.Assign(total_name, _add(_mul(kir.Ref(total_name, _F32), scale),
+                                                   total)))
+            out.append(kir.Assign(mx, new))
+        return out
+
+    def store_tiles(self, out: list[kir.Stmt], program: "_Program",
+                    valid_n: list[kir.Expr]) -> None:
+        """The tile values read outside the chain, at this n step's columns."""
+        ch = self.chain
+        for extra, param in zip(ch.extra_outputs, self.extra):
+            if extra.rank != "tile":
+                continue
+            for i, row in enumerate(self.rows):
+                for j, n in enumerate(program.n_cols):
+                    value = program.value(extra.value, i, j)
+                    cond = _and(_lt(row, _c(ch.m)), valid_n[j])
+                    out.append(kir.If(cond, (kir.Store(param.name, _offset(
+                        extra.view, self.batch, row, n), value),)))
+
+    def store_rows(self) -> list[kir.Stmt]:
+        """The row values read outside the chain (the softmax's row sums...), after the
+        main pass, from the lane holding the row's column 0."""
+        ch = self.chain
+        rows = [(e, p) for e, p in zip(ch.extra_outputs, self.extra) if e.rank == "row"]
+        if not rows:
+            return []
+        out: list[kir.Stmt] = []
+        if self.softmax is not None:       # the online softmax's final row state
+            self.row_locals = {**self.row_locals, self.softmax.row_max: "mx",
+                               self.softmax.row_sum: "sum"}
+        program = _Program(self, out, [_c(0)] * len(self.cols))
+        first_lane = self.let(out, "lane0", kir.Compare("eq", self.cols[0], _c(0)))
+        for extra, param in rows:
+            for i, row in enumerate(self.rows):
+                value = program.value(extra.value, i, 0)
+                cond = _and(_lt(row, _c(ch.m)), first_lane)
+                out.append(kir.If(cond, (kir.Store(param.name, _offset(
+                    extra.view, self.batch, row, _c(0)), value),)))
+        return out
+
     def n_step(self) -> list[kir.Stmt]:
         ch = self.chain
         out: list[kir.Stmt] = []
         n0 = kir.Ref("n0", "i32")
         # S, the program on the thread's S elements, then P (online softmax).
         valid_n, program = self.s_step(out)
+        self.store_tiles(out, program, valid_n)
         if self.softmax is None:
             last = len(ch.program) - 1
             p = [[self.let(out, "p", kir.Select(valid_n[j], program.value(last, i, j),
@@ -886,8 +983,8 @@ class _Program:
         key = (index, i, j if op.rank == "tile" else -1)
         got = self.memo.get(key)
         if got is None:
-            if op.kind == "reduce" and index in self.k.reductions:
-                expr = self.rounded(op, kir.Ref(f"red{index}_{i}", _F32))
+            if op.kind == "reduce" and index in self.k.row_locals:
+                expr = self.rounded(op, kir.Ref(f"{self.k.row_locals[index]}_{i}", _F32))
             else:
                 expr = self.compute(op, i, j)
             got = self.k.let(self.out, op.kind, expr)
@@ -905,6 +1002,11 @@ class _Program:
             col = self.n_clamped[j] if op.rank == "tile" else _c(0)
             index = _offset(op.view, k.batch, k.rows_clamped[i], col)
             return kir.Load(k.param(op.view.node), index)
+        if op.kind == "iota":
+            col = self.n_clamped[j] if op.rank == "tile" else _c(0)
+            index = _offset(op.view, k.batch, k.rows_clamped[i], col)
+            stride, size = op.period
+            return kir.Binary("rem", kir.Binary("div", index, _c(stride)), _c(size))
         if op.kind != "elementwise":
             raise CodegenError(f"{k.name}: a {op.kind} outside the softmax")
         args = [self.value(a, i, j) for a in op.args]

@@ -13,7 +13,8 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-from stitch.hlo_passes.gemm_chains import GemmChain, find_gemm_chains, softmax_parts
+from stitch.hlo_passes.gemm_chains import (GemmChain, find_gemm_chains, needs_row_pass,
+                                           softmax_parts)
 from stitch.hlo_passes.gemm_chains import allows_tf32 as dot_allows_tf32
 from stitch.hlo_passes.graph import OpGraph, OpNode
 from stitch.hlo_passes.op_classes import OpClass
@@ -105,6 +106,13 @@ def _input_bytes(chain: GemmChain) -> float:
     return total
 
 
+def _extra_output_bytes(chain: GemmChain) -> float:
+    """HBM bytes of the values the chain kernel also writes (``GemmChain.extra_outputs``)."""
+    per_row = {"tile": chain.n, "row": 1}
+    return float(sum(chain.batch * chain.m * per_row[out.rank] * OPERAND_BYTES.get(out.dtype, 4)
+                     for out in chain.extra_outputs))
+
+
 def chain_dims(graph: OpGraph, chain: GemmChain, tf32: bool = False,
                grid_sync: bool = False) -> ChainDims:
     """``tf32``: the chain kernel may use TF32 tensor cores where its dots allow them (the
@@ -114,8 +122,11 @@ def chain_dims(graph: OpGraph, chain: GemmChain, tf32: bool = False,
                      chain.softmax, _between_instructions(graph, chain),
                      tf32 and chain.tf32,     # the recognizer's rule, as codegen checks it
                      OPERAND_BYTES.get(chain.output_dtype, 4), _input_bytes(chain),
-                     softmax_parts(chain.program) is None
-                     and any(op.kind == "reduce" for op in chain.program), grid_sync)
+                     # Values written out need all of n in one warp and block (codegen).
+                     bool(chain.extra_outputs) or softmax_parts(chain.program) is None
+                     and any(op.kind == "reduce" for op in chain.program), grid_sync,
+                     _extra_output_bytes(chain), needs_row_pass(chain) and softmax_parts(
+                         chain.program, through_convert=True) is not None)
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,12 @@ class ChainDims:
     # The target runs grid-barrier kernels (``stitch.codegen.kir.GridBarrier``: a cooperative
     # launch or a launch per phase): n may then be split across blocks (``n_split``).
     grid_sync: bool = False
+    # HBM bytes (all batches) of values between the GEMMs the kernel also writes (a
+    # training step's S, row sums, P: the backward reads them); each h-block writes its rows'.
+    extra_output_bytes: float = 0.0
+    # A pass over n before the main one computes the rows' softmax max and sum (S computed
+    # twice: the first GEMM's work again), so that P is written exactly.
+    row_pass: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -125,7 +131,8 @@ class ChainDims:
     def key(self) -> tuple:
         return (self.batch, self.m, self.n, self.k, self.h, self.operand_dtype, self.softmax,
                 round(self.between_instructions, 3), self.tf32, self.result_bytes,
-                round(self.input_bytes), self.row_reductions, self.grid_sync)
+                round(self.input_bytes), self.row_reductions, self.grid_sync,
+                round(self.extra_output_bytes), self.row_pass)
 
     @property
     def n_splittable(self) -> bool:
@@ -435,6 +442,16 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
     folded = (warp_columns(s) - 1) * bm * hb
     stored += folded * 4
     read += folded * 4
+    flops_row = 0.0
+    if dims.row_pass:
+        # The row pass: the first GEMM's tiles through shared memory and its flops again.
+        flops_row = flops1
+        stored += ((bm * dims.k if s.hoist_a else bm * k_pad * n_tiles)
+                   + n_tiles * k_pad * bn) * isz
+        if s.mma:
+            read += n_tiles * warps * (wm1 + wn1) * k_pad * isz
+        else:
+            read += n_tiles * threads * (s.thread_m + s.thread_n) * k_pad * isz
     vector = 16 if min(s.thread_m, s.thread_n) >= 4 or s.mma else 4
     shared_instr = (stored + read) / (spec.warp_size * vector)
     # Ops between the GEMMs, per score element, and the online softmax's row state.
@@ -448,6 +465,13 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
         sfu += scores * SOFTMAX_SFU_PER_ELEMENT + bm * n_tiles
         threads_per_row = max(threads / bm, 1.0)
         shuffles = 2 * bm * n_tiles * math.log2(threads_per_row) if threads_per_row > 1 else 0
+        if dims.row_pass:
+            shuffles *= 2
+    if dims.row_pass:
+        # The row pass's max, exps and sum (a softmax P converted last is not
+        # ``dims.softmax``: its main-pass ops are among ``between_instructions``).
+        alu += scores * SOFTMAX_ALU_PER_ELEMENT + bm * n_tiles * SOFTMAX_ALU_PER_ROW_STEP
+        sfu += scores * SOFTMAX_SFU_PER_ELEMENT + bm * n_tiles
     # Global traffic per block.
     a_bytes = bm * dims.k * isz
     rhs = (dims.k + hb) * n_local * isz                # B and D: this block's n and h share
@@ -458,6 +482,15 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
     else:
         hbm_rhs, l2_rhs = rhs, 0.0
     a_rereads = 0.0 if s.hoist_a else a_bytes * (n_tiles - 1)
+    if dims.row_pass:
+        # The row pass reads A and B again (B's n share: from L2 where it stays resident).
+        a_rereads += a_bytes
+        b_again = dims.k * n_local * isz
+        hbm_rhs += b_again / readers if rhs_batch <= L2_RESIDENT_SHARE * spec.l2_bytes \
+            else b_again
+        l2_rhs += b_again * (1 - 1 / readers) if rhs_batch <= L2_RESIDENT_SHARE * \
+            spec.l2_bytes else 0.0
+        rhs += b_again
     # Other inputs of the ops between: each block's share (its n share) once from HBM,
     # again from L2 by the other h-blocks of its rows (deep tiling).
     extra = dims.input_bytes / (dims.batch * m_blocks * splits)
@@ -465,20 +498,25 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
     a_share = h_blocks * splits
     # An n-split block writes its f32 partial tile (to scratch) instead of the result.
     out_bytes = 4 if splits > 1 else dims.result_bytes
-    hbm = a_bytes / a_share + hbm_rhs + bm * hb * out_bytes + extra / h_blocks
+    # Values also read outside: every h-block writes its rows' share (n all in the block).
+    written = dims.extra_output_bytes / (dims.batch * m_blocks)
+    hbm = a_bytes / a_share + hbm_rhs + bm * hb * out_bytes + extra / h_blocks + written
     l2 = a_bytes * (1 - 1 / a_share) + l2_rhs + a_rereads + extra * (1 - 1 / h_blocks)
     loads = a_bytes + a_rereads + rhs + extra
-    steps = n_tiles * (k_tiles + 1) + (1 if folded else 0)
-    global_instr = (loads + bm * hb * out_bytes) / (spec.warp_size * 16)
+    steps = n_tiles * (k_tiles + 1) + (1 if folded else 0) + (
+        n_tiles * k_tiles if dims.row_pass else 0)
+    # (A scalar store per written element: a warp instruction per 32.)
+    global_instr = (loads + bm * hb * out_bytes) / (spec.warp_size * 16) + written / (
+        spec.warp_size * 4)
     if s.mma:
-        work = BlockWork(alu_instr=alu / 32, mma_flops=flops1 + flops2,
+        work = BlockWork(alu_instr=alu / 32, mma_flops=flops1 + flops2 + flops_row,
                          mma_dtype=dims.operand_dtype, sfu_instr=sfu / 32,
                          shared_bytes=stored + read,
                          other_instr=shared_instr + global_instr + shuffles,
                          hbm_bytes=hbm, l2_bytes=l2, steps=steps, stages=s.stages,
                          inflight_bytes=loads / steps * s.stages)
     else:
-        work = BlockWork(fma_instr=(flops1 + flops2) / 2 / 32, alu_instr=alu / 32,
+        work = BlockWork(fma_instr=(flops1 + flops2 + flops_row) / 2 / 32, alu_instr=alu / 32,
                          sfu_instr=sfu / 32, shared_bytes=stored + read,
                          other_instr=shared_instr + global_instr + shuffles,
                          hbm_bytes=hbm, l2_bytes=l2, steps=steps, stages=s.stages,
@@ -486,7 +524,8 @@ def chain_cost(spec: GpuSpec, dims: ChainDims, s: GemmChainSchedule) -> TileCost
     blocks = chain_grid(dims, s)
     # Flops executed: padding and the deep tiling's recomputed first GEMM included.
     cost = tile_kernel_time(spec, work, blocks, threads, chain_registers(dims, s),
-                            chain_smem_bytes(dims, s), flops=(flops1 + flops2) * blocks)
+                            chain_smem_bytes(dims, s),
+                            flops=(flops1 + flops2 + flops_row) * blocks)
     if splits == 1 or not math.isfinite(cost.seconds):
         return cost
     return _with_combine(spec, dims, s, cost)

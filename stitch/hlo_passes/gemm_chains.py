@@ -45,6 +45,8 @@ ELEMENTWISE_OPS = frozenset({
     "logistic", "erf", "sign", "floor", "ceil", "compare", "select", "clamp", "convert",
 })
 REDUCERS = frozenset({"add", "maximum", "minimum", "multiply"})
+# Element ops of an index computation a chain kernel recomputes (a causal mask of iotas).
+_INDEX_OPS = frozenset({"compare", "add", "subtract", "and", "or", "not", "select"})
 _RENAMES = frozenset({"bitcast", "reshape", "copy"})
 
 
@@ -81,7 +83,9 @@ class ChainOp:
     """One element op of a chain program (see the module docstring).
 
     kind "acc": the first GEMM's sum at (b, m, n); "const": ``value``; "input": an outside
-    value read through ``view`` (rows m, cols n; a row value has col_stride 0);
+    value read through ``view`` (rows m, cols n; a row value has col_stride 0); "iota": an
+    index XLA computes with iota (a causal mask's row / column), at (b, m, n)
+    ``(view offset // period[0]) % period[1]`` (no buffer: the view's node is -1);
     "elementwise": HLO ``opcode`` over ``args`` (lower ranks broadcast: a row value is the
     same for every n); "reduce": ``opcode`` (the reducer) over n of ``args[0]`` starting
     from ``value``. ``dtype`` is the HLO element type of the result."""
@@ -93,6 +97,20 @@ class ChainOp:
     value: float = 0.0
     view: OperandView | None = None
     direction: str = ""             # compare's comparison_direction
+    period: tuple[int, int] = ()    # iota: (stride, size) of its dim in the view's buffer
+
+
+@dataclass(frozen=True)
+class ChainOutput:
+    """A value between the GEMMs that is also read outside the chain (a training step's
+    backward reads the scores S, the softmax's row sums or P): the chain kernel writes it
+    too. ``value``: its program index; ``view``: where element (b, m, n) (a row value: n = 0,
+    col_stride 0) goes in the row-major buffer of graph node ``node``."""
+    node: int
+    value: int
+    rank: str                       # "tile" | "row"
+    dtype: str
+    view: OperandView
 
 
 @dataclass(frozen=True)
@@ -123,6 +141,8 @@ class GemmChain:
     # --- added by tf32 (default only) ----------------------------------------------------
     tf32: bool = False                  # both dots let f32 operands run as TF32 (no HIGHEST
                                         # operand precision, no algorithm but TF32's)
+    # --- values also read outside (default only) -----------------------------------------
+    extra_outputs: tuple[ChainOutput, ...] = ()
 
 
 # ---------------------------------------------------------------------------- public
@@ -657,6 +677,25 @@ class _Recognizer:
         if not self.g.nodes[root].shape.is_array or not _row_major(self.g.nodes[root].shape):
             raise _NotAChain(f"{node.name}: outside operand layout is not row-major")
         view = self.value_view(root, shape.dims, digits, rank)
+        index = self.index_value(root, dataclasses.replace(view, node=-1), rank, set())
+        if index is not None:
+            # Computed from iotas only (a causal mask): the kernel computes it. Its ops join
+            # the chain where only the chain reads them; one XLA also reads elsewhere (bf16:
+            # the mask is a kernel of its own, the backward reads it too) stays outside,
+            # neither read nor written by the chain.
+            value, nodes = index
+            self.members.update(moved)
+            inside = set(nodes)
+            changed = True
+            while changed:
+                changed = False
+                for v in list(inside):
+                    if any(u not in self.members and u not in inside
+                           for u in self.g.nodes[v].users):
+                        inside.discard(v)
+                        changed = True
+            self.members.update(inside)
+            return value
         self.members.update(moved)
         if root not in self.inputs:
             self.inputs.append(root)
@@ -679,6 +718,40 @@ class _Recognizer:
                 except _NotAChain:
                     continue
         raise _NotAChain(f"a {rank} value over {list(dims)} is not [batch, m, n] strided")
+
+    def index_value(self, nid: int, view: OperandView, rank: str, nodes: set[int]
+                    ) -> tuple[int, set[int]] | None:
+        """(program value, nodes) when ``nid`` is computed from iotas and scalar constants
+        by element ops on its own shape (XLA's causal mask: compare(iota, iota)), each
+        element at ``view``'s offset into ``nid``'s row-major buffer; else None."""
+        node = self.g.nodes[nid]
+        shape = node.shape
+        if not shape.is_array or not _row_major(shape):
+            return None
+        if node.opcode == "iota":
+            d = node.instruction.int("iota_dimension", 0)
+            nodes.add(nid)
+            return self.add(ChainOp("iota", rank, shape.element_type, view=view,
+                                    period=(_strides(shape.dims)[d], shape.dims[d]))), nodes
+        spread = self.spread_constant(nid)
+        if spread is not None:
+            nodes.update(spread[1])
+            return self.add(ChainOp("const", "scalar", shape.element_type,
+                                    value=spread[0])), nodes
+        if node.opcode not in _INDEX_OPS or not node.operands or any(
+                self.g.nodes[o].shape.dims != shape.dims for o in node.operands):
+            return None
+        args = []
+        for o in node.operands:
+            got = self.index_value(o, view, rank, nodes)
+            if got is None:
+                return None
+            args.append(got[0])
+        nodes.add(nid)
+        direction = node.instruction.attrs.get("direction", "") if node.opcode == "compare" \
+            else ""
+        return self.add(ChainOp("elementwise", rank, shape.element_type, node.opcode,
+                                tuple(args), direction=direction)), nodes
 
     def spread_constant(self, nid: int) -> tuple[float, list[int]] | None:
         """(value, nodes) when ``nid`` is a scalar constant or broadcasts / renames of one
@@ -883,17 +956,25 @@ class _Recognizer:
         if d2.alpha != 1.0 and d2.split:
             raise _NotAChain("a scaled split-K second GEMM")
 
-        # Every intermediate value stays inside; constants only the chain reads join it.
-        for v in self.members - {d2.result}:
-            node = g.nodes[v]
-            if v in g.outputs or any(u not in self.members for u in node.users):
-                raise _NotAChain(f"{node.name} is also read outside the chain")
+        # An intermediate value read outside (a training step's backward reads S, the row
+        # sums, P) is written by the chain kernel too; constants only the chain reads join it.
+        escaping = [v for v in sorted(self.members - {d2.result})
+                    if v in g.outputs or any(u not in self.members for u in g.nodes[v].users)]
         inputs = list(dict.fromkeys([a_node, b_node, c_node, *self.inputs]))
         if set(inputs) & self.members:
             raise _NotAChain("a chain input is computed inside the chain")
         if not g.is_convex(self.members):
             raise _NotAChain("the chain is not convex")
-        program = self.reordered(p_value)
+        extra_values = [self.escaping_value(v) for v in escaping]
+        program, where = self.reordered(p_value, [value for value, _ in extra_values])
+        extra_outputs = tuple(
+            ChainOutput(v, where[value], program[where[value]].rank,
+                        g.nodes[v].shape.element_type, view)
+            for v, (value, view) in zip(escaping, extra_values))
+        if extra_outputs and softmax_parts(program, through_convert=True) is None:
+            # (Written out only around a softmax, the form checked end to end.)
+            raise _NotAChain(f"{g.nodes[escaping[0]].name} is also read outside a chain "
+                             f"without a softmax")
         return GemmChain(
             members=tuple(sorted(self.members)), first=self.first, second=self.second,
             batch=batch, m=m, n=n, k=k, h=h, operand_dtype=dtype,
@@ -902,22 +983,45 @@ class _Recognizer:
                                  if g.nodes[v].op_class is not OpClass.SOURCE)),
             inputs=tuple(inputs), output=d2.result, a=a, b=b, c=c, out=out,
             program=program, output_dtype=output.shape.element_type, output_scale=d2.alpha,
-            tf32=_allows_tf32(d1) and _allows_tf32(d2))
+            tf32=_allows_tf32(d1) and _allows_tf32(d2), extra_outputs=extra_outputs)
 
-    def reordered(self, last: int) -> tuple[ChainOp, ...]:
-        """The program with ``last`` moved to the end (ops it does not need dropped)."""
+    def escaping_value(self, v: int) -> tuple[int, OperandView]:
+        """(program value, view) of member ``v`` read outside the chain: a tile or row
+        value the program computes, in its own row-major buffer (the kernel writes it)."""
+        node = self.g.nodes[v]
+        value = self.value_of.get(v)
+        shape = node.shape
+        if value is None or not shape.is_array:
+            raise _NotAChain(f"{node.name} is also read outside the chain")
+        rank = self.rank_of(shape)
+        op = self.ops[value]
+        if rank == "scalar" or op.rank != rank or op.dtype != shape.element_type \
+                or shape.element_type == "pred" or not _row_major(shape):
+            raise _NotAChain(f"{node.name} is also read outside the chain, as a "
+                             f"{rank} value the kernel cannot write")
+        return value, self.value_view(v, shape.dims, _row_major_digits(shape.dims), rank)
+
+    def reordered(self, last: int, keep: list[int] | tuple[int, ...] = ()
+                  ) -> tuple[tuple[ChainOp, ...], dict[int, int]]:
+        """The program with ``last`` moved to the end, the values ``keep`` kept (ops
+        neither needs dropped); and old -> new program indices."""
         need: set[int] = set()
-        stack = [last]
+        stack = [*keep, last]
         while stack:
             i = stack.pop()
             if i not in need:
                 need.add(i)
                 stack.extend(self.ops[i].args)
-        order = sorted(need)
+        need.discard(last)
+        order = sorted(need, key=lambda i: (i > last, i))
+        if any(last in _ancestors(tuple(self.ops), i) for i in order if i > last):
+            raise _NotAChain("a value read outside the chain is computed from P")
+        order.append(last)
         where = {old: new for new, old in enumerate(order)}
         return tuple(ChainOp(op.kind, op.rank, op.dtype, op.opcode,
-                             tuple(where[a] for a in op.args), op.value, op.view, op.direction)
-                     for op in (self.ops[i] for i in order))
+                             tuple(where[a] for a in op.args), op.value, op.view, op.direction,
+                             op.period)
+                     for op in (self.ops[i] for i in order)), where
 
     def dot_operands(self, d: _Dot) -> set[str]:
         return set(d.inst.operands)
@@ -1033,12 +1137,18 @@ class SoftmaxParts:
     p: int
 
 
-def softmax_parts(program: tuple[ChainOp, ...]) -> SoftmaxParts | None:
-    """The row softmax the program ends in, or None (see ``SoftmaxParts``)."""
+def softmax_parts(program: tuple[ChainOp, ...], through_convert: bool = False
+                  ) -> SoftmaxParts | None:
+    """The row softmax the program ends in, or None (see ``SoftmaxParts``).
+    ``through_convert``: also one whose P is converted last (bf16 attention's
+    ``convert(divide(E, sum))``; ``p`` is then the divide)."""
     if not program:
         return None
     p = len(program) - 1
     last = program[p]
+    if through_convert and last.kind == "elementwise" and last.opcode == "convert":
+        p = last.args[0]
+        last = program[p]
     if last.kind != "elementwise" or last.opcode != "divide":
         return None
     e, row_sum = last.args
@@ -1059,6 +1169,17 @@ def softmax_parts(program: tuple[ChainOp, ...]) -> SoftmaxParts | None:
     if any(program[i].kind == "reduce" for i in _ancestors(program, x)):
         return None
     return SoftmaxParts(x, row_max, e, row_sum, p)
+
+
+def needs_row_pass(chain: GemmChain) -> bool:
+    """Whether a tile value the kernel writes out needs a row reduction's final value (P of
+    a training step's softmax): the kernel then computes the rows' statistics in a pass
+    over n first and writes exact values in the second, instead of online-softmax running
+    ones. Row values (the row sums) and tiles before the reductions (S) are exact in one
+    pass: the online softmax's final max and sum are the rows' max and sum."""
+    return any(out.rank == "tile" and any(
+        chain.program[i].kind == "reduce" for i in _ancestors(chain.program, out.value))
+        for out in chain.extra_outputs)
 
 
 def _ancestors(program: tuple[ChainOp, ...], i: int) -> set[int]:
