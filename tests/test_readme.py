@@ -37,7 +37,7 @@ def test_the_first_screen_holds_the_two_commands():
     from tests.conftest import QUICK_FILES
     first = "\n".join(README.splitlines()[:40])
     assert 'pip install -e ".[jax]" && stitch demo' in first
-    assert "python -m pytest -q -m quick" in first
+    assert "python -m pytest -q -n 2 -m quick" in first
     with open(os.path.join(ROOT, ".ci", "run")) as ci:
         full = next(line for line in ci if "python -m pytest -q" in line).strip()
     assert full.split("&& scripts/device_stack_check.sh")[0].strip() in first
