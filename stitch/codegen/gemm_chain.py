@@ -500,21 +500,30 @@ class _ChainKernel:
         out: list[kir.Stmt] = []
         valid_n, program = self.s_step(out)
         for i in range(len(self.rows)):
-            x = [self.let(out, "x", kir.Select(valid_n[j], program.value(parts.x, i, j),
-                                               _NEG_INF)) for j in range(len(self.cols))]
-            mx, total_name = f"red{parts.row_max}_{i}", f"red{parts.row_sum}_{i}"
-            old = kir.Ref(mx, _F32)
-            new = self.let(out, "mnew", kir.Binary("max", old, self.row_reduce(out, "max", x)))
-            dead = self.let(out, "dead", kir.Compare("eq", new, _NEG_INF))
-            scale = self.let(out, "scale", kir.Select(
-                dead, kir.f32(1.0), kir.Unary("exp", kir.Binary("sub", old, new))))
-            e = [self.let(out, "e", kir.Select(dead, kir.f32(0.0), kir.Unary(
-                "exp", kir.Binary("sub", xj, new)))) for xj in x]
-            total = self.row_reduce(out, "add", e)
-            out.append(kir.Assign(total_name, _add(_mul(kir.Ref(total_name, _F32), scale),
-                                                   total)))
-            out.append(kir.Assign(mx, new))
+            self.online_update(out, program, valid_n, parts.x, i, f"red{parts.row_max}_{i}",
+                               f"red{parts.row_sum}_{i}")
         return out
+
+    def online_update(self, out: list[kir.Stmt], program: "_Program",
+                      valid_n: list[kir.Expr], x_op: int, i: int, max_name: str,
+                      sum_name: str) -> tuple[kir.Expr, list[kir.Expr]]:
+        """One n step of an online softmax of program value ``x_op`` on row ``i``: the
+        running max ``max_name`` and sum ``sum_name`` (Locals) take this step's values, the
+        sum rescaled as the max grows. Returns the old sum's scale and exp(X - new max)."""
+        x = [self.let(out, "x", kir.Select(valid_n[j], program.value(x_op, i, j),
+                                           _NEG_INF)) for j in range(len(self.cols))]
+        old = kir.Ref(max_name, _F32)
+        new = self.let(out, "mnew", kir.Binary("max", old, self.row_reduce(out, "max", x)))
+        # A row whose every value so far is -inf (masked) keeps P = 0 and scale 1.
+        dead = self.let(out, "dead", kir.Compare("eq", new, _NEG_INF))
+        scale = self.let(out, "scale", kir.Select(
+            dead, kir.f32(1.0), kir.Unary("exp", kir.Binary("sub", old, new))))
+        e = [self.let(out, "e", kir.Select(dead, kir.f32(0.0), kir.Unary(
+            "exp", kir.Binary("sub", xj, new)))) for xj in x]
+        total = self.row_reduce(out, "add", e)
+        out.append(kir.Assign(sum_name, _add(_mul(kir.Ref(sum_name, _F32), scale), total)))
+        out.append(kir.Assign(max_name, new))
+        return scale, e
 
     def store_tiles(self, out: list[kir.Stmt], program: "_Program",
                     valid_n: list[kir.Expr]) -> None:
@@ -586,23 +595,10 @@ class _ChainKernel:
     def online_softmax(self, out: list[kir.Stmt], program: "_Program",
                        valid_n: list[kir.Expr]) -> list[list[kir.Expr]]:
         """P = exp(X - running max); the running sum and the accumulator follow the max."""
-        parts = self.softmax
         p: list[list[kir.Expr]] = []
         for i in range(len(self.rows)):
-            x = [self.let(out, "x", kir.Select(valid_n[j], program.value(parts.x, i, j),
-                                               _NEG_INF)) for j in range(len(self.cols))]
-            old = kir.Ref(f"mx_{i}", _F32)
-            new = self.let(out, "mnew", kir.Binary("max", old, self.row_reduce(out, "max", x)))
-            # A row whose every value so far is -inf (masked) keeps P = 0 and scale 1.
-            dead = self.let(out, "dead", kir.Compare("eq", new, _NEG_INF))
-            scale = self.let(out, "scale", kir.Select(
-                dead, kir.f32(1.0), kir.Unary("exp", kir.Binary("sub", old, new))))
-            e = [self.let(out, "e", kir.Select(dead, kir.f32(0.0), kir.Unary(
-                "exp", kir.Binary("sub", xj, new)))) for xj in x]
-            total = self.row_reduce(out, "add", e)
-            out.append(kir.Assign(f"sum_{i}", _add(_mul(kir.Ref(f"sum_{i}", _F32), scale),
-                                                   total)))
-            out.append(kir.Assign(f"mx_{i}", new))
+            scale, e = self.online_update(out, program, valid_n, self.softmax.x, i,
+                                          f"mx_{i}", f"sum_{i}")
             for name, _ in self.acc[i]:
                 out.append(kir.Assign(name, _mul(kir.Ref(name, _F32), scale)))
             p.append(e)
