@@ -227,7 +227,10 @@ def test_four_processes_sharing_a_cache_plan_and_build_each_module_once(tmp_path
                for r in results), results
     assert all(r["error"] < 1e-5 for r in results), results
     assert sum(r["plans"] for r in results) == 1, results
-    entries = list((tmp_path / "cache").glob("*.bin"))
+    # The compile cache also keeps Kernel IR lowerings (codegen/lowering_reuse.py: JSON,
+    # written with put, never built): only the other entries are builds.
+    entries = [e for e in (tmp_path / "cache").glob("*.bin")
+               if b'{"kernel": {"nodes": ' not in e.read_bytes()[:256]]
     assert sum(r["builds"] for r in results) == len(entries) >= 1, (results, entries)
     assert len(list((tmp_path / "cache" / "plans").glob("*.json"))) == 1
 
