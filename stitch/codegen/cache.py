@@ -508,34 +508,8 @@ class CompileCache:
                         self.directory / _LOCK_DIR / lock_name, exc)
             yield
             return
-        try:
-            locked = self._acquire(fd, lock_name)
-            try:
-                yield
-            finally:
-                if locked:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
-    def _acquire(self, fd: int, lock_name: str) -> bool:
-        # Poll rather than block so a builder that hangs cannot stall everyone forever.
-        deadline = time.monotonic() + self.lock_timeout
-        delay = 0.001
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    log.warning("compile cache: waited %.0fs for %s; building without the lock",
-                                self.lock_timeout, lock_name)
-                    return False
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-            except OSError as exc:  # e.g. a filesystem without flock support
-                log.warning("compile cache: cannot lock %s (%s); building unlocked", lock_name, exc)
-                return False
+        with held_lock(fd, f"compile cache: {lock_name}", self.lock_timeout):
+            yield
 
     def clear(self) -> None:
         """Remove every entry (and temp/lock files); the secret and stats are kept."""
@@ -552,3 +526,44 @@ class CompileCache:
 
     def __contains__(self, key: str) -> bool:
         return self._read(key)[0] is not None
+
+
+@contextlib.contextmanager
+def held_lock(fd: int, what: str, timeout: float,
+              cancel: Callable[[], bool] | None = None,
+              on_wait: Callable[[], None] | None = None) -> Iterator[bool]:
+    """An exclusive ``flock`` on ``fd`` (closed on exit) held for the block; yields whether
+    it was taken. Polled rather than blocking, so a holder that hangs cannot stall everyone:
+    after ``timeout`` seconds, or once ``cancel()`` is true, the block runs unlocked (said
+    with ``what``). ``on_wait``: called once when another process holds it."""
+    locked = False
+    try:
+        deadline = time.monotonic() + timeout
+        delay, waited = 0.001, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+                break
+            except BlockingIOError:
+                if on_wait is not None and not waited:
+                    on_wait()
+                waited = True
+                if time.monotonic() >= deadline:
+                    log.warning("%s: waited %.0fs for another process; going on without the "
+                                "lock", what, timeout)
+                    break
+                if cancel is not None and cancel():
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            except OSError as exc:  # e.g. a filesystem without flock support
+                log.warning("%s: cannot lock (%s); going on unlocked", what, exc)
+                break
+        try:
+            yield locked
+        finally:
+            if locked:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

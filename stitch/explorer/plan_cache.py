@@ -34,7 +34,6 @@ import logging
 import os
 import stat
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -212,6 +211,7 @@ class PlanCache:
         and the others wait here (then find its entry). ``cancel``: polled while waiting;
         once true, the wait ends (the caller's planning notices the cancel itself). Without
         a disk directory or flock, nothing is held."""
+        from stitch.codegen.cache import held_lock
         d = self._dir()
         if d is None or fcntl is None:
             yield
@@ -224,15 +224,10 @@ class PlanCache:
             log.warning("plan cache: no lock for %s (%s): planning unlocked", key[:12], exc)
             yield
             return
-        try:
-            locked = _acquire(fd, key, cancel)
-            try:
-                yield
-            finally:
-                if locked:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+        with held_lock(fd, f"plan cache: {key[:12]}", PLAN_LOCK_TIMEOUT_S, cancel,
+                       on_wait=lambda: log.info("plan cache: another process is planning "
+                                                "%s; waiting for its plan", key[:12])):
+            yield
 
     # --- memory ------------------------------------------------------------------------
     def remember(self, key: str, plan: FusionPlan) -> None:
@@ -255,35 +250,6 @@ class PlanCache:
         if entry is not None:
             entry["nothing_stitched"] = reason
             self.write(key, entry)
-
-
-def _acquire(fd: int, key: str, cancel: Callable[[], bool] | None) -> bool:
-    """Poll for the lock (a planner that hangs cannot stall every process for good)."""
-    deadline = time.monotonic() + PLAN_LOCK_TIMEOUT_S
-    delay, waited = 0.002, False
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if waited:
-                log.debug("plan cache: %s planned by another process; reading its entry",
-                          key[:12])
-            return True
-        except BlockingIOError:
-            if not waited:
-                log.info("plan cache: another process is planning %s; waiting for its plan",
-                         key[:12])
-                waited = True
-            if time.monotonic() >= deadline:
-                log.warning("plan cache: waited %.0fs for another process planning %s; "
-                            "planning here", PLAN_LOCK_TIMEOUT_S, key[:12])
-                return False
-            if cancel is not None and cancel():
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        except OSError as exc:  # a file system without flock
-            log.warning("plan cache: cannot lock %s (%s): planning unlocked", key[:12], exc)
-            return False
 
 
 class _suppress:

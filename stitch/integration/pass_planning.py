@@ -286,6 +286,7 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     from stitch.codegen.lower import kernel_identifier, lower_kernel
     from stitch.codegen.lowering_reuse import LoweringReuse
     from stitch.codegen.gpu_cache import structure_key
+    from stitch.codegen.thread_work import busiest_thread
     from stitch.cost.delta import CostModel
     from stitch.schedule.global_scope import launch_form
 
@@ -457,11 +458,12 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             if request.device == "gpu":
                 if priced_here is None:
                     priced_here = cost or CostModel(graph_plan.graph, spec, gemm_chains=False)
+                work = reuse.derived(lowered.kernel, "busiest",
+                                     lambda: busiest_thread(lowered.kernel))
                 slower = slower_as_built(graph_plan, frozenset(k.members), lowered, spec,
                                          priced_here,
                                          gains.get(k.name) if payback is not None else None,
-                                         work=reuse.derived(lowered.kernel, "busiest",
-                                                            lambda: busiest_of(lowered.kernel)))
+                                         work=work)
                 if slower is not None:
                     log.info("kernel %s: %s", k.name, slower)
                     report.skipped.append((k.name, slower))
@@ -478,12 +480,6 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     report.timings["lowerings_reused"] = reuse.reused
     report.timings["lowerings_from_cache"] = reuse.from_disk
     return jobs
-
-
-def busiest_of(kernel: Any) -> Any:
-    """``codegen.thread_work.busiest_thread``: what one lowering's sites share."""
-    from stitch.codegen.thread_work import busiest_thread
-    return busiest_thread(kernel)
 
 
 def slower_as_built(graph_plan: Any, members: frozenset[int], lowered: Any, spec: Any,
