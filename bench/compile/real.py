@@ -72,8 +72,8 @@ def one(key: str) -> dict:
             "rest_s": max(rest, 0.0) + t.get("targets_s", 0.0),
             "placed": len(report.kernels),
             "distinct": len({structure_key(b.lowered.kernel) for b in report.kernels}),
-            "lowered": int(t.get("kernels_lowered", 0)),
-            "reused": int(t.get("lowerings_reused", 0))}
+            "lowered": report.lowerings.get("kernels_lowered", 0),
+            "reused": report.lowerings.get("lowerings_reused", 0)}
 
 
 def _child(key: str, cache: str) -> dict:

@@ -476,9 +476,8 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     for group in waiting.values():
         for _, _, left in group:
             leave(left)
-    report.timings["kernels_lowered"] = reuse.lowered
-    report.timings["lowerings_reused"] = reuse.reused
-    report.timings["lowerings_from_cache"] = reuse.from_disk
+    report.lowerings = {"kernels_lowered": reuse.lowered, "lowerings_reused": reuse.reused,
+                        "lowerings_from_cache": reuse.from_disk}
     return jobs
 
 

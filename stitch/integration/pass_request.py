@@ -50,7 +50,10 @@ class PassReport:
     fallbacks: list[tuple[str, str]] = field(default_factory=list)   # build failures
     kernels: list[BuiltKernel] = field(default_factory=list)         # the placed ones
     in_loop_bodies: int = 0           # of those, placed in while bodies / branches
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)       # seconds per phase
+    # Kernel IR lowerings (stitch.codegen.lowering_reuse): kernels_lowered, lowerings_reused,
+    # lowerings_from_cache.
+    lowerings: dict[str, int] = field(default_factory=dict)
     plan: Any = None                  # the FusionPlan
     # Kernels built at a narrower vector width than tuned (stitch.integration.code_budget).
     narrowed: list = field(default_factory=list)
@@ -80,6 +83,7 @@ class PassReport:
         return {"kernels_before": self.kernels_xla, "kernels_after": self.kernels_after,
                 "stitched_kernels": self.kernels_stitched,
                 "fallbacks": len(self.fallbacks), "thread_bound": len(self.thread_bound),
+                **self.lowerings,
                 **{k: round(v, 3) for k, v in self.timings.items()},
                 **(self.delivery.summary() if self.delivery is not None else {})}
 
