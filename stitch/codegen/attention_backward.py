@@ -1,0 +1,398 @@
+"""Attention's backward as FlashAttention-2-style kernels: no S x S value in memory.
+
+Both kernels recompute the forward's scores and probabilities tile by tile from Q, K and
+the forward's row statistics (the softmax's row max M and row sum L over the keys), so
+neither reads nor writes a [batch, queries, keys] buffer:
+
+    S  = scale * Q K^T  (the causal mask, key <= query, recomputed from the indices)
+    P  = exp(S - M) / L              (0 where masked)
+    dP = dO V^T
+    dS = P * (dP - D)                D = rowsum(dO * O) per query
+    dQ = scale * dS K,  dK = scale * dS^T Q,  dV = P^T dO
+
+D is an input ([batch, queries] f32): FlashAttention's identity rowsum(dO * O) =
+sum_j P_ij dP_ij (O = P V), computed before the kernels by a row reduction. It differs from
+the sum over keys only by O's rounding (f32: ~1e-6 relative; a bf16 O: ~4e-3 of D).
+
+``AttentionBackward.dq`` walks the keys for a block of query rows (one accumulator, dQ);
+``AttentionBackward.dkv`` walks the queries for a block of key rows, the statistics taken
+per tile column (two accumulators, dK and dV). Both are one generic kernel: rows of one
+role, columns of the other, two first GEMMs (S and dP) over the head dim in shared-memory
+stages, then one or two second GEMMs whose left operand (P or dS) goes through shared
+memory, f32 FMA (bf16 storage widened on load). With a causal mask, column tiles wholly
+above the diagonal are not visited (the walk's bounds are the block's).
+
+Operands are row-major ``[batch, length, head_dim]``; the statistics ``[batch, queries]``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from . import kir
+from .errors import CodegenError
+
+log = logging.getLogger(__name__)
+
+_c = kir.i32
+_F32 = "f32"
+# Shared memory one block may use without opting in to more (bytes).
+SHARED_LIMIT = 48 * 1024
+STORAGE = ("f32", "bf16", "f16")
+
+
+@dataclass(frozen=True)
+class AttentionBackward:
+    """One attention's backward: ``batch`` (batch x heads) problems of ``queries`` x
+    ``keys`` scores over ``head_dim``; operands stored as ``dtype``."""
+    batch: int
+    queries: int
+    keys: int
+    head_dim: int
+    scale: float
+    causal: bool
+    dtype: str = _F32
+
+    def check(self) -> None:
+        if min(self.batch, self.queries, self.keys, self.head_dim) < 1:
+            raise CodegenError(f"{self}: every dimension must be positive")
+        if self.dtype not in STORAGE:
+            raise CodegenError(f"{self}: operands of {self.dtype} are not lowered")
+        if self.causal and self.queries != self.keys:
+            raise CodegenError(f"{self}: a causal mask is lowered for square scores only")
+
+
+@dataclass(frozen=True)
+class BackwardTiling:
+    """How a backward kernel splits its work: ``block_rows`` rows per block, columns in
+    steps of ``block_cols``, the head dim in stages of ``block_k`` for the first GEMMs and
+    in blocks of ``block_h`` for the results; a thread holds ``thread_rows`` x
+    ``thread_cols`` of each score tile (columns interleaved by the lanes of its row)."""
+    block_rows: int = 64
+    block_cols: int = 64
+    thread_rows: int = 4
+    thread_cols: int = 4
+    block_k: int = 16
+    block_h: int = 64
+
+    @property
+    def lanes(self) -> int:
+        return self.block_cols // self.thread_cols
+
+    @property
+    def threads(self) -> int:
+        return self.lanes * (self.block_rows // self.thread_rows)
+
+    @property
+    def thread_h(self) -> int:
+        return self.block_h // self.lanes
+
+    def shared_bytes(self) -> int:
+        return 4 * (self.block_rows * self.block_k + self.block_k * self.block_cols
+                    + self.block_rows * self.block_cols + self.block_cols * self.block_h)
+
+    def check(self) -> None:
+        def bad(why: str) -> CodegenError:
+            return CodegenError(f"backward tiling {self}: {why}")
+        if min(self.block_rows, self.block_cols, self.thread_rows, self.thread_cols,
+               self.block_k, self.block_h) < 1:
+            raise bad("every size must be positive")
+        if self.block_rows % self.thread_rows or self.block_cols % self.thread_cols:
+            raise bad("thread tiles must divide the block tile")
+        lanes = self.lanes
+        if lanes > 32 or lanes & (lanes - 1):
+            raise bad("block_cols / thread_cols (lanes per row) must be a power of two <= 32")
+        if self.block_h % lanes:
+            raise bad("block_h must be a multiple of the lanes per row")
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise bad("threads must be a multiple of 32 in [32, 1024]")
+        if self.shared_bytes() > SHARED_LIMIT:
+            raise bad(f"{self.shared_bytes()} bytes of shared memory (limit {SHARED_LIMIT})")
+
+    @staticmethod
+    def default_for(problem: AttentionBackward, two_results: bool) -> "BackwardTiling":
+        """32 rows x 64 columns, 4 x 4 thread tiles (128 threads) for attention sizes;
+        smaller column steps and head blocks where the problem is small. ``two_results``
+        (dK and dV): 32-column head blocks keep two accumulators in registers."""
+        cols = 64 if (problem.queries if two_results else problem.keys) >= 64 else 16
+        thread_cols = 4 if cols >= 32 else 2
+        lanes = cols // thread_cols
+        block_h = min(32 if two_results else 64, max(lanes, _pow2_at_least(problem.head_dim)))
+        tiling = BackwardTiling(32, cols, 4, thread_cols,
+                                min(16, _pow2_at_least(problem.head_dim)), block_h)
+        tiling.check()
+        return tiling
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+# Param names of the kernels, in order.
+DQ_INPUTS = ("q", "k", "v", "d_o", "row_max", "row_sum", "delta")
+DQ_OUTPUTS = ("dq",)
+DKV_OUTPUTS = ("dk", "dv")
+
+
+def lower_dq(problem: AttentionBackward, tiling: BackwardTiling | None = None,
+             name: str = "attention_dq") -> kir.Kernel:
+    """dQ: a block of query rows walks the keys (params ``DQ_INPUTS`` then ``dq``)."""
+    problem.check()
+    tiling = tiling or BackwardTiling.default_for(problem, two_results=False)
+    return _BackwardKernel(problem, tiling, name, key_rows=False).build()
+
+
+def lower_dkv(problem: AttentionBackward, tiling: BackwardTiling | None = None,
+              name: str = "attention_dkv") -> kir.Kernel:
+    """dK and dV: a block of key rows walks the queries (params ``DQ_INPUTS`` then ``dk``,
+    ``dv``)."""
+    problem.check()
+    tiling = tiling or BackwardTiling.default_for(problem, two_results=True)
+    return _BackwardKernel(problem, tiling, name, key_rows=True).build()
+
+
+def _add(a: kir.Expr, b: kir.Expr) -> kir.Expr:
+    return kir.Binary("add", a, b)
+
+
+def _mul(a: kir.Expr, b: kir.Expr) -> kir.Expr:
+    return kir.Binary("mul", a, b)
+
+
+def _lt(a: kir.Expr, b: kir.Expr) -> kir.Expr:
+    return kir.Compare("lt", a, b)
+
+
+def _and(a: kir.Expr, b: kir.Expr) -> kir.Expr:
+    return kir.Binary("and", a, b)
+
+
+def _min(a: kir.Expr, b: kir.Expr) -> kir.Expr:
+    return kir.Binary("min", a, b)
+
+
+class _BackwardKernel:
+    """Rows of one role (queries for dQ, keys for dK/dV), columns of the other. Thread
+    (ty, tx) owns tile rows ty * thread_rows + i and columns tx + j * lanes."""
+
+    def __init__(self, problem: AttentionBackward, tiling: BackwardTiling, name: str,
+                 key_rows: bool) -> None:
+        tiling.check()
+        self.p, self.t, self.name, self.key_rows = problem, tiling, name, key_rows
+        b, m, n, d = problem.batch, problem.queries, problem.keys, problem.head_dim
+        sizes = {"q": b * m * d, "k": b * n * d, "v": b * n * d, "d_o": b * m * d,
+                 "row_max": b * m, "row_sum": b * m, "delta": b * m}
+        self.params = {k: kir.Param(k, problem.dtype if k in ("q", "k", "v", "d_o")
+                                    else _F32, sizes[k]) for k in DQ_INPUTS}
+        outs = {"dq": b * m * d, "dk": b * n * d, "dv": b * n * d}
+        self.outs = {k: kir.Param(k, problem.dtype, outs[k], is_output=True)
+                     for k in (DKV_OUTPUTS if key_rows else DQ_OUTPUTS)}
+        # Row length / column length (rows: keys for dK/dV).
+        self.row_len, self.col_len = (n, m) if key_rows else (m, n)
+        t = tiling
+        self.sa = kir.Shared("tile_a", _F32, t.block_rows * t.block_k)
+        self.sb = kir.Shared("tile_b", _F32, t.block_k * t.block_cols)
+        self.sp = kir.Shared("tile_p", _F32, t.block_rows * t.block_cols)
+        self.sc = kir.Shared("tile_c", _F32, t.block_cols * t.block_h)
+        self.names = 0
+
+    def let(self, out: list[kir.Stmt], hint: str, expr: kir.Expr) -> kir.Expr:
+        if isinstance(expr, (kir.Const, kir.Ref)):
+            return expr
+        self.names += 1
+        name = f"{hint}_{self.names}"
+        out.append(kir.Let(name, expr))
+        return kir.Ref(name, expr.dtype)
+
+    # --- loads ----------------------------------------------------------------------------
+    def operand_load(self, out: list[kir.Stmt], tile: kir.Shared, source: str, length: int,
+                     start: kir.Expr, r0: kir.Expr, rows: int, k0: kir.Expr, cols: int,
+                     transposed: bool) -> None:
+        """tile = source[b, start + i, k0 + c] for i < rows, c < cols (zeros past the
+        edges); ``transposed`` stores it as [c, i] (a first GEMM's B tile). The threads
+        stride along the head dim, the operand's unit stride."""
+        d = self.p.head_dim
+        self.names += 1
+        var = f"e{self.names}"
+        body: list[kir.Stmt] = []
+        e = kir.Ref(var, "i32")
+        r = self.let(body, "r", kir.Binary("div", e, _c(cols)))
+        c = self.let(body, "c", kir.Binary("rem", e, _c(cols)))
+        row = self.let(body, "row", _add(_add(start, r0), r))
+        col = self.let(body, "col", _add(k0, c))
+        valid = _and(_lt(row, _c(length)), _lt(col, _c(d)))
+        index = _add(_mul(_add(_mul(self.batch, _c(length)), _min(row, _c(length - 1))),
+                          _c(d)), _min(col, _c(d - 1)))
+        slot = _add(_mul(c, _c(rows)), r) if transposed else _add(_mul(r, _c(cols)), c)
+        value = kir.Load(self.params[source], index)
+        body.append(kir.Store(tile.name, slot, kir.Select(valid, value, kir.f32(0.0))))
+        out.append(kir.For(var, kir.ThreadIdx(), _c(rows * cols), _c(self.t.threads),
+                           tuple(body)))
+
+    # --- the kernel -----------------------------------------------------------------------
+    def build(self) -> kir.Kernel:
+        p, t = self.p, self.t
+        row_blocks = -(-self.row_len // t.block_rows)
+        h_blocks = -(-p.head_dim // t.block_h)
+        body: list[kir.Stmt] = []
+        bid = kir.BlockIdx()
+        hb = self.let(body, "hb", kir.Binary("rem", bid, _c(h_blocks)))
+        rb = self.let(body, "rb", kir.Binary("rem", kir.Binary("div", bid, _c(h_blocks)),
+                                             _c(row_blocks)))
+        self.batch = self.let(body, "batch", kir.Binary("div", bid, _c(h_blocks * row_blocks)))
+        self.r0 = self.let(body, "r0", _mul(rb, _c(t.block_rows)))
+        self.h0 = self.let(body, "h0", _mul(hb, _c(t.block_h)))
+        tid = kir.ThreadIdx()
+        self.tx = self.let(body, "tx", kir.Binary("rem", tid, _c(t.lanes)))
+        self.ty = self.let(body, "ty", kir.Binary("div", tid, _c(t.lanes)))
+        self.row_in_tile = [_add(_mul(self.ty, _c(t.thread_rows)), _c(i))
+                            for i in range(t.thread_rows)]
+        self.rows = [_add(self.r0, r) for r in self.row_in_tile]
+        self.cols = [_add(self.tx, _c(j * t.lanes)) for j in range(t.thread_cols)]
+        self.s = [[f"s_{i}_{j}" for j in range(t.thread_cols)] for i in range(t.thread_rows)]
+        self.dp = [[f"dp_{i}_{j}" for j in range(t.thread_cols)] for i in range(t.thread_rows)]
+        results = list(self.outs)
+        self.acc = {res: [[f"{res}_{i}_{j}" for j in range(t.thread_h)]
+                          for i in range(t.thread_rows)] for res in results}
+        for grid in (self.s, self.dp, *self.acc.values()):
+            for row in grid:
+                for name in row:
+                    body.append(kir.Local(name, _F32, kir.f32(0.0)))
+        # The rows' statistics (dQ: the rows are queries; loaded once).
+        self.row_stats = None if self.key_rows else [
+            self.stats(body, _min(row, _c(p.queries - 1))) for row in self.rows]
+        lo, hi = self.walk_bounds(body)
+        body.append(kir.For("c0", lo, hi, _c(t.block_cols), tuple(self.step())))
+        body.extend(self.store())
+        grid = p.batch * row_blocks * h_blocks
+        params = (*self.params.values(), *self.outs.values())
+        return kir.Kernel(self.name, params, (self.sa, self.sb, self.sp, self.sc), grid,
+                          t.threads, tuple(body)).validate()
+
+    def walk_bounds(self, body: list[kir.Stmt]) -> tuple[kir.Expr, kir.Expr]:
+        """The column steps a block visits: with a causal mask (key <= query) dQ's query
+        rows stop at the block's last row, dK/dV's key rows start at the step holding
+        the block's first key."""
+        t = self.t
+        if not self.p.causal:
+            return _c(0), _c(self.col_len)
+        if self.key_rows:
+            first = _mul(kir.Binary("div", self.r0, _c(t.block_cols)), _c(t.block_cols))
+            return self.let(body, "lo", first), _c(self.col_len)
+        last = _min(_add(self.r0, _c(t.block_rows)), _c(self.col_len))
+        return _c(0), self.let(body, "hi", last)
+
+    def stats(self, out: list[kir.Stmt], query: kir.Expr) -> tuple[kir.Expr, ...]:
+        at = self.let(out, "qs", _add(_mul(self.batch, _c(self.p.queries)), query))
+        return tuple(self.let(out, name, kir.Load(self.params[name], at))
+                     for name in ("row_max", "row_sum", "delta"))
+
+    def first_gemm(self, out: list[kir.Stmt], acc: list[list[str]], a: str, b: str,
+                   c0: kir.Expr) -> None:
+        """acc = A[rows, :] x B[c0 + cols, :]^T over the head dim in shared stages."""
+        p, t = self.p, self.t
+        for row in acc:
+            for name in row:
+                out.append(kir.Assign(name, kir.f32(0.0)))
+        k0 = kir.Ref("k0", "i32")
+        k_body: list[kir.Stmt] = []
+        self.operand_load(k_body, self.sa, a, self.row_len, self.r0, _c(0), t.block_rows,
+                          k0, t.block_k, transposed=False)
+        self.operand_load(k_body, self.sb, b, self.col_len, c0, _c(0), t.block_cols, k0,
+                          t.block_k, transposed=True)
+        k_body.append(kir.Barrier())
+        inner: list[kir.Stmt] = []
+        kk = kir.Ref("kk", "i32")
+        av = [self.let(inner, "a", kir.Load(self.sa, _add(_mul(r, _c(t.block_k)), kk)))
+              for r in self.row_in_tile]
+        bv = [self.let(inner, "b", kir.Load(self.sb, _add(_mul(kk, _c(t.block_cols)), c)))
+              for c in self.cols]
+        for i, row in enumerate(acc):
+            for j, name in enumerate(row):
+                inner.append(kir.Assign(name, _add(kir.Ref(name, _F32), _mul(av[i], bv[j]))))
+        k_body.append(kir.For("kk", _c(0), _c(t.block_k), _c(1), tuple(inner)))
+        k_body.append(kir.Barrier())
+        out.append(kir.For("k0", _c(0), _c(p.head_dim), _c(t.block_k), tuple(k_body)))
+
+    def step(self) -> list[kir.Stmt]:
+        p, t = self.p, self.t
+        out: list[kir.Stmt] = []
+        c0 = kir.Ref("c0", "i32")
+        # Rows' operands of S and dP: (Q, dO) for query rows, (K, V) for key rows.
+        first, second = (("k", "q"), ("v", "d_o")) if self.key_rows else \
+            (("q", "k"), ("d_o", "v"))
+        self.first_gemm(out, self.s, *first, c0)
+        self.first_gemm(out, self.dp, *second, c0)
+        cols = [self.let(out, "col", _add(c0, c)) for c in self.cols]
+        col_stats = [self.stats(out, _min(col, _c(p.queries - 1))) for col in cols] \
+            if self.key_rows else None
+        probs: list[list[kir.Expr]] = []
+        grads: list[list[kir.Expr]] = []
+        for i, row in enumerate(self.rows):
+            prow, grow = [], []
+            for j, col in enumerate(cols):
+                query, key = (col, row) if self.key_rows else (row, col)
+                valid = _and(_lt(row, _c(self.row_len)), _lt(col, _c(self.col_len)))
+                if p.causal:
+                    valid = _and(valid, kir.Compare("le", key, query))
+                mx, total, delta = col_stats[j] if self.key_rows else self.row_stats[i]
+                x = _mul(kir.Ref(self.s[i][j], _F32), kir.f32(p.scale))
+                e = kir.Unary("exp", kir.Binary("sub", x, mx))
+                prob = self.let(out, "p", kir.Select(valid, kir.Binary("div", e, total),
+                                                     kir.f32(0.0)))
+                grad = self.let(out, "ds", _mul(prob, kir.Binary(
+                    "sub", kir.Ref(self.dp[i][j], _F32), delta)))
+                prow.append(prob)
+                grow.append(grad)
+            probs.append(prow)
+            grads.append(grow)
+        # dQ += dS K;  dK += dS^T Q (dS^T is this tile), dV += P^T dO.
+        if self.key_rows:
+            self.second_gemm(out, grads, "q", "dk", c0)
+            self.second_gemm(out, probs, "d_o", "dv", c0)
+        else:
+            self.second_gemm(out, grads, "k", "dq", c0)
+        return out
+
+    def second_gemm(self, out: list[kir.Stmt], left: list[list[kir.Expr]], source: str,
+                    result: str, c0: kir.Expr) -> None:
+        """acc[result] += left[rows, :] x source[c0 + :, h0 + :], left through shared."""
+        t = self.t
+        for i in range(t.thread_rows):
+            for j in range(t.thread_cols):
+                index = _add(_mul(self.row_in_tile[i], _c(t.block_cols)), self.cols[j])
+                out.append(kir.Store(self.sp.name, index, left[i][j]))
+        self.operand_load(out, self.sc, source, self.col_len, c0, _c(0), t.block_cols,
+                          self.h0, t.block_h, transposed=False)
+        out.append(kir.Barrier())
+        inner: list[kir.Stmt] = []
+        cc = kir.Ref("cc", "i32")
+        pv = [self.let(inner, "pv", kir.Load(self.sp, _add(_mul(r, _c(t.block_cols)), cc)))
+              for r in self.row_in_tile]
+        cv = [self.let(inner, "cv", kir.Load(self.sc, _add(_mul(cc, _c(t.block_h)),
+                                                           _add(self.tx, _c(j * t.lanes)))))
+              for j in range(t.thread_h)]
+        for i, row in enumerate(self.acc[result]):
+            for j, name in enumerate(row):
+                inner.append(kir.Assign(name, _add(kir.Ref(name, _F32), _mul(pv[i], cv[j]))))
+        out.append(kir.For("cc", _c(0), _c(t.block_cols), _c(1), tuple(inner)))
+        out.append(kir.Barrier())
+
+    def store(self) -> list[kir.Stmt]:
+        """Each thread's accumulators; dQ and dK carry the score scale."""
+        p, t = self.p, self.t
+        out: list[kir.Stmt] = []
+        for result, grid in self.acc.items():
+            scale = 1.0 if result == "dv" else p.scale
+            for i, row in enumerate(self.rows):
+                for j, name in enumerate(grid[i]):
+                    h = _add(self.h0, _add(self.tx, _c(j * t.lanes)))
+                    value: kir.Expr = kir.Ref(name, _F32)
+                    if scale != 1.0:
+                        value = _mul(value, kir.f32(scale))
+                    index = _add(_mul(_add(_mul(self.batch, _c(self.row_len)), row),
+                                      _c(p.head_dim)), h)
+                    cond = _and(_lt(row, _c(self.row_len)), _lt(h, _c(p.head_dim)))
+                    out.append(kir.If(cond, (kir.Store(result, index, value),)))
+        return out
