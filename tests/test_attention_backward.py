@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stitch.codegen.attention_backward import (DKV_OUTPUTS, DQ_INPUTS, DQ_OUTPUTS,
-                                               AttentionBackward, BackwardTiling, lower_dkv,
-                                               lower_dq)
+from stitch.codegen.attention_backward import (DKV_OUTPUTS, DQ_INPUTS, STATS,
+                                               AttentionBackward, BackwardTiling, MatrixView,
+                                               dq_params, lower_dkv, lower_dq)
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
 
@@ -41,8 +41,23 @@ def _jax_grads(q, k, v, d_o, scale: float, causal: bool):
     return [np.asarray(g) for g in pull(jnp.asarray(d_o, jnp.float64))]
 
 
+def _store(x: np.ndarray, view: MatrixView, dtype) -> np.ndarray:
+    """x [b, len, d] laid out in a flat buffer through ``view`` (a permutation)."""
+    flat = np.full(x.size, np.nan, dtype)
+    b, r, c = np.indices(x.shape)
+    flat[b * view.batch_stride + r * view.row_stride + c * view.col_stride] = x
+    return flat
+
+
+def _load(flat: np.ndarray, view: MatrixView, shape) -> np.ndarray:
+    b, r, c = np.indices(shape)
+    return flat[b * view.batch_stride + r * view.row_stride + c * view.col_stride]
+
+
 def _run(problem: AttentionBackward, seed: int, tol: float,
-         tiling: BackwardTiling | None = None) -> None:
+         tiling: BackwardTiling | None = None, stats_pass: bool = False) -> None:
+    """dQ then dK/dV (with ``stats_pass`` the first writes the statistics the second
+    reads), every output poisoned, against jax's gradients."""
     rng = np.random.default_rng(seed)
     b, m, n, d = problem.batch, problem.queries, problem.keys, problem.head_dim
     store = NUMPY_DTYPES[problem.dtype]
@@ -52,22 +67,32 @@ def _run(problem: AttentionBackward, seed: int, tol: float,
     o, mx, total = _attention(*wide[:3], problem.scale, problem.causal)
     # The forward's O in the operands' type, as the backward reads it.
     delta = (wide[3] * o.astype(store).astype(np.float64)).sum(-1)
-    values = {"q": q, "k": k, "v": v, "d_o": d_o, "row_max": mx, "row_sum": total,
-              "delta": delta}
+    values = {"q": q, "k": k, "v": v, "d_o": d_o}
+    buffers = {name: _store(x, problem.view(name), store) for name, x in values.items()}
+    if not stats_pass:
+        buffers.update({"row_max": mx, "row_sum": total, "delta": delta})
     want = dict(zip(("dq", "dk", "dv"), _jax_grads(*wide, problem.scale, problem.causal)))
-    for lower, names in ((lower_dq, DQ_OUTPUTS), (lower_dkv, DKV_OUTPUTS)):
-        kernel = lower(problem, tiling)
-        assert [p.name for p in kernel.params] == [*DQ_INPUTS, *names]
-        ins = [np.ascontiguousarray(values[p.name], NUMPY_DTYPES[p.dtype]).reshape(-1)
-               for p in kernel.params[:len(DQ_INPUTS)]]
-        outs = [np.full(p.size, np.nan, NUMPY_DTYPES[p.dtype])
-                for p in kernel.params[len(DQ_INPUTS):]]
-        compile_host(kernel)(*ins, *outs)
-        for name, got in zip(names, outs):
-            got = got.astype(np.float64)
+    dq_ins, dq_outs = dq_params(stats_pass)
+    for kernel, ins, outs in ((lower_dq(problem, tiling, stats_pass=stats_pass), dq_ins,
+                               dq_outs), (lower_dkv(problem, tiling), DQ_INPUTS, DKV_OUTPUTS)):
+        assert [p.name for p in kernel.params] == [*ins, *outs]
+        args = [np.ascontiguousarray(buffers[p.name], NUMPY_DTYPES[p.dtype]).reshape(-1)
+                for p in kernel.params[:len(ins)]]
+        results = [np.full(p.size, np.nan, NUMPY_DTYPES[p.dtype])
+                   for p in kernel.params[len(ins):]]
+        compile_host(kernel)(*args, *results)
+        for name, got in zip(outs, results):
             assert not np.isnan(got).any(), f"{name}: poisoned elements left"
-            expected = want[name].reshape(-1)
+            buffers[name] = got
+            if name in STATS:
+                continue
+            got = _load(got, problem.view(name), want[name].shape).astype(np.float64)
+            expected = want[name]
             np.testing.assert_allclose(got, expected, rtol=tol,
+                                       atol=tol * np.abs(expected).max(), err_msg=name)
+    if stats_pass:
+        for name, expected in zip(STATS, (mx, total, delta)):
+            np.testing.assert_allclose(buffers[name].reshape(b, m), expected, rtol=tol,
                                        atol=tol * np.abs(expected).max(), err_msg=name)
 
 
@@ -91,6 +116,26 @@ def test_bf16_operands() -> None:
     _run(AttentionBackward(2, 40, 40, 16, 0.25, True, "bf16"), seed=33, tol=2e-2)
 
 
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+@pytest.mark.parametrize("tiling", (_SMALL, None), ids=("small", "default"))
+def test_statistics_pass_needs_nothing_from_the_forward(causal: bool, tiling) -> None:
+    """The dQ kernel's first walk writes M, L and D (D as XLA's sum over keys, no O); the
+    dK/dV kernel reads them."""
+    _run(AttentionBackward(3, 37, 37, 12, 0.29, causal), seed=34, tol=1e-4, tiling=tiling,
+         stats_pass=True)
+
+
+def test_strided_operands_and_results_as_xla_lays_them_out() -> None:
+    """dQ/dK/dV written [batch, head_dim, length] (XLA's GPT-2 backward), K read through
+    a [length, batch, head_dim] view."""
+    b, s, d = 2, 24, 8
+    heads_minor = MatrixView(s * d, 1, s)
+    views = (("dq", heads_minor), ("dk", heads_minor), ("dv", heads_minor),
+             ("k", MatrixView(d, b * d, 1)))
+    _run(AttentionBackward(b, s, s, d, 0.4, True, views=views), seed=35, tol=1e-4,
+         tiling=_SMALL, stats_pass=True)
+
+
 def test_refused_problems() -> None:
     with pytest.raises(CodegenError):
         lower_dq(AttentionBackward(2, 20, 30, 8, 0.3, True))
@@ -109,8 +154,8 @@ def test_ptx_assembles_without_spills(dtype: str, arch: str) -> None:
     from tests.test_lowering_gemm_chain import _ptxas_or_skip
     _ptxas_or_skip(arch)
     problem = AttentionBackward(96, 1024, 1024, 64, 0.125, True, dtype)
-    for lower in (lower_dq, lower_dkv):
-        kernel = lower(problem, name="bwd")
+    for kernel in (lower_dq(problem, name="bwd", stats_pass=True),
+                   lower_dkv(problem, name="bwd")):
         report = assemble(emit_ptx(kernel, arch), arch, kernel_name="bwd")["bwd"]
         assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report
         assert 0 < report.registers <= 255

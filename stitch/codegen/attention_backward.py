@@ -22,7 +22,13 @@ stages, then one or two second GEMMs whose left operand (P or dS) goes through s
 memory, f32 FMA (bf16 storage widened on load). With a causal mask, column tiles wholly
 above the diagonal are not visited (the walk's bounds are the block's).
 
-Operands are row-major ``[batch, length, head_dim]``; the statistics ``[batch, queries]``.
+With ``stats_pass`` the dQ kernel needs no statistics from the forward: a first walk over
+the keys computes each query row's M, L and D online (the running sum and sum_j e_ij dP_ij
+rescaled as the max grows, so D = that / L is XLA's own sum over keys, no O needed) and
+writes them ``[batch, queries]`` f32 for the dK/dV kernel, which runs after it.
+
+An operand or result is a [batch, length, head_dim] matrix over its buffer through a
+``MatrixView`` (strides; row-major by default); the statistics are ``[batch, queries]``.
 """
 from __future__ import annotations
 
@@ -43,6 +49,22 @@ STORAGE = ("f32", "bf16", "f16")
 
 
 @dataclass(frozen=True)
+class MatrixView:
+    """Element (b, r, c) of a [batch, length, head_dim] operand at flat offset
+    b * batch_stride + r * row_stride + c * col_stride."""
+    batch_stride: int
+    row_stride: int
+    col_stride: int
+
+    @staticmethod
+    def row_major(length: int, head_dim: int) -> "MatrixView":
+        return MatrixView(length * head_dim, head_dim, 1)
+
+
+MATRICES = ("q", "k", "v", "d_o", "dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
 class AttentionBackward:
     """One attention's backward: ``batch`` (batch x heads) problems of ``queries`` x
     ``keys`` scores over ``head_dim``; operands stored as ``dtype``."""
@@ -53,6 +75,15 @@ class AttentionBackward:
     scale: float
     causal: bool
     dtype: str = _F32
+    # (name in MATRICES, view) where not row-major.
+    views: tuple[tuple[str, MatrixView], ...] = ()
+
+    def length(self, name: str) -> int:
+        return self.queries if name in ("q", "d_o", "dq") else self.keys
+
+    def view(self, name: str) -> MatrixView:
+        return dict(self.views).get(name) or MatrixView.row_major(self.length(name),
+                                                                  self.head_dim)
 
     def check(self) -> None:
         if min(self.batch, self.queries, self.keys, self.head_dim) < 1:
@@ -61,6 +92,9 @@ class AttentionBackward:
             raise CodegenError(f"{self}: operands of {self.dtype} are not lowered")
         if self.causal and self.queries != self.keys:
             raise CodegenError(f"{self}: a causal mask is lowered for square scores only")
+        for name, _ in self.views:
+            if name not in MATRICES:
+                raise CodegenError(f"{self}: no matrix {name!r}")
 
 
 @dataclass(frozen=True)
@@ -112,13 +146,15 @@ class BackwardTiling:
 
     @staticmethod
     def default_for(problem: AttentionBackward, two_results: bool) -> "BackwardTiling":
-        """32 rows x 64 columns, 4 x 4 thread tiles (128 threads) for attention sizes;
-        smaller column steps and head blocks where the problem is small. ``two_results``
-        (dK and dV): 32-column head blocks keep two accumulators in registers."""
+        """32 rows x 64 columns, 4 x 4 thread tiles (128 threads) and head blocks of 64 for
+        attention sizes (one head block at d = 64: S is computed once per tile; ptxas:
+        <= 128 registers for dQ, <= 147 for dK/dV's two accumulators, no spills on sm_80 /
+        sm_90); smaller column steps and head blocks where the problem is small.
+        ``two_results``: the columns are queries (dK/dV)."""
         cols = 64 if (problem.queries if two_results else problem.keys) >= 64 else 16
         thread_cols = 4 if cols >= 32 else 2
         lanes = cols // thread_cols
-        block_h = min(32 if two_results else 64, max(lanes, _pow2_at_least(problem.head_dim)))
+        block_h = min(64, max(lanes, _pow2_at_least(problem.head_dim)))
         tiling = BackwardTiling(32, cols, 4, thread_cols,
                                 min(16, _pow2_at_least(problem.head_dim)), block_h)
         tiling.check()
@@ -130,17 +166,26 @@ def _pow2_at_least(x: int) -> int:
 
 
 # Param names of the kernels, in order.
-DQ_INPUTS = ("q", "k", "v", "d_o", "row_max", "row_sum", "delta")
+OPERANDS = ("q", "k", "v", "d_o")
+STATS = ("row_max", "row_sum", "delta")
+DQ_INPUTS = (*OPERANDS, *STATS)
 DQ_OUTPUTS = ("dq",)
 DKV_OUTPUTS = ("dk", "dv")
 
 
+def dq_params(stats_pass: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The dQ kernel's (inputs, outputs) by name: with ``stats_pass`` it writes the
+    statistics instead of reading them."""
+    return (OPERANDS, ("dq", *STATS)) if stats_pass else (DQ_INPUTS, DQ_OUTPUTS)
+
+
 def lower_dq(problem: AttentionBackward, tiling: BackwardTiling | None = None,
-             name: str = "attention_dq") -> kir.Kernel:
-    """dQ: a block of query rows walks the keys (params ``DQ_INPUTS`` then ``dq``)."""
+             name: str = "attention_dq", stats_pass: bool = False) -> kir.Kernel:
+    """dQ: a block of query rows walks the keys (params ``dq_params(stats_pass)``)."""
     problem.check()
     tiling = tiling or BackwardTiling.default_for(problem, two_results=False)
-    return _BackwardKernel(problem, tiling, name, key_rows=False).build()
+    return _BackwardKernel(problem, tiling, name, key_rows=False,
+                           stats_pass=stats_pass).build()
 
 
 def lower_dkv(problem: AttentionBackward, tiling: BackwardTiling | None = None,
@@ -177,18 +222,24 @@ class _BackwardKernel:
     (ty, tx) owns tile rows ty * thread_rows + i and columns tx + j * lanes."""
 
     def __init__(self, problem: AttentionBackward, tiling: BackwardTiling, name: str,
-                 key_rows: bool) -> None:
+                 key_rows: bool, stats_pass: bool = False) -> None:
         tiling.check()
+        if stats_pass and key_rows:
+            raise CodegenError(f"{name}: the statistics pass walks keys for query rows")
         self.p, self.t, self.name, self.key_rows = problem, tiling, name, key_rows
-        b, m, n, d = problem.batch, problem.queries, problem.keys, problem.head_dim
-        sizes = {"q": b * m * d, "k": b * n * d, "v": b * n * d, "d_o": b * m * d,
-                 "row_max": b * m, "row_sum": b * m, "delta": b * m}
-        self.params = {k: kir.Param(k, problem.dtype if k in ("q", "k", "v", "d_o")
-                                    else _F32, sizes[k]) for k in DQ_INPUTS}
-        outs = {"dq": b * m * d, "dk": b * n * d, "dv": b * n * d}
-        self.outs = {k: kir.Param(k, problem.dtype, outs[k], is_output=True)
-                     for k in (DKV_OUTPUTS if key_rows else DQ_OUTPUTS)}
+        self.stats_pass = stats_pass
+        b, d = problem.batch, problem.head_dim
+
+        def param(k: str, output: bool) -> kir.Param:
+            if k in STATS:
+                return kir.Param(k, _F32, b * problem.queries, is_output=output)
+            return kir.Param(k, problem.dtype, b * problem.length(k) * d, is_output=output)
+
+        inputs, outputs = dq_params(stats_pass) if not key_rows else (DQ_INPUTS, DKV_OUTPUTS)
+        self.params = {k: param(k, False) for k in inputs}
+        self.outs = {k: param(k, True) for k in outputs}
         # Row length / column length (rows: keys for dK/dV).
+        m, n = problem.queries, problem.keys
         self.row_len, self.col_len = (n, m) if key_rows else (m, n)
         t = tiling
         self.sa = kir.Shared("tile_a", _F32, t.block_rows * t.block_k)
@@ -204,6 +255,16 @@ class _BackwardKernel:
         name = f"{hint}_{self.names}"
         out.append(kir.Let(name, expr))
         return kir.Ref(name, expr.dtype)
+
+    def offset(self, name: str, row: kir.Expr, col: kir.Expr) -> kir.Expr:
+        view = self.p.view(name)
+        terms = [_mul(x, _c(stride)) if stride != 1 else x
+                 for x, stride in ((self.batch, view.batch_stride), (row, view.row_stride),
+                                   (col, view.col_stride)) if stride]
+        out = terms[0] if terms else _c(0)
+        for term in terms[1:]:
+            out = _add(out, term)
+        return out
 
     # --- loads ----------------------------------------------------------------------------
     def operand_load(self, out: list[kir.Stmt], tile: kir.Shared, source: str, length: int,
@@ -222,8 +283,7 @@ class _BackwardKernel:
         row = self.let(body, "row", _add(_add(start, r0), r))
         col = self.let(body, "col", _add(k0, c))
         valid = _and(_lt(row, _c(length)), _lt(col, _c(d)))
-        index = _add(_mul(_add(_mul(self.batch, _c(length)), _min(row, _c(length - 1))),
-                          _c(d)), _min(col, _c(d - 1)))
+        index = self.offset(source, _min(row, _c(length - 1)), _min(col, _c(d - 1)))
         slot = _add(_mul(c, _c(rows)), r) if transposed else _add(_mul(r, _c(cols)), c)
         value = kir.Load(self.params[source], index)
         body.append(kir.Store(tile.name, slot, kir.Select(valid, value, kir.f32(0.0))))
@@ -252,17 +312,26 @@ class _BackwardKernel:
         self.cols = [_add(self.tx, _c(j * t.lanes)) for j in range(t.thread_cols)]
         self.s = [[f"s_{i}_{j}" for j in range(t.thread_cols)] for i in range(t.thread_rows)]
         self.dp = [[f"dp_{i}_{j}" for j in range(t.thread_cols)] for i in range(t.thread_rows)]
-        results = list(self.outs)
+        results = [k for k in self.outs if k in MATRICES]
         self.acc = {res: [[f"{res}_{i}_{j}" for j in range(t.thread_h)]
                           for i in range(t.thread_rows)] for res in results}
         for grid in (self.s, self.dp, *self.acc.values()):
             for row in grid:
                 for name in row:
                     body.append(kir.Local(name, _F32, kir.f32(0.0)))
-        # The rows' statistics (dQ: the rows are queries; loaded once).
-        self.row_stats = None if self.key_rows else [
-            self.stats(body, _min(row, _c(p.queries - 1))) for row in self.rows]
         lo, hi = self.walk_bounds(body)
+        # The rows' statistics (dQ: the rows are queries): computed by a first walk, or
+        # loaded once.
+        if self.stats_pass:
+            for i in range(t.thread_rows):
+                body.append(kir.Local(f"mx_{i}", _F32, kir.f32(float("-inf"))))
+                body.append(kir.Local(f"sum_{i}", _F32, kir.f32(0.0)))
+                body.append(kir.Local(f"wdp_{i}", _F32, kir.f32(0.0)))
+            body.append(kir.For("c0", lo, hi, _c(t.block_cols), tuple(self.stats_step())))
+            self.row_stats = self.finish_stats(body)
+        else:
+            self.row_stats = None if self.key_rows else [
+                self.stats(body, _min(row, _c(p.queries - 1))) for row in self.rows]
         body.append(kir.For("c0", lo, hi, _c(t.block_cols), tuple(self.step())))
         body.extend(self.store())
         grid = p.batch * row_blocks * h_blocks
@@ -315,16 +384,92 @@ class _BackwardKernel:
         k_body.append(kir.Barrier())
         out.append(kir.For("k0", _c(0), _c(p.head_dim), _c(t.block_k), tuple(k_body)))
 
-    def step(self) -> list[kir.Stmt]:
-        p, t = self.p, self.t
-        out: list[kir.Stmt] = []
-        c0 = kir.Ref("c0", "i32")
+    def scores(self, out: list[kir.Stmt], c0: kir.Expr
+               ) -> tuple[list[kir.Expr], list[list[kir.Expr]]]:
+        """S and dP of this column step in registers; the columns and each element's
+        validity (inside the problem, not masked)."""
+        p = self.p
         # Rows' operands of S and dP: (Q, dO) for query rows, (K, V) for key rows.
         first, second = (("k", "q"), ("v", "d_o")) if self.key_rows else \
             (("q", "k"), ("d_o", "v"))
         self.first_gemm(out, self.s, *first, c0)
         self.first_gemm(out, self.dp, *second, c0)
         cols = [self.let(out, "col", _add(c0, c)) for c in self.cols]
+        valid: list[list[kir.Expr]] = []
+        for row in self.rows:
+            row_valid = []
+            for col in cols:
+                query, key = (col, row) if self.key_rows else (row, col)
+                ok = _and(_lt(row, _c(self.row_len)), _lt(col, _c(self.col_len)))
+                if p.causal:
+                    ok = _and(ok, kir.Compare("le", key, query))
+                row_valid.append(self.let(out, "ok", ok))
+            valid.append(row_valid)
+        return cols, valid
+
+    def row_reduce(self, out: list[kir.Stmt], op: str, values: list[kir.Expr]) -> kir.Expr:
+        """``op`` over the thread's values, then over the lanes of its row (consecutive
+        lanes of one warp: an xor butterfly)."""
+        total = values[0]
+        for v in values[1:]:
+            total = kir.Binary(op, total, v)
+        total = self.let(out, f"r{op}", total)
+        offset = 1
+        while offset < self.t.lanes:
+            self.names += 1
+            dest = f"sh_{op}_{self.names}"
+            out.append(kir.WarpShuffle(dest, total, _c(offset), "xor"))
+            total = self.let(out, f"r{op}", kir.Binary(op, total, kir.Ref(dest, _F32)))
+            offset *= 2
+        return total
+
+    def stats_step(self) -> list[kir.Stmt]:
+        """One column step of the statistics walk: the rows' running max, sum of
+        exp(S - max) and sum of exp(S - max) dP, both sums rescaled as the max grows."""
+        out: list[kir.Stmt] = []
+        _, valid = self.scores(out, kir.Ref("c0", "i32"))
+        ninf = kir.f32(float("-inf"))
+        for i in range(self.t.thread_rows):
+            x = [self.let(out, "x", kir.Select(ok, _mul(kir.Ref(self.s[i][j], _F32),
+                                                        kir.f32(self.p.scale)), ninf))
+                 for j, ok in enumerate(valid[i])]
+            old = kir.Ref(f"mx_{i}", _F32)
+            new = self.let(out, "mnew", kir.Binary("max", old, self.row_reduce(out, "max", x)))
+            dead = self.let(out, "dead", kir.Compare("eq", new, ninf))
+            rescale = self.let(out, "f", kir.Select(dead, kir.f32(1.0), kir.Unary(
+                "exp", kir.Binary("sub", old, new))))
+            e = [self.let(out, "e", kir.Select(dead, kir.f32(0.0), kir.Unary(
+                "exp", kir.Binary("sub", xj, new)))) for xj in x]
+            total = self.row_reduce(out, "add", e)
+            weighted = self.row_reduce(out, "add", [
+                _mul(ej, kir.Ref(self.dp[i][j], _F32)) for j, ej in enumerate(e)])
+            for name, step in ((f"sum_{i}", total), (f"wdp_{i}", weighted)):
+                out.append(kir.Assign(name, _add(_mul(kir.Ref(name, _F32), rescale), step)))
+            out.append(kir.Assign(f"mx_{i}", new))
+        return out
+
+    def finish_stats(self, body: list[kir.Stmt]) -> list[tuple[kir.Expr, ...]]:
+        """After the statistics walk: each row's (M, L, D = sum e dP / L; 0 for a row
+        with nothing valid), written out by the row's first lane."""
+        p = self.p
+        stats = []
+        for i, row in enumerate(self.rows):
+            mx, total = kir.Ref(f"mx_{i}", _F32), kir.Ref(f"sum_{i}", _F32)
+            delta = self.let(body, "delta", kir.Select(
+                kir.Compare("eq", total, kir.f32(0.0)), kir.f32(0.0),
+                kir.Binary("div", kir.Ref(f"wdp_{i}", _F32), total)))
+            stats.append((mx, total, delta))
+            at = _add(_mul(self.batch, _c(p.queries)), row)
+            cond = _and(_lt(row, _c(p.queries)), kir.Compare("eq", self.tx, _c(0)))
+            body.append(kir.If(cond, tuple(kir.Store(name, at, value) for name, value in
+                                           zip(STATS, (mx, total, delta)))))
+        return stats
+
+    def step(self) -> list[kir.Stmt]:
+        p = self.p
+        out: list[kir.Stmt] = []
+        c0 = kir.Ref("c0", "i32")
+        cols, valid_tile = self.scores(out, c0)
         col_stats = [self.stats(out, _min(col, _c(p.queries - 1))) for col in cols] \
             if self.key_rows else None
         probs: list[list[kir.Expr]] = []
@@ -332,10 +477,7 @@ class _BackwardKernel:
         for i, row in enumerate(self.rows):
             prow, grow = [], []
             for j, col in enumerate(cols):
-                query, key = (col, row) if self.key_rows else (row, col)
-                valid = _and(_lt(row, _c(self.row_len)), _lt(col, _c(self.col_len)))
-                if p.causal:
-                    valid = _and(valid, kir.Compare("le", key, query))
+                valid = valid_tile[i][j]
                 mx, total, delta = col_stats[j] if self.key_rows else self.row_stats[i]
                 x = _mul(kir.Ref(self.s[i][j], _F32), kir.f32(p.scale))
                 e = kir.Unary("exp", kir.Binary("sub", x, mx))
@@ -391,8 +533,7 @@ class _BackwardKernel:
                     value: kir.Expr = kir.Ref(name, _F32)
                     if scale != 1.0:
                         value = _mul(value, kir.f32(scale))
-                    index = _add(_mul(_add(_mul(self.batch, _c(self.row_len)), row),
-                                      _c(p.head_dim)), h)
+                    index = self.offset(result, row, h)
                     cond = _and(_lt(row, _c(self.row_len)), _lt(h, _c(p.head_dim)))
                     out.append(kir.If(cond, (kir.Store(result, index, value),)))
         return out
