@@ -537,3 +537,14 @@ class _BackwardKernel:
                     cond = _and(_lt(row, _c(self.row_len)), _lt(h, _c(p.head_dim)))
                     out.append(kir.If(cond, (kir.Store(result, index, value),)))
         return out
+
+
+def problem_for(match) -> AttentionBackward:
+    """The kernels' problem for a recognized backward
+    (``stitch.hlo_passes.attention_backward.AttentionBackwardMatch``): its sizes, scale,
+    mask, type and every operand's and result's strides."""
+    strides = dict(match.operand_strides) | dict(match.result_strides)
+    views = tuple((name, MatrixView(st.batch, st.rows, st.cols))
+                  for name, st in strides.items())
+    return AttentionBackward(match.batch, match.queries, match.keys, match.head_dim,
+                             match.scale, match.causal, match.dtype, views)
