@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from stitch.codegen.attention_backward import (DKV_OUTPUTS, DQ_INPUTS, STATS,
-                                               AttentionBackward, BackwardTiling, MatrixView,
-                                               dq_params, lower_dkv, lower_dq)
+                                               OPERANDS, AttentionBackward, BackwardTiling,
+                                               MatrixView, dq_params, lower_attention_backward,
+                                               lower_dkv, lower_dq)
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
 
@@ -136,6 +137,31 @@ def test_strided_operands_and_results_as_xla_lays_them_out() -> None:
          tiling=_SMALL, stats_pass=True)
 
 
+@pytest.mark.parametrize("dtype", ("f32", "bf16"))
+def test_one_kernel_of_two_phases(dtype: str) -> None:
+    """dQ with the statistics pass, a grid barrier, dK/dV: the statistics in global
+    scratch; results strided as XLA writes them."""
+    b, s, d = 3, 37, 12
+    rng = np.random.default_rng(36)
+    heads_minor = MatrixView(s * d, 1, s)
+    views = (("dq", heads_minor), ("dk", heads_minor), ("dv", heads_minor))
+    problem = AttentionBackward(b, s, s, d, 0.3, True, dtype, views)
+    store = NUMPY_DTYPES[dtype]
+    values = {name: rng.standard_normal((b, s, d)).astype(store) for name in OPERANDS}
+    kernel = lower_attention_backward(problem, _SMALL if dtype == "f32" else None)
+    assert [p.name for p in kernel.params] == [*OPERANDS, "dq", "dk", "dv"]
+    outs = [np.full(p.size, np.nan, NUMPY_DTYPES[p.dtype]) for p in kernel.params[4:]]
+    compile_host(kernel)(*(values[n].reshape(-1) for n in OPERANDS), *outs)
+    wide = [values[n].astype(np.float64) for n in OPERANDS]
+    tol = 1e-4 if dtype == "f32" else 2e-2
+    for name, got, want in zip(("dq", "dk", "dv"), outs,
+                               _jax_grads(*wide, problem.scale, problem.causal)):
+        assert not np.isnan(got).any(), name
+        got = _load(got, problem.view(name), want.shape).astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(),
+                                   err_msg=name)
+
+
 def test_refused_problems() -> None:
     with pytest.raises(CodegenError):
         lower_dq(AttentionBackward(2, 20, 30, 8, 0.3, True))
@@ -155,7 +181,7 @@ def test_ptx_assembles_without_spills(dtype: str, arch: str) -> None:
     _ptxas_or_skip(arch)
     problem = AttentionBackward(96, 1024, 1024, 64, 0.125, True, dtype)
     for kernel in (lower_dq(problem, name="bwd", stats_pass=True),
-                   lower_dkv(problem, name="bwd")):
+                   lower_dkv(problem, name="bwd"), lower_attention_backward(problem, name="bwd")):
         report = assemble(emit_ptx(kernel, arch), arch, kernel_name="bwd")["bwd"]
         assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report
         assert 0 < report.registers <= 255

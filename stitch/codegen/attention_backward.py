@@ -46,6 +46,9 @@ _F32 = "f32"
 # Shared memory one block may use without opting in to more (bytes).
 SHARED_LIMIT = 48 * 1024
 STORAGE = ("f32", "bf16", "f16")
+# .maxnreg of the two-phase kernel: left alone, ptxas kept it at 128 registers and spilled
+# 12 bytes on sm_90 (each phase alone: <= 147, no spills).
+REGISTER_BUDGET = 168
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,30 @@ def lower_dkv(problem: AttentionBackward, tiling: BackwardTiling | None = None,
     return _BackwardKernel(problem, tiling, name, key_rows=True).build()
 
 
+def lower_attention_backward(problem: AttentionBackward, tiling: BackwardTiling | None = None,
+                             name: str = "attention_backward") -> kir.Kernel:
+    """dQ, dK and dV in one kernel of two phases (params ``OPERANDS`` then ``dq``,
+    ``dk``, ``dv``): the dQ kernel with its statistics pass, the statistics in global
+    scratch, a grid barrier (on a GPU: a second launch), the dK/dV kernel. Nothing but the
+    operands is read; square scores only (both phases then have the same grid)."""
+    problem.check()
+    if problem.queries != problem.keys:
+        raise CodegenError(f"{name}: one kernel for both phases needs square scores")
+    tiling = tiling or BackwardTiling.default_for(problem, two_results=True)
+    scratch = {k: kir.GlobalScratch(k, _F32, problem.batch * problem.queries) for k in STATS}
+    dq = _BackwardKernel(problem, tiling, name, key_rows=False, stats_pass=True,
+                         stats_scratch=scratch, prefix="q")
+    first = dq.body()
+    dkv = _BackwardKernel(problem, tiling, name, key_rows=True, stats_scratch=scratch,
+                          prefix="kv")
+    dkv.names = dq.names                 # Let names stay unique across the phases
+    second = dkv.body()
+    params = (*dq.params.values(), *dq.outs.values(), *dkv.outs.values())
+    return kir.Kernel(name, params, dq.shared, dq.grid, tiling.threads,
+                      (*first, kir.GridBarrier(), *second), tuple(scratch.values()),
+                      "relaunch", register_budget=REGISTER_BUDGET).validate()
+
+
 def _add(a: kir.Expr, b: kir.Expr) -> kir.Expr:
     return kir.Binary("add", a, b)
 
@@ -222,7 +249,9 @@ class _BackwardKernel:
     (ty, tx) owns tile rows ty * thread_rows + i and columns tx + j * lanes."""
 
     def __init__(self, problem: AttentionBackward, tiling: BackwardTiling, name: str,
-                 key_rows: bool, stats_pass: bool = False) -> None:
+                 key_rows: bool, stats_pass: bool = False,
+                 stats_scratch: dict[str, kir.GlobalScratch] | None = None,
+                 prefix: str = "") -> None:
         tiling.check()
         if stats_pass and key_rows:
             raise CodegenError(f"{name}: the statistics pass walks keys for query rows")
@@ -236,8 +265,14 @@ class _BackwardKernel:
             return kir.Param(k, problem.dtype, b * problem.length(k) * d, is_output=output)
 
         inputs, outputs = dq_params(stats_pass) if not key_rows else (DQ_INPUTS, DKV_OUTPUTS)
+        if stats_scratch is not None:       # the statistics cross a grid barrier instead
+            inputs = tuple(k for k in inputs if k not in STATS)
+            outputs = tuple(k for k in outputs if k not in STATS)
         self.params = {k: param(k, False) for k in inputs}
         self.outs = {k: param(k, True) for k in outputs}
+        self.buffers: dict[str, kir.Param | kir.GlobalScratch] = {
+            **self.params, **(stats_scratch or {})}
+        self.prefix = prefix
         # Row length / column length (rows: keys for dK/dV).
         m, n = problem.queries, problem.keys
         self.row_len, self.col_len = (n, m) if key_rows else (m, n)
@@ -291,7 +326,21 @@ class _BackwardKernel:
                            tuple(body)))
 
     # --- the kernel -----------------------------------------------------------------------
+    @property
+    def grid(self) -> int:
+        t = self.t
+        return self.p.batch * -(-self.row_len // t.block_rows) * -(-self.p.head_dim // t.block_h)
+
+    @property
+    def shared(self) -> tuple[kir.Shared, ...]:
+        return (self.sa, self.sb, self.sp, self.sc)
+
     def build(self) -> kir.Kernel:
+        params = (*self.params.values(), *self.outs.values())
+        return kir.Kernel(self.name, params, self.shared, self.grid, self.t.threads,
+                          tuple(self.body())).validate()
+
+    def body(self) -> list[kir.Stmt]:
         p, t = self.p, self.t
         row_blocks = -(-self.row_len // t.block_rows)
         h_blocks = -(-p.head_dim // t.block_h)
@@ -310,8 +359,8 @@ class _BackwardKernel:
                             for i in range(t.thread_rows)]
         self.rows = [_add(self.r0, r) for r in self.row_in_tile]
         self.cols = [_add(self.tx, _c(j * t.lanes)) for j in range(t.thread_cols)]
-        self.s = [[f"s_{i}_{j}" for j in range(t.thread_cols)] for i in range(t.thread_rows)]
-        self.dp = [[f"dp_{i}_{j}" for j in range(t.thread_cols)] for i in range(t.thread_rows)]
+        self.s = [[f"{self.prefix}s_{i}_{j}" for j in range(t.thread_cols)] for i in range(t.thread_rows)]
+        self.dp = [[f"{self.prefix}dp_{i}_{j}" for j in range(t.thread_cols)] for i in range(t.thread_rows)]
         results = [k for k in self.outs if k in MATRICES]
         self.acc = {res: [[f"{res}_{i}_{j}" for j in range(t.thread_h)]
                           for i in range(t.thread_rows)] for res in results}
@@ -334,10 +383,7 @@ class _BackwardKernel:
                 self.stats(body, _min(row, _c(p.queries - 1))) for row in self.rows]
         body.append(kir.For("c0", lo, hi, _c(t.block_cols), tuple(self.step())))
         body.extend(self.store())
-        grid = p.batch * row_blocks * h_blocks
-        params = (*self.params.values(), *self.outs.values())
-        return kir.Kernel(self.name, params, (self.sa, self.sb, self.sp, self.sc), grid,
-                          t.threads, tuple(body)).validate()
+        return body
 
     def walk_bounds(self, body: list[kir.Stmt]) -> tuple[kir.Expr, kir.Expr]:
         """The column steps a block visits: with a causal mask (key <= query) dQ's query
@@ -354,7 +400,7 @@ class _BackwardKernel:
 
     def stats(self, out: list[kir.Stmt], query: kir.Expr) -> tuple[kir.Expr, ...]:
         at = self.let(out, "qs", _add(_mul(self.batch, _c(self.p.queries)), query))
-        return tuple(self.let(out, name, kir.Load(self.params[name], at))
+        return tuple(self.let(out, name, kir.Load(self.buffers[name], at))
                      for name in ("row_max", "row_sum", "delta"))
 
     def first_gemm(self, out: list[kir.Stmt], acc: list[list[str]], a: str, b: str,
