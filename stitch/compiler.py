@@ -272,16 +272,18 @@ def _plan_with_retries(module: HloModule, target: str, options: ExplorerOptions 
     return None
 
 
-def lower_chain_kernel(graph: OpGraph, k, arch: str, *, fma: bool = False) -> LoweredKernel:
+def lower_chain_kernel(graph: OpGraph, k, arch: str, *, fma: bool = False,
+                       chain=None) -> LoweredKernel:
     """A planned ``gemm_chain`` kernel in Kernel IR, tiled as the planner scheduled it;
     ``fma``: codegen's default FMA tiling instead of tensor cores (a kernel that runs on the
-    host in production, where emulated MMA only costs time)."""
+    host in production, where emulated MMA only costs time); ``chain``: the kernel's chain
+    as the caller changed it (fewer values written), else recognized from its members."""
     from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
     from stitch.hlo_passes.gemm_chains import chain_of
 
     from .schedule.chain_tiling import tiling_for
 
-    chain = chain_of(graph, tuple(k.members))
+    chain = chain if chain is not None else chain_of(graph, tuple(k.members))
     if chain is None:
         raise CodegenError(f"{k.name}: its members are no longer one GEMM chain")
     tiling = tiling_for(k.chain_schedule, chain.h) if k.chain_schedule is not None else None

@@ -500,7 +500,9 @@ def place(view: ComputationView, b: _Builder, kernel: PlacedKernel,
     dead_gtes: list[str] = []
     for top in site.tops:
         inst = view.table[top]
-        users = b.users_outside(top, tops)
+        # Readers an earlier placed kernel removed are gone (that kernel's call, if it
+        # reads the value, is among the added readers).
+        users = [u for u in b.users_outside(top, tops) if u.name not in removed]
         # A gte of a replaced multi-output fusion read only by replaced instructions goes
         # with them (the op graph has no gte nodes, so no kernel writes its element).
         dead = [u for u in users if u.opcode == "get-tuple-element" and not u.is_root

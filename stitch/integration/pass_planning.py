@@ -379,7 +379,14 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             if request.device == "gpu" and LOOP_COPIES_ON_GPU and \
             graph_plan.graph.kind != "entry" else None
         report.skipped.extend(left_out)
-        for job in _chain_jobs(request, report, view, gi, graph_plan, snapped):
+        # The attention backward's kernels first: the forward chains then lose the values
+        # only the backward read (attention_backward_jobs).
+        from .attention_backward_jobs import attention_backward_jobs, without_backward_reads
+        chain_jobs = _chain_jobs(request, report, view, gi, graph_plan, snapped)
+        backward_jobs = attention_backward_jobs(request, report, module, view, gi, graph_plan,
+                                                snapped, jobs + chain_jobs, LLVM_LOCK)
+        for job in backward_jobs + without_backward_reads(request, report, chain_jobs,
+                                                          backward_jobs, LLVM_LOCK):
             add(job)
         gains = {k.name: modeled_gain_s(graph_plan, k.members, cost) if xla_kernels is None
                  else _xla_gain_s(graph_plan, view, frozenset(k.members), cost, xla_kernels)
@@ -604,4 +611,8 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
     report.timings["targets_s"] = targets_s
     # Lowered largest first (_largest_first): the rewrite places them in plan order.
     plan_order = {k.name: i for i, k in enumerate(fusion_plan.kernels)}
-    placed.sort(key=lambda p: plan_order.get(p.site.name, len(plan_order)))
+    # Attention-backward kernels (not planned) go in first: the forward chain placed after
+    # them no longer writes what they replaced the readers of.
+    backward = {name for name, b in built.items() if b.lowered.schemes == ["attention_backward"]}
+    placed.sort(key=lambda p: -1 if p.site.name in backward else
+                plan_order.get(p.site.name, len(plan_order)))

@@ -1,0 +1,163 @@
+"""The pass's attention-backward kernels: each backward that
+``stitch.hlo_passes.attention_backward`` recognizes in XLA's module becomes one two-phase
+kernel (``stitch.codegen.attention_backward.lower_attention_backward``) replacing XLA's dP
+GEMM, softmax-gradient fusion and dQ / dK / dV GEMMs, reading only Q, K, V and dO: no
+kernel of the backward reads or writes a scores-sized buffer any more.
+
+The planner does not plan these kernels (it keeps pricing XLA's instructions); they are
+placed next to the plan's GEMM-chain kernels, where no stitched kernel of the plan takes
+any of the instructions they replace. Anything that does not fit is left to XLA with the
+reason in the report."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+KIND = "attention_backward"
+
+
+@dataclass(frozen=True)
+class BackwardKernel:
+    """What the pass's job list needs of a kernel it did not plan."""
+    name: str
+    members: frozenset[int]
+    kind: str = KIND
+    schedule: Any = None
+    notes: tuple[str, ...] = field(default=())
+
+
+def _node_of(view: Any, name: str) -> int:
+    """The op-graph node of top-level instruction ``name``."""
+    for node in view.graph.nodes:
+        if node.computation == view.comp.name and node.instruction.name == name and \
+                node.xla_group in (None, name):
+            return node.id
+    raise KeyError(name)
+
+
+def _with_free_readers(view: Any, replaced: set[str]) -> set[str]:
+    """``replaced`` and the bitcasts between them (dS reaches its GEMMs through one)."""
+    readers = view.readers()
+    grown = True
+    while grown:
+        grown = False
+        for name in list(replaced):
+            for r in readers.get(name, []):
+                if r not in replaced and view.table[r].opcode == "bitcast" and all(
+                        rr in replaced for rr in readers.get(r, [])):
+                    replaced.add(r)
+                    grown = True
+    return replaced
+
+
+def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, gi: int,
+                            graph_plan: Any, snapped: list, jobs: list, lock: Any) -> list:
+    """(view, kernel, site, lowered) jobs for the graph's attention backwards; the
+    instructions of ``snapped`` kernels and of ``jobs`` so far are not taken; ``lock``:
+    held while lowering (the pass's LLVM lock)."""
+    from stitch.codegen.attention_backward import lower_attention_backward, problem_for
+    from stitch.codegen.errors import CodegenError
+    from stitch.codegen.lower import LoweredKernel, kernel_identifier
+    from stitch.hlo_passes.attention_backward import find_attention_backwards
+    from stitch.errors import StitchError
+
+    from .hlo_rewrite import NotPlaceable, find_site
+
+    if graph_plan.graph.kind != "entry" or request.device != "gpu":
+        return []
+    try:
+        matches = [m for m in find_attention_backwards(module)
+                   if m.computation == view.comp.name]
+    except Exception:  # noqa: BLE001 - a recognizer bug must not stop the pass
+        log.warning("%s: attention backward recognition failed", module.name, exc_info=True)
+        return []
+    taken = {view.top_of(m) for k in snapped for m in k.members}
+    taken |= {t for job in jobs for t in job[2].tops}
+    out = []
+    for i, match in enumerate(matches):
+        name = f"{view.comp.name}.attention_backward{i}"
+        replaced = _with_free_readers(view, set(match.replaced))
+        members = frozenset(n.id for n in view.graph.nodes if view.top_of(n.id) in replaced)
+        try:
+            site = find_site(view, gi, name, members)
+            if taken & set(site.tops):
+                raise NotPlaceable("shares XLA instructions with another stitched kernel")
+            inputs = [_node_of(view, v) for v in (match.q, match.k, match.v, match.d_o)]
+            outputs = [_node_of(view, v) for v in (match.dq, match.dk, match.dv)]
+        except (NotPlaceable, KeyError) as exc:
+            report.skipped.append((name, f"attention backward: {exc}"))
+            continue
+        request.check_cancelled()
+        try:
+            with lock:
+                kernel = lower_attention_backward(problem_for(match),
+                                                  name=kernel_identifier(name))
+        except (CodegenError, StitchError) as exc:
+            log.info("kernel %s stays with XLA: %s", name, exc)
+            report.fallbacks.append((name, f"{type(exc).__name__}: {exc}"))
+            continue
+        note = (f"attention backward {match.batch}x{match.queries}x{match.keys}x"
+                f"{match.head_dim} ({'causal' if match.causal else 'full'}, {match.dtype}): "
+                f"replaces {', '.join(match.replaced)}")
+        lowered = LoweredKernel(kernel, inputs, outputs, [KIND], [note])
+        taken |= set(site.tops)
+        out.append((view, BackwardKernel(name, members, notes=(note,)), site, lowered))
+        log.info("%s: %s", name, note)
+    return out
+
+
+def _readers_through_bitcasts(view: Any, name: str) -> set[str]:
+    readers = view.readers()
+    out: set[str] = set()
+    for r in readers.get(name, []):
+        out |= _readers_through_bitcasts(view, r) if view.table[r].opcode == "bitcast" \
+            else {r}
+    return out
+
+
+def without_backward_reads(request: Any, report: Any, chain_jobs: list, backward_jobs: list,
+                           lock: Any) -> list:
+    """The chain jobs again, each forward chain lowered anew without the values (S, the
+    row sums, P) only the replaced backward read: with the backward kernels placed, no
+    kernel writes a scores-sized buffer. A chain that cannot be lowered so keeps its job."""
+    import dataclasses
+
+    from stitch.codegen.errors import CodegenError
+    from stitch.compiler import lower_chain_kernel
+    from stitch.errors import StitchError
+    from stitch.hlo_passes.gemm_chains import chain_of
+
+    gone = {t for job in backward_jobs for t in job[2].tops}
+    if not gone:
+        return chain_jobs
+    out = []
+    for job in chain_jobs:
+        view, k, site, lowered = job
+        chain = chain_of(view.graph, tuple(k.members))
+        if chain is None or not chain.extra_outputs:
+            out.append(job)
+            continue
+        inside = gone | set(site.tops)
+        kept = tuple(e for e in chain.extra_outputs
+                     if not _readers_through_bitcasts(view, view.top_of(e.node)) <= inside)
+        if len(kept) == len(chain.extra_outputs):
+            out.append(job)
+            continue
+        try:
+            with lock:
+                trimmed = lower_chain_kernel(
+                    view.graph, k, request.gpu_arch() if request.device == "gpu" else "sm_70",
+                    fma=request.device != "gpu",
+                    chain=dataclasses.replace(chain, extra_outputs=kept))
+        except (CodegenError, StitchError) as exc:
+            log.info("kernel %s keeps the values the backward read: %s", k.name, exc)
+            out.append(job)
+            continue
+        log.info("kernel %s: %d of %d extra values no longer written (only the attention "
+                 "backward read them)", k.name, len(chain.extra_outputs) - len(kept),
+                 len(chain.extra_outputs))
+        out.append((view, k, site, trimmed))
+    return out
