@@ -38,6 +38,31 @@ def _node_of(view: Any, name: str) -> int:
     raise KeyError(name)
 
 
+# "priced": placed where ``modeled_gain_s`` says the kernel beats what it replaces;
+# "always": placed wherever it fits (tests of the placement).
+PLACEMENT = "priced"
+# Fraction of the fp32 FMA peak the kernels are assumed to reach (not yet measured on a GPU).
+FMA_EFFICIENCY = 0.5
+
+
+def modeled_gain_s(match: Any, spec: Any, replaced_s: float) -> float:
+    """XLA's time for what the kernel replaces (``replaced_s``: its kernels, priced by
+    the plan's baseline, plus the forward's S and P writes the kernel makes unnecessary)
+    less the kernel's: f32 FMA work at ``FMA_EFFICIENCY`` of the peak or its operands'
+    and results' bytes, whichever is longer, and two launches. The work: S and dP three
+    times (statistics pass, dQ phase, dK/dV phase) and the dQ, dK and dV GEMMs, each
+    2 b m n d flops, over the tiles a causal mask leaves (about half)."""
+    b, m, n, d = match.batch, match.queries, match.keys, match.head_dim
+    share = 0.5 + 32 / (2 * n) if match.causal else 1.0
+    flops = 9 * 2 * b * m * n * d * share
+    width = 2 if match.dtype in ("bf16", "f16") else 4
+    moved = width * (2 * b * m * d + 2 * b * n * d + 2 * b * m * d + 2 * b * n * d)
+    kernel_s = max(flops / (FMA_EFFICIENCY * spec.fp32_flops), moved / spec.hbm_bandwidth) \
+        + 2 * spec.kernel_launch_overhead_s
+    scores_written = 2 * b * m * n * (4 if match.dtype == "f32" else width) / spec.hbm_bandwidth
+    return replaced_s + scores_written - kernel_s
+
+
 def _with_free_readers(view: Any, replaced: set[str]) -> set[str]:
     """``replaced`` and the bitcasts between them (dS reaches its GEMMs through one)."""
     readers = view.readers()
@@ -61,6 +86,7 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
     from stitch.codegen.attention_backward import lower_attention_backward, problem_for
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.lower import LoweredKernel, kernel_identifier
+    from stitch.cost import get_spec
     from stitch.hlo_passes.attention_backward import find_attention_backwards
     from stitch.errors import StitchError
 
@@ -89,6 +115,13 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
             outputs = [_node_of(view, v) for v in (match.dq, match.dk, match.dv)]
         except (NotPlaceable, KeyError) as exc:
             report.skipped.append((name, f"attention backward: {exc}"))
+            continue
+        replaced_s = sum(k.cost.total_s for k in graph_plan.baseline.kernels
+                         if set(k.members) & members)
+        gain_s = modeled_gain_s(match, get_spec(request.target), replaced_s)
+        if PLACEMENT != "always" and gain_s <= 0:
+            report.skipped.append((name, f"attention backward: modeled {-gain_s * 1e6:.0f} "
+                                   f"µs slower than XLA's kernels (f32 FMA only)"))
             continue
         request.check_cancelled()
         try:
