@@ -12,6 +12,7 @@ from stitch.codegen.attention_backward import (DKV_OUTPUTS, DQ_INPUTS, STATS,
                                                OPERANDS, AttentionBackward, BackwardTiling,
                                                MatrixView, dq_params, lower_attention_backward,
                                                lower_dkv, lower_dq)
+from stitch.codegen import kir
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
 
@@ -162,6 +163,38 @@ def test_one_kernel_of_two_phases(dtype: str) -> None:
                                    err_msg=name)
 
 
+_MMA = BackwardTiling(block_rows=16, block_cols=16, thread_rows=1, thread_cols=1,
+                      block_k=16, block_h=8, mma=True)
+
+
+@pytest.mark.parametrize("dtype,tol", (("f32", 5e-3), ("bf16", 2e-2)), ids=("tf32", "bf16"))
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+def test_tensor_cores(dtype: str, tol: float, causal: bool) -> None:
+    """MMA tiles (f32 operands as TF32: 5e-3 of the largest gradient; bf16: 2e-2), edges
+    that no tile divides, the statistics pass."""
+    _run(AttentionBackward(2, 37, 37, 12, 0.29, causal, dtype), seed=37, tol=tol,
+         tiling=_MMA, stats_pass=True)
+
+
+def test_two_phase_kernel_on_tensor_cores() -> None:
+    b, s, d = 2, 40, 16
+    rng = np.random.default_rng(38)
+    problem = AttentionBackward(b, s, s, d, 0.25, True, "bf16")
+    kernel = lower_attention_backward(problem, arch="sm_90")
+    assert any(isinstance(st, kir.MmaSync) for st in kir.walk_stmts(kernel.body))
+    values = {n: rng.standard_normal((b, s, d)).astype(NUMPY_DTYPES["bf16"]) for n in OPERANDS}
+    outs = [np.full(p.size, np.nan, NUMPY_DTYPES[p.dtype]) for p in kernel.params[4:]]
+    compile_host(kernel)(*(values[n].reshape(-1) for n in OPERANDS), *outs)
+    wide = [values[n].astype(np.float64) for n in OPERANDS]
+    for name, got, want in zip(("dq", "dk", "dv"), outs, _jax_grads(*wide, 0.25, True)):
+        got = got.astype(np.float64).reshape(want.shape)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(),
+                                   err_msg=name)
+    with pytest.raises(CodegenError):       # f32 without TF32 allowed: no tensor cores
+        lower_attention_backward(AttentionBackward(b, s, s, d, 0.25, True), _MMA,
+                                 arch="sm_90")
+
+
 def test_refused_problems() -> None:
     with pytest.raises(CodegenError):
         lower_dq(AttentionBackward(2, 20, 30, 8, 0.3, True))
@@ -172,16 +205,23 @@ def test_refused_problems() -> None:
 
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
-@pytest.mark.parametrize("dtype", ("f32", "bf16"))
+@pytest.mark.parametrize("dtype", ("f32", "bf16", "tf32"))
 def test_ptx_assembles_without_spills(dtype: str, arch: str) -> None:
-    """GPT-2 small's attention per layer (96 heads x 1024 x 1024, d = 64), default tiles."""
+    """GPT-2 small's attention per layer (96 heads x 1024 x 1024, d = 64), default tiles:
+    f32 and bf16 on FMA, each phase alone and the two-phase kernel; "tf32" / bf16 on
+    tensor cores, the two-phase kernel."""
     from stitch.codegen.nvptx import emit_ptx
     from stitch.codegen.toolchain import assemble
     from tests.test_lowering_gemm_chain import _ptxas_or_skip
     _ptxas_or_skip(arch)
-    problem = AttentionBackward(96, 1024, 1024, 64, 0.125, True, dtype)
-    for kernel in (lower_dq(problem, name="bwd", stats_pass=True),
-                   lower_dkv(problem, name="bwd"), lower_attention_backward(problem, name="bwd")):
+    problem = AttentionBackward(96, 1024, 1024, 64, 0.125, True,
+                                "f32" if dtype == "tf32" else dtype)
+    kernels = [lower_attention_backward(problem, name="bwd", arch=arch, allow_tf32=True)]
+    if dtype != "tf32":
+        kernels += [lower_dq(problem, name="bwd", stats_pass=True),
+                    lower_dkv(problem, name="bwd"),
+                    lower_attention_backward(problem, name="bwd")]
+    for kernel in kernels:
         report = assemble(emit_ptx(kernel, arch), arch, kernel_name="bwd")["bwd"]
         assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report
         assert 0 < report.registers <= 255

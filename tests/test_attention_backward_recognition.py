@@ -44,7 +44,7 @@ def _with_outputs(module, names: list[str]):
 def test_the_step_s_backward_is_recognized() -> None:
     (match,) = find_attention_backwards(_step())
     assert (match.batch, match.queries, match.keys, match.head_dim) == (32, 256, 256, 64)
-    assert match.causal and match.scale == 0.125 and match.dtype == "f32"
+    assert match.causal and match.scale == 0.125 and match.dtype == "f32" and match.tf32
     assert (match.q, match.k, match.v, match.d_o) == (
         "bitcast.48.0", "bitcast.47.0", "bitcast.51.0", "bitcast.60.0")
     assert (match.d_probs, match.d_scores, match.dq, match.dk, match.dv) == (

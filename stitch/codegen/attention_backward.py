@@ -112,13 +112,17 @@ class BackwardTiling:
     thread_cols: int = 4
     block_k: int = 16
     block_h: int = 64
+    mma: bool = False       # tensor cores: a warp per 16 rows (thread_rows / thread_cols
+                            # unused), m16n8k8 TF32 for f32, m16n8k16 for bf16 / f16
 
     @property
     def lanes(self) -> int:
-        return self.block_cols // self.thread_cols
+        return 4 if self.mma else self.block_cols // self.thread_cols
 
     @property
     def threads(self) -> int:
+        if self.mma:
+            return 2 * self.block_rows
         return self.lanes * (self.block_rows // self.thread_rows)
 
     @property
@@ -135,25 +139,42 @@ class BackwardTiling:
         if min(self.block_rows, self.block_cols, self.thread_rows, self.thread_cols,
                self.block_k, self.block_h) < 1:
             raise bad("every size must be positive")
-        if self.block_rows % self.thread_rows or self.block_cols % self.thread_cols:
-            raise bad("thread tiles must divide the block tile")
-        lanes = self.lanes
-        if lanes > 32 or lanes & (lanes - 1):
-            raise bad("block_cols / thread_cols (lanes per row) must be a power of two <= 32")
-        if self.block_h % lanes:
-            raise bad("block_h must be a multiple of the lanes per row")
+        if self.mma:
+            if self.block_rows % 16 or self.block_cols % 16 or self.block_k % 16 \
+                    or self.block_h % 8:
+                raise bad("MMA tiles: block_rows, block_cols and block_k multiples of 16, "
+                          "block_h of 8")
+        else:
+            if self.block_rows % self.thread_rows or self.block_cols % self.thread_cols:
+                raise bad("thread tiles must divide the block tile")
+            lanes = self.lanes
+            if lanes > 32 or lanes & (lanes - 1):
+                raise bad("block_cols / thread_cols (lanes per row) must be a power of two "
+                          "<= 32")
+            if self.block_h % lanes:
+                raise bad("block_h must be a multiple of the lanes per row")
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise bad("threads must be a multiple of 32 in [32, 1024]")
         if self.shared_bytes() > SHARED_LIMIT:
             raise bad(f"{self.shared_bytes()} bytes of shared memory (limit {SHARED_LIMIT})")
 
     @staticmethod
-    def default_for(problem: AttentionBackward, two_results: bool) -> "BackwardTiling":
+    def default_for(problem: AttentionBackward, two_results: bool,
+                    mma: bool = False) -> "BackwardTiling":
         """32 rows x 64 columns, 4 x 4 thread tiles (128 threads) and head blocks of 64 for
         attention sizes (one head block at d = 64: S is computed once per tile; ptxas:
         <= 128 registers for dQ, <= 147 for dK/dV's two accumulators, no spills on sm_80 /
         sm_90); smaller column steps and head blocks where the problem is small.
-        ``two_results``: the columns are queries (dK/dV)."""
+        ``two_results``: the columns are queries (dK/dV). ``mma``: tensor cores, 4 warps
+        of 16 rows, 16-wide column steps, head dim in stages of 16 and blocks of up to 64
+        (ptxas: <= 162 registers for the two-phase kernel, no spills on sm_80 / sm_90 at
+        GPT-2's sizes, f32 as TF32 and bf16)."""
+        if mma:
+            rows = problem.keys if two_results else problem.queries
+            tiling = BackwardTiling(64 if rows >= 64 else 16 * -(-rows // 16), 16, 1, 1, 16,
+                                    min(64, 8 * -(-problem.head_dim // 8)), mma=True)
+            tiling.check()
+            return tiling
         cols = 64 if (problem.queries if two_results else problem.keys) >= 64 else 16
         thread_cols = 4 if cols >= 32 else 2
         lanes = cols // thread_cols
@@ -187,8 +208,8 @@ def lower_dq(problem: AttentionBackward, tiling: BackwardTiling | None = None,
     """dQ: a block of query rows walks the keys (params ``dq_params(stats_pass)``)."""
     problem.check()
     tiling = tiling or BackwardTiling.default_for(problem, two_results=False)
-    return _BackwardKernel(problem, tiling, name, key_rows=False,
-                           stats_pass=stats_pass).build()
+    return _kernel_class(tiling)(problem, tiling, name, key_rows=False,
+                                 stats_pass=stats_pass).build()
 
 
 def lower_dkv(problem: AttentionBackward, tiling: BackwardTiling | None = None,
@@ -197,11 +218,21 @@ def lower_dkv(problem: AttentionBackward, tiling: BackwardTiling | None = None,
     ``dv``)."""
     problem.check()
     tiling = tiling or BackwardTiling.default_for(problem, two_results=True)
-    return _BackwardKernel(problem, tiling, name, key_rows=True).build()
+    return _kernel_class(tiling)(problem, tiling, name, key_rows=True).build()
+
+
+def uses_tensor_cores(problem: AttentionBackward, arch: str, allow_tf32: bool) -> bool:
+    """bf16 / f16 operands on sm_80+, f32 ones as TF32 where the dots allow it."""
+    try:
+        sm = int(arch.removeprefix("sm_").rstrip("a"))
+    except ValueError:
+        raise CodegenError(f"unknown arch {arch!r}") from None
+    return sm >= 80 and (problem.dtype != _F32 or allow_tf32)
 
 
 def lower_attention_backward(problem: AttentionBackward, tiling: BackwardTiling | None = None,
-                             name: str = "attention_backward") -> kir.Kernel:
+                             name: str = "attention_backward", arch: str = "sm_70",
+                             allow_tf32: bool = False) -> kir.Kernel:
     """dQ, dK and dV in one kernel of two phases (params ``OPERANDS`` then ``dq``,
     ``dk``, ``dv``): the dQ kernel with its statistics pass, the statistics in global
     scratch, a grid barrier (on a GPU: a second launch), the dK/dV kernel. Nothing but the
@@ -209,12 +240,17 @@ def lower_attention_backward(problem: AttentionBackward, tiling: BackwardTiling 
     problem.check()
     if problem.queries != problem.keys:
         raise CodegenError(f"{name}: one kernel for both phases needs square scores")
-    tiling = tiling or BackwardTiling.default_for(problem, two_results=True)
+    tiling = tiling or BackwardTiling.default_for(
+        problem, two_results=True, mma=uses_tensor_cores(problem, arch, allow_tf32))
+    if tiling.mma and not uses_tensor_cores(problem, arch, allow_tf32):
+        raise CodegenError(f"{name}: tensor cores need sm_80+ (and, for f32 operands, dots "
+                           f"that allow TF32)")
     scratch = {k: kir.GlobalScratch(k, _F32, problem.batch * problem.queries) for k in STATS}
-    dq = _BackwardKernel(problem, tiling, name, key_rows=False, stats_pass=True,
+    layout = _kernel_class(tiling)
+    dq = layout(problem, tiling, name, key_rows=False, stats_pass=True,
                          stats_scratch=scratch, prefix="q")
     first = dq.body()
-    dkv = _BackwardKernel(problem, tiling, name, key_rows=True, stats_scratch=scratch,
+    dkv = layout(problem, tiling, name, key_rows=True, stats_scratch=scratch,
                           prefix="kv")
     dkv.names = dq.names                 # Let names stay unique across the phases
     second = dkv.body()
@@ -340,6 +376,22 @@ class _BackwardKernel:
         return kir.Kernel(self.name, params, self.shared, self.grid, self.t.threads,
                           tuple(self.body())).validate()
 
+    def layout(self, body: list[kir.Stmt]) -> None:
+        """FMA: ``rows`` (global), ``row_in_tile``, ``cols`` (tile-relative), ``acc_h``
+        (each accumulator column's head-dim offset from h0), ``shuffle_lanes`` and
+        ``first_lane`` (the lane of a row that writes its statistics)."""
+        t = self.t
+        tid = kir.ThreadIdx()
+        self.tx = self.let(body, "tx", kir.Binary("rem", tid, _c(t.lanes)))
+        self.ty = self.let(body, "ty", kir.Binary("div", tid, _c(t.lanes)))
+        self.row_in_tile = [_add(_mul(self.ty, _c(t.thread_rows)), _c(i))
+                            for i in range(t.thread_rows)]
+        self.rows = [_add(self.r0, r) for r in self.row_in_tile]
+        self.cols = [_add(self.tx, _c(j * t.lanes)) for j in range(t.thread_cols)]
+        self.acc_h = [_add(self.tx, _c(j * t.lanes)) for j in range(t.thread_h)]
+        self.shuffle_lanes = t.lanes
+        self.first_lane = kir.Compare("eq", self.tx, _c(0))
+
     def body(self) -> list[kir.Stmt]:
         p, t = self.p, self.t
         row_blocks = -(-self.row_len // t.block_rows)
@@ -352,18 +404,13 @@ class _BackwardKernel:
         self.batch = self.let(body, "batch", kir.Binary("div", bid, _c(h_blocks * row_blocks)))
         self.r0 = self.let(body, "r0", _mul(rb, _c(t.block_rows)))
         self.h0 = self.let(body, "h0", _mul(hb, _c(t.block_h)))
-        tid = kir.ThreadIdx()
-        self.tx = self.let(body, "tx", kir.Binary("rem", tid, _c(t.lanes)))
-        self.ty = self.let(body, "ty", kir.Binary("div", tid, _c(t.lanes)))
-        self.row_in_tile = [_add(_mul(self.ty, _c(t.thread_rows)), _c(i))
-                            for i in range(t.thread_rows)]
-        self.rows = [_add(self.r0, r) for r in self.row_in_tile]
-        self.cols = [_add(self.tx, _c(j * t.lanes)) for j in range(t.thread_cols)]
-        self.s = [[f"{self.prefix}s_{i}_{j}" for j in range(t.thread_cols)] for i in range(t.thread_rows)]
-        self.dp = [[f"{self.prefix}dp_{i}_{j}" for j in range(t.thread_cols)] for i in range(t.thread_rows)]
+        self.layout(body)
+        n_rows, n_cols = len(self.rows), len(self.cols)
+        self.s = [[f"{self.prefix}s_{i}_{j}" for j in range(n_cols)] for i in range(n_rows)]
+        self.dp = [[f"{self.prefix}dp_{i}_{j}" for j in range(n_cols)] for i in range(n_rows)]
         results = [k for k in self.outs if k in MATRICES]
-        self.acc = {res: [[f"{res}_{i}_{j}" for j in range(t.thread_h)]
-                          for i in range(t.thread_rows)] for res in results}
+        self.acc = {res: [[f"{res}_{i}_{j}" for j in range(len(self.acc_h))]
+                          for i in range(n_rows)] for res in results}
         for grid in (self.s, self.dp, *self.acc.values()):
             for row in grid:
                 for name in row:
@@ -372,7 +419,7 @@ class _BackwardKernel:
         # The rows' statistics (dQ: the rows are queries): computed by a first walk, or
         # loaded once.
         if self.stats_pass:
-            for i in range(t.thread_rows):
+            for i in range(len(self.rows)):
                 body.append(kir.Local(f"mx_{i}", _F32, kir.f32(float("-inf"))))
                 body.append(kir.Local(f"sum_{i}", _F32, kir.f32(0.0)))
                 body.append(kir.Local(f"wdp_{i}", _F32, kir.f32(0.0)))
@@ -461,7 +508,7 @@ class _BackwardKernel:
             total = kir.Binary(op, total, v)
         total = self.let(out, f"r{op}", total)
         offset = 1
-        while offset < self.t.lanes:
+        while offset < self.shuffle_lanes:
             self.names += 1
             dest = f"sh_{op}_{self.names}"
             out.append(kir.WarpShuffle(dest, total, _c(offset), "xor"))
@@ -475,7 +522,7 @@ class _BackwardKernel:
         out: list[kir.Stmt] = []
         _, valid = self.scores(out, kir.Ref("c0", "i32"))
         ninf = kir.f32(float("-inf"))
-        for i in range(self.t.thread_rows):
+        for i in range(len(self.rows)):
             x = [self.let(out, "x", kir.Select(ok, _mul(kir.Ref(self.s[i][j], _F32),
                                                         kir.f32(self.p.scale)), ninf))
                  for j, ok in enumerate(valid[i])]
@@ -506,7 +553,7 @@ class _BackwardKernel:
                 kir.Binary("div", kir.Ref(f"wdp_{i}", _F32), total)))
             stats.append((mx, total, delta))
             at = _add(_mul(self.batch, _c(p.queries)), row)
-            cond = _and(_lt(row, _c(p.queries)), kir.Compare("eq", self.tx, _c(0)))
+            cond = _and(_lt(row, _c(p.queries)), self.first_lane)
             body.append(kir.If(cond, tuple(kir.Store(name, at, value) for name, value in
                                            zip(STATS, (mx, total, delta)))))
         return stats
@@ -558,9 +605,8 @@ class _BackwardKernel:
         cc = kir.Ref("cc", "i32")
         pv = [self.let(inner, "pv", kir.Load(self.sp, _add(_mul(r, _c(t.block_cols)), cc)))
               for r in self.row_in_tile]
-        cv = [self.let(inner, "cv", kir.Load(self.sc, _add(_mul(cc, _c(t.block_h)),
-                                                           _add(self.tx, _c(j * t.lanes)))))
-              for j in range(t.thread_h)]
+        cv = [self.let(inner, "cv", kir.Load(self.sc, _add(_mul(cc, _c(t.block_h)), h)))
+              for h in self.acc_h]
         for i, row in enumerate(self.acc[result]):
             for j, name in enumerate(row):
                 inner.append(kir.Assign(name, _add(kir.Ref(name, _F32), _mul(pv[i], cv[j]))))
@@ -575,7 +621,7 @@ class _BackwardKernel:
             scale = 1.0 if result == "dv" else p.scale
             for i, row in enumerate(self.rows):
                 for j, name in enumerate(grid[i]):
-                    h = _add(self.h0, _add(self.tx, _c(j * t.lanes)))
+                    h = _add(self.h0, self.acc_h[j])
                     value: kir.Expr = kir.Ref(name, _F32)
                     if scale != 1.0:
                         value = _mul(value, kir.f32(scale))
@@ -583,6 +629,115 @@ class _BackwardKernel:
                     cond = _and(_lt(row, _c(self.row_len)), _lt(h, _c(p.head_dim)))
                     out.append(kir.If(cond, (kir.Store(result, index, value),)))
         return out
+
+
+class _MmaBackwardKernel(_BackwardKernel):
+    """Tensor cores (kir.MmaSync), as the GEMM-chain kernel lays them out: warp w owns
+    tile rows 16 w .. 16 w + 15; lane (g = lane >> 2, q = lane & 3) holds rows g and g + 8
+    of every 16 x 8 score tile at columns 2q, 2q + 1 (the MMA's D layout); a row's four
+    lanes meet by xor shuffles 1 and 2. P / dS go from registers into the second GEMMs as
+    their A fragments (FlashAttention-2): TF32 (m16n8k8) renumbers one tile's 8 columns
+    (2q -> q, 2q + 1 -> q + 4) and reads the B rows in the same order; bf16 / f16
+    (m16n8k16) take two neighbouring tiles."""
+
+    def layout(self, body: list[kir.Stmt]) -> None:
+        t = self.t
+        self.dtype = "tf32" if self.p.dtype == _F32 else self.p.dtype
+        tid = kir.ThreadIdx()
+        lane = self.let(body, "lane", kir.Binary("rem", tid, _c(32)))
+        self.warp_row = self.let(body, "wrow", _mul(kir.Binary("div", tid, _c(32)), _c(16)))
+        self.g = self.let(body, "g", kir.Binary("div", lane, _c(4)))
+        self.q = self.let(body, "q", kir.Binary("rem", lane, _c(4)))
+        self.q2 = self.let(body, "q2", _mul(self.q, _c(2)))
+        self.row_in_tile = [_add(self.warp_row, _add(self.g, _c(8 * i))) for i in range(2)]
+        self.rows = [_add(self.r0, r) for r in self.row_in_tile]
+        self.cols = [_add(self.q2, _c(8 * (j // 2) + j % 2)) for j in range(t.block_cols // 4)]
+        self.acc_h = [_add(self.q2, _c(8 * (j // 2) + j % 2)) for j in range(t.block_h // 4)]
+        self.shuffle_lanes = 4
+        self.first_lane = kir.Compare("eq", self.q, _c(0))
+        self.tx = self.q
+
+    @property
+    def depth(self) -> int:
+        return kir.MMA_SHAPES[self.dtype][2]
+
+    def mma(self, out: list[kir.Stmt], a: list[kir.Expr], b: list[kir.Expr],
+            acc: list[str]) -> None:
+        self.names += 1
+        dest = tuple(f"d{self.names}_{r}" for r in range(4))
+        out.append(kir.MmaSync(dest, a, b, [kir.Ref(n, _F32) for n in acc], self.dtype))
+        for name, d in zip(acc, dest):
+            out.append(kir.Assign(name, kir.Ref(d, _F32)))
+
+    def a_fragment(self, width: int, k0: int) -> list[kir.Expr]:
+        """A[warp rows, k0 ..] of the row-major [block_rows, width] tile_a."""
+        if self.dtype == "tf32":     # a[i] = A[g + 8 (i odd)][q + 4 (i >= 2)]
+            places = [(8 * (i % 2), self.q, 4 * (i // 2)) for i in range(4)]
+        else:                        # a[i] = A[g + 8 (i//2 odd)][2q + i%2 + 8 (i >= 4)]
+            places = [(8 * ((i // 2) % 2), self.q2, i % 2 + 8 * (i // 4)) for i in range(8)]
+        return [kir.Load(self.sa, _add(_mul(_add(self.warp_row, _add(self.g, _c(dr))),
+                                            _c(width)), _add(col, _c(k0 + dc))))
+                for dr, col, dc in places]
+
+    def b_rows(self, k0: int) -> list[kir.Expr]:
+        """The k rows of this lane's B fragment (b[i] = B[row_i][g])."""
+        if self.dtype == "tf32":     # b[i] = B[q + 4 i][g]
+            return [_add(self.q, _c(k0 + 4 * i)) for i in range(2)]
+        return [_add(self.q2, _c(k0 + i % 2 + 8 * (i // 2))) for i in range(4)]
+
+    def tile_acc(self, grid: list[list[str]], tile: int) -> list[str]:
+        """The four accumulators of 16 x 8 tile ``tile`` (D layout order)."""
+        return [grid[0][2 * tile], grid[0][2 * tile + 1], grid[1][2 * tile],
+                grid[1][2 * tile + 1]]
+
+    def first_gemm(self, out: list[kir.Stmt], acc: list[list[str]], a: str, b: str,
+                   c0: kir.Expr) -> None:
+        p, t = self.p, self.t
+        for row in acc:
+            for name in row:
+                out.append(kir.Assign(name, kir.f32(0.0)))
+        k0 = kir.Ref("k0", "i32")
+        k_body: list[kir.Stmt] = []
+        self.operand_load(k_body, self.sa, a, self.row_len, self.r0, _c(0), t.block_rows,
+                          k0, t.block_k, transposed=False)
+        self.operand_load(k_body, self.sb, b, self.col_len, c0, _c(0), t.block_cols, k0,
+                          t.block_k, transposed=True)
+        k_body.append(kir.Barrier())
+        for kc in range(0, t.block_k, self.depth):
+            frag = self.a_fragment(t.block_k, kc)
+            for nt in range(t.block_cols // 8):
+                col = _add(self.g, _c(8 * nt))
+                bv = [kir.Load(self.sb, _add(_mul(r, _c(t.block_cols)), col))
+                      for r in self.b_rows(kc)]
+                self.mma(k_body, frag, bv, self.tile_acc(acc, nt))
+        k_body.append(kir.Barrier())
+        out.append(kir.For("k0", _c(0), _c(p.head_dim), _c(t.block_k), tuple(k_body)))
+
+    def second_gemm(self, out: list[kir.Stmt], left: list[list[kir.Expr]], source: str,
+                    result: str, c0: kir.Expr) -> None:
+        t = self.t
+        self.operand_load(out, self.sc, source, self.col_len, c0, _c(0), t.block_cols,
+                          self.h0, t.block_h, transposed=False)
+        out.append(kir.Barrier())
+        for chunk in range(t.block_cols // self.depth):
+            if self.dtype == "tf32":
+                j0 = 2 * chunk
+                a = [left[0][j0], left[1][j0], left[0][j0 + 1], left[1][j0 + 1]]
+                rows = [_add(self.q2, _c(8 * chunk + i)) for i in range(2)]
+            else:
+                j0 = 4 * chunk
+                a = [left[0][j0], left[0][j0 + 1], left[1][j0], left[1][j0 + 1],
+                     left[0][j0 + 2], left[0][j0 + 3], left[1][j0 + 2], left[1][j0 + 3]]
+                rows = self.b_rows(16 * chunk)
+            for ht in range(t.block_h // 8):
+                col = _add(self.g, _c(8 * ht))
+                bv = [kir.Load(self.sc, _add(_mul(r, _c(t.block_h)), col)) for r in rows]
+                self.mma(out, a, bv, self.tile_acc(self.acc[result], ht))
+        out.append(kir.Barrier())
+
+
+def _kernel_class(tiling: BackwardTiling) -> type:
+    return _MmaBackwardKernel if tiling.mma else _BackwardKernel
 
 
 def problem_for(match) -> AttentionBackward:

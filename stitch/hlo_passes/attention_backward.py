@@ -20,10 +20,12 @@ written out, which the kernels compute. Anything else is no match (logged at deb
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 from .combiners import combiner_kind
+from .gemm_chains import allows_tf32
 from .ir import Computation, HloModule, Instruction, Shape
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class AttentionBackwardMatch:
     scale: float
     causal: bool
     dtype: str
+    tf32: bool = False      # every dot lets f32 operands run as TF32 (gemm_chains.allows_tf32)
 
     @property
     def replaced(self) -> tuple[str, ...]:
@@ -377,7 +380,7 @@ class _Finder:
             sides.append((operand.parameter_number, scale))
         contracting = (dot.ints("lhs_contracting_dims"), dot.ints("rhs_contracting_dims"))
         return _Gemm(fusion, sides[0][0], sides[1][0], sides[0][1] * sides[1][1] * out_scale,
-                     contracting, dot.shape)
+                     contracting, dot.shape, allows_tf32(dot))
 
     def gemm_of(self, fusion: Instruction, contracting: tuple, what: str) -> "_Gemm":
         g = self.gemm(fusion)
@@ -445,8 +448,11 @@ class _Finder:
         for name, want in (("dq", k), ("dk", q), ("dv", d_o)):
             if found[name][3].shape != want.shape:
                 raise _NoMatch(f"{found[name][0].name} reads {want.name} in another layout")
-        return self.describe(ds_fusion, s_inst, l_inst, dp_inst, p_inst, q, k, v, d_o,
-                             found, score.scale, causal)
+        tf32 = all(self.gemm(f).tf32 for f in (s_inst, dp_inst, *(
+            found[n][0] for n in ("dq", "dk", "dv"))))
+        return dataclasses.replace(
+            self.describe(ds_fusion, s_inst, l_inst, dp_inst, p_inst, q, k, v, d_o, found,
+                          score.scale, causal), tf32=tf32)
 
     def gradient(self, fusion: Instruction, big: Instruction, contract: int,
                  small: Instruction) -> tuple[Instruction, Strides, float, Instruction]:
@@ -505,6 +511,7 @@ class _Gemm:
     scale: float              # product of the prologue / epilogue scales
     contracting: tuple
     out_shape: Shape          # the dot's (its layout: where the result lands)
+    tf32: bool = False
 
 
 def _close(a: float, b: float) -> bool:

@@ -41,23 +41,30 @@ def _node_of(view: Any, name: str) -> int:
 # "priced": placed where ``modeled_gain_s`` says the kernel beats what it replaces;
 # "always": placed wherever it fits (tests of the placement).
 PLACEMENT = "priced"
-# Fraction of the fp32 FMA peak the kernels are assumed to reach (not yet measured on a GPU).
+# Fractions of the peak the kernels are assumed to reach (not yet measured on a GPU): f32
+# FMA, and mma.sync tensor cores (no software pipelining: well below cuBLAS).
 FMA_EFFICIENCY = 0.5
+MMA_EFFICIENCY = 0.2
 
 
-def modeled_gain_s(match: Any, spec: Any, replaced_s: float) -> float:
+def modeled_gain_s(match: Any, spec: Any, replaced_s: float, tensor_cores: bool) -> float:
     """XLA's time for what the kernel replaces (``replaced_s``: its kernels, priced by
     the plan's baseline, plus the forward's S and P writes the kernel makes unnecessary)
-    less the kernel's: f32 FMA work at ``FMA_EFFICIENCY`` of the peak or its operands'
-    and results' bytes, whichever is longer, and two launches. The work: S and dP three
-    times (statistics pass, dQ phase, dK/dV phase) and the dQ, dK and dV GEMMs, each
+    less the kernel's: its work at ``MMA_EFFICIENCY`` of the tensor cores' peak (TF32 or
+    half; ``tensor_cores``) or ``FMA_EFFICIENCY`` of the f32 peak, or its operands' and
+    results' bytes, whichever is longer, and two launches. The work: S and dP three times
+    (statistics pass, dQ phase, dK/dV phase) and the dQ, dK and dV GEMMs, each
     2 b m n d flops, over the tiles a causal mask leaves (about half)."""
+    from stitch.cost.gemm_rates import FP32, peak_flops, precision_class
     b, m, n, d = match.batch, match.queries, match.keys, match.head_dim
     share = 0.5 + 32 / (2 * n) if match.causal else 1.0
     flops = 9 * 2 * b * m * n * d * share
     width = 2 if match.dtype in ("bf16", "f16") else 4
     moved = width * (2 * b * m * d + 2 * b * n * d + 2 * b * m * d + 2 * b * n * d)
-    kernel_s = max(flops / (FMA_EFFICIENCY * spec.fp32_flops), moved / spec.hbm_bandwidth) \
+    unit = precision_class(spec, (match.dtype,), match.tf32) if tensor_cores else FP32
+    rate = (peak_flops(spec, unit) or spec.fp32_flops) * (
+        MMA_EFFICIENCY if unit != FP32 else FMA_EFFICIENCY)
+    kernel_s = max(flops / rate, moved / spec.hbm_bandwidth) \
         + 2 * spec.kernel_launch_overhead_s
     scores_written = 2 * b * m * n * (4 if match.dtype == "f32" else width) / spec.hbm_bandwidth
     return replaced_s + scores_written - kernel_s
@@ -83,7 +90,8 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
     """(view, kernel, site, lowered) jobs for the graph's attention backwards; the
     instructions of ``snapped`` kernels and of ``jobs`` so far are not taken; ``lock``:
     held while lowering (the pass's LLVM lock)."""
-    from stitch.codegen.attention_backward import lower_attention_backward, problem_for
+    from stitch.codegen.attention_backward import (lower_attention_backward, problem_for,
+                                                   uses_tensor_cores)
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.lower import LoweredKernel, kernel_identifier
     from stitch.cost import get_spec
@@ -118,22 +126,28 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
             continue
         replaced_s = sum(k.cost.total_s for k in graph_plan.baseline.kernels
                          if set(k.members) & members)
-        gain_s = modeled_gain_s(match, get_spec(request.target), replaced_s)
+        problem = problem_for(match)
+        arch = request.gpu_arch()
+        tensor_cores = uses_tensor_cores(problem, arch, match.tf32)
+        gain_s = modeled_gain_s(match, get_spec(request.target), replaced_s, tensor_cores)
         if PLACEMENT != "always" and gain_s <= 0:
             report.skipped.append((name, f"attention backward: modeled {-gain_s * 1e6:.0f} "
-                                   f"µs slower than XLA's kernels (f32 FMA only)"))
+                                   f"µs slower than XLA's kernels"
+                                   f"{'' if tensor_cores else ' (f32 FMA)'}"))
             continue
         request.check_cancelled()
         try:
             with lock:
-                kernel = lower_attention_backward(problem_for(match),
-                                                  name=kernel_identifier(name))
+                kernel = lower_attention_backward(problem, name=kernel_identifier(name),
+                                                  arch=arch, allow_tf32=match.tf32)
         except (CodegenError, StitchError) as exc:
             log.info("kernel %s stays with XLA: %s", name, exc)
             report.fallbacks.append((name, f"{type(exc).__name__}: {exc}"))
             continue
         note = (f"attention backward {match.batch}x{match.queries}x{match.keys}x"
-                f"{match.head_dim} ({'causal' if match.causal else 'full'}, {match.dtype}): "
+                f"{match.head_dim} ({'causal' if match.causal else 'full'}, {match.dtype}"
+                f"{', tensor cores' if tensor_cores else ''}, modeled gain "
+                f"{gain_s * 1e6:.0f} µs): "
                 f"replaces {', '.join(match.replaced)}")
         lowered = LoweredKernel(kernel, inputs, outputs, [KIND], [note])
         taken |= set(site.tops)
