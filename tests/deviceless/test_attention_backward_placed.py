@@ -3,7 +3,8 @@ H100 (stitch/integration/attention_backward_jobs.py): XLA's dP GEMM, softmax-gra
 fusion and dQ / dK / dV GEMMs replaced by a two-phase kernel reading Q, K, V and dO only,
 the forward chain then writing only O: no value of the final module is scores-sized.
 Placed as the report says, assembled for sm_90 without spills, and the placed kernel's
-gradients on the host (fresh random inputs, poisoned outputs) match jax's in float64.
+gradients on the host (fresh random inputs, poisoned outputs; TF32 tensor cores as XLA's
+default precision allows) match jax's in float64 to 5e-3.
 
 Skipped unless the CUDA plugin is installed and GPUs are hidden: scripts/deviceless_check.sh.
 """
@@ -38,8 +39,7 @@ def _grads(q, k, v, d_o):
 
 def test_attention_backward_is_one_kernel_and_nothing_is_scores_sized(h100_mesh,
                                                                       monkeypatch):
-    """Placed wherever it fits (the f32 FMA kernel is modeled slower than XLA's at this
-    size, and left to XLA by default: the second test)."""
+    """Placed wherever it fits (whatever the model says: the second test)."""
     from stitch.integration import attention_backward_jobs
     monkeypatch.setattr(attention_backward_jobs, "PLACEMENT", "always")
     result = _compile(h100_mesh, jnp.float32)
@@ -64,11 +64,15 @@ def test_attention_backward_is_one_kernel_and_nothing_is_scores_sized(h100_mesh,
     for name, got, want in zip(("dq", "dk", "dv"), outs,
                                _grads(*(x.astype(np.float64) for x in ins))):
         assert not np.isnan(got).any(), name
-        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-4,
-                                   atol=1e-4 * np.abs(want).max(), err_msg=name)
+        # TF32 tensor cores (XLA's DEFAULT precision): 5e-3 of the largest gradient.
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=5e-3,
+                                   atol=5e-3 * np.abs(want).max(), err_msg=name)
 
 
-def test_a_backward_modeled_slower_is_left_to_xla_with_the_reason(h100_mesh):
+def test_a_backward_modeled_slower_is_left_to_xla_with_the_reason(h100_mesh, monkeypatch):
+    """Tensor cores assumed at 0.1% of their peak: the kernel loses to XLA's."""
+    from stitch.integration import attention_backward_jobs
+    monkeypatch.setattr(attention_backward_jobs, "MMA_EFFICIENCY", 1e-3)
     report = _compile(h100_mesh, jnp.float32).report
     assert not [n for n in report.placed if "attention_backward" in n]
     reasons = [why for name, why in report.skipped if "attention_backward" in name]

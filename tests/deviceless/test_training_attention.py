@@ -106,7 +106,7 @@ def test_training_forward_attention_is_one_chain_kernel(h100_mesh, dtype):
     result = _compile(h100_mesh, {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype])
     report = result.report
     kinds = {k.name: k.kind for g in report.plan.graphs for k in g.stitched.kernels}
-    placed = [name for name in report.placed if kinds[name] == "gemm_chain"]
+    placed = [name for name in report.placed if kinds.get(name) == "gemm_chain"]
     assert len(placed) == 1, (report.skipped, report.fallbacks)
     check_placement(result)
     check_assembled(result)
@@ -122,5 +122,8 @@ def test_training_forward_attention_is_one_chain_kernel(h100_mesh, dtype):
         BATCH * HEADS, SEQ, SEQ, HEAD_DIM, HEAD_DIM)
     # The mask is computed in the kernel: it reads Q, K and V only.
     assert len(chain.inputs) == 3
-    assert len(built.lowered.outputs) == 1 + len(chain.extra_outputs)
+    # With the attention backward placed (stitch/integration/attention_backward_jobs.py),
+    # nothing reads S, the row sums or P: the chain writes O alone.
+    backward = any("attention_backward" in name for name in report.placed)
+    assert len(built.lowered.outputs) == 1 + (0 if backward else len(chain.extra_outputs))
     _check_on_host(graph_plan.graph, chain, seed=31, tol={"f32": 1e-4, "bf16": 2e-2}[dtype])
