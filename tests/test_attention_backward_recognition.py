@@ -71,7 +71,10 @@ def _mutated(old: str, new: str) -> str:
      "%le.1.7 = pred[256,256]{1,0} compare(%iota.13, %iota.1.7), direction=GE"),
     # dQ's scale not the scores' scale.
     ("%constant_3 = f32[] constant(0.125)", "%constant_3 = f32[] constant(0.25)"),
-], ids=("reduced-value", "mask", "scale"))
+    # dS read through a bitcast that moves elements (a transposing layout).
+    ("%bitcast.64.0 = f32[32,256,256]{2,1,0} bitcast(%fusion.22)",
+     "%bitcast.64.0 = f32[32,256,256]{1,2,0} bitcast(%fusion.22)"),
+], ids=("reduced-value", "mask", "scale", "layout"))
 def test_a_different_computation_is_not_recognized(old: str, new: str) -> None:
     assert find_attention_backwards(_step(_mutated(old, new))) == []
 

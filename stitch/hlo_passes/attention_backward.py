@@ -110,6 +110,10 @@ def _strides(shape: Shape) -> list[int]:
     return strides
 
 
+def _row_major(shape: Shape) -> bool:
+    return shape.minor_to_major() == tuple(range(len(shape.dims) - 1, -1, -1))
+
+
 def _scalar(inst: Instruction) -> float | None:
     """A constant scalar's value (a broadcast of one seen through)."""
     if inst.opcode != "constant" or inst.shape.dims or inst.literal is None:
@@ -135,8 +139,17 @@ class _Computation:
         return [self.by_name[o] for o in inst.operands]
 
     def strip(self, inst: Instruction) -> Instruction:
+        """The value ``inst`` renames: through bitcasts between row-major shapes (the same
+        elements in the same order) and copies that change nothing; a bitcast that moves
+        elements (a layout change) or a transposing copy stops here."""
         while inst.opcode in _RENAMES:
-            inst = self.by_name[inst.operands[0]]
+            source = self.by_name[inst.operands[0]]
+            if inst.opcode == "bitcast" and not (_row_major(inst.shape) and
+                                                 _row_major(source.shape)):
+                break
+            if inst.opcode == "copy" and inst.shape != source.shape:
+                break
+            inst = source
         return inst
 
     def is_(self, inst: Instruction, opcode: str) -> Instruction:
@@ -358,7 +371,12 @@ class _Finder:
         if fusion.opcode != "fusion":
             raise _NoMatch(f"{fusion.name} is not a GEMM fusion")
         f = _Fused(self.module.computation(fusion.called_computations[0]), self.module)
-        root = f.strip(f.comp.root)
+        # The root's bitcast renames the dot's buffer whatever its layout: the result's
+        # strides are read off the dot's own shape.
+        root = f.comp.root
+        while root.opcode == "bitcast":
+            root = f.get(root.operands[0])
+        root = f.strip(root)
         out_scale = 1.0
         if root.opcode == "multiply":
             dot, scale = _first([lambda a=a, b=b: (f.is_(a, "dot"), f.constant(b))
