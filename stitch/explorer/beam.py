@@ -122,9 +122,10 @@ def offer_points(pattern: Pattern, patterns: list[Pattern], masks: dict[frozense
     if pattern.origin != CHAIN_ORIGIN:
         return (pattern.first,)
     mine = masks[pattern.members]
-    earliest = min((q.first for q in patterns if q is not pattern and masks[q.members] & mine),
+    earliest = min((q.first for q in patterns
+                    if q.first < pattern.first and masks[q.members] & mine),
                    default=pattern.first)
-    return (pattern.first,) if earliest >= pattern.first else (earliest, pattern.first)
+    return (pattern.first,) if earliest == pattern.first else (earliest, pattern.first)
 
 
 def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
