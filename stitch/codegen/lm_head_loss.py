@@ -89,6 +89,17 @@ def default_tiling(loss: LmHeadLoss, arch: str = "sm_80", allow_tf32: bool = Fal
     return tiling
 
 
+def tiling_from_schedule(schedule) -> ChainTiling:
+    """The loss kernel's tiling of a chain schedule (``cost.lm_head_pricing.loss_price``'s
+    ``GemmChainSchedule``): its tiles and threads; block_h the least the layout takes."""
+    lanes = 4 if schedule.mma else schedule.block_n // schedule.thread_n
+    return ChainTiling(block_m=schedule.block_m, block_n=schedule.block_n,
+                       threads=schedule.threads, thread_m=schedule.thread_m,
+                       thread_n=schedule.thread_n, block_k=schedule.block_k,
+                       block_h=8 if schedule.mma else lanes, mma=schedule.mma,
+                       n_split=schedule.n_split)
+
+
 def lower_lm_head_loss(loss: LmHeadLoss, tiling: ChainTiling | None = None,
                        name: str = "lm_head_loss", arch: str = "sm_80") -> LoweredKernel:
     """One Kernel IR kernel computing ``loss``'s per-row lse and picked logit (params: H, E,
