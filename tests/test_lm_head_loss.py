@@ -27,16 +27,19 @@ _TF32 = replace(_MMA, block_k=8)
 
 
 def _loss(dtype: str = "f32", rows: int = ROWS, vocab: int = VOCAB, hidden: int = HIDDEN,
-          tf32: bool = False) -> LmHeadLoss:
+          tf32: bool = False, log_prob: bool = False) -> LmHeadLoss:
     hv, ev = row_major_views(0, 1, rows, vocab, hidden)
     return LmHeadLoss(rows, vocab, hidden, hv, ev, labels=2, operand_dtype=dtype,
-                      logits_dtype=dtype, tf32=tf32, lse=3, picked=4)
+                      logits_dtype=dtype, tf32=tf32, lse=3, picked=4,
+                      log_prob=5 if log_prob else -1)
 
 
 def _run(loss: LmHeadLoss, tiling: ChainTiling | None, seed: int, tol: float,
-         labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's lse and picked against numpy's (logits in float64 from the operands as
-    stored, rounded to the logits' type); both outputs poisoned first."""
+         labels: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The kernel's results against numpy's (logits in float64 from the operands as stored,
+    rounded to the logits' type; labels as jax's take_along_axis reads them: negative ones
+    from the end, NaN outside); the outputs poisoned with +inf first (a NaN result is
+    expected of labels outside the vocabulary)."""
     rng = np.random.default_rng(seed)
     lowered = lower_lm_head_loss(loss, tiling)
     params = lowered.kernel.params
@@ -45,20 +48,23 @@ def _run(loss: LmHeadLoss, tiling: ChainTiling | None, seed: int, tol: float,
     if labels is None:
         labels = rng.integers(0, loss.vocab, loss.rows).astype(np.int32)
         labels[:2] = (0, loss.vocab - 1)
-    lse, picked = (np.full(loss.rows, np.nan, np.float32) for _ in range(2))
-    compile_host(lowered.kernel)(h.reshape(-1), e.reshape(-1), labels, lse, picked)
+    outs = [np.full(loss.rows, np.inf, np.float32) for p in params if p.is_output]
+    compile_host(lowered.kernel)(h.reshape(-1), e.reshape(-1), labels, *outs)
     logits = h.astype(np.float64) @ e.astype(np.float64).T
     if loss.logits_dtype != "f32":
         logits = logits.astype(NUMPY_DTYPES[loss.logits_dtype]).astype(np.float64)
     top = logits.max(axis=1)
-    want_lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
-    inside = (labels >= 0) & (labels < loss.vocab)
-    want_picked = np.where(inside, logits[np.arange(loss.rows), np.clip(labels, 0, loss.vocab - 1)],
-                           0.0)
-    assert not np.isnan(lse).any() and not np.isnan(picked).any(), "poisoned rows left"
-    np.testing.assert_allclose(lse, want_lse, rtol=tol, atol=tol, err_msg="lse")
-    np.testing.assert_allclose(picked, want_picked, rtol=tol, atol=tol, err_msg="picked")
-    return lse, picked
+    lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+    wrapped = np.where(labels < 0, labels + loss.vocab, labels)
+    inside = (wrapped >= 0) & (wrapped < loss.vocab)
+    picked = np.where(inside, logits[np.arange(loss.rows), np.clip(wrapped, 0, loss.vocab - 1)],
+                      np.nan)
+    want = {"lse": lse, "picked": picked, "log_prob": picked - lse}
+    names = [w for w in ("lse", "picked", "log_prob") if getattr(loss, w) >= 0]
+    assert len(names) == len(outs) == len(lowered.outputs)
+    for name, got in zip(names, outs):
+        np.testing.assert_allclose(got, want[name], rtol=tol, atol=tol, err_msg=name)
+    return dict(zip(names, outs))
 
 
 @pytest.mark.parametrize("tiling", (_FMA, replace(_FMA, n_split=3), None),
@@ -82,12 +88,22 @@ def test_a_split_with_no_vocabulary_left_adds_nothing() -> None:
     _run(_loss(), replace(_FMA, n_split=5), seed=34, tol=1e-4)
 
 
-def test_labels_outside_the_vocabulary_pick_nothing() -> None:
+@pytest.mark.parametrize("tiling", (_FMA, replace(_FMA, n_split=3)), ids=("one", "split"))
+def test_labels_as_jax_take_along_axis_reads_them(tiling) -> None:
+    """-1 is the last column; labels outside the vocabulary after that pick NaN (and give a
+    NaN log_prob), as jax's take_along_axis fills."""
     rng = np.random.default_rng(35)
     labels = rng.integers(0, VOCAB, ROWS).astype(np.int32)
-    labels[:3] = (-1, VOCAB, VOCAB + 5)
-    _, picked = _run(_loss(), _FMA, seed=35, tol=1e-4, labels=labels)
-    assert (picked[:3] == 0).all()
+    labels[:4] = (-1, VOCAB, VOCAB + 5, -VOCAB - 1)
+    got = _run(_loss(log_prob=True), tiling, seed=35, tol=1e-4, labels=labels)
+    assert np.isnan(got["picked"][1:4]).all() and np.isnan(got["log_prob"][1:4]).all()
+    assert np.isfinite(got["picked"][0]) and np.isfinite(got["lse"]).all()
+
+
+def test_log_prob_alone() -> None:
+    loss = replace(_loss(log_prob=True), lse=-1, picked=-1)
+    assert lower_lm_head_loss(loss, _FMA).outputs == [5]
+    _run(loss, _FMA, seed=37, tol=1e-4)
 
 
 def test_the_kernel_has_no_logits_sized_buffer() -> None:
@@ -99,6 +115,8 @@ def test_the_kernel_has_no_logits_sized_buffer() -> None:
         sizes = [b.size for b in kernel.buffers.values()]
         assert max(sizes) == loss.vocab * loss.hidden
         assert [p.size for p in kernel.params] == [512 * 64, 4000 * 64, 512, 512, 512]
+    with pytest.raises(CodegenError, match="none of"):
+        lower_lm_head_loss(replace(loss, lse=-1, picked=-1), _FMA)
 
 
 def test_refusals() -> None:

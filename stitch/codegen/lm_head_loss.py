@@ -36,6 +36,8 @@ _F32 = "f32"
 _NEG_INF = kir.f32(float("-inf"))
 # (max, sum, picked) per row and split in the split form's scratch.
 _PARTS = 3
+# The per-row results a kernel may write (``LmHeadLoss`` names a node for each it writes).
+RESULTS = ("lse", "picked", "log_prob")
 
 
 def _add(a: kir.Expr, b: kir.Expr) -> kir.Expr:
@@ -102,8 +104,8 @@ def tiling_from_schedule(schedule) -> ChainTiling:
 
 def lower_lm_head_loss(loss: LmHeadLoss, tiling: ChainTiling | None = None,
                        name: str = "lm_head_loss", arch: str = "sm_80") -> LoweredKernel:
-    """One Kernel IR kernel computing ``loss``'s per-row lse and picked logit (params: H, E,
-    labels, then lse and picked)."""
+    """One Kernel IR kernel computing ``loss``'s per-row results (params: H, E, labels, then
+    those of lse, picked, log_prob the description names a node for)."""
     tiling = tiling or default_tiling(loss, arch)
     tiling.check(loss.operand_dtype)
     if tiling.mma and sm_number(arch) < 80:
@@ -119,7 +121,8 @@ def lower_lm_head_loss(loss: LmHeadLoss, tiling: ChainTiling | None = None,
             f"{tiling.threads} threads{', tensor cores' if tiling.mma else ''}"
             f"{f', vocabulary split over {tiling.n_split} blocks' if tiling.n_split > 1 else ''}")
     log.debug("%s: %s", name, note)
-    return LoweredKernel(kernel, list(loss.inputs), [loss.lse, loss.picked],
+    return LoweredKernel(kernel, list(loss.inputs),
+                         [getattr(loss, w) for w in RESULTS if getattr(loss, w) >= 0],
                          ["lm_head_loss"], [note])
 
 
@@ -142,8 +145,11 @@ class _LossSteps:
             e: kir.Param("in1", storage, loss.vocab * loss.hidden),
             loss.labels: kir.Param("in2", "i32", loss.rows),
         }
-        self.lse = kir.Param("out0", _F32, loss.rows, is_output=True)
-        self.picked = kir.Param("out1", _F32, loss.rows, is_output=True)
+        # The per-row results the description names a node for, in ``RESULTS`` order.
+        self.results = [(what, kir.Param(f"out{i}", _F32, loss.rows, is_output=True))
+                        for i, what in enumerate(w for w in RESULTS if getattr(loss, w) >= 0)]
+        if not self.results:
+            raise CodegenError(f"{name}: the site names none of {RESULTS} to write")
         self.sa = kir.Shared("tile_a", _F32, tiling.block_m * tiling.block_k)
         self.sb = kir.Shared("tile_b", _F32, tiling.block_k * tiling.block_n)
         self.shared = [self.sa, self.sb]
@@ -181,7 +187,10 @@ class _LossSteps:
             body.append(kir.Local(f"mx_{i}", _F32, _NEG_INF))
             body.append(kir.Local(f"sum_{i}", _F32, kir.f32(0.0)))
             body.append(kir.Local(f"pick_{i}", _F32, kir.f32(0.0)))
-            self.labels.append(self.let(body, "label", kir.Load(labels, row)))
+            # jax's take_along_axis: a negative label counts from the end.
+            label = self.let(body, "label0", kir.Load(labels, row))
+            self.labels.append(self.let(body, "label", kir.Select(
+                _lt(label, _c(0)), _add(label, _c(loss.vocab)), label)))
         body.append(kir.For("n0", n_lo, n_hi, _c(t.block_n), tuple(self.n_step())))
         body.extend(self.finish(split))
         scratch: tuple[kir.GlobalScratch, ...] = ()
@@ -189,7 +198,7 @@ class _LossSteps:
             body.append(kir.GridBarrier())
             body.extend(self.combine(grid))
             scratch = (self.parts,)
-        return kir.Kernel(self.name, (*self.params.values(), self.lse, self.picked),
+        return kir.Kernel(self.name, (*self.params.values(), *(p for _, p in self.results)),
                           tuple(self.shared), grid, t.threads, tuple(body), scratch,
                           "relaunch" if self.parts is not None else "barrier").validate()
 
@@ -234,18 +243,18 @@ class _LossSteps:
 
     def finish(self, split: kir.Expr) -> list[kir.Stmt]:
         """The picked logit summed over the row's lanes; then the lane holding column 0
-        stores lse and picked (or, split, the row's (max, sum, picked) partial)."""
+        stores the row's results (or, split, its (max, sum, picked) partial)."""
         loss = self.chain
         out: list[kir.Stmt] = []
         first_lane = self.let(out, "lane0", kir.Compare("eq", self.cols[0], _c(0)))
+        stores: tuple[kir.Stmt, ...]
         for i, row in enumerate(self.rows):
             picked = self.row_reduce(out, "add", [kir.Ref(f"pick_{i}", _F32)])
             mx, total = kir.Ref(f"mx_{i}", _F32), kir.Ref(f"sum_{i}", _F32)
             cond = _and(_lt(row, _c(loss.rows)), first_lane)
             if self.parts is None:
                 lse = _add(mx, kir.Unary("log", total))
-                stores: tuple[kir.Stmt, ...] = (kir.Store(self.lse.name, row, lse),
-                                                 kir.Store(self.picked.name, row, picked))
+                stores = self.store_results(out, row, self.labels[i], lse, picked)
             else:
                 slot = self.let(out, "slot", _mul(_add(_mul(split, _c(loss.rows)), row),
                                                   _c(_PARTS)))
@@ -278,10 +287,23 @@ class _LossSteps:
                                                kir.Unary("exp", kir.Binary("sub", m, top))))
             total = _add(total, _mul(w, kir.Load(self.parts, _add(b, _c(1)))))
             picked = _add(picked, kir.Load(self.parts, _add(b, _c(2))))
-        body.append(kir.Store(self.lse.name, r, _add(top, kir.Unary("log", total))))
-        body.append(kir.Store(self.picked.name, r, picked))
+        lse = self.let(body, "lse", _add(top, kir.Unary("log", total)))
+        label0 = self.let(body, "clabel0", kir.Load(self.params[loss.labels], r))
+        label = self.let(body, "clabel", kir.Select(_lt(label0, _c(0)),
+                                                    _add(label0, _c(loss.vocab)), label0))
+        body.extend(self.store_results(body, r, label, lse, self.let(body, "cpick", picked)))
         out.append(kir.For("r", gtid, _c(loss.rows), _c(grid * t.threads), tuple(body)))
         return out
+
+
+    def store_results(self, out: list[kir.Stmt], row: kir.Expr, label: kir.Expr,
+                      lse: kir.Expr, picked: kir.Expr) -> tuple[kir.Stmt, ...]:
+        """The row's results: a label outside [0, vocab) (after the wrap) picks NaN, as
+        jax's take_along_axis fills; log_prob = picked - lse."""
+        inside = _and(kir.Compare("ge", label, _c(0)), _lt(label, _c(self.chain.vocab)))
+        picked = self.let(out, "picked", kir.Select(inside, picked, kir.f32(float("nan"))))
+        values = {"lse": lse, "picked": picked, "log_prob": kir.Binary("sub", picked, lse)}
+        return tuple(kir.Store(param.name, row, values[what]) for what, param in self.results)
 
 
 def _kernel_class(tiling: ChainTiling) -> type:

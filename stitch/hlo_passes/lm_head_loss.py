@@ -5,9 +5,11 @@ r the values a cross-entropy loss and its gradient are built from:
 
 * ``lse[r] = log(sum_v exp(logits[r, v]))`` (online over vocabulary tiles: a running max
   and a sum rescaled as the max grows);
-* ``picked[r] = logits[r, labels[r]]`` (0 for a label outside [0, vocab)).
-
-``loss[r] = lse[r] - picked[r]``. A kernel computing these from H, E and the labels never
+* ``picked[r] = logits[r, labels[r]]`` (jax's take_along_axis: a negative label counts
+  from the end, one outside [0, vocab) after that picks NaN);
+* ``log_prob[r] = picked[r] - lse[r]`` (what jax's ``log_softmax`` + ``take_along_axis``
+  give; the loss is minus its mean).
+ A kernel computing these from H, E and the labels never
 writes the [rows, vocab] logits (Cut Cross-Entropy, Liger's fused linear cross-entropy).
 
 ``LmHeadLoss`` describes one such site. It offers the attributes a GEMM chain's first GEMM
@@ -37,8 +39,10 @@ class LmHeadLoss:
     operand_dtype: str          # element type of H and E
     logits_dtype: str = "f32"   # the GEMM's result type: bf16 logits are rounded so
     tf32: bool = False          # f32 operands may run as TF32 (XLA's default precision)
-    lse: int = -1               # node ids of the per-row results (-1: none in a graph)
+    # Node ids of the per-row results the kernel writes (-1: not written).
+    lse: int = -1
     picked: int = -1
+    log_prob: int = -1
 
     def __post_init__(self) -> None:
         if self.operand_dtype not in OPERAND_TYPES:
