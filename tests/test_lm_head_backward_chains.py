@@ -20,10 +20,11 @@ from stitch.codegen.host import NUMPY_DTYPES, compile_host
 from stitch.hlo_passes.gemm_chains import find_gemm_chains
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.parser import parse_hlo
+from tests.test_lm_head_loss import ptxas_or_skip
 
 N, V, D = 40, 300, 24       # tokens, vocabulary, hidden: no tile divides them
 
-_DH = """HloModule dh
+DH = """HloModule dh
 ENTRY e {{
   h = {t}[{n},{d}] parameter(0)
   emb = {t}[{v},{d}] parameter(1)
@@ -50,7 +51,7 @@ ENTRY e {{
   ROOT dh = {t}[{n},{d}] dot(dlt, emb), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
 }}
 """
-_DE = """HloModule de
+DE = """HloModule de
 ENTRY e {{
   h = {t}[{n},{d}] parameter(0)
   emb = {t}[{v},{d}] parameter(1)
@@ -83,7 +84,8 @@ _MMA = ChainTiling(block_m=16, block_n=16, threads=32, thread_m=1, thread_n=1, b
                    block_h=8, mma=True)
 
 
-def _text(form: str, dtype: str = "f32", n: int = N, v: int = V, d: int = D) -> str:
+
+def backward_text(form: str, dtype: str = "f32", n: int = N, v: int = V, d: int = D) -> str:
     text = form.format(t=dtype, n=n, v=v, d=d)
     if dtype == "f32":      # the converts between f32 values dropped
         lines = [line for line in text.split("\n")
@@ -93,29 +95,29 @@ def _text(form: str, dtype: str = "f32", n: int = N, v: int = V, d: int = D) -> 
     return text
 
 
-def _chain(text: str):
+def one_chain(text: str):
     graph = build_op_graphs(parse_hlo(text))[0]
     chains = find_gemm_chains(graph)
     assert len(chains) == 1
     return graph, chains[0]
 
 
-@pytest.mark.parametrize("form", (_DH, _DE), ids=("dH", "dE"))
+@pytest.mark.parametrize("form", (DH, DE), ids=("dH", "dE"))
 def test_the_one_hot_is_computed_in_the_chain(form: str) -> None:
-    graph, chain = _chain(_text(form))
+    graph, chain = one_chain(backward_text(form))
     assert sorted(graph.nodes[v].name for v in chain.inputs) == ["emb", "g", "h", "label",
                                                                    "lse"]
     names = {graph.nodes[v].name for v in chain.members}
-    assert {"row" if form is _DE else "col", "labelb", "hit", "onehot"} <= names
+    assert {"row" if form is DE else "col", "labelb", "hit", "onehot"} <= names
     assert max(graph.nodes[v].shape.num_elements for v in chain.inputs) == V * D
 
 
-@pytest.mark.parametrize("form", (_DH, _DE), ids=("dH", "dE"))
+@pytest.mark.parametrize("form", (DH, DE), ids=("dH", "dE"))
 @pytest.mark.parametrize("dtype,tiling,tol", [("f32", _FMA, 1e-4), ("f32", None, 1e-4),
                                               ("bf16", _MMA, 3e-2)],
                          ids=("f32-partial", "f32-default", "bf16-mma"))
 def test_gradient_against_numpy(form: str, dtype: str, tiling, tol: float) -> None:
-    graph, chain = _chain(_text(form, dtype))
+    graph, chain = one_chain(backward_text(form, dtype))
     rng = np.random.default_rng(61)
     store = NUMPY_DTYPES[dtype]
     h = rng.standard_normal((N, D)).astype(store)
@@ -137,7 +139,7 @@ def test_gradient_against_numpy(form: str, dtype: str, tiling, tol: float) -> No
     compile_host(lowered.kernel)(*ins, out)
     dlogits = (np.exp(logits - lse[:, None]) - (np.arange(V)[None] == labels[:, None])) \
         * g[:, None]
-    want = dlogits @ emb.astype(np.float64) if form is _DH else dlogits.T @ h.astype(np.float64)
+    want = dlogits @ emb.astype(np.float64) if form is DH else dlogits.T @ h.astype(np.float64)
     got = out.astype(np.float64).reshape(want.shape)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
@@ -145,15 +147,15 @@ def test_gradient_against_numpy(form: str, dtype: str, tiling, tol: float) -> No
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
 @pytest.mark.parametrize("dtype", ("f32", "tf32", "bf16"))
-@pytest.mark.parametrize("form", (_DH, _DE), ids=("dH", "dE"))
+@pytest.mark.parametrize("form", (DH, DE), ids=("dH", "dE"))
 def test_gpt2_sized_backward_ptx_assembles_without_spills(form: str, dtype: str,
                                                           arch: str) -> None:
     """8192 tokens, vocabulary 50257, 768 wide, codegen's default tiles."""
     from stitch.codegen.nvptx import emit_ptx
     from stitch.codegen.toolchain import assemble
-    from tests.test_lowering_gemm_chain import _ptxas_or_skip
-    _ptxas_or_skip(arch)
-    graph, chain = _chain(_text(form, "bf16" if dtype == "bf16" else "f32", 8192, 50257, 768))
+    ptxas_or_skip(arch)
+    operands = "bf16" if dtype == "bf16" else "f32"
+    graph, chain = one_chain(backward_text(form, operands, 8192, 50257, 768))
     tiling = ChainTiling.default_for(chain, arch, allow_tf32=dtype == "tf32")
     assert tiling.mma == (dtype != "f32")
     kernel = lower_gemm_chain(graph, chain, tiling, name="lmb", arch=arch).kernel

@@ -26,6 +26,18 @@ _MMA = ChainTiling(block_m=16, block_n=16, threads=32, thread_m=1, thread_n=1, b
 _TF32 = replace(_MMA, block_k=8)
 
 
+
+def ptxas_or_skip(arch: str) -> None:
+    """Skip where ptxas for ``arch`` or libdevice is not installed."""
+    from stitch.codegen.nvptx import default_libdevice_path
+    from stitch.codegen.toolchain import ToolchainError, find_ptxas
+    if default_libdevice_path() is None:
+        pytest.skip("no libdevice")
+    try:
+        find_ptxas(arch)
+    except ToolchainError:
+        pytest.skip(f"no ptxas for {arch}")
+
 def _loss(dtype: str = "f32", rows: int = ROWS, vocab: int = VOCAB, hidden: int = HIDDEN,
           tf32: bool = False, log_prob: bool = False) -> LmHeadLoss:
     hv, ev = row_major_views(0, 1, rows, vocab, hidden)
@@ -135,8 +147,7 @@ def test_gpt2_sized_ptx_assembles_without_spills(dtype: str, arch: str, n_split:
     """GPT-2 small's LM head (8192 tokens, vocab 50257, 768 wide) with the default tiles."""
     from stitch.codegen.nvptx import emit_ptx
     from stitch.codegen.toolchain import assemble
-    from tests.test_lowering_gemm_chain import _ptxas_or_skip
-    _ptxas_or_skip(arch)
+    ptxas_or_skip(arch)
     loss = _loss("f32" if dtype == "tf32" else dtype, 8192, 50257, 768, tf32=True)
     tiling = default_tiling(loss, arch, allow_tf32=dtype == "tf32", n_split=n_split)
     assert tiling.mma == (dtype != "f32")
@@ -178,8 +189,7 @@ def test_gpt2_sized_priced_schedule_is_spill_free(target: str, arch: str) -> Non
     from stitch.codegen.toolchain import assemble
     from stitch.cost import get_spec
     from stitch.cost.lm_head_pricing import loss_price
-    from tests.test_lowering_gemm_chain import _ptxas_or_skip
-    _ptxas_or_skip(arch)
+    ptxas_or_skip(arch)
     loss = _loss("bf16", 8192, 50257, 768)
 
     def report(schedule):

@@ -195,7 +195,7 @@ def test_a_gemm_with_an_epilogue_is_no_site() -> None:
 def test_logits_read_outside_make_the_site_escape() -> None:
     """The log-softmax tile also leaves the module: the site does not close."""
     text = _text(**{
-        f"-> f32[] {{\n  %labels.1": f"-> (f32[], f32[{B},{S},{V}]) {{\n  %labels.1",
+        "-> f32[] {\n  %labels.1": f"-> (f32[], f32[{B},{S},{V}]) {{\n  %labels.1",
         "ROOT %loop_negate_fusion = f32[] fusion(%input_reduce_fusion), kind=kLoop, "
         "calls=%fused_negate":
         "%loop_negate_fusion = f32[] fusion(%input_reduce_fusion), kind=kLoop, "

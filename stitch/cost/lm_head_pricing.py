@@ -44,7 +44,8 @@ VOCAB_STEP = 16
 def loss_dims(loss: LmHeadLoss, grid_sync: bool = False) -> ChainDims:
     """The forward kernel as a GEMM chain of result width ``ROW_RESULTS`` (module
     docstring); ``grid_sync``: the vocabulary may be split across blocks."""
-    return ChainDims(batch=1, m=loss.rows, n=-(-loss.vocab // VOCAB_STEP) * VOCAB_STEP, k=loss.hidden, h=ROW_RESULTS,
+    vocab = -(-loss.vocab // VOCAB_STEP) * VOCAB_STEP
+    return ChainDims(batch=1, m=loss.rows, n=vocab, k=loss.hidden, h=ROW_RESULTS,
                      operand_dtype=loss.operand_dtype, softmax=True,
                      between_instructions=PICK_INSTRUCTIONS, tf32=loss.tf32,
                      result_bytes=1, input_bytes=4.0 * loss.rows, grid_sync=grid_sync)

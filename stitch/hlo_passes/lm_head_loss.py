@@ -14,14 +14,22 @@ writes the [rows, vocab] logits (Cut Cross-Entropy, Liger's fused linear cross-e
 
 ``LmHeadLoss`` describes one such site. It offers the attributes a GEMM chain's first GEMM
 is lowered from (``a``, ``b``, ``m``, ``n``, ``k``, ``operand_dtype``, ``tf32``), so the
-chain kernels' thread layouts compute its logits tiles. Recognizing the site in XLA's
-optimized module is not built yet: the description is made by its callers.
+chain kernels' thread layouts compute its logits tiles. ``find_lm_head_losses`` finds sites in
+XLA GPU's optimized module (the section below).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from .gemm_chains import OperandView
+import numpy as np
+
+from .combiners import combiner_kind
+from .gemm_chains import OperandView, allows_tf32
+from .literals import literal_to_numpy
+from .scatter_forms import gather_index_map
+
+log = logging.getLogger(__name__)
 
 # Element types of H and E the kernel reads (the logits GEMM's operands).
 OPERAND_TYPES = ("f32", "bf16", "f16")
@@ -162,8 +170,6 @@ def find_lm_head_losses(graph) -> list[LossSite]:
     """Every LM head + softmax cross-entropy of ``graph`` in the form XLA GPU's optimized
     module (and jax's ``log_softmax`` + ``take_along_axis``) gives it; sites that do not
     read as one are left out (debug log says why)."""
-    import logging
-    log = logging.getLogger(__name__)
     sites = []
     for node in graph.nodes:
         if node.op_class.value != "compute":
@@ -226,13 +232,11 @@ def _gemm(graph, node):
 
 def _scalar_constant(graph, v: int) -> float | None:
     """The value of a scalar constant (through a broadcast of it)."""
-    from .literals import literal_to_numpy
     node = graph.nodes[v]
     if node.opcode == "broadcast" and graph.nodes[node.operands[0]].shape.rank == 0:
         node = graph.nodes[node.operands[0]]
     if node.opcode != "constant" or node.shape.rank != 0 or node.instruction.literal is None:
         return None
-    import numpy as np
     dtype = {"f32": np.float32, "bf16": np.float32, "f16": np.float16, "s32": np.int32}.get(
         node.shape.element_type)
     if dtype is None:
@@ -297,7 +301,6 @@ class _Reader:
         return self.label_op(node, ops)
 
     def reduce(self, node, ops):
-        from .combiners import combiner_kind
         if len(ops) != 2 or not isinstance(ops[0], _Tile) or not isinstance(ops[1], _Const):
             return None
         source = self.graph.nodes[node.operands[0]].shape
@@ -319,7 +322,6 @@ class _Reader:
         """The tile at each row's label: the index map proves the batch walks the rows
         (identity over every dim but the vocabulary), the vocabulary start is data — the
         labels, read through the concatenate XLA builds the index vectors with."""
-        from .scatter_forms import gather_index_map
         if not isinstance(ops[0], _Tile) or ops[0].exp:
             return None
         operand = self.graph.nodes[node.operands[0]].shape
@@ -343,7 +345,7 @@ class _Reader:
     def label_op(self, node, ops):
         """The labels, jax's wrap of negative ones (select(l < 0, l + V, l)) and its in-range
         test (and(l >= 0, l <= V - 1))."""
-        graph, op = self.graph, node.opcode
+        op = node.opcode
         if op == "compare":
             direction = node.instruction.string("direction")
             a, b = ops
@@ -414,10 +416,6 @@ def _site(graph, node) -> LossSite | None:
     ev = OperandView(_through_aliases(graph, rhs), vocab * hidden, 1, hidden)
     loss = LmHeadLoss(rows, vocab, hidden, hv, ev,
                       reader.labels if reader.labels is not None else -1, operand,
-                      node.shape.element_type, _allows_tf32(dot), **results)
+                      node.shape.element_type, allows_tf32(dot), **results)
     return LossSite(loss, tuple(members), tuple(escapes))
 
-
-def _allows_tf32(dot) -> bool:
-    from .gemm_chains import allows_tf32
-    return allows_tf32(dot)
