@@ -204,3 +204,4 @@ def test_logits_read_outside_make_the_site_escape() -> None:
     _, graph, sites = _sites(text)
     assert len(sites) == 1
     assert [graph.nodes[v].name for v in sites[0].escapes] == ["sub.21"]
+

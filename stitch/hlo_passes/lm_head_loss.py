@@ -271,9 +271,12 @@ class _Reader:
         ops = [self.value(o) for o in node.operands]
         op = node.opcode
         if op in ("bitcast", "reshape", "copy") and len(ops) == 1 and ops[0] is not None:
-            if _row_major(node.shape) and _row_major(self.graph.nodes[node.operands[0]].shape):
-                return ops[0]
-            return None
+            if not (_row_major(node.shape) and
+                    _row_major(self.graph.nodes[node.operands[0]].shape)):
+                return None
+            if isinstance(ops[0], _Tile) and node.shape.dims[-1] != self.vocab:
+                return None         # the vocabulary no longer the minor dim
+            return ops[0]
         if op == "convert" and isinstance(ops[0], _Tile) and \
                 node.shape.element_type == "f32":
             return ops[0]
