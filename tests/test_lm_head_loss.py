@@ -39,11 +39,11 @@ def ptxas_or_skip(arch: str) -> None:
         pytest.skip(f"no ptxas for {arch}")
 
 def _loss(dtype: str = "f32", rows: int = ROWS, vocab: int = VOCAB, hidden: int = HIDDEN,
-          tf32: bool = False, log_prob: bool = False) -> LmHeadLoss:
+          tf32: bool = False, log_prob: bool = False, total: bool = False) -> LmHeadLoss:
     hv, ev = row_major_views(0, 1, rows, vocab, hidden)
     return LmHeadLoss(rows, vocab, hidden, hv, ev, labels=2, operand_dtype=dtype,
                       logits_dtype=dtype, tf32=tf32, lse=3, picked=4,
-                      log_prob=5 if log_prob else -1)
+                      log_prob=5 if log_prob else -1, log_prob_sum=6 if total else -1)
 
 
 def _run(loss: LmHeadLoss, tiling: ChainTiling | None, seed: int, tol: float,
@@ -60,7 +60,7 @@ def _run(loss: LmHeadLoss, tiling: ChainTiling | None, seed: int, tol: float,
     if labels is None:
         labels = rng.integers(0, loss.vocab, loss.rows).astype(np.int32)
         labels[:2] = (0, loss.vocab - 1)
-    outs = [np.full(loss.rows, np.inf, np.float32) for p in params if p.is_output]
+    outs = [np.full(p.size, np.inf, np.float32) for p in params if p.is_output]
     compile_host(lowered.kernel)(h.reshape(-1), e.reshape(-1), labels, *outs)
     logits = h.astype(np.float64) @ e.astype(np.float64).T
     if loss.logits_dtype != "f32":
@@ -71,8 +71,9 @@ def _run(loss: LmHeadLoss, tiling: ChainTiling | None, seed: int, tol: float,
     inside = (wrapped >= 0) & (wrapped < loss.vocab)
     picked = np.where(inside, logits[np.arange(loss.rows), np.clip(wrapped, 0, loss.vocab - 1)],
                       np.nan)
-    want = {"lse": lse, "picked": picked, "log_prob": picked - lse}
-    names = [w for w in ("lse", "picked", "log_prob") if getattr(loss, w) >= 0]
+    want = {"lse": lse, "picked": picked, "log_prob": picked - lse,
+            "log_prob_sum": np.array([(picked - lse).sum()])}
+    names = [w for w in ("lse", "picked", "log_prob", "log_prob_sum") if getattr(loss, w) >= 0]
     assert len(names) == len(outs) == len(lowered.outputs)
     for name, got in zip(names, outs):
         np.testing.assert_allclose(got, want[name], rtol=tol, atol=tol, err_msg=name)
@@ -116,6 +117,18 @@ def test_log_prob_alone() -> None:
     loss = replace(_loss(log_prob=True), lse=-1, picked=-1)
     assert lower_lm_head_loss(loss, _FMA).outputs == [5]
     _run(loss, _FMA, seed=37, tol=1e-4)
+
+
+@pytest.mark.parametrize("loss,tiling", [
+    (_loss(total=True), _FMA), (_loss(total=True), replace(_FMA, n_split=3)),
+    (_loss(total=True), None), (_loss("bf16", total=True), _MMA),
+    (replace(_loss(total=True), lse=-1, picked=-1), replace(_FMA, threads=64, block_m=32)),
+], ids=("fma", "split", "default", "bf16-mma", "sum-alone"))
+def test_log_prob_summed_over_the_rows(loss: LmHeadLoss, tiling) -> None:
+    """The loss before its mean (XLA's reduce over the rows): one f32, block 0 adding the
+    rows' values after a grid barrier."""
+    got = _run(loss, tiling, seed=38, tol=1e-4 if loss.operand_dtype == "f32" else 2e-2)
+    assert got["log_prob_sum"].shape == (1,)
 
 
 def test_the_kernel_has_no_logits_sized_buffer() -> None:

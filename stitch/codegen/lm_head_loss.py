@@ -16,6 +16,10 @@ split is the minor digit of blockIdx): each writes its rows' (max, sum, picked) 
 grid strides over rows and combines them in split order (max M, sum of l_i exp(m_i - M),
 lse = M + log of it; picked summed). Without splits a GPT-2-sized step (8192 rows) has only
 rows / block_m blocks.
+
+The sum of log_prob over the rows (``log_prob_sum``: the loss before its mean, what XLA's
+reduce over the rows computes) goes through a ``kir.GlobalScratch`` of the rows' values and
+a last grid-barrier phase in which block 0 adds them in a fixed order.
 """
 from __future__ import annotations
 
@@ -36,8 +40,9 @@ _F32 = "f32"
 _NEG_INF = kir.f32(float("-inf"))
 # (max, sum, picked) per row and split in the split form's scratch.
 _PARTS = 3
-# The per-row results a kernel may write (``LmHeadLoss`` names a node for each it writes).
-RESULTS = ("lse", "picked", "log_prob")
+# The results a kernel may write (``LmHeadLoss`` names a node for each it writes): per row,
+# and the sum of log_prob over the rows (one f32).
+RESULTS = ("lse", "picked", "log_prob", "log_prob_sum")
 
 
 def _add(a: kir.Expr, b: kir.Expr) -> kir.Expr:
@@ -146,10 +151,16 @@ class _LossSteps:
             loss.labels: kir.Param("in2", "i32", loss.rows),
         }
         # The per-row results the description names a node for, in ``RESULTS`` order.
-        self.results = [(what, kir.Param(f"out{i}", _F32, loss.rows, is_output=True))
+        self.results = [(what, kir.Param(f"out{i}", _F32,
+                                         1 if what == "log_prob_sum" else loss.rows,
+                                         is_output=True))
                         for i, what in enumerate(w for w in RESULTS if getattr(loss, w) >= 0)]
         if not self.results:
             raise CodegenError(f"{name}: the site names none of {RESULTS} to write")
+        # The sum over rows: every row's log_prob through global scratch, summed by block 0
+        # after a grid barrier (in a fixed order: deterministic).
+        self.row_values = kir.GlobalScratch("row_values", _F32, loss.rows) \
+            if loss.log_prob_sum >= 0 else None
         self.sa = kir.Shared("tile_a", _F32, tiling.block_m * tiling.block_k)
         self.sb = kir.Shared("tile_b", _F32, tiling.block_k * tiling.block_n)
         self.shared = [self.sa, self.sb]
@@ -193,14 +204,45 @@ class _LossSteps:
                 _lt(label, _c(0)), _add(label, _c(loss.vocab)), label)))
         body.append(kir.For("n0", n_lo, n_hi, _c(t.block_n), tuple(self.n_step())))
         body.extend(self.finish(split))
-        scratch: tuple[kir.GlobalScratch, ...] = ()
+        scratch: list[kir.GlobalScratch] = []
         if self.parts is not None:
             body.append(kir.GridBarrier())
             body.extend(self.combine(grid))
-            scratch = (self.parts,)
+            scratch.append(self.parts)
+        if self.row_values is not None:
+            body.append(kir.GridBarrier())
+            body.extend(self.row_total())
+            scratch.append(self.row_values)
+            self.shared.append(self.warp_sums)
+        phases = self.parts is not None or self.row_values is not None
         return kir.Kernel(self.name, (*self.params.values(), *(p for _, p in self.results)),
-                          tuple(self.shared), grid, t.threads, tuple(body), scratch,
-                          "relaunch" if self.parts is not None else "barrier").validate()
+                          tuple(self.shared), grid, t.threads, tuple(body), tuple(scratch),
+                          "relaunch" if phases else "barrier").validate()
+
+    def row_total(self) -> list[kir.Stmt]:
+        """Block 0 sums the rows' log_prob: each thread its rows strided by the block (in
+        order), a warp butterfly, the warps' sums through shared memory, thread 0 adds them
+        in warp order and stores."""
+        t, rows = self.t, self.chain.rows
+        warps = t.threads // 32
+        self.warp_sums = kir.Shared("warp_sums", _F32, warps)
+        body: list[kir.Stmt] = [kir.Local("part", _F32, kir.f32(0.0))]
+        r = kir.Ref("tr", "i32")
+        body.append(kir.For("tr", kir.ThreadIdx(), _c(rows), _c(t.threads), (
+            kir.Assign("part", _add(kir.Ref("part", _F32), kir.Load(self.row_values, r))),)))
+        body.append(kir.WarpReduce("warp_part", kir.Ref("part", _F32), "add"))
+        lane, warp = kir.Binary("rem", kir.ThreadIdx(), _c(32)), \
+            kir.Binary("div", kir.ThreadIdx(), _c(32))
+        body.append(kir.If(kir.Compare("eq", lane, _c(0)), (
+            kir.Store(self.warp_sums.name, warp, kir.Ref("warp_part", _F32)),)))
+        body.append(kir.Barrier())
+        total: kir.Expr = kir.Load(self.warp_sums, _c(0))
+        for w in range(1, warps):
+            total = _add(total, kir.Load(self.warp_sums, _c(w)))
+        param = dict(self.results)["log_prob_sum"]
+        body.append(kir.If(kir.Compare("eq", kir.ThreadIdx(), _c(0)), (
+            kir.Store(param.name, _c(0), total),)))
+        return [kir.If(kir.Compare("eq", kir.BlockIdx(), _c(0)), tuple(body))]
 
     def logit(self, i: int, j: int) -> kir.Expr:
         value: kir.Expr = kir.Ref(self.s[i][j], _F32)
@@ -303,7 +345,11 @@ class _LossSteps:
         inside = _and(kir.Compare("ge", label, _c(0)), _lt(label, _c(self.chain.vocab)))
         picked = self.let(out, "picked", kir.Select(inside, picked, kir.f32(float("nan"))))
         values = {"lse": lse, "picked": picked, "log_prob": kir.Binary("sub", picked, lse)}
-        return tuple(kir.Store(param.name, row, values[what]) for what, param in self.results)
+        stores = [kir.Store(param.name, row, values[what]) for what, param in self.results
+                  if what in values]
+        if self.row_values is not None:
+            stores.append(kir.Store(self.row_values.name, row, values["log_prob"]))
+        return tuple(stores)
 
 
 def _kernel_class(tiling: ChainTiling) -> type:

@@ -47,10 +47,12 @@ class LmHeadLoss:
     operand_dtype: str          # element type of H and E
     logits_dtype: str = "f32"   # the GEMM's result type: bf16 logits are rounded so
     tf32: bool = False          # f32 operands may run as TF32 (XLA's default precision)
-    # Node ids of the per-row results the kernel writes (-1: not written).
+    # Node ids of the results the kernel writes (-1: not written): per row, and the sum of
+    # log_prob over the rows (an f32 scalar).
     lse: int = -1
     picked: int = -1
     log_prob: int = -1
+    log_prob_sum: int = -1
 
     def __post_init__(self) -> None:
         if self.operand_dtype not in OPERAND_TYPES:
