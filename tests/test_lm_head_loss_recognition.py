@@ -1,7 +1,7 @@
 """Recognizing the LM head + softmax cross-entropy (``hlo_passes/lm_head_loss.py``) in the
 form XLA GPU's optimized module gives jax's ``log_softmax`` + ``take_along_axis`` eval loss
 (the H100 module of tests/deviceless/test_lm_head_loss_deviceless.py, metadata dropped and
-sizes made small): one site, its per-row log-probabilities the result; the forward kernel
+sizes made small): one site, the sum of its rows' log-probabilities the result; the forward kernel
 built from it on the host gives the module's loss (the reference evaluator, fresh random
 inputs, negative labels included, f32 1e-5). Forms that compute something else are no site;
 a logits value read outside makes the site not close (``escapes``)."""
@@ -135,13 +135,15 @@ def test_the_eval_loss_is_one_closed_site() -> None:
     assert not site.escapes
     loss = site.loss
     assert (loss.rows, loss.vocab, loss.hidden) == (B * S, V, D)
-    assert graph.nodes[loss.log_prob].name == "bitcast.15.1" and loss.lse == loss.picked == -1
+    # The sum of the rows' log-probabilities over the rows: the mean's numerator.
+    assert graph.nodes[loss.log_prob_sum].name == "reduce_sum.15.1"
+    assert loss.lse == loss.picked == loss.log_prob == -1
     assert graph.nodes[loss.labels].name == "labels.1"
     assert graph.nodes[loss.hidden_view.node].name == "h.1"
     assert graph.nodes[loss.embedding_view.node].name == "emb.1"
     names = {graph.nodes[v].name for v in site.members}
     assert {"gemm_fusion_dot", "reduce.6", "reduce_sum.9", "gather.3.5"} <= names
-    assert "reduce_sum.15.1" not in names          # the mean over rows reads the result
+    assert "multiply.2" not in names          # the mean reads the result
 
 
 @pytest.mark.parametrize("seed", (51, 52))
@@ -159,10 +161,10 @@ def test_the_sites_kernel_gives_the_modules_loss(seed: int) -> None:
     params = lowered.kernel.params
     ins = [np.ascontiguousarray(by_node[v], NUMPY_DTYPES[p.dtype]).reshape(-1)
            for p, v in zip(params, lowered.inputs)]
-    log_prob = np.full(B * S, np.inf, np.float32)
-    compile_host(lowered.kernel)(*ins, log_prob)
-    assert np.isfinite(log_prob).all()
-    np.testing.assert_allclose(-log_prob.astype(np.float64).mean(), want, rtol=1e-5)
+    total = np.full(1, np.inf, np.float32)
+    compile_host(lowered.kernel)(*ins, total)
+    assert np.isfinite(total).all()
+    np.testing.assert_allclose(-float(total[0]) / (B * S), want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("edit", [

@@ -104,7 +104,8 @@ def row_major_views(hidden: int, embedding: int, rows: int, vocab: int,
 # From the logits GEMM down, every op is read as a value of one of these kinds (a small
 # symbolic interpretation): a logits tile plus a row offset (``_Tile``, exp'ed or not), a
 # row value (``_Row``: a sum of the row atoms max, logz and picked), a row value
-# broadcast over the vocabulary (``_Spread``), a scalar constant, the labels (``_Label``,
+# broadcast over the vocabulary (``_Spread``), a row value summed over the rows
+# (``_Total``: the loss before its mean), a scalar constant, the labels (``_Label``,
 # wrapped as jax wraps negative ones) and jax's in-range test of them (``_InRange``). An op
 # that reads a tile or an unfinished row value and is not read this way takes the value
 # outside the site (``LossSite.escapes``: the backward of a training step reads them).
@@ -127,6 +128,12 @@ _ZERO = _Row(())
 _LSE = _Row((("logz", 1.0), ("max", 1.0)))
 _RESULT_FORMS = {"log_prob": _Row((("logz", -1.0), ("max", -1.0), ("picked", 1.0)), True),
                  "lse": _LSE, "picked": _Row((("picked", 1.0),), True)}
+
+
+@dataclass(frozen=True)
+class _Total:
+    """The sum over all rows of a row value (one f32)."""
+    row: _Row
 
 
 @dataclass(frozen=True)
@@ -306,15 +313,20 @@ class _Reader:
         return self.label_op(node, ops)
 
     def reduce(self, node, ops):
-        if len(ops) != 2 or not isinstance(ops[0], _Tile) or not isinstance(ops[1], _Const):
+        if len(ops) != 2 or not isinstance(ops[1], _Const):
             return None
         source = self.graph.nodes[node.operands[0]].shape
-        if node.instruction.ints("dimensions", ()) != (source.rank - 1,) or \
-                source.dims[-1] != self.vocab:
-            return None
         names = node.instruction.called_computations
         comp = self.graph.computations.get(names[0]) if names else None
         kind = combiner_kind(comp) if comp is not None else None
+        if isinstance(ops[0], _Row) and kind == "add" and ops[1].value == 0.0 and \
+                node.instruction.ints("dimensions", ()) == tuple(range(source.rank)):
+            return _Total(ops[0])
+        if not isinstance(ops[0], _Tile):
+            return None
+        if node.instruction.ints("dimensions", ()) != (source.rank - 1,) or \
+                source.dims[-1] != self.vocab:
+            return None
         tile, init = ops[0], ops[1].value
         if kind == "maximum" and init == float("-inf") and not tile.exp:
             return tile.offset.plus(_Row((("max", 1.0),)))
@@ -409,6 +421,8 @@ def _site(graph, node) -> LossSite | None:
         if not outside or isinstance(value, (_Label, _InRange, tuple, _Const)):
             continue
         form = next((name for name, f in _RESULT_FORMS.items() if value == f), None)
+        if value == _Total(_RESULT_FORMS["log_prob"]):
+            form = "log_prob_sum"
         if form is not None and form not in results:
             results[form] = v
         else:
