@@ -82,3 +82,28 @@ def test_training_step_site_reads_beyond_its_rows_and_stays_with_xla(h100_mesh):
     assert len(sites) == 1
     escaped = {graph.nodes[v].opcode for v in sites[0].escapes}
     assert sites[0].escapes and escaped <= {"reduce", "exponential", "subtract"}
+
+
+def test_eval_loss_is_placed_and_the_logits_are_gone(h100_mesh):
+    """With the pass, 512 rows (where the fused kernel is modeled faster than XLA): the GEMM,
+    the softmax and the gather/reduce fusions are one stitched call; no [rows, vocab] value
+    is left in XLA's final module; the call assembles for sm_90 without spills."""
+    from stitch.integration import deviceless
+
+    from .conftest import TARGET, assert_no_spills
+    from .test_gpu_deviceless import check_assembled, check_placement
+    replicated = NamedSharding(h100_mesh, P())
+    batch = 8
+    args = (jax.ShapeDtypeStruct((batch, SEQ, HIDDEN), jnp.float32, sharding=replicated),
+            jax.ShapeDtypeStruct((VOCAB, HIDDEN), jnp.float32, sharding=replicated),
+            jax.ShapeDtypeStruct((batch, SEQ), jnp.int32, sharding=replicated))
+    result = deviceless.compile_with_pass(jax.jit(loss).lower(*args), "lm_head_eval", TARGET)
+    report = result.report
+    assert any(name.startswith("lm_head_loss") for name in report.placed), (
+        report.skipped, report.fallbacks)
+    check_placement(result, xla_left=False)
+    check_assembled(result)
+    assert_no_spills(report)
+    final = parse_hlo(result.text)
+    sizes = {i.shape.num_elements for _, i in final.instructions() if i.shape.is_array}
+    assert batch * SEQ * VOCAB not in sizes
