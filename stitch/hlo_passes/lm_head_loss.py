@@ -19,13 +19,16 @@ XLA GPU's optimized module (the section below).
 """
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from .combiners import combiner_kind
 from .gemm_chains import OperandView, allows_tf32
+from .ir import parse_padding
 from .literals import literal_to_numpy
 from .scatter_forms import gather_index_map
 
@@ -143,6 +146,23 @@ class _Tile:
 
 
 @dataclass(frozen=True)
+class _Padded:
+    """A tile padded at the vocabulary's end with ``value`` to ``width`` columns; ``split``:
+    renamed as [rows, parts, width / parts] (XLA's split row reduction)."""
+    tile: _Tile
+    value: float
+    width: int
+    split: bool = False
+
+
+@dataclass(frozen=True)
+class _Partial:
+    """A split row reduction's partials over the vocabulary (``kind``: the combiner)."""
+    tile: _Tile
+    kind: str
+
+
+@dataclass(frozen=True)
 class _Spread:
     row: "_Row | str"
 
@@ -162,6 +182,11 @@ class _InRange:
     pass
 
 
+# The initial values the row reductions must start from (their combiner's identity).
+_IDENTITIES = {"maximum": float("-inf"), "add": 0.0}
+# How far, and over values of how many elements per row, the walk pulls in operands.
+_DEMAND_DEPTH = 12
+_SMALL_ROWS = 4
 _SUM_OF_EXP = "sum_of_exp"     # sum over the vocabulary of exp(logits - max): only log reads it
 
 
@@ -260,6 +285,7 @@ class _Reader:
         self.graph = graph
         self.rows, self.vocab = rows, vocab
         self.values: dict[int, object] = {gemm: _Tile(_ZERO)}
+        self.failed: set[int] = set()
         self.labels: int | None = None
 
     def kind(self, v: int) -> str:
@@ -283,9 +309,25 @@ class _Reader:
             if not (_row_major(node.shape) and
                     _row_major(self.graph.nodes[node.operands[0]].shape)):
                 return None
-            if isinstance(ops[0], _Tile) and node.shape.dims[-1] != self.vocab:
+            dims = node.shape.dims
+            if isinstance(ops[0], _Tile) and dims[-1] != self.vocab:
                 return None         # the vocabulary no longer the minor dim
+            if isinstance(ops[0], _Padded) and not ops[0].split:
+                # XLA's split row reduction: [rows, parts, width / parts].
+                if len(dims) >= 2 and dims[-2] * dims[-1] == ops[0].width and \
+                        dims[-2] > 1 and math.prod(dims[:-2]) == self.rows:
+                    return _Padded(ops[0].tile, ops[0].value, ops[0].width, True)
+                return None
+            if isinstance(ops[0], (_Padded, _Partial)) and node.shape.num_elements != \
+                    self.graph.nodes[node.operands[0]].shape.num_elements:
+                return None
             return ops[0]
+        if op == "pad" and isinstance(ops[0], _Tile) and isinstance(ops[1], _Const):
+            pads = parse_padding(node.instruction.attrs.get("padding", "{}"))
+            if pads and all(p.low == 0 and p.interior == 0 for p in pads) and \
+                    all(p.high == 0 for p in pads[:-1]) and pads[-1].high > 0:
+                return _Padded(ops[0], ops[1].value, node.shape.dims[-1])
+            return None
         if op == "convert" and isinstance(ops[0], _Tile) and \
                 node.shape.element_type == "f32":
             return ops[0]
@@ -322,12 +364,24 @@ class _Reader:
         if isinstance(ops[0], _Row) and kind == "add" and ops[1].value == 0.0 and \
                 node.instruction.ints("dimensions", ()) == tuple(range(source.rank)):
             return _Total(ops[0])
-        if not isinstance(ops[0], _Tile):
+        if node.instruction.ints("dimensions", ()) != (source.rank - 1,):
             return None
-        if node.instruction.ints("dimensions", ()) != (source.rank - 1,) or \
-                source.dims[-1] != self.vocab:
+        init = ops[1].value
+        if kind not in _IDENTITIES or init != _IDENTITIES[kind]:
             return None
-        tile, init = ops[0], ops[1].value
+        if isinstance(ops[0], _Padded):
+            # The partials of a split row reduction: the padding adds the identity.
+            if not ops[0].split or ops[0].value != init:
+                return None
+            return _Partial(ops[0].tile, kind)
+        if isinstance(ops[0], _Partial):
+            if ops[0].kind != kind:
+                return None
+            tile = ops[0].tile
+        elif isinstance(ops[0], _Tile) and source.dims[-1] == self.vocab:
+            tile = ops[0]
+        else:
+            return None
         if kind == "maximum" and init == float("-inf") and not tile.exp:
             return tile.offset.plus(_Row((("max", 1.0),)))
         if kind == "add" and init == 0.0 and tile.exp and \
@@ -380,6 +434,25 @@ class _Reader:
             return _InRange()
         return None
 
+    def demand(self, v: int, depth: int) -> None:
+        """Read ``v`` from its operands, read first the same way, when it is small (the
+        labels' index computation: at most ``_SMALL_ROWS`` values a row) and within
+        ``depth`` ops of a value the walk met; logits-sized values come only from the GEMM."""
+        node = self.graph.nodes[v]
+        if v in self.values or v in self.failed or depth <= 0 or \
+                _elements(node) > _SMALL_ROWS * self.rows or self.value(v) is not None:
+            return
+        if node.op_class.value == "source":
+            self.start_labels(v)
+            return
+        for o in node.operands:
+            self.demand(o, depth - 1)
+        got = self.read(node)
+        if got is None:
+            self.failed.add(v)
+        else:
+            self.values[v] = got
+
     def start_labels(self, v: int) -> None:
         node = self.graph.nodes[v]
         if node.shape.element_type == "s32" and _elements(node) == self.rows and \
@@ -400,16 +473,26 @@ def _site(graph, node) -> LossSite | None:
     if operand not in OPERAND_TYPES or graph.nodes[rhs].shape.element_type != operand:
         raise _NotASite(f"operands of types {operand}")
     reader = _Reader(graph, node.id, rows, vocab)
-    # The labels: s32 [rows] sources read by ops below the GEMM's readers (found as they
-    # are met: every op after the GEMM in topological order is tried once).
-    for n in graph.nodes[node.id + 1:]:
+    # Only the readers of values already read are tried, in topological order (node ids),
+    # each pulling in its small operands not read yet (the labels' index computation): the
+    # walk stays within the site, whatever the graph's size.
+    waiting = list(graph.nodes[node.id].users)
+    heapq.heapify(waiting)
+    tried: set[int] = set()
+    while waiting:
+        v = heapq.heappop(waiting)
+        if v in tried:
+            continue
+        tried.add(v)
+        n = graph.nodes[v]
         for o in n.operands:
-            if o not in reader.values and graph.nodes[o].op_class.value == "source":
-                reader.start_labels(o)
-        if any(o in reader.values for o in n.operands):
-            got = reader.read(n)
-            if got is not None:
-                reader.values[n.id] = got
+            reader.demand(o, _DEMAND_DEPTH)
+        got = reader.read(n)
+        if got is not None:
+            reader.values[v] = got
+            for u in n.users:
+                if u not in tried:
+                    heapq.heappush(waiting, u)
     members = sorted(v for v, x in reader.values.items() if v != reader.labels)
     inside = set(members)
     results: dict[str, int] = {}
