@@ -207,3 +207,56 @@ def test_logits_read_outside_make_the_site_escape() -> None:
     assert len(sites) == 1
     assert [graph.nodes[v].name for v in sites[0].escapes] == ["sub.21"]
 
+
+
+def _split_form(max_pad: str = "%constant_27") -> dict[str, str]:
+    """XLA's form at a large vocabulary (GPT-2's 50257: 140 x 359): each row reduction split
+    in two, the vocabulary padded with the reduction's identity to parts x width."""
+    padded, width = V + 2, (V + 2) // 2
+    return {
+        f"%reduce.6 = f32[{B * S}]{{0}} reduce(%param_0.16, %constant_27), dimensions={{1}}, "
+        "to_apply=%region_0.1":
+        f"%padm = f32[{B * S},{padded}]{{1,0}} pad(%param_0.16, {max_pad}), padding=0_0x0_2\n"
+        f"  %splitm = f32[{B * S},2,{width}]{{2,1,0}} bitcast(%padm)\n"
+        f"  %partm = f32[{B * S},2]{{1,0}} reduce(%splitm, %constant_27), dimensions={{2}}, "
+        "to_apply=%region_0.1\n"
+        f"  %reduce.6 = f32[{B * S}]{{0}} reduce(%partm, %constant_27), dimensions={{1}}, "
+        "to_apply=%region_0.1",
+        f"%reduce_sum.9 = f32[{B},{S}]{{1,0}} reduce(%exp.3, %constant_23), dimensions={{2}}, "
+        "to_apply=%region_1.2.clone":
+        f"%pads = f32[{B},{S},{padded}]{{2,1,0}} pad(%exp.3, %constant_23), "
+        "padding=0_0x0_0x0_2\n"
+        f"  %splits = f32[{B},{S},2,{width}]{{3,2,1,0}} bitcast(%pads)\n"
+        f"  %parts = f32[{B},{S},2]{{2,1,0}} reduce(%splits, %constant_23), dimensions={{3}}, "
+        "to_apply=%region_1.2.clone\n"
+        f"  %reduce_sum.9 = f32[{B},{S}]{{1,0}} reduce(%parts, %constant_23), "
+        "dimensions={2}, to_apply=%region_1.2.clone"}
+
+
+def test_split_row_reductions_read_as_one() -> None:
+    module, graph, sites = _sites(_text(**_split_form()))
+    assert len(sites) == 1 and not sites[0].escapes
+    names = {graph.nodes[v].name for v in sites[0].members}
+    assert {"padm", "partm", "pads", "parts"} <= names
+    rng = np.random.default_rng(53)
+    args = [rng.standard_normal((B, S, D)).astype(np.float32),
+            rng.standard_normal((V, D)).astype(np.float32),
+            rng.integers(0, V, (B, S)).astype(np.int32)]
+    want = float(evaluate(module, args)[0])
+    loss = sites[0].loss
+    lowered = lower_lm_head_loss(loss, default_tiling(loss, "sm_70"))
+    by_node = {v: args[graph.nodes[v].instruction.parameter_number] for v in graph.inputs}
+    ins = [np.ascontiguousarray(by_node[v]).reshape(-1) for v in lowered.inputs]
+    total = np.full(1, np.inf, np.float32)
+    compile_host(lowered.kernel)(*ins, total)
+    np.testing.assert_allclose(-float(total[0]) / (B * S), want, rtol=1e-5)
+
+
+def test_a_split_max_padded_with_zeros_is_no_site() -> None:
+    """Padding a max with 0 (not its identity) can change it: no site."""
+    text = _text(**_split_form(max_pad="%constant_23")).replace(
+        "  %constant_23 = f32[] constant(0)\n", "")
+    text = text.replace("  %constant_27 = f32[] constant(-inf)\n",
+                        "  %constant_27 = f32[] constant(-inf)\n  %constant_23 = f32[] constant(0)\n")
+    _, _, sites = _sites(text)
+    assert not sites
