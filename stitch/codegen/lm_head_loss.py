@@ -1,6 +1,7 @@
 """The LM head's logits GEMM with an online logsumexp over vocabulary tiles
-(``stitch.hlo_passes.lm_head_loss.LmHeadLoss``): one kernel writing per-row ``lse`` and the
-label's logit ``picked``, never the [rows, vocab] logits.
+(``stitch.hlo_passes.lm_head_loss.LmHeadLoss``): one kernel writing the per-row ``lse``, the
+label's logit ``picked`` and ``log_prob`` = picked - lse (labels as jax's take_along_axis
+reads them), or log_prob's sum over the rows — never the [rows, vocab] logits.
 
 A block owns ``block_m`` rows and walks the vocabulary in ``block_n`` steps, as a GEMM
 chain kernel walks n (``codegen/gemm_chain.py``: its thread layouts, FMA or tensor cores,
@@ -109,8 +110,8 @@ def tiling_from_schedule(schedule) -> ChainTiling:
 
 def lower_lm_head_loss(loss: LmHeadLoss, tiling: ChainTiling | None = None,
                        name: str = "lm_head_loss", arch: str = "sm_80") -> LoweredKernel:
-    """One Kernel IR kernel computing ``loss``'s per-row results (params: H, E, labels, then
-    those of lse, picked, log_prob the description names a node for)."""
+    """One Kernel IR kernel computing ``loss``'s results (params: H, E, labels, then those of
+    ``RESULTS`` the description names a node for, in that order)."""
     tiling = tiling or default_tiling(loss, arch)
     tiling.check(loss.operand_dtype)
     if tiling.mma and sm_number(arch) < 80:
