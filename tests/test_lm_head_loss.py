@@ -193,8 +193,8 @@ def test_full_precision_f32_is_priced_on_the_fma_lanes() -> None:
     assert not price.schedule.mma
 
 
-@pytest.mark.parametrize("target,arch", (("a100", "sm_80"), ("h100", "sm_90")))
-def test_gpt2_sized_priced_schedule_is_spill_free(target: str, arch: str) -> None:
+def test_gpt2_sized_priced_schedule_is_spill_free(target: str = "h100",
+                                                  arch: str = "sm_90") -> None:
     """GPT-2 small in bf16, vocabulary split allowed: ptxas strikes the schedules that spill
     (512 threads leave 128 registers), the one kept assembles without spills."""
     from stitch.codegen.lm_head_loss import tiling_from_schedule
