@@ -69,7 +69,7 @@ def lm_head_jobs(request: Any, report: Any, view: ComputationView, graph_index: 
             continue
         try:
             price = loss_price(spec, loss, grid_sync=grid_sync,
-                               spills=_spill_check(loss, arch))
+                               spills=spill_check(loss, arch))
         except ValueError as exc:
             report.skipped.append((name, f"no schedule: {exc}"))
             continue
@@ -92,7 +92,7 @@ def lm_head_jobs(request: Any, report: Any, view: ComputationView, graph_index: 
     return jobs, taken
 
 
-def _spill_check(loss: Any, arch: str):
+def spill_check(loss: Any, arch: str):
     """Whether ptxas spills the loss kernel a schedule builds (None where ptxas is not
     installed: the schedule is taken unchecked)."""
     from stitch.codegen.lm_head_loss import lower_lm_head_loss, tiling_from_schedule
