@@ -52,6 +52,17 @@ def run_segments(ctx: Context) -> list[str] | None:
     return as_part(segments.markdown(rows, "python -m bench delivered --part segments"))
 
 
+def run_lm_head_eval(ctx: Context) -> list[str] | None:
+    from bench.delivered import lm_head_eval
+    rows = lm_head_eval.collect()
+    if not any("error" not in r for r in rows):
+        log.warning("delivered: the LM head eval did not compile (%s)",
+                    rows[0].get("error") if rows else "none")
+        return None
+    return as_part(lm_head_eval.markdown(rows,
+                                         "python -m bench delivered --part lm-head-eval"))
+
+
 def run_real(ctx: Context) -> list[str] | None:
     from bench.delivered import real
     from bench.real_steps import REAL_STEPS
@@ -79,6 +90,8 @@ MEASURE = Measure(
         Part("steps", "Third-party training steps", run_steps, quick=False),
         Part("segments", "Segmented reductions through the pass", run_segments,
              quick=False),
+        Part("lm-head-eval", "LM head + cross-entropy eval loss without the logits (GPT-2 "
+             "small)", run_lm_head_eval, quick=False),
         Part("real", "Real-size training steps: whole step, peak memory", run_real,
              quick=False),
         Part("units", "The zoo's XLA GPU modules: ops against XLA units",

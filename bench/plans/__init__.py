@@ -118,6 +118,8 @@ MEASURE = Measure(
              script("bench.plans.base_fusion")),
         Part("segments", "Segmented reductions: sorted segments as rows",
              script("bench.plans.segments", [], ["--sizes", "10000x64"]), quick=False),
+        Part("lm-head", "LM head + cross-entropy without the logits (GPT-2 small, modeled)",
+             script("bench.plans.lm_head", block="bench-lm-head"), quick=False),
         Part("estimates", "Latency-evaluator against XLA's own per-fusion estimates",
              script("bench.plans.estimates", [], ["--targets", "h100"],
                     block="latency-vs-xla"), quick=False),

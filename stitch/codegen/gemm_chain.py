@@ -962,6 +962,20 @@ class _MmaChainKernel(_ChainKernel):
         out.append(kir.Barrier())
 
 
+def layout_class(tiling: ChainTiling) -> type:
+    """The thread layout a tiling asks for (tensor cores or FMA): its S tile on the threads,
+    its first GEMM and its row reductions over lanes. Kernels that walk the first GEMM's
+    columns without a second GEMM (``codegen/lm_head_loss.py``) subclass it; they set the
+    attributes ``layout``/``first_gemm`` read (``chain.a/.b/.m/.n/.k/.operand_dtype``,
+    ``t``, ``params``, ``sa``/``sb``, ``batch``, ``m0``, ``h0``) themselves."""
+    return _MmaChainKernel if tiling.mma else _FmaChainKernel
+
+
+def sm_number(arch: str) -> int:
+    """80 for "sm_80" (and "sm_90a": 90)."""
+    return _sm(arch)
+
+
 class _Program:
     """Element values of the chain program for the thread's (row i, column j) elements."""
 

@@ -5,6 +5,12 @@ to consumers; at each vertex every buffer may take one of the candidate patterns
 op is that vertex, when the pattern overlaps nothing the buffer already holds and keeps the
 kernel graph acyclic. The ``width`` buffers with the highest accumulated f survive.
 
+A GEMM chain pattern (origin ``gemm_chain``) is offered at its first op and also where the
+first pattern competing for its ops starts (the causal mask's iotas, XLA's mask kernel): offered
+only at its own first op, a buffer that took the competitor earlier can no longer take it, so
+the two were never compared. The look-ahead's per-op shares come from the other patterns:
+a chain is weighed against what its ops could gain without it.
+
 Packing merges kernels of a finished plan that no path connects (remote fusion's kernel
 packing): kernels on the same level of the kernel DAG (longest path from the inputs) are
 independent, so each level's stitchable kernels can become one launch without a cycle.
@@ -24,6 +30,8 @@ log = logging.getLogger(__name__)
 
 # Above this many kernels, merge_adjacent scores the pairs a merge creates lazily.
 LAZY_MERGE_KERNELS = 200
+# Pattern.origin of a GEMM chain's pattern (stitch.explorer.planner.chain_patterns).
+CHAIN_ORIGIN = "gemm_chain"
 
 
 @dataclass
@@ -78,8 +86,9 @@ def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern) -> bool:
     reaches all its users). Nodes past the bound B* can never lead back: B* starts at the
     pattern's last op and grows to the last op of every kernel starting at or before it."""
     members = pattern.members
-    # Buffers take patterns in order of their first op, so every held pattern starts before
-    # this one and the fixed point is simply the furthest op any of them reaches.
+    # The furthest op any held pattern reaches bounds the fixed point (a chain offered
+    # early may start after this one; a larger bound only searches more): an op past it
+    # is in no kernel, and edges only go to larger ids.
     bound = max(max(members), buffer.reach)
     owner = buffer.owner
     pats = buffer.patterns
@@ -106,6 +115,19 @@ def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern) -> bool:
     return False
 
 
+def offer_points(pattern: Pattern, patterns: list[Pattern], masks: dict[frozenset[int], int]
+                 ) -> tuple[int, ...]:
+    """The vertices at which the beam offers ``pattern``: its first op; a GEMM chain also
+    at the first op of the earliest pattern that shares ops with it (module docstring)."""
+    if pattern.origin != CHAIN_ORIGIN:
+        return (pattern.first,)
+    mine = masks[pattern.members]
+    earliest = min((q.first for q in patterns
+                    if q.first < pattern.first and masks[q.members] & mine),
+                   default=pattern.first)
+    return (pattern.first,) if earliest == pattern.first else (earliest, pattern.first)
+
+
 def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
                 trim: Callable[[frozenset[int]], Pattern | None] | None = None,
                 lookahead: bool = True, poll: Callable[[], None] | None = None
@@ -124,15 +146,17 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
     n = len(graph.nodes)
     share = [0.0] * n
     by_first: dict[int, list[Pattern]] = {}
-    for p in patterns:
-        if len(p.members) > 1 and p.gain > 0:
-            by_first.setdefault(p.first, []).append(p)
+    useful = [p for p in patterns if len(p.members) > 1 and p.gain > 0]
+    masks = {p.members: _mask(p.members) for p in useful}
+    for p in useful:
+        for v in offer_points(p, useful, masks):
+            by_first.setdefault(v, []).append(p)
+        if p.origin != CHAIN_ORIGIN:
             per_op = p.gain / len(p.members)
             for m in p.members:
                 share[m] = max(share[m], per_op)
     for pats in by_first.values():
         pats.sort(key=lambda p: -p.gain)
-    masks = {p.members: _mask(p.members) for pats in by_first.values() for p in pats}
     suffix = [0.0] * (n + 1)
     for v in range(n - 1, -1, -1):
         suffix[v] = suffix[v + 1] + share[v]
@@ -174,7 +198,9 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
                         if cand is not None:
                             masks.setdefault(cand.members, _mask(cand.members))
                 if cand is not None:
-                    extra = sum(share[m] for m in cand.members)
+                    # A chain offered before its first op leaves v to no kernel here.
+                    extra = sum(share[m] for m in cand.members) + \
+                        (0.0 if v in cand.members else share[v])
                     proposals.append((score(buf, buf.gain + cand.gain, extra),
                                       buf.gain + cand.gain, bi, cand))
         proposals.sort(key=lambda t: -t[0])
@@ -197,7 +223,8 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
                 continue
             owner = (buf.owner or Owners()).extended(p.members, len(buf.patterns))
             next_taken[covered] = taken[buf.covered] + sum(share[m] for m in p.members)
-            next_passed[covered] = passed[buf.covered] + share[v]
+            next_passed[covered] = passed[buf.covered] + \
+                (share[v] if v in p.members else 0.0)
             next_beams.append(Buffer(buf.patterns + (p,), covered, gain, owner,
                                      max(buf.reach, max(p.members))))
         beams, taken, passed = next_beams, next_taken, next_passed

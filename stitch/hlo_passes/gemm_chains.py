@@ -45,6 +45,8 @@ ELEMENTWISE_OPS = frozenset({
     "logistic", "erf", "sign", "floor", "ceil", "compare", "select", "clamp", "convert",
 })
 REDUCERS = frozenset({"add", "maximum", "minimum", "multiply"})
+# Integer values an index computation may read from a buffer (labels spread over the tile).
+_INDEX_INPUT_TYPES = frozenset({"s32"})
 # Element ops of an index computation a chain kernel recomputes (a causal mask of iotas).
 _INDEX_OPS = frozenset({"compare", "add", "subtract", "and", "or", "not", "select"})
 _RENAMES = frozenset({"bitcast", "reshape", "copy"})
@@ -677,8 +679,12 @@ class _Recognizer:
         if not self.g.nodes[root].shape.is_array or not _row_major(self.g.nodes[root].shape):
             raise _NotAChain(f"{node.name}: outside operand layout is not row-major")
         view = self.value_view(root, shape.dims, digits, rank)
+        self.index_inputs: list[int] = []
         index = self.index_value(root, dataclasses.replace(view, node=-1), rank, set())
         if index is not None:
+            for v in self.index_inputs:
+                if v not in self.inputs:
+                    self.inputs.append(v)
             # Computed from iotas only (a causal mask): the kernel computes it. Its ops join
             # the chain where only the chain reads them; one XLA also reads elsewhere (bf16:
             # the mask is a kernel of its own, the backward reads it too) stays outside,
@@ -738,6 +744,20 @@ class _Recognizer:
             nodes.update(spread[1])
             return self.add(ChainOp("const", "scalar", shape.element_type,
                                     value=spread[0])), nodes
+        if node.opcode == "broadcast" and shape.element_type in _INDEX_INPUT_TYPES:
+            # Integer row (or column) values spread over the tile, compared with an iota: a
+            # cross-entropy gradient's one-hot of the labels. Read from their own buffer.
+            root, digits, moved = _strided(self.g, nid, self.members | set(node.users))
+            if self.g.nodes[root].shape.num_elements >= shape.num_elements or \
+                    not _row_major(self.g.nodes[root].shape):
+                return None
+            try:
+                spread = self.value_view(root, shape.dims, digits, rank)
+            except _NotAChain:
+                return None
+            nodes.update(moved)
+            self.index_inputs.append(root)
+            return self.add(ChainOp("input", rank, shape.element_type, view=spread)), nodes
         if node.opcode not in _INDEX_OPS or not node.operands or any(
                 self.g.nodes[o].shape.dims != shape.dims for o in node.operands):
             return None

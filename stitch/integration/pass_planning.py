@@ -292,6 +292,7 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
 
     from .code_budget import (budget_setting, estimated_statements, lower_within_budget,
                               statements)
+    from .lm_head_placement import lm_head_jobs
     from .payback import Unpaid, modeled_gain_s, payback_setting, unpaid
 
     jobs: list[tuple[ComputationView, Any, Any, Any]] = []
@@ -379,8 +380,20 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             if request.device == "gpu" and LOOP_COPIES_ON_GPU and \
             graph_plan.graph.kind != "entry" else None
         report.skipped.extend(left_out)
-        # The attention backward's kernels first: the forward chains then lose the values
-        # only the backward read (attention_backward_jobs).
+        # LM head + cross-entropy sites first: the XLA instructions they take are not the
+        # plan's kernels' any more (stitch.integration.lm_head_placement).
+        lm_jobs, lm_taken = lm_head_jobs(request, report, view, gi, graph_plan.graph, spec,
+                                         grid_sync_setting != "off")
+        if lm_taken:
+            report.skipped.extend((k.name, "its XLA instructions go to an LM head loss kernel")
+                                  for k in snapped
+                                  if lm_taken & {view.top_of(m) for m in k.members})
+            snapped = [k for k in snapped
+                       if not lm_taken & {view.top_of(m) for m in k.members}]
+        for job in lm_jobs:
+            add(job)
+        # The attention backward's kernels before the chains: the forward chains then lose
+        # the values only the backward read (attention_backward_jobs).
         from .attention_backward_jobs import attention_backward_jobs, without_backward_reads
         chain_jobs = _chain_jobs(request, report, view, gi, graph_plan, snapped)
         backward_jobs = attention_backward_jobs(request, report, module, view, gi, graph_plan,

@@ -12,11 +12,12 @@ import pytest
 
 from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
+from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.gemm_chains import chain_of, softmax_parts
 from stitch.integration import deviceless
 
 from .conftest import TARGET, assert_no_spills
-from .test_gpu_deviceless import check_assembled, check_placement
+from .test_gpu_deviceless import check_assembled, check_placement, stitch_calls
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
@@ -127,3 +128,35 @@ def test_training_forward_attention_is_one_chain_kernel(h100_mesh, dtype):
     backward = any("attention_backward" in name for name in report.placed)
     assert len(built.lowered.outputs) == 1 + (0 if backward else len(chain.extra_outputs))
     _check_on_host(graph_plan.graph, chain, seed=31, tol={"f32": 1e-4, "bf16": 2e-2}[dtype])
+
+
+# A one-layer GPT-2-style bf16 step (bench.real_steps at small sizes): XLA fuses the causal
+# mask's iotas into a kernel of their own that the backward reads too, and the beam took it
+# before it reached the chain (beam.offer_points).
+SMALL_GPT2 = dict(batch=4, seq=256, d_model=HEADS * HEAD_DIM, heads=HEADS, mlp=512, vocab=256)
+
+
+def test_bf16_training_step_plans_its_forward_attention_as_a_chain(deviceless_ready):
+    from bench import real_steps
+    cfg = real_steps.config("gpt2", 1, "bfloat16", **SMALL_GPT2)
+    result = deviceless.compile_with_pass(real_steps.lower_for(cfg, TARGET), "gpt2_bf16",
+                                          TARGET)
+    report = result.report
+    graph_plan = report.plan.graphs[0]
+    chains = [k for k in graph_plan.stitched.kernels if k.kind == "gemm_chain"]
+    assert len(chains) == 1, report.summary()
+    assert chains[0].name in report.placed, (report.skipped, report.fallbacks)
+    # The whole step keeps XLA's copies of donated state between kernels, so
+    # check_placement's "only kernels at the top level" does not hold: the chain's call is
+    # checked on its own.
+    built = next(k for k in report.kernels if k.name == chains[0].name)
+    calls = stitch_calls(parse_hlo(result.text))
+    assert built.target.name in calls
+    params = built.lowered.kernel.params
+    assert len(calls[built.target.name].operands) == sum(not p.is_output for p in params)
+    check_assembled(result)
+    chain = chain_of(graph_plan.graph, tuple(chains[0].members))
+    assert chain is not None and chain.extra_outputs
+    assert (chain.batch, chain.m, chain.n, chain.k, chain.h) == (
+        cfg.batch * cfg.heads, cfg.seq, cfg.seq, HEAD_DIM, HEAD_DIM)
+    _check_on_host(graph_plan.graph, chain, seed=47, tol=2e-2)
