@@ -189,17 +189,22 @@ def bind(template: Any, template_nodes: tuple[int, ...], template_names: tuple[s
     outputs = [to_site[v] for v in template.outputs]
     kernel = template.kernel.renamed(name)
     check_params(kernel, inputs + outputs, graph)
-    notes = list(template.notes)
-    if notes and names:
-        pattern = re.compile(r"(?<![\w.\-])(" + "|".join(
-            re.escape(n) for n in sorted(names, key=len, reverse=True)) + r")(?![\w.\-])")
-        notes = [pattern.sub(lambda m: names[m.group(0)], n) for n in notes]
+    notes = renamed_texts(list(template.notes), names)
     return dataclasses.replace(
         template, kernel=kernel, inputs=inputs, outputs=outputs,
         schemes=list(template.schemes), notes=notes,
         initial={to_site[o]: to_site[i] for o, i in template.initial.items()},
         layouts={to_site[v]: layout for v, layout in template.layouts.items()},
         split_rows={names[n]: k for n, k in template.split_rows.items()})
+
+
+def renamed_texts(texts: list[str], names: dict[str, str]) -> list[str]:
+    """``texts`` (notes, reasons) with every node name of ``names`` replaced by its value."""
+    if not texts or not names:
+        return texts
+    pattern = re.compile(r"(?<![\w.\-])(" + "|".join(
+        re.escape(n) for n in sorted(names, key=len, reverse=True)) + r")(?![\w.\-])")
+    return [pattern.sub(lambda m: names[m.group(0)], t) for t in texts]
 
 
 def check_params(kernel: kir.Kernel, bound: list[int], graph: OpGraph) -> None:
@@ -229,9 +234,52 @@ _TEMPLATES_LOCK = threading.Lock()
 
 
 def forget_lowerings() -> None:
-    """Drop the process's kept lowerings (tests)."""
+    """Drop the process's kept lowerings and row-layout proofs (tests)."""
     with _TEMPLATES_LOCK:
         _TEMPLATES.clear()
+        _PROOFS.clear()
+
+
+# Row-layout proofs (``lower``'s index-array proof of a row part) by key, across kernels:
+# a packed kernel repeats parts other kernels hold too (GPT-2's 12-layer step: 147 parts
+# lowered, 23 distinct). Each entry: the proved site's nodes and names, and the proof.
+_PROOFS: "OrderedDict[str, tuple[tuple[int, ...], tuple[str, ...], Any]]" = OrderedDict()
+
+
+def proof_key(graph: OpGraph, members: frozenset[int], facts: tuple, written: set[int],
+              what: str) -> SiteKey | None:
+    """The key of a proof ``what`` about the nodes ``members`` (``site_key``'s description
+    of them as a kernel), given the schedule ``facts`` it reads (ints, strings) and which
+    members the kernel writes; None where ``site_key`` gives none."""
+    key = site_key(graph, members, facts)
+    if key is None:
+        return None
+    position = {v: i for i, v in enumerate(key.nodes)}
+    mine = sorted(position[v] for v in written if v in members)
+    text = f"{what} {key.key} written={mine}"
+    return SiteKey(hashlib.sha256(text.encode()).hexdigest(), key.nodes)
+
+
+def kept_proof(key: SiteKey, graph: OpGraph) -> tuple[dict[int, int], dict[str, str], Any] | None:
+    """The proof kept under ``key``: node ids of the site it was made for mapped to this
+    site's (``key.nodes``), its names to this site's, and the proof; None if none is kept."""
+    with _TEMPLATES_LOCK:
+        kept = _PROOFS.get(key.key)
+        if kept is None:
+            return None
+        _PROOFS.move_to_end(key.key)
+    nodes, names, proof = kept
+    ids = dict(zip(nodes, key.nodes))
+    return ids, {a: graph.nodes[b].name for a, b in zip(names, key.nodes)}, proof
+
+
+def keep_proof(key: SiteKey, graph: OpGraph, proof: Any) -> None:
+    """Keep ``proof`` (made for the site ``key.nodes`` of ``graph``) under ``key``."""
+    names = tuple(graph.nodes[v].name for v in key.nodes)
+    with _TEMPLATES_LOCK:
+        _PROOFS[key.key] = (key.nodes, names, proof)
+        while len(_PROOFS) > MAX_KEPT:
+            _PROOFS.popitem(last=False)
 
 
 def _disk_key(key: str) -> str:
