@@ -59,7 +59,7 @@ from stitch.hlo_passes.sorted_runs import RunScatter, run_scatter
 from stitch.hlo_passes.scatter_forms import (gather_index_map, known_index_values, scatter_batch_dims,
                                              scatter_form, scatter_window)
 
-from . import compact_rows, kir, lowering_reuse
+from . import compact_rows, kir, site_keys
 from .errors import CodegenError
 # Shared with lower_global; kept under this module's own short names.
 from .row_mapping import RowSplit as _Split, RowUnit as _Unit, kept_dims as _kept_dims
@@ -973,28 +973,28 @@ class _KernelBuilder:
     # --- layout proof --------------------------------------------------------------------
     def _proved_row_layout(self, part) -> "_RowLayout | str":
         """``_row_layout(part)``, from an earlier proof of a part equal but for names and
-        node ids (``lowering_reuse.proof_key``: the part's nodes, what the proof reads of
+        node ids (``site_keys.proof_key``: the part's nodes, what the proof reads of
         the schedule, which members the kernel writes) where one is kept
         (``REUSE_ROW_LAYOUTS``), renumbered to this part's nodes."""
         key = None
         if REUSE_ROW_LAYOUTS:
             facts = (part.rows, part.blocks, part.unit, part.minor, self.schedule.block,
                      ROW_CHECK_ELEMENTS, FULL_IDS_ELEMENTS)
-            key = lowering_reuse.proof_key(self.graph, frozenset(part.members), facts,
+            key = site_keys.proof_key(self.graph, frozenset(part.members), facts,
                                            set(self.outputs), "row-layout")
         if key is not None:
-            kept = lowering_reuse.kept_proof(key, self.graph)
+            kept = site_keys.kept_proof(key, self.graph)
             if kept is not None:
                 ids, names, proof = kept
                 if isinstance(proof, str):
-                    return lowering_reuse.renamed_texts([proof], names)[0]
+                    return site_keys.renamed_texts([proof], names)[0]
                 return _RowLayout({ids[v] for v in proof.reductions},
                                   {ids[v]: split for v, split in proof.splits.items()},
                                   {ids[v] for v in proof.per_row})
         layout = self._row_layout(part)
         if key is not None:
             # A copy: the proof kept is nobody's to change.
-            lowering_reuse.keep_proof(key, self.graph, layout if isinstance(layout, str) else
+            site_keys.keep_proof(key, self.graph, layout if isinstance(layout, str) else
                                       _RowLayout(set(layout.reductions), dict(layout.splits),
                                                  set(layout.per_row)))
         return layout
