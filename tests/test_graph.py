@@ -463,3 +463,39 @@ def test_entry_baseline_of_bert_training_is_xlas_partition():
     found = Counter(_group_category(entry, ids) for ids in _launching_groups(entry))
     assert found == Counter(k.category for k in kernels) and found["memory"] > 20
     assert any(n.xla_group and n.op_class is OpClass.REDUCTION for n in entry.nodes)
+
+
+def test_unit_bitmasks_of_a_large_graph_agree_with_the_search(monkeypatch):
+    """Above REACHABILITY_MAX_NODES, ``is_convex`` proves convexity between units (XLA
+    fusions, every other op alone) and searches otherwise: on random unions of nearby
+    units and random op sets of a real XLA GPU module its answers equal the search's."""
+    import stitch.hlo_passes.graph as graph_module
+    from tests.fixtures import DATA
+
+    text = (DATA / "bert_layer_train" / "full.gpu-h100.hlo").read_text()
+    graph = _graphs(text)[0]
+    units: dict[object, list[int]] = {}
+    for node in graph.nodes:
+        grouped = node.xla_group is not None and node.op_class is not OpClass.SOURCE
+        units.setdefault(node.xla_group if grouped else node.id, []).append(node.id)
+    assert len(units) < len(graph.nodes)
+    rng = random.Random(23)
+    by_first = sorted(units.values())
+    sets = []
+    for _ in range(300):
+        start = rng.randrange(len(by_first))
+        picked = {min(len(by_first) - 1, start + rng.randint(0, 12))
+                  for _ in range(rng.randint(1, 6))}
+        sets.append({v for i in picked for v in by_first[i]})
+    for _ in range(100):
+        start = rng.randrange(len(graph.nodes))
+        sets.append({min(len(graph.nodes) - 1, start + rng.randint(0, 24))
+                     for _ in range(rng.randint(1, 12))})
+    monkeypatch.setattr(graph_module, "REACHABILITY_MAX_NODES", len(units))
+    by_units = [graph.is_convex(s) for s in sets]
+    assert graph.unit_reachability() is not None
+    monkeypatch.setattr(graph_module, "REACHABILITY_MAX_NODES", -1)
+    searched = [graph.is_convex(s) for s in sets]
+    assert graph.unit_reachability() is None
+    assert by_units == searched
+    assert any(searched[:300]) and not all(searched[:300])

@@ -219,3 +219,35 @@ def test_kernel_ir_data_round_trips_and_refuses_other_types(setting) -> None:
     data["nodes"][0][0] = "Popen"
     with pytest.raises(KirDataError):
         kernel_from_data(data)
+
+
+def test_row_layout_proofs_are_reused_and_lower_the_same_kernels(setting, monkeypatch) -> None:
+    """A row part's layout proof is made once per key and renumbered for the parts equal
+    but for names (l1, l2); another constant (l3) is proved afresh; each kernel lowers to
+    the Kernel IR and notes it lowers to with every proof made anew."""
+    from stitch.codegen import lower
+
+    graph, evaluator, layers = setting
+    proved: list[frozenset[int]] = []
+    original = lower._KernelBuilder._row_layout
+
+    def counted(self, part):
+        proved.append(frozenset(part.members))
+        return original(self, part)
+
+    monkeypatch.setattr(lower._KernelBuilder, "_row_layout", counted)
+    results = {}
+    for reuse in (False, True):
+        lowering_reuse.forget_lowerings()
+        monkeypatch.setattr(lower, "REUSE_ROW_LAYOUTS", reuse)
+        proved.clear()
+        results[reuse] = [lower_kernel(graph, evaluator, schedule, f"k_{layer}")
+                          for layer, (_, schedule) in sorted(layers.items())]
+        results[reuse, "proved"] = len(proved)
+    assert results[False, "proved"] == 3
+    assert results[True, "proved"] == 2
+    for fresh, reused in zip(results[False], results[True]):
+        assert kernel_ir_text(fresh.kernel) == kernel_ir_text(reused.kernel)
+        assert (fresh.notes, fresh.schemes, fresh.split_rows) == \
+            (reused.notes, reused.schemes, reused.split_rows)
+    assert all(scheme in ("warp", "block") for k in results[True] for scheme in k.schemes)

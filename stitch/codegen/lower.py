@@ -59,7 +59,7 @@ from stitch.hlo_passes.sorted_runs import RunScatter, run_scatter
 from stitch.hlo_passes.scatter_forms import (gather_index_map, known_index_values, scatter_batch_dims,
                                              scatter_form, scatter_window)
 
-from . import compact_rows, kir
+from . import compact_rows, kir, site_keys
 from .errors import CodegenError
 # Shared with lower_global; kept under this module's own short names.
 from .row_mapping import RowSplit as _Split, RowUnit as _Unit, kept_dims as _kept_dims
@@ -74,6 +74,9 @@ ROW_CHECK_ELEMENTS = 1 << 24
 # Largest value whose row ids the proof holds in full; larger ones are kept compact
 # (``compact_rows``). Tests lower it to prove small kernels the compact way.
 FULL_IDS_ELEMENTS = ROW_CHECK_ELEMENTS
+# A row part's layout proof is made once per part equal but for names and node ids, and
+# renumbered for the others (``_KernelBuilder._proved_row_layout``).
+REUSE_ROW_LAYOUTS = True
 # Most start positions of a dynamic-(update-)slice the layout proof tries one by one.
 MAX_DYNAMIC_STARTS = 256
 
@@ -467,7 +470,7 @@ class _KernelBuilder:
             bid = em.let("block", local_block)
             scheme = "thread"
             if part.kind == "row" and part.unit in ("warp", "block"):
-                layout = self._row_layout(part)
+                layout = self._proved_row_layout(part)
                 if isinstance(layout, _RowLayout):
                     scheme = part.unit
                     self._unit_part(em, part, layout, written, bid)
@@ -968,6 +971,34 @@ class _KernelBuilder:
         return kir.Ref(total, value.dtype)
 
     # --- layout proof --------------------------------------------------------------------
+    def _proved_row_layout(self, part) -> "_RowLayout | str":
+        """``_row_layout(part)``, from an earlier proof of a part equal but for names and
+        node ids (``site_keys.proof_key``: the part's nodes, what the proof reads of
+        the schedule, which members the kernel writes) where one is kept
+        (``REUSE_ROW_LAYOUTS``), renumbered to this part's nodes."""
+        key = None
+        if REUSE_ROW_LAYOUTS:
+            facts = (part.rows, part.blocks, part.unit, part.minor, self.schedule.block,
+                     ROW_CHECK_ELEMENTS, FULL_IDS_ELEMENTS)
+            key = site_keys.proof_key(self.graph, frozenset(part.members), facts,
+                                           set(self.outputs), "row-layout")
+        if key is not None:
+            kept = site_keys.kept_proof(key, self.graph)
+            if kept is not None:
+                ids, names, proof = kept
+                if isinstance(proof, str):
+                    return site_keys.renamed_texts([proof], names)[0]
+                return _RowLayout({ids[v] for v in proof.reductions},
+                                  {ids[v]: split for v, split in proof.splits.items()},
+                                  {ids[v] for v in proof.per_row})
+        layout = self._row_layout(part)
+        if key is not None:
+            # A copy: the proof kept is nobody's to change.
+            site_keys.keep_proof(key, self.graph, layout if isinstance(layout, str) else
+                                      _RowLayout(set(layout.reductions), dict(layout.splits),
+                                                 set(layout.per_row)))
+        return layout
+
     def _row_layout(self, part) -> "_RowLayout | str":
         """The part's row layout (see the module docstring), or why it has none. Row ids
         (-1: row-independent) are pushed through the part on index arrays with the

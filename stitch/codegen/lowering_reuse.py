@@ -3,7 +3,7 @@ their fusions per layer; a training step's forward and backward share many) diff
 the names of what they compute and the node ids they read and write, so one lowering is
 bound to every site.
 
-``site_key(graph, members, schedule, layouts, in_place)`` describes everything
+``site_key(graph, members, schedule, layouts, in_place)`` (``site_keys``) describes everything
 ``lower.lower_kernel`` reads of a kernel's site, with node ids replaced by their position
 among the kernel's nodes (its members and the values they read, in graph order) and names
 left out: opcodes, shapes and layouts, attributes (``metadata`` left out; called
@@ -30,153 +30,20 @@ digest and stitch's version; an entry that does not read back is lowered afresh.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.ir import Computation
 
 from . import kir
 from .errors import CodegenError
+from .site_keys import forget_proofs, renamed_texts, site_key
 
 log = logging.getLogger(__name__)
-
-# Ops whose lowering looks past the kernel's own nodes (index values known from their
-# producers, scatter forms): their kernels are lowered per site.
-LOOKS_BEYOND = frozenset({"gather", "scatter", "dynamic-slice", "dynamic-update-slice"})
-
-# Attributes that do not change what an instruction computes.
-IGNORED_ATTRS = frozenset({"metadata"})
-
-# Schedule fields that hold node ids (KernelSchedule, PartSchedule, GroupSchedule,
-# SharedBuffer, GlobalReduction); ``rejected`` is the tuner's notes, not the schedule.
-ID_FIELDS = frozenset({"members", "root", "node", "cached"})
-SKIPPED_FIELDS = frozenset({"rejected"})
-
-# Lowerings kept per process (across modules): the oldest go first.
-MAX_KEPT = 4096
-
-_IDENT = re.compile(r"%?[A-Za-z_][\w.\-]*")
-
-
-class _NoKey(CodegenError):
-    """The site cannot be described without its names or node ids."""
-
-
-@dataclass(frozen=True)
-class SiteKey:
-    key: str                  # sha256 of the description
-    nodes: tuple[int, ...]    # the kernel's nodes in graph order: position -> node id
-
-
-def _computation_text(comp: Computation, computations: dict[str, Computation],
-                      memo: dict[str, str]) -> str:
-    """A called computation as text without its names: instructions by position."""
-    done = memo.get(comp.name)
-    if done is not None:
-        return done
-    memo[comp.name] = "<recursive>"
-    at = {inst.name: i for i, inst in enumerate(comp.instructions)}
-    lines = []
-    for inst in comp.instructions:
-        attrs = _attrs_text(inst.attrs, computations, memo)
-        operands = ",".join(str(at.get(o, o)) for o in inst.operands)
-        lines.append(f"{inst.opcode} {inst.shape} ({operands}) {attrs} {inst.literal!r} "
-                     f"{inst.parameter_number} {inst.is_root}")
-    text = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    memo[comp.name] = text
-    return text
-
-
-def _attrs_text(attrs: dict[str, str], computations: dict[str, Computation],
-                memo: dict[str, str]) -> str:
-    parts = []
-    for key in sorted(attrs):
-        if key in IGNORED_ATTRS:
-            continue
-        value = attrs[key]
-
-        def named(m: re.Match) -> str:
-            comp = computations.get(m.group(0).lstrip("%"))
-            return m.group(0) if comp is None else \
-                "{" + _computation_text(comp, computations, memo) + "}"
-        parts.append(f"{key}={_IDENT.sub(named, value)}")
-    return ",".join(parts)
-
-
-def _schedule_text(obj: Any, position: dict[int, int], ids: bool = False) -> str:
-    if ids:
-        if isinstance(obj, int) and not isinstance(obj, bool):
-            if obj not in position:
-                raise _NoKey(f"schedule names node {obj}, outside the kernel")
-            return f"#{position[obj]}"
-        if isinstance(obj, (tuple, list, set, frozenset)):
-            items = sorted(obj) if isinstance(obj, (set, frozenset)) else obj
-            return "(" + ",".join(_schedule_text(v, position, True) for v in items) + ")"
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return type(obj).__name__ + "(" + ",".join(
-            f"{f.name}={_schedule_text(getattr(obj, f.name), position, f.name in ID_FIELDS)}"
-            for f in dataclasses.fields(obj) if f.name not in SKIPPED_FIELDS) + ")"
-    if isinstance(obj, (list, tuple)):
-        return "[" + ",".join(_schedule_text(v, position) for v in obj) + "]"
-    if isinstance(obj, dict):
-        return "{" + ",".join(f"{_schedule_text(k, position)}:{_schedule_text(v, position)}"
-                              for k, v in obj.items()) + "}"
-    if isinstance(obj, (str, int, float, bool, type(None))):
-        return repr(obj)
-    raise _NoKey(f"schedule holds a {type(obj).__name__}")
-
-
-def site_key(graph: OpGraph, members: frozenset[int] | set[int], schedule: Any,
-             layouts: dict[int, tuple[int, ...]] | None = None, in_place: bool = False,
-             memo: dict[str, str] | None = None) -> SiteKey | None:
-    """The key of the kernel of ``members`` lowered with ``schedule`` (module docstring), or
-    None where its lowering may depend on more than the key says. ``memo``: called
-    computations' texts, shared by the sites of one graph."""
-    memo = {} if memo is None else memo
-    nodes = graph.nodes
-    mine = set(members)
-    if any(nodes[v].opcode in LOOKS_BEYOND for v in mine):
-        return None
-    around = set(mine)
-    for v in mine:
-        around.update(nodes[v].operands)
-    order = tuple(sorted(around))
-    position = {v: i for i, v in enumerate(order)}
-    outputs = set(graph.outputs)
-    lines = [f"in_place={in_place}"]
-    try:
-        for v in order:
-            node = nodes[v]
-            inst = node.instruction
-            if v in mine:
-                lines.append(
-                    f"m {node.opcode} {node.shape} {node.op_class.value} "
-                    f"({','.join(str(position[o]) for o in node.operands)}) "
-                    f"written={v in outputs or any(u not in mine for u in node.users)} "
-                    f"{_attrs_text(inst.attrs, graph.computations, memo)} {inst.literal!r} "
-                    f"{node.index}")
-            else:
-                # A value read: only its buffer's shape matters, and a scalar constant's
-                # value (it is inlined).
-                lines.append(f"r {node.opcode} {node.shape} {node.op_class.value} "
-                             f"{inst.literal if node.opcode == 'constant' else ''!r} "
-                             f"{node.index}")
-        lines.append(_schedule_text(schedule, position))
-        lines.append(",".join(f"#{position[v]}:{tuple(layout)}"
-                              for v, layout in sorted((layouts or {}).items())
-                              if v in position))
-    except _NoKey as exc:
-        log.debug("no reuse key: %s", exc)
-        return None
-    return SiteKey(hashlib.sha256("\n".join(lines).encode()).hexdigest(), order)
-
 
 def bind(template: Any, template_nodes: tuple[int, ...], template_names: tuple[str, ...],
          nodes: tuple[int, ...], graph: OpGraph, name: str) -> Any:
@@ -189,11 +56,7 @@ def bind(template: Any, template_nodes: tuple[int, ...], template_names: tuple[s
     outputs = [to_site[v] for v in template.outputs]
     kernel = template.kernel.renamed(name)
     check_params(kernel, inputs + outputs, graph)
-    notes = list(template.notes)
-    if notes and names:
-        pattern = re.compile(r"(?<![\w.\-])(" + "|".join(
-            re.escape(n) for n in sorted(names, key=len, reverse=True)) + r")(?![\w.\-])")
-        notes = [pattern.sub(lambda m: names[m.group(0)], n) for n in notes]
+    notes = renamed_texts(list(template.notes), names)
     return dataclasses.replace(
         template, kernel=kernel, inputs=inputs, outputs=outputs,
         schemes=list(template.schemes), notes=notes,
@@ -223,15 +86,19 @@ class _Template:
     names: tuple[str, ...]
 
 
+# Lowerings kept per process (across modules): the oldest go first.
+MAX_KEPT = 4096
+
 # The process's lowerings by key (across modules and passes), oldest first out.
 _TEMPLATES: "OrderedDict[str, _Template]" = OrderedDict()
 _TEMPLATES_LOCK = threading.Lock()
 
 
 def forget_lowerings() -> None:
-    """Drop the process's kept lowerings (tests)."""
+    """Drop the process's kept lowerings and proofs (tests)."""
     with _TEMPLATES_LOCK:
         _TEMPLATES.clear()
+    forget_proofs()
 
 
 def _disk_key(key: str) -> str:

@@ -36,7 +36,8 @@ FREE_OPCODES = frozenset({"bitcast", "get-tuple-element", "tuple", "add-dependen
                           "optimization-barrier", "after-all", "while", "conditional"})
 
 # Graphs up to this many nodes keep reachability bitmasks for ``OpGraph.is_convex``
-# (2 * n^2 bits: 32 MiB at 16,384 nodes); larger ones search.
+# (2 * n^2 bits: 32 MiB at 16,384 nodes); larger ones keep them between their units (XLA
+# fusions, each other op alone) where there are at most this many, else search.
 REACHABILITY_MAX_NODES = 16384
 
 # A value during construction: a node id, or a tuple of values (a tuple not materialized).
@@ -75,6 +76,9 @@ class OpGraph:
     # (node count, descendants, ancestors): per node, a bitmask of the nodes it reaches
     # and of the nodes reaching it (``is_convex``); built on first use.
     _reach: tuple[int, list[int], list[int]] | None = field(default=None, repr=False)
+    # Above REACHABILITY_MAX_NODES: the same bitmasks between units (``UnitReach``).
+    _unit_reach: tuple[tuple[int, int], "UnitReach | None"] | None = field(default=None,
+                                                                           repr=False)
     # The module's computations by name (shared by all graphs of a module): what a GEMM
     # fusion kept as one node computes, and reducers' to_apply (stitch.hlo_passes.gemm_chains).
     computations: dict[str, Computation] = field(default_factory=dict, repr=False)
@@ -130,6 +134,13 @@ class OpGraph:
                 above |= anc[m]
                 inside |= 1 << m
             return not (below & above & ~inside)
+        units = self.unit_reachability()
+        if units is not None and units.surely_convex(members):
+            return True
+        return self._searched_convex(members)
+
+    def _searched_convex(self, members: set[int]) -> bool:
+        """``is_convex`` by a forward search, bounded by the last member."""
         last = max(members)
         stack = [u for m in members for u in self.nodes[m].users
                  if u not in members and u < last]
@@ -165,6 +176,15 @@ class OpGraph:
             self._reach = (n, desc, anc)
         return self._reach[1], self._reach[2]
 
+    def unit_reachability(self) -> "UnitReach | None":
+        """The unit-level bitmasks of a graph above REACHABILITY_MAX_NODES (None: at most
+        that many nodes, too many units, or a cycle between them)."""
+        key = (len(self.nodes), REACHABILITY_MAX_NODES)
+        if self._unit_reach is None or self._unit_reach[0] != key:
+            built = UnitReach.build(self) if key[0] > key[1] else None
+            self._unit_reach = (key, built)
+        return self._unit_reach[1]
+
     def hbm_bytes(self, ids: Iterable[int]) -> int:
         """Bytes a kernel made of ``ids`` moves through HBM: each outside value it reads,
         once, plus each value it produces that is used outside or leaves the graph, once.
@@ -191,6 +211,94 @@ class OpGraph:
             if m in outputs or any(u not in members for u in node.users):
                 written += node.shape.byte_size
         return sum(reads.values()) + written
+
+
+@dataclass
+class UnitReach:
+    """Reachability between a large graph's units: an XLA fusion's ops are one unit, every
+    other op (sources too) one of its own. A path between ops maps to a path between their
+    units, so a union of whole units no outside unit both leaves and re-enters is convex;
+    the converse need not hold (a path may enter a multi-output fusion by one part and leave
+    by another), so the units only ever prove convexity and ``is_convex`` searches
+    otherwise. XLA's fusions being convex, the units form a DAG."""
+
+    unit_of: list[int]        # node id -> unit (topological position among the units)
+    sizes: list[int]          # unit -> its op count
+    desc: list[int]           # unit -> bitmask of the units it reaches
+    anc: list[int]            # unit -> bitmask of the units reaching it
+
+    @staticmethod
+    def build(graph: OpGraph) -> "UnitReach | None":
+        first: dict[object, int] = {}
+        unit_of: list[int] = []
+        for node in graph.nodes:
+            if node.xla_group is not None and node.op_class is not OpClass.SOURCE:
+                unit_of.append(first.setdefault(node.xla_group, len(first)))
+            else:
+                unit_of.append(len(first))
+                first[(node.id,)] = len(first)
+        count = len(first)
+        if count > REACHABILITY_MAX_NODES:
+            return None
+        succ: list[set[int]] = [set() for _ in range(count)]
+        for node in graph.nodes:
+            a = unit_of[node.id]
+            succ[a].update(unit_of[u] for u in node.users if unit_of[u] != a)
+        order = _topological_units(succ)
+        if order is None:
+            log.warning("graph %s: its XLA fusions are not convex: convexity is searched",
+                        graph.name)
+            return None
+        position = [0] * count
+        for i, u in enumerate(order):
+            position[u] = i
+        unit_of = [position[u] for u in unit_of]
+        sizes = [0] * count
+        for u in unit_of:
+            sizes[u] += 1
+        succ = [{position[v] for v in succ[u]} for u in order]
+        desc = [0] * count
+        for u in range(count - 1, -1, -1):
+            d = 0
+            for v in succ[u]:
+                d |= desc[v] | (1 << v)
+            desc[u] = d
+        anc = [0] * count
+        for u in range(count):
+            for v in succ[u]:
+                anc[v] |= anc[u] | (1 << u)
+        return UnitReach(unit_of, sizes, desc, anc)
+
+    def surely_convex(self, members: set[int]) -> bool:
+        """True when ``members`` are whole units and no outside unit lies on a path
+        between two of them (then the op set is convex); False: undecided."""
+        units = {self.unit_of[m] for m in members}
+        if sum(self.sizes[u] for u in units) != len(members):
+            return False
+        below = above = inside = 0
+        for u in units:
+            below |= self.desc[u]
+            above |= self.anc[u]
+            inside |= 1 << u
+        return not (below & above & ~inside)
+
+
+def _topological_units(succ: list[set[int]]) -> list[int] | None:
+    """Kahn's order of the unit graph (None: it has a cycle)."""
+    indegree = [0] * len(succ)
+    for targets in succ:
+        for v in targets:
+            indegree[v] += 1
+    ready = deque(u for u, d in enumerate(indegree) if d == 0)
+    order: list[int] = []
+    while ready:
+        u = ready.popleft()
+        order.append(u)
+        for v in sorted(succ[u]):
+            indegree[v] -= 1
+            if indegree[v] == 0:
+                ready.append(v)
+    return order if len(order) == len(succ) else None
 
 
 def _is_bitcast_reshape(src: Shape, dst: Shape) -> bool:

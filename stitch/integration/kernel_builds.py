@@ -35,7 +35,11 @@ class GpuPrebuild:
     on lowering the next ones: ``submit`` each lowered kernel, then ``each_result()``.
     Emission runs in ``workers``' children on as many threads; kernels that differ only by
     name (and their parameters') are emitted and assembled once
-    (``gpu_cache.structure_key``), then renamed. What needs llvmlite in this process (the FFI
+    (``gpu_cache.structure_key``), then renamed. A thread that frees up takes the largest
+    build waiting (Kernel IR text, the structure key's length: LLVM and ptxas time grow
+    with it), not the oldest: lowering's order comes from an estimate that misjudges some
+    kernels (a Llama step's 94k-character kernel, estimated among the small ones, waited
+    12 s behind smaller builds and then trailed the pass alone). What needs llvmlite in this process (the FFI
     handler) is left to the caller, under ``pass_planning.LLVM_LOCK``. Use as a context
     manager (the threads are joined on exit)."""
 
@@ -66,22 +70,49 @@ class GpuPrebuild:
                                         thread_name_prefix="stitch-build")
         self._groups: dict[str, Any] = {}                 # structure key -> Future
         self._kernels: list[tuple[Any, Any]] = []         # (kernel, its group's Future)
+        # Builds not started: (-size, submission number, canonical kernel, key, Future).
+        self._waiting: list[tuple[int, int, Any, str, Any]] = []
+        self._waiting_lock = threading.Lock()
 
     def __enter__(self) -> "GpuPrebuild":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._waiting_lock:
+            for *_, future in self._waiting:
+                future.cancel()
+            self._waiting.clear()
 
     def submit(self, kernel: Any, key: str | None = None) -> None:
-        """Start ``kernel``'s build (``key``: its ``gpu_cache.structure_key`` if known)."""
+        """Queue ``kernel``'s build (``key``: its ``gpu_cache.structure_key`` if known)."""
+        import heapq
+        from concurrent.futures import Future
+
         from stitch.codegen.gpu_cache import canonical_kernel, structure_key
         key = structure_key(kernel) if key is None else key
         future = self._groups.get(key)
         if future is None:
-            future = self._groups[key] = self._pool.submit(self._build,
-                                                           canonical_kernel(kernel), key)
+            future = self._groups[key] = Future()
+            with self._waiting_lock:
+                heapq.heappush(self._waiting, (-len(key), len(self._groups),
+                                               canonical_kernel(kernel), key, future))
+            self._pool.submit(self._build_largest)
         self._kernels.append((kernel, future))
+
+    def _build_largest(self) -> None:
+        """The largest waiting build, run on this thread (one call per build queued)."""
+        import heapq
+        with self._waiting_lock:
+            if not self._waiting:
+                return
+            _, _, canonical, key, future = heapq.heappop(self._waiting)
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(self._build(canonical, key))
+        except BaseException as exc:  # noqa: BLE001 - handed to the kernel's waiters
+            future.set_exception(exc)
 
     def _build(self, canonical: Any, structure: str) -> tuple[str, Any]:
         """The canonical kernel's PTX and ptxas's result for it: compile-only, and on a

@@ -1,7 +1,8 @@
-"""The pass's lowering once per distinct kernel changes nothing it delivers: a small
-two-layer GPT-2-style training step (bench.real_steps at tiny sizes) compiled deviceless
-for an H100 with and without the reuse places the same kernels (same Kernel IR up to
-buffer names, bound to the same values), prices the same module and builds the same PTX."""
+"""The pass's lowering once per distinct kernel, and its row-layout proofs once per
+distinct part, change nothing it delivers: a small two-layer GPT-2-style training step
+(bench.real_steps at tiny sizes) compiled deviceless for an H100 with and without the reuse
+places the same kernels (same Kernel IR up to buffer names, bound to the same values),
+prices the same module and builds the same PTX."""
 from __future__ import annotations
 
 import re
@@ -30,7 +31,9 @@ def _normalized(kernel) -> str:
 
 def _compile(reuse: bool, monkeypatch: pytest.MonkeyPatch):
     from bench import real_steps
+    from stitch.codegen import lower
     monkeypatch.setattr(pass_planning, "REUSE_LOWERING", reuse)
+    monkeypatch.setattr(lower, "REUSE_ROW_LAYOUTS", reuse)
     lowering_reuse.forget_lowerings()
     cfg = real_steps.config("gpt2", 2, **TINY)
     result = deviceless.compile_with_pass(real_steps.lower_for(cfg, TARGET), "tiny_gpt2",
