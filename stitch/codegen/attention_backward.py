@@ -80,6 +80,9 @@ class AttentionBackward:
     dtype: str = _F32
     # (name in MATRICES, view) where not row-major.
     views: tuple[tuple[str, MatrixView], ...] = ()
+    # What XLA's module stores S, P, dP and dS in: bf16 / f16 (its half-precision steps)
+    # makes the kernels round where it does (``_BackwardKernel.rounded``).
+    intermediates: str = _F32
 
     def length(self, name: str) -> int:
         return self.queries if name in ("q", "d_o", "dq") else self.keys
@@ -93,6 +96,8 @@ class AttentionBackward:
             raise CodegenError(f"{self}: every dimension must be positive")
         if self.dtype not in STORAGE:
             raise CodegenError(f"{self}: operands of {self.dtype} are not lowered")
+        if self.intermediates not in (_F32, self.dtype):
+            raise CodegenError(f"{self}: {self.intermediates} scores of {self.dtype} operands")
         if self.causal and self.queries != self.keys:
             raise CodegenError(f"{self}: a causal mask is lowered for square scores only")
         for name, _ in self.views:
@@ -319,6 +324,18 @@ class _BackwardKernel:
         self.sc = kir.Shared("tile_c", _F32, t.block_cols * t.block_h)
         self.names = 0
 
+    def rounded(self, expr: kir.Expr) -> kir.Expr:
+        """``expr`` rounded to the type XLA stores the scores-sized values in (itself for
+        f32): S after its scale, dP, P as dV's operand, dS and c * dS as dQ's / dK's."""
+        if self.p.intermediates == _F32:
+            return expr
+        return kir.Unary(f"round_to_{self.p.intermediates}", expr)
+
+    def scaled_score(self, i: int, j: int) -> kir.Expr:
+        """c * S of the thread's element (i, j), stored as XLA stores S."""
+        raw = kir.Ref(self.s[i][j], _F32)
+        return self.rounded(_mul(self.rounded(raw), kir.f32(self.p.scale)))
+
     def let(self, out: list[kir.Stmt], hint: str, expr: kir.Expr) -> kir.Expr:
         if isinstance(expr, (kir.Const, kir.Ref)):
             return expr
@@ -487,6 +504,10 @@ class _BackwardKernel:
             (("q", "k"), ("d_o", "v"))
         self.first_gemm(out, self.s, *first, c0)
         self.first_gemm(out, self.dp, *second, c0)
+        if p.intermediates != _F32:         # dP as XLA's GEMM stores it
+            for row in self.dp:
+                for name in row:
+                    out.append(kir.Assign(name, self.rounded(kir.Ref(name, _F32))))
         cols = [self.let(out, "col", _add(c0, c)) for c in self.cols]
         valid: list[list[kir.Expr]] = []
         for row in self.rows:
@@ -523,8 +544,7 @@ class _BackwardKernel:
         _, valid = self.scores(out, kir.Ref("c0", "i32"))
         ninf = kir.f32(float("-inf"))
         for i in range(len(self.rows)):
-            x = [self.let(out, "x", kir.Select(ok, _mul(kir.Ref(self.s[i][j], _F32),
-                                                        kir.f32(self.p.scale)), ninf))
+            x = [self.let(out, "x", kir.Select(ok, self.scaled_score(i, j), ninf))
                  for j, ok in enumerate(valid[i])]
             old = kir.Ref(f"mx_{i}", _F32)
             new = self.let(out, "mnew", kir.Binary("max", old, self.row_reduce(out, "max", x)))
@@ -572,12 +592,17 @@ class _BackwardKernel:
             for j, col in enumerate(cols):
                 valid = valid_tile[i][j]
                 mx, total, delta = col_stats[j] if self.key_rows else self.row_stats[i]
-                x = _mul(kir.Ref(self.s[i][j], _F32), kir.f32(p.scale))
-                e = kir.Unary("exp", kir.Binary("sub", x, mx))
+                e = kir.Unary("exp", kir.Binary("sub", self.scaled_score(i, j), mx))
                 prob = self.let(out, "p", kir.Select(valid, kir.Binary("div", e, total),
                                                      kir.f32(0.0)))
                 grad = self.let(out, "ds", _mul(prob, kir.Binary(
                     "sub", kir.Ref(self.dp[i][j], _F32), delta)))
+                if p.intermediates != _F32:
+                    # XLA's stored P for dV, and its stored dS scaled in dQ's / dK's
+                    # GEMM prologue (the store then leaves the scale out).
+                    prob = self.let(out, "pr", self.rounded(prob))
+                    grad = self.let(out, "dsr", self.rounded(
+                        _mul(self.rounded(grad), kir.f32(p.scale))))
                 prow.append(prob)
                 grow.append(grad)
             probs.append(prow)
@@ -618,7 +643,7 @@ class _BackwardKernel:
         p, t = self.p, self.t
         out: list[kir.Stmt] = []
         for result, grid in self.acc.items():
-            scale = 1.0 if result == "dv" else p.scale
+            scale = 1.0 if result == "dv" or p.intermediates != _F32 else p.scale
             for i, row in enumerate(self.rows):
                 for j, name in enumerate(grid[i]):
                     h = _add(self.h0, self.acc_h[j])
@@ -748,4 +773,5 @@ def problem_for(match) -> AttentionBackward:
     views = tuple((name, MatrixView(st.batch, st.rows, st.cols))
                   for name, st in strides.items())
     return AttentionBackward(match.batch, match.queries, match.keys, match.head_dim,
-                             match.scale, match.causal, match.dtype, views)
+                             match.scale, match.causal, match.dtype, views,
+                             match.intermediates)

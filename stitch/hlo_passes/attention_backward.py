@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 from .combiners import combiner_kind
@@ -76,6 +77,9 @@ class AttentionBackwardMatch:
     causal: bool
     dtype: str
     tf32: bool = False      # every dot lets f32 operands run as TF32 (gemm_chains.allows_tf32)
+    # The type XLA stores S, P, dP and dS in: f32, or (bf16 / f16 steps) the operands'
+    # type, each GEMM result rounded to it and the softmax math widened to f32 between.
+    intermediates: str = "f32"
 
     @property
     def replaced(self) -> tuple[str, ...]:
@@ -91,7 +95,8 @@ def find_attention_backwards(module: HloModule) -> list[AttentionBackwardMatch]:
     finder = _Finder(module, comp)
     found = []
     for inst in comp.instructions:
-        if inst.opcode != "fusion" or len(inst.operands) != 3:
+        # dS reads S, dP and L, and the causal mask where XLA computes it apart.
+        if inst.opcode != "fusion" or len(inst.operands) not in (3, 4):
             continue
         try:
             found.append(finder.match(inst))
@@ -215,7 +220,39 @@ class _Softmax:
 
 
 class _Fused(_Computation):
-    """A fused computation of the softmax family (L, P, dS)."""
+    """A fused computation of the softmax family (L, P, dS). ``operand_of`` maps a
+    parameter number to the entry value the fusion reads there (the mask's own fusion)."""
+
+    def __init__(self, comp: Computation, module: HloModule, operand_of=None):
+        super().__init__(comp, module)
+        self.operand_of = operand_of
+
+    def strip(self, inst: Instruction) -> Instruction:
+        """Also through widening converts (bf16 / f16 to f32: exact, a rename of the
+        value); a narrowing one is a rounding and stops here (``rounded``)."""
+        while True:
+            inst = super().strip(inst)
+            if inst.opcode != "convert":
+                return inst
+            source = self.by_name[inst.operands[0]]
+            if inst.shape.element_type != "f32" or \
+                    source.shape.element_type not in ("bf16", "f16", "f32"):
+                return inst
+            inst = source
+
+    def rounded(self, inst: Instruction) -> tuple[Instruction, str]:
+        """A value computed in f32 and stored as ``inst``'s type: (the f32 value, the
+        stored type); an f32 value is its own."""
+        inst = self.strip(inst)
+        stored = inst.shape.element_type
+        if stored == "f32":
+            return inst, stored
+        if inst.opcode != "convert":
+            raise _NoMatch(f"{inst.name}: {stored} arithmetic, not f32 rounded to {stored}")
+        inner = self.strip(self.get(inst.operands[0]))
+        if inner.shape.element_type != "f32":
+            raise _NoMatch(f"{inst.name}: not a rounding of an f32 value")
+        return inner, stored
 
     def param(self, inst: Instruction) -> int:
         inst = self.strip(inst)
@@ -230,7 +267,21 @@ class _Fused(_Computation):
         rank = len(inst.shape.dims)
         if inst.ints("dimensions") != (rank - 2, rank - 1):
             raise _NoMatch(f"{inst.name}: the mask is not over the scores' last two dims")
-        cmp = self.is_(self.get(inst.operands[0]), "compare")
+        source = self.strip(self.get(inst.operands[0]))
+        if source.opcode == "parameter" and self.operand_of is not None:
+            # The [queries, keys] mask computed by a fusion of its own (XLA's bf16 steps).
+            outer = self.operand_of(source.parameter_number)
+            if outer.opcode != "fusion" or outer.operands:
+                raise _NoMatch(f"{outer.name}: the mask is not a fusion of iotas")
+            mask_comp = _Fused(self.module.computation(outer.called_computations[0]),
+                               self.module)
+            mask_comp.causal_compare(mask_comp.comp.root)
+            return
+        self.causal_compare(source)
+
+    def causal_compare(self, inst: Instruction) -> None:
+        """compare(iota dim 1, iota dim 0, LE) or the same as GE, operands swapped."""
+        cmp = self.is_(inst, "compare")
         lhs, rhs = (self.is_(x, "iota") for x in self.ops(cmp))
         dims = (lhs.int("iota_dimension"), rhs.int("iota_dimension"))
         direction = cmp.attrs.get("direction", "")
@@ -271,7 +322,8 @@ class _Finder:
     def fused(self, inst: Instruction) -> _Fused:
         if inst.opcode != "fusion":
             raise _NoMatch(f"{inst.name} is not a fusion")
-        return _Fused(self.module.computation(inst.called_computations[0]), self.module)
+        return _Fused(self.module.computation(inst.called_computations[0]), self.module,
+                      lambda param: self.operand(inst, param))
 
     def operand(self, fusion: Instruction, param: int) -> Instruction:
         """The entry value a fusion parameter reads (bitcasts seen through)."""
@@ -290,7 +342,8 @@ class _Finder:
 
     # --- the softmax gradient (dS) ----------------------------------------------------------
     def d_scores(self, fusion: Instruction) -> tuple[int, int, int, bool]:
-        """dS's fused computation: (S, dP, L parameters, causal)."""
+        """dS's fused computation: (S, dP, L parameters, causal). In a bf16 / f16 step
+        dS is computed in f32 and rounded before the mask's zeros are selected."""
         f = self.fused(fusion)
         root = f.strip(f.comp.root)
         mask = None
@@ -301,7 +354,7 @@ class _Finder:
                 raise _NoMatch(f"{root.name}: masked gradients are not 0")
             f.causal_mask(mask_inst)
             mask = f.strip(mask_inst)
-            body = f.strip(body)
+        body, _ = f.rounded(body)
 
         def with_exp(diff: Instruction, e: Instruction):
             s, causal, x_mask = f.shifted_exp(e)
@@ -359,7 +412,7 @@ class _Finder:
     def probs(self, fusion: Instruction) -> tuple[int, int, bool]:
         """P = exp(x - rowmax x) / bcast(L): (S's parameter, L's parameter, causal)."""
         f = self.fused(fusion)
-        div = f.is_(f.comp.root, "divide")
+        div = f.is_(f.rounded(f.comp.root)[0], "divide")
         e, l_b = f.ops(div)
         s, causal, _ = f.shifted_exp(e)
         return s, f.param(f.row_broadcast(l_b)), causal
@@ -398,7 +451,7 @@ class _Finder:
             sides.append((operand.parameter_number, scale))
         contracting = (dot.ints("lhs_contracting_dims"), dot.ints("rhs_contracting_dims"))
         return _Gemm(fusion, sides[0][0], sides[1][0], sides[0][1] * sides[1][1] * out_scale,
-                     contracting, dot.shape, allows_tf32(dot))
+                     contracting, dot.shape, allows_tf32(dot), out_scale)
 
     def gemm_of(self, fusion: Instruction, contracting: tuple, what: str) -> "_Gemm":
         g = self.gemm(fusion)
@@ -460,6 +513,8 @@ class _Finder:
                     found["dv"], p_inst = grad, reader
         if p_inst is None:
             raise _NoMatch(f"{ds_fusion.name}: no dV = P^T dO of the same P")
+        intermediates = self.intermediates(s_inst, l_inst, p_inst, dp_inst, ds_fusion,
+                                           score, [found[n][0] for n in ("dq", "dk")])
         # The operands as the GEMMs read them: one buffer layout each.
         q, k = self.direct(s_inst, score.lhs), self.direct(s_inst, score.rhs)
         d_o, v = self.direct(dp_inst, d_prob.lhs), self.direct(dp_inst, d_prob.rhs)
@@ -468,9 +523,33 @@ class _Finder:
                 raise _NoMatch(f"{found[name][0].name} reads {want.name} in another layout")
         tf32 = all(self.gemm(f).tf32 for f in (s_inst, dp_inst, *(
             found[n][0] for n in ("dq", "dk", "dv"))))
-        return dataclasses.replace(
-            self.describe(ds_fusion, s_inst, l_inst, dp_inst, p_inst, q, k, v, d_o, found,
-                          score.scale, causal), tf32=tf32)
+        match = self.describe(ds_fusion, s_inst, l_inst, dp_inst, p_inst, q, k, v, d_o, found,
+                              score.scale, causal)
+        if intermediates not in ("f32", match.dtype):
+            raise _NoMatch(f"{ds_fusion.name}: {intermediates} scores of {match.dtype} operands")
+        return dataclasses.replace(match, tf32=tf32, intermediates=intermediates)
+
+    def intermediates(self, s_inst: Instruction, l_inst: Instruction, p_inst: Instruction,
+                      dp_inst: Instruction, ds_fusion: Instruction, score: "_Gemm",
+                      grads: list[Instruction]) -> str:
+        """The one type S, P, dP and dS are stored in (L stays f32). Rounded to bf16 / f16,
+        the scale's place matters unless it is a power of two (then scaling is exact):
+        the kernels round S = c * (Q K^T) after the scale (XLA's epilogue) and scale dS
+        before dQ's and dK's GEMMs (XLA's prologue)."""
+        stored = s_inst.shape.element_type
+        for inst in (p_inst, dp_inst, ds_fusion):
+            if inst.shape.element_type != stored:
+                raise _NoMatch(f"{inst.name} is {inst.shape.element_type}, S is {stored}")
+        if l_inst.shape.element_type != "f32":
+            raise _NoMatch(f"{l_inst.name}: the row sums are not f32")
+        if stored == "f32" or _power_of_two(score.scale):
+            return stored
+        if not _close(score.epilogue, score.scale):
+            raise _NoMatch(f"{s_inst.name}: {stored} S scaled before its GEMM's rounding")
+        for grad in grads:
+            if self.gemm(grad).epilogue != 1.0:
+                raise _NoMatch(f"{grad.name}: {stored} dS scaled after its GEMM")
+        return stored
 
     def gradient(self, fusion: Instruction, big: Instruction, contract: int,
                  small: Instruction) -> tuple[Instruction, Strides, float, Instruction]:
@@ -530,6 +609,12 @@ class _Gemm:
     contracting: tuple
     out_shape: Shape          # the dot's (its layout: where the result lands)
     tf32: bool = False
+    epilogue: float = 1.0     # the part of ``scale`` applied to the dot's result
+
+
+def _power_of_two(x: float) -> bool:
+    mantissa, _ = math.frexp(abs(x))
+    return x != 0.0 and mantissa == 0.5
 
 
 def _close(a: float, b: float) -> bool:
