@@ -200,6 +200,8 @@ def test_refused_problems() -> None:
         lower_dq(AttentionBackward(2, 20, 30, 8, 0.3, True))
     with pytest.raises(CodegenError):
         lower_dq(AttentionBackward(2, 20, 20, 8, 0.3, True, "f64"))
+    with pytest.raises(CodegenError):       # scores stored in another half type
+        lower_dq(AttentionBackward(2, 20, 20, 8, 0.3, True, "bf16", intermediates="f16"))
     with pytest.raises(CodegenError):
         BackwardTiling(block_rows=16, block_cols=48, thread_cols=4).check()
 
@@ -208,13 +210,15 @@ def test_refused_problems() -> None:
 @pytest.mark.parametrize("dtype", ("f32", "bf16", "tf32"))
 def test_ptx_assembles_without_spills(dtype: str, arch: str) -> None:
     """GPT-2 small's attention per layer (96 heads x 1024 x 1024, d = 64), default tiles,
-    the two-phase kernel: "tf32" (f32 operands) and bf16 on tensor cores, f32 on FMA."""
+    the two-phase kernel: "tf32" (f32 operands) and bf16 on tensor cores (S, P, dP, dS
+    rounded to bf16 as XLA's bf16 step stores them), f32 on FMA."""
     from stitch.codegen.nvptx import emit_ptx
     from stitch.codegen.toolchain import assemble
     from tests.test_lowering_gemm_chain import _ptxas_or_skip
     _ptxas_or_skip(arch)
     problem = AttentionBackward(96, 1024, 1024, 64, 0.125, True,
-                                "f32" if dtype == "tf32" else dtype)
+                                "f32" if dtype == "tf32" else dtype,
+                                intermediates="bf16" if dtype == "bf16" else "f32")
     kernels = [lower_attention_backward(problem, name="bwd", arch=arch,
                                         allow_tf32=dtype == "tf32")]
     for kernel in kernels:
