@@ -17,6 +17,11 @@ either order, bitcasts seen through, the mask the same iota compare col <= row o
 the same S / L / scale everywhere) and returns an ``AttentionBackwardMatch`` naming the
 instructions and the problem. Nothing is approximated: dS above is P (dP - sum_k P dP)
 written out, which the kernels compute. Anything else is no match (logged at debug).
+
+In a bf16 / f16 step XLA stores S, P, dP and dS in the operands' type: each GEMM's result
+rounded, the softmax math widened to f32 and its results rounded back (``intermediates``;
+the kernels round at the same places), and at full size the causal mask is a pred
+fusion of its own that the L, P and dS fusions read as a parameter.
 """
 from __future__ import annotations
 
