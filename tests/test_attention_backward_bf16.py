@@ -2,7 +2,8 @@
 H100 (tests/data/attention_backward/xla_h100_step_bf16.hlo: the small causal step of
 tests/deviceless/test_training_attention.py in bf16, as XLA compiled it): S, P, dP and dS
 stored as bf16 with the softmax math in f32 between, and, as in GPT-2's full-size step,
-the causal mask computed by a fusion of its own. The kernels fed from the match round
+the causal mask computed by a fusion of its own, and (as in the Llama-style step) Q and K
+joined from halves that dQ's and dK's GEMMs read apart. The kernels fed from the match round
 where XLA's module rounds, so they compute what the reference evaluator computes from the
 module on fresh random inputs to bf16 accuracy (outputs poisoned)."""
 from __future__ import annotations
@@ -60,14 +61,49 @@ def _mask_apart(text: str) -> str:
     return "\n\n".join([*blocks[:entry], mask, *blocks[entry:]])
 
 
-def _step(mask_apart: bool):
+def _halves_joined(text: str) -> str:
+    """The step with Q and K each joined from two halves of the head dim by a fusion of
+    their own (S reads the joined values) while dK's and dQ's GEMM fusions join the
+    halves themselves (XLA's form of Llama's rotary Q and K)."""
+    half = "bf16[4,8,256,32]{3,2,1,0}"
+    joins, entry_lines = [], []
+    for x, param, gemm, inner in (("q", "q.1", "gemm_fusion_dot.8", "parameter_1.6"),
+                                  ("k", "k.1", "gemm_fusion_dot.7", "parameter_1.5")):
+        joins.append(f"joined_{x} {{\n  {x}a = {half} parameter(0)\n  {x}b = {half} "
+                     f"parameter(1)\n  ROOT {x}j = bf16[4,8,256,64]{{3,2,1,0}} "
+                     f"concatenate({x}a, {x}b), dimensions={{3}}\n}}")
+        old_inner = f"  {inner} = bf16[32,256,64]{{2,1,0}} parameter(1)\n"
+        assert old_inner in text
+        text = text.replace(old_inner, (
+            f"  {x}pa = {half} parameter(1)\n  {x}pb = {half} parameter(2)\n"
+            f"  {x}cat = bf16[4,8,256,64]{{3,2,1,0}} concatenate({x}pa, {x}pb), "
+            f"dimensions={{3}}\n  {inner} = bf16[32,256,64]{{2,1,0}} bitcast({x}cat)\n"))
+        read = "bitcast.49.0" if x == "q" else "bitcast.48.0"
+        old_read = f"  {read} = bf16[32,256,64]{{2,1,0}} bitcast({param})\n"
+        assert old_read in text
+        text = text.replace(old_read, (
+            f"  {x}_lo = {half} slice({param}), slice={{[0:4], [0:8], [0:256], [0:32]}}\n"
+            f"  {x}_hi = {half} slice({param}), slice={{[0:4], [0:8], [0:256], [32:64]}}\n"
+            f"  {x}_joined = bf16[4,8,256,64]{{3,2,1,0}} fusion({x}_lo, {x}_hi), kind=kLoop, "
+            f"calls=joined_{x}\n  {read} = bf16[32,256,64]{{2,1,0}} bitcast({x}_joined)\n"))
+        old_call = f"  {gemm} = bf16[32,256,64]{{2,1,0}} fusion(bitcast.67.0, {read})"
+        assert old_call in text
+        text = text.replace(old_call, f"  {gemm} = bf16[32,256,64]{{2,1,0}} "
+                                      f"fusion(bitcast.67.0, {x}_lo, {x}_hi)")
+    entry = text.index("\nENTRY")
+    return text[:entry] + "\n\n" + "\n\n".join(joins) + "\n" + text[entry:]
+
+
+def _step(mask_apart: bool, halves: bool = False):
     text = _STEP.read_text()
-    return parse_hlo(_mask_apart(text) if mask_apart else text)
+    text = _mask_apart(text) if mask_apart else text
+    return parse_hlo(_halves_joined(text) if halves else text)
 
 
-@pytest.mark.parametrize("mask_apart", [False, True], ids=("mask-fused", "mask-apart"))
-def test_the_bf16_step_s_backward_is_recognized(mask_apart: bool) -> None:
-    (match,) = find_attention_backwards(_step(mask_apart))
+@pytest.mark.parametrize("mask_apart,halves", [(False, False), (True, False), (True, True)],
+                         ids=("mask-fused", "mask-apart", "halves-joined"))
+def test_the_bf16_step_s_backward_is_recognized(mask_apart: bool, halves: bool) -> None:
+    (match,) = find_attention_backwards(_step(mask_apart, halves))
     assert (match.batch, match.queries, match.keys, match.head_dim) == (32, 256, 256, 64)
     assert match.causal and match.scale == 0.125
     assert match.dtype == "bf16" and match.intermediates == "bf16"
@@ -95,6 +131,12 @@ def test_a_different_bf16_computation_is_not_recognized(old: str, new: str) -> N
     assert find_attention_backwards(parse_hlo(text.replace(old, new))) == []
 
 
+def test_halves_joined_in_another_order_are_not_recognized() -> None:
+    text = _halves_joined(_STEP.read_text()).replace(
+        "fusion(bitcast.67.0, k_lo, k_hi)", "fusion(bitcast.67.0, k_hi, k_lo)")
+    assert find_attention_backwards(parse_hlo(text)) == []
+
+
 def test_a_separate_mask_that_is_not_causal_is_not_recognized() -> None:
     text = _mask_apart(_STEP.read_text()).replace("compare(iota.c1, iota.c0), direction=LE",
                                                   "compare(iota.c1, iota.c0), direction=GE")
@@ -102,7 +144,7 @@ def test_a_separate_mask_that_is_not_causal_is_not_recognized() -> None:
 
 
 def test_kernels_from_the_bf16_match_compute_xlas_gradients() -> None:
-    module = _step(mask_apart=True)
+    module = _step(mask_apart=True, halves=True)
     (match,) = find_attention_backwards(module)
     module, first = _with_outputs(module, [match.d_o, match.dq, match.dk, match.dv])
     rng = np.random.default_rng()

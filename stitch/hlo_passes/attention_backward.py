@@ -444,13 +444,18 @@ class _Finder:
             dot = f.is_(root, "dot")
         if dot.ints("lhs_batch_dims") != (0,) or dot.ints("rhs_batch_dims") != (0,):
             raise _NoMatch(f"{dot.name}: batch dims are not 0")
-        sides = []
-        for operand in f.ops(dot):
-            operand = f.strip(operand)
+        sides: list[tuple[int | tuple[int, ...], float]] = []
+        for read in f.ops(dot):
+            operand = f.strip(read)
             scale = 1.0
             if operand.opcode == "multiply":
                 operand, scale = _first([lambda a=a, b=b: (f.is_(a, "parameter"), f.constant(b))
                                          for a, b in f.pairs(operand, "multiply")], "prologue")
+            if len(read.shape.dims) != 3:
+                raise _NoMatch(f"{dot.name}: operands are not rank 3")
+            if operand.opcode == "concatenate" and scale == 1.0:
+                sides.append((_concatenated_params(f, operand), scale))
+                continue
             if operand.opcode != "parameter" or len(operand.shape.dims) != 3:
                 raise _NoMatch(f"{dot.name}: operands are not rank-3 parameters")
             sides.append((operand.parameter_number, scale))
@@ -460,6 +465,8 @@ class _Finder:
 
     def gemm_of(self, fusion: Instruction, contracting: tuple, what: str) -> "_Gemm":
         g = self.gemm(fusion)
+        if not (isinstance(g.lhs, int) and isinstance(g.rhs, int)):
+            raise _NoMatch(f"{fusion.name}: {what} reads a concatenation")
         if g.contracting != contracting:
             raise _NoMatch(f"{fusion.name}: {what} contracts {g.contracting}")
         return g
@@ -524,7 +531,7 @@ class _Finder:
         q, k = self.direct(s_inst, score.lhs), self.direct(s_inst, score.rhs)
         d_o, v = self.direct(dp_inst, d_prob.lhs), self.direct(dp_inst, d_prob.rhs)
         for name, want in (("dq", k), ("dk", q), ("dv", d_o)):
-            if found[name][3].shape != want.shape:
+            if found[name][3] is not None and found[name][3].shape != want.shape:
                 raise _NoMatch(f"{found[name][0].name} reads {want.name} in another layout")
         tf32 = all(self.gemm(f).tf32 for f in (s_inst, dp_inst, *(
             found[n][0] for n in ("dq", "dk", "dv"))))
@@ -565,8 +572,8 @@ class _Finder:
         g = self.gemm(fusion)
         sides = ((g.lhs, g.rhs, 0), (g.rhs, g.lhs, 1))
         for big_side, small_side, which in sides:
-            if self.operand(fusion, big_side) is not big or \
-                    self.operand(fusion, small_side) is not self.entry.strip(small):
+            if not isinstance(big_side, int) or self.operand(fusion, big_side) is not big \
+                    or not self.reads_value(fusion, small_side, small):
                 continue
             want = ((contract,), (1,)) if which == 0 else ((1,), (contract,))
             if g.contracting != want:
@@ -574,8 +581,28 @@ class _Finder:
             st = _strides(g.out_shape)
             strides = Strides(st[0], st[1], st[2]) if which == 0 else \
                 Strides(st[0], st[2], st[1])
-            return fusion, strides, g.scale, self.direct(fusion, small_side)
+            # A concatenation read in pieces: the kernels read ``small``'s own buffer.
+            read = self.direct(fusion, small_side) if isinstance(small_side, int) else None
+            return fusion, strides, g.scale, read
         raise _NoMatch(f"{fusion.name} does not read {big.name} and {small.name}")
+
+    def reads_value(self, fusion: Instruction, side: int | tuple[int, ...],
+                    value: Instruction) -> bool:
+        """The fusion's operand ``side`` is ``value``: the same entry value, or (Llama's
+        rotary Q and K) a concatenation along the head dim of the very pieces ``value``'s
+        own concatenation fusion joins, in the same order."""
+        value = self.entry.strip(value)
+        if isinstance(side, int):
+            return self.operand(fusion, side) is value
+        if value.opcode != "fusion" or len(value.operands) != len(side):
+            return False
+        joined = _Fused(self.module.computation(value.called_computations[0]), self.module)
+        try:
+            pieces = _concatenated_params(joined, joined.strip(joined.comp.root))
+        except _NoMatch:
+            return False
+        return pieces == tuple(range(len(side))) and all(
+            self.operand(value, i) is self.operand(fusion, p) for i, p in enumerate(side))
 
     def describe(self, ds, s, l_inst, dp, p, q, k, v, d_o, found, scale: float,
                  causal: bool) -> AttentionBackwardMatch:
@@ -608,13 +635,24 @@ class _Finder:
 @dataclass
 class _Gemm:
     fusion: Instruction
-    lhs: int                  # parameter numbers
-    rhs: int
+    lhs: int | tuple[int, ...]    # parameter numbers (several: joined along the last dim)
+    rhs: int | tuple[int, ...]
     scale: float              # product of the prologue / epilogue scales
     contracting: tuple
     out_shape: Shape          # the dot's (its layout: where the result lands)
     tf32: bool = False
     epilogue: float = 1.0     # the part of ``scale`` applied to the dot's result
+
+
+def _concatenated_params(f: _Computation, inst: Instruction) -> tuple[int, ...]:
+    """A concatenation of parameters along the last dim: their numbers, in order."""
+    inst = f.is_(inst, "concatenate")
+    if inst.ints("dimensions") != (len(inst.shape.dims) - 1,):
+        raise _NoMatch(f"{inst.name} does not join along the last dim")
+    pieces = [f.strip(o) for o in f.ops(inst)]
+    if any(p.opcode != "parameter" for p in pieces):
+        raise _NoMatch(f"{inst.name} joins more than parameters")
+    return tuple(p.parameter_number for p in pieces)
 
 
 def _power_of_two(x: float) -> bool:

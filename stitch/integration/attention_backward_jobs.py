@@ -117,8 +117,10 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
         members = frozenset(n.id for n in view.graph.nodes if view.top_of(n.id) in replaced)
         try:
             site = find_site(view, gi, name, members)
-            if taken & set(site.tops):
-                raise NotPlaceable("shares XLA instructions with another stitched kernel")
+            shared = sorted(taken & set(site.tops))
+            if shared:
+                raise NotPlaceable(f"shares XLA instructions ({', '.join(shared[:3])}) with "
+                                   f"another stitched kernel")
             inputs = [_node_of(view, v) for v in (match.q, match.k, match.v, match.d_o)]
             outputs = [_node_of(view, v) for v in (match.dq, match.dk, match.dv)]
         except (NotPlaceable, KeyError) as exc:
