@@ -180,3 +180,41 @@ def test_dumped_modules_carry_the_pass_summary_the_xla_units_bench_reads(tmp_pat
                                                  abs=1e-3)
     (module.with_suffix(".summary.json")).unlink()
     assert delivered_us(module) is None
+
+
+def test_kernels_the_pass_priced_itself_are_delivered_at_that_price():
+    """A planned kernel built differently (a chain writing fewer values) and a kernel
+    placed outside the plan (an LM head loss, an attention backward) carry the pass's own
+    price: the first in place of the plan's, the second in place of the XLA kernels its
+    members were; neither is priced by the memory-intensive model of its member set."""
+    from stitch.cost.delta import KernelCost
+    rng = np.random.default_rng()
+    report = _compile(_softmax_ln, _rand(rng, 32, 64), _rand(rng, 32, 64))
+    plan, spec = report.plan, get_spec("h100")
+    sites = [(p.graph_index, p.name, p.members) for p in _sites(report)]
+    assert sites
+    base = price_delivery(plan, spec, sites, {})
+    gi, name, members = sites[0]
+    planned = next(k for k in plan.graphs[gi].stitched.kernels if k.name == name)
+    price_s = float(rng.uniform(1e-4, 1e-3))
+    own = KernelCost(int(rng.integers(1, 1 << 30)), 1, price_s, 0.0, 0, price_s)
+    again = price_delivery(plan, spec, sites, {}, priced={name: own})
+    assert again.delivered.modeled_us - base.delivered.modeled_us == pytest.approx(
+        (price_s - planned.cost.without_loop_copies().total_s) * 1e6, rel=1e-6)
+    assert again.delivered.hbm_bytes - base.delivered.hbm_bytes == pytest.approx(
+        own.hbm_bytes - planned.cost.hbm_bytes, rel=1e-9)
+    # Outside the plan: the XLA kernels of its members are no longer delivered, and it is
+    # not memory-intensive (GEMM work inside).
+    outside = [(gi, "outside_kernel", members)] + sites[1:]
+    side = price_delivery(plan, spec, outside, {name: ("placement", "taken")},
+                          priced={"outside_kernel": own})
+    without = price_delivery(plan, spec, sites[1:], {name: ("placement", "taken")})
+    replaced = [b for b in plan.graphs[gi].baseline.kernels
+                if set(b.members) & set(members) and b.cost.launches]
+    assert replaced
+    weight = plan.graphs[gi].stitched.weight
+    assert side.delivered.modeled_us - without.delivered.modeled_us == pytest.approx(
+        (price_s - sum(b.cost.total_s for b in replaced)) * 1e6 * weight, rel=1e-6)
+    assert side.delivered.mem_modeled_us == pytest.approx(
+        without.delivered.mem_modeled_us - sum(b.cost.total_s for b in replaced
+                                               if b.is_memory) * 1e6 * weight, rel=1e-6)

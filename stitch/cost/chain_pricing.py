@@ -106,7 +106,7 @@ def _input_bytes(chain: GemmChain) -> float:
     return total
 
 
-def _extra_output_bytes(chain: GemmChain) -> float:
+def extra_output_bytes(chain: GemmChain) -> float:
     """HBM bytes of the values the chain kernel also writes (``GemmChain.extra_outputs``)."""
     per_row = {"tile": chain.n, "row": 1}
     return float(sum(chain.batch * chain.m * per_row[out.rank] * OPERAND_BYTES.get(out.dtype, 4)
@@ -125,7 +125,7 @@ def chain_dims(graph: OpGraph, chain: GemmChain, tf32: bool = False,
                      # Values written out need all of n in one warp and block (codegen).
                      bool(chain.extra_outputs) or softmax_parts(chain.program) is None
                      and any(op.kind == "reduce" for op in chain.program), grid_sync,
-                     _extra_output_bytes(chain), needs_row_pass(chain) and softmax_parts(
+                     extra_output_bytes(chain), needs_row_pass(chain) and softmax_parts(
                          chain.program, through_convert=True) is not None)
 
 

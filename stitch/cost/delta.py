@@ -411,7 +411,7 @@ class CostModel:
         tile = chain_price(self.graph, chain, self.spec, tf32=self.chain_tf32,
                            check_spills=self.chain_spill_check,
                            grid_sync=self.chain_grid_sync).cost
-        return _tile_kernel_cost(self.spec, tile, kernel_hbm_bytes(self.graph, members))
+        return tile_kernel_cost(self.spec, tile, kernel_hbm_bytes(self.graph, members))
 
     def _compute_kernel(self, node: OpNode, nbytes: int) -> KernelCost:
         """GEMM/conv: a roofline at the target's achievable tensor-core rate for the dot's
@@ -425,7 +425,7 @@ class CostModel:
             from .chain_pricing import xla_gemm_cost
             tile = xla_gemm_cost(self.graph, node.id, spec)
             if tile is not None:
-                return _tile_kernel_cost(spec, tile, nbytes)
+                return tile_kernel_cost(spec, tile, nbytes)
         cls = gemm_precision(self.graph, node, spec)
         t = gemm_time(spec, _flops(self.graph, node), nbytes, cls)
         return KernelCost(nbytes, 1, t.memory_s, t.compute_s, 0, t.total_s)
@@ -573,7 +573,7 @@ def copy_kernel_cost(spec: GpuSpec, nbytes: int, element_bytes: int = 4) -> Kern
                       spec.kernel_launch_overhead_s + memory_s)
 
 
-def _tile_kernel_cost(spec: GpuSpec, tile, nbytes: int) -> KernelCost:
+def tile_kernel_cost(spec: GpuSpec, tile, nbytes: int) -> KernelCost:
     """A KernelCost from a ``gemm_tile.TileCost`` (bytes as counted by kernel_hbm_bytes)."""
     pipes = tile.pipes
     memory_s = pipes.get("memory", 0.0) / spec.clock_hz

@@ -27,6 +27,7 @@ class BackwardKernel:
     kind: str = KIND
     schedule: Any = None
     notes: tuple[str, ...] = field(default=())
+    cost: Any = None            # its modeled KernelCost (kernel_cost), as delivered
 
 
 def _node_of(view: Any, name: str) -> int:
@@ -47,14 +48,13 @@ FMA_EFFICIENCY = 0.5
 MMA_EFFICIENCY = 0.2
 
 
-def modeled_gain_s(match: Any, spec: Any, replaced_s: float, tensor_cores: bool) -> float:
-    """XLA's time for what the kernel replaces (``replaced_s``: its kernels, priced by
-    the plan's baseline, plus the forward's S and P writes the kernel makes unnecessary)
-    less the kernel's: its work at ``MMA_EFFICIENCY`` of the tensor cores' peak (TF32 or
-    half; ``tensor_cores``) or ``FMA_EFFICIENCY`` of the f32 peak, or its operands' and
-    results' bytes, whichever is longer, and two launches. The work: S and dP three times
-    (statistics pass, dQ phase, dK/dV phase) and the dQ, dK and dV GEMMs, each
-    2 b m n d flops, over the tiles a causal mask leaves (about half)."""
+def kernel_cost(match: Any, spec: Any, tensor_cores: bool) -> Any:
+    """The kernel's modeled ``KernelCost``: its work at ``MMA_EFFICIENCY`` of the tensor
+    cores' peak (TF32 or half; ``tensor_cores``) or ``FMA_EFFICIENCY`` of the f32 peak, or
+    its operands' and results' bytes, whichever is longer, and two launches. The work: S
+    and dP three times (statistics pass, dQ phase, dK/dV phase) and the dQ, dK and dV
+    GEMMs, each 2 b m n d flops, over the tiles a causal mask leaves (about half)."""
+    from stitch.cost.delta import KernelCost
     from stitch.cost.gemm_rates import FP32, peak_flops, precision_class
     b, m, n, d = match.batch, match.queries, match.keys, match.head_dim
     share = 0.5 + 32 / (2 * n) if match.causal else 1.0
@@ -64,8 +64,18 @@ def modeled_gain_s(match: Any, spec: Any, replaced_s: float, tensor_cores: bool)
     unit = precision_class(spec, (match.dtype,), match.tf32) if tensor_cores else FP32
     rate = (peak_flops(spec, unit) or spec.fp32_flops) * (
         MMA_EFFICIENCY if unit != FP32 else FMA_EFFICIENCY)
-    kernel_s = max(flops / rate, moved / spec.hbm_bandwidth) \
-        + 2 * spec.kernel_launch_overhead_s
+    compute_s, memory_s = flops / rate, moved / spec.hbm_bandwidth
+    return KernelCost(int(moved), 1, memory_s, compute_s, 0,
+                      max(compute_s, memory_s) + 2 * spec.kernel_launch_overhead_s)
+
+
+def modeled_gain_s(match: Any, spec: Any, replaced_s: float, tensor_cores: bool) -> float:
+    """XLA's time for what the kernel replaces (``replaced_s``: its kernels, priced by
+    the plan's baseline, plus the forward's S and P writes the kernel makes unnecessary)
+    less the kernel's (``kernel_cost``)."""
+    b, m, n = match.batch, match.queries, match.keys
+    width = 2 if match.dtype in ("bf16", "f16") else 4
+    kernel_s = kernel_cost(match, spec, tensor_cores).total_s
     scores_written = 2 * b * m * n * (4 if match.dtype == "f32" else width) / spec.hbm_bandwidth
     return replaced_s + scores_written - kernel_s
 
@@ -131,7 +141,8 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
         problem = problem_for(match)
         arch = request.gpu_arch()
         tensor_cores = uses_tensor_cores(problem, arch, match.tf32)
-        gain_s = modeled_gain_s(match, get_spec(request.target), replaced_s, tensor_cores)
+        spec = get_spec(request.target)
+        gain_s = modeled_gain_s(match, spec, replaced_s, tensor_cores)
         if PLACEMENT != "always" and gain_s <= 0:
             report.skipped.append((name, f"attention backward: modeled {-gain_s * 1e6:.0f} "
                                    f"µs slower than XLA's kernels"
@@ -153,7 +164,9 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
                 f"replaces {', '.join(match.replaced)}")
         lowered = LoweredKernel(kernel, inputs, outputs, [KIND], [note])
         taken |= set(site.tops)
-        out.append((view, BackwardKernel(name, members, notes=(note,)), site, lowered))
+        out.append((view, BackwardKernel(name, members, notes=(note,),
+                                         cost=kernel_cost(match, spec, tensor_cores)),
+                    site, lowered))
         log.info("%s: %s", name, note)
     return out
 
@@ -168,10 +181,12 @@ def _readers_through_bitcasts(view: Any, name: str) -> set[str]:
 
 
 def without_backward_reads(request: Any, report: Any, chain_jobs: list, backward_jobs: list,
-                           lock: Any) -> list:
-    """The chain jobs again, each forward chain lowered anew without the values (S, the
-    row sums, P) only the replaced backward read: with the backward kernels placed, no
-    kernel writes a scores-sized buffer. A chain that cannot be lowered so keeps its job."""
+                           lock: Any, spec: Any, tf32: bool, grid_sync: bool
+                           ) -> list[tuple[tuple, Any]]:
+    """(job, price) for each chain job, each forward chain lowered anew without the values
+    (S, the row sums, P) only the replaced backward read: with the backward kernels placed,
+    no kernel writes a scores-sized buffer. A chain that cannot be lowered so keeps its job.
+    The price (``trimmed_cost``) only for a chain lowered anew: the others are as planned."""
     import dataclasses
 
     from stitch.codegen.errors import CodegenError
@@ -181,32 +196,54 @@ def without_backward_reads(request: Any, report: Any, chain_jobs: list, backward
 
     gone = {t for job in backward_jobs for t in job[2].tops}
     if not gone:
-        return chain_jobs
-    out = []
+        return [(job, None) for job in chain_jobs]
+    out: list[tuple[tuple, Any]] = []
     for job in chain_jobs:
         view, k, site, lowered = job
         chain = chain_of(view.graph, tuple(k.members))
         if chain is None or not chain.extra_outputs:
-            out.append(job)
+            out.append((job, None))
             continue
         inside = gone | set(site.tops)
         kept = tuple(e for e in chain.extra_outputs
                      if not _readers_through_bitcasts(view, view.top_of(e.node)) <= inside)
         if len(kept) == len(chain.extra_outputs):
-            out.append(job)
+            out.append((job, None))
             continue
+        fewer = dataclasses.replace(chain, extra_outputs=kept)
         try:
             with lock:
                 trimmed = lower_chain_kernel(
                     view.graph, k, request.gpu_arch() if request.device == "gpu" else "sm_70",
-                    fma=request.device != "gpu",
-                    chain=dataclasses.replace(chain, extra_outputs=kept))
+                    fma=request.device != "gpu", chain=fewer)
         except (CodegenError, StitchError) as exc:
             log.info("kernel %s keeps the values the backward read: %s", k.name, exc)
-            out.append(job)
+            out.append((job, None))
             continue
         log.info("kernel %s: %d of %d extra values no longer written (only the attention "
                  "backward read them)", k.name, len(chain.extra_outputs) - len(kept),
                  len(chain.extra_outputs))
-        out.append((view, k, site, trimmed))
+        out.append(((view, k, site, trimmed),
+                    trimmed_cost(view.graph, k, chain, fewer, spec, tf32, grid_sync)))
     return out
+
+
+def trimmed_cost(graph: Any, k: Any, chain: Any, fewer: Any, spec: Any, tf32: bool,
+                 grid_sync: bool) -> Any:
+    """The planned chain kernel ``k`` built as ``fewer`` (``chain`` with fewer extra
+    outputs): its planned schedule priced on the smaller chain's dims (no row pass where P
+    is no longer written), less the HBM bytes of the values it no longer writes; None
+    (priced as planned) where the kernel has no planned schedule or that schedule cannot
+    launch on the smaller chain."""
+    from stitch.cost.chain_pricing import chain_dims, extra_output_bytes
+    from stitch.cost.delta import tile_kernel_cost
+    from stitch.cost.gemm_tile import chain_cost
+
+    schedule = getattr(k, "chain_schedule", None)
+    if schedule is None or getattr(k, "cost", None) is None:
+        return None
+    tile = chain_cost(spec, chain_dims(graph, fewer, tf32, grid_sync), schedule)
+    if tile.bound == "cannot launch":
+        return None
+    dropped = extra_output_bytes(chain) - extra_output_bytes(fewer)
+    return tile_kernel_cost(spec, tile, max(int(k.cost.hbm_bytes - dropped), 0))

@@ -7,7 +7,10 @@ The planner compares its stitched plan with XLA's kernels under the delta cost m
 
 - each stitch custom call placed: its member set, priced as the planner priced it (the
   plan's own ``KernelCost`` where snapping kept the planned members, else the cost model's
-  price of the snapped set), less the loop copies the planner predicted for it;
+  price of the snapped set), less the loop copies the planner predicted for it; a kernel
+  the pass priced itself (``priced``: one it placed outside the plan — an LM head loss, an
+  attention backward — or a planned chain it built writing fewer values than planned) at
+  that price;
 - each XLA kernel left in the module: the baseline's price of that XLA kernel;
 - each ``copy`` the rewrite added (a loop body's carried values, an in-place operand): a copy
   kernel reading and writing its bytes (``stitch.cost.delta.copy_kernel_cost``).
@@ -179,7 +182,8 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
                    reasons: dict[str, tuple[str, str]],
                    copies: Iterable[LoopCopy] = (),
                    xla_kernels: dict[str, list[XlaKernel]] | None = None,
-                   dead: Iterable[str] = ()) -> Delivery:
+                   dead: Iterable[str] = (),
+                   priced: dict[str, Any] | None = None) -> Delivery:
     """Price what the pass put in the module (module docstring).
 
     ``placed``: (graph index, kernel name, members[, the top-level instructions it
@@ -189,7 +193,8 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
     (``price_xla_kernels``) where the plan's baseline is of another module: they are the
     XLA side, and each one no placed kernel replaces is delivered at its price;
     ``dead``: XLA's instructions the rewrite dropped as unread once the placed kernels were
-    in (hlo_rewrite's ``dead_kernels``): delivered at no price."""
+    in (hlo_rewrite's ``dead_kernels``): delivered at no price; ``priced``: kernel name ->
+    the ``KernelCost`` the pass priced it at (module docstring)."""
     from stitch.cost.delta import CostModel, copy_kernel_cost
     from stitch.explorer.plan import kernel_kind, memory_intensive
 
@@ -199,6 +204,7 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
                                             frozenset(tops[0]) if tops else frozenset()))
     copies = list(copies)
     gone = frozenset(dead)
+    priced = priced or {}
     xla, planned, delivered = Side(), Side(), Side()
     dropped: list[Dropped] = []
     for gi, gp in enumerate(fusion_plan.graphs):
@@ -217,7 +223,10 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
         taken: set[int] = set()
         for name, members, _ in by_graph.get(gi, []):
             k = planned_by_name.get(name)
-            if k is not None and frozenset(k.members) == members:
+            if name in priced:
+                # GEMM work inside: not memory-intensive, like the plan's chains.
+                cost, memory = priced[name], k.is_memory if k is not None else False
+            elif k is not None and frozenset(k.members) == members:
                 # The plan's price less the loop copies it predicted: the copies the
                 # rewrite actually added are priced below.
                 cost, memory = k.cost.without_loop_copies(), k.is_memory
@@ -281,9 +290,10 @@ def drop_reasons(skipped: Iterable[tuple[str, str]], fallbacks: Iterable[tuple[s
 
 
 def deliver(report: Any, fusion_plan: Any, spec: Any, placed: Iterable[Any],
-            rewrite: Any, xla_kernels: dict[str, list[XlaKernel]] | None = None) -> Delivery:
+            rewrite: Any, xla_kernels: dict[str, list[XlaKernel]] | None = None,
+            priced: dict[str, Any] | None = None) -> Delivery:
     """The pass's Delivery for its module (``placed``: the PlacedKernels it tried to put
-    in, ``rewrite``: hlo_rewrite's RewriteReport, ``xla_kernels``: see
+    in, ``rewrite``: hlo_rewrite's RewriteReport, ``xla_kernels`` and ``priced``: see
     ``price_delivery``), logged at info."""
     names = set(rewrite.placed)
     sites = [(p.site.graph_index, p.site.name, p.site.members, p.site.tops) for p in placed
@@ -291,7 +301,7 @@ def deliver(report: Any, fusion_plan: Any, spec: Any, placed: Iterable[Any],
     delivery = price_delivery(
         fusion_plan, spec, sites, drop_reasons(report.skipped, report.fallbacks, report.unpaid),
         [LoopCopy(k, gi, n) for k, gi, n in rewrite.copies], xla_kernels,
-        rewrite.dead_kernels)
+        rewrite.dead_kernels, priced)
     for line in delivery.log_lines(report.module):
         log.info("%s", line)
     return delivery

@@ -28,8 +28,10 @@ LM_HEAD_SITES = True
 
 @dataclass(frozen=True)
 class LossKernel:
-    """A placed site's name, as the pass's jobs name their kernels."""
+    """A placed site's name, as the pass's jobs name their kernels, and its modeled
+    ``KernelCost`` at the schedule it is built with (the delivered price)."""
     name: str
+    cost: Any = None
 
 
 def lm_head_jobs(request: Any, report: Any, view: ComputationView, graph_index: int,
@@ -39,6 +41,7 @@ def lm_head_jobs(request: Any, report: Any, view: ComputationView, graph_index: 
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.lm_head_loss import lower_lm_head_loss, tiling_from_schedule
     from stitch.codegen.lower import kernel_identifier
+    from stitch.cost.delta import tile_kernel_cost
     from stitch.cost.lm_head_pricing import loss_price
 
     jobs: list = []
@@ -88,7 +91,8 @@ def lm_head_jobs(request: Any, report: Any, view: ComputationView, graph_index: 
                  "%.1f µs", name, loss.rows, loss.vocab, loss.hidden, price.schedule.text(),
                  price.stitched.seconds * 1e6, price.xla_s * 1e6)
         taken |= set(site.tops)
-        jobs.append((view, LossKernel(name), site, lowered))
+        jobs.append((view, LossKernel(name, tile_kernel_cost(
+            spec, price.stitched, int(price.stitched.hbm_bytes))), site, lowered))
     return jobs, taken
 
 

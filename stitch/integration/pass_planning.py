@@ -159,6 +159,9 @@ def _plan_and_build_once(module: HloModule, request: PassRequest,
     spec = get_spec(request.target)
     graphs = [g.graph for g in fusion_plan.graphs]
     placed: list[PlacedKernel] = []
+    # Kernels the pass priced itself (placed outside the plan, or built with fewer values
+    # written than planned): their delivered price (stitch.integration.delivered).
+    priced: dict[str, Any] = {}
     views: dict[int, ComputationView] = {}
     built: dict[str, BuiltKernel] = {}
     launching: dict[str, int] = {}
@@ -171,7 +174,7 @@ def _plan_and_build_once(module: HloModule, request: PassRequest,
         report.kernels_xla = report.kernels_after = sum(
             1 for kernels in xla_kernels.values() for x in kernels if x.cost.launches)
     _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
-                   built, launching, ptx_workers, rows, xla_kernels)
+                   built, launching, ptx_workers, rows, xla_kernels, priced)
     timings["build_s"] = time.perf_counter() - t1
     rewrite = replace_kernels(module, graphs, placed, views)
     report.placed = rewrite.placed
@@ -185,7 +188,7 @@ def _plan_and_build_once(module: HloModule, request: PassRequest,
     report.timings.update(timings)
     # The XLA side (and the XLA kernels left) priced as XLA made them, atomics included.
     report.delivery = deliver(report, fusion_plan, spec, placed, rewrite,
-                              xla_kernels=xla_kernels)
+                              xla_kernels=xla_kernels, priced=priced)
     log.debug("%s: %d stitched kernels placed, %d skipped, %d failed to build",
               module.name, len(rewrite.placed), len(report.skipped), len(report.fallbacks))
     return report
@@ -276,11 +279,13 @@ def _xla_gain_s(graph_plan: Any, view: ComputationView, members: frozenset[int],
 def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 module: HloModule, spec: Any, evaluator: Any, views: dict,
                 submit: Callable[..., None] | None, rows: SegmentRows | None = None,
-                xla_kernels: dict | None = None) -> list:
+                xla_kernels: dict | None = None, priced: dict | None = None) -> list:
     """The plan's placeable kernels lowered to Kernel IR, as (view, kernel, site, lowered)
     jobs in plan order; ``submit(kernel IR)`` is called for each as soon as it is lowered.
     ``rows``/``xla_kernels``: the plan is of XLA's module with segments as rows
-    (``segment_rows``); XLA's own kernels priced."""
+    (``segment_rows``); XLA's own kernels priced. ``priced`` gets the price of each kernel
+    placed outside the plan (LM head losses, attention backwards) and of each forward chain
+    built without the values only a replaced backward read."""
     from stitch.codegen import kir
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.lower import kernel_identifier, lower_kernel
@@ -392,15 +397,21 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                        if not lm_taken & {view.top_of(m) for m in k.members}]
         for job in lm_jobs:
             add(job)
+            if priced is not None:
+                priced[job[1].name] = job[1].cost
         # The attention backward's kernels before the chains: the forward chains then lose
         # the values only the backward read (attention_backward_jobs).
         from .attention_backward_jobs import attention_backward_jobs, without_backward_reads
         chain_jobs = _chain_jobs(request, report, view, gi, graph_plan, snapped)
         backward_jobs = attention_backward_jobs(request, report, module, view, gi, graph_plan,
                                                 snapped, jobs + chain_jobs, LLVM_LOCK)
-        for job in backward_jobs + without_backward_reads(request, report, chain_jobs,
-                                                          backward_jobs, LLVM_LOCK):
+        trimmed = without_backward_reads(request, report, chain_jobs, backward_jobs, LLVM_LOCK,
+                                         spec, request.device == "gpu" and GPU_CHAIN_TF32,
+                                         grid_sync_setting != "off")
+        for job, own_price in [(j, j[1].cost) for j in backward_jobs] + trimmed:
             add(job)
+            if priced is not None and own_price is not None:
+                priced[job[1].name] = own_price
         gains = {k.name: modeled_gain_s(graph_plan, k.members, cost) if xla_kernels is None
                  else _xla_gain_s(graph_plan, view, frozenset(k.members), cost, xla_kernels)
                  for k in snapped} if payback is not None else {}
@@ -562,7 +573,8 @@ def _largest_first(kernels: list, likely_paid: Callable[[Any], bool] | None = No
 def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                    module: HloModule, spec: Any, evaluator: Any, placed: list,
                    views: dict, built: dict, launching: dict, ptx_workers: list,
-                   rows: SegmentRows | None = None, xla_kernels: dict | None = None) -> None:
+                   rows: SegmentRows | None = None, xla_kernels: dict | None = None,
+                   priced: dict | None = None) -> None:
     """Snap, lower and build every stitched kernel of the plan; what builds is appended to
     ``placed``/``built``, what does not to the report's skipped kernels and fallbacks.
     Lowering runs in plan order; on the GPU each lowered kernel's PTX and ptxas start at
@@ -600,7 +612,7 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
     if request.device == "gpu":
         with GpuPrebuild(request, ptx_workers) as prebuild:
             jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views,
-                               prebuild.submit, rows, xla_kernels)
+                               prebuild.submit, rows, xla_kernels, priced)
             report.timings["lower_s"] = time.perf_counter() - start
             mark = time.perf_counter()
             # Each kernel's target is made as soon as its PTX is there, while later
@@ -614,7 +626,7 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
         report.timings["ptx_s"] = time.perf_counter() - mark - targets_s
     else:
         jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views, None,
-                           rows, xla_kernels)
+                           rows, xla_kernels, priced)
         report.timings["lower_s"] = time.perf_counter() - start
         begun = time.perf_counter()
         for job in jobs:
