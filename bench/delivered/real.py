@@ -1,6 +1,6 @@
 """Real-size training steps through the pass (deviceless H100): delivered, whole step, memory.
 
-``python -m bench.delivered.real [--steps NAME,...] [--out docs/benchmarks.md]``
+``python -m bench.delivered.real [--steps 'NAME;...'] [--out docs/benchmarks.md]``
 
 Each row of ``bench.real_steps.REAL_STEPS`` (GPT-2 small at 1/12/48 layers, f32 and bf16 at
 12, the Llama-style step) is lowered with its parameters and optimizer state donated and
@@ -139,7 +139,8 @@ def markdown(rows: list[dict], command: str) -> str:
              "stitch's pass, in one child process. **Modeled** (stitch's delta cost model, "
              "stitch/integration/delivered.py): *mem µs* (memory-intensive kernels, XLA's "
              "module → the module the pass returns), *share* (of the plan's saving, what "
-             "reached the module), *whole step* (every kernel, GEMMs at the H100's "
+             "reached the module; above 100% where the pass also places kernels outside the "
+             "plan: attention backwards, LM head losses), *whole step* (every kernel, GEMMs at the H100's "
              "achievable tensor-core rate for their operand type and precision on both "
              "sides: stitch/cost/gemm_rates.py; *GEMMs*: XLA's whole step less its "
              "memory-intensive kernels, i.e. its GEMM kernels). **Counted**: *mem bytes* "
@@ -191,7 +192,8 @@ def markdown(rows: list[dict], command: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.delivered.real",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", help="comma-separated REAL_STEPS names")
+    # Step names hold commas ("GPT-2 small, 12 layers"): the list is ;-separated.
+    parser.add_argument("--steps", help="REAL_STEPS names separated by ';'")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -199,9 +201,9 @@ def main(argv: list[str] | None = None) -> None:
         print(MARK + json.dumps(measure_one(args.one)), flush=True)
         return
     from bench.real_steps import REAL_STEPS
-    names = args.steps.split(",") if args.steps else [c.name for c in REAL_STEPS]
+    names = [n.strip() for n in args.steps.split(";")] if args.steps else [c.name for c in REAL_STEPS]
     text = markdown(collect(names), "python -m bench.delivered.real"
-                    + (f" --steps {args.steps}" if args.steps else ""))
+                    + (f" --steps '{args.steps}'" if args.steps else ""))
     if args.out:
         from bench.report import write_section
         write_section(args.out, SECTION, text)
