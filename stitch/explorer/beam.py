@@ -24,6 +24,7 @@ from typing import Callable
 from stitch.hlo_passes.graph import OpGraph
 
 from ..cost.delta import CostModel
+from .kernel_reach import KernelMasks, KernelReach
 from .patterns import MAX_PATTERN_OPS, Pattern
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class Buffer:
     gain: float
     owner: "Owners | None"        # op id -> index into patterns
     reach: int = -1               # the last op of any held pattern
+    masks: tuple[KernelMasks, ...] = ()   # per held pattern (when the graph keeps them)
 
     def key(self) -> int:
         return self.covered
@@ -80,12 +82,18 @@ def _mask(members) -> int:
     return m
 
 
-def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern) -> bool:
+def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern,
+                  fast: KernelReach | None = None) -> bool:
     """Would adding ``pattern`` to the buffer's kernels close a cycle? A search forward from
     the pattern's outside users, jumping across kernels (reaching one member of a kernel
     reaches all its users). Nodes past the bound B* can never lead back: B* starts at the
-    pattern's last op and grows to the last op of every kernel starting at or before it."""
+    pattern's last op and grows to the last op of every kernel starting at or before it.
+    ``fast`` (the buffer's ``masks`` filled) first tries to prove there is none with
+    reachability bitmasks: with patterns spanning forward and backward the search covers
+    most of the graph, and nearly every answer is no."""
     members = pattern.members
+    if fast is not None and fast.surely_acyclic(buffer.masks, members):
+        return False
     # The furthest op any held pattern reaches bounds the fixed point (a chain offered
     # early may start after this one; a larger bound only searches more): an op past it
     # is in no kernel, and edges only go to larger ids.
@@ -161,6 +169,7 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
     for v in range(n - 1, -1, -1):
         suffix[v] = suffix[v + 1] + share[v]
     # Per buffer: f so far, and the shares of the ops it has taken (all / before v).
+    fast = KernelReach.of(graph)
     beams = [Buffer((), 0, 0.0, None)]
     taken: dict[int, float] = {0: 0.0}
     passed: dict[int, float] = {0: 0.0}
@@ -219,14 +228,15 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
                 next_beams.append(buf)
                 continue
             covered = buf.covered | masks[p.members]
-            if covered in next_taken or creates_cycle(graph, buf, p):
+            if covered in next_taken or creates_cycle(graph, buf, p, fast):
                 continue
             owner = (buf.owner or Owners()).extended(p.members, len(buf.patterns))
             next_taken[covered] = taken[buf.covered] + sum(share[m] for m in p.members)
             next_passed[covered] = passed[buf.covered] + \
                 (share[v] if v in p.members else 0.0)
+            held = buf.masks + (fast.masks(p.members)[0],) if fast is not None else ()
             next_beams.append(Buffer(buf.patterns + (p,), covered, gain, owner,
-                                     max(buf.reach, max(p.members))))
+                                     max(buf.reach, max(p.members)), held))
         beams, taken, passed = next_beams, next_taken, next_passed
     return sorted(beams, key=lambda b: -b.gain)
 

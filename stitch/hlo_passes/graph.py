@@ -154,6 +154,11 @@ class OpGraph:
                     stack.append(u)
         return True
 
+    def reachability(self) -> tuple[list[int], list[int]] | None:
+        """(descendants, ancestors): per node, a bitmask of the nodes it reaches and of the
+        nodes reaching it; None above REACHABILITY_MAX_NODES (see ``unit_reachability``)."""
+        return self._reachability()
+
     def _reachability(self) -> tuple[list[int], list[int]] | None:
         """Descendant and ancestor bitmasks of every node (None above
         REACHABILITY_MAX_NODES: two n-bit masks per node is n^2 / 4 bytes)."""
