@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from stitch.hlo_passes.graph import OpGraph
 
@@ -384,6 +384,42 @@ def _closes_cycle(graph: OpGraph, kernels: dict[int, frozenset[int]], a: int, b:
     return False
 
 
+def has_other_path(a: int, b: int, succ: Callable[[int], Iterable[int]],
+                   pred: Callable[[int], Iterable[int]]) -> bool:
+    """In a DAG given by ``succ`` / ``pred``: is there a path a -> c -> ... -> b with c != b?
+    Searched from both ends at once, always growing the smaller frontier: the answer is no
+    as soon as either side runs out, and one side is small (a kernel late in the graph
+    reaches little, one early is reached by little) where one-sided searches from an early
+    kernel covered most of a deep graph."""
+    ahead = {c for c in succ(a) if c != b}
+    behind = {c for c in pred(b) if c != a}
+    if ahead & behind:
+        return True
+    front_ahead, front_behind = list(ahead), list(behind)
+    while front_ahead and front_behind:
+        if len(front_ahead) <= len(front_behind):
+            nxt = []
+            for k in front_ahead:
+                for c in succ(k):
+                    if c in behind:
+                        return True
+                    if c not in ahead and c != b and c != a:
+                        ahead.add(c)
+                        nxt.append(c)
+            front_ahead = nxt
+        else:
+            nxt = []
+            for k in front_behind:
+                for c in pred(k):
+                    if c in ahead:
+                        return True
+                    if c not in behind and c != a and c != b:
+                        behind.add(c)
+                        nxt.append(c)
+            front_behind = nxt
+    return False
+
+
 def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
                    mergeable: list[bool], max_ops: int = MAX_PATTERN_OPS
                    ) -> list[frozenset[int]]:
@@ -448,23 +484,30 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         resolved[k] = (merges, out)
         return out
 
+    # Kernel-graph predecessors, the same way (``other_path`` searches from both ends).
+    pred_cache: dict[int, frozenset[int]] = {}
+    resolved_pred: dict[int, tuple[int, set[int]]] = {}
+
+    def pred_of(k: int) -> set[int]:
+        got = resolved_pred.get(k)
+        if got is not None and got[0] == merges:
+            return got[1]
+        raw = pred_cache.get(k)
+        if raw is None:
+            operands = (o for v in kernels[k] for o in graph.nodes[v].operands) if k >= 0 \
+                else iter(graph.nodes[-1 - k].operands)
+            raw = pred_cache[k] = frozenset(owner[o] if owner[o] >= 0 else -1 - o
+                                            for o in operands)
+        out = {find(x) for x in raw}
+        out.discard(k)
+        resolved_pred[k] = (merges, out)
+        return out
+
     def other_path(a: int, b: int) -> bool:
         """Is b reachable from a other than through a direct edge? No bound by op ids: a
         kernel holding a late op may also hold an early one, so a path can come back down
         (x -> scatter -> y -> a kernel that also reads before b)."""
-        stack = [k for k in succ_of(a) if k != b]
-        seen = set(stack)
-        while stack:
-            k = stack.pop()
-            if k == b:
-                return True
-            for nxt in succ_of(k):
-                if nxt == b:
-                    return True
-                if nxt not in seen and nxt != a:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        return False
+        return has_other_path(a, b, succ_of, pred_of)
 
     def saving(a: int, b: int) -> tuple[float, frozenset[int]] | None:
         union = kernels[a] | kernels[b]
