@@ -186,6 +186,8 @@ class _ChainSearch:
     # The other way: ``above[v]`` has bit ``position[x]`` set when barrier x reaches v.
     above: list[int] = field(default_factory=list)
     holdable: dict[int, bool] = field(default_factory=dict)   # node -> ``_holdable``
+    # A first GEMM's result node -> its last candidate second GEMM (bounds ``walk``).
+    limits: dict[int, int] = field(default_factory=dict)
     # start -> (descendants reached without walking through a barrier, barriers among them)
     walks: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     dots: dict[int, object] = field(default_factory=dict)    # node -> _Dot or its refusal
@@ -277,6 +279,8 @@ class _ChainSearch:
                 if u not in seen:
                     seen.add(u)
                     heapq.heappush(heap, u)
+        if found:
+            self.limits[d1.result] = max(self.limits.get(d1.result, -1), found[-1])
         return found
 
     def is_holdable(self, node) -> bool:
@@ -287,16 +291,19 @@ class _ChainSearch:
 
     def walk(self, graph: OpGraph, start: int) -> tuple[list[int], list[int]]:
         """Descendants of ``start`` reached without going through a barrier (barriers
-        included, not walked through), and the barriers among them; once per start."""
+        included, not walked through), and the barriers among them; once per start. Up to
+        the last second GEMM ``second_candidates`` found for the first GEMM (``limits``):
+        nothing past it is between that GEMM and any of its candidates."""
         got = self.walks.get(start)
         if got is None:
+            limit = self.limits.get(start, len(graph.nodes))
             seen: set[int] = set()
             barriers: list[int] = []
             stack = [start]
             while stack:
                 v = stack.pop()
                 for u in graph.nodes[v].users:
-                    if u not in seen:
+                    if u not in seen and u <= limit:
                         seen.add(u)
                         if graph.nodes[u].op_class in _BARRIERS:
                             barriers.append(u)
