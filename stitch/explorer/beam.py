@@ -47,6 +47,11 @@ class Buffer:
     def key(self) -> int:
         return self.covered
 
+    def holds(self, nid: int) -> bool:
+        """Is op ``nid`` covered? (A lookup: shifting ``covered``, an n-bit number, costs
+        O(n) per question, quadratic over a deep graph's vertices.)"""
+        return self.owner is not None and self.owner.get(nid) >= 0
+
 
 class Owners:
     """op id -> pattern index, shared between buffers: a frozen base map plus the few
@@ -177,7 +182,7 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
         if poll is not None:
             poll()
         for buf in beams:
-            if buf.covered >> v & 1:
+            if buf.holds(v):
                 passed[buf.covered] += share[v]
         options = by_first.get(v)
         if not options:
@@ -192,7 +197,7 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
         proposals: list[tuple[float, float, int, Pattern | None]] = []
         for bi, buf in enumerate(beams):
             proposals.append((score(buf, buf.gain, share[v]), buf.gain, bi, None))
-            if buf.covered >> v & 1:
+            if buf.holds(v):
                 continue
             for p in options:
                 cand: Pattern | None = p
@@ -200,7 +205,7 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
                     cand = None
                     if trim is not None:
                         # The pattern overlaps earlier picks: offer what is left of it.
-                        rest = frozenset(m for m in p.members if not buf.covered >> m & 1)
+                        rest = frozenset(m for m in p.members if not buf.holds(m))
                         cand = trim(rest) if len(rest) > 1 else None
                         if cand is not None and cand.gain <= 0:
                             cand = None
