@@ -13,6 +13,7 @@ from stitch.hlo_passes import gemm_chains
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.op_classes import OpClass
 from stitch.hlo_passes.parser import parse_hlo
+from tests.fixtures import DATA
 
 
 def _residual_mlp(layers: int, seed: int = 0, side: bool = False) -> str:
@@ -87,12 +88,65 @@ def test_each_gemm_described_and_walked_once(layers: int, side: bool, monkeypatc
     assert len(gemms) == 2 * layers
     if side:
         assert chains == []
-        assert len(pairs) >= layers * layers       # the residual stream's pairs
     else:
         assert len(chains) == layers               # dot -> act -> dot, per layer
+    # The residual stream's pairs (layers^2 of them) are pruned before any is tried: the
+    # next GEMM met on the stream lies between a GEMM and every later one.
+    assert len(pairs) <= len(gemms)
     assert len(described) == len(set(described)) <= len(gemms)
     (search,) = searches
-    assert len(search.walks) <= len(gemms) < len(pairs) or not side
+    assert len(search.walks) <= len(gemms)
+
+
+def _tried_pairs(graph, monkeypatch, pruned: bool) -> tuple[list, list[tuple[int, int]]]:
+    """The chains ``_find`` returns and the (first, second) pairs it hands the recognizer,
+    with the pruned candidates or with every GEMM reached through non-GEMM ops."""
+    pairs: list[tuple[int, int]] = []
+    with monkeypatch.context() as m:
+        run = gemm_chains._Recognizer.run
+        m.setattr(gemm_chains._Recognizer, "run",
+                  lambda self: pairs.append((self.first, self.second)) or run(self))
+        if not pruned:
+            m.setattr(gemm_chains._ChainSearch, "second_candidates",
+                      lambda self, g, first: gemm_chains._second_candidates(g, first))
+        chains = gemm_chains._find(graph)
+    return chains, pairs
+
+
+def _pruning_agrees(graph, monkeypatch) -> int:
+    """Same chains with and without pruning; every pruned pair is one the recognizer
+    refuses. Returns how many pairs the pruning dropped."""
+    chains, kept = _tried_pairs(graph, monkeypatch, pruned=True)
+    want, every = _tried_pairs(graph, monkeypatch, pruned=False)
+    assert chains == want
+    assert set(kept) <= set(every)
+    search = gemm_chains._ChainSearch.of(graph)
+    for first, second in set(every) - set(kept):
+        with pytest.raises((gemm_chains._NotAChain, KeyError, ValueError, IndexError,
+                            TypeError, ZeroDivisionError)):
+            gemm_chains._Recognizer(graph, first, second, search).run()
+    return len(every) - len(kept)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pruned_pairs_find_the_same_chains_on_residual_stacks(seed: int, monkeypatch) -> None:
+    layers = random.Random(seed).randint(4, 9)
+    side = seed % 2 == 1        # no chains: every GEMM meets each later one on the stream
+    graph = build_op_graphs(parse_hlo(_residual_mlp(layers, seed=seed, side=side)))[0]
+    assert _pruning_agrees(graph, monkeypatch) >= (layers if side else 0)
+
+
+def test_pruned_pairs_find_the_same_chains_on_the_zoo(monkeypatch) -> None:
+    """Every tiny zoo fixture (one stage): chains of attention, MCFuser's chains, training
+    steps whose backward reads the scores."""
+    dropped = found = 0
+    for path in sorted(DATA.glob("*/tiny.gpu-h100.hlo")):
+        for graph in build_op_graphs(parse_hlo(path.read_text())):
+            if sum(n.op_class is OpClass.COMPUTE for n in graph.nodes) < 2:
+                continue
+            dropped += _pruning_agrees(graph, monkeypatch)
+            found += len(gemm_chains.find_gemm_chains(graph))
+    assert found >= 20 and dropped > 0
 
 
 def test_nodes_between_is_every_path_both_ways() -> None:

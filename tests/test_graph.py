@@ -323,6 +323,41 @@ def test_convexity_matches_brute_force_on_random_dags():
                 assert g.is_convex(s) == brute, (trial, subset)
 
 
+
+def test_searched_convexity_matches_brute_force_on_random_dags(monkeypatch):
+    """Without bitmasks ``is_convex`` searches from both ends of the set; on random DAGs
+    with far edges (a forward value read by a backward) its answer is the brute force's."""
+    import stitch.hlo_passes.graph as graph_module
+    monkeypatch.setattr(graph_module, "REACHABILITY_MAX_NODES", -1)
+    rng = random.Random(11)
+    for trial in range(4):
+        n = 40
+        lines = ["p0 = f32[2] parameter(0)"]
+        for i in range(1, n):
+            picks = [max(0, i - rng.randint(1, 3)) if rng.random() < 0.8 else rng.randrange(i)
+                     for _ in range(2)]
+            args = ", ".join("p0" if j == 0 else f"n{j}" for j in picks)
+            lines.append(f"n{i} = f32[2] add({args})")
+        lines[-1] = "ROOT " + lines[-1]
+        (g,) = _graphs("HloModule r\nENTRY main {\n" + "\n".join(lines) + "\n}\n")
+        reach = [set() for _ in g.nodes]
+        for node in reversed(g.nodes):
+            for u in node.users:
+                reach[node.id] |= {u} | reach[u]
+        answers = []
+        for _ in range(150):
+            start = rng.randrange(n)
+            s = {min(n - 1, start + rng.randint(0, 8)) for _ in range(rng.randint(2, 5))}
+            if rng.random() < 0.3:
+                s.add(rng.randrange(n))
+            brute = not any(x not in s and any(x in reach[m] for m in s) and reach[x] & s
+                            for x in range(n))
+            assert g.is_convex(s) == brute, (trial, sorted(s))
+            answers.append(brute)
+        assert g.unit_reachability() is None
+        assert any(answers) and not all(answers)
+
+
 CHAIN = """HloModule m
 ENTRY main {
   p = f32[4] parameter(0)

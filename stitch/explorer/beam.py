@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from stitch.hlo_passes.graph import OpGraph
 
 from ..cost.delta import CostModel
+from .kernel_reach import KernelMasks, KernelReach
 from .patterns import MAX_PATTERN_OPS, Pattern
 
 log = logging.getLogger(__name__)
@@ -41,9 +42,15 @@ class Buffer:
     gain: float
     owner: "Owners | None"        # op id -> index into patterns
     reach: int = -1               # the last op of any held pattern
+    masks: tuple[KernelMasks, ...] = ()   # per held pattern (when the graph keeps them)
 
     def key(self) -> int:
         return self.covered
+
+    def holds(self, nid: int) -> bool:
+        """Is op ``nid`` covered? (A lookup: shifting ``covered``, an n-bit number, costs
+        O(n) per question, quadratic over a deep graph's vertices.)"""
+        return self.owner is not None and self.owner.get(nid) >= 0
 
 
 class Owners:
@@ -80,12 +87,18 @@ def _mask(members) -> int:
     return m
 
 
-def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern) -> bool:
+def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern,
+                  fast: KernelReach | None = None) -> bool:
     """Would adding ``pattern`` to the buffer's kernels close a cycle? A search forward from
     the pattern's outside users, jumping across kernels (reaching one member of a kernel
     reaches all its users). Nodes past the bound B* can never lead back: B* starts at the
-    pattern's last op and grows to the last op of every kernel starting at or before it."""
+    pattern's last op and grows to the last op of every kernel starting at or before it.
+    ``fast`` (the buffer's ``masks`` filled) first tries to prove there is none with
+    reachability bitmasks: with patterns spanning forward and backward the search covers
+    most of the graph, and nearly every answer is no."""
     members = pattern.members
+    if fast is not None and fast.surely_acyclic(buffer.masks, members):
+        return False
     # The furthest op any held pattern reaches bounds the fixed point (a chain offered
     # early may start after this one; a larger bound only searches more): an op past it
     # is in no kernel, and edges only go to larger ids.
@@ -161,6 +174,7 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
     for v in range(n - 1, -1, -1):
         suffix[v] = suffix[v + 1] + share[v]
     # Per buffer: f so far, and the shares of the ops it has taken (all / before v).
+    fast = KernelReach.of(graph)
     beams = [Buffer((), 0, 0.0, None)]
     taken: dict[int, float] = {0: 0.0}
     passed: dict[int, float] = {0: 0.0}
@@ -168,7 +182,7 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
         if poll is not None:
             poll()
         for buf in beams:
-            if buf.covered >> v & 1:
+            if buf.holds(v):
                 passed[buf.covered] += share[v]
         options = by_first.get(v)
         if not options:
@@ -183,7 +197,7 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
         proposals: list[tuple[float, float, int, Pattern | None]] = []
         for bi, buf in enumerate(beams):
             proposals.append((score(buf, buf.gain, share[v]), buf.gain, bi, None))
-            if buf.covered >> v & 1:
+            if buf.holds(v):
                 continue
             for p in options:
                 cand: Pattern | None = p
@@ -191,7 +205,7 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
                     cand = None
                     if trim is not None:
                         # The pattern overlaps earlier picks: offer what is left of it.
-                        rest = frozenset(m for m in p.members if not buf.covered >> m & 1)
+                        rest = frozenset(m for m in p.members if not buf.holds(m))
                         cand = trim(rest) if len(rest) > 1 else None
                         if cand is not None and cand.gain <= 0:
                             cand = None
@@ -219,14 +233,15 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
                 next_beams.append(buf)
                 continue
             covered = buf.covered | masks[p.members]
-            if covered in next_taken or creates_cycle(graph, buf, p):
+            if covered in next_taken or creates_cycle(graph, buf, p, fast):
                 continue
             owner = (buf.owner or Owners()).extended(p.members, len(buf.patterns))
             next_taken[covered] = taken[buf.covered] + sum(share[m] for m in p.members)
             next_passed[covered] = passed[buf.covered] + \
                 (share[v] if v in p.members else 0.0)
+            held = buf.masks + (fast.masks(p.members)[0],) if fast is not None else ()
             next_beams.append(Buffer(buf.patterns + (p,), covered, gain, owner,
-                                     max(buf.reach, max(p.members))))
+                                     max(buf.reach, max(p.members)), held))
         beams, taken, passed = next_beams, next_taken, next_passed
     return sorted(beams, key=lambda b: -b.gain)
 
@@ -374,6 +389,42 @@ def _closes_cycle(graph: OpGraph, kernels: dict[int, frozenset[int]], a: int, b:
     return False
 
 
+def has_other_path(a: int, b: int, succ: Callable[[int], Iterable[int]],
+                   pred: Callable[[int], Iterable[int]]) -> bool:
+    """In a DAG given by ``succ`` / ``pred``: is there a path a -> c -> ... -> b with c != b?
+    Searched from both ends at once, always growing the smaller frontier: the answer is no
+    as soon as either side runs out, and one side is small (a kernel late in the graph
+    reaches little, one early is reached by little) where one-sided searches from an early
+    kernel covered most of a deep graph."""
+    ahead = {c for c in succ(a) if c != b}
+    behind = {c for c in pred(b) if c != a}
+    if ahead & behind:
+        return True
+    front_ahead, front_behind = list(ahead), list(behind)
+    while front_ahead and front_behind:
+        if len(front_ahead) <= len(front_behind):
+            nxt = []
+            for k in front_ahead:
+                for c in succ(k):
+                    if c in behind:
+                        return True
+                    if c not in ahead and c != b and c != a:
+                        ahead.add(c)
+                        nxt.append(c)
+            front_ahead = nxt
+        else:
+            nxt = []
+            for k in front_behind:
+                for c in pred(k):
+                    if c in ahead:
+                        return True
+                    if c not in behind and c != a and c != b:
+                        behind.add(c)
+                        nxt.append(c)
+            front_behind = nxt
+    return False
+
+
 def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
                    mergeable: list[bool], max_ops: int = MAX_PATTERN_OPS
                    ) -> list[frozenset[int]]:
@@ -438,23 +489,30 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         resolved[k] = (merges, out)
         return out
 
+    # Kernel-graph predecessors, the same way (``other_path`` searches from both ends).
+    pred_cache: dict[int, frozenset[int]] = {}
+    resolved_pred: dict[int, tuple[int, set[int]]] = {}
+
+    def pred_of(k: int) -> set[int]:
+        got = resolved_pred.get(k)
+        if got is not None and got[0] == merges:
+            return got[1]
+        raw = pred_cache.get(k)
+        if raw is None:
+            operands = (o for v in kernels[k] for o in graph.nodes[v].operands) if k >= 0 \
+                else iter(graph.nodes[-1 - k].operands)
+            raw = pred_cache[k] = frozenset(owner[o] if owner[o] >= 0 else -1 - o
+                                            for o in operands)
+        out = {find(x) for x in raw}
+        out.discard(k)
+        resolved_pred[k] = (merges, out)
+        return out
+
     def other_path(a: int, b: int) -> bool:
         """Is b reachable from a other than through a direct edge? No bound by op ids: a
         kernel holding a late op may also hold an early one, so a path can come back down
         (x -> scatter -> y -> a kernel that also reads before b)."""
-        stack = [k for k in succ_of(a) if k != b]
-        seen = set(stack)
-        while stack:
-            k = stack.pop()
-            if k == b:
-                return True
-            for nxt in succ_of(k):
-                if nxt == b:
-                    return True
-                if nxt not in seen and nxt != a:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        return False
+        return has_other_path(a, b, succ_of, pred_of)
 
     def saving(a: int, b: int) -> tuple[float, frozenset[int]] | None:
         union = kernels[a] | kernels[b]

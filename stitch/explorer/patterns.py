@@ -23,6 +23,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Iterable
 
 from stitch.hlo_passes.graph import OpGraph
@@ -48,8 +49,9 @@ class Pattern:
     gain: float            # f: modeled seconds saved against running each op alone
     origin: str = "dp"     # "dp" | "remote" | "baseline" | "packing"
 
-    @property
+    @cached_property
     def first(self) -> int:
+        # Asked for every pattern at each chain's offer points: min once per pattern.
         return min(self.members)
 
 

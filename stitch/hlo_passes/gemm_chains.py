@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 import logging
 import math
 import weakref
@@ -50,6 +51,9 @@ _INDEX_INPUT_TYPES = frozenset({"s32"})
 # Element ops of an index computation a chain kernel recomputes (a causal mask of iotas).
 _INDEX_OPS = frozenset({"compare", "add", "subtract", "and", "or", "not", "select"})
 _RENAMES = frozenset({"bitcast", "reshape", "copy"})
+# What may sit between a chain's GEMMs (``_Recognizer.translate``).
+_HELD_OPCODES = ELEMENTWISE_OPS | _RENAMES | {"constant", "broadcast", "reduce"}
+_HELD_TYPES = frozenset({"f32", "bf16", "f16", "pred"})
 
 
 class _NotAChain(Exception):
@@ -179,6 +183,11 @@ class _ChainSearch:
     grow with the square of the layers; their work no longer does."""
     position: dict[int, int]
     bits: list[int]
+    # The other way: ``above[v]`` has bit ``position[x]`` set when barrier x reaches v.
+    above: list[int] = field(default_factory=list)
+    holdable: dict[int, bool] = field(default_factory=dict)   # node -> ``_holdable``
+    # A first GEMM's result node -> its last candidate second GEMM (bounds ``walk``).
+    limits: dict[int, int] = field(default_factory=dict)
     # start -> (descendants reached without walking through a barrier, barriers among them)
     walks: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     dots: dict[int, object] = field(default_factory=dict)    # node -> _Dot or its refusal
@@ -196,7 +205,16 @@ class _ChainSearch:
                 if at is not None:
                     reach |= 1 << at
             bits[node.id] = reach
-        return _ChainSearch(position, bits)
+        above = [0] * len(graph.nodes)
+        for node in graph.nodes:
+            reached = 0
+            for o in node.operands:
+                reached |= above[o]
+                at = position.get(o)
+                if at is not None:
+                    reached |= 1 << at
+            above[node.id] = reached
+        return _ChainSearch(position, bits, above)
 
     def reaches(self, v: int, barrier: int) -> bool:
         return bool(self.bits[v] >> self.position[barrier] & 1)
@@ -218,18 +236,74 @@ class _ChainSearch:
                                    rc=list(got.rc),
                                    split=None if got.split is None else list(got.split))
 
+    def second_candidates(self, graph: OpGraph, first: int) -> list[int]:
+        """The GEMMs a chain from ``first`` may end at, nearest first: those reached from it
+        through values a chain can hold between its GEMMs (``_holdable`` ops of tile, row
+        or scalar size, and the first GEMM's own result ops) that no GEMM or opaque op met
+        on the way reaches (the walk stops at both). Every other pair is refused by
+        ``_Recognizer.run``; walking through every op instead made the pairs grow with the
+        square of the layers."""
+        try:
+            d1 = self.gemm(graph, first)
+            # A value between is a tile (the first result's count), a row or a scalar.
+            tile = graph.nodes[d1.result].shape.num_elements
+            n = math.prod(d1.rhs_shape.dims[d] for d in _free(d1.rhs_shape, d1.rb, d1.rc))
+        except (_NotAChain, KeyError, ValueError, IndexError, TypeError, ZeroDivisionError):
+            # No description: every pair is refused the same way; keep the plain walk.
+            return _second_candidates(graph, first)
+        passable = set(d1.extra)
+        counts = {tile, 1} | ({tile // n} if n and tile % n == 0 else set())
+        found: list[int] = []
+        # Barriers the walk meets (bits by ``position``). One that reaches a node sits
+        # between the first GEMM and every GEMM past that node (``nodes_between`` refuses
+        # the pair): in a residual stream the next layer's GEMM, which reaches all later
+        # ones, so the walk stops there. In id order, so such a barrier is met first.
+        met = 0
+        heap = list(graph.nodes[first].users)
+        heapq.heapify(heap)
+        seen = set(heap)
+        while heap:
+            v = heapq.heappop(heap)
+            if self.above[v] & met:
+                continue
+            node = graph.nodes[v]
+            if node.op_class in _BARRIERS:
+                met |= 1 << self.position[v]
+                if node.op_class is OpClass.COMPUTE:
+                    found.append(v)
+                continue
+            if v not in passable and not (self.is_holdable(node)
+                                          and node.shape.num_elements in counts):
+                continue
+            for u in node.users:
+                if u not in seen:
+                    seen.add(u)
+                    heapq.heappush(heap, u)
+        if found:
+            self.limits[d1.result] = max(self.limits.get(d1.result, -1), found[-1])
+        return found
+
+    def is_holdable(self, node) -> bool:
+        got = self.holdable.get(node.id)
+        if got is None:
+            got = self.holdable[node.id] = _holdable(node)
+        return got
+
     def walk(self, graph: OpGraph, start: int) -> tuple[list[int], list[int]]:
         """Descendants of ``start`` reached without going through a barrier (barriers
-        included, not walked through), and the barriers among them; once per start."""
+        included, not walked through), and the barriers among them; once per start. Up to
+        the last second GEMM ``second_candidates`` found for the first GEMM (``limits``):
+        nothing past it is between that GEMM and any of its candidates."""
         got = self.walks.get(start)
         if got is None:
+            limit = self.limits.get(start, len(graph.nodes))
             seen: set[int] = set()
             barriers: list[int] = []
             stack = [start]
             while stack:
                 v = stack.pop()
                 for u in graph.nodes[v].users:
-                    if u not in seen:
+                    if u not in seen and u <= limit:
                         seen.add(u)
                         if graph.nodes[u].op_class in _BARRIERS:
                             barriers.append(u)
@@ -246,7 +320,7 @@ def _find(graph: OpGraph) -> list[GemmChain]:
     for node in graph.nodes:
         if node.op_class is not OpClass.COMPUTE or node.id in taken:
             continue
-        for second in _second_candidates(graph, node.id):
+        for second in reach.second_candidates(graph, node.id):
             if second in taken:
                 continue
             try:
@@ -306,6 +380,14 @@ def _second_candidates(graph: OpGraph, first: int) -> list[int]:
                 seen.add(u)
                 stack.append(u)
     return sorted(found)
+
+
+def _holdable(node) -> bool:
+    """Can ``node`` sit between a chain's GEMMs? What ``_Recognizer.translate`` refuses
+    whatever the dims: another opcode, element type or a non-row-major layout."""
+    shape = node.shape
+    return (node.opcode in _HELD_OPCODES and shape.is_array
+            and shape.element_type in _HELD_TYPES and _row_major(shape))
 
 
 # ---------------------------------------------------------------------------- shapes
@@ -795,7 +877,7 @@ class _Recognizer:
         operands are already program values ``args``."""
         op = inst.opcode
         name = inst.name
-        if not shape.is_array or shape.element_type not in ("f32", "bf16", "f16", "pred"):
+        if not shape.is_array or shape.element_type not in _HELD_TYPES:
             raise _NotAChain(f"{name}: element type {shape.element_type}")
         if not _row_major(shape):
             raise _NotAChain(f"{name}: layout is not row-major")

@@ -140,19 +140,51 @@ class OpGraph:
         return self._searched_convex(members)
 
     def _searched_convex(self, members: set[int]) -> bool:
-        """``is_convex`` by a forward search, bounded by the last member."""
-        last = max(members)
-        stack = [u for m in members for u in self.nodes[m].users
-                 if u not in members and u < last]
-        seen = set(stack)
-        while stack:
-            for u in self.nodes[stack.pop()].users:
-                if u in members:
-                    return False
-                if u < last and u not in seen:
-                    seen.add(u)
-                    stack.append(u)
+        """``is_convex`` by search: no outside node is both reached from the set and
+        reaching it (by outside paths). Forward from the outside users (below the last
+        member) and backward from the outside operands (above the first) at once, growing
+        the smaller side: either side running out without meeting the other proves it.
+        (Patterns spanning a training step's forward and backward made a one-sided search
+        cover most of the graph.)"""
+        first, last = min(members), max(members)
+        ahead = {u for m in members for u in self.nodes[m].users
+                 if u not in members and u < last}
+        behind = {o for m in members for o in self.nodes[m].operands
+                  if o not in members and o > first}
+        if ahead & behind:
+            return False
+        front_ahead, front_behind = list(ahead), list(behind)
+        while front_ahead and front_behind:
+            if len(front_ahead) <= len(front_behind):
+                grown = []
+                for v in front_ahead:
+                    for u in self.nodes[v].users:
+                        if u in members:
+                            return False
+                        if u < last and u not in ahead:
+                            if u in behind:
+                                return False
+                            ahead.add(u)
+                            grown.append(u)
+                front_ahead = grown
+            else:
+                grown = []
+                for v in front_behind:
+                    for o in self.nodes[v].operands:
+                        if o in members:
+                            return False
+                        if o > first and o not in behind:
+                            if o in ahead:
+                                return False
+                            behind.add(o)
+                            grown.append(o)
+                front_behind = grown
         return True
+
+    def reachability(self) -> tuple[list[int], list[int]] | None:
+        """(descendants, ancestors): per node, a bitmask of the nodes it reaches and of the
+        nodes reaching it; None above REACHABILITY_MAX_NODES (see ``unit_reachability``)."""
+        return self._reachability()
 
     def _reachability(self) -> tuple[list[int], list[int]] | None:
         """Descendant and ancestor bitmasks of every node (None above
