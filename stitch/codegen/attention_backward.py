@@ -265,26 +265,6 @@ def lower_attention_backward(problem: AttentionBackward, tiling: BackwardTiling 
                       "relaunch", register_budget=REGISTER_BUDGET).validate()
 
 
-def _add(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Binary("add", a, b)
-
-
-def _mul(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Binary("mul", a, b)
-
-
-def _lt(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Compare("lt", a, b)
-
-
-def _and(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Binary("and", a, b)
-
-
-def _min(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Binary("min", a, b)
-
-
 class _BackwardKernel:
     """Rows of one role (queries for dQ, keys for dK/dV), columns of the other. Thread
     (ty, tx) owns tile rows ty * thread_rows + i and columns tx + j * lanes."""
@@ -334,7 +314,7 @@ class _BackwardKernel:
     def scaled_score(self, i: int, j: int) -> kir.Expr:
         """c * S of the thread's element (i, j), stored as XLA stores S."""
         raw = kir.Ref(self.s[i][j], _F32)
-        return self.rounded(_mul(self.rounded(raw), kir.f32(self.p.scale)))
+        return self.rounded(kir.mul(self.rounded(raw), kir.f32(self.p.scale)))
 
     def let(self, out: list[kir.Stmt], hint: str, expr: kir.Expr) -> kir.Expr:
         if isinstance(expr, (kir.Const, kir.Ref)):
@@ -346,12 +326,12 @@ class _BackwardKernel:
 
     def offset(self, name: str, row: kir.Expr, col: kir.Expr) -> kir.Expr:
         view = self.p.view(name)
-        terms = [_mul(x, _c(stride)) if stride != 1 else x
+        terms = [kir.mul(x, _c(stride)) if stride != 1 else x
                  for x, stride in ((self.batch, view.batch_stride), (row, view.row_stride),
                                    (col, view.col_stride)) if stride]
         out = terms[0] if terms else _c(0)
         for term in terms[1:]:
-            out = _add(out, term)
+            out = kir.add(out, term)
         return out
 
     # --- loads ----------------------------------------------------------------------------
@@ -368,11 +348,11 @@ class _BackwardKernel:
         e = kir.Ref(var, "i32")
         r = self.let(body, "r", kir.Binary("div", e, _c(cols)))
         c = self.let(body, "c", kir.Binary("rem", e, _c(cols)))
-        row = self.let(body, "row", _add(_add(start, r0), r))
-        col = self.let(body, "col", _add(k0, c))
-        valid = _and(_lt(row, _c(length)), _lt(col, _c(d)))
-        index = self.offset(source, _min(row, _c(length - 1)), _min(col, _c(d - 1)))
-        slot = _add(_mul(c, _c(rows)), r) if transposed else _add(_mul(r, _c(cols)), c)
+        row = self.let(body, "row", kir.add(kir.add(start, r0), r))
+        col = self.let(body, "col", kir.add(k0, c))
+        valid = kir.logical_and(kir.less(row, _c(length)), kir.less(col, _c(d)))
+        index = self.offset(source, kir.minimum(row, _c(length - 1)), kir.minimum(col, _c(d - 1)))
+        slot = kir.add(kir.mul(c, _c(rows)), r) if transposed else kir.add(kir.mul(r, _c(cols)), c)
         value = kir.Load(self.params[source], index)
         body.append(kir.Store(tile.name, slot, kir.Select(valid, value, kir.f32(0.0))))
         out.append(kir.For(var, kir.ThreadIdx(), _c(rows * cols), _c(self.t.threads),
@@ -401,11 +381,11 @@ class _BackwardKernel:
         tid = kir.ThreadIdx()
         self.tx = self.let(body, "tx", kir.Binary("rem", tid, _c(t.lanes)))
         self.ty = self.let(body, "ty", kir.Binary("div", tid, _c(t.lanes)))
-        self.row_in_tile = [_add(_mul(self.ty, _c(t.thread_rows)), _c(i))
+        self.row_in_tile = [kir.add(kir.mul(self.ty, _c(t.thread_rows)), _c(i))
                             for i in range(t.thread_rows)]
-        self.rows = [_add(self.r0, r) for r in self.row_in_tile]
-        self.cols = [_add(self.tx, _c(j * t.lanes)) for j in range(t.thread_cols)]
-        self.acc_h = [_add(self.tx, _c(j * t.lanes)) for j in range(t.thread_h)]
+        self.rows = [kir.add(self.r0, r) for r in self.row_in_tile]
+        self.cols = [kir.add(self.tx, _c(j * t.lanes)) for j in range(t.thread_cols)]
+        self.acc_h = [kir.add(self.tx, _c(j * t.lanes)) for j in range(t.thread_h)]
         self.shuffle_lanes = t.lanes
         self.first_lane = kir.Compare("eq", self.tx, _c(0))
 
@@ -419,8 +399,8 @@ class _BackwardKernel:
         rb = self.let(body, "rb", kir.Binary("rem", kir.Binary("div", bid, _c(h_blocks)),
                                              _c(row_blocks)))
         self.batch = self.let(body, "batch", kir.Binary("div", bid, _c(h_blocks * row_blocks)))
-        self.r0 = self.let(body, "r0", _mul(rb, _c(t.block_rows)))
-        self.h0 = self.let(body, "h0", _mul(hb, _c(t.block_h)))
+        self.r0 = self.let(body, "r0", kir.mul(rb, _c(t.block_rows)))
+        self.h0 = self.let(body, "h0", kir.mul(hb, _c(t.block_h)))
         self.layout(body)
         n_rows, n_cols = len(self.rows), len(self.cols)
         self.s = [[f"{self.prefix}s_{i}_{j}" for j in range(n_cols)] for i in range(n_rows)]
@@ -444,7 +424,7 @@ class _BackwardKernel:
             self.row_stats = self.finish_stats(body)
         else:
             self.row_stats = None if self.key_rows else [
-                self.stats(body, _min(row, _c(p.queries - 1))) for row in self.rows]
+                self.stats(body, kir.minimum(row, _c(p.queries - 1))) for row in self.rows]
         body.append(kir.For("c0", lo, hi, _c(t.block_cols), tuple(self.step())))
         body.extend(self.store())
         return body
@@ -457,13 +437,13 @@ class _BackwardKernel:
         if not self.p.causal:
             return _c(0), _c(self.col_len)
         if self.key_rows:
-            first = _mul(kir.Binary("div", self.r0, _c(t.block_cols)), _c(t.block_cols))
+            first = kir.mul(kir.Binary("div", self.r0, _c(t.block_cols)), _c(t.block_cols))
             return self.let(body, "lo", first), _c(self.col_len)
-        last = _min(_add(self.r0, _c(t.block_rows)), _c(self.col_len))
+        last = kir.minimum(kir.add(self.r0, _c(t.block_rows)), _c(self.col_len))
         return _c(0), self.let(body, "hi", last)
 
     def stats(self, out: list[kir.Stmt], query: kir.Expr) -> tuple[kir.Expr, ...]:
-        at = self.let(out, "qs", _add(_mul(self.batch, _c(self.p.queries)), query))
+        at = self.let(out, "qs", kir.add(kir.mul(self.batch, _c(self.p.queries)), query))
         return tuple(self.let(out, name, kir.Load(self.buffers[name], at))
                      for name in ("row_max", "row_sum", "delta"))
 
@@ -483,13 +463,13 @@ class _BackwardKernel:
         k_body.append(kir.Barrier())
         inner: list[kir.Stmt] = []
         kk = kir.Ref("kk", "i32")
-        av = [self.let(inner, "a", kir.Load(self.sa, _add(_mul(r, _c(t.block_k)), kk)))
+        av = [self.let(inner, "a", kir.Load(self.sa, kir.add(kir.mul(r, _c(t.block_k)), kk)))
               for r in self.row_in_tile]
-        bv = [self.let(inner, "b", kir.Load(self.sb, _add(_mul(kk, _c(t.block_cols)), c)))
+        bv = [self.let(inner, "b", kir.Load(self.sb, kir.add(kir.mul(kk, _c(t.block_cols)), c)))
               for c in self.cols]
         for i, row in enumerate(acc):
             for j, name in enumerate(row):
-                inner.append(kir.Assign(name, _add(kir.Ref(name, _F32), _mul(av[i], bv[j]))))
+                inner.append(kir.Assign(name, kir.add(kir.Ref(name, _F32), kir.mul(av[i], bv[j]))))
         k_body.append(kir.For("kk", _c(0), _c(t.block_k), _c(1), tuple(inner)))
         k_body.append(kir.Barrier())
         out.append(kir.For("k0", _c(0), _c(p.head_dim), _c(t.block_k), tuple(k_body)))
@@ -508,15 +488,16 @@ class _BackwardKernel:
             for row in self.dp:
                 for name in row:
                     out.append(kir.Assign(name, self.rounded(kir.Ref(name, _F32))))
-        cols = [self.let(out, "col", _add(c0, c)) for c in self.cols]
+        cols = [self.let(out, "col", kir.add(c0, c)) for c in self.cols]
         valid: list[list[kir.Expr]] = []
         for row in self.rows:
             row_valid = []
             for col in cols:
                 query, key = (col, row) if self.key_rows else (row, col)
-                ok = _and(_lt(row, _c(self.row_len)), _lt(col, _c(self.col_len)))
+                ok = kir.logical_and(kir.less(row, _c(self.row_len)),
+                                     kir.less(col, _c(self.col_len)))
                 if p.causal:
-                    ok = _and(ok, kir.Compare("le", key, query))
+                    ok = kir.logical_and(ok, kir.Compare("le", key, query))
                 row_valid.append(self.let(out, "ok", ok))
             valid.append(row_valid)
         return cols, valid
@@ -555,9 +536,9 @@ class _BackwardKernel:
                 "exp", kir.Binary("sub", xj, new)))) for xj in x]
             total = self.row_reduce(out, "add", e)
             weighted = self.row_reduce(out, "add", [
-                _mul(ej, kir.Ref(self.dp[i][j], _F32)) for j, ej in enumerate(e)])
+                kir.mul(ej, kir.Ref(self.dp[i][j], _F32)) for j, ej in enumerate(e)])
             for name, step in ((f"sum_{i}", total), (f"wdp_{i}", weighted)):
-                out.append(kir.Assign(name, _add(_mul(kir.Ref(name, _F32), rescale), step)))
+                out.append(kir.Assign(name, kir.add(kir.mul(kir.Ref(name, _F32), rescale), step)))
             out.append(kir.Assign(f"mx_{i}", new))
         return out
 
@@ -572,8 +553,8 @@ class _BackwardKernel:
                 kir.Compare("eq", total, kir.f32(0.0)), kir.f32(0.0),
                 kir.Binary("div", kir.Ref(f"wdp_{i}", _F32), total)))
             stats.append((mx, total, delta))
-            at = _add(_mul(self.batch, _c(p.queries)), row)
-            cond = _and(_lt(row, _c(p.queries)), self.first_lane)
+            at = kir.add(kir.mul(self.batch, _c(p.queries)), row)
+            cond = kir.logical_and(kir.less(row, _c(p.queries)), self.first_lane)
             body.append(kir.If(cond, tuple(kir.Store(name, at, value) for name, value in
                                            zip(STATS, (mx, total, delta)))))
         return stats
@@ -583,7 +564,7 @@ class _BackwardKernel:
         out: list[kir.Stmt] = []
         c0 = kir.Ref("c0", "i32")
         cols, valid_tile = self.scores(out, c0)
-        col_stats = [self.stats(out, _min(col, _c(p.queries - 1))) for col in cols] \
+        col_stats = [self.stats(out, kir.minimum(col, _c(p.queries - 1))) for col in cols] \
             if self.key_rows else None
         probs: list[list[kir.Expr]] = []
         grads: list[list[kir.Expr]] = []
@@ -595,14 +576,14 @@ class _BackwardKernel:
                 e = kir.Unary("exp", kir.Binary("sub", self.scaled_score(i, j), mx))
                 prob = self.let(out, "p", kir.Select(valid, kir.Binary("div", e, total),
                                                      kir.f32(0.0)))
-                grad = self.let(out, "ds", _mul(prob, kir.Binary(
+                grad = self.let(out, "ds", kir.mul(prob, kir.Binary(
                     "sub", kir.Ref(self.dp[i][j], _F32), delta)))
                 if p.intermediates != _F32:
                     # XLA's stored P for dV, and its stored dS scaled in dQ's / dK's
                     # GEMM prologue (the store then leaves the scale out).
                     prob = self.let(out, "pr", self.rounded(prob))
                     grad = self.let(out, "dsr", self.rounded(
-                        _mul(self.rounded(grad), kir.f32(p.scale))))
+                        kir.mul(self.rounded(grad), kir.f32(p.scale))))
                 prow.append(prob)
                 grow.append(grad)
             probs.append(prow)
@@ -621,37 +602,38 @@ class _BackwardKernel:
         t = self.t
         for i in range(t.thread_rows):
             for j in range(t.thread_cols):
-                index = _add(_mul(self.row_in_tile[i], _c(t.block_cols)), self.cols[j])
+                index = kir.add(kir.mul(self.row_in_tile[i], _c(t.block_cols)), self.cols[j])
                 out.append(kir.Store(self.sp.name, index, left[i][j]))
         self.operand_load(out, self.sc, source, self.col_len, c0, _c(0), t.block_cols,
                           self.h0, t.block_h, transposed=False)
         out.append(kir.Barrier())
         inner: list[kir.Stmt] = []
         cc = kir.Ref("cc", "i32")
-        pv = [self.let(inner, "pv", kir.Load(self.sp, _add(_mul(r, _c(t.block_cols)), cc)))
+        pv = [self.let(inner, "pv", kir.Load(self.sp, kir.add(kir.mul(r, _c(t.block_cols)), cc)))
               for r in self.row_in_tile]
-        cv = [self.let(inner, "cv", kir.Load(self.sc, _add(_mul(cc, _c(t.block_h)), h)))
+        cv = [self.let(inner, "cv", kir.Load(self.sc, kir.add(kir.mul(cc, _c(t.block_h)), h)))
               for h in self.acc_h]
         for i, row in enumerate(self.acc[result]):
             for j, name in enumerate(row):
-                inner.append(kir.Assign(name, _add(kir.Ref(name, _F32), _mul(pv[i], cv[j]))))
+                inner.append(kir.Assign(name, kir.add(kir.Ref(name, _F32), kir.mul(pv[i], cv[j]))))
         out.append(kir.For("cc", _c(0), _c(t.block_cols), _c(1), tuple(inner)))
         out.append(kir.Barrier())
 
     def store(self) -> list[kir.Stmt]:
         """Each thread's accumulators; dQ and dK carry the score scale."""
-        p, t = self.p, self.t
+        p = self.p
         out: list[kir.Stmt] = []
         for result, grid in self.acc.items():
             scale = 1.0 if result == "dv" or p.intermediates != _F32 else p.scale
             for i, row in enumerate(self.rows):
                 for j, name in enumerate(grid[i]):
-                    h = _add(self.h0, self.acc_h[j])
+                    h = kir.add(self.h0, self.acc_h[j])
                     value: kir.Expr = kir.Ref(name, _F32)
                     if scale != 1.0:
-                        value = _mul(value, kir.f32(scale))
+                        value = kir.mul(value, kir.f32(scale))
                     index = self.offset(result, row, h)
-                    cond = _and(_lt(row, _c(self.row_len)), _lt(h, _c(p.head_dim)))
+                    cond = kir.logical_and(kir.less(row, _c(self.row_len)),
+                                           kir.less(h, _c(p.head_dim)))
                     out.append(kir.If(cond, (kir.Store(result, index, value),)))
         return out
 
@@ -670,14 +652,14 @@ class _MmaBackwardKernel(_BackwardKernel):
         self.dtype = "tf32" if self.p.dtype == _F32 else self.p.dtype
         tid = kir.ThreadIdx()
         lane = self.let(body, "lane", kir.Binary("rem", tid, _c(32)))
-        self.warp_row = self.let(body, "wrow", _mul(kir.Binary("div", tid, _c(32)), _c(16)))
+        self.warp_row = self.let(body, "wrow", kir.mul(kir.Binary("div", tid, _c(32)), _c(16)))
         self.g = self.let(body, "g", kir.Binary("div", lane, _c(4)))
         self.q = self.let(body, "q", kir.Binary("rem", lane, _c(4)))
-        self.q2 = self.let(body, "q2", _mul(self.q, _c(2)))
-        self.row_in_tile = [_add(self.warp_row, _add(self.g, _c(8 * i))) for i in range(2)]
-        self.rows = [_add(self.r0, r) for r in self.row_in_tile]
-        self.cols = [_add(self.q2, _c(8 * (j // 2) + j % 2)) for j in range(t.block_cols // 4)]
-        self.acc_h = [_add(self.q2, _c(8 * (j // 2) + j % 2)) for j in range(t.block_h // 4)]
+        self.q2 = self.let(body, "q2", kir.mul(self.q, _c(2)))
+        self.row_in_tile = [kir.add(self.warp_row, kir.add(self.g, _c(8 * i))) for i in range(2)]
+        self.rows = [kir.add(self.r0, r) for r in self.row_in_tile]
+        self.cols = [kir.add(self.q2, _c(8 * (j // 2) + j % 2)) for j in range(t.block_cols // 4)]
+        self.acc_h = [kir.add(self.q2, _c(8 * (j // 2) + j % 2)) for j in range(t.block_h // 4)]
         self.shuffle_lanes = 4
         self.first_lane = kir.Compare("eq", self.q, _c(0))
         self.tx = self.q
@@ -700,15 +682,15 @@ class _MmaBackwardKernel(_BackwardKernel):
             places = [(8 * (i % 2), self.q, 4 * (i // 2)) for i in range(4)]
         else:                        # a[i] = A[g + 8 (i//2 odd)][2q + i%2 + 8 (i >= 4)]
             places = [(8 * ((i // 2) % 2), self.q2, i % 2 + 8 * (i // 4)) for i in range(8)]
-        return [kir.Load(self.sa, _add(_mul(_add(self.warp_row, _add(self.g, _c(dr))),
-                                            _c(width)), _add(col, _c(k0 + dc))))
+        return [kir.Load(self.sa, kir.add(kir.mul(kir.add(self.warp_row, kir.add(self.g, _c(dr))),
+                                            _c(width)), kir.add(col, _c(k0 + dc))))
                 for dr, col, dc in places]
 
     def b_rows(self, k0: int) -> list[kir.Expr]:
         """The k rows of this lane's B fragment (b[i] = B[row_i][g])."""
         if self.dtype == "tf32":     # b[i] = B[q + 4 i][g]
-            return [_add(self.q, _c(k0 + 4 * i)) for i in range(2)]
-        return [_add(self.q2, _c(k0 + i % 2 + 8 * (i // 2))) for i in range(4)]
+            return [kir.add(self.q, _c(k0 + 4 * i)) for i in range(2)]
+        return [kir.add(self.q2, _c(k0 + i % 2 + 8 * (i // 2))) for i in range(4)]
 
     def tile_acc(self, grid: list[list[str]], tile: int) -> list[str]:
         """The four accumulators of 16 x 8 tile ``tile`` (D layout order)."""
@@ -731,8 +713,8 @@ class _MmaBackwardKernel(_BackwardKernel):
         for kc in range(0, t.block_k, self.depth):
             frag = self.a_fragment(t.block_k, kc)
             for nt in range(t.block_cols // 8):
-                col = _add(self.g, _c(8 * nt))
-                bv = [kir.Load(self.sb, _add(_mul(r, _c(t.block_cols)), col))
+                col = kir.add(self.g, _c(8 * nt))
+                bv = [kir.Load(self.sb, kir.add(kir.mul(r, _c(t.block_cols)), col))
                       for r in self.b_rows(kc)]
                 self.mma(k_body, frag, bv, self.tile_acc(acc, nt))
         k_body.append(kir.Barrier())
@@ -748,15 +730,15 @@ class _MmaBackwardKernel(_BackwardKernel):
             if self.dtype == "tf32":
                 j0 = 2 * chunk
                 a = [left[0][j0], left[1][j0], left[0][j0 + 1], left[1][j0 + 1]]
-                rows = [_add(self.q2, _c(8 * chunk + i)) for i in range(2)]
+                rows = [kir.add(self.q2, _c(8 * chunk + i)) for i in range(2)]
             else:
                 j0 = 4 * chunk
                 a = [left[0][j0], left[0][j0 + 1], left[1][j0], left[1][j0 + 1],
                      left[0][j0 + 2], left[0][j0 + 3], left[1][j0 + 2], left[1][j0 + 3]]
                 rows = self.b_rows(16 * chunk)
             for ht in range(t.block_h // 8):
-                col = _add(self.g, _c(8 * ht))
-                bv = [kir.Load(self.sc, _add(_mul(r, _c(t.block_h)), col)) for r in rows]
+                col = kir.add(self.g, _c(8 * ht))
+                bv = [kir.Load(self.sc, kir.add(kir.mul(r, _c(t.block_h)), col)) for r in rows]
                 self.mma(out, a, bv, self.tile_acc(self.acc[result], ht))
         out.append(kir.Barrier())
 

@@ -253,26 +253,6 @@ def lower_gemm_chain(graph: OpGraph, chain: GemmChain, tiling: ChainTiling | Non
 # ----------------------------------------------------------------------------- helpers
 
 
-def _add(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Binary("add", a, b)
-
-
-def _mul(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Binary("mul", a, b)
-
-
-def _min(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Binary("min", a, b)
-
-
-def _lt(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Compare("lt", a, b)
-
-
-def _and(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Binary("and", a, b)
-
-
 def _offset(view: OperandView, b: kir.Expr, r: kir.Expr, c: kir.Expr) -> kir.Expr:
     pairs = [(r, view.row_stride), (c, view.col_stride)]
     if view.batch_dims:     # b's digits, minor first (OperandView.batch_offset)
@@ -284,12 +264,12 @@ def _offset(view: OperandView, b: kir.Expr, r: kir.Expr, c: kir.Expr) -> kir.Exp
             inner *= size
     else:
         pairs.append((b, view.batch_stride))
-    terms = [x if s == 1 else _mul(x, _c(s)) for x, s in pairs if s]
+    terms = [x if s == 1 else kir.mul(x, _c(s)) for x, s in pairs if s]
     if not terms:
         return _c(0)
     out = terms[0]
     for t in terms[1:]:
-        out = _add(out, t)
+        out = kir.add(out, t)
     return out
 
 
@@ -368,7 +348,7 @@ class _ChainKernel:
 
     @property
     def rows_clamped(self) -> list[kir.Expr]:
-        return [_min(m, _c(self.chain.m - 1)) for m in self.rows]
+        return [kir.minimum(m, _c(self.chain.m - 1)) for m in self.rows]
 
     def cooperative_load(self, out: list[kir.Stmt], tile: kir.Shared, rows: int, cols: int,
                          source: OperandView, row0: kir.Expr, col0: kir.Expr,
@@ -386,12 +366,12 @@ class _ChainKernel:
         else:
             r = self.let(body, "r", kir.Binary("div", e, _c(cols)))
             c = self.let(body, "c", kir.Binary("rem", e, _c(cols)))
-        slot = _add(_mul(r, _c(cols)), c)
-        row = self.let(body, "row", _add(row0, r))
-        col = self.let(body, "col", _add(col0, c))
-        valid = _and(_lt(row, _c(row_limit)), _lt(col, _c(col_limit)))
-        index = _offset(source, self.batch, _min(row, _c(row_limit - 1)),
-                        _min(col, _c(col_limit - 1)))
+        slot = kir.add(kir.mul(r, _c(cols)), c)
+        row = self.let(body, "row", kir.add(row0, r))
+        col = self.let(body, "col", kir.add(col0, c))
+        valid = kir.logical_and(kir.less(row, _c(row_limit)), kir.less(col, _c(col_limit)))
+        index = _offset(source, self.batch, kir.minimum(row, _c(row_limit - 1)),
+                        kir.minimum(col, _c(col_limit - 1)))
         value = kir.Load(self.param(source.node), index)
         body.append(kir.Store(tile.name, slot, kir.Select(valid, value, kir.f32(0.0))))
         out.append(kir.For(var, kir.ThreadIdx(), _c(rows * cols), _c(self.t.threads),
@@ -412,14 +392,15 @@ class _ChainKernel:
             self.split = self.let(body, "split", kir.Binary("rem", bid, _c(t.n_split)))
             bid = self.let(body, "tile", kir.Binary("div", bid, _c(t.n_split)))
             share = -(-(-(-ch.n // t.block_n)) // t.n_split)      # n steps per split
-            n_lo = self.let(body, "nlo", _mul(self.split, _c(share * t.block_n)))
-            n_hi = self.let(body, "nhi", _min(_add(n_lo, _c(share * t.block_n)), _c(ch.n)))
+            n_lo = self.let(body, "nlo", kir.mul(self.split, _c(share * t.block_n)))
+            n_hi = self.let(body, "nhi",
+                            kir.minimum(kir.add(n_lo, _c(share * t.block_n)), _c(ch.n)))
         hb = self.let(body, "hb", kir.Binary("rem", bid, _c(h_blocks)))
         mb = self.let(body, "mb", kir.Binary("rem", kir.Binary("div", bid, _c(h_blocks)),
                                              _c(m_blocks)))
         self.batch = self.let(body, "batch", kir.Binary("div", bid, _c(h_blocks * m_blocks)))
-        self.m0 = self.let(body, "m0", _mul(mb, _c(t.block_m)))
-        self.h0 = self.let(body, "h0", _mul(hb, _c(t.block_h)))
+        self.m0 = self.let(body, "m0", kir.mul(mb, _c(t.block_m)))
+        self.h0 = self.let(body, "h0", kir.mul(hb, _c(t.block_h)))
         self.layout(body)
         for row in self.s:
             for name in row:
@@ -473,8 +454,8 @@ class _ChainKernel:
             for name in row:
                 out.append(kir.Assign(name, kir.f32(0.0)))
         self.first_gemm(out, n0)
-        n_cols = [self.let(out, "n", _add(n0, c)) for c in self.cols]
-        valid_n = [self.let(out, "vn", _lt(n, _c(self.chain.n))) for n in n_cols]
+        n_cols = [self.let(out, "n", kir.add(n0, c)) for c in self.cols]
+        valid_n = [self.let(out, "vn", kir.less(n, _c(self.chain.n))) for n in n_cols]
         return valid_n, _Program(self, out, n_cols)
 
     def reduction_step(self, r: int) -> list[kir.Stmt]:
@@ -521,7 +502,7 @@ class _ChainKernel:
         e = [self.let(out, "e", kir.Select(dead, kir.f32(0.0), kir.Unary(
             "exp", kir.Binary("sub", xj, new)))) for xj in x]
         total = self.row_reduce(out, "add", e)
-        out.append(kir.Assign(sum_name, _add(_mul(kir.Ref(sum_name, _F32), scale), total)))
+        out.append(kir.Assign(sum_name, kir.add(kir.mul(kir.Ref(sum_name, _F32), scale), total)))
         out.append(kir.Assign(max_name, new))
         return scale, e
 
@@ -535,7 +516,7 @@ class _ChainKernel:
             for i, row in enumerate(self.rows):
                 for j, n in enumerate(program.n_cols):
                     value = program.value(extra.value, i, j)
-                    cond = _and(_lt(row, _c(ch.m)), valid_n[j])
+                    cond = kir.logical_and(kir.less(row, _c(ch.m)), valid_n[j])
                     out.append(kir.If(cond, (kir.Store(param.name, _offset(
                         extra.view, self.batch, row, n), value),)))
 
@@ -555,7 +536,7 @@ class _ChainKernel:
         for extra, param in rows:
             for i, row in enumerate(self.rows):
                 value = program.value(extra.value, i, 0)
-                cond = _and(_lt(row, _c(ch.m)), first_lane)
+                cond = kir.logical_and(kir.less(row, _c(ch.m)), first_lane)
                 out.append(kir.If(cond, (kir.Store(param.name, _offset(
                     extra.view, self.batch, row, _c(0)), value),)))
         return out
@@ -600,7 +581,7 @@ class _ChainKernel:
             scale, e = self.online_update(out, program, valid_n, self.softmax.x, i,
                                           f"mx_{i}", f"sum_{i}")
             for name, _ in self.acc[i]:
-                out.append(kir.Assign(name, _mul(kir.Ref(name, _F32), scale)))
+                out.append(kir.Assign(name, kir.mul(kir.Ref(name, _F32), scale)))
             p.append(e)
         return p
 
@@ -618,22 +599,22 @@ class _ChainKernel:
             elif self.softmax is not None:
                 # The row's running max and sum over the block's share of n (every thread
                 # of the row holds the same: the butterflies gave each lane the row's).
-                slot = _mul(_add(_mul(_add(_mul(self.split, _c(ch.batch)), self.batch),
-                                      _c(ch.m)), row), _c(2))
-                out.append(kir.If(_lt(row, _c(ch.m)), (
+                split_batch = kir.add(kir.mul(self.split, _c(ch.batch)), self.batch)
+                slot = kir.mul(kir.add(kir.mul(split_batch, _c(ch.m)), row), _c(2))
+                out.append(kir.If(kir.less(row, _c(ch.m)), (
                     kir.Store(self.row_stats.name, slot, kir.Ref(f"mx_{i}", _F32)),
-                    kir.Store(self.row_stats.name, _add(slot, _c(1)),
+                    kir.Store(self.row_stats.name, kir.add(slot, _c(1)),
                               kir.Ref(f"sum_{i}", _F32)))))
             for name, h in self.acc[i]:
                 value: kir.Expr = kir.Ref(name, _F32)
                 if inv is not None:
-                    value = _mul(value, inv)
-                cond = _and(_lt(row, _c(ch.m)), _lt(h, _c(ch.h)))
+                    value = kir.mul(value, inv)
+                cond = kir.logical_and(kir.less(row, _c(ch.m)), kir.less(h, _c(ch.h)))
                 if self.partials is None:
                     target, index = self.out.name, _offset(ch.out, self.batch, row, h)
                 else:
-                    tile = _add(_mul(self.split, _c(ch.batch)), self.batch)
-                    index = _add(_mul(_add(_mul(tile, _c(ch.m)), row), _c(ch.h)), h)
+                    tile = kir.add(kir.mul(self.split, _c(ch.batch)), self.batch)
+                    index = kir.add(kir.mul(kir.add(kir.mul(tile, _c(ch.m)), row), _c(ch.h)), h)
                     target = self.partials.name
                 out.append(kir.If(cond, (kir.Store(target, index, value),)))
         return out
@@ -645,7 +626,7 @@ class _ChainKernel:
         ch, t = self.chain, self.t
         outputs = ch.batch * ch.m * ch.h
         out: list[kir.Stmt] = []
-        gtid = self.let(out, "gtid", _add(_mul(kir.BlockIdx(), _c(t.threads)),
+        gtid = self.let(out, "gtid", kir.add(kir.mul(kir.BlockIdx(), _c(t.threads)),
                                           kir.ThreadIdx()))
         body: list[kir.Stmt] = []
         o = kir.Ref("o", "i32")
@@ -653,17 +634,17 @@ class _ChainKernel:
         row = self.let(body, "crow", kir.Binary("rem", kir.Binary("div", o, _c(ch.h)),
                                                 _c(ch.m)))
         col = self.let(body, "ccol", kir.Binary("rem", o, _c(ch.h)))
-        parts = [kir.Load(self.partials, _add(o, _c(split * outputs))) if split else
+        parts = [kir.Load(self.partials, kir.add(o, _c(split * outputs))) if split else
                  kir.Load(self.partials, o) for split in range(t.n_split)]
         if self.row_stats is None:
             total: kir.Expr = parts[0]
             for part in parts[1:]:
-                total = _add(total, part)
+                total = kir.add(total, part)
             total = self.let(body, "csum", total)
         else:
             total = self.softmax_combine(body, b, row, parts)
         if ch.output_scale != 1.0 and self.row_stats is None:
-            total = _mul(total, kir.f32(ch.output_scale))
+            total = kir.mul(total, kir.f32(ch.output_scale))
         body.append(kir.Store(self.out.name, _offset(ch.out, b, row, col), total))
         out.append(kir.For("o", gtid, _c(outputs), _c(grid * t.threads), tuple(body)))
         return out
@@ -676,10 +657,10 @@ class _ChainKernel:
         scale / sum w_i l_i, the splits in order."""
         ch, t = self.chain, self.t
         rows = ch.batch * ch.m
-        base = self.let(body, "rs", _mul(_add(_mul(b, _c(ch.m)), row), _c(2)))
-        maxima = [self.let(body, "rmx", kir.Load(self.row_stats, _add(base, _c(2 * i * rows))))
+        base = self.let(body, "rs", kir.mul(kir.add(kir.mul(b, _c(ch.m)), row), _c(2)))
+        maxima = [self.let(body, "rmx", kir.Load(self.row_stats, kir.add(base, _c(2 * i * rows))))
                   for i in range(t.n_split)]
-        sums = [kir.Load(self.row_stats, _add(base, _c(2 * i * rows + 1)))
+        sums = [kir.Load(self.row_stats, kir.add(base, _c(2 * i * rows + 1)))
                 for i in range(t.n_split)]
         top: kir.Expr = maxima[0]
         for m in maxima[1:]:
@@ -690,11 +671,11 @@ class _ChainKernel:
         for m, l, acc in zip(maxima, sums, parts):
             w = self.let(body, "w", kir.Select(kir.Compare("eq", m, _NEG_INF), kir.f32(0.0),
                                                kir.Unary("exp", kir.Binary("sub", m, top))))
-            numerator = _add(numerator, _mul(w, acc))
-            denominator = _add(denominator, _mul(w, l))
+            numerator = kir.add(numerator, kir.mul(w, acc))
+            denominator = kir.add(denominator, kir.mul(w, l))
         numerator = self.let(body, "cnum", numerator)
         inv = self.let(body, "cinv", kir.Binary("div", kir.f32(ch.output_scale), denominator))
-        return _mul(numerator, inv)
+        return kir.mul(numerator, inv)
 
 
     def stage_first_gemm_tiles(self, k0: kir.Expr, n0: kir.Expr) -> list[kir.Stmt]:
@@ -726,12 +707,12 @@ class _FmaChainKernel(_ChainKernel):
         self.ty = self.let(body, "ty", kir.Binary("div", tid, _c(t.lanes)))
         # Per-thread indices are expressions, recomputed where used: kept in registers
         # across the n loop they cost more than the integer ops (ptxas spilled them).
-        self.row_in_tile = [_add(_mul(self.ty, _c(t.thread_m)), _c(i))
+        self.row_in_tile = [kir.add(kir.mul(self.ty, _c(t.thread_m)), _c(i))
                             for i in range(t.thread_m)]
-        self.rows = [_add(self.m0, r) for r in self.row_in_tile]
-        self.cols = [_add(self.tx, _c(j * t.lanes)) for j in range(t.thread_n)]
+        self.rows = [kir.add(self.m0, r) for r in self.row_in_tile]
+        self.cols = [kir.add(self.tx, _c(j * t.lanes)) for j in range(t.thread_n)]
         self.s = [[f"s_{i}_{j}" for j in range(t.thread_n)] for i in range(t.thread_m)]
-        self.acc = [[(f"o_{i}_{j}", _add(self.h0, _add(self.tx, _c(j * t.lanes))))
+        self.acc = [[(f"o_{i}_{j}", kir.add(self.h0, kir.add(self.tx, _c(j * t.lanes))))
                      for j in range(t.thread_h)] for i in range(t.thread_m)]
         self.shuffle_lanes = t.lanes
 
@@ -742,14 +723,14 @@ class _FmaChainKernel(_ChainKernel):
         k_body = self.stage_first_gemm_tiles(k0, n0)
         inner: list[kir.Stmt] = []
         kk = kir.Ref("kk", "i32")
-        a = [self.let(inner, "a", kir.Load(self.sa, _add(_mul(r, _c(t.block_k)), kk)))
+        a = [self.let(inner, "a", kir.Load(self.sa, kir.add(kir.mul(r, _c(t.block_k)), kk)))
              for r in self.row_in_tile]
-        b = [self.let(inner, "b", kir.Load(self.sb, _add(_mul(kk, _c(t.block_n)), c)))
+        b = [self.let(inner, "b", kir.Load(self.sb, kir.add(kir.mul(kk, _c(t.block_n)), c)))
              for c in self.cols]
         for i in range(t.thread_m):
             for j in range(t.thread_n):
                 name = self.s[i][j]
-                inner.append(kir.Assign(name, _add(kir.Ref(name, _F32), _mul(a[i], b[j]))))
+                inner.append(kir.Assign(name, kir.add(kir.Ref(name, _F32), kir.mul(a[i], b[j]))))
         k_body.append(kir.For("kk", _c(0), _c(t.block_k), _c(1), tuple(inner)))
         k_body.append(kir.Barrier())
         out.append(kir.For("k0", _c(0), _c(ch.k), _c(t.block_k), tuple(k_body)))
@@ -760,20 +741,20 @@ class _FmaChainKernel(_ChainKernel):
         ch, t = self.chain, self.t
         for i in range(t.thread_m):
             for j in range(t.thread_n):
-                index = _add(_mul(self.row_in_tile[i], _c(t.block_n)), self.cols[j])
+                index = kir.add(kir.mul(self.row_in_tile[i], _c(t.block_n)), self.cols[j])
                 out.append(kir.Store(self.sp.name, index, p[i][j]))
         self.cooperative_load(out, self.sc, t.block_n, t.block_h, ch.c, n0, self.h0, ch.n, ch.h)
         out.append(kir.Barrier())
         inner: list[kir.Stmt] = []
         cc = kir.Ref("cc", "i32")
-        pv = [self.let(inner, "pv", kir.Load(self.sp, _add(_mul(r, _c(t.block_n)), cc)))
+        pv = [self.let(inner, "pv", kir.Load(self.sp, kir.add(kir.mul(r, _c(t.block_n)), cc)))
               for r in self.row_in_tile]
-        cv = [self.let(inner, "cv", kir.Load(self.sc, _add(_mul(cc, _c(t.block_h)),
-                                                           _add(self.tx, _c(j * t.lanes)))))
+        cv = [self.let(inner, "cv", kir.Load(self.sc, kir.add(kir.mul(cc, _c(t.block_h)),
+                                                           kir.add(self.tx, _c(j * t.lanes)))))
               for j in range(t.thread_h)]
         for i in range(t.thread_m):
             for j, (name, _) in enumerate(self.acc[i]):
-                inner.append(kir.Assign(name, _add(kir.Ref(name, _F32), _mul(pv[i], cv[j]))))
+                inner.append(kir.Assign(name, kir.add(kir.Ref(name, _F32), kir.mul(pv[i], cv[j]))))
         out.append(kir.For("cc", _c(0), _c(t.block_n), _c(1), tuple(inner)))
         out.append(kir.Barrier())
 
@@ -798,20 +779,21 @@ class _MmaChainKernel(_ChainKernel):
         # Warp w: rows 16 (w / warp_cols), n slice w % warp_cols of every n step.
         self.slice_n = t.block_n // t.warp_cols
         self.wcol = self.let(body, "wcol", kir.Binary("rem", warp, _c(t.warp_cols)))
-        self.slice0 = self.let(body, "ns0", _mul(self.wcol, _c(self.slice_n)))
-        warp_row = self.let(body, "wrow", _mul(kir.Binary("div", warp, _c(t.warp_cols)),
+        self.slice0 = self.let(body, "ns0", kir.mul(self.wcol, _c(self.slice_n)))
+        warp_row = self.let(body, "wrow", kir.mul(kir.Binary("div", warp, _c(t.warp_cols)),
                                                _c(16)))
         self.g = self.let(body, "g", kir.Binary("div", lane, _c(4)))
         self.q = self.let(body, "q", kir.Binary("rem", lane, _c(4)))
-        self.q2 = self.let(body, "q2", _mul(self.q, _c(2)))
+        self.q2 = self.let(body, "q2", kir.mul(self.q, _c(2)))
         self.warp_row = warp_row
-        self.rows = [_add(self.m0, _add(warp_row, _add(self.g, _c(8 * i)))) for i in range(2)]
+        self.rows = [kir.add(self.m0, kir.add(warp_row, kir.add(self.g, _c(8 * i))))
+                     for i in range(2)]
         n_tiles, h_tiles = self.slice_n // 8, t.block_h // 8
         # Column j = 2 nt + parity of row i: element 2 i + parity of S tile nt.
-        self.cols = [_add(self.slice0, _add(self.q2, _c(8 * (j // 2) + j % 2)))
+        self.cols = [kir.add(self.slice0, kir.add(self.q2, _c(8 * (j // 2) + j % 2)))
                      for j in range(2 * n_tiles)]
         self.s = [[f"s_{j // 2}_{2 * i + j % 2}" for j in range(2 * n_tiles)] for i in range(2)]
-        self.acc = [[(f"o_{ht}_{2 * i + par}", _add(self.h0, _add(self.q2, _c(8 * ht + par))))
+        self.acc = [[(f"o_{ht}_{2 * i + par}", kir.add(self.h0, kir.add(self.q2, _c(8 * ht + par))))
                      for ht in range(h_tiles) for par in range(2)] for i in range(2)]
         self.shuffle_lanes = 4
         if t.warp_cols > 1:
@@ -829,23 +811,24 @@ class _MmaChainKernel(_ChainKernel):
         if t.warp_cols == 1:
             return super().store()
         out: list[kir.Stmt] = []
-        in_block = [_add(self.warp_row, _add(self.g, _c(8 * i))) for i in range(2)]
-        local_h = [_add(self.q2, _c(8 * (k // 2) + k % 2)) for k in range(len(self.acc[0]))]
+        in_block = [kir.add(self.warp_row, kir.add(self.g, _c(8 * i))) for i in range(2)]
+        local_h = [kir.add(self.q2, _c(8 * (k // 2) + k % 2)) for k in range(len(self.acc[0]))]
 
         def slot(c: kir.Expr, i: int) -> kir.Expr:
-            return _add(_mul(c, _c(t.block_m)), in_block[i])
+            return kir.add(kir.mul(c, _c(t.block_m)), in_block[i])
 
         write: list[kir.Stmt] = []
-        mine = self.let(write, "wslot", _add(self.wcol, _c(-1)))
+        mine = self.let(write, "wslot", kir.add(self.wcol, _c(-1)))
         for i in range(2):
             row = slot(mine, i)
             for k, (name, _) in enumerate(self.acc[i]):
-                write.append(kir.Store(self.so.name, _add(_mul(row, _c(t.block_h)), local_h[k]),
+                write.append(kir.Store(self.so.name,
+                                       kir.add(kir.mul(row, _c(t.block_h)), local_h[k]),
                                        kir.Ref(name, _F32)))
             if self.softmax is not None:
-                write.append(kir.Store(self.sstat.name, _mul(row, _c(2)),
+                write.append(kir.Store(self.sstat.name, kir.mul(row, _c(2)),
                                        kir.Ref(f"mx_{i}", _F32)))
-                write.append(kir.Store(self.sstat.name, _add(_mul(row, _c(2)), _c(1)),
+                write.append(kir.Store(self.sstat.name, kir.add(kir.mul(row, _c(2)), _c(1)),
                                        kir.Ref(f"sum_{i}", _F32)))
         out.append(kir.If(kir.Compare("ne", self.wcol, _c(0)), tuple(write)))
         out.append(kir.Barrier())
@@ -855,23 +838,23 @@ class _MmaChainKernel(_ChainKernel):
                 row = slot(_c(c), i)
                 if self.softmax is not None:
                     mx, total = kir.Ref(f"mx_{i}", _F32), kir.Ref(f"sum_{i}", _F32)
-                    other = self.let(fold, "omx", kir.Load(self.sstat, _mul(row, _c(2))))
+                    other = self.let(fold, "omx", kir.Load(self.sstat, kir.mul(row, _c(2))))
                     other_sum = self.let(fold, "osum", kir.Load(
-                        self.sstat, _add(_mul(row, _c(2)), _c(1))))
+                        self.sstat, kir.add(kir.mul(row, _c(2)), _c(1))))
                     new = self.let(fold, "cmx", kir.Binary("max", mx, other))
                     dead = self.let(fold, "dead", kir.Compare("eq", new, _NEG_INF))
                     own = self.let(fold, "sown", kir.Select(dead, kir.f32(1.0), kir.Unary(
                         "exp", kir.Binary("sub", mx, new))))
                     theirs = self.let(fold, "soth", kir.Select(dead, kir.f32(0.0), kir.Unary(
                         "exp", kir.Binary("sub", other, new))))
-                    fold.append(kir.Assign(f"sum_{i}", _add(_mul(total, own),
-                                                            _mul(other_sum, theirs))))
+                    fold.append(kir.Assign(f"sum_{i}", kir.add(kir.mul(total, own),
+                                                            kir.mul(other_sum, theirs))))
                     fold.append(kir.Assign(f"mx_{i}", new))
                 for k, (name, _) in enumerate(self.acc[i]):
-                    part = kir.Load(self.so, _add(_mul(row, _c(t.block_h)), local_h[k]))
+                    part = kir.Load(self.so, kir.add(kir.mul(row, _c(t.block_h)), local_h[k]))
                     acc = kir.Ref(name, _F32)
-                    value = _add(_mul(acc, own), _mul(part, theirs)) \
-                        if self.softmax is not None else _add(acc, part)
+                    value = kir.add(kir.mul(acc, own), kir.mul(part, theirs)) \
+                        if self.softmax is not None else kir.add(acc, part)
                     fold.append(kir.Assign(name, value))
         fold.extend(super().store())
         out.append(kir.If(kir.Compare("eq", self.wcol, _c(0)), tuple(fold)))
@@ -894,9 +877,9 @@ class _MmaChainKernel(_ChainKernel):
         else:                        # a[i] = A[g + 8 (i//2 odd)][2q + i%2 + 8 (i >= 4)]
             places = [(8 * ((i // 2) % 2), self.q2, i % 2 + 8 * (i // 4)) for i in range(8)]
         for dr, lane_col, dc in places:
-            row = _add(self.warp_row, _add(self.g, _c(dr)))
-            col = _add(lane_col, _c(k0 + dc))
-            out.append(kir.Load(tile, _add(_mul(row, _c(width)), col)))
+            row = kir.add(self.warp_row, kir.add(self.g, _c(dr)))
+            col = kir.add(lane_col, _c(k0 + dc))
+            out.append(kir.Load(tile, kir.add(kir.mul(row, _c(width)), col)))
         return out
 
     def b_fragment(self, tile: kir.Shared, width: int, k0: int, n0: int,
@@ -905,13 +888,13 @@ class _MmaChainKernel(_ChainKernel):
         """B[k0 .. k0 + depth - 1, n0 .. n0 + 7] of a row-major [k, width] shared tile
         (rows from ``row0``, columns from ``col0``: a warp column's slice)."""
         if self.dtype == "tf32":     # b[i] = B[q + 4 i][g]
-            ks = [_add(self.q, _c(k0 + 4 * i)) for i in range(2)]
+            ks = [kir.add(self.q, _c(k0 + 4 * i)) for i in range(2)]
         else:                        # b[i] = B[2q + i%2 + 8 (i >= 2)][g]
-            ks = [_add(self.q2, _c(k0 + i % 2 + 8 * (i // 2))) for i in range(4)]
+            ks = [kir.add(self.q2, _c(k0 + i % 2 + 8 * (i // 2))) for i in range(4)]
         if row0 is not None:
-            ks = [_add(row0, k) for k in ks]
-        col = _add(self.g, _c(n0)) if col0 is None else _add(col0, _add(self.g, _c(n0)))
-        return [kir.Load(tile, _add(_mul(k, _c(width)), col)) for k in ks]
+            ks = [kir.add(row0, k) for k in ks]
+        col = kir.add(self.g, _c(n0)) if col0 is None else kir.add(col0, kir.add(self.g, _c(n0)))
+        return [kir.Load(tile, kir.add(kir.mul(k, _c(width)), col)) for k in ks]
 
     @property
     def depth(self) -> int:
@@ -942,7 +925,7 @@ class _MmaChainKernel(_ChainKernel):
                 # b[i] = C[chunk rows 2q + i][g] to match.
                 j0 = 2 * chunk
                 a = [p[0][j0], p[1][j0], p[0][j0 + 1], p[1][j0 + 1]]
-                rows = [_add(self.slice0, _add(self.q2, _c(8 * chunk + i)))
+                rows = [kir.add(self.slice0, kir.add(self.q2, _c(8 * chunk + i)))
                         for i in range(2)]
             else:
                 # S tiles 2 chunk and 2 chunk + 1 (columns j = 4 chunk + ...) as A's fragment.
@@ -956,7 +939,8 @@ class _MmaChainKernel(_ChainKernel):
                     b = self.b_fragment(self.sc, t.block_h, 16 * chunk, 8 * ht,
                                         row0=self.slice0)
                 else:
-                    b = [kir.Load(self.sc, _add(_mul(r, _c(t.block_h)), _add(self.g, _c(8 * ht))))
+                    b = [kir.Load(self.sc, kir.add(kir.mul(r, _c(t.block_h)),
+                                                   kir.add(self.g, _c(8 * ht))))
                          for r in rows]
                 self.mma(out, a, b, names)
         out.append(kir.Barrier())
@@ -984,7 +968,7 @@ class _Program:
         self.out = out
         self.s = kernel.s
         self.n_cols = n_cols
-        self.n_clamped = [kernel.let(out, "nc", _min(n, _c(kernel.chain.n - 1)))
+        self.n_clamped = [kernel.let(out, "nc", kir.minimum(n, _c(kernel.chain.n - 1)))
                           for n in n_cols]
         self.memo: dict[tuple[int, int, int], kir.Expr] = {}
 

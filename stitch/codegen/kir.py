@@ -665,6 +665,26 @@ def f32(value: float) -> Const:
     return Const(float(value), "f32")
 
 
+def add(a: Expr, b: Expr) -> Binary:
+    return Binary("add", a, b)
+
+
+def mul(a: Expr, b: Expr) -> Binary:
+    return Binary("mul", a, b)
+
+
+def minimum(a: Expr, b: Expr) -> Binary:
+    return Binary("min", a, b)
+
+
+def logical_and(a: Expr, b: Expr) -> Binary:
+    return Binary("and", a, b)
+
+
+def less(a: Expr, b: Expr) -> Compare:
+    return Compare("lt", a, b)
+
+
 def load(buffer: Buffer, index: Expr) -> Load:
     return Load(buffer, index)  # type: ignore[arg-type]
 

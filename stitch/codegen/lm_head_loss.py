@@ -46,22 +46,6 @@ _PARTS = 3
 RESULTS = ("lse", "picked", "log_prob", "log_prob_sum")
 
 
-def _add(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Binary("add", a, b)
-
-
-def _mul(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Binary("mul", a, b)
-
-
-def _lt(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Compare("lt", a, b)
-
-
-def _and(a: kir.Expr, b: kir.Expr) -> kir.Expr:
-    return kir.Binary("and", a, b)
-
-
 def uses_tensor_cores(loss: LmHeadLoss, arch: str, allow_tf32: bool) -> bool:
     """bf16/f16 operands on sm_80+, f32 ones as TF32 where the dot allows it."""
     if sm_number(arch) < 80:
@@ -183,11 +167,11 @@ class _LossSteps:
             split = self.let(body, "split", kir.Binary("rem", block, _c(t.n_split)))
             block = self.let(body, "rblock", kir.Binary("div", block, _c(t.n_split)))
             share = -(-(-(-loss.vocab // t.block_n)) // t.n_split) * t.block_n
-            n_lo = self.let(body, "nlo", _mul(split, _c(share)))
-            n_hi = self.let(body, "nhi", kir.Binary("min", _add(n_lo, _c(share)),
+            n_lo = self.let(body, "nlo", kir.mul(split, _c(share)))
+            n_hi = self.let(body, "nhi", kir.Binary("min", kir.add(n_lo, _c(share)),
                                                      _c(loss.vocab)))
         self.batch = _c(0)
-        self.m0 = self.let(body, "m0", _mul(block, _c(t.block_m)))
+        self.m0 = self.let(body, "m0", kir.mul(block, _c(t.block_m)))
         self.h0 = _c(0)
         self.layout(body)
         for row in self.s:
@@ -202,7 +186,7 @@ class _LossSteps:
             # jax's take_along_axis: a negative label counts from the end.
             label = self.let(body, "label0", kir.Load(labels, row))
             self.labels.append(self.let(body, "label", kir.Select(
-                _lt(label, _c(0)), _add(label, _c(loss.vocab)), label)))
+                kir.less(label, _c(0)), kir.add(label, _c(loss.vocab)), label)))
         body.append(kir.For("n0", n_lo, n_hi, _c(t.block_n), tuple(self.n_step())))
         body.extend(self.finish(split))
         scratch: list[kir.GlobalScratch] = []
@@ -230,7 +214,7 @@ class _LossSteps:
         body: list[kir.Stmt] = [kir.Local("part", _F32, kir.f32(0.0))]
         r = kir.Ref("tr", "i32")
         body.append(kir.For("tr", kir.ThreadIdx(), _c(rows), _c(t.threads), (
-            kir.Assign("part", _add(kir.Ref("part", _F32), kir.Load(self.row_values, r))),)))
+            kir.Assign("part", kir.add(kir.Ref("part", _F32), kir.Load(self.row_values, r))),)))
         body.append(kir.WarpReduce("warp_part", kir.Ref("part", _F32), "add"))
         lane, warp = kir.Binary("rem", kir.ThreadIdx(), _c(32)), \
             kir.Binary("div", kir.ThreadIdx(), _c(32))
@@ -239,7 +223,7 @@ class _LossSteps:
         body.append(kir.Barrier())
         total: kir.Expr = kir.Load(self.warp_sums, _c(0))
         for w in range(1, warps):
-            total = _add(total, kir.Load(self.warp_sums, _c(w)))
+            total = kir.add(total, kir.Load(self.warp_sums, _c(w)))
         param = dict(self.results)["log_prob_sum"]
         body.append(kir.If(kir.Compare("eq", kir.ThreadIdx(), _c(0)), (
             kir.Store(param.name, _c(0), total),)))
@@ -260,8 +244,8 @@ class _LossSteps:
             for name in row:
                 out.append(kir.Assign(name, kir.f32(0.0)))
         self.first_gemm(out, n0)
-        n_cols = [self.let(out, "n", _add(n0, c)) for c in self.cols]
-        valid = [self.let(out, "vn", _lt(n, _c(self.chain.vocab))) for n in n_cols]
+        n_cols = [self.let(out, "n", kir.add(n0, c)) for c in self.cols]
+        valid = [self.let(out, "vn", kir.less(n, _c(self.chain.vocab))) for n in n_cols]
         for i in range(len(self.rows)):
             x = [self.let(out, "x", kir.Select(valid[j], self.logit(i, j), _NEG_INF))
                  for j in range(len(self.cols))]
@@ -274,13 +258,13 @@ class _LossSteps:
             e = [self.let(out, "e", kir.Select(dead, kir.f32(0.0), kir.Unary(
                 "exp", kir.Binary("sub", xj, new)))) for xj in x]
             total = self.row_reduce(out, "add", e)
-            out.append(kir.Assign(f"sum_{i}", _add(_mul(kir.Ref(f"sum_{i}", _F32), scale),
+            out.append(kir.Assign(f"sum_{i}", kir.add(kir.mul(kir.Ref(f"sum_{i}", _F32), scale),
                                                     total)))
             out.append(kir.Assign(f"mx_{i}", new))
             hit: kir.Expr = kir.Ref(f"pick_{i}", _F32)
             for j, n in enumerate(n_cols):
-                at_label = _and(valid[j], kir.Compare("eq", n, self.labels[i]))
-                hit = _add(hit, kir.Select(at_label, x[j], kir.f32(0.0)))
+                at_label = kir.logical_and(valid[j], kir.Compare("eq", n, self.labels[i]))
+                hit = kir.add(hit, kir.Select(at_label, x[j], kir.f32(0.0)))
             out.append(kir.Assign(f"pick_{i}", hit))
         return out
 
@@ -294,14 +278,14 @@ class _LossSteps:
         for i, row in enumerate(self.rows):
             picked = self.row_reduce(out, "add", [kir.Ref(f"pick_{i}", _F32)])
             mx, total = kir.Ref(f"mx_{i}", _F32), kir.Ref(f"sum_{i}", _F32)
-            cond = _and(_lt(row, _c(loss.rows)), first_lane)
+            cond = kir.logical_and(kir.less(row, _c(loss.rows)), first_lane)
             if self.parts is None:
-                lse = _add(mx, kir.Unary("log", total))
+                lse = kir.add(mx, kir.Unary("log", total))
                 stores = self.store_results(out, row, self.labels[i], lse, picked)
             else:
-                slot = self.let(out, "slot", _mul(_add(_mul(split, _c(loss.rows)), row),
+                slot = self.let(out, "slot", kir.mul(kir.add(kir.mul(split, _c(loss.rows)), row),
                                                   _c(_PARTS)))
-                stores = tuple(kir.Store(self.parts.name, _add(slot, _c(p)), value)
+                stores = tuple(kir.Store(self.parts.name, kir.add(slot, _c(p)), value)
                                for p, value in enumerate((mx, total, picked)))
             out.append(kir.If(cond, stores))
         return out
@@ -312,11 +296,11 @@ class _LossSteps:
         that saw only -inf), lse = M + log(sum w_i l_i), picked = sum of the splits'."""
         loss, t = self.chain, self.t
         out: list[kir.Stmt] = []
-        gtid = self.let(out, "gtid", _add(_mul(kir.BlockIdx(), _c(t.threads)),
+        gtid = self.let(out, "gtid", kir.add(kir.mul(kir.BlockIdx(), _c(t.threads)),
                                           kir.ThreadIdx()))
         body: list[kir.Stmt] = []
         r = kir.Ref("r", "i32")
-        base = [self.let(body, "at", _mul(_add(r, _c(s * loss.rows)), _c(_PARTS)))
+        base = [self.let(body, "at", kir.mul(kir.add(r, _c(s * loss.rows)), _c(_PARTS)))
                 for s in range(t.n_split)]
         maxima = [self.let(body, "pmx", kir.Load(self.parts, b)) for b in base]
         top: kir.Expr = maxima[0]
@@ -328,12 +312,12 @@ class _LossSteps:
         for m, b in zip(maxima, base):
             w = self.let(body, "w", kir.Select(kir.Compare("eq", m, _NEG_INF), kir.f32(0.0),
                                                kir.Unary("exp", kir.Binary("sub", m, top))))
-            total = _add(total, _mul(w, kir.Load(self.parts, _add(b, _c(1)))))
-            picked = _add(picked, kir.Load(self.parts, _add(b, _c(2))))
-        lse = self.let(body, "lse", _add(top, kir.Unary("log", total)))
+            total = kir.add(total, kir.mul(w, kir.Load(self.parts, kir.add(b, _c(1)))))
+            picked = kir.add(picked, kir.Load(self.parts, kir.add(b, _c(2))))
+        lse = self.let(body, "lse", kir.add(top, kir.Unary("log", total)))
         label0 = self.let(body, "clabel0", kir.Load(self.params[loss.labels], r))
-        label = self.let(body, "clabel", kir.Select(_lt(label0, _c(0)),
-                                                    _add(label0, _c(loss.vocab)), label0))
+        label = self.let(body, "clabel", kir.Select(kir.less(label0, _c(0)),
+                                                    kir.add(label0, _c(loss.vocab)), label0))
         body.extend(self.store_results(body, r, label, lse, self.let(body, "cpick", picked)))
         out.append(kir.For("r", gtid, _c(loss.rows), _c(grid * t.threads), tuple(body)))
         return out
@@ -343,7 +327,8 @@ class _LossSteps:
                       lse: kir.Expr, picked: kir.Expr) -> tuple[kir.Stmt, ...]:
         """The row's results: a label outside [0, vocab) (after the wrap) picks NaN, as
         jax's take_along_axis fills; log_prob = picked - lse."""
-        inside = _and(kir.Compare("ge", label, _c(0)), _lt(label, _c(self.chain.vocab)))
+        inside = kir.logical_and(kir.Compare("ge", label, _c(0)),
+                                 kir.less(label, _c(self.chain.vocab)))
         picked = self.let(out, "picked", kir.Select(inside, picked, kir.f32(float("nan"))))
         values = {"lse": lse, "picked": picked, "log_prob": kir.Binary("sub", picked, lse)}
         stores = [kir.Store(param.name, row, values[what]) for what, param in self.results
