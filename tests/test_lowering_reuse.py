@@ -251,3 +251,29 @@ def test_row_layout_proofs_are_reused_and_lower_the_same_kernels(setting, monkey
         assert (fresh.notes, fresh.schemes, fresh.split_rows) == \
             (reused.notes, reused.schemes, reused.split_rows)
     assert all(scheme in ("warp", "block") for k in results[True] for scheme in k.schemes)
+
+
+def test_lowering_choices_key_their_bound_nodes_by_position(setting) -> None:
+    """Kernels lowered outside the tuner's schedules (GEMM chains, attention backwards) are
+    keyed by ``LoweringChoices``: the same choices and bound nodes in the same positions
+    share a key across layers; other bound nodes, other switches or a node outside the
+    site do not."""
+    from stitch.codegen.site_keys import LoweringChoices
+    graph, _, layers = setting
+    (m1, _), (m2, _) = layers["l1"], layers["l2"]
+    by_name = {n.name: n.id for n in graph.nodes}
+
+    def key(members, choices):
+        found = site_key(graph, members, choices)
+        return None if found is None else found.key
+
+    one = LoweringChoices("gemm_chain", None, ("sm_90", False), (by_name["l1.max"],))
+    two = LoweringChoices("gemm_chain", None, ("sm_90", False), (by_name["l2.max"],))
+    assert key(m1, one) is not None and key(m1, one) == key(m2, two)
+    assert key(m1, one) != key(m1, LoweringChoices("gemm_chain", None, ("sm_90", False),
+                                                   (by_name["l1.out"],)))
+    assert key(m1, one) != key(m1, LoweringChoices("gemm_chain", None, ("sm_90", True),
+                                                   (by_name["l1.max"],)))
+    assert key(m1, one) != key(m1, LoweringChoices("gemm_chain", None, ("sm_90", False)))
+    # A node of another layer is outside the site: no key, lowered as ever.
+    assert key(m1, LoweringChoices("gemm_chain", None, (), (by_name["l2.max"],))) is None

@@ -36,7 +36,7 @@ IGNORED_ATTRS = frozenset({"metadata"})
 
 # Schedule fields that hold node ids (KernelSchedule, PartSchedule, GroupSchedule,
 # SharedBuffer, GlobalReduction); ``rejected`` is the tuner's notes, not the schedule.
-ID_FIELDS = frozenset({"members", "root", "node", "cached"})
+ID_FIELDS = frozenset({"members", "root", "node", "cached", "bound"})
 SKIPPED_FIELDS = frozenset({"rejected"})
 
 _IDENT = re.compile(r"%?[A-Za-z_][\w.\-]*")
@@ -85,6 +85,19 @@ def _attrs_text(attrs: dict[str, str], computations: dict[str, Computation],
                 "{" + _computation_text(comp, computations, memo) + "}"
         parts.append(f"{key}={_IDENT.sub(named, value)}")
     return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class LoweringChoices:
+    """What a kernel lowered outside the tuner's schedules (a GEMM chain, an attention
+    backward) reads besides its members, keyed like a schedule: the planned chain
+    schedule or the kind, the codegen switches, and the nodes its lowering binds beyond
+    what the members show (``bound``: inputs and outputs; mapped to positions, so
+    identical layers share a key, and a node outside the site gives no key)."""
+    kind: str
+    schedule: Any = None
+    switches: tuple = ()
+    bound: tuple[int, ...] = ()
 
 
 def _schedule_text(obj: Any, position: dict[int, int], ids: bool = False) -> str:

@@ -11,6 +11,7 @@ reason in the report."""
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,14 +97,17 @@ def _with_free_readers(view: Any, replaced: set[str]) -> set[str]:
 
 
 def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, gi: int,
-                            graph_plan: Any, snapped: list, jobs: list, lock: Any) -> list:
+                            graph_plan: Any, snapped: list, jobs: list, lock: Any,
+                            lower_once: Any = None) -> list:
     """(view, kernel, site, lowered) jobs for the graph's attention backwards; the
     instructions of ``snapped`` kernels and of ``jobs`` so far are not taken; ``lock``:
-    held while lowering (the pass's LLVM lock)."""
+    held while lowering (the pass's LLVM lock); ``lower_once`` (the pass's
+    ``LoweringReuse``): identical layers' backwards lowered once."""
     from stitch.codegen.attention_backward import (lower_attention_backward, problem_for,
                                                    uses_tensor_cores)
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.lower import LoweredKernel, kernel_identifier
+    from stitch.codegen.site_keys import LoweringChoices
     from stitch.cost import get_spec
     from stitch.hlo_passes.attention_backward import find_attention_backwards
     from stitch.errors import StitchError
@@ -149,20 +153,29 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
                                    f"{'' if tensor_cores else ' (f32 FMA)'}"))
             continue
         request.check_cancelled()
-        try:
-            with lock:
-                kernel = lower_attention_backward(problem, name=kernel_identifier(name),
-                                                  arch=arch, allow_tf32=match.tf32)
-        except (CodegenError, StitchError) as exc:
-            log.info("kernel %s stays with XLA: %s", name, exc)
-            report.fallbacks.append((name, f"{type(exc).__name__}: {exc}"))
-            continue
         note = (f"attention backward {match.batch}x{match.queries}x{match.keys}x"
                 f"{match.head_dim} ({'causal' if match.causal else 'full'}, {match.dtype}"
                 f"{', tensor cores' if tensor_cores else ''}, modeled gain "
                 f"{gain_s * 1e6:.0f} µs): "
                 f"replaces {', '.join(match.replaced)}")
-        lowered = LoweredKernel(kernel, inputs, outputs, [KIND], [note])
+
+        def lower(problem: Any = problem, name: str = name, inputs: list = inputs,
+                  outputs: list = outputs, note: str = note, tf32: bool = match.tf32) -> Any:
+            kernel = lower_attention_backward(problem, name=kernel_identifier(name),
+                                              arch=arch, allow_tf32=tf32)
+            return LoweredKernel(kernel, inputs, outputs, [KIND], [note])
+        try:
+            with lock:
+                lowered = lower() if lower_once is None else lower_once(
+                    view.graph, members,
+                    LoweringChoices(KIND, None, (arch, match.tf32, PLACEMENT),
+                                    tuple(inputs + outputs)), name, lower)
+        except (CodegenError, StitchError) as exc:
+            log.info("kernel %s stays with XLA: %s", name, exc)
+            report.fallbacks.append((name, f"{type(exc).__name__}: {exc}"))
+            continue
+        # The note names top-level instructions, which a bound lowering cannot rename.
+        lowered = dataclasses.replace(lowered, notes=[note])
         taken |= set(site.tops)
         out.append((view, BackwardKernel(name, members, notes=(note,),
                                          cost=kernel_cost(match, spec, tensor_cores)),
@@ -181,15 +194,14 @@ def _readers_through_bitcasts(view: Any, name: str) -> set[str]:
 
 
 def without_backward_reads(request: Any, report: Any, chain_jobs: list, backward_jobs: list,
-                           lock: Any, spec: Any, tf32: bool, grid_sync: bool
-                           ) -> list[tuple[tuple, Any]]:
+                           lock: Any, spec: Any, tf32: bool, grid_sync: bool,
+                           lower_once: Any = None) -> list[tuple[tuple, Any]]:
     """(job, price) for each chain job, each forward chain lowered anew without the values
     (S, the row sums, P) only the replaced backward read: with the backward kernels placed,
     no kernel writes a scores-sized buffer. A chain that cannot be lowered so keeps its job.
     The price (``trimmed_cost``) only for a chain lowered anew: the others are as planned."""
-    import dataclasses
-
     from stitch.codegen.errors import CodegenError
+    from stitch.codegen.site_keys import LoweringChoices
     from stitch.compiler import lower_chain_kernel
     from stitch.errors import StitchError
     from stitch.hlo_passes.gemm_chains import chain_of
@@ -211,11 +223,19 @@ def without_backward_reads(request: Any, report: Any, chain_jobs: list, backward
             out.append((job, None))
             continue
         fewer = dataclasses.replace(chain, extra_outputs=kept)
+        arch = request.gpu_arch() if request.device == "gpu" else "sm_70"
+        fma = request.device != "gpu"
+
+        def lower(k: Any = k, fewer: Any = fewer) -> Any:
+            return lower_chain_kernel(view.graph, k, arch, fma=fma, chain=fewer)
         try:
             with lock:
-                trimmed = lower_chain_kernel(
-                    view.graph, k, request.gpu_arch() if request.device == "gpu" else "sm_70",
-                    fma=request.device != "gpu", chain=fewer)
+                trimmed = lower() if lower_once is None else lower_once(
+                    view.graph, frozenset(k.members),
+                    LoweringChoices("gemm_chain", k.chain_schedule, (arch, fma),
+                                    tuple(sorted(e.node for e in kept))) if kept else
+                    LoweringChoices("gemm_chain_result_only", k.chain_schedule, (arch, fma)),
+                    k.name, lower)
         except (CodegenError, StitchError) as exc:
             log.info("kernel %s keeps the values the backward read: %s", k.name, exc)
             out.append((job, None))

@@ -211,11 +211,13 @@ def _block_scope_schedule(graph: Any, members: Any, spec: Any) -> Any:
 
 
 def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView, gi: int,
-                graph_plan: Any, snapped: list) -> list:
+                graph_plan: Any, snapped: list, lower_once: Callable | None = None) -> list:
     """The graph's GEMM-chain kernels, lowered, as (view, kernel, site, lowered) jobs. A
     chain replaces whole XLA instructions (its GEMM fusions, the softmax fusion, split-K
-    reduces) that no other stitched kernel touches; else it is left to XLA."""
+    reduces) that no other stitched kernel touches; else it is left to XLA. ``lower_once``
+    (``LoweringReuse.lower``): a repeated layer's chain lowered once."""
     from stitch.codegen.errors import CodegenError
+    from stitch.codegen.site_keys import LoweringChoices
     from stitch.compiler import lower_chain_kernel
 
     taken = {view.top_of(m) for k in snapped for m in k.members}
@@ -231,11 +233,16 @@ def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView,
             report.skipped.append((k.name, str(exc)))
             continue
         request.check_cancelled()
+        arch = request.gpu_arch() if request.device == "gpu" else "sm_70"
+        fma = request.device != "gpu"
+
+        def lower(k: Any = k) -> Any:
+            return lower_chain_kernel(graph_plan.graph, k, arch, fma=fma)
         try:
             with LLVM_LOCK:
-                lowered = lower_chain_kernel(graph_plan.graph, k, request.gpu_arch() if
-                                             request.device == "gpu" else "sm_70",
-                                             fma=request.device != "gpu")
+                lowered = lower() if lower_once is None else lower_once(
+                    graph_plan.graph, frozenset(k.members),
+                    LoweringChoices("gemm_chain", k.chain_schedule, (arch, fma)), k.name, lower)
         except (CodegenError, StitchError) as exc:
             log.info("kernel %s stays with XLA: %s", k.name, exc)
             report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
@@ -308,6 +315,12 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     payback = payback_setting() if request.device == "gpu" and PAYBACK_ON_GPU else None
     reuse = LoweringReuse(enabled=REUSE_LOWERING,
                           cache=compile_cache() if REUSE_LOWERING else None)
+
+    def lower_once(graph: Any, members: frozenset, choices: Any, name: str,
+                   lower: Callable[[], Any]) -> Any:
+        """A kernel lowered outside the tuner's schedules (chains, attention backwards),
+        once per distinct site: identical layers bind the first one's lowering."""
+        return reuse.lower(graph, members, choices, kernel_identifier(name), lower)
 
     def structure_of(kernel: Any) -> str:
         return reuse.derived(kernel, "structure", lambda: structure_key(kernel))
@@ -402,12 +415,13 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
         # The attention backward's kernels before the chains: the forward chains then lose
         # the values only the backward read (attention_backward_jobs).
         from .attention_backward_jobs import attention_backward_jobs, without_backward_reads
-        chain_jobs = _chain_jobs(request, report, view, gi, graph_plan, snapped)
+        chain_jobs = _chain_jobs(request, report, view, gi, graph_plan, snapped, lower_once)
         backward_jobs = attention_backward_jobs(request, report, module, view, gi, graph_plan,
-                                                snapped, jobs + chain_jobs, LLVM_LOCK)
+                                                snapped, jobs + chain_jobs, LLVM_LOCK,
+                                                lower_once)
         trimmed = without_backward_reads(request, report, chain_jobs, backward_jobs, LLVM_LOCK,
                                          spec, request.device == "gpu" and GPU_CHAIN_TF32,
-                                         grid_sync_setting != "off")
+                                         grid_sync_setting != "off", lower_once)
         for job, own_price in [(j, j[1].cost) for j in backward_jobs] + trimmed:
             add(job)
             if priced is not None and own_price is not None:
