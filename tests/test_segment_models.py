@@ -41,6 +41,26 @@ def built():
     return get
 
 
+# A bf16 step (2^-8 relative) between two routing scores: XLA CPU and the evaluator round the
+# router's bf16 GEMM in their own order, so a top-k this close may pick another token.
+BF16_STEP = 2.0 ** -8
+
+
+def _routing_within_rounding(name: str, args) -> bool:
+    """Whether the bf16 MoE's expert-choice top-k has a margin (its k-th against the next
+    score) under two bf16 steps for some expert: a discrete choice rounding may flip."""
+    if not (name.startswith("moe_layer") and name.endswith("_bf16")):
+        return False
+    import jax.numpy as jnp
+    x, router = args[0], args[1]
+    probs = np.asarray(jax.nn.softmax((jnp.asarray(x) @ jnp.asarray(router))
+                                      .astype(jnp.float32), axis=-1)).T
+    capacity = models.segments.MOE_SIZES["tiny"].capacity
+    ordered = -np.sort(-probs, axis=1)
+    margin = (ordered[:, capacity - 1] - ordered[:, capacity]) / ordered[:, capacity - 1]
+    return bool((margin < 2 * BF16_STEP).any())
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_segment_models_match_evaluator_and_jax(name, built):
     inst, module, exe = built(name)
@@ -53,6 +73,8 @@ def test_segment_models_match_evaluator_and_jax(name, built):
         assert np.isfinite(np.asarray(got, np.float32)).all(), seed
         want = evaluate(module, args)[0]
         assert _relative(got, want) <= tol, (seed, _relative(got, want))
+        if _routing_within_rounding(name, args):
+            continue        # jax may route otherwise; the evaluator's routing is checked
         ref = np.asarray(jax.jit(inst.fn)(*args))
         assert _relative(got, ref) <= tol, (seed, _relative(got, ref))
 
