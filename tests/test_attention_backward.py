@@ -32,7 +32,6 @@ def _attention(q, k, v, scale: float, causal: bool):
 def _jax_grads(q, k, v, d_o, scale: float, causal: bool):
     import jax
     import jax.numpy as jnp
-    jax.config.update("jax_enable_x64", True)
 
     def out(q, k, v):
         s = scale * jnp.einsum("bmd,bnd->bmn", q, k)
@@ -40,8 +39,11 @@ def _jax_grads(q, k, v, d_o, scale: float, causal: bool):
             s = jnp.where(jnp.tril(jnp.ones(s.shape[1:], bool)), s, -1e9)
         return jnp.einsum("bmn,bnd->bmd", jax.nn.softmax(s, axis=-1), v)
 
-    _, pull = jax.vjp(out, *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
-    return [np.asarray(g) for g in pull(jnp.asarray(d_o, jnp.float64))]
+    # float64 for this reference only: a global switch would leak into the worker's
+    # later tests (jnp.arange turns s64 there).
+    with jax.enable_x64(True):
+        _, pull = jax.vjp(out, *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+        return [np.asarray(g) for g in pull(jnp.asarray(d_o, jnp.float64))]
 
 
 def _store(x: np.ndarray, view: MatrixView, dtype) -> np.ndarray:

@@ -112,24 +112,37 @@ def _ids_forms(count: int, length: int):
             segment_layer_norm]
 
 
+def _check_one_kernel(form: int, x64: bool) -> None:
+    rng = np.random.default_rng()
+    count, length, width = (int(rng.integers(3, 40)), int(rng.integers(2, 30)),
+                            int(rng.integers(1, 5)))
+    fn = _ids_forms(count, length)[form]
+    x = rng.standard_normal((count * length, width)).astype(np.float32)
+    with jax.enable_x64(x64):
+        report, compiled = _compile(fn, x)
+        where = f"{fn.__name__}: {count} segments of {length} x {width}, x64={x64}"
+        np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(jax.jit(fn)(x)),
+                                   rtol=RTOL, atol=ATOL, err_msg=where)
+    assert report.segment_rows, (where, report.summary())
+    assert report.kernels_stitched == 1 and report.kernels_after == 1, \
+        (where, report.summary(), report.skipped)
+
+
 @pytest.mark.parametrize("form", range(4))
 def test_segment_id_forms_become_one_kernel(form, monkeypatch):
     """jnp.repeat ids (cumulative sums, a scatter of starts and a gather: proved by
     evaluating them), `.at[ids].add`, broadcast ids with empty trailing segments and a
     segmented layer norm: each step is one stitched kernel without atomics, equal to jax."""
     monkeypatch.delenv("STITCH_SEGMENT_ROWS", raising=False)
-    rng = np.random.default_rng()
-    count, length, width = (int(rng.integers(3, 40)), int(rng.integers(2, 30)),
-                            int(rng.integers(1, 5)))
-    fn = _ids_forms(count, length)[form]
-    x = rng.standard_normal((count * length, width)).astype(np.float32)
-    report, compiled = _compile(fn, x)
-    where = f"{fn.__name__}: {count} segments of {length} x {width}"
-    np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(jax.jit(fn)(x)),
-                               rtol=RTOL, atol=ATOL, err_msg=where)
-    assert report.segment_rows, (where, report.summary())
-    assert report.kernels_stitched == 1 and report.kernels_after == 1, \
-        (where, report.summary(), report.skipped)
+    _check_one_kernel(form, x64=False)
+
+
+@pytest.mark.parametrize("form", [0, 3])
+def test_segment_id_forms_under_x64_become_one_kernel(form, monkeypatch):
+    """The same with jax_enable_x64: s64 ids, and jnp.repeat's proof walks about a hundred
+    producers (clamps to the s64 range, a convert to s32)."""
+    monkeypatch.delenv("STITCH_SEGMENT_ROWS", raising=False)
+    _check_one_kernel(form, x64=True)
 
 
 @pytest.mark.parametrize("ids", ["modulo", "data"])

@@ -27,15 +27,16 @@ import jax.numpy as jnp  # noqa: E402
 
 def _grads(q, k, v, d_o):
     """jax's gradients of causal softmax attention, float64, [batch x heads, seq, d]."""
-    jax.config.update("jax_enable_x64", True)
 
     def out(q, k, v):
         s = jnp.einsum("bqd,bkd->bqk", q, k) * SCALE
         s = jnp.where(jnp.tril(jnp.ones((SEQ, SEQ), bool)), s, -1e9)
         return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, axis=-1), v)
 
-    _, pull = jax.vjp(out, q, k, v)
-    return [np.asarray(g) for g in pull(d_o)]
+    # float64 for this reference only: a global switch would leak into later tests.
+    with jax.enable_x64(True):
+        _, pull = jax.vjp(out, q, k, v)
+        return [np.asarray(g) for g in pull(d_o)]
 
 
 # dtype: (jax's, tolerance against float64 as a share of the largest gradient). bf16:
