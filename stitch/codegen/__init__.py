@@ -1,5 +1,4 @@
-"""Kernel IR, LLVM emission (NVPTX and host), compile cache.
-
-Empty until the code-generation issue lands; the package exists so the layout of the design
-card (stitch/, stitch/hlo_passes/, stitch/codegen/) installs from the start.
-"""
+"""Code generation: Kernel IR (kir), its lowering from planned kernels and GEMM-chain,
+attention-backward and LM-head generators, LLVM emission (NVPTX and host), ptxas, the compile
+cache with crash-isolated build children, and the host (CPU) FFI targets used on machines
+without a GPU."""

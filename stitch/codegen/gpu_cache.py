@@ -1,6 +1,6 @@
 """GPU build products through the compile cache: PTX emission and ptxas results.
 
-The entry points every caller uses (stitch.compile today, an XLA pass tomorrow), so all get
+The entry points every caller uses (stitch.compile and the XLA pass), so all get
 caching, the per-key build lock and crash isolation by calling them:
 
 - ``emit_ptx_cached(kernel, arch, cache=...)`` -> ``PtxBuild``: PTX from LLVM's NVPTX back end,
