@@ -225,21 +225,21 @@ def test_row_layout_proofs_are_reused_and_lower_the_same_kernels(setting, monkey
     """A row part's layout proof is made once per key and renumbered for the parts equal
     but for names (l1, l2); another constant (l3) is proved afresh; each kernel lowers to
     the Kernel IR and notes it lowers to with every proof made anew."""
-    from stitch.codegen import lower
+    from stitch.codegen import row_layout
 
     graph, evaluator, layers = setting
     proved: list[frozenset[int]] = []
-    original = lower._KernelBuilder._row_layout
+    original = row_layout.RowLayoutProof.prove
 
     def counted(self, part):
         proved.append(frozenset(part.members))
         return original(self, part)
 
-    monkeypatch.setattr(lower._KernelBuilder, "_row_layout", counted)
+    monkeypatch.setattr(row_layout.RowLayoutProof, "prove", counted)
     results = {}
     for reuse in (False, True):
         lowering_reuse.forget_lowerings()
-        monkeypatch.setattr(lower, "REUSE_ROW_LAYOUTS", reuse)
+        monkeypatch.setattr(row_layout, "REUSE_ROW_LAYOUTS", reuse)
         proved.clear()
         results[reuse] = [lower_kernel(graph, evaluator, schedule, f"k_{layer}")
                           for layer, (_, schedule) in sorted(layers.items())]

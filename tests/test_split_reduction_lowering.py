@@ -294,10 +294,8 @@ def test_split_row_kernels_assemble_without_spills(arch):
 # must agree with the full one wherever it proves a layout, and the kernels must run right.
 
 def _layouts(graph, module, schedule):
-    from stitch.codegen.lower import _KernelBuilder
-    builder = _KernelBuilder(graph, Evaluator(module), schedule, "k", in_place=True)
-    return [builder._row_layout(p) if p.kind == "row" and p.unit in ("warp", "block")
-            else None for p in schedule.parts]
+    from stitch.codegen.lower import row_layouts
+    return row_layouts(graph, Evaluator(module), schedule, in_place=True)
 
 
 def _same_layout(a, b) -> bool:
@@ -306,10 +304,10 @@ def _same_layout(a, b) -> bool:
 
 def _compare_proofs(monkeypatch, graph, module, schedule) -> tuple[int, int]:
     """(layouts both proofs found, layouts only the full proof found)."""
-    import stitch.codegen.lower as lower
+    import stitch.codegen.row_layout as row_layout
     full = _layouts(graph, module, schedule)
     with monkeypatch.context() as m:
-        m.setattr(lower, "FULL_IDS_ELEMENTS", 0)
+        m.setattr(row_layout, "FULL_IDS_ELEMENTS", 0)
         compact = _layouts(graph, module, schedule)
     agreed = only_full = 0
     for f, c in zip(full, compact):
@@ -333,11 +331,11 @@ def _compare_proofs(monkeypatch, graph, module, schedule) -> tuple[int, int]:
                          ids=["softmax", "softmax-bf16", "max", "written-partials",
                               "padded-softmax", "padded-softmax-bf16"])
 def test_compact_proof_lowers_split_kernels_right(monkeypatch, text, unit):
-    import stitch.codegen.lower as lower
+    import stitch.codegen.row_layout as row_layout
     module, graph, members = _graph(text)
     schedule = schedule_kernel(graph, members, get_spec("h100"), force={"unit": unit})
     assert _compare_proofs(monkeypatch, graph, module, schedule) == (1, 0)
-    monkeypatch.setattr(lower, "FULL_IDS_ELEMENTS", 0)
+    monkeypatch.setattr(row_layout, "FULL_IDS_ELEMENTS", 0)
     lowered = lower_kernel(graph, Evaluator(module), schedule, "compact")
     assert lowered.schemes == [unit], lowered.notes
     bf16 = "bf16" in text.split("ENTRY")[1]
@@ -357,7 +355,7 @@ def test_compact_proof_agrees_with_the_full_one_on_zoo_kernels(monkeypatch, mode
     compact proof finds a layout it is the full proof's; the compacted kernels run right
     on the host target."""
     import stitch
-    import stitch.codegen.lower as lower
+    import stitch.codegen.row_layout as row_layout
     from stitch.schedule import ScheduleError
     from tests.fixtures import zoo_fixture
     module = parse_hlo(zoo_fixture(model, "tiny", stage).read_text())
@@ -380,7 +378,7 @@ def test_compact_proof_agrees_with_the_full_one_on_zoo_kernels(monkeypatch, mode
                 if not a:
                     continue
                 with monkeypatch.context() as m:
-                    m.setattr(lower, "FULL_IDS_ELEMENTS", 0)
+                    m.setattr(row_layout, "FULL_IDS_ELEMENTS", 0)
                     # In place: a kernel ending in an embedding gradient's scatter-add.
                     lowered = lower_kernel(g.graph, Evaluator(module), forced, "c",
                                            in_place=True)

@@ -120,7 +120,7 @@ def dims_ids(dims: tuple[int, ...], row_dims: tuple[int, ...]) -> np.ndarray:
 
 def candidate_splits(ids: np.ndarray, dims: tuple[int, ...], rows: int, minor: bool
                      ) -> list[tuple[str, tuple[int, ...]]]:
-    """(kind, row dims) of the splits a compact value may have, in ``lower._find_split``'s
+    """(kind, row dims) of the splits a compact value may have, in ``row_layout.find_split``'s
     order of preference. "rows" ("columns") is the "dims" split whose row dims are a
     prefix (suffix) of the value's dims: the same elements, the thread mapping's index
     arithmetic of the small case."""

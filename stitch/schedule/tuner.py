@@ -157,7 +157,7 @@ def _row_work(graph: OpGraph, facts: PartFacts, unit: str, tpb: int, vw: int,
     if unit != "thread" and facts.reductions and \
             all(r.outputs_per_row > 1 for r in facts.reductions):
         # Codegen proves a row layout only from a reduction with one output per row (its
-        # ``_row_layout``); without one the part is built with thread composition, which
+        # ``codegen.row_layout``); without one the part is built with thread composition, which
         # is what must be priced.
         return "no reduction has one output per row: warp/block composition is not built"
     if unit == "thread":

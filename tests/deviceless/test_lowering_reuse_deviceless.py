@@ -31,9 +31,9 @@ def _normalized(kernel) -> str:
 
 def _compile(reuse: bool, monkeypatch: pytest.MonkeyPatch):
     from bench import real_steps
-    from stitch.codegen import lower
+    from stitch.codegen import row_layout
     monkeypatch.setattr(pass_planning, "REUSE_LOWERING", reuse)
-    monkeypatch.setattr(lower, "REUSE_ROW_LAYOUTS", reuse)
+    monkeypatch.setattr(row_layout, "REUSE_ROW_LAYOUTS", reuse)
     lowering_reuse.forget_lowerings()
     cfg = real_steps.config("gpt2", 2, **TINY)
     result = deviceless.compile_with_pass(real_steps.lower_for(cfg, TARGET), "tiny_gpt2",
