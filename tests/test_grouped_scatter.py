@@ -36,15 +36,15 @@ def _combine(capacity: int, rows: int, kind: str = "add", dtype=jnp.float32):
 
 @pytest.fixture
 def tiled(monkeypatch):
-    """(kernel name, blocks, work items) of every scatter lowered in column tiles."""
-    from stitch.codegen import lower
+    """(scatter name, blocks, work items) of every scatter lowered in column tiles."""
+    from stitch.codegen import scatter_lowering
     calls: list[tuple[str, int, int]] = []
-    lowering = lower._KernelBuilder._grouped_scatter
+    lowering = scatter_lowering.emit_grouped_scatter
 
-    def spy(self, em, v, bid, blocks, tiles):
-        calls.append((self.name, blocks, tiles.items))
-        return lowering(self, em, v, bid, blocks, tiles)
-    monkeypatch.setattr(lower._KernelBuilder, "_grouped_scatter", spy)
+    def spy(em, site, bid, blocks, tiles):
+        calls.append((site.graph.nodes[site.v].name, blocks, tiles.items))
+        return lowering(em, site, bid, blocks, tiles)
+    monkeypatch.setattr(scatter_lowering, "emit_grouped_scatter", spy)
     return calls
 
 

@@ -114,7 +114,7 @@ def test_segment_max_and_min_in_runs_built_on_the_host(dtype, kind, monkeypatch)
     compare-and-swap loop. Empty segments keep the fill (-inf / +inf), ids outside are
     skipped, a NaN propagates, unsorted ids stay exact; equal to jax and the evaluator."""
     import stitch
-    from stitch.codegen import lower
+    from stitch.codegen import scatter_lowering
 
     rng = np.random.default_rng()
     segments, n, width = int(rng.integers(5, 60)), int(rng.integers(2 * RUN_ROWS, 900)), \
@@ -128,12 +128,12 @@ def test_segment_max_and_min_in_runs_built_on_the_host(dtype, kind, monkeypatch)
     ids = _ids(rng, n, segments, "sorted")
     module = parse_hlo(jax.jit(fn).lower(x, ids).as_text(dialect="hlo"))
     runs = []
-    original = lower._KernelBuilder._run_scatter
+    original = scatter_lowering.emit_run_scatter
 
-    def spy(self, em, v, bid, blocks, found):
+    def spy(em, site, bid, blocks, found):
         runs.append(found)
-        return original(self, em, v, bid, blocks, found)
-    monkeypatch.setattr(lower._KernelBuilder, "_run_scatter", spy)
+        return original(em, site, bid, blocks, found)
+    monkeypatch.setattr(scatter_lowering, "emit_run_scatter", spy)
     exe = stitch.compile(module, "h100", poison_outputs=True, cache=False)
     assert not exe.fallbacks and [r.op for r in runs] == [kind]
     for ids_kind in ("sorted", "long", "unsorted"):

@@ -361,7 +361,7 @@ class _PartCache:
         self.written = written_values(graph, self.members)
         self.register_terms = _register_terms(facts)
         # A scatter whose updates may collide is generated as a walk over its updates, one
-        # atomic add each under a bounds guard (codegen ``_atomic_scatter``): no vector
+        # atomic add each under a bounds guard (``codegen.scatter_lowering``): no vector
         # accesses, so its part is priced at vector width 1 only.
         atomic = any(graph.nodes[v].opcode == "scatter" and scatter_form(graph, v).kind != "row"
                      for v in self.members)
