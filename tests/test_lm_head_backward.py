@@ -139,3 +139,52 @@ def test_ptx_assembles_without_spills(dtype: str, arch: str) -> None:
     report = assemble(emit_ptx(kernel, arch), arch, kernel_name="bwd")["bwd"]
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report
     assert 0 < report.registers <= 255
+
+
+@pytest.mark.parametrize("dtype,tiling,tol", (("f32", _FMA, 1e-5), ("bf16", _MMA, 3e-2)),
+                         ids=("f32-fma", "bf16-mma"))
+def test_xla_training_form_inputs(dtype: str, tiling: BackwardTiling, tol: float) -> None:
+    """XLA's GPT-2 training form: H given as the normalized x with the layer norm's scale
+    and shift applied on load, the row max and sum of exp instead of lse, g the lse
+    cotangent of jax's log_softmax form (0 where the label is out of range): against
+    jax's gradient of -log_softmax(S)[label] with respect to H and E."""
+    import jax
+    import jax.numpy as jnp
+    problem = LmHeadBackward(R, V, 32, dtype, dtype, norm_affine=True, stats="max_sum")
+    kernel = lower_lm_head_backward(problem, tiling, arch="sm_90")
+    names = [p.name for p in kernel.params]
+    assert names == ["h", "emb", "labels", "row_max", "row_sum", "g", "ln_scale",
+                     "ln_shift", DH, DEMB]
+    rng = np.random.default_rng(45)
+    store = NUMPY_DTYPES[dtype]
+    x = rng.standard_normal((R, 32)).astype(store)
+    scale = (1 + 0.3 * rng.standard_normal(32)).astype(store)
+    shift = (0.2 * rng.standard_normal(32)).astype(store)
+    e = rng.standard_normal((V, 32)).astype(store)
+    h = x.astype(np.float64) * scale.astype(np.float64) + shift.astype(np.float64)
+    labels = rng.integers(-V, V + 4, R).astype(np.int32)
+    wrapped = np.where(labels < 0, labels + V, labels)
+    mean = 1.0 / R
+    g = np.where((wrapped >= 0) & (wrapped < V), mean, 0.0).astype(np.float32)
+    s = h @ e.astype(np.float64).T
+    top = s.max(1)
+    total = np.exp(s - top[:, None]).sum(1)
+
+    def loss(h, e):
+        logp = jax.nn.log_softmax(h @ e.T, axis=-1)
+        picked = jnp.take_along_axis(logp, jnp.asarray(labels)[:, None], axis=-1)[:, 0]
+        return -mean * jnp.where(jnp.isnan(picked), 0.0, picked).sum()
+
+    with jax.enable_x64(True):
+        want = [np.asarray(w) for w in jax.grad(loss, (0, 1))(
+            jnp.asarray(h), jnp.asarray(e, jnp.float64))]
+    args = {"h": x, "emb": e, "labels": labels, "row_max": top.astype(np.float32),
+            "row_sum": total.astype(np.float32), "g": g, "ln_scale": scale, "ln_shift": shift}
+    outs = [np.full(p.size, np.nan, NUMPY_DTYPES[p.dtype]) for p in kernel.params[-2:]]
+    compile_host(kernel, opt=0)(*(np.ascontiguousarray(args[n]).reshape(-1)
+                                  for n in names[:-2]), *outs)
+    for name, got, expected in zip((DH, DEMB), outs, want):
+        assert not np.isnan(got).any(), name
+        got = got.astype(np.float64).reshape(expected.shape)
+        np.testing.assert_allclose(got, expected, rtol=tol,
+                                   atol=tol * np.abs(expected).max(), err_msg=name)

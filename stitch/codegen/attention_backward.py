@@ -310,6 +310,12 @@ class ScoreGradient:
         """A constant the result is multiplied by when stored."""
         return 1.0
 
+    def operand_value(self, kernel: "_BackwardKernel", out: list[kir.Stmt], source: str,
+                      value: kir.Expr, col: kir.Expr) -> kir.Expr:
+        """Operand ``source``'s element as the GEMMs take it, from its loaded ``value``
+        at contraction column ``col`` (a prologue XLA fused into its GEMM)."""
+        return value
+
 
 class SoftmaxAttentionGradient(ScoreGradient):
     """Softmax attention: P = exp(c S - M) / L, dS = P (dP - D) with dP = dO V^T a second
@@ -475,7 +481,8 @@ class _BackwardKernel:
         valid = kir.logical_and(kir.less(row, _c(length)), kir.less(col, _c(d)))
         index = self.offset(source, kir.minimum(row, _c(length - 1)), kir.minimum(col, _c(d - 1)))
         slot = kir.add(kir.mul(c, _c(rows)), r) if transposed else kir.add(kir.mul(r, _c(cols)), c)
-        value = kir.Load(self.params[source], index)
+        value = self.rule.operand_value(self, body, source, kir.Load(self.params[source], index),
+                                        kir.minimum(col, _c(d - 1)))
         body.append(kir.Store(tile.name, slot, kir.Select(valid, value, kir.f32(0.0))))
         out.append(kir.For(var, kir.ThreadIdx(), _c(rows * cols), _c(self.t.threads),
                            tuple(body)))

@@ -22,6 +22,13 @@ counts from the end; one outside [0, vocab) after that has no one-hot (its gradi
 softmax alone, as jax's dropped scatter gives). A masked row (optax's ``where``, an ignore
 index turned into a weight) has g = 0. bf16 / f16 logits (``logits_dtype``): S rounded as
 XLA's GEMM writes it, dS rounded as XLA's dlogits fusion stores it for the GEMMs.
+
+XLA's training form (GPT-2) reads as inputs of these kernels: ``norm_affine`` takes H as the
+final layer norm's normalized x with its scale and shift applied on load (XLA's logits and
+dE GEMM fusions apply them in their prologues; H is never stored), ``stats="max_sum"`` the
+row max M and sum L of exp(S - M) XLA's split reductions leave (lse = M + log L), and g the
+cotangent of the row's lse (jax's log_softmax form: the mean's constant where the label is
+in range, 0 where not).
 """
 from __future__ import annotations
 
@@ -37,9 +44,13 @@ log = logging.getLogger(__name__)
 _c = kir.i32
 _F32 = "f32"
 STORAGE = ("f32", "bf16", "f16")
-# Param names, in order: the inputs, then dH and dE.
+# Param names, in order: the inputs (``LmHeadBackward.inputs``: these by default), then
+# dH and dE.
 INPUTS = ("h", "emb", "labels", "lse", "g")
-ROW_VALUES = ("lse", "labels", "g")
+ROW_VALUES = ("lse", "row_max", "row_sum", "labels", "g")
+# The layer norm's scale and shift XLA applies in its logits GEMM's prologue (per hidden
+# column): H = h * ln_scale + ln_shift.
+AFFINE = ("ln_scale", "ln_shift")
 DH, DEMB = "dh", "demb"
 # .maxnreg of the one-launch kernel (each phase alone stays under it at the defaults).
 REGISTER_BUDGET = 255
@@ -60,6 +71,17 @@ class LmHeadBackward:
     dtype: str = _F32
     logits_dtype: str = _F32
     tf32: bool = False
+    # H given as the normalized x with the layer norm's per-column scale and shift applied
+    # on load (XLA's GEMM prologue): H = x * ln_scale + ln_shift, rounded to ``dtype``.
+    norm_affine: bool = False
+    # The forward's row statistics: "lse", or "max_sum" (XLA's row max M and sum L of
+    # exp(S - M): lse = M + log L).
+    stats: str = "lse"
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        stats = ("lse",) if self.stats == "lse" else ("row_max", "row_sum")
+        return ("h", "emb", "labels", *stats, "g", *(AFFINE if self.norm_affine else ()))
 
     # --- the sizes the generic backward kernel reads (attention's names) ------------------
     batch = 1
@@ -95,20 +117,27 @@ class LmHeadBackward:
             raise CodegenError(f"{self}: operands of {self.dtype} are not lowered")
         if self.logits_dtype not in (_F32, self.dtype):
             raise CodegenError(f"{self}: {self.logits_dtype} logits of {self.dtype} operands")
+        if self.stats not in ("lse", "max_sum"):
+            raise CodegenError(f"{self}: row statistics {self.stats!r}")
 
 
 class CrossEntropyGradient(ScoreGradient):
     """dS = (exp(S - lse) - onehot(label)) g; dH = dS E (token rows), dE = dS^T H
     (vocabulary rows)."""
 
+    def __init__(self, problem: LmHeadBackward) -> None:
+        self.problem = problem
+
     def params(self, key_rows: bool, stats_pass: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return INPUTS, (DEMB,) if key_rows else (DH,)
+        return self.problem.inputs, (DEMB,) if key_rows else (DH,)
 
     def param(self, problem: LmHeadBackward, name: str, output: bool) -> kir.Param:
         if name == "labels":
             return kir.Param(name, "i32", problem.rows, is_output=output)
         if name in ROW_VALUES:
             return kir.Param(name, _F32, problem.rows, is_output=output)
+        if name in AFFINE:
+            return kir.Param(name, problem.dtype, problem.hidden, is_output=output)
         return kir.Param(name, problem.dtype, problem.length(name) * problem.hidden,
                          is_output=output)
 
@@ -119,7 +148,12 @@ class CrossEntropyGradient(ScoreGradient):
         return (("grad", "h", DEMB),) if key_rows else (("grad", "emb", DH),)
 
     def row_values(self, kernel, out: list[kir.Stmt], query: kir.Expr) -> tuple[kir.Expr, ...]:
-        lse = kernel.let(out, "lse", kir.Load(kernel.buffers["lse"], query))
+        if self.problem.stats == "lse":
+            lse = kernel.let(out, "lse", kir.Load(kernel.buffers["lse"], query))
+        else:
+            top = kir.Load(kernel.buffers["row_max"], query)
+            total = kir.Load(kernel.buffers["row_sum"], query)
+            lse = kernel.let(out, "lse", kir.add(top, kir.Unary("log", total)))
         raw = kernel.let(out, "label0", kir.Load(kernel.buffers["labels"], query))
         # jax's take_along_axis: a negative label counts from the end.
         label = kernel.let(out, "label", kir.Select(
@@ -142,7 +176,14 @@ class CrossEntropyGradient(ScoreGradient):
         return prob, grad
 
 
-CROSS_ENTROPY = CrossEntropyGradient()
+    def operand_value(self, kernel, out: list[kir.Stmt], source: str, value: kir.Expr,
+                      col: kir.Expr) -> kir.Expr:
+        if source != "h" or not self.problem.norm_affine:
+            return value
+        scale, shift = (kir.Load(kernel.params[name], col) for name in AFFINE)
+        affine = kir.add(kir.mul(value, scale), shift)
+        dtype = self.problem.dtype
+        return affine if dtype == _F32 else kir.Unary(f"round_to_{dtype}", affine)
 
 
 def uses_tensor_cores(problem: LmHeadBackward, arch: str, allow_tf32: bool) -> bool:
@@ -194,31 +235,32 @@ def _prepared(problem: LmHeadBackward, tiling: BackwardTiling | None, arch: str,
 def lower_dh(problem: LmHeadBackward, tiling: BackwardTiling | None = None,
              name: str = "lm_head_dh", arch: str = "sm_70",
              allow_tf32: bool = False) -> kir.Kernel:
-    """dH alone: token rows walk the vocabulary (params ``INPUTS`` then ``dh``)."""
+    """dH alone: token rows walk the vocabulary (params ``problem.inputs`` then ``dh``)."""
     tiling = _prepared(problem, tiling, arch, allow_tf32, name)
-    return backward_phase(problem, tiling, name, False, CROSS_ENTROPY).build()
+    return backward_phase(problem, tiling, name, False, CrossEntropyGradient(problem)).build()
 
 
 def lower_demb(problem: LmHeadBackward, tiling: BackwardTiling | None = None,
                name: str = "lm_head_demb", arch: str = "sm_70",
                allow_tf32: bool = False) -> kir.Kernel:
-    """dE alone: vocabulary rows walk the tokens (params ``INPUTS`` then ``demb``)."""
+    """dE alone: vocabulary rows walk the tokens (params ``problem.inputs`` then ``demb``)."""
     tiling = _prepared(problem, tiling, arch, allow_tf32, name)
-    return backward_phase(problem, tiling, name, True, CROSS_ENTROPY).build()
+    return backward_phase(problem, tiling, name, True, CrossEntropyGradient(problem)).build()
 
 
 def lower_lm_head_backward(problem: LmHeadBackward, tiling: BackwardTiling | None = None,
                            name: str = "lm_head_backward", arch: str = "sm_70",
                            allow_tf32: bool = False) -> kir.Kernel:
-    """dH and dE in one launch (params ``INPUTS`` then ``dh``, ``demb``): the phases read
+    """dH and dE in one launch (params ``problem.inputs`` then ``dh``, ``demb``): the phases read
     only the inputs, so no barrier between them; the first blocks run the dH phase, the
     rest the dE phase."""
     tiling = _prepared(problem, tiling, arch, allow_tf32, name)
     bid = kir.BlockIdx()
-    dh = backward_phase(problem, tiling, name, False, CROSS_ENTROPY, prefix="h")
+    rule = CrossEntropyGradient(problem)
+    dh = backward_phase(problem, tiling, name, False, rule, prefix="h")
     dh_blocks = dh.grid
     dh_body = dh.body()
-    demb = backward_phase(problem, tiling, name, True, CROSS_ENTROPY, prefix="e",
+    demb = backward_phase(problem, tiling, name, True, rule, prefix="e",
                           block=kir.Binary("sub", bid, _c(dh_blocks)))
     demb.names = dh.names                # Let names stay unique across the phases
     demb_body = demb.body()
