@@ -124,14 +124,16 @@ def test_refused_problems() -> None:
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
 @pytest.mark.parametrize("dtype", ("f32", "tf32", "bf16"))
 def test_ptx_assembles_without_spills(dtype: str, arch: str) -> None:
-    """GPT-2 small's LM head (8 x 1024 tokens, vocabulary 50257, 768 wide), default tiles,
-    the one-launch kernel: f32 on FMA, f32 as TF32 and bf16 (bf16 logits) on tensor cores
-    (result blocks of 256: 254 / 240 registers)."""
+    """GPT-2 small's LM head (8 x 1024 tokens, vocabulary 50257, 768 wide) in XLA's
+    training form (the layer norm's scale and shift on load, row max and sum), default
+    tiles, the one-launch kernel: f32 on FMA, f32 as TF32 and bf16 (bf16 logits) on
+    tensor cores (result blocks of 256: 250-254 registers)."""
     from stitch.codegen.nvptx import emit_ptx
     from stitch.codegen.toolchain import assemble
     ptxas_or_skip(arch)
     store = "f32" if dtype == "tf32" else dtype
-    problem = LmHeadBackward(8192, 50257, 768, store, store, tf32=dtype == "tf32")
+    problem = LmHeadBackward(8192, 50257, 768, store, store, tf32=dtype == "tf32",
+                             norm_affine=True, stats="max_sum")
     kernel = lower_lm_head_backward(problem, name="bwd", arch=arch,
                                     allow_tf32=dtype == "tf32")
     assert any(isinstance(st, kir.MmaSync) for st in kir.walk_stmts(kernel.body)) == \

@@ -198,7 +198,8 @@ def uses_tensor_cores(problem: LmHeadBackward, arch: str, allow_tf32: bool) -> b
 def default_tiling(problem: LmHeadBackward, mma: bool) -> BackwardTiling:
     """Tensor cores: 4 warps of 16 rows, 16-wide column steps, the hidden dim in stages of
     16 and result blocks of ``MMA_BLOCK_H`` (128 accumulators a thread; ptxas at GPT-2's
-    size: 254 registers TF32, 240 bf16, no spills on sm_80 / sm_90; 384 spills). FMA:
+    size: 254 registers TF32, 240 bf16, 250-254 in XLA's training form, no spills on
+    sm_80 / sm_90; 384 spills). FMA:
     32 x 64 tiles of 4 x 4, result blocks of 128 (8 per lane; 256 would pass the shared
     limit). Smaller where the problem is."""
     h8 = 8 * -(-problem.hidden // 8)
