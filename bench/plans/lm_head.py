@@ -4,7 +4,10 @@ best schedule the loss kernel builds, struck by ptxas where it spills) against X
 GEMM plus one read of the logits; the backward's two GEMM chains in the recomputed form
 (tests/test_lm_head_backward_chains.py: dH over the vocabulary, dE over the tokens;
 ``chain_price``) against XLA's dlogits kernel (logits read, dlogits written, both f32) and
-its two GEMMs. A100 and H100, f32 (TF32) and bf16.
+its two GEMMs; the two-phase backward kernel (``codegen.lm_head_backward``: dH and dE in
+one launch, the logits tiles recomputed, no dlogits) priced as the attention backward is
+(``integration.lm_head_backward_price``), its registers from ptxas. A100 and H100, f32
+(TF32) and bf16.
 
 ``python -m bench plans --part lm-head`` (about half a minute; ptxas where installed) writes
 it into docs/benchmarks.md; ``python -m bench.plans.lm_head`` prints it. Modeled, not
@@ -22,6 +25,9 @@ from stitch.cost import get_spec
 from stitch.cost.chain_pricing import chain_price
 from stitch.cost.gemm_tile import LIBRARY_TILE, gemm_cost
 from stitch.cost.lm_head_pricing import loss_price
+from stitch.codegen.lm_head_backward import LmHeadBackward, lower_lm_head_backward
+from stitch.integration.attention_backward_jobs import MMA_EFFICIENCY
+from stitch.integration.lm_head_backward_price import backward_price
 from stitch.hlo_passes.lm_head_loss import LmHeadLoss, row_major_views
 from tests.test_lm_head_backward_chains import DE, DH, backward_text, one_chain
 
@@ -89,9 +95,42 @@ def backward_rows() -> list[str]:
     return out
 
 
+def _registers(problem: LmHeadBackward, arch: str) -> str:
+    """ptxas's registers and spill bytes of the one-launch kernel ("-" without ptxas)."""
+    from stitch.codegen.nvptx import emit_ptx
+    from stitch.codegen.toolchain import ToolchainError, assemble, find_ptxas
+    try:
+        find_ptxas(arch)
+    except (ToolchainError, OSError):
+        return "-"
+    kernel = lower_lm_head_backward(problem, name="bwd", arch=arch, allow_tf32=True)
+    report = assemble(emit_ptx(kernel, arch), arch, kernel_name="bwd")["bwd"]
+    return f"{report.registers} ({report.spill_store_bytes + report.spill_load_bytes} B)"
+
+
+def kernel_rows() -> list[str]:
+    out = []
+    for target, arch in TARGETS:
+        spec = get_spec(target)
+        for dtype in ("f32", "bf16"):
+            problem = LmHeadBackward(TOKENS, VOCAB, HIDDEN, dtype, dtype, tf32=True)
+            price = backward_price(problem, spec, arch)
+            t = price.tiling
+            room = price.xla_s - spec.kernel_launch_overhead_s
+            # The tensor-core efficiency at which the kernel's work takes XLA's time: at
+            # its tiles, and were the logits computed once per phase.
+            even = MMA_EFFICIENCY * price.kernel.compute_s / room
+            once = even * 2 / (price.recompute + 1)
+            out.append(f"| {target} | {dtype} | m{t.block_rows} n{t.block_cols} "
+                       f"k{t.block_k} h{t.block_h} t{t.threads} | {price.recompute} | "
+                       f"{_registers(problem, arch)} | {price.kernel.total_s * 1e3:.2f} | "
+                       f"{price.xla_s * 1e3:.2f} | {even:.2f} / {once:.2f} |")
+    return out
+
+
 def section() -> str:
     start = time.perf_counter()
-    forward, backward = forward_rows(), backward_rows()
+    forward, backward, kernel = forward_rows(), backward_rows(), kernel_rows()
     return "\n".join([
         f"GPT-2 small's LM head: {TOKENS} tokens, vocabulary {VOCAB}, {HIDDEN} wide; the "
         "logits are f32 [tokens, vocab] (1.65 GB). Forward: the fused kernel (logits tiles, "
@@ -113,6 +152,21 @@ def section() -> str:
         "| target | type | dH ms (schedule) | dE ms (schedule) | stitch ms | XLA ms |",
         "|---|---|---|---|---|---|",
         *backward,
+        "",
+        "The two-phase backward kernel (FlashAttention-2's backward shape: token rows walk "
+        "the vocabulary for dH, vocabulary rows walk the tokens for dE, one launch, each "
+        "logits tile recomputed from H and E, dS = (exp(S - lse) - onehot) g never "
+        "stored) at its default tiles, priced as the attention backward "
+        f"(tensor cores at {MMA_EFFICIENCY} of their peak; each phase computes the "
+        "logits once per result block of the 768-wide hidden dim and its result GEMM "
+        "once) against the same XLA side. Break-even: the tensor-core efficiency at "
+        "which its work takes XLA's time, at its tiles / were the logits computed once "
+        "per phase.",
+        "",
+        "| target | type | tiles | logits per phase | registers (spills) | stitch ms | "
+        "XLA ms | break-even efficiency |",
+        "|---|---|---|---|---|---|---|---|",
+        *kernel,
         "",
         f"({time.perf_counter() - start:.0f} s.)",
     ])

@@ -265,6 +265,137 @@ def lower_attention_backward(problem: AttentionBackward, tiling: BackwardTiling 
                       "relaunch", register_budget=REGISTER_BUDGET).validate()
 
 
+class ScoreGradient:
+    """The "gradient of S" rule of a backward kernel (``backward_phase``): what the kernel
+    computes from its score tiles. The tile loops (first GEMMs over the contraction dim,
+    the walk over column tiles, second GEMMs through shared memory or MMA fragments, the
+    stores) are the kernel's; the rule names the params, the first GEMMs after S, the
+    values loaded per score row (of the problem's query role), each element's (P, dS),
+    and the second GEMMs. Attention's softmax (``SoftmaxAttentionGradient``) and the LM
+    head's cross-entropy (``codegen.lm_head_backward``) are the two."""
+
+    # A statistics walk before the main one (the dQ kernel's ``stats_pass``).
+    has_stats_pass = False
+
+    def params(self, key_rows: bool, stats_pass: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(inputs, outputs) of one phase, by name."""
+        raise NotImplementedError
+
+    def param(self, problem, name: str, output: bool) -> kir.Param:
+        raise NotImplementedError
+
+    def first_gemms(self, key_rows: bool) -> tuple[tuple[str, str, str], ...]:
+        """(tile, rows' operand, columns' operand) per first GEMM; tile "s" first."""
+        raise NotImplementedError
+
+    def second_gemms(self, key_rows: bool) -> tuple[tuple[str, str, str], ...]:
+        """(left: "grad" or "prob", the right operand, the result) per second GEMM."""
+        raise NotImplementedError
+
+    def row_values(self, kernel: "_BackwardKernel", out: list[kir.Stmt],
+                   query: kir.Expr) -> tuple[kir.Expr, ...]:
+        """The values of query-role row ``query`` the gradient needs."""
+        raise NotImplementedError
+
+    def after_first_gemms(self, kernel: "_BackwardKernel", out: list[kir.Stmt]) -> None:
+        """Anything done to the first GEMMs' tiles before they are used."""
+
+    def element(self, kernel: "_BackwardKernel", out: list[kir.Stmt], i: int, j: int,
+                query: kir.Expr, key: kir.Expr, valid: kir.Expr,
+                values: tuple[kir.Expr, ...]) -> tuple[kir.Expr, kir.Expr]:
+        """(P, dS) of the thread's tile element (i, j) as the second GEMMs take them."""
+        raise NotImplementedError
+
+    def result_scale(self, problem, result: str) -> float:
+        """A constant the result is multiplied by when stored."""
+        return 1.0
+
+    def operand_value(self, kernel: "_BackwardKernel", out: list[kir.Stmt], source: str,
+                      value: kir.Expr, col: kir.Expr) -> kir.Expr:
+        """Operand ``source``'s element as the GEMMs take it, from its loaded ``value``
+        at contraction column ``col`` (a prologue XLA fused into its GEMM)."""
+        return value
+
+
+class SoftmaxAttentionGradient(ScoreGradient):
+    """Softmax attention: P = exp(c S - M) / L, dS = P (dP - D) with dP = dO V^T a second
+    first GEMM; dQ = c dS K for query rows, dK = c dS^T Q and dV = P^T dO for key rows."""
+
+    has_stats_pass = True
+
+    def params(self, key_rows: bool, stats_pass: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return (DQ_INPUTS, DKV_OUTPUTS) if key_rows else dq_params(stats_pass)
+
+    def param(self, problem, name: str, output: bool) -> kir.Param:
+        b = problem.batch
+        if name in STATS:
+            return kir.Param(name, _F32, b * problem.queries, is_output=output)
+        return kir.Param(name, problem.dtype, b * problem.length(name) * problem.head_dim,
+                         is_output=output)
+
+    def first_gemms(self, key_rows: bool) -> tuple[tuple[str, str, str], ...]:
+        # Rows' operands of S and dP: (Q, dO) for query rows, (K, V) for key rows.
+        if key_rows:
+            return (("s", "k", "q"), ("dp", "v", "d_o"))
+        return (("s", "q", "k"), ("dp", "d_o", "v"))
+
+    def second_gemms(self, key_rows: bool) -> tuple[tuple[str, str, str], ...]:
+        # dQ += dS K;  dK += dS^T Q (dS^T is this tile), dV += P^T dO.
+        if key_rows:
+            return (("grad", "q", "dk"), ("prob", "d_o", "dv"))
+        return (("grad", "k", "dq"),)
+
+    def row_values(self, kernel: "_BackwardKernel", out: list[kir.Stmt],
+                   query: kir.Expr) -> tuple[kir.Expr, ...]:
+        at = kernel.let(out, "qs", kir.add(kir.mul(kernel.batch, _c(kernel.p.queries)), query))
+        return tuple(kernel.let(out, name, kir.Load(kernel.buffers[name], at))
+                     for name in STATS)
+
+    def after_first_gemms(self, kernel: "_BackwardKernel", out: list[kir.Stmt]) -> None:
+        if kernel.p.intermediates != _F32:         # dP as XLA's GEMM stores it
+            for row in kernel.tiles["dp"]:
+                for name in row:
+                    out.append(kir.Assign(name, kernel.rounded(kir.Ref(name, _F32))))
+
+    def element(self, kernel: "_BackwardKernel", out: list[kir.Stmt], i: int, j: int,
+                query: kir.Expr, key: kir.Expr, valid: kir.Expr,
+                values: tuple[kir.Expr, ...]) -> tuple[kir.Expr, kir.Expr]:
+        p = kernel.p
+        mx, total, delta = values
+        e = kir.Unary("exp", kir.Binary("sub", kernel.scaled_score(i, j), mx))
+        prob = kernel.let(out, "p", kir.Select(valid, kir.Binary("div", e, total),
+                                               kir.f32(0.0)))
+        grad = kernel.let(out, "ds", kir.mul(prob, kir.Binary(
+            "sub", kir.Ref(kernel.tiles["dp"][i][j], _F32), delta)))
+        if p.intermediates != _F32:
+            # XLA's stored P for dV, and its stored dS scaled in dQ's / dK's
+            # GEMM prologue (the store then leaves the scale out).
+            prob = kernel.let(out, "pr", kernel.rounded(prob))
+            grad = kernel.let(out, "dsr", kernel.rounded(
+                kir.mul(kernel.rounded(grad), kir.f32(p.scale))))
+        return prob, grad
+
+    def result_scale(self, problem, result: str) -> float:
+        return 1.0 if result == "dv" or problem.intermediates != _F32 else problem.scale
+
+
+ATTENTION = SoftmaxAttentionGradient()
+
+
+def backward_phase(problem, tiling: BackwardTiling, name: str, key_rows: bool,
+                   rule: ScoreGradient, prefix: str = "",
+                   block: kir.Expr | None = None) -> "_BackwardKernel":
+    """One phase of a backward kernel under ``rule`` (rows of the problem's query role
+    when not ``key_rows``): ``.body()`` its statements, ``.params`` / ``.outs`` its
+    params, ``.shared``, ``.grid`` its blocks, ``.names`` its Let counter (share it
+    across phases of one kernel); ``block`` (default blockIdx): the phase's block index
+    where several phases share a launch. ``problem`` has an ``AttentionBackward``'s
+    sizes (``batch``, ``queries``, ``keys``, ``head_dim``, ``scale``, ``causal``,
+    ``dtype``, ``intermediates``, ``view``)."""
+    return _kernel_class(tiling)(problem, tiling, name, key_rows=key_rows, prefix=prefix,
+                                 rule=rule, block=block)
+
+
 class _BackwardKernel:
     """Rows of one role (queries for dQ, keys for dK/dV), columns of the other. Thread
     (ty, tx) owns tile rows ty * thread_rows + i and columns tx + j * lanes."""
@@ -272,25 +403,22 @@ class _BackwardKernel:
     def __init__(self, problem: AttentionBackward, tiling: BackwardTiling, name: str,
                  key_rows: bool, stats_pass: bool = False,
                  stats_scratch: dict[str, kir.GlobalScratch] | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", rule: ScoreGradient = ATTENTION,
+                 block: kir.Expr | None = None) -> None:
         tiling.check()
-        if stats_pass and key_rows:
+        if stats_pass and (key_rows or not rule.has_stats_pass):
             raise CodegenError(f"{name}: the statistics pass walks keys for query rows")
         self.p, self.t, self.name, self.key_rows = problem, tiling, name, key_rows
         self.stats_pass = stats_pass
-        b, d = problem.batch, problem.head_dim
+        self.rule = rule
+        self.block_index = block if block is not None else kir.BlockIdx()
 
-        def param(k: str, output: bool) -> kir.Param:
-            if k in STATS:
-                return kir.Param(k, _F32, b * problem.queries, is_output=output)
-            return kir.Param(k, problem.dtype, b * problem.length(k) * d, is_output=output)
-
-        inputs, outputs = dq_params(stats_pass) if not key_rows else (DQ_INPUTS, DKV_OUTPUTS)
+        inputs, outputs = rule.params(key_rows, stats_pass)
         if stats_scratch is not None:       # the statistics cross a grid barrier instead
             inputs = tuple(k for k in inputs if k not in STATS)
             outputs = tuple(k for k in outputs if k not in STATS)
-        self.params = {k: param(k, False) for k in inputs}
-        self.outs = {k: param(k, True) for k in outputs}
+        self.params = {k: rule.param(problem, k, False) for k in inputs}
+        self.outs = {k: rule.param(problem, k, True) for k in outputs}
         self.buffers: dict[str, kir.Param | kir.GlobalScratch] = {
             **self.params, **(stats_scratch or {})}
         self.prefix = prefix
@@ -353,7 +481,8 @@ class _BackwardKernel:
         valid = kir.logical_and(kir.less(row, _c(length)), kir.less(col, _c(d)))
         index = self.offset(source, kir.minimum(row, _c(length - 1)), kir.minimum(col, _c(d - 1)))
         slot = kir.add(kir.mul(c, _c(rows)), r) if transposed else kir.add(kir.mul(r, _c(cols)), c)
-        value = kir.Load(self.params[source], index)
+        value = self.rule.operand_value(self, body, source, kir.Load(self.params[source], index),
+                                        kir.minimum(col, _c(d - 1)))
         body.append(kir.Store(tile.name, slot, kir.Select(valid, value, kir.f32(0.0))))
         out.append(kir.For(var, kir.ThreadIdx(), _c(rows * cols), _c(self.t.threads),
                            tuple(body)))
@@ -394,7 +523,7 @@ class _BackwardKernel:
         row_blocks = -(-self.row_len // t.block_rows)
         h_blocks = -(-p.head_dim // t.block_h)
         body: list[kir.Stmt] = []
-        bid = kir.BlockIdx()
+        bid = self.block_index
         hb = self.let(body, "hb", kir.Binary("rem", bid, _c(h_blocks)))
         rb = self.let(body, "rb", kir.Binary("rem", kir.Binary("div", bid, _c(h_blocks)),
                                              _c(row_blocks)))
@@ -403,12 +532,14 @@ class _BackwardKernel:
         self.h0 = self.let(body, "h0", kir.mul(hb, _c(t.block_h)))
         self.layout(body)
         n_rows, n_cols = len(self.rows), len(self.cols)
-        self.s = [[f"{self.prefix}s_{i}_{j}" for j in range(n_cols)] for i in range(n_rows)]
-        self.dp = [[f"{self.prefix}dp_{i}_{j}" for j in range(n_cols)] for i in range(n_rows)]
-        results = [k for k in self.outs if k in MATRICES]
+        self.tiles = {tile: [[f"{self.prefix}{tile}_{i}_{j}" for j in range(n_cols)]
+                             for i in range(n_rows)]
+                      for tile, _, _ in self.rule.first_gemms(self.key_rows)}
+        self.s, self.dp = self.tiles["s"], self.tiles.get("dp")
+        results = [res for _, _, res in self.rule.second_gemms(self.key_rows)]
         self.acc = {res: [[f"{res}_{i}_{j}" for j in range(len(self.acc_h))]
                           for i in range(n_rows)] for res in results}
-        for grid in (self.s, self.dp, *self.acc.values()):
+        for grid in (*self.tiles.values(), *self.acc.values()):
             for row in grid:
                 for name in row:
                     body.append(kir.Local(name, _F32, kir.f32(0.0)))
@@ -443,9 +574,7 @@ class _BackwardKernel:
         return _c(0), self.let(body, "hi", last)
 
     def stats(self, out: list[kir.Stmt], query: kir.Expr) -> tuple[kir.Expr, ...]:
-        at = self.let(out, "qs", kir.add(kir.mul(self.batch, _c(self.p.queries)), query))
-        return tuple(self.let(out, name, kir.Load(self.buffers[name], at))
-                     for name in ("row_max", "row_sum", "delta"))
+        return self.rule.row_values(self, out, query)
 
     def first_gemm(self, out: list[kir.Stmt], acc: list[list[str]], a: str, b: str,
                    c0: kir.Expr) -> None:
@@ -479,15 +608,9 @@ class _BackwardKernel:
         """S and dP of this column step in registers; the columns and each element's
         validity (inside the problem, not masked)."""
         p = self.p
-        # Rows' operands of S and dP: (Q, dO) for query rows, (K, V) for key rows.
-        first, second = (("k", "q"), ("v", "d_o")) if self.key_rows else \
-            (("q", "k"), ("d_o", "v"))
-        self.first_gemm(out, self.s, *first, c0)
-        self.first_gemm(out, self.dp, *second, c0)
-        if p.intermediates != _F32:         # dP as XLA's GEMM stores it
-            for row in self.dp:
-                for name in row:
-                    out.append(kir.Assign(name, self.rounded(kir.Ref(name, _F32))))
+        for tile, a, b in self.rule.first_gemms(self.key_rows):
+            self.first_gemm(out, self.tiles[tile], a, b, c0)
+        self.rule.after_first_gemms(self, out)
         cols = [self.let(out, "col", kir.add(c0, c)) for c in self.cols]
         valid: list[list[kir.Expr]] = []
         for row in self.rows:
@@ -571,29 +694,17 @@ class _BackwardKernel:
         for i, row in enumerate(self.rows):
             prow, grow = [], []
             for j, col in enumerate(cols):
-                valid = valid_tile[i][j]
-                mx, total, delta = col_stats[j] if self.key_rows else self.row_stats[i]
-                e = kir.Unary("exp", kir.Binary("sub", self.scaled_score(i, j), mx))
-                prob = self.let(out, "p", kir.Select(valid, kir.Binary("div", e, total),
-                                                     kir.f32(0.0)))
-                grad = self.let(out, "ds", kir.mul(prob, kir.Binary(
-                    "sub", kir.Ref(self.dp[i][j], _F32), delta)))
-                if p.intermediates != _F32:
-                    # XLA's stored P for dV, and its stored dS scaled in dQ's / dK's
-                    # GEMM prologue (the store then leaves the scale out).
-                    prob = self.let(out, "pr", self.rounded(prob))
-                    grad = self.let(out, "dsr", self.rounded(
-                        kir.mul(self.rounded(grad), kir.f32(p.scale))))
+                values = col_stats[j] if self.key_rows else self.row_stats[i]
+                query, key = (col, row) if self.key_rows else (row, col)
+                prob, grad = self.rule.element(self, out, i, j, query, key,
+                                               valid_tile[i][j], values)
                 prow.append(prob)
                 grow.append(grad)
             probs.append(prow)
             grads.append(grow)
-        # dQ += dS K;  dK += dS^T Q (dS^T is this tile), dV += P^T dO.
-        if self.key_rows:
-            self.second_gemm(out, grads, "q", "dk", c0)
-            self.second_gemm(out, probs, "d_o", "dv", c0)
-        else:
-            self.second_gemm(out, grads, "k", "dq", c0)
+        lefts = {"grad": grads, "prob": probs}
+        for left, source, result in self.rule.second_gemms(self.key_rows):
+            self.second_gemm(out, lefts[left], source, result, c0)
         return out
 
     def second_gemm(self, out: list[kir.Stmt], left: list[list[kir.Expr]], source: str,
@@ -624,7 +735,7 @@ class _BackwardKernel:
         p = self.p
         out: list[kir.Stmt] = []
         for result, grid in self.acc.items():
-            scale = 1.0 if result == "dv" or p.intermediates != _F32 else p.scale
+            scale = self.rule.result_scale(p, result)
             for i, row in enumerate(self.rows):
                 for j, name in enumerate(grid[i]):
                     h = kir.add(self.h0, self.acc_h[j])
