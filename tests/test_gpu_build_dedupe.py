@@ -185,8 +185,8 @@ def test_renamed_copy_of_a_valid_kernel_is_not_walked_again(
     from stitch.codegen.gpu_cache import canonical_kernel
 
     walks: list[str] = []
-    real_run = kir._Checker.run
-    monkeypatch.setattr(kir._Checker, "run", lambda self: (walks.append(self.k.name),
+    real_run = kir.KernelChecker.run
+    monkeypatch.setattr(kir.KernelChecker, "run", lambda self: (walks.append(self.k.name),
                                                            real_run(self))[1])
     kernel = _layer("main_k3", 0.5)
     canonical_kernel(kernel).validate()          # not validated yet: its copy is walked

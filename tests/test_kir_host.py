@@ -601,14 +601,14 @@ def test_validation_walks_again_only_for_a_stale_uniform_read(
     in the walk (a loop's back edge) takes a second, which finds the barrier it guards. A
     Let computed from that stale read carries it too."""
     walks: list[str] = []
-    real_body = kir._Checker._body
+    real_body = kir.KernelChecker._body
 
     def counting_body(self, body, scopes, divergent, path, frame=None):
         if path == "body":
             walks.append(path)
         return real_body(self, body, scopes, divergent, path, frame)
 
-    monkeypatch.setattr(kir._Checker, "_body", counting_body)
+    monkeypatch.setattr(kir.KernelChecker, "_body", counting_body)
     _kernel([Local("acc", "f32", f32(0.0)),
              For("j", i32(0), i32(2), i32(1), [
                  Assign("acc", add(vf("acc"), Load("x", ThreadIdx(), "f32")))]),

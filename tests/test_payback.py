@@ -121,12 +121,12 @@ def test_only_kernels_that_will_be_built_are_validated(monkeypatch):
     # checked once: tests/test_lowering_reuse.py).
     monkeypatch.setattr(pass_planning, "REUSE_LOWERING", False)
     checked: list[str] = []
-    run = kir._Checker.run
+    run = kir.KernelChecker.run
 
     def counted(self):
         checked.append(self.k.name)
         return run(self)
-    monkeypatch.setattr(kir._Checker, "run", counted)
+    monkeypatch.setattr(kir.KernelChecker, "run", counted)
     module, fusion_plan = _planned()
     none, report = _lower_jobs(module, fusion_plan, monkeypatch, "1")
     assert not _stitched(none) and report.unpaid
@@ -142,7 +142,7 @@ def test_only_kernels_that_will_be_built_are_validated(monkeypatch):
         if self.k.name == first:
             self.fail("body", "planted lowering bug")
         return counted(self)
-    monkeypatch.setattr(kir._Checker, "run", broken)
+    monkeypatch.setattr(kir.KernelChecker, "run", broken)
     jobs, report = _lower_jobs(module, fusion_plan, monkeypatch, "off")
     assert first not in {j[3].kernel.name for j in jobs}
     assert any("planted lowering bug" in why for _, why in report.fallbacks)
