@@ -9,7 +9,7 @@ updates back costs, without the program itself.
   TF tensor wrapping jax's result).
 
 The models are the integration tests' keras_hub GPT2 and Llama configs
-(``stitch/integration/scripts/thirdparty/keras_hub_train.py``: 2 layers, hidden 64, vocabulary 128,
+(``examples/thirdparty/keras_hub_train.py``: 2 layers, hidden 64, vocabulary 128,
 batch 4 x 16 tokens, AdamW), trained one step by stock Keras (TF backend) so the optimizer's
 variables exist; the mapping (which values the step reads and writes) is the front end's own.
 

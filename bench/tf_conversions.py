@@ -1,6 +1,6 @@
 """Host conversions per Keras training step on the TF backend, stock against stitched.
 
-One keras_hub backbone (``stitch/integration/scripts/thirdparty/keras_hub_train.py``'s GPT2 or
+One keras_hub backbone (``examples/thirdparty/keras_hub_train.py``'s GPT2 or
 Llama: 2 layers, hidden 64, vocabulary 128, random init, AdamW, batch 4 x 16 tokens) is
 trained ``steps`` steps by ``model.fit`` on fresh random batches (one step per epoch, so each
 epoch's loss is that step's), twice from the same seed:
@@ -33,8 +33,7 @@ from typing import Any
 
 log = logging.getLogger("bench")
 
-SCRIPT = (Path(__file__).resolve().parent.parent / "stitch" / "integration" / "scripts"
-          / "thirdparty" / "keras_hub_train.py")
+SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "thirdparty" / "keras_hub_train.py"
 MODELS = ("gpt2", "llama")
 STEPS = 15
 LOSS_RTOL = 1e-4               # the third-party scripts' stock-vs-stitched loss bound

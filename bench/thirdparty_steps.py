@@ -1,8 +1,8 @@
 """The project's third-party training steps as pure jax functions with their arguments, for
 benches that compile them (deviceless) rather than run them: the steps of
-stitch/integration/scripts/thirdparty/ (their own modules and loss functions, imported), the zoo's
+examples/thirdparty/ (their own modules and loss functions, imported), the zoo's
 transformer step, one ``model.fit`` step of each keras_hub model of
-stitch/integration/scripts/thirdparty/keras_hub_train.py (GPT2, Llama, BERT, ViT: the project's
+examples/thirdparty/keras_hub_train.py (GPT2, Llama, BERT, ViT: the project's
 configs) and a lax.scan training loop. ``STEPS`` maps a name to a builder returning
 ``(fn, args, devices)``; ``available(name)`` says why a step cannot be built here (a missing
 package), else None.
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "stitch" / "integration" / "scripts" / "thirdparty"
+SCRIPTS = Path(__file__).resolve().parents[1] / "examples" / "thirdparty"
 
 
 def _script(name: str) -> Any:
@@ -33,7 +33,7 @@ def _zoo(name: str) -> tuple[Callable, tuple, int]:
 
 
 def _keras_hub(model_name: str) -> tuple[Callable, tuple, int]:
-    """One ``model.fit`` step of stitch/integration/scripts/thirdparty/keras_hub_train.py's model
+    """One ``model.fit`` step of examples/thirdparty/keras_hub_train.py's model
     (its config, random init, AdamW, sparse cross-entropy) as Keras' JAX trainer runs it:
     ``train_step(state, (x, y))``, pure in the trainer's state. One ``train_on_batch``
     first builds the optimizer's and metrics' variables."""

@@ -2,7 +2,7 @@
 valid (stitch.plan validates coverage, writers, convexity and launch order) and the stitched
 program computes what the module computes.
 
-- keras_jax_train_step: Keras 3's JAX train step (stitch/integration/scripts/keras_fit.py). Base
+- keras_jax_train_step: Keras 3's JAX train step (examples/keras_fit.py). Base
   fusion duplicated a compare into a second group without its producer (a scalar convert
   no group wrote); packing then joined two kernels whose union a recomputed producer made
   non-convex.

@@ -42,7 +42,7 @@ def test_every_variable_the_package_reads_is_registered() -> None:
     assert missing == {}
     # A setting the library reads is documented for users, unless it is a test aid.
     library = {name for name, where in read.items() if not where.endswith(
-        ("test_scenarios.py", "thirdparty_harness.py", "test_thirdparty.py"))}
+        ("test_scenarios.py", "harness.py", "test_thirdparty.py"))}
     assert {n for n in library if SETTINGS[n].audience != "user"} == set()
 
 

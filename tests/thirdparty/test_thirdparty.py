@@ -5,7 +5,7 @@ plain run's per-step losses within 1e-4 relative, keep donation where the script
 and STITCH_STATS must show the script's train step ran stitched kernels.
 
 Scripts marked ``thirdparty`` (keras_hub, flax nnx, equinox: 20-60 s plain, 120-440 s stitched
-on this 2-core machine, most of it planning) are skipped unless selected: ``python -m pytest stitch/integration/test_thirdparty.py -m thirdparty``
+on this 2-core machine, most of it planning) are skipped unless selected: ``python -m pytest tests/thirdparty/test_thirdparty.py -m thirdparty``
 (or STITCH_THIRDPARTY=1). A script whose library is not installed is skipped
 (``pip install -e '.[integration]'``)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from stitch.integration import thirdparty_harness as harness  # noqa: E402
+from . import harness  # noqa: E402
 
 
 def _param(script: harness.ThirdPartyScript):

@@ -1,4 +1,4 @@
-"""Runs the third-party training scripts (stitch/integration/scripts/thirdparty/) as subprocesses,
+"""Runs the third-party training scripts (examples/thirdparty/) as subprocesses,
 plain and under stitch, and explains what went wrong when a stitched run does not match.
 
 Each script is an ordinary training script that never imports stitch; it prints one line
@@ -7,8 +7,8 @@ end. The stitched run is the same command with ``STITCH_ENABLE=1 STITCH_ASYNC=0
 STITCH_GUARD=0 STITCH_STATS=<dir>/stats.json`` (the autoload .pth patches jax), and its
 STITCH_STATS file says which functions ran stitched kernels.
 
-Used by stitch/integration/test_thirdparty.py; also a command that prints a results table:
-    python stitch/integration/thirdparty_harness.py [--stitched] [NAME ...]
+Used by tests/thirdparty/test_thirdparty.py; also a command that prints a results table:
+    python tests/thirdparty/harness.py [--stitched] [NAME ...]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS_DIR = Path(__file__).resolve().parent / "scripts" / "thirdparty"
+SCRIPTS_DIR = REPO_ROOT / "examples" / "thirdparty"
 RESULT_MARK = "STITCH_TEST_RESULT "
 LOSS_RTOL = 1e-4
 # bf16 steps: stitched kernels round to bf16 where XLA does, so losses agreed to 1.1e-7 on

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "examples"
 # Long enough for the background compile on a loaded 2-core machine (it takes 3-12 s).
 SECONDS = float(os.environ.get("STITCH_SCENARIO_SECONDS", "60"))
 LOSS_RTOL = 1e-4
