@@ -264,7 +264,7 @@ def time_kernels(directory: Path, replays: int = REPLAYS, repeats: int = REPEATS
                     row["rel_error"] = (_relative_error(values, reference)
                                         if reference is not None else None)
                 if not check_only:
-                    row["us"] = _graph_time_us(driver, launch, arguments, replays, repeats)
+                    row["us"] = graph_time_us(driver, launch, arguments, replays, repeats)
                     moved = sum(p["size"] * p["bytes"] for p in params)
                     row["bytes"] = moved
             except Exception as exc:  # noqa: BLE001 - one kernel's failure is a table cell
@@ -305,7 +305,7 @@ def _relative_error(values: list, reference: list) -> float:
     return worst
 
 
-def _graph_time_us(driver, launch, arguments: list, replays: int, repeats: int) -> float:
+def graph_time_us(driver, launch, arguments: list, replays: int, repeats: int) -> float:
     """Median µs per call over graph replays of ``replays`` calls, rotating input sets."""
     import numpy as np
     stream = driver.stream()
