@@ -80,3 +80,99 @@ def test_rehearsal_writes_a_skipped_record(tmp_path) -> None:
     assert tensor_cores.main(["--out", str(tmp_path), "--rehearse"]) == 0
     record = json.loads((tmp_path / "tensor_cores.json").read_text())
     assert record["kernels"] == [] and "no GPU" in record["skipped"]
+
+
+# ------------------------------------------------------------------ ingest and calibration
+
+def _tensor_rows() -> list[dict]:
+    """A synthetic step result: two correct rows on the tensor cores, one wrong, one
+    failed."""
+    def row(name, kind, unit, us, fraction, correct=True):
+        return {"name": name, "kind": kind, "dtype": "bf16", "unit": unit, "flops": 1e12,
+                "us": us, "tflops": 1e12 / us / 1e6, "fraction_of_peak": fraction,
+                "xla_us": 2 * us, "errors": {"dq": 1e-3 if correct else 0.5},
+                "tolerance": 3e-2, "correct": correct, "registers": 160, "notes": "n"}
+    return [row("attn", "attention_backward", "f16/bf16", 1000.0, 0.30),
+            row("head", "lm_head_backward", "f16/bf16", 4000.0, 0.50),
+            row("wrong", "attention_backward", "tf32", 10.0, 0.90, correct=False),
+            {"name": "broken", "kind": "gemm_chain", "dtype": "f32", "error": "CudaError: x"}]
+
+
+def test_ingest_tabulates_the_step_and_calibrates_only_correct_kernels(tmp_path) -> None:
+    from bench.gpu_kit import ingest
+    from stitch.cost.calibration import load_calibration
+    from tests.test_gpu_kit import _gpu_results, _packed
+
+    _gpu_results(tmp_path / "results")
+    (tmp_path / "results" / "tensor_cores.json").write_text(json.dumps(
+        {"device": "NVIDIA H200", "target": "h200", "kernels": _tensor_rows()}))
+    results = _packed(tmp_path / "results", tmp_path / "returned")
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    assert ingest.main([str(results), "--docs", str(docs), "--calibration-dir",
+                        str(tmp_path / "cal")]) == 0
+    text = docs.read_text()
+    assert "| attn | f16/bf16 | 1000.0 | 1000.0 | 30% | 2000.0 | 2.00× | ok (1.0e-03, " \
+        "tolerance 3e-02) | 160 | n |" in text
+    assert "| wrong | tf32 |" in text and "WRONG (5.0e-01" in text
+    assert "| broken | – |" in text and "CudaError: x" in text
+    cal = load_calibration("h200", tmp_path / "cal")
+    assert {e.name for e in cal.efficiencies} == {"attn", "head"}
+    assert cal.efficiency("f16/bf16") == pytest.approx(0.40)       # median of both
+    assert cal.efficiency("f16/bf16", "lm_head_backward") == pytest.approx(0.50)
+    assert cal.efficiency("tf32") is None                          # the wrong one is not taken
+    assert len(cal.samples) == 3                                   # the kernels step's too
+
+
+def test_a_run_without_the_step_keeps_the_tables_efficiencies(tmp_path) -> None:
+    from bench.gpu_kit import ingest
+    from stitch.cost.calibration import load_calibration
+    from tests.test_gpu_kit import _gpu_results, _packed
+
+    _gpu_results(tmp_path / "first")
+    (tmp_path / "first" / "tensor_cores.json").write_text(json.dumps(
+        {"kernels": _tensor_rows()}))
+    _gpu_results(tmp_path / "second")
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    for name in ("first", "second"):
+        results = _packed(tmp_path / name, tmp_path / f"{name}_returned")
+        assert ingest.main([str(results), "--docs", str(docs), "--calibration-dir",
+                            str(tmp_path / "cal")]) == 0
+    assert load_calibration("h200", tmp_path / "cal").efficiency("f16/bf16") == \
+        pytest.approx(0.40)
+
+
+def test_kernel_efficiency_calibrated_where_measured_else_assumed(tmp_path, monkeypatch) -> None:
+    from stitch.cost import calibration, mma_efficiency
+    from stitch.cost.calibration import Calibration, KernelEfficiency, save_calibration
+    from stitch.cost.gemm_rates import FP32, HALF, TF32
+
+    monkeypatch.setattr(calibration, "CALIBRATION_DIR", tmp_path)
+    mma_efficiency.forget_tables()
+    try:
+        assert mma_efficiency.kernel_efficiency("h200", HALF) == mma_efficiency.MMA_EFFICIENCY
+        assert mma_efficiency.kernel_efficiency("h200", FP32) == mma_efficiency.FMA_EFFICIENCY
+        save_calibration(Calibration("h200", "NVIDIA H200", "d", efficiencies=(
+            KernelEfficiency("a", "attention_backward", HALF, 1e12, 1e3, 0.35, None),
+            KernelEfficiency("l", "lm_head_backward", HALF, 1e12, 1e3, 0.45, None))), tmp_path)
+        mma_efficiency.forget_tables()
+        assert mma_efficiency.kernel_efficiency("H200", HALF) == pytest.approx(0.40)
+        assert mma_efficiency.kernel_efficiency("h200", HALF, "lm_head_backward") == \
+            pytest.approx(0.45)
+        assert mma_efficiency.kernel_efficiency("h200", HALF, "gemm_chain") == \
+            pytest.approx(0.40)
+        assert mma_efficiency.kernel_efficiency("h200", TF32) == mma_efficiency.MMA_EFFICIENCY
+        assert mma_efficiency.kernel_efficiency("h100", HALF) == mma_efficiency.MMA_EFFICIENCY
+    finally:
+        mma_efficiency.forget_tables()
+
+
+def test_a_table_written_before_efficiencies_still_reads(tmp_path) -> None:
+    from stitch.cost.calibration import load_calibration
+    old = {"format": 1, "target": "h200", "device": "NVIDIA H200", "date": "d", "scale": 1.0,
+           "rank_correlation": None, "median_relative_error": None,
+           "kernels": [{"model": "m", "entry": "k", "modeled_us": 1.0, "measured_us": 2.0}]}
+    (tmp_path / "h200.json").write_text(json.dumps(old))
+    cal = load_calibration("h200", tmp_path)
+    assert cal.efficiencies == () and cal.efficiency("tf32") is None and cal.scale == 2.0
