@@ -48,6 +48,96 @@ def test_case_kernel_matches_the_steps_reference(case: Case) -> None:
     assert not check_outputs(built, got)["correct"]
 
 
+class HostDriver:
+    """``bench.cuda_driver.Driver``'s calls the step makes, on host memory: a launch runs
+    the kernel through the host backend (every phase at once; the kernels rewrite all
+    their outputs, so a second phase's launch repeats the same result)."""
+
+    def __init__(self) -> None:
+        self.kernels: dict = {}
+        self.memory: dict[int, np.ndarray] = {}
+        self.allocated = 0
+        self.launches = 0
+
+    def alloc(self, nbytes: int) -> int:
+        self.allocated += 1
+        pointer = self.allocated
+        self.memory[pointer] = np.zeros(nbytes, np.uint8)
+        return pointer
+
+    def free(self, pointer: int) -> None:
+        del self.memory[pointer]
+
+    def to_device(self, pointer: int, host) -> None:
+        self.memory[pointer][:] = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
+
+    def to_host(self, pointer: int, host) -> None:
+        host[:] = self.memory[pointer]
+
+    def fill(self, pointer: int, byte: int, nbytes: int) -> None:
+        self.memory[pointer][:nbytes] = byte
+
+    def load(self, image: bytes, entry: str):
+        return entry
+
+    def launch(self, function, grid, block, pointers, stream=None, **_) -> None:
+        kernel, compiled = self.kernels[function]
+        self.launches += 1
+        compiled(*[self.memory[q].view(NUMPY_DTYPES[p.dtype])
+                   for q, p in zip(pointers, kernel.params)])
+
+    def synchronize(self) -> None:
+        pass
+
+    def stream(self):
+        return None
+
+    def event(self):
+        return object()
+
+    def record(self, event, stream) -> None:
+        pass
+
+    def elapsed_ms(self, start, end) -> float:
+        return 2.0
+
+    def capture(self, stream, body):
+        return body
+
+    def graph_launch(self, graph, stream) -> None:
+        graph()
+
+
+def test_run_case_end_to_end_on_host_memory(monkeypatch) -> None:
+    """The step's device path (allocate, poison, launch per phase, read back, check, time,
+    XLA's time, rates) with the driver on host memory and ptxas stubbed."""
+    from types import SimpleNamespace
+
+    from stitch.codegen import nvptx, toolchain
+    from stitch.cost.gpu_specs import get_spec
+
+    driver = HostDriver()
+    monkeypatch.setattr(nvptx, "emit_ptx", lambda kernel, arch: "ptx")
+    report = SimpleNamespace(registers=99, spill_store_bytes=0, spill_load_bytes=4)
+
+    def assemble(ptx, arch, kernel_name):
+        return b"cubin", {kernel_name: report}
+    monkeypatch.setattr(toolchain, "assemble_cubin", assemble)
+    builder = tensor_cores.BUILDERS["attention_backward"]
+
+    def remembering(case, arch):
+        built = builder(case, arch)
+        driver.kernels[built.kernel.name] = (built.kernel, compile_host(built.kernel, opt=0))
+        return built
+    monkeypatch.setitem(tensor_cores.BUILDERS, "attention_backward", remembering)
+    row = tensor_cores.run_case(SMALL[0], driver, "sm_90", get_spec("h200"))
+    assert row["correct"] and row["launches"] == 2 and row["registers"] == 99
+    assert row["spill_bytes"] == 4 and row["unit"] == "f16/bf16"
+    assert row["us"] > 0 and row["xla_us"] > 0 and row["peak_tflops"] == pytest.approx(989.5)
+    assert row["fraction_of_peak"] == pytest.approx(row["tflops"] / 989.5)
+    assert driver.memory == {}                    # every buffer freed
+
+
 def test_chain_case_builds_at_real_size_and_maps_every_input() -> None:
     case = Case("chain", "gemm_chain", "f32", True, {"batch": 2, "length": 64, "head_dim": 64})
     built = tensor_cores.BUILDERS["gemm_chain"](case, "sm_90")
