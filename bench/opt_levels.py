@@ -22,6 +22,11 @@ split in two steps on two machines, with files between them:
     (outputs poisoned first); each variant's outputs are checked against the default's.
     Each kernel is then timed as CUDA graph replays of ``REPLAYS`` launches, the median of
     ``REPEATS``, rotating over ``INPUT_SETS`` input sets so no launch reuses the one before.
+``python -m bench.opt_levels device --dir D --scratch S [--models ...] --json T.json``
+    On the GPU machine (the GPU kit's ``opt_levels`` step): ``time`` over D where a
+    prepared D was carried there, else ``prepare`` first into S with this Python (the
+    machine's jax has the CUDA plugin, so the deviceless compile runs there too; a few small
+    models fit the step's budget).
 ``python -m bench.opt_levels report --dir D [--timings T.json] [--out docs/benchmarks.md]``
     The table: per function and variant, build seconds and code size, and with timings
     the kernels' summed GPU time against the default's.
@@ -264,7 +269,7 @@ def time_kernels(directory: Path, replays: int = REPLAYS, repeats: int = REPEATS
                     row["rel_error"] = (_relative_error(values, reference)
                                         if reference is not None else None)
                 if not check_only:
-                    row["us"] = _graph_time_us(driver, launch, arguments, replays, repeats)
+                    row["us"] = graph_time_us(driver, launch, arguments, replays, repeats)
                     moved = sum(p["size"] * p["bytes"] for p in params)
                     row["bytes"] = moved
             except Exception as exc:  # noqa: BLE001 - one kernel's failure is a table cell
@@ -305,7 +310,7 @@ def _relative_error(values: list, reference: list) -> float:
     return worst
 
 
-def _graph_time_us(driver, launch, arguments: list, replays: int, repeats: int) -> float:
+def graph_time_us(driver, launch, arguments: list, replays: int, repeats: int) -> float:
     """Median µs per call over graph replays of ``replays`` calls, rotating input sets."""
     import numpy as np
     stream = driver.stream()
@@ -398,11 +403,13 @@ def markdown(manifest: dict, timings: list[dict] | None, command: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.opt_levels",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("step", choices=("prepare", "prepare-one", "time", "report"))
+    parser.add_argument("step", choices=("prepare", "prepare-one", "time", "report", "device"))
     parser.add_argument("spec", nargs="?", help=argparse.SUPPRESS)   # prepare-one's function
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(DEFAULT_MODELS))
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--json", type=Path, help="time: where the timings go")
+    parser.add_argument("--scratch", type=Path,
+                        help="device: where to prepare when --dir holds no manifest")
     parser.add_argument("--timings", type=Path, help="report: the timings `time` wrote")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--check-only", action="store_true",
@@ -419,6 +426,15 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{python} is missing: run scripts/deviceless_check.sh once")
         prepare(args.models, args.dir, str(python))
         args.step = "report"
+    if args.step == "device":
+        if not (args.dir / "manifest.json").exists():
+            if args.scratch is None:
+                raise SystemExit("device: no manifest in --dir and no --scratch to prepare in")
+            print(f"[opt_levels] no {args.dir / 'manifest.json'}: preparing "
+                  f"{','.join(args.models)} here", file=sys.stderr, flush=True)
+            prepare(args.models, args.scratch, sys.executable)
+            args.dir = args.scratch
+        args.step = "time"
     if args.step == "time":
         results = time_kernels(args.dir, check_only=args.check_only)
         text = json.dumps(results, indent=1)

@@ -219,3 +219,28 @@ def test_the_gpu_step_imports_without_llvmlite():
                          cwd=Path(__file__).parents[1], timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == [str(len(opt_levels.VARIANTS)), "False"]
+
+
+def test_device_step_times_a_carried_folder_else_prepares_one_there(tmp_path, monkeypatch):
+    """The GPU kit's opt_levels step: a carried .gpu_bench is timed as it is; without one,
+    the models are prepared on the machine itself (its own Python), then timed."""
+    prepared = []
+
+    def fake_prepare(models, directory, python, timeout=1800):
+        prepared.append((models, python))
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "manifest.json").write_text("{}")
+
+    monkeypatch.setattr(opt_levels, "prepare", fake_prepare)
+    monkeypatch.setattr(opt_levels, "time_kernels",
+                        lambda directory, check_only=False: [{"dir": str(directory)}])
+    carried, scratch, out = tmp_path / "carried", tmp_path / "scratch", tmp_path / "t.json"
+    opt_levels.main(["device", "--dir", str(carried), "--scratch", str(scratch),
+                     "--models", "bert_layer_train:tiny", "--json", str(out)])
+    assert prepared == [(["bert_layer_train:tiny"], sys.executable)]
+    assert json.loads(out.read_text()) == [{"dir": str(scratch)}]
+    carried.mkdir()
+    (carried / "manifest.json").write_text("{}")
+    opt_levels.main(["device", "--dir", str(carried), "--scratch", str(scratch),
+                     "--json", str(out)])
+    assert len(prepared) == 1 and json.loads(out.read_text()) == [{"dir": str(carried)}]

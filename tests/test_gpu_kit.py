@@ -41,7 +41,8 @@ def test_rehearsal_passes_with_the_devices_missing_packages_blocked(tmp_path) ->
     status = {s["name"]: s for s in record["steps"]}
     for name in ("env", "smoke", "tests", "timings", "ingest"):
         assert status[name]["status"] == "passed", status[name]
-    for name in ("kernels", "memcheck", "racecheck", "memcheck_jax", "opt_levels"):
+    for name in ("tensor_cores", "kernels", "memcheck", "racecheck", "memcheck_jax",
+                 "opt_levels"):
         assert status[name]["reason"] == "skipped: no GPU", status[name]
     files = _unpack(out, tmp_path / "unpacked")
     smoke = json.loads((files / "smoke.json").read_text())
@@ -53,12 +54,22 @@ def test_rehearsal_passes_with_the_devices_missing_packages_blocked(tmp_path) ->
         (files / "kernels" / e["variants"][next(iter(e["variants"]))]["cubin"]).exists()
         for e in manifest["kernels"])
     assert "bench-gpu-check:begin" in (files / "benchmarks_section.md").read_text()
-    assert (out / "gpu_check.md").read_text().count("skipped: no GPU") == 5
+    assert (out / "gpu_check.md").read_text().count("skipped: no GPU") == 6
     # A rehearsal never replaces the GPU section: the ingest refuses it, docs untouched.
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n")
     assert ingest.main([str(out), "--docs", str(docs)]) == 2
     assert docs.read_text() == "# Benchmarks\n"
+
+
+def test_step_budgets_fit_the_devices_loan(tmp_path) -> None:
+    """The steps' own budgets are what a check may cost: the whole check's budget is their
+    sum, under 9 of the loan's 15 minutes (the start and the transfers take the rest)."""
+    every = runner.steps(tmp_path, sys.executable)
+    assert runner.budget_sum(every) == runner.BUDGET_S <= 9 * 60
+    assert [s.name for s in every][:3] == ["env", "smoke", "tensor_cores"]
+    assert runner.budget_sum(runner.steps(tmp_path, sys.executable, quick=True)) <= \
+        runner.QUICK_BUDGET_S
 
 
 def test_archive_over_the_limit_leaves_the_kernel_images_out(tmp_path, monkeypatch) -> None:

@@ -17,14 +17,18 @@ stopped short (labelled "partial"); rehearsals are never taken into docs/benchma
 Writes docs/benchmarks.md's section ``bench-gpu-check`` (the steps' outcomes, the device,
 whole steps under stitch.jit vs jax.jit, each stitched kernel's measured µs beside the
 latency-evaluator's with the error, rank correlation and achieved HBM bandwidth as a fraction
-of the device's peak, the LLVM pipelines' kernel times) and the calibration table
+of the device's peak, the tensor-core kernels at real sizes against XLA, the LLVM pipelines'
+kernel times) and the calibration table
 ``stitch/cost/calibration/<target>.json`` (``stitch.cost.calibration``), with the device and
-date it came from. A rehearsal's folder (no GPU) gives the section without kernel times and
+date it came from; the tensor-core kernels that passed their check on the device become its
+``efficiencies`` (``stitch.cost.mma_efficiency``). A run that measured only one of the two
+keeps the other from the table already there for the same device. A rehearsal's folder (no GPU) gives the section without kernel times and
 no calibration table.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -32,7 +36,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from stitch.cost.calibration import Calibration, KernelSample, save_calibration, spearman
+from stitch.cost.calibration import (Calibration, KernelEfficiency, KernelSample,
+                                     load_calibration, save_calibration, spearman)
 
 SECTION = "bench-gpu-check"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
@@ -151,6 +156,53 @@ def profile_lines(profile: dict | None) -> list[str]:
     return lines
 
 
+def tensor_core_rows(folder: Path) -> list[dict]:
+    """The ``tensor_cores`` step's rows (``bench.gpu_kit.tensor_cores``)."""
+    return (_load(folder, "tensor_cores.json") or {}).get("kernels", [])
+
+
+def efficiencies(rows: list[dict]) -> tuple[KernelEfficiency, ...]:
+    """The rows a calibration may take: checked correct on the device and timed."""
+    return tuple(KernelEfficiency(r["name"], r["kind"], r["unit"], float(r["flops"]),
+                                  float(r["us"]), float(r["fraction_of_peak"]),
+                                  r.get("xla_us"))
+                 for r in rows if r.get("correct") and r.get("us")
+                 and r.get("fraction_of_peak") is not None)
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def tensor_core_lines(rows: list[dict]) -> list[str]:
+    """The table of GEMM-bound kernels at real sizes: µs, achieved TFLOP/s, fraction of the
+    unit's peak, XLA's µs for the same math, and the check against jax."""
+    if not rows:
+        return []
+    lines = ["", "Tensor-core kernels at real sizes (`bench.gpu_kit.tensor_cores`: flops as "
+             "the kernel executes them, recomputation included; checked against jax.vjp in "
+             "f32 at max |error| / max |jax| ≤ the tolerance; XLA: jax.jit of the same "
+             "math on the kernel's storage type):", "",
+             "| kernel | unit | µs | TFLOP/s | of peak | XLA µs | vs XLA | check | registers "
+             "| notes |", "|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | – | – | – | – | – | – | failed | – | "
+                         f"{r['error'][:120].replace('|', '/')} |")
+            continue
+        worst = max(r.get("errors", {}).values(), default=None)
+        check = "ok" if r.get("correct") else "WRONG"
+        if worst is not None:
+            check += f" ({worst:.1e}, tolerance {r['tolerance']:.0e})"
+        ratio = (r["xla_us"] / r["us"]) if r.get("us") and r.get("xla_us") else None
+        lines.append(f"| {r['name']} | {r.get('unit')} | {_fmt(r.get('us'), '.1f')} | "
+                     f"{_fmt(r.get('tflops'), '.1f')} | {_fmt(r.get('fraction_of_peak'), '.0%')}"
+                     f" | {_fmt(r.get('xla_us'), '.1f')} | "
+                     f"{'–' if ratio is None else f'{ratio:.2f}×'} | {check} | "
+                     f"{r.get('registers', '–')} | {r.get('notes', '')} |")
+    return lines
+
+
 def markdown(folder: Path, command: str,
              record: dict | None = None) -> tuple[str, Calibration | None]:
     from bench.report import stamp
@@ -221,6 +273,14 @@ def markdown(folder: Path, command: str,
                           for r in measured))
     else:
         lines += ["", "No stitched kernel was timed on a device in this run."]
+    lines += tensor_core_lines(tensor_core_rows(folder))
+    measured_efficiencies = efficiencies(tensor_core_rows(folder))
+    if calibration is not None or measured_efficiencies:
+        calibration = Calibration(
+            target=env.get("target", "h100"), device=device.get("name", "unknown"),
+            date=str(record.get("date", "")),
+            samples=calibration.samples if calibration is not None else (),
+            efficiencies=measured_efficiencies)
     opt = _load(folder, "opt_levels.json")
     if opt:
         lines += ["", f"LLVM pipelines: {len(opt)} kernel runs timed (`python -m "
@@ -230,6 +290,15 @@ def markdown(folder: Path, command: str,
         if step and step["status"] != "skipped":
             lines.append(f"compute-sanitizer {name}: {step['status']}.")
     return "\n".join(lines), calibration
+
+
+def kept_from(new: Calibration, old: Calibration | None) -> Calibration:
+    """``new`` with what it did not measure (kernel samples, or efficiencies) taken from
+    ``old``, the table already there, where that came from the same device."""
+    if old is None or old.device != new.device:
+        return new
+    return dataclasses.replace(new, samples=new.samples or old.samples,
+                               efficiencies=new.efficiencies or old.efficiencies)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     publish(args.docs, SECTION, text)
     print(f"ingest: section {SECTION} written to {args.docs}")
     if calibration is not None and not record.get("rehearse"):
+        calibration = kept_from(calibration, load_calibration(calibration.target,
+                                                              args.calibration_dir))
         path = save_calibration(calibration, args.calibration_dir)
         print(f"ingest: calibration for {calibration.target} ({calibration.device}) in {path}")
     return 0

@@ -4,7 +4,11 @@ the GPU kit's local step writes (``python -m bench.gpu_kit.ingest``) under
 
 A table records the device and date it came from, each stitched kernel's modeled and
 measured µs, and their summary: ``scale`` (the median of measured / modeled), the rank
-correlation and the median relative error. ``load_calibration(target)`` reads it (None where
+correlation and the median relative error. Its optional ``efficiencies`` (the kit's
+``tensor_cores`` step: GEMM-bound kernels checked against jax and timed at real sizes) give
+the fraction of the unit's peak each reached; ``Calibration.efficiency(unit, kind)`` is their
+median, read by ``stitch.cost.mma_efficiency``. A table without them (written before they
+existed) reads as having none; readers that predate them ignore the key, so ``FORMAT`` stays 1. ``load_calibration(target)`` reads it (None where
 no GPU check has run for that target); ``Calibration.calibrated_us(modeled)`` applies the
 scale. The planner does not apply it on its own: its decisions compare modeled times, which a
 common scale leaves in the same order.
@@ -31,11 +35,33 @@ class KernelSample:
 
 
 @dataclass(frozen=True)
+class KernelEfficiency:
+    """One GEMM-bound kernel timed at a real size: the fraction of its unit's peak
+    (``stitch.cost.gemm_rates`` precision class: "f16/bf16", "tf32", "f32") it reached."""
+    name: str
+    kind: str                 # attention_backward | lm_head_backward | gemm_chain
+    unit: str
+    flops: float
+    measured_us: float
+    fraction_of_peak: float
+    xla_us: float | None = None
+
+
+@dataclass(frozen=True)
 class Calibration:
     target: str
     device: str
     date: str
     samples: tuple[KernelSample, ...] = field(default=())
+    efficiencies: tuple[KernelEfficiency, ...] = field(default=())
+
+    def efficiency(self, unit: str, kind: str | None = None) -> float | None:
+        """Median fraction of peak of the kernels measured on ``unit`` (of ``kind`` where
+        given and measured, else of any kind); None where none was."""
+        on_unit = [e for e in self.efficiencies if e.unit == unit]
+        of_kind = [e for e in on_unit if e.kind == kind] if kind else []
+        chosen = of_kind or on_unit
+        return statistics.median(e.fraction_of_peak for e in chosen) if chosen else None
 
     @property
     def scale(self) -> float:
@@ -62,7 +88,8 @@ class Calibration:
                 "date": self.date, "scale": self.scale,
                 "rank_correlation": self.rank_correlation,
                 "median_relative_error": self.median_relative_error,
-                "kernels": [s.__dict__ for s in self.samples]}
+                "kernels": [s.__dict__ for s in self.samples],
+                "efficiencies": [e.__dict__ for e in self.efficiencies]}
 
 
 def _ranks(values: list[float]) -> list[float]:
@@ -111,4 +138,6 @@ def load_calibration(target: str, directory: Path | None = None) -> Calibration 
         return None
     data = json.loads(path.read_text())
     return Calibration(target=data["target"], device=data["device"], date=data["date"],
-                       samples=tuple(KernelSample(**k) for k in data["kernels"]))
+                       samples=tuple(KernelSample(**k) for k in data["kernels"]),
+                       efficiencies=tuple(KernelEfficiency(**e)
+                                          for e in data.get("efficiencies", ())))
