@@ -23,10 +23,11 @@ from bench.report import publish
 from stitch.codegen.lm_head_loss import lower_lm_head_loss, tiling_from_schedule
 from stitch.cost import get_spec
 from stitch.cost.chain_pricing import chain_price
+from stitch.cost.gemm_rates import FP32, precision_class
 from stitch.cost.gemm_tile import LIBRARY_TILE, gemm_cost
 from stitch.cost.lm_head_pricing import loss_price
 from stitch.codegen.lm_head_backward import LmHeadBackward, lower_lm_head_backward
-from stitch.integration.attention_backward_jobs import MMA_EFFICIENCY
+from stitch.cost.mma_efficiency import kernel_efficiency
 from stitch.integration.lm_head_backward_price import backward_price
 from stitch.hlo_passes.lm_head_loss import LmHeadLoss, row_major_views
 from tests.test_lm_head_backward_chains import DE, DH, backward_text, one_chain
@@ -119,7 +120,9 @@ def kernel_rows() -> list[str]:
             room = price.xla_s - spec.kernel_launch_overhead_s
             # The tensor-core efficiency at which the kernel's work takes XLA's time: at
             # its tiles, and were the logits computed once per phase.
-            even = MMA_EFFICIENCY * price.kernel.compute_s / room
+            unit = precision_class(spec, (dtype,), True) if t.mma else FP32
+            assumed = kernel_efficiency(target, unit, "lm_head_backward")
+            even = assumed * price.kernel.compute_s / room
             once = even * 2 / (price.recompute + 1)
             out.append(f"| {target} | {dtype} | m{t.block_rows} n{t.block_cols} "
                        f"k{t.block_k} h{t.block_h} t{t.threads} | {price.recompute} | "
@@ -157,7 +160,8 @@ def section() -> str:
         "the vocabulary for dH, vocabulary rows walk the tokens for dE, one launch, each "
         "logits tile recomputed from H and E, dS = (exp(S - lse) - onehot) g never "
         "stored) at its default tiles, priced as the attention backward "
-        f"(tensor cores at {MMA_EFFICIENCY} of their peak; each phase computes the "
+        "(tensor cores at the efficiency `stitch.cost.mma_efficiency` gives: measured where the "
+        "GPU kit calibrated the target, else 0.2 of their peak; each phase computes the "
         "logits once per result block of the 768-wide hidden dim and its result GEMM "
         "once) against the same XLA side. Break-even: the tensor-core efficiency at "
         "which its work takes XLA's time, at its tiles / were the logits computed once "

@@ -20,7 +20,7 @@ from stitch.codegen.attention_backward import BackwardTiling
 from stitch.codegen.lm_head_backward import (LmHeadBackward, default_tiling,
                                              recompute_factor, uses_tensor_cores)
 
-from .attention_backward_jobs import FMA_EFFICIENCY, MMA_EFFICIENCY
+from stitch.cost.mma_efficiency import kernel_efficiency
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ def kernel_cost(problem: LmHeadBackward, spec: Any, tiling: BackwardTiling) -> A
     width = 2 if problem.dtype in ("bf16", "f16") else 4
     moved = width * 2 * (r * d + v * d) + 12 * r
     unit = precision_class(spec, (problem.dtype,), problem.tf32) if tiling.mma else FP32
-    rate = (peak_flops(spec, unit) or spec.fp32_flops) * (
-        MMA_EFFICIENCY if unit != FP32 else FMA_EFFICIENCY)
+    rate = (peak_flops(spec, unit) or spec.fp32_flops) * kernel_efficiency(
+        spec.name, unit, "lm_head_backward")
     compute_s, memory_s = flops / rate, moved / spec.hbm_bandwidth
     return KernelCost(int(moved), 1, memory_s, compute_s, 0,
                       max(compute_s, memory_s) + spec.kernel_launch_overhead_s)
