@@ -95,15 +95,16 @@ def kernel_cost(match: Any, spec: Any, tensor_cores: bool) -> Any:
 
 
 def planned_saving_s(graph_plan: Any, kernel: Any) -> float:
-    """What a planned stitched kernel saves against the baseline kernels inside it (0
-    where it is unpriced or saves nothing): lost when a backward takes its instructions."""
+    """What a planned stitched kernel saves against the baseline kernels it overlaps, as
+    the delivery prices a dropped kernel (0 where it is unpriced or saves nothing): lost
+    when a backward takes its instructions."""
     cost = getattr(kernel, "cost", None)
     if cost is None:
         return 0.0
     members = set(kernel.members)
     replaced = sum(k.cost.total_s for k in graph_plan.baseline.kernels
-                   if members.issuperset(k.members))
-    return max(replaced - cost.total_s, 0.0)
+                   if members & set(k.members))
+    return max(replaced - cost.total_s, 0.0) * graph_plan.stitched.weight
 
 
 def modeled_gain_s(match: Any, spec: Any, replaced_s: float, tensor_cores: bool) -> float:
