@@ -197,6 +197,38 @@ def test_two_phase_kernel_on_tensor_cores() -> None:
                                  arch="sm_90")
 
 
+@pytest.mark.parametrize("dtype", ("bf16", "tf32"))
+def test_head_dim_128_is_one_head_block_on_tensor_cores(dtype: str) -> None:
+    """d = 128 (Llama's heads): the default tensor-core tiling takes the head dim in one
+    128-wide block, so S and dP are computed once per tile (priced so), under the whole
+    register file; the two-phase kernel's gradients against jax's in float64 (bf16:
+    S, P, dP, dS rounded as XLA's bf16 step stores them; f32 operands as TF32)."""
+    from stitch.codegen.attention_backward import (WIDE_REGISTER_BUDGET, head_blocks,
+                                                   register_budget)
+    b, s, d = 2, 40, 128
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    half = dtype == "bf16"
+    problem = AttentionBackward(b, s, s, d, d ** -0.5, True, "bf16" if half else "f32",
+                                intermediates="bf16" if half else "f32")
+    tiling = BackwardTiling.default_for(problem, two_results=True, mma=True)
+    assert tiling.block_h == 128 and head_blocks(problem, tiling) == 1
+    assert register_budget(tiling) == WIDE_REGISTER_BUDGET
+    kernel = lower_attention_backward(problem, arch="sm_90", allow_tf32=not half)
+    assert kernel.register_budget == WIDE_REGISTER_BUDGET
+    store = NUMPY_DTYPES[problem.dtype]
+    values = {n: rng.standard_normal((b, s, d)).astype(store) for n in OPERANDS}
+    outs = [np.full(p.size, np.nan, NUMPY_DTYPES[p.dtype]) for p in kernel.params[4:]]
+    compile_host(kernel, opt=0)(*(values[n].reshape(-1) for n in OPERANDS), *outs)
+    wide = [values[n].astype(np.float64) for n in OPERANDS]
+    tol = 2e-2 if half else 5e-3
+    for name, got, want in zip(("dq", "dk", "dv"), outs,
+                               _jax_grads(*wide, problem.scale, True)):
+        assert not np.isnan(got).any(), name
+        got = got.astype(np.float64).reshape(want.shape)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(),
+                                   err_msg=name)
+
+
 def test_refused_problems() -> None:
     with pytest.raises(CodegenError):
         lower_dq(AttentionBackward(2, 20, 30, 8, 0.3, True))
@@ -208,17 +240,24 @@ def test_refused_problems() -> None:
         BackwardTiling(block_rows=16, block_cols=48, thread_cols=4).check()
 
 
+# (batch x heads, sequence, head dim): GPT-2 small's and the Llama-style step's attention.
+_SIZES = {"gpt2": (96, 1024, 64), "llama": (64, 2048, 128)}
+
+
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
-@pytest.mark.parametrize("dtype", ("f32", "bf16", "tf32"))
-def test_ptx_assembles_without_spills(dtype: str, arch: str) -> None:
-    """GPT-2 small's attention per layer (96 heads x 1024 x 1024, d = 64), default tiles,
-    the two-phase kernel: "tf32" (f32 operands) and bf16 on tensor cores (S, P, dP, dS
-    rounded to bf16 as XLA's bf16 step stores them), f32 on FMA."""
+@pytest.mark.parametrize("dtype,size", (("f32", "gpt2"), ("bf16", "gpt2"), ("tf32", "gpt2"),
+                                        ("bf16", "llama"), ("tf32", "llama")))
+def test_ptx_assembles_without_spills(dtype: str, size: str, arch: str) -> None:
+    """One layer's attention (GPT-2 small: 96 heads x 1024 x 1024, d = 64; Llama-style:
+    64 x 2048 x 2048, d = 128 in one head block), default tiles, the two-phase kernel:
+    "tf32" (f32 operands) and bf16 on tensor cores (S, P, dP, dS rounded to bf16 as XLA's
+    bf16 step stores them), f32 on FMA."""
     from stitch.codegen.nvptx import emit_ptx
     from stitch.codegen.toolchain import assemble
     from tests.test_lowering_gemm_chain import _ptxas_or_skip
     _ptxas_or_skip(arch)
-    problem = AttentionBackward(96, 1024, 1024, 64, 0.125, True,
+    heads, seq, d = _SIZES[size]
+    problem = AttentionBackward(heads, seq, seq, d, d ** -0.5, True,
                                 "f32" if dtype == "tf32" else dtype,
                                 intermediates="bf16" if dtype == "bf16" else "f32")
     kernels = [lower_attention_backward(problem, name="bwd", arch=arch,

@@ -76,6 +76,23 @@ def test_entry_only_module_delivers_what_it_planned_when_every_kernel_is_placed(
         assert delivered == pytest.approx(report.delivery.planned.mem_modeled_us, rel=1e-6)
 
 
+def test_largest_movers_are_the_delivered_modules_kernels_by_bytes():
+    """Every delivered kernel is one mover: their bytes and µs add up to the delivered
+    side, the placed kernels are the stitched ones, the largest come first."""
+    rng = np.random.default_rng()
+    report = _compile(_softmax_ln, _rand(rng, 32, 64), _rand(rng, 32, 64))
+    delivery = report.delivery
+    movers = delivery.movers
+    assert len(movers) == delivery.delivered.kernels >= 1
+    assert sum(m.hbm_bytes for m in movers) == pytest.approx(delivery.delivered.hbm_bytes)
+    assert sum(m.modeled_us for m in movers) == pytest.approx(delivery.delivered.modeled_us)
+    assert {m.name for m in movers if m.stitched} == set(report.placed)
+    assert all(m.tops for m in movers)
+    largest = delivery.largest_movers(2)
+    assert [m.hbm_bytes for m in largest] == sorted((m.hbm_bytes for m in movers),
+                                                    reverse=True)[:2]
+
+
 def test_loop_body_copies_are_priced_in_the_delivered_module():
     """Kernels in a scan's body write loop-carried values through copies the rewrite adds:
     the delivered figures carry them (before, the pass counted none)."""

@@ -43,8 +43,37 @@ def peak_memory(compiled) -> dict:
             "peak": args + out + temp - alias}
 
 
+# Float types a scores- or logits-sized buffer is counted in (bf16 steps store theirs so).
+_FLOATS = frozenset({"f32", "bf16", "f16"})
+# The module's kernels moving the most HBM bytes, per row.
+MOVERS = 8
+# Where the attention backward is placed: "priced" (the pass's default, by its model) or
+# "always" (wherever it fits); the child reads it from the environment.
+PLACEMENT_ENV = "STITCH_BENCH_BACKWARD_PLACEMENT"
+
+
+def value_shapes(hlo_text: str) -> dict[str, str]:
+    """Top-level instruction name -> its result shape, as printed."""
+    from stitch.hlo_passes.parser import parse_hlo
+
+    module = parse_hlo(hlo_text)
+    return {inst.name: str(inst.shape) for inst in module.entry.instructions}
+
+
+def largest_movers(delivery, shapes: dict[str, str], count: int = MOVERS) -> list[list]:
+    """[name, stitched, memory-intensive, GB, µs, tops, their shapes (first 3)] of the
+    delivered module's kernels moving the most HBM bytes (``Delivery.largest_movers``);
+    shapes from XLA's module (the pass gets it with the same names)."""
+    out = []
+    for m in delivery.largest_movers(count):
+        out.append([m.name, m.stitched, m.memory, round(m.hbm_bytes / 1e9, 3),
+                    round(m.modeled_us, 1), len(m.tops),
+                    [f"{t} {shapes.get(t, '?')[:80]}" for t in m.tops[:3]]])
+    return out
+
+
 def big_buffers(hlo_text: str, dims: dict[str, tuple[int, ...]]) -> dict[str, list[int]]:
-    """Per name in ``dims``: the byte sizes of the f32 buffers with that many elements (any
+    """Per name in ``dims``: the byte sizes of the float buffers with that many elements (any
     view of them: XLA bitcasts ``[B,H,S,S]`` to ``[B·H,S,S]``) that the module's
     non-fusion computations (entry, loop bodies, branches) materialize."""
     import math
@@ -67,7 +96,7 @@ def big_buffers(hlo_text: str, dims: dict[str, tuple[int, ...]]) -> dict[str, li
                 continue
             shapes = inst.shape.leaves() if inst.shape.is_tuple else [inst.shape]
             for s in shapes:
-                if not s.is_array or s.element_type != "f32":
+                if not s.is_array or s.element_type not in _FLOATS:
                     continue
                 for name, elements in wanted.items():
                     if s.num_elements == elements:
@@ -81,6 +110,10 @@ def measure_one(name: str) -> dict:
     from stitch.integration import deviceless
 
     deviceless.check_environment()
+    placement = os.environ.get(PLACEMENT_ENV)
+    if placement:
+        from stitch.integration import attention_backward_jobs
+        attention_backward_jobs.PLACEMENT = placement
     cfg = next(c for c in REAL_STEPS if c.name == name)
     start = time.perf_counter()
     lowered = lower_for(cfg, "h100")
@@ -91,14 +124,18 @@ def measure_one(name: str) -> dict:
     stock_mem = peak_memory(stock)
     dims = {"scores": (cfg.batch, cfg.heads, cfg.seq, cfg.seq),
             "logits": (cfg.batch, cfg.seq, cfg.vocab)}
-    stock_left = big_buffers(stock.as_text(), dims)
+    stock_text = stock.as_text()
+    stock_left = big_buffers(stock_text, dims)
     del stock
     start = time.perf_counter()
     result = deviceless.compile_with_pass(lowered, name, "h100")
     stitched_s = time.perf_counter() - start
     report = result.report
     left = big_buffers(result.compiled.as_text(), dims)
-    return {"step": name, **report.summary(),
+    return {"step": name + (f" (attention backward: {placement})" if placement else ""),
+            **report.summary(),
+            "movers": largest_movers(report.delivery, value_shapes(stock_text))
+            if report.delivery is not None else [],
             "lower_s": round(lower_s, 1), "xla_compile_s": round(stock_s, 1),
             "stitched_compile_s": round(stitched_s, 1),
             "stock_memory": stock_mem, "stitched_memory": peak_memory(result.compiled),
@@ -149,12 +186,12 @@ def markdown(rows: list[dict], command: str) -> str:
              "s* (wall clock, stock / with the pass; the machine is shared: ratios, not "
              "absolutes), *peak* (XLA's buffer assignment of each final module, "
              "`compiled.memory_analysis()`: arguments + outputs + temporaries − aliased), "
-             "*alias* (output bytes aliased to donated inputs), *f32 [B,H,S,S] / [B,S,V] "
-             "buffers* (buffers of that many f32 elements the entry and loop bodies "
+             "*alias* (output bytes aliased to donated inputs), *[B,H,S,S] / [B,S,V] "
+             "buffers* (buffers of that many f32/bf16/f16 elements the entry and loop bodies "
              "materialize, stock → stitched, from each final HLO).", "",
              "| step | mem µs, XLA → delivered | share | mem bytes, delivered / XLA | "
              "whole step ms, XLA → stitch | compile s, XLA / stitched | peak GB, stock / "
-             "stitched | alias GB, stock / stitched | f32 [B,H,S,S] / [B,S,V] buffers |",
+             "stitched | alias GB, stock / stitched | [B,H,S,S] / [B,S,V] buffers |",
              "|---|---|---:|---:|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -179,6 +216,16 @@ def markdown(rows: list[dict], command: str) -> str:
                   + ", ".join(unaliased) + "): jaxlib before 0.11 drops `input_output_alias` "
                   "from every module its transformation hook hands back (tests/deviceless/"
                   "test_gpu_deviceless.py), so their peak counts the donated state twice."]
+    movers = [(r["step"], r["movers"]) for r in rows if "error" not in r and r.get("movers")]
+    if movers:
+        lines += ["", f"The stitched modules' largest HBM movers (modeled bytes per step, up to "
+                  f"{MOVERS} per step; *S* a stitch kernel, *X* XLA's, *mem* memory-intensive; "
+                  "instructions it is or replaces, shapes from XLA's module):", ""]
+        for step, rows_of in movers:
+            lines.append(f"- {step}: " + "; ".join(
+                f"{name} ({'S' if st else 'X'}{' mem' if mem else ''}, {gb:.2f} GB, "
+                f"{us:,.0f} µs; {n} instr., e.g. `{tops[0] if tops else '-'}`)"
+                for name, st, mem, gb, us, n, tops in rows_of))
     drops = [(r["step"], d) for r in rows if "error" not in r for d in r.get("dropped", [])
              if d[2] >= 1.0]
     if drops:
@@ -196,14 +243,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", help="REAL_STEPS names separated by ';'")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--backward-placement", choices=("priced", "always"),
+                        help="place attention backwards by the pass's model (its default) "
+                             "or wherever they fit")
     args = parser.parse_args(argv)
+    if args.backward_placement:
+        os.environ[PLACEMENT_ENV] = args.backward_placement
     if args.one:
         print(MARK + json.dumps(measure_one(args.one)), flush=True)
         return
     from bench.real_steps import REAL_STEPS
     names = [n.strip() for n in args.steps.split(";")] if args.steps else [c.name for c in REAL_STEPS]
     text = markdown(collect(names), "python -m bench.delivered.real"
-                    + (f" --steps '{args.steps}'" if args.steps else ""))
+                    + (f" --steps '{args.steps}'" if args.steps else "")
+                    + (f" --backward-placement {args.backward_placement}"
+                       if args.backward_placement else ""))
     if args.out:
         from bench.report import write_section
         write_section(args.out, SECTION, text)

@@ -49,6 +49,12 @@ STORAGE = ("f32", "bf16", "f16")
 # .maxnreg of the two-phase kernel: left alone, ptxas kept it at 128 registers and spilled
 # 12 bytes on sm_90 (each phase alone: <= 147, no spills).
 REGISTER_BUDGET = 168
+# Tensor-core head blocks up to this wide (d = 128 in one block: S and dP computed once per
+# tile, not once per 64-wide block). dK/dV's two accumulators then take 128 registers a
+# thread, so such kernels get the whole register file (ptxas at Llama's 64 x 2048 x 2048 x
+# 128, bf16: 240 registers on sm_80, 230 on sm_90, no spills; under 168 it spills ~280 B).
+WIDE_HEAD_BLOCK = 128
+WIDE_REGISTER_BUDGET = 255
 
 
 @dataclass(frozen=True)
@@ -171,13 +177,15 @@ class BackwardTiling:
         <= 128 registers for dQ, <= 147 for dK/dV's two accumulators, no spills on sm_80 /
         sm_90); smaller column steps and head blocks where the problem is small.
         ``two_results``: the columns are queries (dK/dV). ``mma``: tensor cores, 4 warps
-        of 16 rows, 16-wide column steps, head dim in stages of 16 and blocks of up to 64
-        (ptxas: <= 162 registers for the two-phase kernel, no spills on sm_80 / sm_90 at
-        GPT-2's sizes, f32 as TF32 and bf16)."""
+        of 16 rows, 16-wide column steps, head dim in stages of 16 and blocks of up to
+        ``WIDE_HEAD_BLOCK`` (ptxas: <= 162 registers for the two-phase kernel at GPT-2's
+        d = 64, <= 240 at d = 128 under ``WIDE_REGISTER_BUDGET``, no spills on sm_80 /
+        sm_90, f32 as TF32 and bf16)."""
         if mma:
             rows = problem.keys if two_results else problem.queries
             tiling = BackwardTiling(64 if rows >= 64 else 16 * -(-rows // 16), 16, 1, 1, 16,
-                                    min(64, 8 * -(-problem.head_dim // 8)), mma=True)
+                                    min(WIDE_HEAD_BLOCK, 8 * -(-problem.head_dim // 8)),
+                                    mma=True)
             tiling.check()
             return tiling
         cols = 64 if (problem.queries if two_results else problem.keys) >= 64 else 16
@@ -262,7 +270,19 @@ def lower_attention_backward(problem: AttentionBackward, tiling: BackwardTiling 
     params = (*dq.params.values(), *dq.outs.values(), *dkv.outs.values())
     return kir.Kernel(name, params, dq.shared, dq.grid, tiling.threads,
                       (*first, kir.GridBarrier(), *second), tuple(scratch.values()),
-                      "relaunch", register_budget=REGISTER_BUDGET).validate()
+                      "relaunch", register_budget=register_budget(tiling)).validate()
+
+
+def register_budget(tiling: BackwardTiling) -> int:
+    """The two-phase kernel's .maxnreg: the whole register file for head blocks wider
+    than 64 (two accumulators of block_h / 4 x 2 values a thread under tensor cores)."""
+    return REGISTER_BUDGET if tiling.block_h <= 64 else WIDE_REGISTER_BUDGET
+
+
+def head_blocks(problem: AttentionBackward, tiling: BackwardTiling) -> int:
+    """How many head blocks each row block is split into: S and dP are computed once per
+    block (each block recomputes them for its own slice of dQ, dK and dV)."""
+    return -(-problem.head_dim // tiling.block_h)
 
 
 class ScoreGradient:

@@ -37,37 +37,70 @@ def _node_of(view: Any, name: str) -> int:
         if node.computation == view.comp.name and node.instruction.name == name and \
                 node.xla_group in (None, name):
             return node.id
+    root = view.fused_root(name)        # a fusion's value: its root op
+    for nid in view.group_ops.get(name, ()) if root is not None else ():
+        if view.graph.nodes[nid].instruction.name == root.name:
+            return nid
     raise KeyError(name)
+
+
+def _past_taken_bitcasts(view: Any, name: str, taken: set[str]) -> str:
+    """The instruction the backward reads for operand ``name``: where ``name`` is a
+    bitcast another kernel's site takes (a forward chain reading the rotary Q through it),
+    the value it bitcasts, read instead (the same bytes: the kernel indexes the flat
+    buffer), so that the bitcast goes with that kernel and nothing outside reads it."""
+    inst = view.table[name]
+    while name in taken and inst.opcode == "bitcast" and len(inst.operands) == 1 and \
+            inst.operands[0] in view.table and \
+            view.table[inst.operands[0]].shape.element_type == inst.shape.element_type:
+        name = inst.operands[0]
+        inst = view.table[name]
+    return name
 
 
 # "priced": placed where ``modeled_gain_s`` says the kernel beats what it replaces;
 # "always": placed wherever it fits (tests of the placement).
 PLACEMENT = "priced"
-# Fractions of the peak the kernels are assumed to reach (not yet measured on a GPU): f32
-# FMA, and mma.sync tensor cores (no software pipelining: well below cuBLAS).
-FMA_EFFICIENCY = 0.5
-MMA_EFFICIENCY = 0.2
-
-
 def kernel_cost(match: Any, spec: Any, tensor_cores: bool) -> Any:
-    """The kernel's modeled ``KernelCost``: its work at ``MMA_EFFICIENCY`` of the tensor
-    cores' peak (TF32 or half; ``tensor_cores``) or ``FMA_EFFICIENCY`` of the f32 peak, or
+    """The kernel's modeled ``KernelCost``: its work at ``stitch.cost.mma_efficiency``'s
+    fraction of the tensor cores' peak (TF32 or half; ``tensor_cores``) or of the f32 peak
+    (measured where the GPU kit calibrated the target, else assumed), or
     its operands' and results' bytes, whichever is longer, and two launches. The work: S
-    and dP three times (statistics pass, dQ phase, dK/dV phase) and the dQ, dK and dV
-    GEMMs, each 2 b m n d flops, over the tiles a causal mask leaves (about half)."""
+    and dP three times (statistics pass, dQ phase, dK/dV phase) per head block of the
+    tiling the kernel is built with (each block recomputes them for its slice of the
+    results) and the dQ, dK and dV GEMMs, each 2 b m n d flops, over the tiles a causal
+    mask leaves (about half)."""
+    from stitch.codegen.attention_backward import BackwardTiling, head_blocks, problem_for
     from stitch.cost.delta import KernelCost
     from stitch.cost.gemm_rates import FP32, peak_flops, precision_class
+    from stitch.cost.mma_efficiency import kernel_efficiency
     b, m, n, d = match.batch, match.queries, match.keys, match.head_dim
     share = 0.5 + 32 / (2 * n) if match.causal else 1.0
-    flops = 9 * 2 * b * m * n * d * share
+    problem = problem_for(match)
+    blocks = head_blocks(problem, BackwardTiling.default_for(problem, two_results=True,
+                                                             mma=tensor_cores))
+    flops = (6 * blocks + 3) * 2 * b * m * n * d * share
     width = 2 if match.dtype in ("bf16", "f16") else 4
     moved = width * (2 * b * m * d + 2 * b * n * d + 2 * b * m * d + 2 * b * n * d)
     unit = precision_class(spec, (match.dtype,), match.tf32) if tensor_cores else FP32
-    rate = (peak_flops(spec, unit) or spec.fp32_flops) * (
-        MMA_EFFICIENCY if unit != FP32 else FMA_EFFICIENCY)
+    rate = (peak_flops(spec, unit) or spec.fp32_flops) * kernel_efficiency(
+        spec.name, unit, "attention_backward")
     compute_s, memory_s = flops / rate, moved / spec.hbm_bandwidth
     return KernelCost(int(moved), 1, memory_s, compute_s, 0,
                       max(compute_s, memory_s) + 2 * spec.kernel_launch_overhead_s)
+
+
+def planned_saving_s(graph_plan: Any, kernel: Any) -> float:
+    """What a planned stitched kernel saves against the baseline kernels it overlaps, as
+    the delivery prices a dropped kernel (0 where it is unpriced or saves nothing): lost
+    when a backward takes its instructions."""
+    cost = getattr(kernel, "cost", None)
+    if cost is None:
+        return 0.0
+    members = set(kernel.members)
+    replaced = sum(k.cost.total_s for k in graph_plan.baseline.kernels
+                   if members & set(k.members))
+    return max(replaced - cost.total_s, 0.0) * graph_plan.stitched.weight
 
 
 def modeled_gain_s(match: Any, spec: Any, replaced_s: float, tensor_cores: bool) -> float:
@@ -122,8 +155,11 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
     except Exception:  # noqa: BLE001 - a recognizer bug must not stop the pass
         log.warning("%s: attention backward recognition failed", module.name, exc_info=True)
         return []
-    taken = {view.top_of(m) for k in snapped for m in k.members}
-    taken |= {t for job in jobs for t in job[2].tops}
+    # Planned memory-intensive kernels yield to a backward that wins with their savings
+    # counted against it (the caller then drops them: their XLA instructions stay XLA's,
+    # as with the LM head's sites); chain and LM-head jobs are kept.
+    planned_tops = [(k, {view.top_of(m) for m in k.members}) for k in snapped]
+    taken = {t for job in jobs for t in job[2].tops}
     out = []
     for i, match in enumerate(matches):
         name = f"{view.comp.name}.attention_backward{i}"
@@ -135,7 +171,8 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
             if shared:
                 raise NotPlaceable(f"shares XLA instructions ({', '.join(shared[:3])}) with "
                                    f"another stitched kernel")
-            inputs = [_node_of(view, v) for v in (match.q, match.k, match.v, match.d_o)]
+            inputs = [_node_of(view, _past_taken_bitcasts(view, v, taken))
+                      for v in (match.q, match.k, match.v, match.d_o)]
             outputs = [_node_of(view, v) for v in (match.dq, match.dk, match.dv)]
         except (NotPlaceable, KeyError) as exc:
             report.skipped.append((name, f"attention backward: {exc}"))
@@ -146,11 +183,15 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
         arch = request.gpu_arch()
         tensor_cores = uses_tensor_cores(problem, arch, match.tf32)
         spec = get_spec(request.target)
-        gain_s = modeled_gain_s(match, spec, replaced_s, tensor_cores)
+        yielding = [k for k, tops in planned_tops if tops & set(site.tops)]
+        lost_s = sum(planned_saving_s(graph_plan, k) for k in yielding)
+        gain_s = modeled_gain_s(match, spec, replaced_s, tensor_cores) - lost_s
         if PLACEMENT != "always" and gain_s <= 0:
             report.skipped.append((name, f"attention backward: modeled {-gain_s * 1e6:.0f} "
                                    f"µs slower than XLA's kernels"
-                                   f"{'' if tensor_cores else ' (f32 FMA)'}"))
+                                   f"{'' if tensor_cores else ' (f32 FMA)'}"
+                                   + (f" (with the {lost_s * 1e6:.1f} µs of the planned "
+                                      f"kernels it takes from)" if yielding else "")))
             continue
         request.check_cancelled()
         note = (f"attention backward {match.batch}x{match.queries}x{match.keys}x"

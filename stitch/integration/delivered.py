@@ -57,6 +57,19 @@ class Side:
 
 
 @dataclass(frozen=True)
+class Mover:
+    """One kernel of the delivered module: HBM bytes and modeled µs per module run (trip
+    counts applied); ``tops``: the top-level instructions it is or replaces (a stitched
+    kernel's are its site's where the rewrite gave them)."""
+    name: str
+    tops: tuple[str, ...]
+    hbm_bytes: float
+    modeled_us: float
+    memory: bool
+    stitched: bool
+
+
+@dataclass(frozen=True)
 class Dropped:
     """A planned stitched kernel the final module does not hold."""
     name: str
@@ -82,6 +95,11 @@ class Delivery:
     dropped: list[Dropped] = field(default_factory=list)
     copies: list[LoopCopy] = field(default_factory=list)
     copy_us: float = 0.0         # modeled µs of the copies, per module run (in delivered)
+    movers: list[Mover] = field(default_factory=list)   # the delivered module's kernels
+
+    def largest_movers(self, count: int = 10) -> list[Mover]:
+        """The delivered module's kernels moving the most HBM bytes, largest first."""
+        return sorted(self.movers, key=lambda m: -m.hbm_bytes)[:count]
 
     @property
     def share(self) -> float | None:
@@ -207,6 +225,14 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
     priced = priced or {}
     xla, planned, delivered = Side(), Side(), Side()
     dropped: list[Dropped] = []
+    movers: list[Mover] = []
+
+    def deliver_kernel(name: str, tops: Iterable[str], cost: Any, memory: bool,
+                       weight: int, stitched: bool) -> None:
+        delivered.add(cost, memory, weight)
+        if cost.launches:
+            movers.append(Mover(name, tuple(sorted(tops)), cost.hbm_bytes * weight,
+                                cost.total_s * 1e6 * weight, memory, stitched))
     for gi, gp in enumerate(fusion_plan.graphs):
         weight = gp.stitched.weight
         own = xla_kernels.get(gp.graph.name) if xla_kernels is not None else None
@@ -221,7 +247,7 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
         planned_by_name = {k.name: k for k in gp.stitched.kernels}
         cost_model: Any = None
         taken: set[int] = set()
-        for name, members, _ in by_graph.get(gi, []):
+        for name, members, site_tops in by_graph.get(gi, []):
             k = planned_by_name.get(name)
             if name in priced:
                 # GEMM work inside: not memory-intensive, like the plan's chains.
@@ -236,19 +262,22 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
                 cost = cost_model.kernel(members)
                 memory = memory_intensive(kernel_kind(gp.graph, tuple(sorted(members))),
                                           cost)
-            delivered.add(cost, memory, weight)
+            deliver_kernel(name, site_tops or _tops(gp.graph, members), cost, memory,
+                           weight, True)
             taken |= members
         if own is not None:
             replaced = _tops(gp.graph, taken).union(
                 *(tops for _, _, tops in by_graph.get(gi, [])))
             for x in own:
                 if not (replaced | gone) & x.tops:
-                    delivered.add(x.cost, x.memory, weight)
+                    deliver_kernel(min(x.tops), x.tops, x.cost, x.memory, weight, False)
         else:
             for k in gp.baseline.kernels:
                 if not taken & set(k.members) and not (gone and
                                                        _tops(gp.graph, k.members) & gone):
-                    delivered.add(k.cost, k.is_memory, weight)
+                    tops = _tops(gp.graph, k.members)
+                    deliver_kernel(min(tops) if tops else k.name, tops, k.cost, k.is_memory,
+                                   weight, False)
         placed_names = {name for name, _, _ in by_graph.get(gi, [])}
         for k in gp.stitched.kernels:
             if k.name in placed_names or not _stitched(k):
@@ -262,9 +291,9 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
     for c in copies:
         weight = fusion_plan.graphs[c.graph_index].stitched.weight
         cost = copy_kernel_cost(spec, c.nbytes)
-        delivered.add(cost, True, weight)
+        deliver_kernel(f"copy for {c.kernel}", (), cost, True, weight, False)
         copy_us += cost.total_s * 1e6 * weight
-    return Delivery(xla, planned, delivered, dropped, copies, copy_us)
+    return Delivery(xla, planned, delivered, dropped, copies, copy_us, movers)
 
 
 def _stitched(k: Any) -> bool:

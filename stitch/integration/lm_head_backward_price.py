@@ -1,7 +1,7 @@
 """The LM head + cross-entropy backward kernel (``codegen.lm_head_backward``) priced with
-the attention backward's assumptions (``attention_backward_jobs.kernel_cost``: its GEMM
-work at ``MMA_EFFICIENCY`` of the tensor cores' peak, or ``FMA_EFFICIENCY`` of the f32
-peak, or its bytes, whichever is longer), against XLA's backward of the same loss.
+the attention backward's rule (``attention_backward_jobs.kernel_cost``: its GEMM work at
+``stitch.cost.mma_efficiency``'s fraction of the tensor cores' or the f32 peak — measured
+where the GPU kit calibrated the target, else assumed —, or its bytes, whichever is longer), against XLA's backward of the same loss.
 
 The kernel's work: per phase the logits (2 rows vocab hidden flops) once per result block
 of the hidden dim (``recompute_factor``) and the phase's result GEMM once; two phases (dH,

@@ -419,6 +419,16 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
         backward_jobs = attention_backward_jobs(request, report, module, view, gi, graph_plan,
                                                 snapped, jobs + chain_jobs, LLVM_LOCK,
                                                 lower_once)
+        backward_tops = {t for job in backward_jobs for t in job[2].tops}
+        if backward_tops:
+            # As with the LM head's sites: a planned kernel holding any instruction a
+            # backward replaces is dropped whole, its XLA instructions left to XLA (the
+            # backward yielded only where it wins with that kernel's saving counted).
+            report.skipped.extend(
+                (k.name, "its XLA instructions go to an attention backward kernel")
+                for k in snapped if backward_tops & {view.top_of(m) for m in k.members})
+            snapped = [k for k in snapped
+                       if not backward_tops & {view.top_of(m) for m in k.members}]
         trimmed = without_backward_reads(request, report, chain_jobs, backward_jobs, LLVM_LOCK,
                                          spec, request.device == "gpu" and GPU_CHAIN_TF32,
                                          grid_sync_setting != "off", lower_once)
