@@ -10,7 +10,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from tests.fixtures import compile_with_cpu_pass  # noqa: E402
 from stitch.integration.delivered import LoopCopy, price_delivery  # noqa: E402
-from stitch.cost.delta import copy_kernel_cost  # noqa: E402
+from stitch.pricing.delta import copy_kernel_cost  # noqa: E402
 from stitch.cost.gpu_specs import get_spec  # noqa: E402
 
 
@@ -150,7 +150,7 @@ def test_predicted_loop_copies_match_the_rewrite_and_a_losing_kernel_is_refused(
     from stitch.hlo_passes import parse_hlo
     from stitch.integration.delivered import loses_with_copies
     from stitch.integration.hlo_rewrite import ComputationView, KernelSite, carried_copy_bytes
-    from stitch.cost.delta import CostModel
+    from stitch.pricing.delta import CostModel
 
     rng = np.random.default_rng()
     fn = jax.value_and_grad(_scan_loss)
@@ -204,7 +204,7 @@ def test_kernels_the_pass_priced_itself_are_delivered_at_that_price():
     placed outside the plan (an LM head loss, an attention backward) carry the pass's own
     price: the first in place of the plan's, the second in place of the XLA kernels its
     members were; neither is priced by the memory-intensive model of its member set."""
-    from stitch.cost.delta import KernelCost
+    from stitch.pricing.delta import KernelCost
     rng = np.random.default_rng()
     report = _compile(_softmax_ln, _rand(rng, 32, 64), _rand(rng, 32, 64))
     plan, spec = report.plan, get_spec("h100")

@@ -8,7 +8,7 @@ import pytest
 
 from stitch.hlo_passes import element_types, parse_hlo
 from stitch.hlo_passes.graph import build_op_graphs
-from stitch.explorer.buildable import build_problem
+from stitch.analysis.buildable import build_problem
 
 
 def _dropout(key, x):

@@ -7,9 +7,9 @@ import pytest
 import stitch
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.graph import build_op_graphs
-from stitch.cost.delta import CostModel
+from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
-from stitch.explorer.feasibility import analyze_pattern, infeasible_reason
+from stitch.analysis.feasibility import analyze_pattern, infeasible_reason
 from stitch.explorer.patterns import Pattern, PatternExplorer
 from stitch.explorer.plan import (PlannedKernel, PlanValidationError, launch_order,
                                   make_kernel, validate)

@@ -9,7 +9,7 @@ import pytest
 
 import stitch
 from bench.plans.gemm_chains import chain_models, compare
-from stitch.cost.chain_pricing import graph_chains
+from stitch.pricing.chain_pricing import graph_chains
 from stitch.cost.gemm_tile import GemmChainSchedule
 from stitch.explorer.plan import validate
 from stitch.explorer.plan_cache import options_key, plan_key
@@ -32,7 +32,7 @@ def test_zoo_chain_is_planned_when_its_kernel_is_modeled_faster(model, target):
     the GPU pass plans (TF32 tensor cores for f32 dots of DEFAULT precision, as XLA's own
     GEMMs): docs/benchmarks.md records the ratios."""
     from stitch.integration.xla_pass import GPU_CHAIN_TF32
-    from stitch.cost.chain_pricing import chain_dims
+    from stitch.pricing.chain_pricing import chain_dims
     from stitch.schedule.chain_tiling import buildable
     # As the GPU pass plans: f32 chains may use TF32 where the dots allow it.
     plan = stitch.plan(_fixture(model, f"gpu-{target}"), target,
@@ -131,8 +131,8 @@ def test_cli_json_carries_the_chain_schedule(capsys):
 def test_one_model_prices_the_chain_and_the_gemms_it_replaces():
     from stitch.hlo_passes.graph import build_op_graphs
     from stitch.hlo_passes.parser import parse_hlo
-    from stitch.cost.chain_pricing import chain_price, xla_gemm_cost
-    from stitch.cost.delta import CostModel
+    from stitch.pricing.chain_pricing import chain_price, xla_gemm_cost
+    from stitch.pricing.delta import CostModel
     from stitch.cost.gpu_specs import get_spec
     spec = get_spec("h100")
     graph = build_op_graphs(parse_hlo(_fixture("attention_bert_base", "gpu-h100")))[0]

@@ -1,5 +1,5 @@
 """The chain register model against ptxas (stitch.cost.gemm_tile.chain_registers), and the
-chain pricing's ptxas spill check (stitch.cost.chain_pricing.chain_price): a schedule ptxas
+chain pricing's ptxas spill check (stitch.pricing.chain_pricing.chain_price): a schedule ptxas
 spills is struck, with every schedule codegen builds the same way, and the search settles
 on another one."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from stitch.codegen.nvptx import emit_ptx
 from stitch.hlo_passes.gemm_chains import find_gemm_chains
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.parser import parse_hlo
-from stitch.cost import chain_pricing
-from stitch.cost.chain_pricing import chain_dims, chain_price
+from stitch.pricing import chain_pricing
+from stitch.pricing.chain_pricing import chain_dims, chain_price
 from stitch.cost.gemm_tile import GemmChainSchedule, chain_registers
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule.chain_tiling import tiling_for

@@ -182,7 +182,7 @@ def test_written_values_and_the_row_pass_are_priced() -> None:
     from dataclasses import replace
 
     from stitch.cost import get_spec
-    from stitch.cost.chain_pricing import chain_dims
+    from stitch.pricing.chain_pricing import chain_dims
     from stitch.cost.gemm_tile import chain_cost
     from stitch.schedule.chain_tiling import buildable
     from stitch.schedule.gemm_chain_space import best_schedule

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from stitch.cost.delta import CostModel
+from stitch.pricing.delta import CostModel
 from stitch.cost.gemm_rates import (ACHIEVABLE_GEMM_FRACTION, FP32, HALF, TF32, peak_flops,
                                     precision_class)
 from stitch.cost.gpu_specs import get_spec

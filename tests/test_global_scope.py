@@ -138,7 +138,7 @@ from stitch.hlo_passes.evaluator.dtypes import numpy_dtype  # noqa: E402
 from stitch.hlo_passes.evaluator.interpreter import Evaluator  # noqa: E402
 from stitch.hlo_passes.graph import build_op_graphs  # noqa: E402
 from stitch.cost.gpu_specs import get_spec  # noqa: E402
-from stitch.explorer.feasibility import analyze_pattern, infeasible_reason  # noqa: E402
+from stitch.analysis.feasibility import analyze_pattern, infeasible_reason  # noqa: E402
 from stitch.schedule import ScheduleError, schedule_kernel  # noqa: E402
 
 HEAD = """HloModule m

@@ -127,7 +127,7 @@ def test_only_proved_distinct_groups_qualify():
 
 def test_tiles_are_priced_below_xla_atomics_and_at_their_chain():
     from stitch.cost.contention import tiles_prices
-    from stitch.cost.delta import CostModel
+    from stitch.pricing.delta import CostModel
     from stitch.cost.gpu_specs import get_spec
     from stitch.explorer.planner import holds_own_scatter
     from stitch.schedule.tuner import schedule_kernel

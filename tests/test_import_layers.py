@@ -1,5 +1,6 @@
-"""The project's modules import each other without cycles, and none imports another module's
-private (underscore-prefixed) name.
+"""The project's modules import each other without cycles, folders import only the folders
+below them (``FOLDER_ORDER``, the order docs/architecture.md opens with), and no module
+imports another module's private (underscore-prefixed) name.
 
 Imports are read from source with ``ast``, function-level ones included: an import deferred into
 a function is still a dependency, and deferring one only hides a cycle. Modules are found by
@@ -148,6 +149,46 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
                     if len(component) > 1:
                         components.append(sorted(component))
     return components
+
+
+# The pipeline's order, bottom first: a module may import its own folder and the folders
+# listed before its own, never one after it. Top-level modules count as folders of their own.
+FOLDER_ORDER = (
+    "stitch.hlo_passes",    # HLO: parse, print, evaluate, graphs, index and segment analyses
+    "stitch.errors",        # the error hierarchy (re-exported from hlo_passes)
+    "stitch.version",
+    "stitch.models",        # the zoo's HLO models
+    "stitch.codegen",       # Kernel IR, lowering, LLVM/PTX, compile cache, host targets
+    "stitch.analysis",      # what may share a kernel: codegen's build rules, feasibility
+    "stitch.cost",          # device models: specs, occupancy, latency, HBM, GEMM rates
+    "stitch.schedule",      # one kernel's schedule: tuner, layouts, GEMM-chain tilings
+    "stitch.pricing",       # a planned kernel's price: delta-evaluator, chains, structure keys
+    "stitch.explorer",      # patterns, beam search, BLP, the planner
+    "stitch.compiler",      # stitch.compile: plan, lower, build a module
+    "stitch.integration",   # the XLA pass, jax and TF front ends
+    "stitch.cli",
+    "stitch",               # the package's own namespace
+    "stitch_autoload",
+    "bench",
+)
+
+
+def _folder(module: str) -> str:
+    """The FOLDER_ORDER entry ``module`` belongs to."""
+    parts = module.split(".")
+    if parts[0] != "stitch":
+        return parts[0]
+    return ".".join(parts[:2]) if len(parts) > 1 else "stitch"
+
+
+def test_folders_import_only_downward():
+    rank = {folder: i for i, folder in enumerate(FOLDER_ORDER)}
+    unknown = sorted({_folder(m) for m in MODULES} - set(rank))
+    assert not unknown, f"folders missing from FOLDER_ORDER: {unknown}"
+    upward = [f"  {module} -> {target}" for module in sorted(MODULES)
+              for target in sorted(_imports(module)[0])
+              if rank[_folder(target)] > rank[_folder(module)]]
+    assert not upward, "imports of a folder above the importer's:\n" + "\n".join(upward)
 
 
 def test_modules_found():

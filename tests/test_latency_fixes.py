@@ -8,11 +8,11 @@ import pytest
 
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.graph import build_op_graphs
-from stitch.cost.delta import CostModel, in_place_updates, kernel_hbm_bytes
+from stitch.pricing.delta import CostModel, in_place_updates, kernel_hbm_bytes
 from stitch.cost.gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, get_spec
 from stitch.cost.latency import (LaunchShape, WarpWork, cpi, evaluate, warp_compute_cycles,
                                  warp_issue_cycles, warp_memory_cycles)
-from stitch.explorer.feasibility import analyze_pattern
+from stitch.analysis.feasibility import analyze_pattern
 from stitch.schedule import schedule_kernel
 from stitch.schedule.space import part_facts
 from stitch.schedule.tuner import _row_work

@@ -24,7 +24,7 @@ from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
 from stitch.hlo_passes import evaluate, parse_hlo
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.compiler import compile as stitch_compile
-from stitch.cost.delta import CostModel
+from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.plan import launch_order, make_kernel
 from stitch.explorer.planner import _named, schedule_plan
@@ -181,7 +181,7 @@ ENTRY main {
     graph = stitch.plan(module, target="h100").graphs[0].graph
     members = [n.id for n in graph.nodes if n.name in ("s", "sb", "d")]
     d = next(n.id for n in graph.nodes if n.name == "d")
-    from stitch.explorer.feasibility import analyze_pattern
+    from stitch.analysis.feasibility import analyze_pattern
     from stitch.schedule.space import part_facts
     facts = part_facts(graph, members, analyze_pattern(graph, members))
     assert price_layouts(graph, facts, {d: (0, 1)}).sector_bytes == 0

@@ -175,7 +175,7 @@ def test_priced_with_the_gemm_tile_model_and_built_as_priced() -> None:
     read of the logits against it; the schedule's tiling lowers and computes the loss."""
     from stitch.codegen.lm_head_loss import tiling_from_schedule
     from stitch.cost import get_spec
-    from stitch.cost.lm_head_pricing import builds, loss_price
+    from stitch.pricing.lm_head_pricing import builds, loss_price
     loss = _loss("bf16", rows=256, vocab=1000, hidden=64)
     price = loss_price(get_spec("h100"), loss, grid_sync=True)
     assert builds(price.schedule) and price.schedule.mma
@@ -188,7 +188,7 @@ def test_priced_with_the_gemm_tile_model_and_built_as_priced() -> None:
 def test_full_precision_f32_is_priced_on_the_fma_lanes() -> None:
     """A dot asking for full f32 precision (no TF32): the search keeps FMA schedules."""
     from stitch.cost import get_spec
-    from stitch.cost.lm_head_pricing import loss_price
+    from stitch.pricing.lm_head_pricing import loss_price
     price = loss_price(get_spec("h100"), _loss("f32", rows=300, vocab=1000, hidden=64))
     assert not price.schedule.mma
 
@@ -201,7 +201,7 @@ def test_gpt2_sized_priced_schedule_is_spill_free(target: str = "h100",
     from stitch.codegen.nvptx import emit_ptx
     from stitch.codegen.toolchain import assemble
     from stitch.cost import get_spec
-    from stitch.cost.lm_head_pricing import loss_price
+    from stitch.pricing.lm_head_pricing import loss_price
     ptxas_or_skip(arch)
     loss = _loss("bf16", 8192, 50257, 768)
 

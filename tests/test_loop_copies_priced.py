@@ -11,7 +11,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from stitch.hlo_passes.loop_state import carried_copies  # noqa: E402
 from tests.fixtures import compile_with_cpu_pass  # noqa: E402
-from stitch.cost.delta import CostModel, copy_kernel_cost  # noqa: E402
+from stitch.pricing.delta import CostModel, copy_kernel_cost  # noqa: E402
 from stitch.cost.gpu_specs import get_spec  # noqa: E402
 
 

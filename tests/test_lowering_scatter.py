@@ -27,7 +27,7 @@ from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.scatter_forms import scatter_form
 from stitch.cost.gpu_specs import get_spec
-from stitch.explorer.feasibility import infeasible_reason
+from stitch.analysis.feasibility import infeasible_reason
 from stitch.schedule import ScheduleError, schedule_kernel
 from tests.test_lowering import HEAD
 
@@ -499,7 +499,7 @@ def test_loss_gather_stitches_with_the_reductions_producing_its_rows(unit):
 def test_delta_model_counts_scatter_bytes_once():
     """Form row reads the operand, R indices and R updates; with the zero operand made in
     the same kernel nothing of it is read (the zero buffer is never written or read)."""
-    from stitch.cost.delta import kernel_hbm_bytes
+    from stitch.pricing.delta import kernel_hbm_bytes
 
     rows, vocab = 4096, 32000
     module, graph, members = _module(_xent_grad(rows, vocab))

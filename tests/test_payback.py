@@ -10,7 +10,7 @@ from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.integration import pass_planning, payback, xla_pass
 from stitch.integration.code_budget import statements
-from stitch.cost.delta import CostModel
+from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.planner import ExplorerOptions, plan
 

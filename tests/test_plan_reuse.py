@@ -1,5 +1,5 @@
 """Planning repeated layers: kernel costs and feasibility verdicts are shared between member
-sets of the same structure (stitch.explorer.structure). The plan must be the one planning
+sets of the same structure (stitch.pricing.structure). The plan must be the one planning
 every copy on its own gives, and the scoring work must follow the distinct structure, not
 the number of layers."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.graph import build_op_graphs
-from stitch.cost.delta import CostModel
+from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.planner import ExplorerOptions, plan
-from stitch.explorer.structure import StructureKeys, rename
+from stitch.pricing.structure import StructureKeys, rename
 from tests.fixtures import REDUCERS
 
 ROWS, WIDTH, HIDDEN = 64, 128, 256

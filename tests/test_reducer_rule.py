@@ -8,7 +8,7 @@ import pytest
 
 from stitch.hlo_passes import combiners, parse_hlo
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.explorer.buildable import build_problem
+from stitch.analysis.buildable import build_problem
 
 
 def _accuracy_and_loss(logits, labels):
@@ -104,7 +104,7 @@ ENTRY main {
 @pytest.mark.parametrize("combiner, refused", [("add", False), ("assign", True)])
 def test_feasibility_asks_codegens_scatter_rule(combiner, refused):
     from stitch.hlo_passes.graph import build_op_graphs
-    from stitch.explorer.feasibility import infeasible_reason
+    from stitch.analysis.feasibility import infeasible_reason
     graph = build_op_graphs(parse_hlo(_SCATTER.replace("COMBINER", combiner)))[0]
     members = [n.id for n in graph.nodes if n.opcode not in ("parameter", "constant")]
     reason = infeasible_reason(graph, members)
@@ -145,9 +145,9 @@ def test_xlas_kernels_are_priced_whatever_codegen_can_build(monkeypatch):
     to a shared row max) is priced by the stitching analysis of its structure, as with no
     codegen limits: the XLA side of every comparison does not depend on them."""
     from stitch.hlo_passes.graph import build_op_graphs
-    from stitch.cost import delta
+    from stitch.pricing import delta
     from stitch.cost.gpu_specs import get_spec
-    from stitch.explorer import feasibility
+    from stitch.analysis import feasibility
     rng = np.random.default_rng()
     rows, cols = int(rng.integers(16, 512)), int(rng.integers(64, 2048))
     text = _XLA_FUSION.replace("ROWS", str(rows)).replace("COLS", str(cols))

@@ -7,7 +7,7 @@ import pytest
 import stitch
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.graph import build_op_graphs
-from stitch.cost.delta import CostModel
+from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.blp import solve_blp
 from stitch.explorer.plan import make_kernel, validate

@@ -13,7 +13,7 @@ from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.scatter_forms import known_index_values
 from stitch.cost.contention import scatter_contention
 from stitch.hlo_passes.sorted_runs import RUN_ROWS
-from stitch.cost.delta import CostModel
+from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import schedule_kernel
 

@@ -8,7 +8,7 @@ from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.cost.latency import LaunchShape, WarpWork, evaluate
-from stitch.explorer.feasibility import infeasible_reason
+from stitch.analysis.feasibility import infeasible_reason
 from stitch.schedule import schedule_kernel
 from tests.fixtures import DATA, REDUCERS
 

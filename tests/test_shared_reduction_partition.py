@@ -21,7 +21,7 @@ from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
-from stitch.explorer.feasibility import analyze_pattern, infeasible_reason
+from stitch.analysis.feasibility import analyze_pattern, infeasible_reason
 from stitch.schedule import schedule_kernel
 from tests.fixtures import DATA
 
@@ -161,7 +161,7 @@ def test_cross_entropy_training_step_reads_the_logits_once(model, target):
     """The zoo's cross-entropy step: max, sum(exp), loss gather and gradient in one kernel;
     its memory-intensive bytes are within 1% of the one-kernel bound (logits read once,
     gradient written once), 1.50x before."""
-    from stitch.cost.delta import kernel_hbm_bytes
+    from stitch.pricing.delta import kernel_hbm_bytes
 
     text = (DATA / model / f"full.gpu-{target}.hlo").read_text()
     plan = stitch.plan(text, target=target)

@@ -10,7 +10,7 @@ from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.explorer.planner import ExplorerOptions, plan
 from stitch.explorer.patterns import PatternExplorer, op_vertices, unit_vertices
-from stitch.cost.delta import CostModel
+from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 
 jax = pytest.importorskip("jax")

@@ -25,7 +25,7 @@ from stitch.codegen.toolchain import assemble
 from stitch.hlo_passes.gemm_chains import find_gemm_chains
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.parser import parse_hlo
-from stitch.cost.chain_pricing import chain_dims
+from stitch.pricing.chain_pricing import chain_dims
 from stitch.cost.gemm_tile import chain_registers
 from stitch.cost.gpu_specs import get_spec
 from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS

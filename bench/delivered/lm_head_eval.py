@@ -39,7 +39,7 @@ def one(dtype: str) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from stitch.cost import get_spec
-    from stitch.cost.lm_head_pricing import loss_price
+    from stitch.pricing.lm_head_pricing import loss_price
     from stitch.hlo_passes.lm_head_loss import LmHeadLoss, row_major_views
     from stitch.integration import deviceless
     from stitch.integration.lm_head_placement import spill_check

@@ -57,7 +57,7 @@ def placed_modeled_us(module, fusion_plan, spec) -> tuple[float, int]:
     kernels, XLA's kernels for the rest) and how many kernels that is."""
     from stitch.integration.hlo_rewrite import ComputationView, NotPlaceable, find_site
     from stitch.integration.snap import snap_kernels
-    from stitch.cost.delta import CostModel
+    from stitch.pricing.delta import CostModel
 
     total, placed = 0.0, 0
     for gi, gp in enumerate(fusion_plan.graphs):

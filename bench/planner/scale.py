@@ -199,7 +199,7 @@ def _plan_cpu(module, options) -> tuple:
 def compare_sharing(modules: list[tuple[str, str]], gpu_pass_options: bool = False
                     ) -> list[str]:
     """Per module: planning CPU seconds and the modeled plan time with structure sharing
-    off and on (stitch.explorer.structure), and whether the two plans are the same kernels.
+    off and on (stitch.pricing.structure), and whether the two plans are the same kernels.
     ``gpu_pass_options``: the options the XLA GPU pass plans with (TF32 chains, ptxas spill
     check)."""
     import dataclasses

@@ -1,5 +1,5 @@
 """The LM head + softmax cross-entropy at GPT-2 small's size (8192 tokens, vocabulary 50257,
-768 wide), modeled: the fused forward (``stitch.cost.lm_head_pricing``: the chain search's
+768 wide), modeled: the fused forward (``stitch.pricing.lm_head_pricing``: the chain search's
 best schedule the loss kernel builds, struck by ptxas where it spills) against XLA's logits
 GEMM plus one read of the logits; the backward's two GEMM chains in the recomputed form
 (tests/test_lm_head_backward_chains.py: dH over the vocabulary, dE over the tokens;
@@ -22,10 +22,10 @@ from pathlib import Path
 from bench.report import publish
 from stitch.codegen.lm_head_loss import lower_lm_head_loss, tiling_from_schedule
 from stitch.cost import get_spec
-from stitch.cost.chain_pricing import chain_price
+from stitch.pricing.chain_pricing import chain_price
 from stitch.cost.gemm_rates import FP32, precision_class
 from stitch.cost.gemm_tile import LIBRARY_TILE, gemm_cost
-from stitch.cost.lm_head_pricing import loss_price
+from stitch.pricing.lm_head_pricing import loss_price
 from stitch.codegen.lm_head_backward import LmHeadBackward, lower_lm_head_backward
 from stitch.cost.mma_efficiency import kernel_efficiency
 from stitch.integration.lm_head_backward_price import backward_price

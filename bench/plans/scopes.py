@@ -24,7 +24,7 @@ TARGETS = ("v100", "a100", "h100")
 
 
 def measure(mode: str, out: str) -> None:
-    import stitch.explorer.feasibility as feasibility
+    import stitch.analysis.feasibility as feasibility
     if mode == "off":
         feasibility.global_phases = lambda graph, members: "global scope off"
     from bench.plans.zoo import plan_model
@@ -65,7 +65,7 @@ def kernels() -> str:
     global scope can stitch (the block scopes refuse them), their modeled µs, and how many a
     chain of kernels (a launch per phase instead of a grid barrier) would model faster."""
     import stitch
-    from stitch.explorer.feasibility import infeasible_reason
+    from stitch.analysis.feasibility import infeasible_reason
     from tests.fixtures import DATA
     lines = ["| model | target | global kernels | block scopes refuse | their µs (sum) | "
              "barriers | chain faster |", "|---|---|---:|---:|---:|---:|---:|"]

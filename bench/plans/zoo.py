@@ -20,7 +20,7 @@ import stitch
 from bench.report import geomean, ratio
 from bench.xla_formula import DEVICES, KernelTime, kernel_flops, kernel_time
 from stitch.hlo_passes.op_classes import OpClass
-from stitch.cost.delta import graph_facts, kernel_hbm_bytes, utilization
+from stitch.pricing.delta import graph_facts, kernel_hbm_bytes, utilization
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.plan import GraphPlan, kernel_kind
 from stitch.explorer.planner import schedule_plan
@@ -346,7 +346,7 @@ def plans_markdown(rows: list[PlanRow], image: Callable[[str], str | None],
         "nothing ran on a GPU. Memory-intensive (mem) = every launching kernel that is not a "
         "GEMM/conv. Bytes: HBM bytes of the mem kernels per step (each kernel's counted reads "
         "and writes, partial reads of gathers/slices and in-place updates counted as "
-        "`stitch.cost.delta.kernel_hbm_bytes` does, the same rule on both sides); loop bodies "
+        "`stitch.pricing.delta.kernel_hbm_bytes` does, the same rule on both sides); loop bodies "
         "count trip-count times, kernel counts once. Two yardsticks for the mem kernels' "
         "time, each applied to both plans:",
         "",

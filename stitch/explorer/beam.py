@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 
 from stitch.hlo_passes.graph import OpGraph
 
-from ..cost.delta import CostModel
+from ..pricing.delta import CostModel
 from .kernel_reach import KernelMasks, KernelReach
 from .patterns import MAX_PATTERN_OPS, Pattern
 

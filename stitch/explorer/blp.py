@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from stitch.hlo_passes.graph import OpGraph
 
-from ..cost.delta import CostModel
+from ..pricing.delta import CostModel
 from ..errors import StitchError
 from .cancel import CancelPoll
 from .plan import kernel_writes, needs_kernel, producers_needed, resolve_aliases

@@ -51,7 +51,7 @@ class ExplorerOptions:
     # kernels (refinement and packing, up to MAX_PATTERN_OPS).
     max_pattern_ops: int | None = None
     # Share kernel costs and feasibility verdicts between member sets of the same structure
-    # (repeated layers; stitch.explorer.structure). Off only to check it changes no plan.
+    # (repeated layers; stitch.pricing.structure). Off only to check it changes no plan.
     share_structure: bool = True
     # Plan an XLA-optimized graph with XLA's instructions as the explorer's vertices (a
     # fusion stays whole: every candidate pattern is a union of XLA's kernels) and no

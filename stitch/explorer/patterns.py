@@ -29,8 +29,8 @@ from typing import Callable, Iterable
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.op_classes import OpClass
 
-from ..cost.delta import CostModel
-from .feasibility import Infeasible
+from ..pricing.delta import CostModel
+from ..analysis.feasibility import Infeasible
 
 log = logging.getLogger(__name__)
 

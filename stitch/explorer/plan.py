@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.op_classes import OpClass
 
-from ..cost.delta import CostModel, KernelCost
+from ..pricing.delta import CostModel, KernelCost
 from ..errors import StitchError
 from .patterns import CONTROL_OPCODES
 
@@ -106,7 +106,7 @@ def memory_intensive(kind: str, cost: KernelCost) -> bool:
 def kernel_kind(graph: OpGraph, members: tuple[int, ...]) -> str:
     if len(members) > 1 and sum(graph.nodes[v].op_class is OpClass.COMPUTE
                                 for v in members) == 2:
-        from ..cost.chain_pricing import chain_for
+        from ..pricing.chain_pricing import chain_for
         if chain_for(graph, members) is not None:
             return "gemm_chain"
     if len(members) == 1:

@@ -29,8 +29,8 @@ from stitch.hlo_passes.segments import segments_as_rows
 from stitch.hlo_passes.grouped_scatter import holds_grouped_scatter
 from stitch.hlo_passes.sorted_runs import holds_run_scatter
 
-from ..cost.chain_pricing import chain_for, chain_price, graph_chains
-from ..cost.delta import CostModel
+from ..pricing.chain_pricing import chain_for, chain_price, graph_chains
+from ..pricing.delta import CostModel
 from ..cost.gpu_specs import GpuSpec, get_spec
 from ..cost.launch_forms import GRID_SYNC_SETTINGS, allows_global
 from ..errors import Cancelled, StitchError
@@ -41,14 +41,14 @@ from .fusion_plan import FusionPlan, GraphResult
 from .options import ExplorerOptions
 from .plan_cache import (PlanCache, StaleEntry, default_plan_cache, kernel_sets,
                          module_fingerprint, plan_entry, plan_key)
-from .buildable import build_problem
-from .feasibility import infeasible_reason
+from ..analysis.buildable import build_problem
+from ..analysis.feasibility import infeasible_reason
 from .patterns import (MAX_PATTERN_OPS, Pattern, PatternExplorer, Vertices, is_plannable,
                        unit_vertices)
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
 from .refine import reduction_stages, refine_plan
-from .structure import StructureKeys
+from ..pricing.structure import StructureKeys
 from .plan import (GraphPlan, PlannedKernel, PlannerReport, PlanValidationError,
                    kernel_kind, launch_order, make_kernel, needs_kernel, validate)
 

@@ -21,7 +21,7 @@ import logging
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.op_classes import OpClass
 
-from ..cost.delta import CostModel
+from ..pricing.delta import CostModel
 from .patterns import MAX_PATTERN_OPS, is_plannable
 from .plan import (KernelIO, PlannedKernel, PlanValidationError, kernel_writes, launch_indices,
                    launch_order, make_kernel, needs_kernel)

@@ -71,7 +71,7 @@ def kernel_cost(match: Any, spec: Any, tensor_cores: bool) -> Any:
     results) and the dQ, dK and dV GEMMs, each 2 b m n d flops, over the tiles a causal
     mask leaves (about half)."""
     from stitch.codegen.attention_backward import BackwardTiling, head_blocks, problem_for
-    from stitch.cost.delta import KernelCost
+    from stitch.pricing.delta import KernelCost
     from stitch.cost.gemm_rates import FP32, peak_flops, precision_class
     from stitch.cost.mma_efficiency import kernel_efficiency
     b, m, n, d = match.batch, match.queries, match.keys, match.head_dim
@@ -296,8 +296,8 @@ def trimmed_cost(graph: Any, k: Any, chain: Any, fewer: Any, spec: Any, tf32: bo
     is no longer written), less the HBM bytes of the values it no longer writes; None
     (priced as planned) where the kernel has no planned schedule or that schedule cannot
     launch on the smaller chain."""
-    from stitch.cost.chain_pricing import chain_dims, extra_output_bytes
-    from stitch.cost.delta import tile_kernel_cost
+    from stitch.pricing.chain_pricing import chain_dims, extra_output_bytes
+    from stitch.pricing.delta import tile_kernel_cost
     from stitch.cost.gemm_tile import chain_cost
 
     schedule = getattr(k, "chain_schedule", None)

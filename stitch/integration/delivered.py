@@ -2,7 +2,7 @@
 planner prices XLA's.
 
 The planner compares its stitched plan with XLA's kernels under the delta cost model
-(``stitch.cost.delta``); what a program gets is only what the pass puts into the module.
+(``stitch.pricing.delta``); what a program gets is only what the pass puts into the module.
 ``price_delivery`` prices the module the pass returns kernel by kernel with the same model:
 
 - each stitch custom call placed: its member set, priced as the planner priced it (the
@@ -13,7 +13,7 @@ The planner compares its stitched plan with XLA's kernels under the delta cost m
   that price;
 - each XLA kernel left in the module: the baseline's price of that XLA kernel;
 - each ``copy`` the rewrite added (a loop body's carried values, an in-place operand): a copy
-  kernel reading and writing its bytes (``stitch.cost.delta.copy_kernel_cost``).
+  kernel reading and writing its bytes (``stitch.pricing.delta.copy_kernel_cost``).
 
 Every planned stitched kernel that did not reach the module is listed with the pass's reason
 and the saving the plan expected from it (the XLA kernels it would replace less its own
@@ -179,7 +179,7 @@ def price_xla_kernels(module: Any, spec: Any) -> dict[str, list[XlaKernel]]:
     prices its baseline with (scatter atomics' contention included). The pass asks for
     them where it planned another module than XLA's (segments as rows in fusion bodies:
     stitch.integration.segment_rows), so that the XLA side is XLA's own module."""
-    from stitch.cost.delta import CostModel
+    from stitch.pricing.delta import CostModel
     from stitch.explorer.plan import kernel_kind, memory_intensive
     from stitch.explorer.planner import baseline_groups
     from stitch.hlo_passes.graph import build_op_graphs
@@ -213,7 +213,7 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
     ``dead``: XLA's instructions the rewrite dropped as unread once the placed kernels were
     in (hlo_rewrite's ``dead_kernels``): delivered at no price; ``priced``: kernel name ->
     the ``KernelCost`` the pass priced it at (module docstring)."""
-    from stitch.cost.delta import CostModel, copy_kernel_cost
+    from stitch.pricing.delta import CostModel, copy_kernel_cost
     from stitch.explorer.plan import kernel_kind, memory_intensive
 
     by_graph: dict[int, list[tuple[str, frozenset, frozenset[str]]]] = {}
@@ -344,7 +344,7 @@ def loses_with_copies(graph_plan: Any, members: frozenset, copy_bytes: int, spec
     CostModel of the graph (the price the plan and the delivered figures use)."""
     if copy_bytes <= 0:
         return None
-    from stitch.cost.delta import copy_kernel_cost
+    from stitch.pricing.delta import copy_kernel_cost
     own = cost.kernel(members)
     copies = copy_kernel_cost(spec, copy_bytes)
     replaced = [b for b in graph_plan.baseline.kernels if set(b.members) & members]

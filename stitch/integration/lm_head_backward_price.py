@@ -37,7 +37,7 @@ class BackwardPrice:
 
 def kernel_cost(problem: LmHeadBackward, spec: Any, tiling: BackwardTiling) -> Any:
     """The one-launch kernel's modeled ``KernelCost`` at ``tiling`` (module docstring)."""
-    from stitch.cost.delta import KernelCost
+    from stitch.pricing.delta import KernelCost
     from stitch.cost.gemm_rates import FP32, peak_flops, precision_class
     r, v, d = problem.rows, problem.vocab, problem.hidden
     gemm = 2.0 * r * v * d

@@ -41,8 +41,8 @@ def lm_head_jobs(request: Any, report: Any, view: ComputationView, graph_index: 
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.lm_head_loss import lower_lm_head_loss, tiling_from_schedule
     from stitch.codegen.lower import kernel_identifier
-    from stitch.cost.delta import tile_kernel_cost
-    from stitch.cost.lm_head_pricing import loss_price
+    from stitch.pricing.delta import tile_kernel_cost
+    from stitch.pricing.lm_head_pricing import loss_price
 
     jobs: list = []
     taken: set[str] = set()

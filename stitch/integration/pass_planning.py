@@ -299,7 +299,7 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     from stitch.codegen.lowering_reuse import LoweringReuse
     from stitch.codegen.gpu_cache import structure_key
     from stitch.codegen.thread_work import busiest_thread
-    from stitch.cost.delta import CostModel
+    from stitch.pricing.delta import CostModel
     from stitch.schedule.global_scope import launch_form
 
     from .code_budget import (budget_setting, estimated_statements, lower_within_budget,

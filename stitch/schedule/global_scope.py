@@ -35,7 +35,7 @@ from stitch.hlo_passes.graph import OpGraph
 from ..cost.gpu_specs import GpuSpec
 from ..cost.latency import UNROLL, LaunchShape, WarpWork, grid_barrier_cycles, part_cycles
 from ..cost.occupancy import occupancy
-from ..explorer.feasibility import GlobalPhases, leaf_shape, physical_order
+from ..analysis.feasibility import GlobalPhases, leaf_shape, physical_order
 from .kernel_schedule import GroupSchedule, KernelSchedule, PartSchedule
 from ..cost.launch_forms import form_for, form_seconds
 from .space import op_instructions, written_values

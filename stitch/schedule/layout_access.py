@@ -30,7 +30,7 @@ from functools import lru_cache
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.op_classes import OpClass
 
-from ..explorer.feasibility import leaf_shape
+from ..analysis.feasibility import leaf_shape
 
 Layout = tuple[int, ...]
 SECTOR_BYTES = 32

@@ -36,7 +36,7 @@ from stitch.hlo_passes.graph import OpGraph
 
 from ..cost.gpu_specs import GpuSpec, get_spec
 from ..errors import StitchError
-from ..explorer.feasibility import leaf_shape
+from ..analysis.feasibility import leaf_shape
 from .kernel_schedule import KernelSchedule
 from .layout_access import Layout, UNIFORM, UNKNOWN, feeding_inputs, identity, trace_dim
 from .tuner import TIE, schedule_kernel

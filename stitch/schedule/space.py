@@ -22,7 +22,7 @@ from stitch.hlo_passes.op_classes import OpClass
 
 from ..cost.hbm_traffic import kernel_hbm_bytes
 from ..cost.instruction_costs import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT
-from ..explorer.feasibility import PatternAnalysis, leaf_shape, reduction_rows
+from ..analysis.feasibility import PatternAnalysis, leaf_shape, reduction_rows
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ..cost.gpu_specs import GpuSpec
 from ..cost.latency import UNROLL, LaunchShape, WarpWork, evaluate, part_cycles
 from ..cost.occupancy import occupancy
 from ..errors import StitchError
-from ..explorer.feasibility import Infeasible, analyze_pattern
+from ..analysis.feasibility import Infeasible, analyze_pattern
 from .global_scope import schedule_global
 from .kernel_schedule import GroupSchedule, KernelSchedule, PartSchedule, SharedBuffer
 from .layout_access import apply_layouts

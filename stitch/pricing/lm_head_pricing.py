@@ -23,9 +23,9 @@ from typing import Callable
 
 from stitch.hlo_passes.lm_head_loss import LmHeadLoss
 
-from .gemm_tile import (LIBRARY_TILE, ChainDims, GemmChainSchedule, TileCost, gemm_cost,
-                        warp_columns)
-from .gpu_specs import GpuSpec
+from ..cost.gemm_tile import (LIBRARY_TILE, ChainDims, GemmChainSchedule, TileCost, gemm_cost,
+                              warp_columns)
+from ..cost.gpu_specs import GpuSpec
 
 log = logging.getLogger(__name__)
 

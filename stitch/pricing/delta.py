@@ -43,15 +43,15 @@ from stitch.hlo_passes.graph import OpGraph, OpNode
 from stitch.hlo_passes.loop_state import carried_copies, carried_nodes
 from stitch.hlo_passes.op_classes import OpClass
 
-from ..explorer.buildable import build_problem
-from ..explorer.feasibility import Infeasible, PatternAnalysis, analyze_pattern
-from ..explorer.structure import StructureKeys, rename
-from .contention import contention_seconds, tiles_prices
-from .hbm_traffic import (element_count, graph_facts, in_place_updates, inside_users,
-                          kernel_hbm_bytes, utilization)
-from .gemm_rates import dot_flops, gemm_dot, gemm_precision, gemm_time
-from .launch_forms import allows_global
-from .gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
+from ..analysis.buildable import build_problem
+from ..analysis.feasibility import Infeasible, PatternAnalysis, analyze_pattern
+from ..cost.contention import contention_seconds, tiles_prices
+from ..cost.hbm_traffic import (element_count, graph_facts, in_place_updates, inside_users,
+                                kernel_hbm_bytes, utilization)
+from ..cost.gemm_rates import dot_flops, gemm_dot, gemm_precision, gemm_time
+from ..cost.launch_forms import allows_global
+from ..cost.gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
+from .structure import StructureKeys, rename
 
 SATURATING_THREADS_PER_SM = 1024
 WARP_ROW_LIMIT = 256         # rows up to this length are reduced by one warp each
@@ -154,7 +154,7 @@ class CostModel:
         self.saturation = spec.sm_count * SATURATING_THREADS_PER_SM
         self._single_total: dict[int, float] = {}
         self._feasible: dict[frozenset[int], PatternAnalysis | str] = {}
-        # Results shared by member sets of the same structure (stitch.explorer.structure):
+        # Results shared by member sets of the same structure (stitch.pricing.structure):
         # repeated layers score each distinct kernel shape once. Verdicts keep the reason's
         # wording with the first set's names, renamed on reuse.
         self.share_structure = share_structure
@@ -402,7 +402,7 @@ class CostModel:
         return instructions / (lanes * spec.clock_hz)
 
     def _chain_kernel(self, members: frozenset[int]) -> KernelCost | None:
-        """A GEMM chain (``stitch.cost.chain_pricing``): the chain kernel at its best
+        """A GEMM chain (``stitch.pricing.chain_pricing``): the chain kernel at its best
         schedule under the GEMM-tile latency model; None when the members form no chain."""
         from .chain_pricing import chain_for, chain_price
         chain = chain_for(self.graph, members)

@@ -19,11 +19,11 @@ from stitch.hlo_passes.gemm_chains import allows_tf32 as dot_allows_tf32
 from stitch.hlo_passes.graph import OpGraph, OpNode
 from stitch.hlo_passes.op_classes import OpClass
 
-from .gemm_tile import (OPERAND_BYTES, ChainDims, GemmChainSchedule, TileCost, gemm_cost,
-                        xla_gemm_tile)
-from .gemm_rates import gemm_dot
-from .gpu_specs import GpuSpec
-from .instruction_costs import EXPENSIVE_INSTRUCTIONS
+from ..cost.gemm_tile import (OPERAND_BYTES, ChainDims, GemmChainSchedule, TileCost, gemm_cost,
+                              xla_gemm_tile)
+from ..cost.gemm_rates import gemm_dot
+from ..cost.gpu_specs import GpuSpec
+from ..cost.instruction_costs import EXPENSIVE_INSTRUCTIONS
 
 log = logging.getLogger(__name__)
 
