@@ -293,152 +293,149 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
     (``segment_rows``); XLA's own kernels priced. ``priced`` gets the price of each kernel
     placed outside the plan (LM head losses, attention backwards) and of each forward chain
     built without the values only a replaced backward read."""
-    from stitch.codegen import kir
-    from stitch.codegen.errors import CodegenError
-    from stitch.codegen.lower import kernel_identifier, lower_kernel
-    from stitch.codegen.lowering_reuse import LoweringReuse
-    from stitch.codegen.gpu_cache import structure_key
-    from stitch.codegen.thread_work import busiest_thread
-    from stitch.pricing.delta import CostModel
-    from stitch.schedule.global_scope import launch_form
+    lowering = _JobLowering(request, report, module, spec, evaluator, submit, rows,
+                            xla_kernels, priced)
+    for gi, graph_plan in enumerate(fusion_plan.graphs):
+        lowering.graph(gi, graph_plan, views)
+    return lowering.finish()
 
-    from .code_budget import (budget_setting, estimated_statements, lower_within_budget,
-                              statements)
-    from .lm_head_placement import lm_head_jobs
-    from .payback import Unpaid, modeled_gain_s, payback_setting, unpaid
 
-    jobs: list[tuple[ComputationView, Any, Any, Any]] = []
-    # How global-scope kernels run: read once per pass (a bad STITCH_GRID_SYNC fails the
-    # pass with its ConfigError, not every kernel with a copy of it).
-    grid_sync_setting = grid_sync_on_gpu() if request.device == "gpu" else "barrier"
-    budget = budget_setting() if request.device == "gpu" and CODE_BUDGET_ON_GPU else None
-    payback = payback_setting() if request.device == "gpu" and PAYBACK_ON_GPU else None
-    reuse = LoweringReuse(enabled=REUSE_LOWERING,
-                          cache=compile_cache() if REUSE_LOWERING else None)
+class _JobLowering:
+    """``_lower_jobs``' state across the plan's graphs: the jobs, the lowering reuse, and
+    the payback groups of kernels equal but for names."""
 
-    def lower_once(graph: Any, members: frozenset, choices: Any, name: str,
+    def __init__(self, request: PassRequest, report: PassReport, module: HloModule,
+                 spec: Any, evaluator: Any, submit: Callable[..., None] | None,
+                 rows: SegmentRows | None, xla_kernels: dict | None,
+                 priced: dict | None) -> None:
+        from stitch.codegen.lowering_reuse import LoweringReuse
+
+        from .code_budget import budget_setting
+        from .payback import payback_setting
+        self.request, self.report, self.module, self.spec = request, report, module, spec
+        self.evaluator, self.submit, self.rows = evaluator, submit, rows
+        self.xla_kernels, self.priced = xla_kernels, priced
+        self.jobs: list[tuple[ComputationView, Any, Any, Any]] = []
+        gpu = request.device == "gpu"
+        # How global-scope kernels run: read once per pass (a bad STITCH_GRID_SYNC fails the
+        # pass with its ConfigError, not every kernel with a copy of it).
+        self.grid_sync_setting = grid_sync_on_gpu() if gpu else "barrier"
+        self.budget = budget_setting() if gpu and CODE_BUDGET_ON_GPU else None
+        self.payback = payback_setting() if gpu and PAYBACK_ON_GPU else None
+        self.reuse = LoweringReuse(enabled=REUSE_LOWERING,
+                                   cache=compile_cache() if REUSE_LOWERING else None)
+        # Payback by kernel structure: kernels equal but for names are built once
+        # (GpuPrebuild), so a repeated layer's kernel repays one build with all its copies'
+        # savings. Structures built so far; structures waiting for enough copies to pay.
+        self.built_keys: set[str] = set()
+        self.waiting: dict[str, list[tuple[tuple, float, Any]]] = {}
+        # The cost model slower_as_built prices with: made once per graph, when needed.
+        self.priced_here: Any = None
+
+    # --- the jobs --------------------------------------------------------------------------
+    def lower_once(self, graph: Any, members: frozenset, choices: Any, name: str,
                    lower: Callable[[], Any]) -> Any:
         """A kernel lowered outside the tuner's schedules (chains, attention backwards),
         once per distinct site: identical layers bind the first one's lowering."""
-        return reuse.lower(graph, members, choices, kernel_identifier(name), lower)
+        from stitch.codegen.lower import kernel_identifier
+        return self.reuse.lower(graph, members, choices, kernel_identifier(name), lower)
 
-    def structure_of(kernel: Any) -> str:
-        return reuse.derived(kernel, "structure", lambda: structure_key(kernel))
+    def structure_of(self, kernel: Any) -> str:
+        from stitch.codegen.gpu_cache import structure_key
+        return self.reuse.derived(kernel, "structure", lambda: structure_key(kernel))
 
-    def add(job: tuple, key: str | None = None) -> None:
+    def add(self, job: tuple, key: str | None = None) -> None:
+        from stitch.codegen.errors import CodegenError
         kernel = job[3].kernel
         try:
             # Checked only now: a kernel the code budget or payback drops is never built.
             # Validity does not depend on names: checked once per lowering.
-            reuse.derived(kernel, "valid", lambda: kernel.validate() is not None)
+            self.reuse.derived(kernel, "valid", lambda: kernel.validate() is not None)
         except CodegenError as exc:
             log.info("kernel %s stays with XLA: %s", job[1].name, exc)
-            report.fallbacks.append((job[1].name, f"{type(exc).__name__}: {exc}"))
+            self.report.fallbacks.append((job[1].name, f"{type(exc).__name__}: {exc}"))
             return
-        jobs.append(job)
-        if submit is not None:
-            submit(kernel, key if key is not None else structure_of(kernel))
+        self.jobs.append(job)
+        if self.submit is not None:
+            self.submit(kernel, key if key is not None else self.structure_of(kernel))
 
-    def leave(left: Unpaid) -> None:
-        log.info("kernel %s: %s", left.name, left.reason(payback))
-        report.unpaid.append(left)
-        report.skipped.append((left.name, left.reason(payback)))
+    def leave(self, left: Any) -> None:
+        log.info("kernel %s: %s", left.name, left.reason(self.payback))
+        self.report.unpaid.append(left)
+        self.report.skipped.append((left.name, left.reason(self.payback)))
 
-    # Payback by kernel structure: kernels equal but for names are built once
-    # (GpuPrebuild), so a repeated layer's kernel repays one build with all its copies'
-    # savings. Structures built so far; structures waiting for enough copies to pay.
-    built_keys: set[str] = set()
-    waiting: dict[str, list[tuple[tuple, float, Unpaid]]] = {}
-
-    def add_if_paid(job: tuple, gain_s: float) -> None:
-        assert payback is not None
+    def add_if_paid(self, job: tuple, gain_s: float) -> None:
+        from .code_budget import statements
+        from .payback import unpaid
+        assert self.payback is not None
         kernel = job[3].kernel
-        key = structure_of(kernel)
-        size = reuse.derived(kernel, "statements", lambda: statements(kernel))
-        group = waiting.get(key, [])
+        key = self.structure_of(kernel)
+        size = self.reuse.derived(kernel, "statements", lambda: statements(kernel))
+        group = self.waiting.get(key, [])
         total = gain_s + sum(g for _, g, _ in group)
-        if key in built_keys or unpaid(job[1].name, total, size, payback) is None:
-            for earlier, _, _ in waiting.pop(key, []):
-                add(earlier, key)
-            built_keys.add(key)
-            add(job, key)
+        if key in self.built_keys or unpaid(job[1].name, total, size, self.payback) is None:
+            for earlier, _, _ in self.waiting.pop(key, []):
+                self.add(earlier, key)
+            self.built_keys.add(key)
+            self.add(job, key)
             return
-        alone = unpaid(job[1].name, gain_s, size, payback)
+        alone = unpaid(job[1].name, gain_s, size, self.payback)
         assert alone is not None            # the group's total did not repay it either
-        waiting.setdefault(key, []).append((job, gain_s, alone))
+        self.waiting.setdefault(key, []).append((job, gain_s, alone))
 
-    for gi, graph_plan in enumerate(fusion_plan.graphs):
+    def finish(self) -> list:
+        for group in self.waiting.values():
+            for _, _, left in group:
+                self.leave(left)
+        self.report.lowerings = {"kernels_lowered": self.reuse.lowered,
+                                 "lowerings_reused": self.reuse.reused,
+                                 "lowerings_from_cache": self.reuse.from_disk}
+        return self.jobs
+
+    # --- one graph -------------------------------------------------------------------------
+    def graph(self, gi: int, graph_plan: Any, views: dict) -> None:
+        """The graph's kernels: those placed outside the plan first, then the plan's own,
+        largest first."""
+        from stitch.explorer.planner import holds_own_scatter
+        from stitch.pricing.delta import CostModel
+
+        from .code_budget import estimated_statements
+        from .payback import modeled_gain_s, unpaid
+        request, report, spec = self.request, self.report, self.spec
         if not request.loop_bodies and graph_plan.graph.kind != "entry":
             report.skipped.extend((k.name, "in a loop body or branch: left to XLA on retry")
                                   for k in graph_plan.stitched.kernels if k.schedule)
-            continue
+            return
         try:
-            view = views[gi] = ComputationView(module, graph_plan.graph)
+            view = views[gi] = ComputationView(self.module, graph_plan.graph)
         except KeyError as exc:
             report.skipped.extend((k.name, f"graph not found: {exc}")
                                   for k in graph_plan.stitched.kernels if k.schedule)
-            continue
+            return
         scheduled = [k for k in graph_plan.stitched.kernels if k.schedule is not None]
         alone: set[str] = set()
-        if rows is not None and rows.fusions:
+        if self.rows is not None and self.rows.fusions:
             extra = _rows_alone(graph_plan.stitched.kernels, view, graph_plan.graph, spec,
-                                rows, report)
+                                self.rows, report)
             alone = {k.name for k in extra}
             scheduled += extra
-        from stitch.explorer.planner import holds_own_scatter
         # A kernel that is one XLA kernel whose scatter stitch generates otherwise (in runs,
         # in column tiles) is not XLA's.
         alone |= {k.name for k in scheduled if holds_own_scatter(graph_plan.graph, k.members)}
         snapped, left_out = snap_kernels(view, scheduled, spec)
+        report.skipped.extend(left_out)
         # Memory-intensive kernels only (GEMM-chain kernels are always built): no chain
         # pricing, so a GEMM inside XLA's kernels is priced as the planner's baseline was.
         cost = CostModel(graph_plan.graph, spec, gemm_chains=False) \
-            if payback is not None else None
+            if self.payback is not None else None
         loop_copies = (cost or CostModel(graph_plan.graph, spec, gemm_chains=False)) \
             if request.device == "gpu" and LOOP_COPIES_ON_GPU and \
             graph_plan.graph.kind != "entry" else None
-        report.skipped.extend(left_out)
-        # LM head + cross-entropy sites first: the XLA instructions they take are not the
-        # plan's kernels' any more (stitch.integration.lm_head_placement).
-        lm_jobs, lm_taken = lm_head_jobs(request, report, view, gi, graph_plan.graph, spec,
-                                         grid_sync_setting != "off")
-        if lm_taken:
-            report.skipped.extend((k.name, "its XLA instructions go to an LM head loss kernel")
-                                  for k in snapped
-                                  if lm_taken & {view.top_of(m) for m in k.members})
-            snapped = [k for k in snapped
-                       if not lm_taken & {view.top_of(m) for m in k.members}]
-        for job in lm_jobs:
-            add(job)
-            if priced is not None:
-                priced[job[1].name] = job[1].cost
-        # The attention backward's kernels before the chains: the forward chains then lose
-        # the values only the backward read (attention_backward_jobs).
-        from .attention_backward_jobs import attention_backward_jobs, without_backward_reads
-        chain_jobs = _chain_jobs(request, report, view, gi, graph_plan, snapped, lower_once)
-        backward_jobs = attention_backward_jobs(request, report, module, view, gi, graph_plan,
-                                                snapped, jobs + chain_jobs, LLVM_LOCK,
-                                                lower_once)
-        backward_tops = {t for job in backward_jobs for t in job[2].tops}
-        if backward_tops:
-            # As with the LM head's sites: a planned kernel holding any instruction a
-            # backward replaces is dropped whole, its XLA instructions left to XLA (the
-            # backward yielded only where it wins with that kernel's saving counted).
-            report.skipped.extend(
-                (k.name, "its XLA instructions go to an attention backward kernel")
-                for k in snapped if backward_tops & {view.top_of(m) for m in k.members})
-            snapped = [k for k in snapped
-                       if not backward_tops & {view.top_of(m) for m in k.members}]
-        trimmed = without_backward_reads(request, report, chain_jobs, backward_jobs, LLVM_LOCK,
-                                         spec, request.device == "gpu" and GPU_CHAIN_TF32,
-                                         grid_sync_setting != "off", lower_once)
-        for job, own_price in [(j, j[1].cost) for j in backward_jobs] + trimmed:
-            add(job)
-            if priced is not None and own_price is not None:
-                priced[job[1].name] = own_price
-        gains = {k.name: modeled_gain_s(graph_plan, k.members, cost) if xla_kernels is None
-                 else _xla_gain_s(graph_plan, view, frozenset(k.members), cost, xla_kernels)
-                 for k in snapped} if payback is not None else {}
+        snapped = self._outside_plan(gi, graph_plan, view, snapped)
+        gains = {k.name: modeled_gain_s(graph_plan, k.members, cost) if self.xla_kernels is None
+                 else _xla_gain_s(graph_plan, view, frozenset(k.members), cost,
+                                  self.xla_kernels)
+                 for k in snapped} if self.payback is not None else {}
 
         def likely_paid(k: Any) -> bool:
             """Whether the kernel's estimated size repays its build alone (its exact size,
@@ -446,94 +443,163 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
             gain = gains[k.name]
             size = estimated_statements(k.schedule) if getattr(k.schedule, "parts", None) \
                 else 0
-            return gain > 0 and unpaid(k.name, gain, size, payback) is None
+            return gain > 0 and unpaid(k.name, gain, size, self.payback) is None
 
-        priced_here = None          # the cost model slower_as_built prices with, made once
-        order = _largest_first(snapped, likely_paid if payback is not None else None,
-                               lead=build_threads() if submit is not None else 0)
+        self.priced_here = None
+        order = _largest_first(snapped, likely_paid if self.payback is not None else None,
+                               lead=build_threads() if self.submit is not None else 0)
         for k in order:
-            try:
-                site = find_site(view, gi, k.name, k.members, alone=k.name in alone)
-            except NotPlaceable as exc:
-                report.skipped.append((k.name, str(exc)))
-                continue
-            if loop_copies is not None:
-                # A kernel the copies of its loop body make lose is left to XLA.
-                loses = loses_with_copies(graph_plan, frozenset(k.members),
-                                          carried_copy_bytes(view, site), spec,
-                                          loop_copies)
-                if loses:
-                    log.info("kernel %s: %s: left to XLA", k.name, loses)
-                    report.skipped.append((k.name, loses))
-                    continue
-            request.check_cancelled()
-            gain_s = 0.0
-            if payback is not None:
-                # A kernel modeled to save nothing is not even lowered. Any other may still
-                # repay its build, alone or with copies of its structure: its size decides.
-                gain_s = gains[k.name]
-                if gain_s <= 0:
-                    leave(Unpaid(k.name, gain_s * 1e6, 0.0, None))
-                    continue
-            try:
-                schedule = k.schedule
-                grid_sync = launch_form(schedule, grid_sync_setting) \
-                    if _global_scope(schedule) else None
-                if _global_scope(schedule) and grid_sync is None:
-                    schedule = _block_scope_schedule(graph_plan.graph, k.members, spec)
-                def lower(schedule: Any, graph: Any = graph_plan.graph, name: str = k.name,
-                          members: frozenset = frozenset(k.members),
-                          layouts: dict = xla_layouts(graph_plan.graph, k.members)) -> Any:
-                    def fresh() -> Any:
-                        with LLVM_LOCK:
-                            # in_place: the rewrite makes an atomic scatter's output alias
-                            # its operand (output_to_operand_aliasing, PlacedKernel.initial).
-                            # layouts: buffers are read and written in XLA's layouts.
-                            return lower_kernel(graph, evaluator, schedule, name,
-                                                in_place=True,
-                                                validate=False,    # add() validates
-                                                layouts=layouts)
-                    return reuse.lower(graph, members, schedule, kernel_identifier(name),
-                                       fresh, layouts=layouts, in_place=True)
-                if budget is not None:
-                    lowered, narrowed = lower_within_budget(graph_plan.graph, schedule, spec,
-                                                            k.name, lower, budget)
-                    if narrowed is not None:
-                        report.narrowed.append(narrowed)
-                else:
-                    lowered = lower(schedule)
-                if grid_sync == "relaunch" and kir.has_grid_barrier(lowered.kernel):
-                    relaunched = dataclasses.replace(lowered.kernel, grid_sync="relaunch")
-                    reuse.alias(relaunched, lowered.kernel, "relaunch")
-                    lowered = dataclasses.replace(lowered, kernel=relaunched)
-            except (CodegenError, StitchError) as exc:
-                log.info("kernel %s stays with XLA: %s", k.name, exc)
-                report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
-                continue
-            if request.device == "gpu":
-                if priced_here is None:
-                    priced_here = cost or CostModel(graph_plan.graph, spec, gemm_chains=False)
-                work = reuse.derived(lowered.kernel, "busiest",
-                                     lambda: busiest_thread(lowered.kernel))
-                slower = slower_as_built(graph_plan, frozenset(k.members), lowered, spec,
-                                         priced_here,
-                                         gains.get(k.name) if payback is not None else None,
-                                         work=work)
-                if slower is not None:
-                    log.info("kernel %s: %s", k.name, slower)
-                    report.skipped.append((k.name, slower))
-                    report.thread_bound.append(k.name)
-                    continue
-            if payback is not None:
-                add_if_paid((view, k, site, lowered), gain_s)
-            else:
-                add((view, k, site, lowered))
-    for group in waiting.values():
-        for _, _, left in group:
-            leave(left)
-    report.lowerings = {"kernels_lowered": reuse.lowered, "lowerings_reused": reuse.reused,
-                        "lowerings_from_cache": reuse.from_disk}
-    return jobs
+            self._plan_kernel(gi, graph_plan, view, k, k.name in alone, cost, loop_copies,
+                              gains)
+
+    def _outside_plan(self, gi: int, graph_plan: Any, view: ComputationView,
+                      snapped: list) -> list:
+        """LM head losses, GEMM chains and attention backwards: their jobs added; the
+        plan's kernels holding instructions they take dropped (returned without them)."""
+        from .attention_backward_jobs import attention_backward_jobs, without_backward_reads
+        from .lm_head_placement import lm_head_jobs
+        request, report, spec = self.request, self.report, self.spec
+        global_allowed = self.grid_sync_setting != "off"
+        # LM head + cross-entropy sites first: the XLA instructions they take are not the
+        # plan's kernels' any more (stitch.integration.lm_head_placement).
+        lm_jobs, lm_taken = lm_head_jobs(request, report, view, gi, graph_plan.graph, spec,
+                                         global_allowed)
+        snapped = _without_taken(report, view, snapped, lm_taken,
+                                 "its XLA instructions go to an LM head loss kernel")
+        for job in lm_jobs:
+            self.add(job)
+            if self.priced is not None:
+                self.priced[job[1].name] = job[1].cost
+        # The attention backward's kernels before the chains: the forward chains then lose
+        # the values only the backward read (attention_backward_jobs).
+        chain_jobs = _chain_jobs(request, report, view, gi, graph_plan, snapped,
+                                 self.lower_once)
+        backward_jobs = attention_backward_jobs(request, report, self.module, view, gi,
+                                                graph_plan, snapped, self.jobs + chain_jobs,
+                                                LLVM_LOCK, self.lower_once)
+        # As with the LM head's sites: a planned kernel holding any instruction a backward
+        # replaces is dropped whole, its XLA instructions left to XLA (the backward yielded
+        # only where it wins with that kernel's saving counted).
+        snapped = _without_taken(report, view, snapped,
+                                 {t for job in backward_jobs for t in job[2].tops},
+                                 "its XLA instructions go to an attention backward kernel")
+        trimmed = without_backward_reads(request, report, chain_jobs, backward_jobs, LLVM_LOCK,
+                                         spec, request.device == "gpu" and GPU_CHAIN_TF32,
+                                         global_allowed, self.lower_once)
+        for job, own_price in [(j, j[1].cost) for j in backward_jobs] + trimmed:
+            self.add(job)
+            if self.priced is not None and own_price is not None:
+                self.priced[job[1].name] = own_price
+        return snapped
+
+    # --- one planned kernel ----------------------------------------------------------------
+    def _plan_kernel(self, gi: int, graph_plan: Any, view: ComputationView, k: Any,
+                     alone: bool, cost: Any, loop_copies: Any, gains: dict) -> None:
+        """Place, check, lower and add one of the plan's kernels, or say why it stays XLA's."""
+        from stitch.codegen.errors import CodegenError
+        from stitch.codegen.thread_work import busiest_thread
+        from stitch.pricing.delta import CostModel
+
+        from .payback import Unpaid
+        report, spec = self.report, self.spec
+        try:
+            site = find_site(view, gi, k.name, k.members, alone=alone)
+        except NotPlaceable as exc:
+            report.skipped.append((k.name, str(exc)))
+            return
+        if loop_copies is not None:
+            # A kernel the copies of its loop body make lose is left to XLA.
+            loses = loses_with_copies(graph_plan, frozenset(k.members),
+                                      carried_copy_bytes(view, site), spec, loop_copies)
+            if loses:
+                log.info("kernel %s: %s: left to XLA", k.name, loses)
+                report.skipped.append((k.name, loses))
+                return
+        self.request.check_cancelled()
+        gain_s = 0.0
+        if self.payback is not None:
+            # A kernel modeled to save nothing is not even lowered. Any other may still
+            # repay its build, alone or with copies of its structure: its size decides.
+            gain_s = gains[k.name]
+            if gain_s <= 0:
+                self.leave(Unpaid(k.name, gain_s * 1e6, 0.0, None))
+                return
+        try:
+            lowered = self._lower_planned(graph_plan, k)
+        except (CodegenError, StitchError) as exc:
+            log.info("kernel %s stays with XLA: %s", k.name, exc)
+            report.fallbacks.append((k.name, f"{type(exc).__name__}: {exc}"))
+            return
+        if self.request.device == "gpu":
+            if self.priced_here is None:
+                self.priced_here = cost or CostModel(graph_plan.graph, spec, gemm_chains=False)
+            work = self.reuse.derived(lowered.kernel, "busiest",
+                                      lambda: busiest_thread(lowered.kernel))
+            slower = slower_as_built(graph_plan, frozenset(k.members), lowered, spec,
+                                     self.priced_here,
+                                     gains.get(k.name) if self.payback is not None else None,
+                                     work=work)
+            if slower is not None:
+                log.info("kernel %s: %s", k.name, slower)
+                report.skipped.append((k.name, slower))
+                report.thread_bound.append(k.name)
+                return
+        if self.payback is not None:
+            self.add_if_paid((view, k, site, lowered), gain_s)
+        else:
+            self.add((view, k, site, lowered))
+
+    def _lower_planned(self, graph_plan: Any, k: Any) -> Any:
+        """The planned kernel's Kernel IR: at block scope where its global-scope launch form
+        is off, within the code budget, relaunched per phase where the form says so."""
+        from stitch.codegen import kir
+        from stitch.codegen.lower import kernel_identifier, lower_kernel
+        from stitch.schedule.global_scope import launch_form
+
+        from .code_budget import lower_within_budget
+        schedule = k.schedule
+        grid_sync = launch_form(schedule, self.grid_sync_setting) \
+            if _global_scope(schedule) else None
+        if _global_scope(schedule) and grid_sync is None:
+            schedule = _block_scope_schedule(graph_plan.graph, k.members, self.spec)
+        graph, members = graph_plan.graph, frozenset(k.members)
+        layouts = xla_layouts(graph, k.members)
+
+        def lower(schedule: Any) -> Any:
+            def fresh() -> Any:
+                with LLVM_LOCK:
+                    # in_place: the rewrite makes an atomic scatter's output alias its
+                    # operand (output_to_operand_aliasing, PlacedKernel.initial).
+                    # layouts: buffers are read and written in XLA's layouts.
+                    return lower_kernel(graph, self.evaluator, schedule, k.name,
+                                        in_place=True, validate=False,    # add() validates
+                                        layouts=layouts)
+            return self.reuse.lower(graph, members, schedule, kernel_identifier(k.name),
+                                    fresh, layouts=layouts, in_place=True)
+
+        if self.budget is not None:
+            lowered, narrowed = lower_within_budget(graph, schedule, self.spec, k.name, lower,
+                                                    self.budget)
+            if narrowed is not None:
+                self.report.narrowed.append(narrowed)
+        else:
+            lowered = lower(schedule)
+        if grid_sync == "relaunch" and kir.has_grid_barrier(lowered.kernel):
+            relaunched = dataclasses.replace(lowered.kernel, grid_sync="relaunch")
+            self.reuse.alias(relaunched, lowered.kernel, "relaunch")
+            lowered = dataclasses.replace(lowered, kernel=relaunched)
+        return lowered
+
+
+def _without_taken(report: PassReport, view: ComputationView, snapped: list,
+                   taken: set[str], why: str) -> list:
+    """``snapped`` without the kernels holding any XLA instruction in ``taken`` (each
+    reported with ``why``)."""
+    if not taken:
+        return snapped
+    report.skipped.extend((k.name, why) for k in snapped
+                          if taken & {view.top_of(m) for m in k.members})
+    return [k for k in snapped if not taken & {view.top_of(m) for m in k.members}]
 
 
 def slower_as_built(graph_plan: Any, members: frozenset[int], lowered: Any, spec: Any,
