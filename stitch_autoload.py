@@ -66,7 +66,7 @@ if _ON:
                     return
                 done.add(_name)
                 try:
-                    from stitch.integration.autoload import patch
+                    from stitch.autoload import patch
                     patch(_name, module)
                 except Exception as exc:  # never break the user's import
                     sys.stderr.write(f"stitch: autoload could not patch {_name}: {exc}\n")

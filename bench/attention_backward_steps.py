@@ -28,7 +28,7 @@ def scores_sized_values(hlo_text: str, elements: int) -> int:
 
 def measure(family: str, layers: int) -> dict:
     from bench.real_steps import config, lower_for
-    from stitch.integration import deviceless
+    from stitch.xla_pass import deviceless
     cfg = config(family, layers, "bfloat16")
     start = time.perf_counter()
     result = deviceless.compile_with_pass(lower_for(cfg, "h100"), cfg.name, "h100")

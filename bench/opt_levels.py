@@ -85,7 +85,7 @@ def prepare_one(model: str, config: str, directory: Path) -> list[dict]:
     from stitch.codegen.nvptx import LlvmPipeline, emit_ptx
     from stitch.codegen.objcheck import cubin_code
     from stitch.codegen.toolchain import assemble_cubin
-    from stitch.integration import deviceless
+    from stitch.xla_pass import deviceless
 
     deviceless.check_environment()
     fn, args = keras_hub_llama_step() if model == "keras_hub_llama" else zoo_step(model, config)

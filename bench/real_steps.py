@@ -209,7 +209,7 @@ def lower_for(cfg: StepConfig, target: str = "h100") -> Any:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from stitch.integration import deviceless
+    from stitch.xla_pass import deviceless
 
     mesh = topologies.make_mesh(deviceless.topology(target, "1x1x1"), (1,), ("d",))
     fn, args = step_specs(cfg, NamedSharding(mesh, PartitionSpec()))

@@ -99,7 +99,7 @@ def measure(name: str, config: str) -> RuntimeRow:
         return row
     # The guard alternates both paths for its first calls after the switch, then settles
     # for good: that trial is part of compiling (as in training), not of the step time.
-    from stitch.integration.switching import GUARD_CALLS
+    from stitch.frontends.switching import GUARD_CALLS
     for _ in range(2 * GUARD_CALLS):
         _timed(f_stitch, args)
     row.first_call_s = (tj, ts)

@@ -5,7 +5,7 @@ updates back costs, without the program itself.
 - before: the numpy round trip the front end used (``.numpy()`` of every input and
   variable, numpy into jax, ``np.asarray`` of every result, ``assign`` / ``convert_to_tensor``
   from numpy);
-- after: ``stitch.integration.tf_bridge.Bridge`` (DLPack both ways, variables assigned from the
+- after: ``stitch.frontends.tf.tf_bridge.Bridge`` (DLPack both ways, variables assigned from the
   TF tensor wrapping jax's result).
 
 The models are the integration tests' keras_hub GPT2 and Llama configs
@@ -63,7 +63,7 @@ def _step_and_data(name: str) -> tuple[Any, tuple]:
     """The model's train step as the front end wraps it, and one batch as Keras hands it."""
     import tensorflow as tf
 
-    from stitch.integration.tf_frontend import KerasTrainFunction
+    from stitch.frontends.tf.tf_frontend import KerasTrainFunction
 
     script, model, x, y = compiled_model(name)
     model.fit(x, y, batch_size=script.BATCH, epochs=1, verbose=0)   # optimizer variables
@@ -88,7 +88,7 @@ def measure(name: str, repeats: int) -> BridgeTiming:
     import numpy as np
     import tensorflow as tf
 
-    from stitch.integration.tf_bridge import Bridge
+    from stitch.frontends.tf.tf_bridge import Bridge
 
     step, args = _step_and_data(name)
     mapping = step.mapping_for(*args)
@@ -133,7 +133,7 @@ def report(timings: list[BridgeTiming], command: str, load: tuple[float, ...]) -
         "stitched executable, the program itself left out: every input (the batch, each "
         "variable's value, captured constants) in, every output and variable update back "
         "(median of the repeats). *before*: the numpy round trip (`.numpy()` → jax, "
-        "`np.asarray` → `assign`); *after*: DLPack both ways (`stitch/integration/tf_bridge.py`). "
+        "`np.asarray` → `assign`); *after*: DLPack both ways (`stitch/frontends/tf/tf_bridge.py`). "
         "Per variable: the step's µs over the values moved (inputs + updates). On this CPU "
         "both stay in host memory, so *before* pays memcpys where *after* wraps buffers; "
         "on a GPU *before* crossed PCIe twice per value and *after* stays on the device.",
@@ -151,7 +151,7 @@ def conversions_report(results: list, command: str, load: tuple[float, ...]) -> 
     lines = [
         "Every host conversion of a TF or jax value (`np.asarray`/`np.array`, `.numpy()`, "
         "`__array__`, `float()`/`int()`/`bool()` of a tensor or jax array; "
-        "`stitch/integration/host_conversions.py`) over one `model.fit` of the keras_hub "
+        "`stitch/frontends/tf/host_conversions.py`) over one `model.fit` of the keras_hub "
         "model on fresh random batches, one step per epoch, stock (`jit_compile=True`) and "
         "stitched (`KerasTrainFunction`, compiled before the first call, guard off: call 1 "
         "compiles and is the verified call, every later call runs the stitched program). "
@@ -160,7 +160,7 @@ def conversions_report(results: list, command: str, load: tuple[float, ...]) -> 
         "switch*: the same over the stitched steps only; *loss*: the largest relative "
         "difference of a step's loss from stock. Keras itself reads each step's logs "
         "(`pythonify_logs`) and `has_value()` of the next batch, on both sides. Before the "
-        "first call's check against TF ran on the device (`stitch/integration/"
+        "first call's check against TF ran on the device (`stitch/frontends/"
         "device_compare.py`), it copied every output and updated variable to numpy: "
         "17.9 (GPT2) and 10.0 (Llama) extra conversions per stitched step over 15 steps.",
         "",

@@ -13,7 +13,7 @@ epoch's loss is that step's), twice from the same seed:
   stitched program.
 
 Every host conversion of a TF or jax value over the whole ``fit`` is counted
-(``stitch.integration.host_conversions``), per step. ``extra_per_stitched_step``: the
+(``stitch.frontends.tf.host_conversions``), per step. ``extra_per_stitched_step``: the
 stitched run's conversions beyond the stock run's over the whole run — compile, verified
 call and guard included — per stitched step; ``steady_extra_per_step``: the same over the
 steps after the switch only. ``loss_mismatch``: the per-step losses against stock at
@@ -143,8 +143,8 @@ def run(name: str, data: tuple[dict, Any], steps: int, stitched: bool,
     """One ``fit`` of model ``name`` over ``steps`` batches of ``data``, counted."""
     import tensorflow as tf
 
-    from stitch.integration.host_conversions import HostConversions
-    from stitch.integration.tf_frontend import KerasTrainFunction
+    from stitch.frontends.tf.host_conversions import HostConversions
+    from stitch.frontends.tf.tf_frontend import KerasTrainFunction
 
     script, model, _, _ = compiled_model(name)
     stock = model.make_train_function()

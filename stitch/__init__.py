@@ -5,11 +5,12 @@ The public surface: the HLO front end, the reference evaluator, the fusion plann
 kernel) and ``stitch.jit`` for jax. Importing stitch imports neither jax nor tensorflow
 (``stitch.jit`` imports jax on first use).
 
-The layers are subpackages, lowest first: ``stitch.hlo_passes`` (HLO IR, parser, reference
-evaluator, op graphs), the optimizer (``stitch.cost``, ``stitch.explorer``,
-``stitch.schedule``, ``stitch.compiler``), ``stitch.codegen`` (Kernel IR, LLVM, PTX) and
-``stitch.integration`` (the XLA pass, jax and TensorFlow front ends). Every public name
-here is resolved on first access, so importing one subpackage does not import the others.
+The layers are subpackages in the pipeline's order (docs/architecture.md): the HLO layer
+(``stitch.hlo_passes``), code generation (``stitch.codegen``), the optimizer
+(``stitch.analysis``, ``stitch.cost``, ``stitch.schedule``, ``stitch.pricing``,
+``stitch.explorer``, ``stitch.compiler``), the XLA pass (``stitch.xla_pass``) and the
+front ends (``stitch.frontends``: ``jax``, ``tf``). Every public name here is resolved on
+first access, so importing one subpackage does not import the others.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ _PUBLIC: dict[str, str] = {
     "ExplorerOptions": "stitch.explorer.planner",
     "FusionPlan": "stitch.explorer.planner",
     "plan": "stitch.explorer.planner",
-    "jit": "stitch.integration.jax_jit",
-    "StitchedFunction": "stitch.integration.jax_jit",
+    "jit": "stitch.frontends.jax.jax_jit",
+    "StitchedFunction": "stitch.frontends.jax.jax_jit",
 }
 
 

@@ -328,13 +328,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_settings(args: argparse.Namespace) -> int:
-    from stitch.integration.config import settings_markdown
+    from stitch.config import settings_markdown
     print(settings_markdown())
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from stitch.integration.demo import run_demo
+    from stitch.frontends.jax.demo import run_demo
 
     if args.target not in PLAN_TARGETS:
         raise StitchError(f"unknown target {args.target!r} (one of {', '.join(PLAN_TARGETS)})")
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     args = build_parser().parse_args(argv)
-    from stitch.integration.config import setting_raw
+    from stitch.config import setting_raw
     level = (args.log or setting_raw("STITCH_LOG") or "warning").upper()
     level = "INFO" if level == "KERNELS" else level
     logging.basicConfig(level=getattr(logging, level, logging.WARNING), stream=sys.stderr,

@@ -61,7 +61,7 @@ def compile_with_cpu_pass(fn, *args, name: str | None = None, **jit_kwargs):
     pass plans for an H100): (the pass's report, the compiled executable)."""
     import jax
 
-    from stitch.integration import xla_pass
+    from stitch.xla_pass import entry as xla_pass
     xla_pass.ensure_registered("cpu")
     request = xla_pass.PassRequest(name or fn.__name__, "h100", "cpu")
     lowered = request.prepare(jax.jit(fn, **jit_kwargs).lower(*args))

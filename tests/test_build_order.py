@@ -10,8 +10,8 @@ import pytest
 
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.integration import pass_planning, payback, xla_pass
-from stitch.integration.code_budget import estimated_statements
+from stitch.xla_pass import pass_planning, payback, entry as xla_pass
+from stitch.xla_pass.code_budget import estimated_statements
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.planner import ExplorerOptions, plan
 
@@ -111,7 +111,7 @@ def test_the_gpu_pass_lowers_a_likely_paid_kernel_first(monkeypatch):
     """With payback on, the pass lowers (and so submits) first a kernel the estimate expects
     to be built, even where a larger kernel comes first largest first; that one is still
     lowered, and left to XLA."""
-    from stitch.integration import code_budget
+    from stitch.xla_pass import code_budget
     monkeypatch.delenv(payback.PAYBACK_ENV, raising=False)
     module = parse_hlo(_module_text())
     fusion_plan = plan(module, "h100", options=OPTIONS)

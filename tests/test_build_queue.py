@@ -8,8 +8,8 @@ import random
 import threading
 from dataclasses import dataclass
 
-from stitch.integration import kernel_builds
-from stitch.integration.pass_request import PassRequest
+from stitch.xla_pass import kernel_builds
+from stitch.xla_pass.pass_request import PassRequest
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The code budget (stitch/integration/code_budget.py): a kernel whose Kernel IR is over the budget
+"""The code budget (stitch/xla_pass/code_budget.py): a kernel whose Kernel IR is over the budget
 is built at a narrower vector width when the latency-evaluator prices that within tolerance,
 and the narrower kernel still computes the reference evaluator's values."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.graph import build_op_graphs
-from stitch.integration import code_budget
+from stitch.xla_pass import code_budget
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import schedule_kernel
 from tests.fixtures import REDUCERS

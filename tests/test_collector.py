@@ -1,4 +1,4 @@
-"""stitch.integration.collector: the pass runs with fewer garbage collections, and puts the
+"""stitch.xla_pass.collector: the pass runs with fewer garbage collections, and puts the
 process's thresholds back."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from stitch.integration import collector
-from stitch.integration.collector import PASS_GEN0_THRESHOLD, fewer_collections
+from stitch.xla_pass import collector
+from stitch.xla_pass.collector import PASS_GEN0_THRESHOLD, fewer_collections
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +69,7 @@ def test_leaves_off_and_higher_and_foreign_thresholds_alone() -> None:
 
 def test_the_pass_runs_under_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """stitch_module_text's work (parse, plan, build) sees the raised threshold."""
-    from stitch.integration import pass_registration, xla_pass
+    from stitch.xla_pass import pass_registration, entry as xla_pass
 
     seen: list[int] = []
 

@@ -14,7 +14,7 @@ import pytest
 from stitch.codegen import ffi_cuda, nvptx
 from stitch.codegen.errors import CodegenError, ImageRefused, ToolchainError
 from stitch.codegen.gpu_cache import CANONICAL_NAME, CubinBuild
-from stitch.integration import kernel_builds, xla_pass
+from stitch.xla_pass import kernel_builds, entry as xla_pass
 from tests.test_kir_host import elementwise_kernel
 
 CUBIN = b"\x7fELF fake cubin"

@@ -1,5 +1,5 @@
 """The XLA pass prices the module it returns the way the planner prices XLA's, and says
-what the plan lost on the way (stitch/integration/delivered.py)."""
+what the plan lost on the way (stitch/xla_pass/delivered.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from tests.fixtures import compile_with_cpu_pass  # noqa: E402
-from stitch.integration.delivered import LoopCopy, price_delivery  # noqa: E402
+from stitch.xla_pass.delivered import LoopCopy, price_delivery  # noqa: E402
 from stitch.pricing.delta import copy_kernel_cost  # noqa: E402
 from stitch.cost.gpu_specs import get_spec  # noqa: E402
 
@@ -148,8 +148,8 @@ def test_predicted_loop_copies_match_the_rewrite_and_a_losing_kernel_is_refused(
     """hlo_rewrite.carried_copy_bytes predicts, per kernel, the copies the rewrite then adds;
     delivered.loses_with_copies refuses a loop kernel whose copies make it lose."""
     from stitch.hlo_passes import parse_hlo
-    from stitch.integration.delivered import loses_with_copies
-    from stitch.integration.hlo_rewrite import ComputationView, KernelSite, carried_copy_bytes
+    from stitch.xla_pass.delivered import loses_with_copies
+    from stitch.xla_pass.hlo_rewrite import ComputationView, KernelSite, carried_copy_bytes
     from stitch.pricing.delta import CostModel
 
     rng = np.random.default_rng()

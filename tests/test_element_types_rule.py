@@ -19,7 +19,7 @@ def _dropout(key, x):
 
 def test_the_pass_plans_no_kernel_codegen_refuses_for_its_types():
     jax = pytest.importorskip("jax")
-    from stitch.integration import xla_pass
+    from stitch.xla_pass import entry as xla_pass
     rng = np.random.default_rng()
     rows, cols = int(rng.integers(4, 40)), int(rng.integers(8, 130))
     key = jax.random.key(int(rng.integers(0, 2**31)))

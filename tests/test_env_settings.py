@@ -1,12 +1,12 @@
-"""The GPU pass's count settings (stitch.integration.config.env_count behind each): unset gives
+"""The GPU pass's count settings (stitch.config.env_count behind each): unset gives
 the default, ``off`` turns the rule off, a number may carry spaces and underscores, and
 anything else is a ConfigError naming the variable and its value."""
 from __future__ import annotations
 
 import pytest
 
-from stitch.integration import code_budget, payback
-from stitch.integration.config import ConfigError
+from stitch.xla_pass import code_budget, payback
+from stitch.config import ConfigError
 
 SETTINGS = {
     "payback steps": (payback.payback_setting, payback.PAYBACK_ENV, payback.PAYBACK_STEPS,
@@ -34,7 +34,7 @@ def test_setting_reads_the_environment(monkeypatch, name: str) -> None:
 def test_build_threads_refuses_what_it_cannot_use(monkeypatch, bad):
     """A count it cannot use was dropped silently; now the pass's compile falls back with
     the reason (like every pass setting)."""
-    from stitch.integration.xla_pass import build_threads
+    from stitch.xla_pass.entry import build_threads
     monkeypatch.setenv("STITCH_BUILD_THREADS", bad)
     with pytest.raises(ConfigError, match=f"STITCH_BUILD_THREADS='{bad}'"):
         build_threads()
@@ -43,7 +43,7 @@ def test_build_threads_refuses_what_it_cannot_use(monkeypatch, bad):
 
 
 def test_a_misspelled_setting_is_named_with_the_nearest_one() -> None:
-    from stitch.integration.config import unknown_settings
+    from stitch.config import unknown_settings
     got = unknown_settings({"STITCH_TAGRET": "v100", "STITCH_TARGET": "h100",
                             "STITCH_NOTHING_LIKE_IT": "1", "HOME": "/root"})
     assert got == ["STITCH_NOTHING_LIKE_IT is not a stitch setting and is ignored",
@@ -57,7 +57,7 @@ def test_every_setting_the_code_reads_is_known() -> None:
     import re
     from pathlib import Path
 
-    from stitch.integration.config import KNOWN_SETTINGS
+    from stitch.config import KNOWN_SETTINGS
     root = Path(__file__).resolve().parents[1]
     files = [*root.glob("stitch/**/*.py"), *root.glob("bench/**/*.py"),
              *root.glob("scripts/*"), root / "stitch_autoload.py"]

@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import numpy as np, jax, jax.numpy as jnp
     import stitch
-    from stitch.integration import host_builds
+    from stitch.xla_pass import host_builds
     from tests.test_exit_in_flight import slow_build_object
     host_builds.build_object = slow_build_object
     started = []

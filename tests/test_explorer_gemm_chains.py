@@ -31,7 +31,7 @@ def test_zoo_chain_is_planned_when_its_kernel_is_modeled_faster(model, target):
     (>= 1.1x under the latency-evaluator), and not when it is clearly slower (< 0.95x), as
     the GPU pass plans (TF32 tensor cores for f32 dots of DEFAULT precision, as XLA's own
     GEMMs): docs/benchmarks.md records the ratios."""
-    from stitch.integration.xla_pass import GPU_CHAIN_TF32
+    from stitch.xla_pass.entry import GPU_CHAIN_TF32
     from stitch.pricing.chain_pricing import chain_dims
     from stitch.schedule.chain_tiling import buildable
     # As the GPU pass plans: f32 chains may use TF32 where the dots allow it.

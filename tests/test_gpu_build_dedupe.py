@@ -217,7 +217,7 @@ def test_a_ptx_child_warms_the_key_facts_and_the_cache_as_it_starts(monkeypatch,
     still plans): a kernel's build finds them ready. GpuPrebuild names that cache to them,
     opened in the calling thread, not in a build thread."""
     from stitch.codegen.isolation import IsolatedWorker
-    from stitch.integration import kernel_builds, ptx_children, xla_pass
+    from stitch.xla_pass import kernel_builds, ptx_children, entry as xla_pass
 
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(kernel_builds, "_CACHE", None)
@@ -302,7 +302,7 @@ def test_a_bad_llvm_pipeline_setting_fails_the_gpu_build_once(monkeypatch, tmp_p
     import logging
 
     from stitch.codegen.errors import CodegenError
-    from stitch.integration import xla_pass
+    from stitch.xla_pass import entry as xla_pass
 
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path / "cache"))
     request = xla_pass.PassRequest("f", "h100", "gpu", compile_only=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.gpu_kit import ingest, runner
-from stitch.integration.device_target import pass_target, target_for_device_info
+from stitch.xla_pass.device_target import pass_target, target_for_device_info
 from stitch.cost.calibration import Calibration, KernelSample, load_calibration, spearman
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Two runtimes, one GPU (stitch/integration/gpu_sharing.py, stitch/integration/cuda_libraries.py): with
+"""Two runtimes, one GPU (stitch/frontends/tf/gpu_sharing.py, stitch/frontends/tf/cuda_libraries.py): with
 TF's and jax's GPU initialization mocked, stitch turns TF's memory growth on and jax's
 preallocation off before either starts, leaves a user's own settings alone, says so at
 STITCH_LOG=info, and refuses where the two cannot share (a runtime already started, CUDA
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stitch.integration import cuda_libraries, gpu_sharing
+from stitch.frontends.tf import cuda_libraries, gpu_sharing
 
 
 class FakeTF:

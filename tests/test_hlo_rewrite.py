@@ -1,4 +1,4 @@
-"""stitch.integration.hlo_rewrite on hand-placed kernels: a kernel that reads an element of XLA's
+"""stitch.xla_pass.hlo_rewrite on hand-placed kernels: a kernel that reads an element of XLA's
 multi-output fusion while another kernel replaces that fusion (XLA GPU's transformer_train
 step: the rewritten module read an instruction it had removed, and XLA's parser refused it)."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ pytest.importorskip("jaxlib")
 
 from stitch.hlo_passes import parse_hlo, print_hlo  # noqa: E402
 from stitch.hlo_passes.graph import build_op_graphs  # noqa: E402
-from stitch.integration.hlo_rewrite import (ComputationView, KernelSite, PlacedKernel,  # noqa: E402
+from stitch.xla_pass.hlo_rewrite import (ComputationView, KernelSite, PlacedKernel,  # noqa: E402
                                             replace_kernels)
-from stitch.integration.pass_registration import to_proto  # noqa: E402
+from stitch.xla_pass.pass_registration import to_proto  # noqa: E402
 
 MODULE = """HloModule m
 fused_two {

@@ -1,4 +1,4 @@
-"""stitch.integration.hlo_rewrite.replace_kernels places a computation's kernels in one pass
+"""stitch.xla_pass.hlo_rewrite.replace_kernels places a computation's kernels in one pass
 with one cycle check: its work per kernel does not grow with the module (checking each kernel
 against the whole computation took 30 s for a 48-layer GPT-2 training step's 391 kernels), a
 kernel whose placement closes a cycle is still refused with the per-kernel check's reason,
@@ -14,10 +14,10 @@ pytest.importorskip("jaxlib")
 
 from stitch.hlo_passes import parse_hlo, print_hlo  # noqa: E402
 from stitch.hlo_passes.graph import build_op_graphs  # noqa: E402
-from stitch.integration import hlo_rewrite  # noqa: E402
-from stitch.integration.hlo_rewrite import (ComputationView, KernelSite, PlacedKernel,  # noqa: E402
+from stitch.xla_pass import hlo_rewrite  # noqa: E402
+from stitch.xla_pass.hlo_rewrite import (ComputationView, KernelSite, PlacedKernel,  # noqa: E402
                                             replace_kernels)
-from stitch.integration.pass_registration import to_proto  # noqa: E402
+from stitch.xla_pass.pass_registration import to_proto  # noqa: E402
 
 A = "f32[8,16]"
 

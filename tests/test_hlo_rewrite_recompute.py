@@ -1,4 +1,4 @@
-"""stitch.integration.hlo_rewrite: a kernel that recomputes a value instead of reading it
+"""stitch.xla_pass.hlo_rewrite: a kernel that recomputes a value instead of reading it
 (the attention backward recomputing S from Q and K) replaces that value's last outside
 reader; a kernel placed after it that produced the value need not write it any more."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ pytest.importorskip("jaxlib")
 
 from stitch.hlo_passes import parse_hlo, print_hlo  # noqa: E402
 from stitch.hlo_passes.graph import build_op_graphs  # noqa: E402
-from stitch.integration.hlo_rewrite import (ComputationView, KernelSite, PlacedKernel,  # noqa: E402
+from stitch.xla_pass.hlo_rewrite import (ComputationView, KernelSite, PlacedKernel,  # noqa: E402
                                             replace_kernels)
-from stitch.integration.pass_registration import to_proto  # noqa: E402
+from stitch.xla_pass.pass_registration import to_proto  # noqa: E402
 
 MODULE = """HloModule m
 ENTRY e {

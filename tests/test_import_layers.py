@@ -165,7 +165,12 @@ FOLDER_ORDER = (
     "stitch.pricing",       # a planned kernel's price: delta-evaluator, chains, structure keys
     "stitch.explorer",      # patterns, beam search, BLP, the planner
     "stitch.compiler",      # stitch.compile: plan, lower, build a module
-    "stitch.integration",   # the XLA pass, jax and TF front ends
+    "stitch.config",        # the settings read from the environment, one registry
+    "stitch.xla_pass",      # stitch as an HLO pass inside XLA's compiler
+    "stitch.frontends",     # what the front ends share: switching, verification
+    "stitch.frontends.jax",  # stitch.jit
+    "stitch.frontends.tf",  # tf.function and Keras' TF trainer
+    "stitch.autoload",      # STITCH_ENABLE=1: the frameworks patched on import
     "stitch.cli",
     "stitch",               # the package's own namespace
     "stitch_autoload",
@@ -174,11 +179,15 @@ FOLDER_ORDER = (
 
 
 def _folder(module: str) -> str:
-    """The FOLDER_ORDER entry ``module`` belongs to."""
+    """The FOLDER_ORDER entry ``module`` belongs to: the longest one that is a prefix of it
+    (a subpackage of the list stands apart from its parent)."""
     parts = module.split(".")
-    if parts[0] != "stitch":
-        return parts[0]
-    return ".".join(parts[:2]) if len(parts) > 1 else "stitch"
+    for end in range(len(parts), 0, -1):
+        name = ".".join(parts[:end])
+        # "stitch" is the package's own __init__ only: a new folder must be listed.
+        if name in FOLDER_ORDER and (name != "stitch" or module == "stitch"):
+            return name
+    return module
 
 
 def test_folders_import_only_downward():

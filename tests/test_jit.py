@@ -16,10 +16,10 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import stitch  # noqa: E402
-from stitch.integration import pass_registration  # noqa: E402
-from stitch.integration.jax_jit import StitchedFunction  # noqa: E402
+from stitch.xla_pass import pass_registration  # noqa: E402
+from stitch.frontends.jax.jax_jit import StitchedFunction  # noqa: E402
 from stitch.models import build  # noqa: E402
-from stitch.integration.verify import compare_trees, poison_check  # noqa: E402
+from stitch.frontends.verify import compare_trees, poison_check  # noqa: E402
 
 RTOL = 1e-4
 

@@ -18,8 +18,8 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import stitch  # noqa: E402
-from stitch.integration import config  # noqa: E402
-from stitch.integration.verify import compare_trees  # noqa: E402
+from stitch import config  # noqa: E402
+from stitch.frontends.verify import compare_trees  # noqa: E402
 
 RTOL = 2e-2          # bf16 results
 
@@ -153,7 +153,7 @@ def test_a_donated_array_used_again_raises_what_jax_jit_raises(monkeypatch, stat
     reference = jax.jit(step, donate_argnums=donated)
     want = _reused_donated_error(reference, _bf16(6), _bf16(5), donated)
     if state == "compiling":        # the compile never finishes: stock all along
-        from stitch.integration.jax_jit import StitchedFunction
+        from stitch.frontends.jax.jax_jit import StitchedFunction
         monkeypatch.setattr(StitchedFunction, "_start_compile",
                             lambda *a, **k: None)
     if state == "failed":
@@ -224,7 +224,7 @@ def test_wait_called_while_the_compile_is_being_submitted_waits_for_it(monkeypat
     False at once (the entry had no future yet)."""
     import threading
     import time
-    from stitch.integration.jax_jit import StitchedFunction
+    from stitch.frontends.jax.jax_jit import StitchedFunction
     real = StitchedFunction._start_compile
     entered = threading.Event()
 
@@ -245,7 +245,7 @@ def test_wait_called_while_the_compile_is_being_submitted_waits_for_it(monkeypat
 
 
 def test_stats_write_failure_leaves_no_temporary_file(tmp_path, monkeypatch):
-    from stitch.integration import switching
+    from stitch.frontends import switching
     target = tmp_path / "stats.json"
     target.mkdir()                       # os.replace onto a directory fails
     assert switching.write_stats(str(target)) is None
@@ -253,7 +253,7 @@ def test_stats_write_failure_leaves_no_temporary_file(tmp_path, monkeypatch):
 
 
 def test_stats_records_carry_planned_and_delivered(tmp_path, monkeypatch):
-    from stitch.integration import switching
+    from stitch.frontends import switching
     f = stitch.jit(_scaled_norm, async_compile=False, guard=False, device="cpu")
     x = _bf16(10, 64, 256)
     f(x, 2.0)
@@ -270,7 +270,7 @@ def test_stats_records_carry_planned_and_delivered(tmp_path, monkeypatch):
 
 
 def test_the_first_stitched_call_on_a_gpu_is_verified_by_default(monkeypatch):
-    from stitch.integration.jax_jit import _Entry
+    from stitch.frontends.jax.jax_jit import _Entry
     monkeypatch.delenv("STITCH_VERIFY", raising=False)
     f = stitch.jit(_scaled_norm)
     gpu, host = _Entry(device="gpu"), _Entry(device="cpu")
@@ -283,7 +283,7 @@ def test_the_first_stitched_call_on_a_gpu_is_verified_by_default(monkeypatch):
 
 
 def test_verify_allows_bf16_rounding_not_more():
-    from stitch.integration.verify import poison_check
+    from stitch.frontends.verify import poison_check
     rng = np.random.default_rng(11)
     exact = rng.standard_normal(4096)
     one_way = exact.astype(jnp.bfloat16)

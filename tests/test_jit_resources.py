@@ -16,10 +16,10 @@ import jax.numpy as jnp  # noqa: E402
 
 import stitch  # noqa: E402
 from stitch.codegen import ffi  # noqa: E402
-from stitch.integration.jax_jit import _CompileThread  # noqa: E402
-from stitch.integration.verify import compare_trees  # noqa: E402
+from stitch.frontends.jax.jax_jit import _CompileThread  # noqa: E402
+from stitch.frontends.verify import compare_trees  # noqa: E402
 
-jit_module = importlib.import_module("stitch.integration.jax_jit")
+jit_module = importlib.import_module("stitch.frontends.jax.jax_jit")
 
 
 def _layer_norm(x, g, b):

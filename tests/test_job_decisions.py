@@ -1,4 +1,4 @@
-"""The job's agreement (stitch.integration.job_decisions) on an in-memory store that behaves
+"""The job's agreement (stitch.frontends.job_decisions) on an in-memory store that behaves
 as jax.distributed's: switch at the largest promised call when every process built the same
 program; stock, the same for everyone, when one did not build, built another program or
 did not answer in time; the guard's verdict is process 0's."""
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from stitch.integration.job_decisions import JobDecision, JobStore, SignatureAgreement
+from stitch.frontends.job_decisions import JobDecision, JobStore, SignatureAgreement
 
 
 class FakeClient:

@@ -39,7 +39,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 try:
-    import stitch.integration.job_decisions as job_decisions
+    import stitch.frontends.job_decisions as job_decisions
     job_decisions.DECISION_TIMEOUT_S = 60.0
 except ImportError:           # a stitch without job decisions (the test's own check)
     pass
@@ -91,7 +91,7 @@ import numpy as np
 import jax, jax.numpy as jnp
 import stitch
 from stitch.explorer.plan_cache import default_plan_cache
-from stitch.integration.kernel_builds import compile_cache
+from stitch.xla_pass.kernel_builds import compile_cache
 
 def f(x, w):
     h = x @ w

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from stitch.integration import pass_registration, xla_pass
+from stitch.xla_pass import pass_registration, entry as xla_pass
 
 jax = pytest.importorskip("jax")
 REPO = Path(__file__).resolve().parents[1]
 
 CHILD = """
 import json, logging, sys
-from stitch.integration import pass_registration as p
+from stitch.xla_pass import pass_registration as p
 results = []
 for _ in range(2):
     try:
@@ -45,7 +45,7 @@ def _register_in_child(platform: str, **env: str) -> dict:
 
 
 def _cuda_plugin_loads() -> bool:
-    from stitch.integration import deviceless
+    from stitch.xla_pass import deviceless
     return deviceless.plugin_available() is None
 
 
@@ -73,7 +73,7 @@ def test_cuda_registration_follows_this_jaxs_platform_names() -> None:
 def test_cuda_registers_on_a_deviceless_cuda_plugin_under_its_own_name() -> None:
     """With jax's CUDA plugin loaded and no GPU (the deviceless environment), jax 0.11
     takes "cuda" and refuses "gpu"; registration succeeds."""
-    from stitch.integration import deviceless
+    from stitch.xla_pass import deviceless
     if not _cuda_plugin_loads():
         pytest.skip("no CUDA plugin installed (scripts/deviceless_check.sh makes one)")
     got = _register_in_child("cuda", **deviceless.DEVICELESS_ENV)

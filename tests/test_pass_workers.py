@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from stitch.integration import pass_planning, ptx_children, xla_pass
-from stitch.integration.xla_pass import PassRequest
+from stitch.xla_pass import pass_planning, ptx_children, entry as xla_pass
+from stitch.xla_pass.entry import PassRequest
 
 
 def _idle(worker) -> bool:
@@ -130,7 +130,7 @@ def test_exit_kills_the_children_and_their_files(tmp_path) -> None:
     script = (
         "import os, time\n"
         "from stitch.codegen.isolation import IsolatedWorker\n"
-        "from stitch.integration import ptx_children\n"
+        "from stitch.xla_pass import ptx_children\n"
         "(w,) = ptx_children.acquire(1)\n"
         "w.call(time.sleep, 0)\n"
         "print(w.pid, w._stderr_path, flush=True)\n")

@@ -1,4 +1,4 @@
-"""stitch.integration.payback: on the GPU path a stitched kernel is built only when its modeled
+"""stitch.xla_pass.payback: on the GPU path a stitched kernel is built only when its modeled
 saving per step repays its estimated build within STITCH_PAYBACK_STEPS steps; kernels of
 one structure (built once) repay it together."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.integration import pass_planning, payback, xla_pass
-from stitch.integration.code_budget import statements
+from stitch.xla_pass import pass_planning, payback, entry as xla_pass
+from stitch.xla_pass.code_budget import statements
 from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.planner import ExplorerOptions, plan

@@ -242,7 +242,7 @@ def test_linear_launch_order_matches_the_round_by_round_order():
 def test_dump_modules_writes_what_the_pass_plans(tmp_path, monkeypatch):
     """STITCH_DUMP_MODULES: each module the XLA pass is handed lands in the folder, one
     file per call, so planning can be profiled without XLA."""
-    from stitch.integration.pass_registration import DUMP_ENV, PassRequest, _dump_module
+    from stitch.xla_pass.pass_registration import DUMP_ENV, PassRequest, _dump_module
     request = PassRequest("my fn", "h100", "cpu")
     text = layers_hlo(1)
     monkeypatch.delenv(DUMP_ENV, raising=False)

@@ -21,7 +21,7 @@ def _accuracy_and_loss(logits, labels):
 
 def test_the_pass_plans_no_reduction_codegen_refuses():
     jax = pytest.importorskip("jax")
-    from stitch.integration import xla_pass
+    from stitch.xla_pass import entry as xla_pass
     rng = np.random.default_rng()
     rows, classes = int(rng.integers(8, 64)), int(rng.integers(16, 200))
     logits = rng.standard_normal((rows, classes)).astype(np.float32)

@@ -17,8 +17,8 @@ from stitch.hlo_passes import parse_hlo, print_hlo
 from stitch.hlo_passes.evaluator import custom_calls
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.graph_exec import GraphRunner
-from stitch.integration import pass_planning, xla_pass
-from stitch.integration.hlo_rewrite import PlacedKernel
+from stitch.xla_pass import pass_planning, entry as xla_pass
+from stitch.xla_pass.hlo_rewrite import PlacedKernel
 from tests.test_graph_exec import random_args
 
 DATA = Path(__file__).parent / "data"

@@ -1,4 +1,4 @@
-"""Sorted fixed-length segments as rows inside the XLA pass (stitch.integration.segment_rows):
+"""Sorted fixed-length segments as rows inside the XLA pass (stitch.xla_pass.segment_rows):
 XLA's optimized module keeps jax's segment_max / segment_sum as atomic scatters inside
 fusions; the pass plans from the module with those fusion bodies rewritten as row
 reductions, places its kernels into XLA's module by name, and prices XLA's own module for

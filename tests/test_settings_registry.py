@@ -1,4 +1,4 @@
-"""One settings registry (stitch.integration.config.SETTINGS_TABLE): the README's table is
+"""One settings registry (stitch.config.SETTINGS_TABLE): the README's table is
 generated from it, every STITCH_* variable the package reads is in it, the modules' own
 defaults are the registry's, and a bad value names what the setting accepts."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stitch.integration import config
-from stitch.integration.config import SETTINGS, ConfigError
+from stitch import config
+from stitch.config import SETTINGS, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 START = "<!-- settings table:"
@@ -49,7 +49,8 @@ def test_every_variable_the_package_reads_is_registered() -> None:
 def test_modules_defaults_are_the_registry_s() -> None:
     from stitch.codegen.pipelines import PIPELINES
     from stitch.cost.launch_forms import GRID_SYNC_SETTINGS
-    from stitch.integration import code_budget, payback, size_gate
+    from stitch.xla_pass import code_budget, payback
+    from stitch.frontends import size_gate
     assert str(payback.PAYBACK_STEPS) == SETTINGS["STITCH_PAYBACK_STEPS"].default
     assert str(code_budget.CODE_BUDGET) == SETTINGS["STITCH_CODE_BUDGET"].default
     assert str(size_gate.MIN_BYTES) in SETTINGS["STITCH_MIN_BYTES"].default

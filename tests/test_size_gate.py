@@ -7,8 +7,8 @@ import types
 import numpy as np
 import pytest
 
-from stitch.integration import autoload
-from stitch.integration.size_gate import SizeSettingError, min_bytes_setting
+from stitch import autoload
+from stitch.frontends.size_gate import SizeSettingError, min_bytes_setting
 
 jax = pytest.importorskip("jax")
 
@@ -22,7 +22,7 @@ def _patched_jax():
 def test_tiny_jits_stay_stock_and_large_ones_are_stitched(monkeypatch) -> None:
     monkeypatch.setenv("STITCH_MIN_BYTES", "4096")
     made = []
-    import stitch.integration.jax_jit as jax_jit
+    import stitch.frontends.jax.jax_jit as jax_jit
     real = jax_jit.jit
     monkeypatch.setattr(jax_jit, "jit", lambda f, **kw: made.append(f) or real(
         f, async_compile=False, guard=False, device="cpu"))
@@ -51,7 +51,7 @@ def test_a_skip_below_the_gate_is_said_once_and_recorded(monkeypatch, caplog) ->
     ``below-size-gate`` record with every call counted."""
     import logging
 
-    from stitch.integration.switching import stats_records
+    from stitch.frontends.switching import stats_records
     rng = np.random.default_rng()
     monkeypatch.setenv("STITCH_MIN_BYTES", "1000000")
     fake = _patched_jax()

@@ -1,4 +1,4 @@
-"""stitch.integration.snap: planned kernels cut to XLA's fusions before the rewrite. A kernel that
+"""stitch.xla_pass.snap: planned kernels cut to XLA's fusions before the rewrite. A kernel that
 holds part of an XLA fusion is widened to the whole fusion; where that is not convex it is
 narrowed to the fusions it holds whole (before, it was left to XLA)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.graph import build_op_graphs
-from stitch.integration.hlo_rewrite import ComputationView, find_site
-from stitch.integration.snap import snap_kernels
+from stitch.xla_pass.hlo_rewrite import ComputationView, find_site
+from stitch.xla_pass.snap import snap_kernels
 from stitch.cost.gpu_specs import get_spec
 
 # K = {A, B, c1}: widening to all of C adds c2, which reads D, which reads A: not convex.

@@ -75,7 +75,7 @@ def _normed(x):
 def test_stitch_jit_reports_where_its_kernels_come_from(caplog) -> None:
     jax = pytest.importorskip("jax")
     import stitch
-    from stitch.integration.switching import stats_records
+    from stitch.frontends.switching import stats_records
 
     f = stitch.jit(_normed, async_compile=False, guard=False, device="cpu")
     x = np.random.default_rng().standard_normal((16, 48)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""The stitched TF step's data path (stitch/integration/tf_bridge.py): inputs, variables and outputs
+"""The stitched TF step's data path (stitch/frontends/tf/tf_bridge.py): inputs, variables and outputs
 cross between TF and the stitched executable through DLPack — no ``.numpy()``, no
 ``np.asarray`` of a TF or jax value on a stitched step — on the CPU and along the GPU code
 path (TF's waits recorded, not run); the stitched side runs where TF's values live unless
@@ -14,8 +14,8 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 jax = pytest.importorskip("jax")
 
-from stitch.integration import gpu_sharing, tf_bridge, tf_frontend  # noqa: E402
-from stitch.integration.host_conversions import HostConversions  # noqa: E402
+from stitch.frontends.tf import gpu_sharing, tf_bridge, tf_frontend  # noqa: E402
+from stitch.frontends.tf.host_conversions import HostConversions  # noqa: E402
 
 
 def _model():
@@ -157,7 +157,7 @@ def test_the_stitched_side_follows_tf_onto_the_gpu_unless_stitch_device_says(mon
 def test_the_guard_times_both_sides_to_the_end_of_their_device_work(monkeypatch, caplog):
     """Each timed trial ends with TF's device work waited for — the stock step's variable
     updates and the stitched side's assigns alike — and the decision names both medians."""
-    from stitch.integration import switching
+    from stitch.frontends import switching
 
     _, _, fn = _stitched(monkeypatch, "gpu", guard=True, device="cpu")
     batches = _batches(2 + 2 * switching.GUARD_CALLS)

@@ -1,6 +1,6 @@
 """Host conversions of the TF front end: the first stitched call's check against TF runs on
-the values' device with the numpy checks' rules (stitch/integration/device_compare.py), the
-counter that finds host reads (stitch/integration/host_conversions.py), and — marked
+the values' device with the numpy checks' rules (stitch/frontends/device_compare.py), the
+counter that finds host reads (stitch/frontends/tf/host_conversions.py), and — marked
 ``thirdparty``, run with ``-m thirdparty`` — keras_hub GPT2 and Llama training on the TF
 backend: a stitched ``fit`` makes at most 2 host conversions per stitched step more than
 stock Keras, with the same per-step losses (bench/tf_conversions.py)."""
@@ -20,9 +20,9 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 from bench import tf_conversions  # noqa: E402
-from stitch.integration.device_compare import differences, first_mismatch  # noqa: E402
-from stitch.integration.host_conversions import HostConversions  # noqa: E402
-from stitch.integration.verify import measure, poison_check, spread_check  # noqa: E402
+from stitch.frontends.device_compare import differences, first_mismatch  # noqa: E402
+from stitch.frontends.tf.host_conversions import HostConversions  # noqa: E402
+from stitch.frontends.verify import measure, poison_check, spread_check  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_EXTRA_PER_STEP = 2

@@ -1,4 +1,4 @@
-"""stitch.integration.tf_frontend: tf.function(jit_compile=True) under stitch (skipped without TF).
+"""stitch.frontends.tf.tf_frontend: tf.function(jit_compile=True) under stitch (skipped without TF).
 
 The mapping (ENTRY parameters = the concrete function's inputs: tensor arguments, then
 captures; root = flat outputs, then variable updates named by input_output_alias), the
@@ -15,7 +15,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("jax")
 
-from stitch.integration import tf_frontend  # noqa: E402
+from stitch.frontends.tf import tf_frontend  # noqa: E402
 
 
 def _model(seed: int = 0):
@@ -53,7 +53,7 @@ def _flat(result):
 
 
 def test_importing_the_front_end_does_not_import_tensorflow():
-    code = ("import sys, stitch.integration.tf_frontend; "
+    code = ("import sys, stitch.frontends.tf.tf_frontend; "
             "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -207,7 +207,7 @@ def test_large_constants_keep_their_values_in_the_stitched_program():
 
 
 def test_an_elided_constant_is_refused_not_compiled_as_zeros():
-    from stitch.integration.xla_pass import PassError, PassRequest, compile_hlo_text
+    from stitch.xla_pass.entry import PassError, PassRequest, compile_hlo_text
 
     text = """HloModule elided
 ENTRY main {
@@ -221,7 +221,7 @@ ENTRY main {
 
 
 def test_spread_check_allows_what_two_xla_versions_disagree_on_and_nothing_more():
-    from stitch.integration.verify import spread_check
+    from stitch.frontends.verify import spread_check
 
     rng = np.random.default_rng(5)
     plain = rng.standard_normal(64).astype(np.float32)

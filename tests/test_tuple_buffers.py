@@ -36,7 +36,7 @@ def test_stitch_compile_runs_a_tuple_copy_of_a_sort():
 
 def test_the_pass_compiles_a_tuple_copy_of_a_sort_that_runs():
     pytest.importorskip("jax")
-    from stitch.integration.xla_pass import PassRequest, compile_hlo_text
+    from stitch.xla_pass.entry import PassRequest, compile_hlo_text
     text = MODULE.read_text()
     module = stitch.hlo_passes.parse_hlo(text)
     call, _ = compile_hlo_text(text, PassRequest("tuple_copy_sort", "h100", "cpu"))

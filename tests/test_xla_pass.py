@@ -20,9 +20,9 @@ import jax.numpy as jnp  # noqa: E402
 
 import stitch  # noqa: E402
 from stitch.hlo_passes import parse_hlo, print_hlo  # noqa: E402
-from stitch.integration import xla_pass  # noqa: E402
+from stitch.xla_pass import entry as xla_pass  # noqa: E402
 from tests.fixtures import compile_with_cpu_pass  # noqa: E402
-from stitch.integration.verify import compare_trees  # noqa: E402
+from stitch.frontends.verify import compare_trees  # noqa: E402
 
 RTOL = 1e-4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,7 +189,7 @@ def test_stitch_stats_file_at_exit(tmp_path):
     assert all(r["function"] == "step" and r["state"] == "ready" for r in records)
     assert records[0]["stitched_calls"] == 3 and records[0]["kernels_stitched"] >= 1
     assert records[0]["kernels_xla"] > 0 and records[0]["compile_s"] > 0
-    from stitch.integration.switching import DELIVERY_KEYS
+    from stitch.frontends.switching import DELIVERY_KEYS
     assert set(records[0]) == {"function", "calls", "stitched_calls", "kernels_stitched",
                                "kernels_xla", "compile_s", "state", "fallback_reason",
                                "where", *DELIVERY_KEYS}
@@ -277,7 +277,7 @@ def test_gpu_kernels_build_in_parallel_in_order_with_failures_kept_per_kernel(mo
     from stitch.codegen.cache import CompileCache
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.isolation import IsolatedWorker
-    from stitch.integration import kernel_builds, xla_pass
+    from stitch.xla_pass import kernel_builds, entry as xla_pass
     from tests.test_kir_nvptx import all_float_ops_kernel, half_kernel
 
     monkeypatch.setenv("STITCH_CACHE_DIR", str(tmp_path))
@@ -431,7 +431,7 @@ def test_stitchs_text_path_keeps_the_modules_aliasing_and_buffer_donors():
                    reason="jaxlib 0.10.2's transformation hook drops input_output_alias from "
                           "every module handed back (stitch deletes the donated buffers itself)")
 def test_donation_survives_the_cpu_pass_and_updates_in_place():
-    from stitch.integration.jax_jit import _lost_donations
+    from stitch.frontends.jax.jax_jit import _lost_donations
     w, x = _rand(32, 64, seed=32), _rand(32, 64, seed=33)
     xla_pass.ensure_registered("cpu")
     stock = jax.jit(_donating_step, donate_argnums=0).lower(w, x).compile()

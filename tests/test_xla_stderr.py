@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from stitch.integration.xla_stderr import xla_stderr_captured
+from stitch.xla_pass.xla_stderr import xla_stderr_captured
 
 XLA_LINE = (b"E1128 12:00:00.123456    4242 execution_engine.cc:54] LLVM compilation error: "
             b"Symbols not found: [ __xla_cpu_runtime_HandleFfiCall ]\n")
@@ -37,7 +37,7 @@ def test_a_second_capture_at_once_leaves_fd2_alone(capfd) -> None:
 def _xla_says_then(monkeypatch, fails: bool) -> None:
     """compile_with_pass writes XLA's line to fd 2 first (as XLA does before a retry)."""
     from stitch.errors import StitchError
-    from stitch.integration import xla_pass
+    from stitch.xla_pass import entry as xla_pass
     real = xla_pass.compile_with_pass
 
     def noisy(lowered, request):

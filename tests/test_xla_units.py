@@ -17,7 +17,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from tests.fixtures import compile_with_cpu_pass  # noqa: E402
-from stitch.integration.verify import compare_trees  # noqa: E402
+from stitch.frontends.verify import compare_trees  # noqa: E402
 from tests.test_snap import MODULE as SNAP_MODULE  # noqa: E402
 
 # A feeds B and D, both feed C; C's body is two ops (c1 = tanh(B), c2 = c1 + D).

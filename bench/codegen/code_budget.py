@@ -1,4 +1,4 @@
-"""What the GPU pass's code budget (stitch/integration/code_budget.py) does to the zoo's plans:
+"""What the GPU pass's code budget (stitch/xla_pass/code_budget.py) does to the zoo's plans:
 per model, the stitched kernels over the budget, the Kernel IR statements as tuned and as
 built, and the modeled µs both ways (counted statements, modeled time).
 
@@ -37,7 +37,7 @@ def measure(model: str, target: str, config: str = "full", build: bool = False) 
     from stitch.codegen.lower import lower_kernel
     from stitch.hlo_passes import parse_hlo
     from stitch.hlo_passes.evaluator.interpreter import Evaluator
-    from stitch.integration import code_budget
+    from stitch.xla_pass import code_budget
     from stitch.cost.gpu_specs import get_spec
     from stitch.errors import StitchError
     from stitch.explorer.planner import plan as make_plan
@@ -80,11 +80,11 @@ def measure(model: str, target: str, config: str = "full", build: bool = False) 
 
 def markdown(rows: list[dict], command: str, target: str, seconds: float,
              build: bool = False) -> str:
-    from stitch.integration.code_budget import CODE_BUDGET, CODE_TOLERANCE
+    from stitch.xla_pass.code_budget import CODE_BUDGET, CODE_TOLERANCE
     lines = ["## Code budget on the GPU path: kernels built narrower (counted statements, "
              "modeled time)", "", stamp(command) + f" Run time {seconds:.0f} s.", "",
              f"Every scheduled block-scope stitched kernel of the zoo's `<config>.gpu-{target}` "
-             f"plans (the XLA GPU modules of the full-size and the tiny configurations), lowered as tuned and through `stitch.integration.code_budget` (budget "
+             f"plans (the XLA GPU modules of the full-size and the tiny configurations), lowered as tuned and through `stitch.xla_pass.code_budget` (budget "
              f"{CODE_BUDGET} Kernel IR statements, tolerance {CODE_TOLERANCE:.0%} of the "
              f"kernel's modeled time). Statements are summed over the kernels; µs are the "
              f"latency-evaluator's, summed.", "",

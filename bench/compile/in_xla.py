@@ -7,7 +7,7 @@ with the same directory (warm), after an untimed compile of a small function
 (``warm_up_backend``: the process's one-time XLA set-up is then on neither side):
 - ``jax.jit``: ``jax.jit(fn).lower(*args).compile()``'s compile — XLA's;
 - ``stitched``: the same lowering compiled with stitch's pass on
-  (``stitch.integration.xla_pass.compile_with_pass``): XLA's pipeline plus, inside it, stitch's
+  (``stitch.xla_pass.entry.compile_with_pass``): XLA's pipeline plus, inside it, stitch's
   parse, plan, snapping, Kernel IR lowering and the host build of each kernel, and the
   rewrite; ``plan``/``build``: the pass's own timings.
 Both sides are traced and lowered before their timers: jax serves a function's second
@@ -103,7 +103,7 @@ def measure_one(model: str, config: str) -> dict:
     """One function's compile times (this process; the caller sets STITCH_CACHE_DIR)."""
     import jax
 
-    from stitch.integration.xla_pass import PassRequest, compile_with_pass, ensure_registered
+    from stitch.xla_pass.entry import PassRequest, compile_with_pass, ensure_registered
 
     fn, args = keras_hub_llama_step() if model == "keras_hub_llama" else zoo_step(model, config)
     warm_up_s = warm_up_backend()
@@ -145,7 +145,7 @@ def measure_one_gpu(model: str, config: str, target: str = "h100") -> dict:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from stitch.integration import deviceless
+    from stitch.xla_pass import deviceless
 
     deviceless.check_environment()
     fn, args = keras_hub_llama_step() if model == "keras_hub_llama" else zoo_step(model, config)
@@ -173,7 +173,7 @@ def device_handlers_s(report) -> float:
     ``stitch.codegen.ffi_cuda.build_cuda_handler``, as cuda_ffi_target builds them, here against
     placeholder driver addresses; never run), under the pass's collector settings."""
     from stitch.codegen.ffi_cuda import DriverSymbols, LoadedFunction, build_cuda_handler
-    from stitch.integration.collector import fewer_collections
+    from stitch.xla_pass.collector import fewer_collections
 
     placeholder = DriverSymbols(*(0x1000 * (i + 1) for i in range(6)))
     functions = [LoadedFunction(0, 0x10000, 0x20000, 0x30000)]
@@ -258,7 +258,7 @@ def markdown(rows: list[dict], command: str, gpu: bool = False) -> str:
                 "(empty compile cache) and warm (the cold run's PTX, cubin and plan caches). "
                 "Kernels are counted in XLA GPU's module. *left unpaid*: kernels the pass "
                 "left to XLA because their modeled saving would not repay their build within "
-                "STITCH_PAYBACK_STEPS (default 100,000) steps (stitch/integration/payback.py). "
+                "STITCH_PAYBACK_STEPS (default 100,000) steps (stitch/xla_pass/payback.py). "
                 "*device handlers*: not in the times — what a compile on a real device adds "
                 "on the pass's thread: the host-side CUDA FFI handler of each stitched kernel, "
                 "built here as on a device (placeholder driver addresses, never run).")

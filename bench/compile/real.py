@@ -48,7 +48,7 @@ def one(key: str) -> dict:
     from bench.compile.in_xla import warm_up_backend
     from bench.real_steps import config, lower_for
     from stitch.codegen.gpu_cache import structure_key
-    from stitch.integration import deviceless
+    from stitch.xla_pass import deviceless
 
     family, layers, dtype = key.split(":")
     cfg = config(family, int(layers), dtype)

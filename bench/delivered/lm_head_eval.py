@@ -41,8 +41,8 @@ def one(dtype: str) -> dict:
     from stitch.cost import get_spec
     from stitch.pricing.lm_head_pricing import loss_price
     from stitch.hlo_passes.lm_head_loss import LmHeadLoss, row_major_views
-    from stitch.integration import deviceless
-    from stitch.integration.lm_head_placement import spill_check
+    from stitch.xla_pass import deviceless
+    from stitch.xla_pass.lm_head_placement import spill_check
 
     deviceless.ensure_pass_registered()
     mesh = topologies.make_mesh(deviceless.topology("h100", "1x1x1"), (1,), ("d",))

@@ -7,7 +7,7 @@ Each row of ``bench.real_steps.REAL_STEPS`` (GPT-2 small at 1/12/48 layers, f32 
 compiled for an H100 without a device twice in one child process (the venv with jax's CUDA
 plugin, ``bench/delivered/children.py``): stock XLA, then with stitch's pass. Per row:
 
-- modeled (stitch's delta cost model, ``stitch/integration/delivered.py``): memory-intensive
+- modeled (stitch's delta cost model, ``stitch/xla_pass/delivered.py``): memory-intensive
   µs of XLA's module and of the module the pass returns, the share of the plan's saving
   delivered, and the whole step (GEMMs at the target's tensor-core rate on both sides,
   ``stitch/cost/gemm_rates.py``);
@@ -107,12 +107,12 @@ def big_buffers(hlo_text: str, dims: dict[str, tuple[int, ...]]) -> dict[str, li
 def measure_one(name: str) -> dict:
     """In the deviceless venv: one REAL_STEPS row, compiled stock and with the pass."""
     from bench.real_steps import REAL_STEPS, lower_for
-    from stitch.integration import deviceless
+    from stitch.xla_pass import deviceless
 
     deviceless.check_environment()
     placement = os.environ.get(PLACEMENT_ENV)
     if placement:
-        from stitch.integration import attention_backward_jobs
+        from stitch.xla_pass import attention_backward_jobs
         attention_backward_jobs.PLACEMENT = placement
     cfg = next(c for c in REAL_STEPS if c.name == name)
     start = time.perf_counter()
@@ -174,7 +174,7 @@ def markdown(rows: list[dict], command: str) -> str:
              "Rows: `bench/real_steps.py` (plain JAX, AdamW by hand, parameters and optimizer "
              "state donated), each compiled for an H100 without a device, stock and with "
              "stitch's pass, in one child process. **Modeled** (stitch's delta cost model, "
-             "stitch/integration/delivered.py): *mem µs* (memory-intensive kernels, XLA's "
+             "stitch/xla_pass/delivered.py): *mem µs* (memory-intensive kernels, XLA's "
              "module → the module the pass returns), *share* (of the plan's saving, what "
              "reached the module; above 100% where the pass also places kernels outside the "
              "plan: attention backwards, LM head losses), *whole step* (every kernel, GEMMs at the H100's "

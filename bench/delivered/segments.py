@@ -171,7 +171,7 @@ def measure_one(case: Case | str) -> dict:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from stitch.integration import deviceless
+    from stitch.xla_pass import deviceless
     from stitch.models.segments import segment_softmax
 
     deviceless.check_environment()

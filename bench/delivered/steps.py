@@ -6,7 +6,7 @@ Each step (``bench/thirdparty_steps.py``) is compiled for an H100 without a devi
 CUDA plugin in the venv scripts/deviceless_check.sh makes, ``STITCH_CUDA_VENV``, default
 .venv-cuda), with stitch's pass on, in a fresh child process with an empty compile cache.
 The pass prices XLA's module, its own plan and the module it returns with the delta cost
-model (``stitch/integration/delivered.py``): memory-intensive µs and bytes per step, the share of
+model (``stitch/xla_pass/delivered.py``): memory-intensive µs and bytes per step, the share of
 the planned saving that reached the module, and the dropped kernels by kind. Settings are
 the defaults unless the environment sets them (``STITCH_GRID_SYNC``...).
 """
@@ -31,7 +31,7 @@ def measure_one(name: str) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from bench.thirdparty_steps import build
-    from stitch.integration import deviceless
+    from stitch.xla_pass import deviceless
 
     deviceless.check_environment()
     fn, args, devices = build(name)
@@ -80,7 +80,7 @@ def markdown(rows: list[dict], command: str) -> str:
              "Each step compiled for an H100 without a device, stitch's pass on "
              f"(STITCH_GRID_SYNC={os.environ.get('STITCH_GRID_SYNC', 'default')}). The pass "
              "prices XLA's module, its plan and the module it returns with the delta cost "
-             "model (stitch/integration/delivered.py): memory-intensive kernels, µs and KB per step "
+             "model (stitch/xla_pass/delivered.py): memory-intensive kernels, µs and KB per step "
              "(loop bodies times their trip counts). *share*: of the planned saving, what "
              "reached the module. *lost to*: planned saving of the kernels dropped, by kind "
              "(payback: left to XLA by design, its build would not repay; build: lowering or "

@@ -9,10 +9,10 @@ the pass on, in the venv scripts/deviceless_check.sh makes (``STITCH_CUDA_VENV``
 .venv-cuda). ``--zoo``: the zoo's XLA GPU (H100) fixtures, tests/data/*/*.gpu-h100.hlo, in
 a summary (section bench-xla-units-zoo). Per module and mode: planning CPU seconds (one thread, no cache), the modeled µs
 of the plan as planned, of what snapping leaves (the plan's kernels snapped to whole XLA
-instructions, stitch.integration.snap, at least two XLA kernels each, plus XLA's kernels for the
+instructions, stitch.xla_pass.snap, at least two XLA kernels each, plus XLA's kernels for the
 rest: an upper bound, before lowering, building, payback and the rewrite), and — where the
 pass's own ``<module>.summary.json`` lies beside the module (the pass writes it with
-``STITCH_DUMP_MODULES``) — what the pass delivered (stitch/integration/delivered.py: the final
+``STITCH_DUMP_MODULES``) — what the pass delivered (stitch/xla_pass/delivered.py: the final
 module priced as XLA's), all by the delta cost model (counted and modeled, not measured).
 """
 from __future__ import annotations
@@ -55,8 +55,8 @@ def capture(folder: Path, models: tuple[str, ...] = MODELS) -> list[Path]:
 def placed_modeled_us(module, fusion_plan, spec) -> tuple[float, int]:
     """Modeled µs of what the pass can place from ``fusion_plan`` (snapped, placeable
     kernels, XLA's kernels for the rest) and how many kernels that is."""
-    from stitch.integration.hlo_rewrite import ComputationView, NotPlaceable, find_site
-    from stitch.integration.snap import snap_kernels
+    from stitch.xla_pass.hlo_rewrite import ComputationView, NotPlaceable, find_site
+    from stitch.xla_pass.snap import snap_kernels
     from stitch.pricing.delta import CostModel
 
     total, placed = 0.0, 0
@@ -137,7 +137,7 @@ def markdown(rows: list[dict], command: str) -> str:
              "to whole XLA instructions, kernels of at least two of them, with XLA's kernels "
              "for the rest — an upper bound on what the pass places (before lowering, "
              "building, payback and the rewrite). *delivered mem*: memory-intensive µs of the "
-             "module the pass returned (its own pricing, stitch/integration/delivered.py; against "
+             "module the pass returned (its own pricing, stitch/xla_pass/delivered.py; against "
              "*XLA mem*), where the capture left the pass's summary. Modeled µs, delta cost "
              "model, H100.", "",
              "| module | ops | vertices | plan s | XLA's kernels µs | planned µs | snapped µs "

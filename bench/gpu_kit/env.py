@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         record["jax"] = jax_view()
     except Exception as exc:  # noqa: BLE001
         record["jax"] = {"error": f"{type(exc).__name__}: {exc}"}
-    from stitch.integration.device_target import target_for_device_info
+    from stitch.xla_pass.device_target import target_for_device_info
     cc = record["device"].get("compute_capability")
     record["target"] = target_for_device_info(record["device"].get("name", ""),
                                               tuple(cc) if cc else None)

@@ -33,7 +33,7 @@ def run_model(name: str, config: str = "tiny") -> dict:
     import numpy as np
 
     import stitch
-    from stitch.integration.verify import compare_trees
+    from stitch.frontends.verify import compare_trees
     from stitch.models import build
 
     inst = build(name, config)

@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from bench.cuda_driver import Driver
     from stitch.cost.gpu_specs import get_spec
-    from stitch.integration.device_target import target_for_device_info
+    from stitch.xla_pass.device_target import target_for_device_info
 
     driver = Driver()
     driver.use(0)

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from stitch.codegen.pipelines import PIPELINES
-    from stitch.integration.xla_pass import gpu_arch, target_arch
+    from stitch.xla_pass.entry import gpu_arch, target_arch
 
     device = "gpu" if jax.default_backend() == "gpu" else "cpu"
     arch = gpu_arch() if device == "gpu" else target_arch("h100")

@@ -253,7 +253,7 @@ def compare(model: str, target: str, tf32: bool | None = None,
     ``tf32``: chain kernels may use TF32 tensor cores (ExplorerOptions.chain_tf32; default:
     what the GPU compile path plans with). ``grid_sync``: chain schedules may split n
     across blocks (ExplorerOptions.chain_grid_sync)."""
-    from stitch.integration.xla_pass import GPU_CHAIN_TF32
+    from stitch.xla_pass.entry import GPU_CHAIN_TF32
     tf32 = GPU_CHAIN_TF32 if tf32 is None else tf32
     path = DATA / model / f"full.gpu-{target}.hlo"
     if not path.exists():

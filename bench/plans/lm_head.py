@@ -28,7 +28,7 @@ from stitch.cost.gemm_tile import LIBRARY_TILE, gemm_cost
 from stitch.pricing.lm_head_pricing import loss_price
 from stitch.codegen.lm_head_backward import LmHeadBackward, lower_lm_head_backward
 from stitch.cost.mma_efficiency import kernel_efficiency
-from stitch.integration.lm_head_backward_price import backward_price
+from stitch.xla_pass.lm_head_backward_price import backward_price
 from stitch.hlo_passes.lm_head_loss import LmHeadLoss, row_major_views
 from tests.test_lm_head_backward_chains import DE, DH, backward_text, one_chain
 

@@ -1,7 +1,7 @@
 """Which launch forms a global-scope (grid barrier) kernel may take on the target, and what
 each costs: the one rule the planner (``stitch.pricing.delta``'s price of a global-scope
 pattern, ``ExplorerOptions.grid_sync``) and the XLA pass (the form it builds,
-``stitch.integration.xla_pass``) both ask, so the planner never prices a kernel in a form the pass
+``stitch.xla_pass.entry``) both ask, so the planner never prices a kernel in a form the pass
 will not build.
 
 Settings (``STITCH_GRID_SYNC`` on the GPU pass; the host runs every form):

@@ -56,7 +56,7 @@ class ExplorerOptions:
     # Plan an XLA-optimized graph with XLA's instructions as the explorer's vertices (a
     # fusion stays whole: every candidate pattern is a union of XLA's kernels) and no
     # op-level refinement. The XLA pass sets it: its kernels are snapped to whole
-    # instructions anyway (stitch.integration.snap), and the graph it plans is ~10x smaller in
+    # instructions anyway (stitch.xla_pass.snap), and the graph it plans is ~10x smaller in
     # units than in ops (docs/benchmarks.md, bench-xla-units).
     xla_units: bool = False
     # Returns True once planning should stop: polled every ~50 ms of planning work, it

@@ -4,7 +4,7 @@ state it writes.
 XLA's copy insertion has run before stitch's pass sees the module, so inside a while body
 (any computation but the entry) the root's operands live in the loop-state buffers, which a
 stitch custom call also reads: each value a stitched kernel writes for the root goes through
-a ``copy`` (``stitch.integration.hlo_rewrite`` adds them; without them the kernel would write into
+a ``copy`` (``stitch.xla_pass.hlo_rewrite`` adds them; without them the kernel would write into
 buffers it is still reading). ``carried_bytes`` is the one prediction of those copies: the
 planner prices them into a loop-body kernel's cost (``stitch.pricing.delta``), the pass checks
 a site against them and the rewrite's recorded copies agree with it (tests).

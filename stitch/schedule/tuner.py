@@ -498,7 +498,7 @@ def schedule_kernel(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
     ``register_scale``. ``layouts``: buffers whose layout stitch chooses (node -> logical
     dims, major to minor; ``layouts.py``): their reads and writes are priced by access
     order (``layout_access.apply_layouts``). ``vector_widths``: only these widths (a
-    narrower kernel: less code to compile, ``stitch.integration.code_budget``); the global
+    narrower kernel: less code to compile, ``stitch.xla_pass.code_budget``); the global
     scope is not tried. Raises ScheduleError when nothing is legal, listing why."""
     members = sorted(set(members))
     try:

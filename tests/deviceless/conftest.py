@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from stitch.integration import deviceless
+from stitch.xla_pass import deviceless
 
 TARGET = "h100"          # stitch's GPU spec; the compile's target config is made from it
 ARCH = "sm_90"

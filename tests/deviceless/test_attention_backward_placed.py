@@ -1,5 +1,5 @@
 """A training step's attention backward is one stitch kernel in XLA GPU's module for an
-H100 (stitch/integration/attention_backward_jobs.py): XLA's dP GEMM, softmax-gradient
+H100 (stitch/xla_pass/attention_backward_jobs.py): XLA's dP GEMM, softmax-gradient
 fusion and dQ / dK / dV GEMMs replaced by a two-phase kernel reading Q, K, V and dO only,
 the forward chain then writing only O: no value of the final module is scores-sized.
 Placed as the report says, assembled for sm_90 without spills, and the placed kernel's
@@ -48,7 +48,7 @@ _DTYPES = {"f32": (jnp.float32, 5e-3), "bf16": (jnp.bfloat16, 2e-2)}
 def test_attention_backward_is_one_kernel_and_nothing_is_scores_sized(h100_mesh,
                                                                       monkeypatch, dtype):
     """Placed wherever it fits (whatever the model says: the second test)."""
-    from stitch.integration import attention_backward_jobs
+    from stitch.xla_pass import attention_backward_jobs
     monkeypatch.setattr(attention_backward_jobs, "PLACEMENT", "always")
     jax_dtype, tol = _DTYPES[dtype]
     result = _compile(h100_mesh, jax_dtype)
@@ -103,7 +103,7 @@ def test_llama_like_backward_is_one_kernel_with_128_wide_heads(h100_mesh, monkey
     the placed kernel's gradients on the host match jax's in float64 (bf16 tolerance)."""
     from bench import real_steps
     from stitch.codegen import attention_backward as codegen
-    from stitch.integration import attention_backward_jobs, deviceless
+    from stitch.xla_pass import attention_backward_jobs, deviceless
     from stitch.codegen.nvptx import emit_ptx
     from stitch.codegen.toolchain import assemble_cubin
     from tests.test_attention_backward import _load, _store

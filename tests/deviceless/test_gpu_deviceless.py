@@ -23,7 +23,7 @@ import pytest
 from stitch.codegen.objcheck import cubin_problem
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.graph import FREE_OPCODES
-from stitch.integration import deviceless
+from stitch.xla_pass import deviceless
 
 from .conftest import ARCH, TARGET
 
@@ -239,8 +239,8 @@ def test_data_parallel_step_on_two_h100s(h100_mesh2, tmp_path, monkeypatch):
     between XLA's collectives, which stay XLA's. Where XLA cannot read back its own print of
     the module the pass is given (XLA 0.11.2's in-place ``all-reduce-start``), the pass must
     say so and leave the module to XLA: checked on the very module the pass saw."""
-    from stitch.integration.pass_registration import DUMP_ENV
-    from stitch.integration.pass_request import PassError
+    from stitch.xla_pass.pass_registration import DUMP_ENV
+    from stitch.xla_pass.pass_request import PassError
     monkeypatch.setenv(DUMP_ENV, str(tmp_path))
     lowered = lower_step(h100_mesh2, jnp.float32, "d")
     stock = parse_hlo(lowered.compile().as_text())
@@ -269,12 +269,12 @@ def test_public_registration_reaches_a_deviceless_compile_only_where_jax_registe
     device), so only the extension registration reaches a deviceless compile; jax 0.11
     registers on the loaded CUDA plugin at once, and the public call alone stitches. Checked
     in a child with only the public call (this process has the extension registration)."""
-    from stitch.integration.pass_registration import registers_on_client_start
+    from stitch.xla_pass.pass_registration import registers_on_client_start
     code = (
         "import jax, jax.numpy as jnp\n"
         "from jax.experimental import topologies\n"
         "from jax.sharding import NamedSharding, PartitionSpec as P\n"
-        "from stitch.integration import deviceless, xla_pass\n"
+        "from stitch.xla_pass import deviceless, entry as xla_pass\n"
         "xla_pass.ensure_registered('cuda')\n"
         "mesh = topologies.make_mesh(deviceless.topology('h100'), (1,), ('d',))\n"
         "s = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=NamedSharding(mesh, P()))\n"
@@ -365,7 +365,7 @@ def test_attention_is_one_gemm_chain_kernel_in_xla_gpus_module(h100_mesh, dtype)
 
 
 def _normalize_on_h100(h100_mesh, monkeypatch=None, expect_global=True):
-    # Its kernel saves ~1 µs a step: built whatever it repays (stitch/integration/payback.py).
+    # Its kernel saves ~1 µs a step: built whatever it repays (stitch/xla_pass/payback.py).
     if monkeypatch is not None:
         monkeypatch.setenv("STITCH_PAYBACK_STEPS", "off")
     spec = jax.ShapeDtypeStruct((2048, 1024), jnp.float32,
@@ -430,7 +430,7 @@ def test_grid_barrier_kernels_as_one_cooperative_launch(h100_mesh, monkeypatch):
 
 
 def test_a_kernel_that_does_not_repay_its_build_is_left_to_xla(h100_mesh, monkeypatch):
-    """stitch.integration.payback: x / sum(x)'s one kernel saves ~1 µs per step for a ~0.1 s build;
+    """stitch.xla_pass.payback: x / sum(x)'s one kernel saves ~1 µs per step for a ~0.1 s build;
     within 1,000 steps it does not repay it and XLA keeps its kernels, with the reason."""
     monkeypatch.setenv("STITCH_GRID_SYNC", "barrier")
     monkeypatch.setenv("STITCH_PAYBACK_STEPS", "1000")

@@ -88,7 +88,7 @@ def test_eval_loss_is_placed_and_the_logits_are_gone(h100_mesh):
     """With the pass, 512 rows (where the fused kernel is modeled faster than XLA): the GEMM,
     the softmax and the gather/reduce fusions are one stitched call; no [rows, vocab] value
     is left in XLA's final module; the call assembles for sm_90 without spills."""
-    from stitch.integration import deviceless
+    from stitch.xla_pass import deviceless
 
     from .conftest import TARGET, assert_no_spills
     from .test_gpu_deviceless import check_assembled, check_placement

@@ -11,7 +11,7 @@ import pytest
 
 from stitch.codegen import lowering_reuse
 from stitch.codegen.gpu_cache import canonical_kernel, kernel_ir_text
-from stitch.integration import deviceless, pass_planning
+from stitch.xla_pass import deviceless, pass_planning
 
 from .conftest import TARGET
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from stitch.integration.deviceless import target_config
+from stitch.xla_pass.deviceless import target_config
 
 XLA_SPECS = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "xla_gpu_specs"
 

@@ -14,7 +14,7 @@ from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
 from stitch.hlo_passes import parse_hlo
 from stitch.hlo_passes.gemm_chains import chain_of, softmax_parts
-from stitch.integration import deviceless
+from stitch.xla_pass import deviceless
 
 from .conftest import TARGET, assert_no_spills
 from .test_gpu_deviceless import check_assembled, check_placement, stitch_calls
@@ -123,7 +123,7 @@ def test_training_forward_attention_is_one_chain_kernel(h100_mesh, dtype):
         BATCH * HEADS, SEQ, SEQ, HEAD_DIM, HEAD_DIM)
     # The mask is computed in the kernel: it reads Q, K and V only.
     assert len(chain.inputs) == 3
-    # With the attention backward placed (stitch/integration/attention_backward_jobs.py),
+    # With the attention backward placed (stitch/xla_pass/attention_backward_jobs.py),
     # nothing reads S, the row sums or P: the chain writes O alone.
     backward = any("attention_backward" in name for name in report.placed)
     assert len(built.lowered.outputs) == 1 + (0 if backward else len(chain.extra_outputs))

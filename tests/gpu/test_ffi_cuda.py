@@ -99,7 +99,7 @@ def test_softmax_with_libdevice(gpu) -> None:
 
 
 def test_the_pass_cubin_of_a_canonical_copy_runs_under_the_kernels_name(gpu) -> None:
-    """The GPU pass's load (stitch.integration.xla_pass.build_target): ptxas's cubin of the
+    """The GPU pass's load (stitch.xla_pass.entry.build_target): ptxas's cubin of the
     kernel's canonical copy (entry CANONICAL_NAME), the kernel's own PTX behind it."""
     from stitch.codegen.gpu_cache import CANONICAL_NAME, canonical_kernel
     from stitch.codegen.toolchain import assemble_cubin

@@ -28,7 +28,7 @@ def _poison_device_memory(nbytes: int = POISON_BYTES) -> None:
 @pytest.mark.parametrize("model,config", CASES, ids=[f"{m}-{c}" for m, c in CASES])
 def test_stitched_step_matches_jax_jit_on_the_device(gpu, model, config) -> None:
     import stitch
-    from stitch.integration.verify import compare_trees
+    from stitch.frontends.verify import compare_trees
     from stitch.models import build
 
     inst = build(model, config)

@@ -17,7 +17,7 @@ itself is split by job:
   pool, ``GpuPrebuild``);
 - ``ptx_children``: the process's PTX children the GPU builds run in.
 
-Without a GPU (the deviceless check, tests only): ``stitch/integration/deviceless.py`` registers the
+Without a GPU (the deviceless check, tests only): ``stitch/xla_pass/deviceless.py`` registers the
 same callback with the CUDA plugin's XlaTransform extension and compiles with
 ``PassRequest(compile_only=True)``: kernels are built for the target spec's arch as
 compile-only CUDA FFI targets (``kernel_builds.build_target``). CPU kernels' object code is
@@ -55,7 +55,7 @@ def compile_with_pass(lowered: Any, request: PassRequest) -> tuple[Any, PassRepo
     "Symbols not found: __xla_cpu_runtime_HandleFfiCall"); when XLA rejects a module with
     kernels in loop bodies, the compile is retried once with ENTRY kernels only."""
     if request.device == "gpu" and not request.compile_only:
-        from stitch.integration.device_target import pass_target
+        from stitch.xla_pass.device_target import pass_target
         request.target = pass_target(request.target)     # the device's, unless named
     private = request.prepare(lowered)
     try:

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .config import env_count
+from stitch.config import env_count
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ run the stitched program once it is built.
 
 The stitched program is the function's whole HLO (``experimental_get_compiler_ir(...)
 (stage="hlo")``, what tf2xla gives XLA) compiled by XLA on jax's client with stitch's pass
-on for it (``stitch.integration.xla_pass.compile_hlo_text``): XLA fuses it, stitch replaces what its
+on for it (``stitch.xla_pass.entry.compile_hlo_text``): XLA fuses it, stitch replaces what its
 kernels cover with FFI custom calls, and the step stays ONE XLA executable. Per input
 signature:
 
@@ -51,9 +51,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .config import Settings, configure_logging, injected_failure
+from stitch.config import Settings, configure_logging, injected_failure
 from stitch.errors import StitchError
-from .switching import SwitchEntry, SwitchingFunction
+from stitch.frontends.switching import SwitchEntry, SwitchingFunction
 from .tf_bridge import Bridge, tf_runs_on
 
 log = logging.getLogger("stitch.tf")
@@ -205,7 +205,7 @@ class _Entry(SwitchEntry):
     # XLA's own compile of the same module on jax's client, kept until the first stitched
     # call is verified: the reference that tells stitch's kernels from XLA-version effects.
     plain_call: Callable | None = None
-    bridge: Bridge | None = None        # DLPack exchange with TF (stitch/integration/tf_bridge.py)
+    bridge: Bridge | None = None        # DLPack exchange with TF (stitch/frontends/tf/tf_bridge.py)
     device: str = "cpu"                 # where the stitched program runs
 
 
@@ -382,7 +382,7 @@ class TFStitchedFunction(SwitchingFunction):
         entry.bridge.block(outs + (plain or []))   # computed from the values before the step
         result = self.stock(*args, **kwargs)
         try:
-            from .device_compare import first_mismatch
+            from stitch.frontends.device_compare import first_mismatch
             mapping = entry.mapping
             _, leaves = bound_leaves(self.python_fn, args, kwargs)
             expected = [t for t in tf.nest.flatten(result, expand_composites=True)
@@ -427,7 +427,7 @@ class TFStitchedFunction(SwitchingFunction):
         TF compiling on the compile thread while the caller's stock step compiles too
         deadlocks (both hold a TF lock and want the GIL). Planning and building go to the
         compile thread."""
-        from .jax_jit import COMPILE_THREAD
+        from stitch.frontends.jax.jax_jit import COMPILE_THREAD
 
         log.info("%s: compiling stitched kernels for %s (call %d, %s)", self.__qualname__,
                  self.target, call_number, "in the background" if self.async_compile
@@ -485,10 +485,10 @@ class TFStitchedFunction(SwitchingFunction):
         import jax
 
         from stitch.hlo_passes import print_hlo
-        from stitch.integration.xla_pass import PassRequest, compile_hlo_text
+        from stitch.xla_pass.entry import PassRequest, compile_hlo_text
 
         from .gpu_sharing import check_gpu_allowed
-        from .jax_jit import COMPILE_THREAD
+        from stitch.frontends.jax.jax_jit import COMPILE_THREAD
 
         start = time.perf_counter()
         try:

@@ -1,7 +1,7 @@
 """Settings read from the environment: one registry (``SETTINGS_TABLE``: name, kind,
 default, accepted values, meaning) that every STITCH_* reader goes through (``setting_raw``,
 ``env_flag``, ``env_count`` and the readers below). The README's settings table is generated
-from it: ``python -m stitch.integration.config --markdown``. Modules below this layer
+from it: ``python -m stitch.config --markdown``. Modules below this layer
 (``stitch.codegen``: STITCH_CACHE_DIR, STITCH_ISOLATE, STITCH_LLVM_PIPELINE, STITCH_PTXAS,
 STITCH_LIBDEVICE) and ``stitch_autoload`` (STITCH_ENABLE, read before any of stitch is
 imported) read their own variable; it is registered here all the same.
@@ -34,7 +34,7 @@ class ConfigError(StitchError, ValueError):
 @dataclass(frozen=True)
 class Setting:
     """One STITCH_* environment variable: what it holds and does (the README's settings
-    table is generated from these: ``python -m stitch.integration.config --markdown``)."""
+    table is generated from these: ``python -m stitch.config --markdown``)."""
     name: str
     kind: str                    # flag | count | choice | path | level | text
     default: str                 # as a user reads it ("" where unset means nothing)
@@ -155,6 +155,8 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
             "the libdevice.10.bc to link math functions from"),
     # scripts, the GPU kit, bench and the tests (not in the README's table)
     *(Setting(name, "text", "", meaning, audience="tests") for name, meaning in (
+        ("STITCH_BENCH_BACKWARD_PLACEMENT", "the real-size bench child's attention-backward "
+         "placement (priced or always)"),
         ("STITCH_BLOCK_MODULES", "modules scripts/pythonpath hides (deviceless checks)"),
         ("STITCH_CUDA_VENV", "the venv with jax's CUDA plugin (deviceless check, bench)"),
         ("STITCH_DEVICE_PYTHON", "the GPU kit's Python"),
@@ -446,9 +448,9 @@ def configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m stitch.integration.config --markdown``: the README's settings table."""
+    """``python -m stitch.config --markdown``: the README's settings table."""
     import argparse
-    parser = argparse.ArgumentParser(prog="python -m stitch.integration.config",
+    parser = argparse.ArgumentParser(prog="python -m stitch.config",
                                      description="stitch's STITCH_* settings")
     parser.add_argument("--markdown", action="store_true",
                         help="the README's settings table (the default output)")

@@ -3,10 +3,10 @@
 jax: ``jax.jit`` becomes a function with the same signature that returns ``stitch.jit``
 functions (the original stays reachable as ``jax.jit.__stitch_original__``, which stitch's own
 stock path uses); calls whose arguments total under STITCH_MIN_BYTES stay on stock jax.jit
-(stitch/integration/size_gate.py). Libraries that bind ``jax.jit`` after jax is imported — Keras' JAX trainer
+(stitch/frontends/size_gate.py). Libraries that bind ``jax.jit`` after jax is imported — Keras' JAX trainer
 among them — get stitch too. tensorflow / keras: ``tf.function(jit_compile=True)`` and Keras'
-TF trainer go through ``stitch.integration.tf_frontend``. Settings come from the environment
-(stitch/integration/config.py).
+TF trainer go through ``stitch.frontends.tf.tf_frontend``. Settings come from the environment
+(stitch/config.py).
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ def patch(name: str, module: ModuleType) -> None:
         patch_jax(module)
         _patched("jax.jit")
     elif name in ("tensorflow", "keras"):
-        # tf.function(jit_compile=True) and Keras' TF trainer (stitch/integration/tf_frontend.py); a
+        # tf.function(jit_compile=True) and Keras' TF trainer (stitch/frontends/tf/tf_frontend.py); a
         # failure leaves the framework untouched.
         try:
-            from . import tf_frontend
+            from stitch.frontends.tf import tf_frontend
             if name == "tensorflow":
                 tf_frontend.patch_tensorflow(module)
                 _patched("tf.function(jit_compile=True)")
@@ -63,8 +63,8 @@ def _keras_backend() -> str:
 
 def _configure_gpu_sharing(tf_module: ModuleType) -> None:
     """TensorFlow imported under STITCH_ENABLE: stitch brings jax into a TF program, so both
-    runtimes are set to share a GPU before either starts (stitch/integration/gpu_sharing.py)."""
-    from .gpu_sharing import share_gpu_with_tensorflow
+    runtimes are set to share a GPU before either starts (stitch/frontends/tf/gpu_sharing.py)."""
+    from stitch.frontends.tf.gpu_sharing import share_gpu_with_tensorflow
     share_gpu_with_tensorflow(tf_module)
 
 
@@ -75,10 +75,10 @@ def patch_jax(jax_module: ModuleType) -> None:
 
     def wrap(fun: Callable, kwargs: dict) -> Any:
         try:
-            from .jax_jit import jit as stitch_jit
-            from .size_gate import SizeGated, min_bytes_setting
+            from stitch.frontends.jax.jax_jit import jit as stitch_jit
+            from stitch.frontends.size_gate import SizeGated, min_bytes_setting
             min_bytes = min_bytes_setting()
-            if min_bytes:          # tiny jits stay stock (stitch/integration/size_gate.py)
+            if min_bytes:          # tiny jits stay stock (stitch/frontends/size_gate.py)
                 return SizeGated(fun, kwargs, original,
                                  lambda: stitch_jit(fun, **kwargs), min_bytes)
             return stitch_jit(fun, **kwargs)

@@ -179,7 +179,7 @@ def in_command_buffers(kernel: Any) -> bool:
     and not when ``STITCH_COMMAND_BUFFERS`` is off."""
     from stitch.codegen import kir
 
-    from .config import command_buffers_setting
+    from stitch.config import command_buffers_setting
     return command_buffers_setting() and not kir.has_grid_barrier(kernel)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .config import setting_raw
+from stitch.config import setting_raw
 
 log = logging.getLogger("stitch.jit")
 
@@ -46,7 +46,7 @@ class SignatureCounters:
     compile_s: float = 0.0
     state: str = "compiling"
     fallback_reason: str = ""
-    # What the pass delivered against what it planned (stitch.integration.delivered: modeled
+    # What the pass delivered against what it planned (stitch.xla_pass.delivered: modeled
     # memory-intensive µs and bytes of XLA's module, the plan and the module returned, the
     # dropped kernels' lost µs by kind, the loop copies added); empty for a front end
     # whose program summary has none.
@@ -156,7 +156,7 @@ class SwitchEntry:
     dropped (cancelled while waiting in the compile queue) → compiling on its next call."""
     state: str = "compiling"
     future: Future | None = None
-    program: Any = None                 # stitch.integration.xla_pass.PassReport
+    program: Any = None                 # stitch.xla_pass.entry.PassReport
     call: Callable | None = None        # the jitted stitched program
     verified: bool = False
     reason: str = ""

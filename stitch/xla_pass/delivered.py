@@ -178,7 +178,7 @@ def price_xla_kernels(module: Any, spec: Any) -> dict[str, list[XlaKernel]]:
     """XLA's kernels of ``module`` per computation, priced by the cost model the planner
     prices its baseline with (scatter atomics' contention included). The pass asks for
     them where it planned another module than XLA's (segments as rows in fusion bodies:
-    stitch.integration.segment_rows), so that the XLA side is XLA's own module."""
+    stitch.xla_pass.segment_rows), so that the XLA side is XLA's own module."""
     from stitch.pricing.delta import CostModel
     from stitch.explorer.plan import kernel_kind, memory_intensive
     from stitch.explorer.planner import baseline_groups

@@ -16,7 +16,7 @@ import threading
 
 from stitch.codegen.isolation import IsolatedWorker
 
-from .config import ConfigError, env_flag
+from stitch.config import ConfigError, env_flag
 
 # What a PTX child imports as it starts (stitch.codegen.gpu_cache.build_in_child's work).
 PTX_CHILD_PRELOAD = ("stitch.codegen.nvptx", "stitch.codegen.gpu_cache")

@@ -378,7 +378,7 @@ def compile_with_pass(lowered: Any, function: str, target: str = "h100",
                       arch: str | None = None, options: Any = None) -> DevicelessCompile:
     """``lowered`` (a ``jax.stages.Lowered`` for a topology's devices) compiled by XLA GPU
     with stitch's pass on for it, kernels built as compile-only CUDA targets."""
-    from .xla_pass import PassRequest
+    from .entry import PassRequest
     ensure_pass_registered()
     request = PassRequest(function, target, "gpu", options=options, compile_only=True,
                           arch=arch)

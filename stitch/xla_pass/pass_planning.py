@@ -16,7 +16,7 @@ from stitch.hlo_passes import HloModule
 from stitch.hlo_passes.source_lines import plan_sources
 from stitch.errors import Cancelled, StitchError
 
-from .config import grid_sync_on_gpu
+from stitch.config import grid_sync_on_gpu
 from .delivered import deliver, loses_with_copies, price_xla_kernels
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_copy_bytes,
                           find_site, replace_kernels, xla_layouts)
@@ -49,7 +49,7 @@ XLA_UNITS = True
 CODE_BUDGET_ON_GPU = True
 
 # GPU builds: a kernel whose modeled saving per step would not repay its build within
-# $STITCH_PAYBACK_STEPS steps is left to XLA (stitch.integration.payback; host builds are checks).
+# $STITCH_PAYBACK_STEPS steps is left to XLA (stitch.xla_pass.payback; host builds are checks).
 PAYBACK_ON_GPU = True
 
 # GPU builds: a kernel in a loop body that loses (time, or memory-intensive bytes) once the
@@ -160,7 +160,7 @@ def _plan_and_build_once(module: HloModule, request: PassRequest,
     graphs = [g.graph for g in fusion_plan.graphs]
     placed: list[PlacedKernel] = []
     # Kernels the pass priced itself (placed outside the plan, or built with fewer values
-    # written than planned): their delivered price (stitch.integration.delivered).
+    # written than planned): their delivered price (stitch.xla_pass.delivered).
     priced: dict[str, Any] = {}
     views: dict[int, ComputationView] = {}
     built: dict[str, BuiltKernel] = {}
@@ -461,7 +461,7 @@ class _JobLowering:
         request, report, spec = self.request, self.report, self.spec
         global_allowed = self.grid_sync_setting != "off"
         # LM head + cross-entropy sites first: the XLA instructions they take are not the
-        # plan's kernels' any more (stitch.integration.lm_head_placement).
+        # plan's kernels' any more (stitch.xla_pass.lm_head_placement).
         lm_jobs, lm_taken = lm_head_jobs(request, report, view, gi, graph_plan.graph, spec,
                                          global_allowed)
         snapped = _without_taken(report, view, snapped, lm_taken,

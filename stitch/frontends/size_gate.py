@@ -13,7 +13,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from .config import ConfigError, env_count
+from stitch.config import ConfigError, env_count
 from .switching import SignatureCounters, register_record
 
 log = logging.getLogger("stitch.autoload")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .config import DEFAULT_TARGET
+from stitch.config import DEFAULT_TARGET
 
 log = logging.getLogger(__name__)
 

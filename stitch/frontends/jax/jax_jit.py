@@ -2,7 +2,7 @@
 
 The first calls of each input signature run stock ``jax.jit``; the signature is lowered on
 the calling thread and compiled again by XLA on stitch's compile thread with stitch's pass on
-for that compile (``stitch.integration.xla_pass``): XLA hands its fused module to stitch, which puts
+for that compile (``stitch.xla_pass.entry``): XLA hands its fused module to stitch, which puts
 its stitched kernels in as FFI custom calls; the next call after that runs that executable.
 Any failure while planning, building or running the stitched executable is logged and that
 signature stays on stock XLA for good; it is never raised into the caller's loop.
@@ -22,12 +22,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .config import (Settings, check_device, check_options, check_target, configure_logging,
+from stitch.config import (Settings, check_device, check_options, check_target, configure_logging,
                      injected_failure, log_kernels, setting_raw)
 from stitch.errors import Cancelled, StitchError, StitchRuntimeError
-from .switching import SwitchEntry, SwitchingFunction
-from .verify import compare_trees
-from .xla_stderr import xla_stderr_captured
+from stitch.frontends.switching import SwitchEntry, SwitchingFunction
+from stitch.frontends.verify import compare_trees
+from stitch.xla_pass.xla_stderr import xla_stderr_captured
 
 log = logging.getLogger("stitch.jit")  # the user-facing hierarchy (STITCH_LOG)
 
@@ -414,7 +414,7 @@ class StitchedFunction(SwitchingFunction):
 
     def _compile(self, entry: _Entry, lowered: Any, earlier: float) -> None:
         """The same lowered function compiled by XLA with stitch's pass on for it."""
-        from stitch.integration.xla_pass import PassRequest, compile_with_pass, ensure_registered
+        from stitch.xla_pass.entry import PassRequest, compile_with_pass, ensure_registered
 
         start = time.perf_counter() - earlier
         xla_said = None

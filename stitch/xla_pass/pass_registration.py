@@ -25,7 +25,7 @@ schedules the custom calls with the rest. On the CUDA plugin PRE_SCHEDULER is st
 pre-fusion, so POST_SCHEDULER (fused, scheduled: the rewrite keeps a topological order that
 follows XLA's) is the stage that sees XLA's fusions.
 
-Without a GPU (the deviceless check, tests only): ``stitch/integration/deviceless.py`` registers
+Without a GPU (the deviceless check, tests only): ``stitch/xla_pass/deviceless.py`` registers
 ``xla_callback`` with the CUDA plugin's XlaTransform extension (jax's public registration
 needs a started GPU backend).
 
@@ -47,7 +47,7 @@ from stitch.hlo_passes import HloModule, parse_hlo, print_hlo
 from stitch.errors import Cancelled
 
 from .collector import fewer_collections
-from .config import setting_raw
+from stitch.config import setting_raw
 from .pass_planning import stitch_module
 from .pass_request import REQUEST_ATTR, PassError, PassReport, PassRequest, live_request
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from stitch.hlo_passes import HloModule
 from stitch.hlo_passes.segments import fused_segments_as_rows
 
-from .config import segment_rows_setting
+from stitch.config import segment_rows_setting
 
 log = logging.getLogger("stitch.xla_pass.segments")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import env_count
+from stitch.config import env_count
 
 PAYBACK_STEPS = 100_000
 PAYBACK_ENV = "STITCH_PAYBACK_STEPS"

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from stitch.errors import Cancelled, StitchError
 
-from .config import ConfigError
+from stitch.config import ConfigError
 from .ptx_children import early_ptx_children, release_ptx_workers, start_ptx_workers
 
 log = logging.getLogger("stitch.xla_pass.request")
@@ -55,17 +55,17 @@ class PassReport:
     # lowerings_from_cache.
     lowerings: dict[str, int] = field(default_factory=dict)
     plan: Any = None                  # the FusionPlan
-    # Kernels built at a narrower vector width than tuned (stitch.integration.code_budget).
+    # Kernels built at a narrower vector width than tuned (stitch.xla_pass.code_budget).
     narrowed: list = field(default_factory=list)
-    # Kernels left to XLA because they would not repay their build (stitch.integration.payback).
+    # Kernels left to XLA because they would not repay their build (stitch.xla_pass.payback).
     unpaid: list = field(default_factory=list)
     # Kernels left to XLA because their busiest thread as built runs longer than the kernel
     # was priced at, losing the saving (pass_planning.slower_as_built).
     thread_bound: list[str] = field(default_factory=list)
-    # Planned vs delivered: the final module priced as XLA's is (stitch.integration.delivered).
+    # Planned vs delivered: the final module priced as XLA's is (stitch.xla_pass.delivered).
     delivery: Any = None
     # XLA's scatters (fused) the plan computed as row reductions: proved sorted fixed-length
-    # segments (stitch.integration.segment_rows); placed where a placed kernel holds them.
+    # segments (stitch.xla_pass.segment_rows); placed where a placed kernel holds them.
     segment_rows: list[str] = field(default_factory=list)
     # Each planned stitched kernel's place in the user's code (its functions, file:line,
     # from XLA's metadata; stitch.hlo_passes.source_lines), "" where XLA kept none.
@@ -105,7 +105,7 @@ class PassRequest:
     cancel: Callable[[], bool] | None = None
     options: Any = None                           # ExplorerOptions
     loop_bodies: bool = True                      # place kernels in while bodies/branches too
-    # GPU without a device (stitch/integration/deviceless.py): compile-only CUDA targets, PTX
+    # GPU without a device (stitch/xla_pass/deviceless.py): compile-only CUDA targets, PTX
     # assembled for ``arch`` (default: the compute capability of ``target``'s spec).
     compile_only: bool = False
     arch: str | None = None

@@ -1,0 +1,1 @@
+"""The jax front end: ``jax_jit`` (``stitch.jit``) and the ``stitch demo`` command."""
