@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "corpus"
+CORPUS = Path(__file__).resolve().parent.parent / "hlo_fixtures" / "data" / "corpus"
 ROUNDS = 5
 SHAPE = (64, 8732)
 

@@ -1,7 +1,7 @@
 """Dump XLA's own per-fusion run-time estimates for the zoo's GPU fixtures.
 
 For every model/config/target it compiles the model deviceless (as scripts/gen_fixtures.py
-does) with two XLA debug options and writes tests/data/xla_costs/<model>.<config>.<target>.json:
+does) with two XLA debug options and writes hlo_fixtures/data/xla_costs/<model>.<config>.<target>.json:
 
 * ``xla_gpu_collect_cost_model_stats``: just before scheduling, XLA evaluates its cost models
   on every fusion of the (final) module and stores the results as ``reification_cost`` records

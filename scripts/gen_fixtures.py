@@ -1,11 +1,11 @@
-"""Regenerate the zoo's HLO fixtures under tests/data/<model>/.
+"""Regenerate the zoo's HLO fixtures under hlo_fixtures/data/<model>/.
 
 For every zoo model and config (full, tiny) it writes:
   <config>.pre.hlo        jax pre-optimization HLO  (lower(...).as_text(dialect="hlo"))
   <config>.gpu-v100.hlo   XLA GPU optimized HLO by deviceless compilation for each target
   <config>.gpu-a100.hlo   (specs: ../shared/xla_gpu_specs/<target>.txtpb)
   <config>.gpu-h100.hlo
-and tests/data/manifest.json (jax version, targets, files). The GPU stages need jax with the
+and hlo_fixtures/data/manifest.json (jax version, targets, files). The GPU stages need jax with the
 CUDA plugin but no GPU, in a separate environment (several GB)::
 
     python -m venv /tmp/venv-cuda && /tmp/venv-cuda/bin/pip install "jax[cuda12]==0.10.2"
@@ -29,7 +29,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 import jax  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-DATA = REPO / "tests" / "data"
+DATA = REPO / "hlo_fixtures" / "data"
 TARGETS = ("v100", "a100", "h100")
 
 

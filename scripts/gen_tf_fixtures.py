@@ -1,4 +1,4 @@
-"""Regenerate the TensorFlow/Keras HLO fixtures under tests/data/tf/.
+"""Regenerate the TensorFlow/Keras HLO fixtures under hlo_fixtures/data/tf/.
 
 Needs tensorflow (or tensorflow-cpu) in the running interpreter, e.g.::
 
@@ -19,7 +19,7 @@ import pathlib
 import numpy as np
 import tensorflow as tf
 
-OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "tf"
+OUT = pathlib.Path(__file__).resolve().parent.parent / "hlo_fixtures" / "data" / "tf"
 
 
 def mlp_classifier() -> tf.keras.Model:

@@ -25,7 +25,7 @@ from stitch.hlo_passes.kernels import count_kernels
 log = logging.getLogger("stitch")
 
 # Committed fixtures, present when stitch runs from a source checkout.
-_FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data"
+_FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "hlo_fixtures" / "data"
 GPU_TARGETS = ("v100", "a100", "h100")
 
 
@@ -132,7 +132,7 @@ def _plan_input(args: argparse.Namespace) -> tuple[str, str, list[str]]:
     model_dir = _FIXTURES / args.model
     if not args.model or args.model == "tf" or not model_dir.is_dir():
         known = sorted(p.name for p in _FIXTURES.glob("*") if p.is_dir() and p.name != "tf")
-        raise StitchError(f"unknown model {args.model!r} (no fixtures under tests/data); "
+        raise StitchError(f"unknown model {args.model!r} (no fixtures under hlo_fixtures/data); "
                           f"models with fixtures: {', '.join(known) or 'none'}")
     if args.pre:
         stage = "pre"

@@ -1,5 +1,5 @@
 """Attention's backward of a bf16 training step recognized in XLA's optimized module for an
-H100 (tests/data/attention_backward/xla_h100_step_bf16.hlo: the small causal step of
+H100 (hlo_fixtures/data/attention_backward/xla_h100_step_bf16.hlo: the small causal step of
 tests/deviceless/test_training_attention.py in bf16, as XLA compiled it): S, P, dP and dS
 stored as bf16 with the softmax math in f32 between, and, as in GPT-2's full-size step,
 the causal mask computed by a fusion of its own, and (as in the Llama-style step) Q and K
@@ -23,8 +23,9 @@ from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
 from stitch.hlo_passes.parser import parse_hlo
 
 from .test_attention_backward_recognition import _with_outputs
+from hlo_fixtures import DATA
 
-_STEP = Path(__file__).parent / "data" / "attention_backward" / "xla_h100_step_bf16.hlo"
+_STEP = DATA / "attention_backward" / "xla_h100_step_bf16.hlo"
 _MASK = re.compile(r"  (\S+) = pred\[256,256\]\{1,0\} compare\(\S+, \S+\), direction=LE\n")
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from stitch.codegen import cache as cache_mod
 from stitch.codegen.cache import SECRET_NAME, CompileCache, cache_key, decode_entry, encode_entry
+from hlo_fixtures import DATA
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_NOFOLLOW"), reason="POSIX only")
 
@@ -271,7 +272,7 @@ def test_compile_goes_on_with_a_refused_default_cache(tmp_path, monkeypatch, cap
     shared.mkdir()
     os.chmod(shared, 0o777)
     monkeypatch.setenv("STITCH_CACHE_DIR", str(shared))
-    text = (pathlib.Path(__file__).parent / "data" / "softmax" / "tiny.pre.hlo").read_text()
+    text = (DATA / "softmax" / "tiny.pre.hlo").read_text()
     module = stitch.hlo_passes.parse_hlo(text)
     rng = np.random.default_rng(5)
     args = [rng.standard_normal(p.shape.dims).astype(np.float32)

@@ -22,9 +22,9 @@ from stitch.hlo_passes.errors import HloEvaluationError, UnsupportedOpcodeError 
 from stitch.hlo_passes.evaluator import evaluate  # noqa: E402
 from stitch.hlo_passes.evaluator.dtypes import numpy_dtype  # noqa: E402
 from stitch.hlo_passes.parser import parse_hlo  # noqa: E402
-from tests.fixtures import BF16_TOLERANCE, uses_bf16  # noqa: E402
+from tests.fixtures import BF16_TOLERANCE, DATA as FIXTURES, uses_bf16  # noqa: E402
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = str(FIXTURES)
 BF16 = ml_dtypes.bfloat16
 
 

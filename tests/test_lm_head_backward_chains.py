@@ -20,79 +20,14 @@ from stitch.codegen.host import NUMPY_DTYPES, compile_host
 from stitch.hlo_passes.gemm_chains import find_gemm_chains
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.parser import parse_hlo
+from hlo_fixtures.lm_head_backward import DE, DH, D, N, V, backward_text
 from tests.test_lm_head_loss import ptxas_or_skip
 
-N, V, D = 40, 300, 24       # tokens, vocabulary, hidden: no tile divides them
-
-DH = """HloModule dh
-ENTRY e {{
-  h = {t}[{n},{d}] parameter(0)
-  emb = {t}[{v},{d}] parameter(1)
-  lse = f32[{n}] parameter(2)
-  label = s32[{n}] parameter(3)
-  g = f32[{n}] parameter(4)
-  s0 = {t}[{n},{v}] dot(h, emb), lhs_contracting_dims={{1}}, rhs_contracting_dims={{1}}
-  s = f32[{n},{v}] convert(s0)
-  lseb = f32[{n},{v}] broadcast(lse), dimensions={{0}}
-  x = f32[{n},{v}] subtract(s, lseb)
-  p = f32[{n},{v}] exponential(x)
-  col = s32[{n},{v}] iota(), iota_dimension=1
-  labelb = s32[{n},{v}] broadcast(label), dimensions={{0}}
-  hit = pred[{n},{v}] compare(col, labelb), direction=EQ
-  one = f32[] constant(1)
-  zero = f32[] constant(0)
-  oneb = f32[{n},{v}] broadcast(one), dimensions={{}}
-  zerob = f32[{n},{v}] broadcast(zero), dimensions={{}}
-  onehot = f32[{n},{v}] select(hit, oneb, zerob)
-  d = f32[{n},{v}] subtract(p, onehot)
-  gb = f32[{n},{v}] broadcast(g), dimensions={{0}}
-  dl = f32[{n},{v}] multiply(d, gb)
-  dlt = {t}[{n},{v}] convert(dl)
-  ROOT dh = {t}[{n},{d}] dot(dlt, emb), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-}}
-"""
-DE = """HloModule de
-ENTRY e {{
-  h = {t}[{n},{d}] parameter(0)
-  emb = {t}[{v},{d}] parameter(1)
-  lse = f32[{n}] parameter(2)
-  label = s32[{n}] parameter(3)
-  g = f32[{n}] parameter(4)
-  s0 = {t}[{v},{n}] dot(emb, h), lhs_contracting_dims={{1}}, rhs_contracting_dims={{1}}
-  s = f32[{v},{n}] convert(s0)
-  lseb = f32[{v},{n}] broadcast(lse), dimensions={{1}}
-  x = f32[{v},{n}] subtract(s, lseb)
-  p = f32[{v},{n}] exponential(x)
-  row = s32[{v},{n}] iota(), iota_dimension=0
-  labelb = s32[{v},{n}] broadcast(label), dimensions={{1}}
-  hit = pred[{v},{n}] compare(row, labelb), direction=EQ
-  one = f32[] constant(1)
-  zero = f32[] constant(0)
-  oneb = f32[{v},{n}] broadcast(one), dimensions={{}}
-  zerob = f32[{v},{n}] broadcast(zero), dimensions={{}}
-  onehot = f32[{v},{n}] select(hit, oneb, zerob)
-  d = f32[{v},{n}] subtract(p, onehot)
-  gb = f32[{v},{n}] broadcast(g), dimensions={{1}}
-  dl = f32[{v},{n}] multiply(d, gb)
-  dlt = {t}[{v},{n}] convert(dl)
-  ROOT de = {t}[{v},{d}] dot(dlt, h), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-}}
-"""
 _FMA = ChainTiling(block_m=16, block_n=16, threads=32, thread_m=4, thread_n=2, block_k=4,
                    block_h=8)
 _MMA = ChainTiling(block_m=16, block_n=16, threads=32, thread_m=1, thread_n=1, block_k=16,
                    block_h=8, mma=True)
 
-
-
-def backward_text(form: str, dtype: str = "f32", n: int = N, v: int = V, d: int = D) -> str:
-    text = form.format(t=dtype, n=n, v=v, d=d)
-    if dtype == "f32":      # the converts between f32 values dropped
-        lines = [line for line in text.split("\n")
-                 if not line.startswith(("  s = ", "  dlt = "))]
-        text = "\n".join(lines).replace("subtract(s, lseb)", "subtract(s0, lseb)").replace(
-            "dot(dlt, ", "dot(dl, ")
-    return text
 
 
 def one_chain(text: str):

@@ -1,4 +1,4 @@
-"""The parser reads what XLA's parser reads: modules from XLA's own tests (tests/data/corpus,
+"""The parser reads what XLA's parser reads: modules from XLA's own tests (hlo_fixtures/data/corpus,
 see its README) parse, their inferred shapes are XLA's, and print -> parse round-trips."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from stitch.hlo_passes import HloParseError, evaluate, parse_hlo, print_hlo
+from hlo_fixtures import DATA
 
-CORPUS = pathlib.Path(__file__).parent / "data" / "corpus"
+CORPUS = DATA / "corpus"
 MODULES = sorted(CORPUS.glob("*.hlo.txt"))
 
 

@@ -25,7 +25,6 @@ target with both planners, and nothing but a StitchError may leave ``stitch.plan
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,10 +32,11 @@ import pytest
 import stitch.hlo_passes
 import stitch
 from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+from hlo_fixtures import DATA
 
-DATA = Path(__file__).parent / "data" / "regress"
-CASES = sorted(p.name.removesuffix(".pre.hlo") for p in DATA.glob("*.pre.hlo"))
-FIXTURES = sorted(p.name for p in DATA.glob("*.hlo"))
+REGRESS = DATA / "regress"
+CASES = sorted(p.name.removesuffix(".pre.hlo") for p in REGRESS.glob("*.pre.hlo"))
+FIXTURES = sorted(p.name for p in REGRESS.glob("*.hlo"))
 
 
 def _args(module, seed: int) -> list[np.ndarray]:
@@ -56,7 +56,7 @@ def _args(module, seed: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("target", ["v100", "a100", "h100"])
 @pytest.mark.parametrize("case", CASES)
 def test_plans_are_valid(case, target):
-    plan = stitch.plan((DATA / f"{case}.pre.hlo").read_text(), target)
+    plan = stitch.plan((REGRESS / f"{case}.pre.hlo").read_text(), target)
     summary = plan.summary()
     assert summary["stitched"]["mem_kernels"] <= summary["baseline"]["mem_kernels"]
 
@@ -65,7 +65,7 @@ def test_plans_are_valid(case, target):
 @pytest.mark.parametrize("target", ["v100", "a100", "h100"])
 @pytest.mark.parametrize("fixture", FIXTURES)
 def test_every_fixture_plans_valid_with_both_planners(fixture, target, planner):
-    plan = stitch.plan((DATA / fixture).read_text(), target, planner)
+    plan = stitch.plan((REGRESS / fixture).read_text(), target, planner)
     assert plan.kernels
     summary = plan.summary()
     assert summary["stitched"]["mem_kernels"] <= summary["baseline"]["mem_kernels"]
@@ -73,7 +73,7 @@ def test_every_fixture_plans_valid_with_both_planners(fixture, target, planner):
 
 @pytest.mark.parametrize("case", CASES)
 def test_compiled_program_matches_the_evaluator(case):
-    module = stitch.hlo_passes.parse_hlo((DATA / f"{case}.pre.hlo").read_text())
+    module = stitch.hlo_passes.parse_hlo((REGRESS / f"{case}.pre.hlo").read_text())
     exe = stitch.compile(module, "h100", cache=False)
     assert exe.kernels
     args = _args(module, 3)
@@ -93,4 +93,4 @@ def test_an_unexpected_error_inside_the_planner_leaves_as_a_stitch_error(monkeyp
         raise StopIteration
     monkeypatch.setattr(planner_mod, "plan_graph", broken)
     with pytest.raises(stitch.StitchError, match="StopIteration"):
-        stitch.plan((DATA / "fuzz_seed619.pre.hlo").read_text(), "h100")
+        stitch.plan((REGRESS / "fuzz_seed619.pre.hlo").read_text(), "h100")

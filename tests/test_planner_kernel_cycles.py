@@ -9,8 +9,9 @@ from pathlib import Path
 
 import stitch
 from stitch.explorer.plan import validate
+from hlo_fixtures import DATA
 
-FIXTURE = Path(__file__).parent / "data" / "regress" / "keras_hub_llama_xla_gpu_h100.hlo.txt"
+FIXTURE = DATA / "regress" / "keras_hub_llama_xla_gpu_h100.hlo.txt"
 
 
 def test_llama_step_from_xla_gpu_plans_valid(caplog):

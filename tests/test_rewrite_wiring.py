@@ -20,8 +20,8 @@ from stitch.hlo_passes.graph_exec import GraphRunner
 from stitch.xla_pass import pass_planning, entry as xla_pass
 from stitch.xla_pass.hlo_rewrite import PlacedKernel
 from tests.test_graph_exec import random_args
+from hlo_fixtures import DATA
 
-DATA = Path(__file__).parent / "data"
 TARGET_PREFIX = "stitch_wiring_test."
 
 

@@ -15,8 +15,9 @@ import pytest
 import stitch
 from stitch.hlo_passes.evaluator import sort as sort_module
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from hlo_fixtures import DATA
 
-CORPUS = pathlib.Path(__file__).parent / "data" / "corpus"
+CORPUS = DATA / "corpus"
 
 
 @pytest.fixture

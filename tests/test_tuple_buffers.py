@@ -1,6 +1,6 @@
 """A kernel's buffers are arrays: an op that reads or writes a tuple of several arrays whole
 (XLA's sharding-propagation test module that copies a stable two-operand sort's tuple,
-tests/data/regress/xla_corpus_07428.hlo, shapes cut from 1024x1024 to 64x128) is refused at
+hlo_fixtures/data/regress/xla_corpus_07428.hlo, shapes cut from 1024x1024 to 64x128) is refused at
 compile time and left to the evaluator / XLA, so the compiled program runs and computes what
 the module computes. Before, the copy became a kernel whose input was bound as the tuple's
 first leaf, and every call raised "param 'in0_sort_0' wants 8192 elements, got 16384"."""
@@ -13,8 +13,9 @@ import pytest
 
 import stitch.hlo_passes
 import stitch
+from hlo_fixtures import DATA
 
-MODULE = Path(__file__).parent / "data" / "regress" / "xla_corpus_07428.hlo"
+MODULE = DATA / "regress" / "xla_corpus_07428.hlo"
 
 
 def _input(seed: int) -> np.ndarray:

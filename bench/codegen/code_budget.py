@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.report import REPO, stamp, write_section
 
-DATA = REPO / "tests" / "data"
+DATA = REPO / "hlo_fixtures" / "data"
 
 SECTION = "bench-code-budget"
 

@@ -23,7 +23,7 @@ from stitch.hlo_passes.parser import parse_hlo
 from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS
 
 SECTION = "bench-gemm-chain-ptxas"
-DATA = REPO / "tests" / "data"
+DATA = REPO / "hlo_fixtures" / "data"
 ARCHS = ("sm_80", "sm_90")
 
 

@@ -33,7 +33,7 @@ from stitch.schedule.chain_tiling import tiling_for
 from stitch.schedule.gemm_chain_space import best_schedule, enumerate_schedules
 
 SECTION = "bench-gemm-chains-registers"
-DATA = REPO / "tests" / "data"
+DATA = REPO / "hlo_fixtures" / "data"
 TARGETS = (("a100", "sm_80"), ("h100", "sm_90"))
 WITHIN = 0.20
 

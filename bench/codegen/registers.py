@@ -23,7 +23,7 @@ import numpy as np
 from bench.plans.estimates import spearman
 from bench.report import REPO, stamp, write_section
 
-DATA = REPO / "tests" / "data"
+DATA = REPO / "hlo_fixtures" / "data"
 TARGETS = ("h100", "a100", "v100")
 
 

@@ -24,7 +24,7 @@ from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.parser import parse_hlo
 
 SECTION = "bench-split-rows"
-DATA = REPO / "tests" / "data"
+DATA = REPO / "hlo_fixtures" / "data"
 ARCH = {"v100": "sm_70", "a100": "sm_80", "h100": "sm_90"}
 
 

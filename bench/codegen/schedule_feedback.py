@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench.report import REPO, stamp, write_section
 
-DATA = REPO / "tests" / "data"
+DATA = REPO / "hlo_fixtures" / "data"
 TARGETS = ("v100", "a100", "h100")
 SECTION = "bench-ptxas-feedback"
 

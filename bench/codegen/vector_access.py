@@ -28,7 +28,7 @@ from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.parser import parse_hlo
 
 SECTION = "bench-vector-access"
-DATA = REPO / "tests" / "data"
+DATA = REPO / "hlo_fixtures" / "data"
 ARCH = {"v100": "sm_70", "a100": "sm_80", "h100": "sm_90"}
 MODELS = ("bert_layer_train", "bert_layer_train_bf16", "dien_train", "dien_train_bf16",
           "log_softmax_xent_train", "log_softmax_xent_train_bf16", "transformer_train",

@@ -10,7 +10,7 @@ import statistics
 import time
 
 from stitch.hlo_passes import parse_hlo, print_hlo
-from tests.fixtures import zoo_fixture_files
+from hlo_fixtures import zoo_fixture_files
 
 
 def measure(text: str, repeat: int) -> tuple[float, float]:

@@ -33,7 +33,7 @@ MODEL = "bert_layer_train"
 TARGET = "h100"
 SECTION = "compile-time"
 COMMAND = "python -m bench.compile.phases --out docs/benchmarks.md"
-DATA = REPO / "tests" / "data"
+DATA = REPO / "hlo_fixtures" / "data"
 
 
 @dataclass

@@ -6,7 +6,7 @@
 Modules: the ``.hlo`` files in DIR (written by the pass with ``STITCH_DUMP_MODULES``), or by
 default captured here: each model's tiny training step compiled deviceless for an H100 with
 the pass on, in the venv scripts/deviceless_check.sh makes (``STITCH_CUDA_VENV``, default
-.venv-cuda). ``--zoo``: the zoo's XLA GPU (H100) fixtures, tests/data/*/*.gpu-h100.hlo, in
+.venv-cuda). ``--zoo``: the zoo's XLA GPU (H100) fixtures, hlo_fixtures/data/*/*.gpu-h100.hlo, in
 a summary (section bench-xla-units-zoo). Per module and mode: planning CPU seconds (one thread, no cache), the modeled µs
 of the plan as planned, of what snapping leaves (the plan's kernels snapped to whole XLA
 instructions, stitch.xla_pass.snap, at least two XLA kernels each, plus XLA's kernels for the
@@ -165,7 +165,7 @@ def zoo_markdown(rows: list[dict], command: str) -> str:
              if p["XLA units"]["placed_us"] > p["ops"]["placed_us"] * 1.001]
     lines = ["## Planning the zoo's XLA GPU modules: ops vs XLA units (counted and modeled)", "",
              stamp(command, os.getloadavg()), "",
-             f"The {len(pairs)} XLA GPU (H100) fixtures of tests/data, each planned both ways "
+             f"The {len(pairs)} XLA GPU (H100) fixtures of hlo_fixtures/data, each planned both ways "
              "(columns as in the section above). Totals: planning CPU "
              f"{sum(r['plan_cpu_s'] for r in units):.1f} s with XLA units against "
              f"{sum(r['plan_cpu_s'] for r in ops):.1f} s with ops; placed "
@@ -188,12 +188,12 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--modules", type=Path, help="a folder of .hlo files the pass wrote")
     parser.add_argument("--zoo", action="store_true",
-                        help="the zoo's XLA GPU fixtures (tests/data/*/*.gpu-h100.hlo)")
+                        help="the zoo's XLA GPU fixtures (hlo_fixtures/data/*/*.gpu-h100.hlo)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     _warm_up()
     if args.zoo:
-        data = REPO / "tests" / "data"
+        data = REPO / "hlo_fixtures" / "data"
         rows = []
         for path in sorted(data.glob("*/*.gpu-h100.hlo")):
             for r in measure(path):

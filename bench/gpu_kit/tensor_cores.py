@@ -42,7 +42,7 @@ XLA_CALLS = 5          # timed jax.jit calls per repeat (after two warm-up calls
 XLA_REPEATS = 3
 TARGET_GRAPH_MS = 20   # replays per captured graph: about this long a replay
 REPEATS = 5
-CHAIN_FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "data" / \
+CHAIN_FIXTURE = Path(__file__).resolve().parents[2] / "hlo_fixtures" / "data" / \
     "attention_bert_base" / "full.gpu-h100.hlo"
 
 

@@ -22,7 +22,7 @@ from bench.report import fit_exponent
 from bench.synthetic import synthetic_hlo
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.parser import parse_hlo
-from tests.fixtures import DATA
+from hlo_fixtures import DATA
 
 # Where xla_hlo_corpus.tar.xz was extracted ($STITCH_XLA_CORPUS, else /tmp/xla_hlo_corpus).
 CORPUS = Path(os.environ.get("STITCH_XLA_CORPUS", "/tmp/xla_hlo_corpus"))

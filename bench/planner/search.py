@@ -10,7 +10,7 @@ from typing import Callable
 import stitch
 from bench.report import fit_exponent
 from bench.synthetic import synthetic_hlo
-from tests.fixtures import DATA
+from hlo_fixtures import DATA
 
 Progress = Callable[[str], None]
 

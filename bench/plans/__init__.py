@@ -102,7 +102,7 @@ MEASURE = Measure(
     name="plans",
     title="Plans: stitch's kernels against XLA's (counted kernels and bytes, modeled time)",
     summary="Plans made from the committed XLA-optimized zoo fixtures "
-            "(tests/data/<model>/full.gpu-<target>.hlo) against XLA's own fusion partition "
+            "(hlo_fixtures/data/<model>/full.gpu-<target>.hlo) against XLA's own fusion partition "
             "of the same module. Kernel counts and bytes are counted; times are modeled.",
     parts=(
         Part("zoo", "The zoo per target: kernels, bytes, modeled time", run_zoo),

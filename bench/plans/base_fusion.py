@@ -23,7 +23,7 @@ from stitch.hlo_passes.base_fusion import base_fusion
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.kernels import count_kernels
 from stitch.hlo_passes.op_classes import is_kernel_boundary
-from tests.fixtures import DATA, GPU_TARGETS
+from hlo_fixtures import DATA, GPU_TARGETS
 
 
 @dataclass

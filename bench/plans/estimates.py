@@ -2,9 +2,9 @@
 
     python -m bench.plans.estimates [--targets h100,a100,v100] [--models a,b] [--out FILE]
 
-For every zoo model with ``tests/data/xla_costs/<model>.full.<target>.json`` (XLA's own
+For every zoo model with ``hlo_fixtures/data/xla_costs/<model>.full.<target>.json`` (XLA's own
 estimate of each final fusion, see docs/xla_costs.md), each memory-intensive XLA fusion of
-``tests/data/<model>/full.gpu-<target>.hlo`` is paired with
+``hlo_fixtures/data/<model>/full.gpu-<target>.hlo`` is paired with
 
 - stitch's latency-evaluator: ``schedule_kernel`` on the fusion's ops (the same member set as
   the baseline kernel ``stitch.plan`` builds from XLA's partition), launch overhead removed;
@@ -43,7 +43,7 @@ from stitch.schedule import KernelSchedule, ScheduleError, schedule_kernel
 
 log = logging.getLogger(__name__)
 
-DATA = REPO / "tests" / "data"
+DATA = REPO / "hlo_fixtures" / "data"
 COSTS = DATA / "xla_costs"
 CONFIG = "full"
 DEFAULT_TARGETS = ("h100", "a100", "v100")
@@ -418,7 +418,7 @@ def render(reports: list[TargetReport], command: str, reading: list[str]) -> str
              f"`{command}` — {datetime.date.today().isoformat()}, {machine()}; "
              f"{total:.1f} s for all targets (measured).", "",
              "Both sides are **modeled**, nothing was measured on a GPU: XLA's numbers are its "
-             "own cost models' estimates (`us` of `tests/data/xla_costs/<model>.full.<target>"
+             "own cost models' estimates (`us` of `hlo_fixtures/data/xla_costs/<model>.full.<target>"
              ".json`: GpuPerformanceModel for loop/input fusions, the tiled indexing model for "
              "Triton fusions; see docs/xla_costs.md), stitch's are the latency-evaluator "
              "(`schedule_kernel`, best tuned schedule) and the delta cost model on the same op "

@@ -62,7 +62,7 @@ from stitch.explorer.planner import ExplorerOptions
 from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS
 from stitch.schedule.gemm_chain_space import exhaustive, markov_search
 from stitch.schedule.tuner import ScheduleError, schedule_kernel
-from tests.fixtures import DATA
+from hlo_fixtures import DATA
 
 TARGETS = ("a100", "h100")
 GOAL = 1.5

@@ -56,7 +56,7 @@ def _mem_side(plan) -> tuple[float, float]:
 def measure(model: str, target: str) -> LayoutRow:
     import stitch
     from stitch.schedule.layouts import apply_layouts
-    from tests.fixtures import DATA
+    from hlo_fixtures import DATA
     plan = stitch.plan((DATA / model / f"full.gpu-{target}.hlo").read_text(), target=target)
     row = LayoutRow(model, target)
     row.mem_bytes, row.before_us = _mem_side(plan)

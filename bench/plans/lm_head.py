@@ -2,11 +2,11 @@
 768 wide), modeled: the fused forward (``stitch.pricing.lm_head_pricing``: the chain search's
 best schedule the loss kernel builds, struck by ptxas where it spills) against XLA's logits
 GEMM plus one read of the logits; the backward's two GEMM chains in the recomputed form
-(tests/test_lm_head_backward_chains.py: dH over the vocabulary, dE over the tokens;
+(hlo_fixtures/lm_head_backward.py: dH over the vocabulary, dE over the tokens;
 ``chain_price``) against XLA's dlogits kernel (logits read, dlogits written, both f32) and
 its two GEMMs; the two-phase backward kernel (``codegen.lm_head_backward``: dH and dE in
 one launch, the logits tiles recomputed, no dlogits) priced as the attention backward is
-(``integration.lm_head_backward_price``), its registers from ptxas. A100 and H100, f32
+(``xla_pass.lm_head_backward_price``), its registers from ptxas. A100 and H100, f32
 (TF32) and bf16.
 
 ``python -m bench plans --part lm-head`` (about half a minute; ptxas where installed) writes
@@ -29,8 +29,11 @@ from stitch.pricing.lm_head_pricing import loss_price
 from stitch.codegen.lm_head_backward import LmHeadBackward, lower_lm_head_backward
 from stitch.cost.mma_efficiency import kernel_efficiency
 from stitch.xla_pass.lm_head_backward_price import backward_price
+from stitch.hlo_passes.gemm_chains import find_gemm_chains
+from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.lm_head_loss import LmHeadLoss, row_major_views
-from tests.test_lm_head_backward_chains import DE, DH, backward_text, one_chain
+from stitch.hlo_passes.parser import parse_hlo
+from hlo_fixtures.lm_head_backward import DE, DH, backward_text
 
 SECTION = "bench-lm-head"
 TOKENS, VOCAB, HIDDEN = 8192, 50257, 768
@@ -81,7 +84,9 @@ def backward_rows() -> list[str]:
             cells = []
             total = 0.0
             for form in (DH, DE):
-                graph, chain = one_chain(backward_text(form, dtype, TOKENS, VOCAB, HIDDEN))
+                graph = build_op_graphs(parse_hlo(
+                    backward_text(form, dtype, TOKENS, VOCAB, HIDDEN)))[0]
+                (chain,) = find_gemm_chains(graph)
                 price = chain_price(graph, chain, spec, tf32=True, grid_sync=True)
                 total += price.cost.seconds
                 cells.append(f"{price.cost.seconds * 1e3:.2f} ({price.schedule.text()})")

@@ -2,7 +2,7 @@
 models: plans, memory-intensive bytes against XLA and the one-kernel bound, modeled time,
 and the accuracy of the stitched kernels on the host.
 
-Plans come from the committed XLA-optimized fixtures (tests/data/<model>/full.gpu-*.hlo),
+Plans come from the committed XLA-optimized fixtures (hlo_fixtures/data/<model>/full.gpu-*.hlo),
 measured exactly as ``python -m bench plans`` does (bench/plans/zoo.py ``plan_model``): kernels
 and bytes are counted, times modeled by the latency-evaluator. Errors: each tiny config is
 compiled for h100 (``stitch.compiler.compile``, poisoned outputs), run on the host with fresh
@@ -50,7 +50,7 @@ def host_errors(models: list[str], target: str = "h100") -> list[ErrorRow]:
     from stitch.hlo_passes import evaluate
     from stitch import compiler
     from stitch.models import build
-    from tests.fixtures import zoo_fixture
+    from hlo_fixtures import zoo_fixture
 
     rows = []
     for model in models:

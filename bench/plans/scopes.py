@@ -66,7 +66,7 @@ def kernels() -> str:
     chain of kernels (a launch per phase instead of a grid barrier) would model faster."""
     import stitch
     from stitch.analysis.feasibility import infeasible_reason
-    from tests.fixtures import DATA
+    from hlo_fixtures import DATA
     lines = ["| model | target | global kernels | block scopes refuse | their µs (sum) | "
              "barriers | chain faster |", "|---|---|---:|---:|---:|---:|---:|"]
     for model in MODELS:

@@ -2,7 +2,7 @@
 explorer cost against graph size: the data of the report's ``plans`` and ``planner``
 sections (``python -m bench plans|planner``; ``python -m bench.plans.zoo`` runs both).
 
-Plans are made from the committed XLA-optimized fixtures (tests/data/<model>/full.gpu-*.hlo):
+Plans are made from the committed XLA-optimized fixtures (hlo_fixtures/data/<model>/full.gpu-*.hlo):
 the baseline is XLA's own fusion partition. Kernel counts and bytes are counted; times are
 modeled twice, by stitch's latency-evaluator (both plans' kernels scheduled by
 ``schedule_kernel``) and by bench/xla_formula.py (XLA's GpuPerformanceModel formulas,
@@ -24,7 +24,7 @@ from stitch.pricing.delta import graph_facts, kernel_hbm_bytes, utilization
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.plan import GraphPlan, kernel_kind
 from stitch.explorer.planner import schedule_plan
-from tests.fixtures import DATA
+from hlo_fixtures import DATA
 
 TARGETS = ("v100", "a100", "h100")
 TRAINING = ("bert_layer_train", "transformer_train", "dien_train", "log_softmax_xent_train")
@@ -340,7 +340,7 @@ def plans_markdown(rows: list[PlanRow], image: Callable[[str], str | None],
     """The section: per target a table of ``models`` (all rows when None; ``full_table``
     names where every model's table is), the summary, the plot."""
     lines = [
-        "Kernels and bytes are **counted** from XLA's optimized HLO (`tests/data/<model>/"
+        "Kernels and bytes are **counted** from XLA's optimized HLO (`hlo_fixtures/data/<model>/"
         "full.gpu-<target>.hlo`, jax 0.10.2 deviceless compilation) and from stitch's plan of "
         "the same module (`stitch.plan(hlo, target)`, beam planner); times are **modeled**, "
         "nothing ran on a GPU. Memory-intensive (mem) = every launching kernel that is not a "

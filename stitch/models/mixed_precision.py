@@ -7,7 +7,7 @@ the SGD update of the f32 master weights. The loss is returned in f32.
 
 Separate registry entries (not a config of the f32 models) because the dtype changes the
 model's HLO at every size: each variant keeps the f32 model's own configs (full, tiny), its
-fixtures sit in their own tests/data/<model>_bf16/ folder, and the tables that compare f32
+fixtures sit in their own hlo_fixtures/data/<model>_bf16/ folder, and the tables that compare f32
 with bf16 name both models side by side.
 """
 
