@@ -45,7 +45,7 @@ from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.graph import OpGraph, build_op_graphs
 from stitch.hlo_passes.graph_exec import GraphRunner, NumpyBackend, Unit
 from stitch.hlo_passes.op_classes import OpClass
-from stitch.hlo_passes.segments import segments_as_rows
+from stitch.hlo_passes.segments_as_rows import segments_as_rows
 
 from .cost.gpu_specs import UnknownTargetError, get_spec
 from .errors import StitchError

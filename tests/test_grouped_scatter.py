@@ -156,7 +156,7 @@ def test_tiles_are_priced_below_xla_atomics_and_at_their_chain():
 def test_the_pass_places_the_tiles_in_xlas_scatter_fusions_stead(tiled):
     """XLA CPU's module (its top-k a ``TopK`` custom call): the pass's kernel holds the
     grouped scatter and the module it returns matches jax."""
-    from stitch.models.segments import moe_layer
+    from stitch.models.segment_models import moe_layer
 
     rng = np.random.default_rng()
     tokens, dim, hidden, experts, capacity = 300, 20, 12, 3, 200

@@ -24,7 +24,7 @@ from stitch.codegen.values import leaf
 from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
 from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.hlo_passes.graph_exec import GraphRunner
-from stitch.hlo_passes.segments import segments_as_rows
+from stitch.hlo_passes.segments_as_rows import segments_as_rows
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import ScheduleError, schedule_kernel
 from tests.fixtures import BF16_TOLERANCE, zoo_fixture

@@ -30,7 +30,7 @@ TINY_OUT = {
     "dien_infer": [(4, 2)],
     "asr_infer": [(2, 4, 29)],  # 16 frames / 2 / 2
     "crnn_infer": [(2, 4, 37)],  # width 16 / 2 / 2 / 1
-    # Segmented reductions (stitch/models/segments.py): 12 segments of 8, 2 heads; 6 bags
+    # Segmented reductions (stitch/models/segment_models.py): 12 segments of 8, 2 heads; 6 bags
     # of 4 tokens plus 2 empty ones, dim 8; 8 tokens of dim 8.
     **{f"{name}{suffix}": [shape] for suffix in ("", "_bf16") for name, shape in (
         ("segment_softmax", (96, 2)), ("segment_softmax_grad", (96, 2)),

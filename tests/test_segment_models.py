@@ -1,4 +1,4 @@
-"""The zoo's segmented models (stitch/models/segments.py) built on the host: every stitched
+"""The zoo's segmented models (stitch/models/segment_models.py) built on the host: every stitched
 kernel runs with poisoned outputs on fresh random inputs and the whole module matches the
 reference evaluator (on jax's unrewritten HLO) and jax, f32 and bf16; segments become rows
 (no scatter left where ids are proved), the MoE combine stays an atomic scatter-add whose
@@ -55,7 +55,7 @@ def _routing_within_rounding(name: str, args) -> bool:
     x, router = args[0], args[1]
     probs = np.asarray(jax.nn.softmax((jnp.asarray(x) @ jnp.asarray(router))
                                       .astype(jnp.float32), axis=-1)).T
-    capacity = models.segments.MOE_SIZES["tiny"].capacity
+    capacity = models.segment_models.MOE_SIZES["tiny"].capacity
     ordered = -np.sort(-probs, axis=1)
     margin = (ordered[:, capacity - 1] - ordered[:, capacity]) / ordered[:, capacity - 1]
     return bool((margin < 2 * BF16_STEP).any())

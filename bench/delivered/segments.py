@@ -5,14 +5,14 @@ returns (counted kernels and bytes, modeled µs; deviceless H100 compiles).
 
 The softmax within sorted fixed-length segments (GAT's attention over a node's incoming
 edges; the pattern of jax-ml/jax#37511), written as users write it
-(``stitch.models.segments.segment_softmax``: ``jax.ops.segment_max`` / ``segment_sum``
+(``stitch.models.segment_models.segment_softmax``: ``jax.ops.segment_max`` / ``segment_sum``
 with ``indices_are_sorted=True``), compiled for an H100 without a device (jax's CUDA
 plugin in ``STITCH_CUDA_VENV``), each case in a fresh child process with an empty
 compile cache. XLA keeps every segment reduction as an atomic scatter kernel; the pass
 plans from XLA's module with the proved segments as rows (``STITCH_SEGMENT_ROWS``). Both
 sides are priced by the delta cost model with the atomics' contention
 (``stitch.cost.contention``). The zoo's embedding bag and mixture-of-experts layer
-(``stitch.models.segments``, full size) go through the same pass.
+(``stitch.models.segment_models``, full size) go through the same pass.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def moe_train_lowered(name: str, mesh):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from stitch.models.segments import MOE_SIZES, moe_layer
+    from stitch.models.segment_models import MOE_SIZES, moe_layer
     size = MOE_SIZES["full"]
     dtype = jnp.bfloat16 if "bf16" in name else jnp.float32
 
@@ -149,7 +149,7 @@ def _variable_bags_lowered(name: str, mesh):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from stitch.models.segments import BAG_SIZES
+    from stitch.models.segment_models import BAG_SIZES
     size = BAG_SIZES["full"]
     dtype = jnp.bfloat16 if name.endswith("bf16") else jnp.float32
 
@@ -172,7 +172,7 @@ def measure_one(case: Case | str) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from stitch.xla_pass import deviceless
-    from stitch.models.segments import segment_softmax
+    from stitch.models.segment_models import segment_softmax
 
     deviceless.check_environment()
     mesh = topologies.make_mesh(deviceless.topology("h100", "1x1x1"), (1,), ("d",))

@@ -15,7 +15,7 @@ every kernel has one):
   (``stitch.cost.contention``: sorted segments of L give L collisions per address);
 - ``stitch, scatters kept``: stitch's plan with ``segments_as_rows=False`` (the atomics
   stay, and end their kernels);
-- ``stitch, segments as rows``: the default plan (``stitch.hlo_passes.segments``: the scatters are
+- ``stitch, segments as rows``: the default plan (``stitch.hlo_passes.segments_as_rows``: the scatters are
   row reductions, the gathers broadcasts).
 
 What it is not: XLA's own optimized module (a deviceless XLA GPU compile needs jax's CUDA
@@ -40,7 +40,7 @@ def segmented_softmax_step_hlo(segments: int, length: int) -> str:
     import jax
     import jax.numpy as jnp
 
-    from stitch.models.segments import segment_softmax
+    from stitch.models.segment_models import segment_softmax
 
     n = segments * length
 

@@ -64,6 +64,6 @@ class ExplorerOptions:
     # plan cache key.
     cancel: Callable[[], bool] | None = field(default=None, compare=False)
     # Scatters and gathers over proved sorted fixed-length segments planned as row
-    # reductions and broadcasts (stitch.hlo_passes.segments; modules XLA has not optimized
+    # reductions and broadcasts (stitch.hlo_passes.segments_as_rows; modules XLA has not optimized
     # only).
     segments_as_rows: bool = True

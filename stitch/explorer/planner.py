@@ -25,7 +25,7 @@ from stitch.hlo_passes.graph import OpGraph, build_op_graphs
 from stitch.hlo_passes.ir import HloModule
 from stitch.hlo_passes.op_classes import OpClass
 from stitch.hlo_passes.parser import parse_hlo
-from stitch.hlo_passes.segments import segments_as_rows
+from stitch.hlo_passes.segments_as_rows import segments_as_rows
 from stitch.hlo_passes.grouped_scatter import holds_grouped_scatter
 from stitch.hlo_passes.sorted_runs import holds_run_scatter
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from . import asr, bert, crnn, dien, mcfuser, micro, mixed_precision, segments, transformer
+from . import (asr, bert, crnn, dien, mcfuser, micro, mixed_precision, segment_models,
+               transformer)
 from .spec import ModelInstance, ModelSpec
 
 # Order of listing: micro patterns first, then whole models, then MCFuser subgraphs, then the
 # bf16 mixed-precision training variants, then the segmented reductions and scatters.
-_MODULES = (micro, bert, transformer, dien, asr, crnn, mcfuser, mixed_precision, segments)
+_MODULES = (micro, bert, transformer, dien, asr, crnn, mcfuser, mixed_precision, segment_models)
 
 
 @lru_cache(maxsize=1)

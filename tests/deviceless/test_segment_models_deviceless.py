@@ -1,5 +1,5 @@
 """Deviceless XLA GPU (H100): the zoo's embedding bag and mixture-of-experts layer (full
-size, stitch/models/segments.py) through stitch's pass. XLA fuses the bag's row gather
+size, stitch/models/segment_models.py) through stitch's pass. XLA fuses the bag's row gather
 into an atomic scatter over bags of 32 token rows; with the bags' sorted ids proved the
 pass returns one kernel reducing each bag's rows without atomics. The MoE combine
 scatters to data-dependent tokens, but each expert's top-k tokens are distinct: the pass
@@ -63,7 +63,7 @@ def test_moe_training_step_scatters_without_atomics(h100_mesh, name):
     are scatters over each expert's distinct tokens; both leave XLA's module (stitch's
     column tiles take them), and the step is never slower or heavier than XLA's."""
     from bench.delivered.segments import moe_train_lowered
-    from stitch.models.segments import MOE_SIZES
+    from stitch.models.segment_models import MOE_SIZES
 
     size = MOE_SIZES["full"]
     result = deviceless.compile_with_pass(moe_train_lowered(name, h100_mesh), "moe_step",
