@@ -6,60 +6,46 @@ from __future__ import annotations
 # The tokens, vocabulary and hidden sizes the tests use: no tile divides them.
 N, V, D = 40, 300, 24
 
-DH = """HloModule dh
-ENTRY e {{
-  h = {t}[{n},{d}] parameter(0)
-  emb = {t}[{v},{d}] parameter(1)
-  lse = f32[{n}] parameter(2)
-  label = s32[{n}] parameter(3)
-  g = f32[{n}] parameter(4)
-  s0 = {t}[{n},{v}] dot(h, emb), lhs_contracting_dims={{1}}, rhs_contracting_dims={{1}}
-  s = f32[{n},{v}] convert(s0)
-  lseb = f32[{n},{v}] broadcast(lse), dimensions={{0}}
-  x = f32[{n},{v}] subtract(s, lseb)
-  p = f32[{n},{v}] exponential(x)
-  col = s32[{n},{v}] iota(), iota_dimension=1
-  labelb = s32[{n},{v}] broadcast(label), dimensions={{0}}
-  hit = pred[{n},{v}] compare(col, labelb), direction=EQ
+def _form(by_vocabulary: bool) -> str:
+    """The template of dH (score rows are tokens: [n, v]) or dE (score rows are vocabulary
+    entries: [v, n]); the token axis of the scores is 0 for dH and 1 for dE."""
+    rows, cols = ("{v}", "{n}") if by_vocabulary else ("{n}", "{v}")
+    name, first, other, token_axis = ("de", "emb, h", "h", 1) if by_vocabulary else \
+        ("dh", "h, emb", "emb", 0)
+    iota_name, iota_axis = ("row", 0) if by_vocabulary else ("col", 1)
+    shape = f"[{rows},{cols}]"
+    second_dims = "lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}"
+    return f"""HloModule {name}
+ENTRY e {{{{
+  h = {{t}}[{{n}},{{d}}] parameter(0)
+  emb = {{t}}[{{v}},{{d}}] parameter(1)
+  lse = f32[{{n}}] parameter(2)
+  label = s32[{{n}}] parameter(3)
+  g = f32[{{n}}] parameter(4)
+  s0 = {{t}}{shape} dot({first}), lhs_contracting_dims={{{{1}}}}, rhs_contracting_dims={{{{1}}}}
+  s = f32{shape} convert(s0)
+  lseb = f32{shape} broadcast(lse), dimensions={{{{{token_axis}}}}}
+  x = f32{shape} subtract(s, lseb)
+  p = f32{shape} exponential(x)
+  {iota_name} = s32{shape} iota(), iota_dimension={iota_axis}
+  labelb = s32{shape} broadcast(label), dimensions={{{{{token_axis}}}}}
+  hit = pred{shape} compare({iota_name}, labelb), direction=EQ
   one = f32[] constant(1)
   zero = f32[] constant(0)
-  oneb = f32[{n},{v}] broadcast(one), dimensions={{}}
-  zerob = f32[{n},{v}] broadcast(zero), dimensions={{}}
-  onehot = f32[{n},{v}] select(hit, oneb, zerob)
-  d = f32[{n},{v}] subtract(p, onehot)
-  gb = f32[{n},{v}] broadcast(g), dimensions={{0}}
-  dl = f32[{n},{v}] multiply(d, gb)
-  dlt = {t}[{n},{v}] convert(dl)
-  ROOT dh = {t}[{n},{d}] dot(dlt, emb), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-}}
+  oneb = f32{shape} broadcast(one), dimensions={{{{}}}}
+  zerob = f32{shape} broadcast(zero), dimensions={{{{}}}}
+  onehot = f32{shape} select(hit, oneb, zerob)
+  d = f32{shape} subtract(p, onehot)
+  gb = f32{shape} broadcast(g), dimensions={{{{{token_axis}}}}}
+  dl = f32{shape} multiply(d, gb)
+  dlt = {{t}}{shape} convert(dl)
+  ROOT {name} = {{t}}[{rows},{{d}}] dot(dlt, {other}), {second_dims}
+}}}}
 """
-DE = """HloModule de
-ENTRY e {{
-  h = {t}[{n},{d}] parameter(0)
-  emb = {t}[{v},{d}] parameter(1)
-  lse = f32[{n}] parameter(2)
-  label = s32[{n}] parameter(3)
-  g = f32[{n}] parameter(4)
-  s0 = {t}[{v},{n}] dot(emb, h), lhs_contracting_dims={{1}}, rhs_contracting_dims={{1}}
-  s = f32[{v},{n}] convert(s0)
-  lseb = f32[{v},{n}] broadcast(lse), dimensions={{1}}
-  x = f32[{v},{n}] subtract(s, lseb)
-  p = f32[{v},{n}] exponential(x)
-  row = s32[{v},{n}] iota(), iota_dimension=0
-  labelb = s32[{v},{n}] broadcast(label), dimensions={{1}}
-  hit = pred[{v},{n}] compare(row, labelb), direction=EQ
-  one = f32[] constant(1)
-  zero = f32[] constant(0)
-  oneb = f32[{v},{n}] broadcast(one), dimensions={{}}
-  zerob = f32[{v},{n}] broadcast(zero), dimensions={{}}
-  onehot = f32[{v},{n}] select(hit, oneb, zerob)
-  d = f32[{v},{n}] subtract(p, onehot)
-  gb = f32[{v},{n}] broadcast(g), dimensions={{1}}
-  dl = f32[{v},{n}] multiply(d, gb)
-  dlt = {t}[{v},{n}] convert(dl)
-  ROOT de = {t}[{v},{d}] dot(dlt, h), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-}}
-"""
+
+
+DH = _form(by_vocabulary=False)
+DE = _form(by_vocabulary=True)
 
 
 def backward_text(form: str, dtype: str = "f32", n: int = N, v: int = V, d: int = D) -> str:
