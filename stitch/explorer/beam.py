@@ -256,7 +256,7 @@ def kernel_levels(graph: OpGraph, groups: list[frozenset[int]],
     n_groups = len(groups)
     n_units = n_groups + len(graph.nodes)
     sets = [set(g) for g in groups]
-    outputs = set(graph.outputs)
+    outputs = graph.output_set()
     holders: list[list[int]] = [[] for _ in graph.nodes]
     for gi, g in enumerate(groups):
         for v in g:
@@ -365,7 +365,7 @@ def _hides_a_read_value(graph: OpGraph, kernels: dict[int, frozenset[int]], a: i
     members used outside it; when a reader is recomputed in several kernels, taking one
     copy inside hides the value from the other copies (kernel 0 reads rsqrt.26, which no
     kernel writes: fuzz seed 619)."""
-    outputs = set(graph.outputs)
+    outputs = graph.output_set()
     # Members no longer written: every user is inside the union.
     hidden = [m for m in union if m not in outputs
               and all(u in union for u in graph.nodes[m].users)]
@@ -426,7 +426,7 @@ def has_other_path(a: int, b: int, succ: Callable[[int], Iterable[int]],
     return False
 
 
-class _MergeGraph:
+class MergeGraph:
     """The kernel graph ``merge_adjacent`` works on: kernels by id, each op's kernel, and
     the kernel-graph edges read through the merges so far. Merged ids point to the merge's
     id (a union-find), so an edge set cached before a merge stays right once resolved."""
@@ -475,8 +475,15 @@ class _MergeGraph:
         no kernel is a unit of its own, id ``-1 - op``."""
         resolved = self._resolved[forward]
         got = resolved.get(k)
-        if got is not None and got[0] == self.merges:
-            return got[1]
+        if got is not None:
+            if got[0] == self.merges:
+                return got[1]
+            # Resolved before the last merges but naming no kernel merged since: every id
+            # in it is still its own root, so resolving again gives the same set.
+            merged_into = self.merged_into
+            if not any(x in merged_into for x in got[1]):
+                resolved[k] = (self.merges, got[1])
+                return got[1]
         raw_cache = self._raw[forward]
         raw = raw_cache.get(k)
         if raw is None:
@@ -528,7 +535,7 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
     modeled time, best saving first. A merge must be stitchable and must not close a cycle
     (no other path between the two kernels). Beam search decides pattern by pattern in
     graph order; this pass repairs the splits its early decisions leave."""
-    plan = _MergeGraph(graph, groups, mergeable)
+    plan = MergeGraph(graph, groups, mergeable)
     kernels = plan.kernels
     # With recomputed ops (a producer copied into several kernels) ``owner`` cannot name
     # one kernel per op and the path search may miss a cycle: check merges exactly.

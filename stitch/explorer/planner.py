@@ -50,7 +50,7 @@ from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
 from .refine import reduction_stages, refine_plan
 from ..pricing.structure import StructureKeys
-from .plan import (GraphPlan, PlannedKernel, PlannerReport, PlanValidationError,
+from .plan import (GraphPlan, KernelIO, PlannedKernel, PlannerReport, PlanValidationError,
                    kernel_kind, launch_order, make_kernel, needs_kernel, validate)
 
 log = logging.getLogger(__name__)
@@ -200,13 +200,15 @@ def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origi
         groups = [g for g, _ in packed]
         origins = ["packing" if merged else origin_of.get(g, "single") for g, merged in packed]
     kernels = [make_kernel(graph, cost, g, o) for g, o in zip(groups, origins)]
-    return _named(graph, launch_order(graph, kernels), weight, prefix)
+    io: KernelIO = {}
+    return _named(graph, launch_order(graph, kernels, io), weight, prefix, io)
 
 
 def _named(graph: OpGraph, kernels: list[PlannedKernel], weight: int,
-           prefix: str = "k") -> GraphPlan:
-    """A validated plan from kernels in launch order, kernels named <graph>.<prefix><i>."""
-    validate(graph, kernels)
+           prefix: str = "k", io: KernelIO | None = None) -> GraphPlan:
+    """A validated plan from kernels in launch order, kernels named <graph>.<prefix><i>.
+    ``io``: the launch order's kernel inputs and outputs (stitch.explorer.plan.KernelIO)."""
+    validate(graph, kernels, io)
     for i, k in enumerate(kernels):
         k.name = f"{graph.name}.{prefix}{i}"
         k.ops = tuple(graph.nodes[v].name for v in k.members)
