@@ -439,6 +439,9 @@ class MergeGraph:
         for ki, g in self.kernels.items():
             for v in g:
                 self.owner[v] = ki
+        # Each kernel's first op (asked at every merge tried; a kernel's members never
+        # change, a merge makes a new id).
+        self.first = {ki: min(g, default=-1) for ki, g in self.kernels.items()}
         self.next_id = len(groups)
         self.merged_into: dict[int, int] = {}
         self.merges = 0
@@ -522,6 +525,7 @@ class MergeGraph:
         self.merged_into[a] = self.merged_into[b] = new
         self.merges += 1
         self.kernels[new] = union
+        self.first[new] = min(self.first[a], self.first[b])
         self.ok[new] = True
         for v in union:
             self.owner[v] = new
@@ -587,7 +591,7 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         if not exact:
             propose(a, (b,))
             continue
-        first, second = (a, b) if min(kernels[a]) <= min(kernels[b]) else (b, a)
+        first, second = (a, b) if plan.first[a] <= plan.first[b] else (b, a)
         if plan.other_path(first, second) or plan.other_path(second, first):
             continue
         got = saving(a, b)
