@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from stitch.cost.delta import CostModel
+from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer import beam
 from stitch.explorer.beam import MergeGraph, merge_adjacent
