@@ -17,6 +17,7 @@ independent, so each level's stitchable kernels can become one launch without a 
 """
 from __future__ import annotations
 
+import heapq
 import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -255,7 +256,7 @@ def kernel_levels(graph: OpGraph, groups: list[frozenset[int]],
     n_groups = len(groups)
     n_units = n_groups + len(graph.nodes)
     sets = [set(g) for g in groups]
-    outputs = set(graph.outputs)
+    outputs = graph.output_set()
     holders: list[list[int]] = [[] for _ in graph.nodes]
     for gi, g in enumerate(groups):
         for v in g:
@@ -364,7 +365,7 @@ def _hides_a_read_value(graph: OpGraph, kernels: dict[int, frozenset[int]], a: i
     members used outside it; when a reader is recomputed in several kernels, taking one
     copy inside hides the value from the other copies (kernel 0 reads rsqrt.26, which no
     kernel writes: fuzz seed 619)."""
-    outputs = set(graph.outputs)
+    outputs = graph.output_set()
     # Members no longer written: every user is inside the union.
     hidden = [m for m in union if m not in outputs
               and all(u in union for u in graph.nodes[m].users)]
@@ -425,42 +426,44 @@ def has_other_path(a: int, b: int, succ: Callable[[int], Iterable[int]],
     return False
 
 
-def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
-                   mergeable: list[bool], max_ops: int = MAX_PATTERN_OPS
-                   ) -> list[frozenset[int]]:
-    """Greedy refinement of a plan: merge two kernels joined by an edge while the merge saves
-    modeled time, best saving first. A merge must be stitchable and must not close a cycle
-    (no other path between the two kernels). Beam search decides pattern by pattern in
-    graph order; this pass repairs the splits its early decisions leave."""
-    import heapq
+class MergeGraph:
+    """The kernel graph ``merge_adjacent`` works on: kernels by id, each op's kernel, and
+    the kernel-graph edges read through the merges so far. Merged ids point to the merge's
+    id (a union-find), so an edge set cached before a merge stays right once resolved."""
 
-    kernels: dict[int, frozenset[int]] = dict(enumerate(groups))
-    ok = dict(enumerate(mergeable))
-    # With recomputed ops (a producer copied into several kernels) ``owner`` cannot name
-    # one kernel per op and the path search below may miss a cycle: check merges exactly.
-    duplicated = sum(len(g) for g in groups) != len(frozenset().union(*groups)) if groups \
-        else False
-    owner = [-1] * len(graph.nodes)
-    for ki, g in kernels.items():
-        for v in g:
-            owner[v] = ki
+    def __init__(self, graph: OpGraph, groups: list[frozenset[int]], mergeable: list[bool]):
+        self.graph = graph
+        self.kernels: dict[int, frozenset[int]] = dict(enumerate(groups))
+        self.ok = dict(enumerate(mergeable))
+        self.owner = [-1] * len(graph.nodes)
+        for ki, g in self.kernels.items():
+            for v in g:
+                self.owner[v] = ki
+        # Each kernel's first op (asked at every merge tried; a kernel's members never
+        # change, a merge makes a new id).
+        self.first = {ki: min(g, default=-1) for ki, g in self.kernels.items()}
+        self.next_id = len(groups)
+        self.merged_into: dict[int, int] = {}
+        self.merges = 0
+        # Per direction (True: successors): raw edge sets by kernel (ids as they were when
+        # first asked), and resolved ones, valid until the next merge renames kernels.
+        self._raw: dict[bool, dict[int, frozenset[int]]] = {True: {}, False: {}}
+        self._resolved: dict[bool, dict[int, tuple[int, set[int]]]] = {True: {}, False: {}}
 
-    def neighbours(ki: int) -> set[int]:
+    def neighbours(self, ki: int) -> set[int]:
+        """Mergeable kernels joined to ``ki`` by an edge either way."""
         out: set[int] = set()
-        for v in kernels[ki]:
-            node = graph.nodes[v]
+        nodes, owner, ok = self.graph.nodes, self.owner, self.ok
+        for v in self.kernels[ki]:
+            node = nodes[v]
             for w in list(node.users) + node.operands:
                 k = owner[w]
                 if k >= 0 and k != ki and ok.get(k):
                     out.add(k)
         return out
 
-    # Kernel-graph successors, cached per kernel; a merge only renames kernels, so cached
-    # sets stay right when read through ``merged_into`` (a union-find of merged ids).
-    merged_into: dict[int, int] = {}
-    succ_cache: dict[int, frozenset[int]] = {}
-
-    def find(k: int) -> int:
+    def find(self, k: int) -> int:
+        merged_into = self.merged_into
         root = k
         while root in merged_into:
             root = merged_into[root]
@@ -470,49 +473,78 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
             k = nxt
         return root
 
-    # Resolved successor sets, valid until the next merge renames kernels (``merges``).
-    resolved: dict[int, tuple[int, set[int]]] = {}
-    merges = 0
-
-    def succ_of(k: int) -> set[int]:
+    def _adjacent(self, k: int, forward: bool) -> set[int]:
+        """Kernel-graph successors (``forward``) or predecessors of kernel ``k``; an op in
+        no kernel is a unit of its own, id ``-1 - op``."""
+        resolved = self._resolved[forward]
         got = resolved.get(k)
-        if got is not None and got[0] == merges:
-            return got[1]
-        raw = succ_cache.get(k)
+        if got is not None:
+            if got[0] == self.merges:
+                return got[1]
+            # Resolved before the last merges but naming no kernel merged since: every id
+            # in it is still its own root, so resolving again gives the same set.
+            merged_into = self.merged_into
+            if not any(x in merged_into for x in got[1]):
+                resolved[k] = (self.merges, got[1])
+                return got[1]
+        raw_cache = self._raw[forward]
+        raw = raw_cache.get(k)
         if raw is None:
-            users = (u for v in kernels[k] for u in graph.nodes[v].users) if k >= 0 \
-                else iter(graph.nodes[-1 - k].users)
-            raw = succ_cache[k] = frozenset(owner[u] if owner[u] >= 0 else -1 - u
-                                            for u in users)
+            nodes, owner = self.graph.nodes, self.owner
+            if forward:
+                ends = (u for v in self.kernels[k] for u in nodes[v].users) if k >= 0 \
+                    else iter(nodes[-1 - k].users)
+            else:
+                ends = (o for v in self.kernels[k] for o in nodes[v].operands) if k >= 0 \
+                    else iter(nodes[-1 - k].operands)
+            raw = raw_cache[k] = frozenset(owner[x] if owner[x] >= 0 else -1 - x
+                                           for x in ends)
+        find = self.find
         out = {find(x) for x in raw}
         out.discard(k)
-        resolved[k] = (merges, out)
+        resolved[k] = (self.merges, out)
         return out
 
-    # Kernel-graph predecessors, the same way (``other_path`` searches from both ends).
-    pred_cache: dict[int, frozenset[int]] = {}
-    resolved_pred: dict[int, tuple[int, set[int]]] = {}
+    def successors(self, k: int) -> set[int]:
+        return self._adjacent(k, True)
 
-    def pred_of(k: int) -> set[int]:
-        got = resolved_pred.get(k)
-        if got is not None and got[0] == merges:
-            return got[1]
-        raw = pred_cache.get(k)
-        if raw is None:
-            operands = (o for v in kernels[k] for o in graph.nodes[v].operands) if k >= 0 \
-                else iter(graph.nodes[-1 - k].operands)
-            raw = pred_cache[k] = frozenset(owner[o] if owner[o] >= 0 else -1 - o
-                                            for o in operands)
-        out = {find(x) for x in raw}
-        out.discard(k)
-        resolved_pred[k] = (merges, out)
-        return out
+    def predecessors(self, k: int) -> set[int]:
+        return self._adjacent(k, False)
 
-    def other_path(a: int, b: int) -> bool:
+    def other_path(self, a: int, b: int) -> bool:
         """Is b reachable from a other than through a direct edge? No bound by op ids: a
         kernel holding a late op may also hold an early one, so a path can come back down
         (x -> scatter -> y -> a kernel that also reads before b)."""
-        return has_other_path(a, b, succ_of, pred_of)
+        return has_other_path(a, b, self.successors, self.predecessors)
+
+    def merge(self, a: int, b: int, union: frozenset[int]) -> int:
+        """Replace kernels ``a`` and ``b`` by ``union``; its id."""
+        new = self.next_id
+        self.next_id += 1
+        del self.kernels[a], self.kernels[b]
+        self.merged_into[a] = self.merged_into[b] = new
+        self.merges += 1
+        self.kernels[new] = union
+        self.first[new] = min(self.first[a], self.first[b])
+        self.ok[new] = True
+        for v in union:
+            self.owner[v] = new
+        return new
+
+
+def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
+                   mergeable: list[bool], max_ops: int = MAX_PATTERN_OPS
+                   ) -> list[frozenset[int]]:
+    """Greedy refinement of a plan: merge two kernels joined by an edge while the merge saves
+    modeled time, best saving first. A merge must be stitchable and must not close a cycle
+    (no other path between the two kernels). Beam search decides pattern by pattern in
+    graph order; this pass repairs the splits its early decisions leave."""
+    plan = MergeGraph(graph, groups, mergeable)
+    kernels = plan.kernels
+    # With recomputed ops (a producer copied into several kernels) ``owner`` cannot name
+    # one kernel per op and the path search may miss a cycle: check merges exactly.
+    duplicated = sum(len(g) for g in groups) != len(frozenset().union(*groups)) if groups \
+        else False
 
     def saving(a: int, b: int) -> tuple[float, frozenset[int]] | None:
         union = kernels[a] | kernels[b]
@@ -531,29 +563,36 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
     lazy = len(groups) > LAZY_MERGE_KERNELS
     known: dict[tuple[int, int], float] = {}
     heap: list[tuple[float, int, int, bool]] = []
+
+    def propose(a: int, partners: Iterable[int], parts: tuple[int, ...] = ()) -> None:
+        """Queue the pairs (a, c): scored now, or, for a merge of ``parts`` (lazy), at the
+        best saving a part had with c."""
+        for c in partners:
+            pair = (min(a, c), max(a, c))
+            if parts:
+                guess = max(known.get((min(p, c), max(p, c)), 0.0) for p in parts)
+                if guess > 0:
+                    known[pair] = guess
+                    heapq.heappush(heap, (-guess, pair[0], pair[1], False))
+                    continue
+            got = saving(a, c)
+            if got:
+                known[pair] = got[0]
+                heapq.heappush(heap, (-got[0], pair[0], pair[1], True))
+
     for a in list(kernels):
-        if not ok[a]:
-            continue
-        for b in neighbours(a):
-            if a < b:
-                got = saving(a, b)
-                if got:
-                    known[(a, b)] = got[0]
-                    heapq.heappush(heap, (-got[0], a, b, True))
-    next_id = len(groups)
+        if plan.ok[a]:
+            propose(a, [b for b in plan.neighbours(a) if a < b])
     while heap:
         cost.poll()
         _, a, b, exact = heapq.heappop(heap)
         if a not in kernels or b not in kernels:
             continue
         if not exact:
-            got = saving(a, b)
-            if got:
-                known[(a, b)] = got[0]
-                heapq.heappush(heap, (-got[0], a, b, True))
+            propose(a, (b,))
             continue
-        first, second = (a, b) if min(kernels[a]) <= min(kernels[b]) else (b, a)
-        if other_path(first, second) or other_path(second, first):
+        first, second = (a, b) if plan.first[a] <= plan.first[b] else (b, a)
+        if plan.other_path(first, second) or plan.other_path(second, first):
             continue
         got = saving(a, b)
         if not got:
@@ -563,25 +602,6 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
                            or _hides_a_read_value(graph, kernels, a, b, union)
                            or _closes_cycle(graph, kernels, a, b, union)):
             continue
-        del kernels[a], kernels[b]
-        merged_into[a] = merged_into[b] = next_id
-        merges += 1
-        kernels[next_id] = union
-        ok[next_id] = True
-        for v in union:
-            owner[v] = next_id
-        for c in neighbours(next_id):
-            pair = (min(next_id, c), max(next_id, c))
-            if lazy:
-                guess = max(known.get((min(a, c), max(a, c)), 0.0),
-                            known.get((min(b, c), max(b, c)), 0.0))
-                if guess > 0:
-                    known[pair] = guess
-                    heapq.heappush(heap, (-guess, pair[0], pair[1], False))
-                    continue
-            got = saving(next_id, c)
-            if got:
-                known[pair] = got[0]
-                heapq.heappush(heap, (-got[0], pair[0], pair[1], True))
-        next_id += 1
+        merged = plan.merge(a, b, union)
+        propose(merged, plan.neighbours(merged), (a, b) if lazy else ())
     return list(kernels.values())

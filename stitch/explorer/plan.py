@@ -155,7 +155,7 @@ def kernel_writes(graph: OpGraph, members: set[int]) -> set[int]:
     """The values a kernel writes: members used outside it or leaving the graph. A free
     alias member (a bitcast of a member) stands for the member it aliases, so what is
     recorded as written is always an op that needs a kernel."""
-    outputs = set(graph.outputs)
+    outputs = graph.output_set()
     used_outside = [m for m in members
                     if m in outputs or any(u not in members for u in graph.nodes[m].users)]
     return resolve_aliases(graph, used_outside, within=members)
@@ -167,14 +167,25 @@ def producers_needed(graph: OpGraph, members: set[int]) -> set[int]:
                                    if o not in members))
 
 
-def launch_order(graph: OpGraph, kernels: list[PlannedKernel]) -> list[PlannedKernel]:
+KernelIO = dict[frozenset[int], tuple[set[int], set[int]]]
+
+
+def launch_order(graph: OpGraph, kernels: list[PlannedKernel], io: "KernelIO | None" = None
+                 ) -> list[PlannedKernel]:
     """Kernels reordered so every kernel runs after the kernels producing its inputs (for
-    each needed value, the first kernel that writes it). Raises PlanValidationError on a cycle."""
-    order = launch_indices(graph, [frozenset(k.members) for k in kernels])
+    each needed value, the first kernel that writes it). Raises PlanValidationError on a
+    cycle. ``io``: as ``launch_indices``'s."""
+    order = launch_indices(graph, [frozenset(k.members) for k in kernels], io)
     return [kernels[i] for i in order]
 
 
-KernelIO = dict[frozenset[int], tuple[set[int], set[int]]]
+def kernel_io(graph: OpGraph, members: frozenset[int], io: KernelIO) -> tuple[set[int], set[int]]:
+    """(``kernel_writes``, ``producers_needed``) of a member set, cached in ``io``."""
+    got = io.get(members)
+    if got is None:
+        got = io[members] = (kernel_writes(graph, set(members)),
+                             producers_needed(graph, set(members)))
+    return got
 
 
 def launch_indices(graph: OpGraph, groups: list[frozenset[int]],
@@ -187,9 +198,7 @@ def launch_indices(graph: OpGraph, groups: list[frozenset[int]],
     written_by: list[set[int]] = []
     needs: list[set[int]] = []
     for g in groups:
-        got = io.get(g)
-        if got is None:
-            got = io[g] = (kernel_writes(graph, set(g)), producers_needed(graph, set(g)))
+        got = kernel_io(graph, g, io)
         written_by.append(got[0])
         needs.append(got[1])
     writers: set[int] = set().union(*written_by) if written_by else set()
@@ -230,9 +239,12 @@ def launch_indices(graph: OpGraph, groups: list[frozenset[int]],
     return order
 
 
-def validate(graph: OpGraph, kernels: list[PlannedKernel]) -> None:
+def validate(graph: OpGraph, kernels: list[PlannedKernel], io: KernelIO | None = None
+             ) -> None:
     """Prove a plan: every op computed, outputs produced, kernels convex, boundaries alone,
-    and the given order a valid launch order. Raises PlanValidationError."""
+    and the given order a valid launch order. Raises PlanValidationError. ``io``: each
+    set's written and needed values, shared with ``launch_order`` (the same answers)."""
+    io = {} if io is None else io
     covered: set[int] = set()
     for k in kernels:
         members = set(k.members)
@@ -256,13 +268,13 @@ def validate(graph: OpGraph, kernels: list[PlannedKernel]) -> None:
             f"{graph.nodes[missing[0]].name}")
     available: set[int] = set()
     for index, k in enumerate(kernels):
-        members = set(k.members)
-        for v in producers_needed(graph, members):
+        writes, needs = kernel_io(graph, frozenset(k.members), io)
+        for v in needs:
             if v not in available:
                 raise PlanValidationError(
                     f"graph {graph.name}: kernel {index} ({graph.nodes[k.members[0]].name}...) "
                     f"runs before {graph.nodes[v].name} is written")
-        available |= kernel_writes(graph, members)
+        available |= writes
     for o in graph.outputs:
         if needs_kernel(graph, o) and o not in available:
             raise PlanValidationError(f"graph {graph.name}: output "

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable, Collection
 
 from stitch.hlo_passes.graph import OpGraph, build_op_graphs
@@ -34,7 +35,7 @@ from ..pricing.delta import CostModel
 from ..cost.gpu_specs import GpuSpec, get_spec
 from ..cost.launch_forms import GRID_SYNC_SETTINGS, allows_global
 from ..errors import Cancelled, StitchError
-from .beam import KernelCycleError, beam_search, merge_adjacent, pack_levels
+from .beam import Buffer, KernelCycleError, beam_search, merge_adjacent, pack_levels
 from .blp import BlpError, solve_blp
 from .cancel import CancelPoll
 from .fusion_plan import FusionPlan, GraphResult
@@ -43,13 +44,13 @@ from .plan_cache import (PlanCache, StaleEntry, default_plan_cache, kernel_sets,
                          module_fingerprint, plan_entry, plan_key)
 from ..analysis.buildable import build_problem
 from ..analysis.feasibility import infeasible_reason
-from .patterns import (MAX_PATTERN_OPS, Pattern, PatternExplorer, Vertices, is_plannable,
-                       unit_vertices)
+from .patterns import (MAX_PATTERN_OPS, Candidates, Pattern, PatternExplorer, Vertices,
+                       is_plannable, unit_vertices)
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
 from .refine import reduction_stages, refine_plan
 from ..pricing.structure import StructureKeys
-from .plan import (GraphPlan, PlannedKernel, PlannerReport, PlanValidationError,
+from .plan import (GraphPlan, KernelIO, PlannedKernel, PlannerReport, PlanValidationError,
                    kernel_kind, launch_order, make_kernel, needs_kernel, validate)
 
 log = logging.getLogger(__name__)
@@ -199,13 +200,15 @@ def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origi
         groups = [g for g, _ in packed]
         origins = ["packing" if merged else origin_of.get(g, "single") for g, merged in packed]
     kernels = [make_kernel(graph, cost, g, o) for g, o in zip(groups, origins)]
-    return _named(graph, launch_order(graph, kernels), weight, prefix)
+    io: KernelIO = {}
+    return _named(graph, launch_order(graph, kernels, io), weight, prefix, io)
 
 
 def _named(graph: OpGraph, kernels: list[PlannedKernel], weight: int,
-           prefix: str = "k") -> GraphPlan:
-    """A validated plan from kernels in launch order, kernels named <graph>.<prefix><i>."""
-    validate(graph, kernels)
+           prefix: str = "k", io: KernelIO | None = None) -> GraphPlan:
+    """A validated plan from kernels in launch order, kernels named <graph>.<prefix><i>.
+    ``io``: the launch order's kernel inputs and outputs (stitch.explorer.plan.KernelIO)."""
+    validate(graph, kernels, io)
     for i, k in enumerate(kernels):
         k.name = f"{graph.name}.{prefix}{i}"
         k.ops = tuple(graph.nodes[v].name for v in k.members)
@@ -505,33 +508,44 @@ def _memory_counts(plan: GraphPlan) -> tuple[int, int]:
     return len(kernels), sum(k.cost.hbm_bytes for k in kernels)
 
 
-def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str,
-               options: ExplorerOptions, weight: int = 1,
-               poll: CancelPoll | None = None) -> GraphResult:
-    poll = poll or CancelPoll(options.cancel)
-    base_groups = baseline_groups(graph, baseline_source)
-    cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains,
+def planning_cost_model(graph: OpGraph, spec: GpuSpec, poll: Callable[[], None] | None,
+                        options: ExplorerOptions, source: str,
+                        base_groups: list[frozenset[int]]) -> CostModel:
+    """The cost model a graph is planned with (and a cached plan is priced with again)."""
+    return CostModel(graph, spec, poll, gemm_chains=options.gemm_chains,
                      chain_tf32=options.chain_tf32,
                      chain_spill_check=options.chain_spill_check,
                      chain_grid_sync=options.chain_grid_sync,
                      share_structure=options.share_structure,
                      grid_sync=options.grid_sync,
-                     loop_copies=places_into_xla(options, baseline_source),
+                     loop_copies=places_into_xla(options, source),
                      left_to_xla=base_groups)
-    baseline = _finish(graph, xla_cost_model(graph, spec, cost), base_groups,
-                       ["baseline"] * len(base_groups), False, weight, prefix="b")
-    start = time.perf_counter()
-    # XLA units: the explorer's vertices are XLA's instructions, and the size bounds below
-    # count them (an op-level bound would treat a few hundred fusions as a huge graph).
-    vertices = xla_unit_vertices(graph, options, baseline_source)
-    size = len(vertices.members) if vertices is not None else len(graph.nodes)
+
+
+@dataclass
+class _Explored:
+    """What the explorer found for one graph: its patterns (and XLA's locked fusions)."""
+    explorer: PatternExplorer
+    found: Candidates               # the explorer's result (its stats and reasons)
+    patterns: list[Pattern]
+    locked: list[Pattern]
+    # When the explorer finished (perf_counter): the explore phase's end, before the
+    # candidates are completed with XLA's fusions and GEMM chains.
+    explored_at: float
+
+
+def _explore(graph: OpGraph, cost: CostModel, options: ExplorerOptions,
+             base_groups: list[frozenset[int]], vertices: Vertices | None, size: int
+             ) -> _Explored:
+    """Candidate patterns: the explorer's, XLA's convex fusions, GEMM chains; none taking
+    an op of an XLA fusion kept whole."""
     explorer = PatternExplorer(graph, cost, options.top_k, options.group_size,
                                options.remote_fusion and size <= REMOTE_FUSION_MAX_OPS,
                                max_pattern_ops=pattern_bound(size, options),
                                vertices=vertices)
-    candidates = explorer.explore()
-    phases: dict[str, float] = {"explore_s": time.perf_counter() - start}
-    patterns = candidates.all_patterns()
+    found = explorer.explore()
+    explored_at = time.perf_counter()
+    patterns = found.all_patterns()
     for g in base_groups:
         if len(g) > 1 and graph.is_convex(g):
             patterns.append(Pattern(g, cost.gain(g), "baseline"))
@@ -545,9 +559,14 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
         patterns = [p for p in patterns if not p.members & taken]
     if options.gemm_chains:
         patterns += chain_patterns(graph, cost, locked)
-    plans: list[tuple[str, GraphPlan]] = []
+    return _Explored(explorer, found, patterns, locked, explored_at)
+
+
+def _searched(graph: OpGraph, candidates: _Explored, options: ExplorerOptions, size: int,
+              poll: CancelPoll) -> list[Buffer]:
+    """The beam searches' buffers that become candidate plans."""
     def trim(members: frozenset[int]) -> Pattern | None:
-        got = explorer.evaluate(members, "trimmed")
+        got = candidates.explorer.evaluate(members, "trimmed")
         return got if isinstance(got, Pattern) else None
 
     # The paper ranks buffers by accumulated f; ranking by f plus an optimistic estimate of
@@ -557,20 +576,28 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     # packing) and refining a plan costs far more than the search, and the runners-up
     # rarely win there (bounded candidate set; small graphs keep every buffer).
     keep = options.beam_width if size <= SMALL_GRAPH_OPS else 1
-    mark = time.perf_counter()
     # On graphs over LOOKAHEAD_ONLY_OPS only the lookahead search runs (bounded candidate
     # set: each plan costs a finish and a refinement; see docs/benchmarks.md for its cost).
     plain = not options.lookahead_beam or size <= LOOKAHEAD_ONLY_OPS
+    patterns = candidates.patterns
     beams = beam_search(graph, patterns, options.beam_width, trim, lookahead=False,
                         poll=poll)[:keep] if plain else []
     if options.lookahead_beam:
         beams += beam_search(graph, patterns, options.beam_width, trim, lookahead=True,
                              poll=poll)[:keep]
-    phases["beam_s"] = time.perf_counter() - mark
-    mark = time.perf_counter()
+    return beams
+
+
+def _finished_plans(graph: OpGraph, cost: CostModel, beams: list[Buffer], candidates: _Explored,
+                    base_groups: list[frozenset[int]], baseline: GraphPlan,
+                    options: ExplorerOptions, weight: int, size: int, units: bool
+                    ) -> list[tuple[str, GraphPlan]]:
+    """Candidate plans: each beam's patterns completed and finished, XLA's own kernels, and
+    XLA's kernels finished (merged and packed)."""
+    plans: list[tuple[str, GraphPlan]] = []
     for i, buf in enumerate(beams):
-        groups, origins = _complete(graph, locked + list(buf.patterns),
-                                    base_groups if vertices is not None else None)
+        groups, origins = _complete(graph, candidates.locked + list(buf.patterns),
+                                    base_groups if units else None)
         try:
             plans.append((f"beam {i}", _finish(graph, cost, groups, origins, options.packing,
                                                weight, size=size)))
@@ -581,54 +608,62 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     # XLA's own kernels are always a candidate, and refined like the others (on
     # bert_layer_train_bf16 for V100 that refinement is the best plan): the plan never moves
     # more memory-intensive bytes, or launches more memory-intensive kernels, than XLA (the
-    # check below), even where every explored plan would (a loop body's kernels paying
-    # their state copies).
+    # check in ``_within_baseline``), even where every explored plan would (a loop body's
+    # kernels paying their state copies).
     plans.append(("baseline", baseline))
     plans.append(("baseline packed", _finish(graph, cost, base_groups,
                                              ["baseline"] * len(base_groups),
                                              options.packing, weight, size=size)))
-    phases["finish_s"] = time.perf_counter() - mark
-    mark = time.perf_counter()
-    # Refinement's moves split and recompute single ops, which XLA units keep whole.
-    if options.recompute and vertices is None:
-        refined_from: set[frozenset[frozenset[int]]] = set()
-        to_refine = list(plans)
-        if len(graph.nodes) > SMALL_GRAPH_OPS:
-            # Large graphs: refine the best beam plan and the packed baseline only
-            # (refinement costs seconds per plan there; bounded candidate set).
-            beam_plans = [lp for lp in plans if lp[0].startswith("beam")]
-            to_refine = [lp for lp in plans if not lp[0].startswith("beam")
-                         and len(graph.nodes) <= BASELINE_REFINE_MAX_OPS]
-            if beam_plans:
-                to_refine.insert(0, min(beam_plans, key=lambda lp: lp[1].objective_s))
-        refine_ops = MAX_PATTERN_OPS if len(graph.nodes) <= SMALL_GRAPH_OPS \
-            else LARGE_GRAPH_REFINE_OPS
-        for label, p in to_refine:
-            key = frozenset(frozenset(k.members) for k in p.kernels)
-            if key in refined_from:
+    return plans
+
+
+def _refined_plans(graph: OpGraph, cost: CostModel, plans: list[tuple[str, GraphPlan]],
+                   options: ExplorerOptions, weight: int) -> list[tuple[str, GraphPlan]]:
+    """Refinement's plans (op-level moves) from the candidate plans, merged and packed
+    again and refined once more."""
+    added: list[tuple[str, GraphPlan]] = []
+    refined_from: set[frozenset[frozenset[int]]] = set()
+    to_refine = list(plans)
+    if len(graph.nodes) > SMALL_GRAPH_OPS:
+        # Large graphs: refine the best beam plan and the packed baseline only
+        # (refinement costs seconds per plan there; bounded candidate set).
+        beam_plans = [lp for lp in plans if lp[0].startswith("beam")]
+        to_refine = [lp for lp in plans if not lp[0].startswith("beam")
+                     and len(graph.nodes) <= BASELINE_REFINE_MAX_OPS]
+        if beam_plans:
+            to_refine.insert(0, min(beam_plans, key=lambda lp: lp[1].objective_s))
+    refine_ops = MAX_PATTERN_OPS if len(graph.nodes) <= SMALL_GRAPH_OPS \
+        else LARGE_GRAPH_REFINE_OPS
+    for label, p in to_refine:
+        key = frozenset(frozenset(k.members) for k in p.kernels)
+        if key in refined_from:
+            continue
+        refined_from.add(key)
+        kernels, moves = refine_plan(graph, cost, p.kernels, max_ops=refine_ops)
+        if not moves:
+            continue
+        added.append((f"{label} + {moves} refinement moves", _named(graph, kernels, weight)))
+        # Splits and recomputation open merges and packs that were not there before:
+        # merge and pack again, then refine once more. Merging and packing assume
+        # disjoint kernels (one owner per op).
+        groups = [frozenset(k.members) for k in kernels]
+        if sum(map(len, groups)) == len(frozenset().union(*groups)):
+            try:
+                again = _finish(graph, cost, groups, [k.origin for k in kernels],
+                                options.packing, weight)
+            except KernelCycleError as exc:
+                log.info("graph %s: %s, merged, set aside: %s", graph.name, label, exc)
                 continue
-            refined_from.add(key)
-            kernels, moves = refine_plan(graph, cost, p.kernels, max_ops=refine_ops)
-            if moves:
-                plans.append((f"{label} + {moves} refinement moves",
-                              _named(graph, kernels, weight)))
-                # Splits and recomputation open merges and packs that were not there
-                # before: merge and pack again, then refine once more. Merging and
-                # packing assume disjoint kernels (one owner per op).
-                groups = [frozenset(k.members) for k in kernels]
-                if sum(map(len, groups)) == len(frozenset().union(*groups)):
-                    try:
-                        again = _finish(graph, cost, groups, [k.origin for k in kernels],
-                                        options.packing, weight)
-                    except KernelCycleError as exc:
-                        log.info("graph %s: %s, merged, set aside: %s", graph.name, label, exc)
-                        continue
-                    kernels, more = refine_plan(graph, cost, again.kernels,
-                                                max_ops=refine_ops)
-                    plans.append((f"{label} + {moves} refinement moves, merged, {more} more",
-                                  _named(graph, kernels, weight)))
-    phases["refine_s"] = time.perf_counter() - mark
-    # Never empty: XLA's own kernels ("baseline", a candidate from the start) pass.
+            kernels, more = refine_plan(graph, cost, again.kernels, max_ops=refine_ops)
+            added.append((f"{label} + {moves} refinement moves, merged, {more} more",
+                          _named(graph, kernels, weight)))
+    return added
+
+
+def _within_baseline(graph: OpGraph, plans: list[tuple[str, GraphPlan]], baseline: GraphPlan
+                     ) -> list[tuple[str, GraphPlan]]:
+    """The plans launching no more memory-intensive kernels, and moving no more of their
+    bytes (``BYTES_SLACK``), than XLA's. Never empty: XLA's own kernels pass."""
     base_kernels, base_bytes = _memory_counts(baseline)
     allowed = []
     for label, p in plans:
@@ -638,77 +673,136 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
         else:
             log.debug("graph %s: %s set aside: %d memory kernels / %d bytes vs baseline %d / %d",
                      graph.name, label, kernels, nbytes, base_kernels, base_bytes)
-    schedules: ScheduleCache = {}
-    detail: dict = {**phases, "evaluations": candidates.stats.evaluations,
-                    "scored": candidates.stats.scored, "reused": candidates.stats.reused,
-                    "structure_hits": cost.structure_hits,
-                    # What the explorer's vertices were: XLA's instructions or ops.
-                    "xla_units": vertices is not None, "vertices": size,
-                    "candidates": len(patterns),
-                    "beam_objectives_s": [p.objective_s for _, p in plans]}
+    return allowed
+
+
+def _picked(graph: OpGraph, spec: GpuSpec, plans: list[tuple[str, GraphPlan]],
+            allowed: list[tuple[str, GraphPlan]], options: ExplorerOptions,
+            schedules: ScheduleCache, detail: dict) -> tuple[str, GraphPlan]:
+    """The chosen plan among ``allowed`` (its label), by the latency-evaluator or by the
+    delta cost model; ``detail`` gets the latency objectives."""
     if options.final_pick == "latency" and options.schedules:
         # The paper's final step (§4.3/§5.3): the latency-evaluator, which sees each
         # kernel's schedule, occupancy and waves, picks among the candidate plans; the
         # delta cost model breaks ties (and stays the BLP's objective).
-        latency = {id(p): latency_objective_s(graph, spec, p, schedules,
-                                                   options.grid_sync)
+        latency = {id(p): latency_objective_s(graph, spec, p, schedules, options.grid_sync)
                    for _, p in allowed}
-        label, best = min(allowed, key=lambda lp: (latency[id(lp[1])],
-                                                           lp[1].objective_s))
+        label, best = min(allowed, key=lambda lp: (latency[id(lp[1])], lp[1].objective_s))
         detail["latency_objectives_s"] = [latency.get(id(p)) for _, p in plans]
         detail["latency_objective_s"] = latency[id(best)]
-    else:
-        label, best = min(allowed, key=lambda lp: lp[1].objective_s)
+        return label, best
+    return min(allowed, key=lambda lp: lp[1].objective_s)
+
+
+def _blp_plan(graph: OpGraph, cost: CostModel, pool: list[frozenset[int]], best: GraphPlan,
+              base_groups: list[frozenset[int]], report: PlannerReport,
+              options: ExplorerOptions, weight: int, poll: CancelPoll, start: float
+              ) -> tuple[GraphPlan, PlannerReport]:
+    """The BLP's plan over ``pool`` started from ``best``, and its report; the beam plan
+    when the solver fails."""
+    detail = report.detail
+    try:
+        result = solve_blp(graph, cost, pool, options.blp_time_limit_s,
+                           initial=[frozenset(k.members) for k in best.kernels],
+                           poll=poll if options.cancel is not None else None)
+    except BlpError as exc:
+        log.warning("%s; keeping the beam plan", exc)
+        return best, PlannerReport("blp", best.objective_s, time.perf_counter() - start,
+                                   status=f"failed: {exc}")
+    base_set = set(base_groups)
+    kernels = [make_kernel(graph, cost, c, "baseline" if c in base_set else "blp")
+               for c in result.chosen]
+    best = _named(graph, launch_order(graph, kernels), weight)
+    return best, PlannerReport("blp", result.objective_s, time.perf_counter() - start,
+                               result.status, result.gap,
+                               {"variables": result.variables,
+                                "constraints": result.constraints,
+                                "cycle_cuts": result.cuts,
+                                "solve_seconds": result.seconds,
+                                "lower_bound_s": result.lower_bound_s,
+                                "beam_objective_s": report.objective_s,
+                                "evaluations": detail["evaluations"],
+                                "scored": detail["scored"],
+                                "reused": detail["reused"],
+                                "structure_hits": detail["structure_hits"]})
+
+
+def _scheduled(graph: OpGraph, spec: GpuSpec, cost: CostModel, best: GraphPlan,
+               schedules: ScheduleCache, base_groups: list[frozenset[int]], units: bool,
+               options: ExplorerOptions, weight: int, poll: CancelPoll,
+               report: PlannerReport) -> GraphPlan:
+    """``best`` with every stitched kernel's schedule; kernels no schedule can stitch split
+    into parts that have one."""
+    start_schedules = time.perf_counter()
+    left_to_xla = as_xla_made_them(graph, base_groups) if units else frozenset()
+    schedule_plan(graph, spec, best, schedules, poll, chain_tf32=options.chain_tf32,
+                  chain_spill_check=options.chain_spill_check,
+                  chain_grid_sync=options.chain_grid_sync, left_to_xla=left_to_xla,
+                  grid_sync=options.grid_sync)
+    repaired = _split_unschedulable(graph, spec, cost, best, schedules, weight)
+    if repaired is not None:
+        best = repaired
+        report.detail["split_unschedulable"] = True
+    for k in best.kernels:
+        if k.schedule is None and k.schedule_note and k.schedule_note != AS_XLA_MADE_IT \
+                and k.kind == "fused" and not kept_as_xla(graph, k.members):
+            log.warning("graph %s: %s has no schedule, its ops run unstitched: %s",
+                        graph.name, k.name, k.schedule_note)
+    report.detail["schedule_seconds"] = time.perf_counter() - start_schedules
+    return best
+
+
+def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str,
+               options: ExplorerOptions, weight: int = 1,
+               poll: CancelPoll | None = None) -> GraphResult:
+    poll = poll or CancelPoll(options.cancel)
+    base_groups = baseline_groups(graph, baseline_source)
+    cost = planning_cost_model(graph, spec, poll, options, baseline_source, base_groups)
+    baseline = _finish(graph, xla_cost_model(graph, spec, cost), base_groups,
+                       ["baseline"] * len(base_groups), False, weight, prefix="b")
+    start = time.perf_counter()
+    # XLA units: the explorer's vertices are XLA's instructions, and the size bounds below
+    # count them (an op-level bound would treat a few hundred fusions as a huge graph).
+    vertices = xla_unit_vertices(graph, options, baseline_source)
+    units = vertices is not None
+    size = len(vertices.members) if units else len(graph.nodes)
+    candidates = _explore(graph, cost, options, base_groups, vertices, size)
+    phases: dict[str, float] = {"explore_s": candidates.explored_at - start}
+    mark = time.perf_counter()
+    beams = _searched(graph, candidates, options, size, poll)
+    phases["beam_s"] = time.perf_counter() - mark
+    mark = time.perf_counter()
+    plans = _finished_plans(graph, cost, beams, candidates, base_groups, baseline, options,
+                            weight, size, units)
+    phases["finish_s"] = time.perf_counter() - mark
+    mark = time.perf_counter()
+    # Refinement's moves split and recompute single ops, which XLA units keep whole.
+    if options.recompute and not units:
+        plans += _refined_plans(graph, cost, plans, options, weight)
+    phases["refine_s"] = time.perf_counter() - mark
+    allowed = _within_baseline(graph, plans, baseline)
+    schedules: ScheduleCache = {}
+    stats = candidates.found.stats
+    detail: dict = {**phases, "evaluations": stats.evaluations,
+                    "scored": stats.scored, "reused": stats.reused,
+                    "structure_hits": cost.structure_hits,
+                    # What the explorer's vertices were: XLA's instructions or ops.
+                    "xla_units": units, "vertices": size,
+                    "candidates": len(candidates.patterns),
+                    "beam_objectives_s": [p.objective_s for _, p in plans]}
+    label, best = _picked(graph, spec, plans, allowed, options, schedules, detail)
     detail["choice"] = label
     report = PlannerReport("beam", best.objective_s, time.perf_counter() - start,
                            detail=detail)
     if planner == "blp":
-        pool = [p.members for p in patterns] + [frozenset(k.members) for _, p in plans
-                                                for k in p.kernels]
-        try:
-            result = solve_blp(graph, cost, pool, options.blp_time_limit_s,
-                               initial=[frozenset(k.members) for k in best.kernels],
-                               poll=poll if options.cancel is not None else None)
-        except BlpError as exc:
-            log.warning("%s; keeping the beam plan", exc)
-            report = PlannerReport("blp", best.objective_s, time.perf_counter() - start,
-                                   status=f"failed: {exc}")
-        else:
-            base_set = set(base_groups)
-            kernels = [make_kernel(graph, cost, c, "baseline" if c in base_set else "blp")
-                       for c in result.chosen]
-            best = _named(graph, launch_order(graph, kernels), weight)
-            report = PlannerReport("blp", result.objective_s, time.perf_counter() - start,
-                                   result.status, result.gap,
-                                   {"variables": result.variables,
-                                    "constraints": result.constraints,
-                                    "cycle_cuts": result.cuts,
-                                    "solve_seconds": result.seconds,
-                                    "lower_bound_s": result.lower_bound_s,
-                                    "beam_objective_s": report.objective_s,
-                                    "evaluations": detail["evaluations"],
-                                    "scored": detail["scored"],
-                                    "reused": detail["reused"],
-                                    "structure_hits": detail["structure_hits"]})
+        pool = [p.members for p in candidates.patterns] + \
+            [frozenset(k.members) for _, p in plans for k in p.kernels]
+        best, report = _blp_plan(graph, cost, pool, best, base_groups, report, options,
+                                 weight, poll, start)
     if options.schedules:
-        start_schedules = time.perf_counter()
-        left_to_xla = as_xla_made_them(graph, base_groups) if vertices is not None \
-            else frozenset()
-        schedule_plan(graph, spec, best, schedules, poll, chain_tf32=options.chain_tf32,
-                      chain_spill_check=options.chain_spill_check,
-                      chain_grid_sync=options.chain_grid_sync, left_to_xla=left_to_xla,
-                      grid_sync=options.grid_sync)
-        repaired = _split_unschedulable(graph, spec, cost, best, schedules, weight)
-        if repaired is not None:
-            best = repaired
-            report.detail["split_unschedulable"] = True
-        for k in best.kernels:
-            if k.schedule is None and k.schedule_note and k.schedule_note != AS_XLA_MADE_IT \
-                    and k.kind == "fused" and not kept_as_xla(graph, k.members):
-                log.warning("graph %s: %s has no schedule, its ops run unstitched: %s",
-                            graph.name, k.name, k.schedule_note)
-        report.detail["schedule_seconds"] = time.perf_counter() - start_schedules
-    return GraphResult(graph, baseline, best, report, candidates.reasons)
+        best = _scheduled(graph, spec, cost, best, schedules, base_groups, units, options,
+                          weight, poll, report)
+    return GraphResult(graph, baseline, best, report, candidates.found.reasons)
 
 
 def _cache_key(module: HloModule, target: str, planner: str,
@@ -738,13 +832,7 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
         results = []
         for graph, weight, (sets, origins) in zip(graphs, weights, kernel_sets(entry, graphs)):
             base_groups = baseline_groups(graph, source)
-            cost = CostModel(graph, spec, poll, gemm_chains=options.gemm_chains,
-                             chain_tf32=options.chain_tf32,
-                             chain_spill_check=options.chain_spill_check,
-                             chain_grid_sync=options.chain_grid_sync,
-                             grid_sync=options.grid_sync,
-                             loop_copies=places_into_xla(options, source),
-                             left_to_xla=base_groups)
+            cost = planning_cost_model(graph, spec, poll, options, source, base_groups)
             baseline = _finish(graph, xla_cost_model(graph, spec, cost), base_groups,
                                ["baseline"] * len(base_groups), False, weight, prefix="b")
             kernels = [make_kernel(graph, cost, m, o) for m, o in zip(sets, origins)]

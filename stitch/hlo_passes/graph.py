@@ -82,6 +82,16 @@ class OpGraph:
     # The module's computations by name (shared by all graphs of a module): what a GEMM
     # fusion kept as one node computes, and reducers' to_apply (stitch.hlo_passes.gemm_chains).
     computations: dict[str, Computation] = field(default_factory=dict, repr=False)
+    # (len(outputs), the outputs as a set): ``output_set``, built on first use.
+    _output_set: tuple[int, frozenset[int]] | None = field(default=None, repr=False)
+
+    def output_set(self) -> frozenset[int]:
+        """``outputs`` as a set, built once (kernels ask "is this member an output?" per
+        member; a set of a deep training step's outputs per kernel grew with depth twice)."""
+        got = self._output_set
+        if got is None or got[0] != len(self.outputs):
+            got = self._output_set = (len(self.outputs), frozenset(self.outputs))
+        return got[1]
 
     def node(self, name: str) -> OpNode:
         if not self._names:
@@ -223,7 +233,7 @@ class OpGraph:
         SOURCE members are memory, not compute: they count as reads, never as writes. A gte
         reading an outside tuple reads only its element."""
         members = set(ids)
-        outputs = set(self.outputs)
+        outputs = self.output_set()
         reads: dict[tuple[int, int], int] = {}
         written = 0
         for m in members:
