@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from stitch.explorer.planner import ExplorerOptions, plan
     from stitch.hlo_passes import parse_hlo
-    from stitch.integration.config import grid_sync_on_gpu
-    from stitch.integration.pass_planning import XLA_UNITS
-    from stitch.integration.segment_rows import segment_rows
+    from stitch.config import grid_sync_on_gpu
+    from stitch.xla_pass.pass_planning import XLA_UNITS
+    from stitch.xla_pass.segment_rows import segment_rows
 
     module = segment_rows(parse_hlo(args.module.read_text())).planned
     grid_sync = grid_sync_on_gpu()

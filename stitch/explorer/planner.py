@@ -40,7 +40,7 @@ from .blp import BlpError, solve_blp
 from .cancel import CancelPoll
 from .fusion_plan import FusionPlan, GraphResult
 from .options import ExplorerOptions
-from .plan_cache import (PlanCache, StaleEntry, default_plan_cache, kernel_sets,
+from .plan_cache import (PlanCache, default_plan_cache, kernel_sets,
                          module_fingerprint, plan_entry, plan_key)
 from ..analysis.buildable import build_problem
 from ..analysis.feasibility import infeasible_reason
