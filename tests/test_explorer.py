@@ -325,13 +325,12 @@ def test_merging_kernels_with_duplicated_producers_never_closes_a_cycle():
     """Base fusion copies cheap producers into several kernels, so no op has one owner; the
     greedy merge must still never create a cycle between kernels (transformer_train, tiny,
     pre-optimization HLO, used to fail with 'the kernels form a cycle')."""
-    from pathlib import Path
-
     from stitch.hlo_passes.base_fusion import base_fusion
     from stitch.explorer.beam import kernel_levels, merge_adjacent
     from stitch.explorer.planner import _packable
 
-    text = (Path(__file__).parent / "data/transformer_train/tiny.pre.hlo").read_text()
+    from tests.fixtures import DATA
+    text = (DATA / "transformer_train" / "tiny.pre.hlo").read_text()
     graph = build_op_graphs(parse_hlo(text))[0]
     groups = [frozenset(g) for g in base_fusion(graph)]
     assert sum(map(len, groups)) > len(frozenset().union(*groups)), "no duplicated producer"
