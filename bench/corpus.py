@@ -10,7 +10,7 @@ one module, never the run:
 * ``parse``     ``stitch.hlo_passes.parse_hlo``;
 * ``roundtrip`` print -> parse -> print gives the same text;
 * ``evaluate``  the reference evaluator on random inputs;
-* ``plan``      ``stitch.explorer.plan`` for h100;
+* ``plan``      ``stitch.explorer.graph_plan`` for h100;
 * ``compile``   ``stitch.compile`` on the host (poisoned outputs), run on the same inputs,
                 compared with the evaluator (modules under ``--size-cap`` characters).
 

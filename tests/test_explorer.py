@@ -11,7 +11,7 @@ from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.analysis.feasibility import analyze_pattern, infeasible_reason
 from stitch.explorer.patterns import Pattern, PatternExplorer
-from stitch.explorer.plan import (PlannedKernel, PlanValidationError, launch_order,
+from stitch.explorer.graph_plan import (PlannedKernel, PlanValidationError, launch_order,
                                   make_kernel, validate)
 from stitch.explorer.planner import ExplorerOptions, PlanError
 

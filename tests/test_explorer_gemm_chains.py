@@ -11,7 +11,7 @@ import stitch
 from bench.plans.gemm_chains import chain_models, compare
 from stitch.pricing.chain_pricing import graph_chains
 from stitch.cost.gemm_tile import GemmChainSchedule
-from stitch.explorer.plan import validate
+from stitch.explorer.graph_plan import validate
 from stitch.explorer.plan_cache import options_key, plan_key
 from stitch.explorer.planner import ExplorerOptions
 from tests.fixtures import DATA

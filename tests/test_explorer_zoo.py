@@ -8,7 +8,7 @@ import pytest
 import stitch
 from stitch.explorer.planner import BYTES_SLACK
 from stitch.cost.gpu_specs import get_spec
-from stitch.explorer.plan import validate
+from stitch.explorer.graph_plan import validate
 from tests.fixtures import DATA
 
 TARGETS = ("v100", "a100", "h100")

@@ -26,7 +26,7 @@ from stitch.hlo_passes.evaluator.interpreter import Evaluator
 from stitch.compiler import compile as stitch_compile
 from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
-from stitch.explorer.plan import launch_order, make_kernel
+from stitch.explorer.graph_plan import launch_order, make_kernel
 from stitch.explorer.planner import _named, schedule_plan
 from stitch.schedule import schedule_kernel
 from stitch.schedule.layout_access import SECTOR_BYTES, apply_layouts as price_layouts

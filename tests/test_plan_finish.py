@@ -12,7 +12,7 @@ from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer import beam
 from stitch.explorer.beam import MergeGraph, merge_adjacent
-from stitch.explorer.plan import (KernelIO, PlanValidationError, launch_order, make_kernel,
+from stitch.explorer.graph_plan import (KernelIO, PlanValidationError, launch_order, make_kernel,
                                   validate)
 from stitch.explorer.planner import baseline_groups
 from stitch.hlo_passes import parse_hlo

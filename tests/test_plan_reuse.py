@@ -190,7 +190,7 @@ def test_rename_carries_reasons():
 
 def _rounds_reference(graph, groups):
     """The launch order as first written: rescan every pending kernel each round."""
-    from stitch.explorer.plan import kernel_writes, producers_needed
+    from stitch.explorer.graph_plan import kernel_writes, producers_needed
     written = [kernel_writes(graph, set(g)) for g in groups]
     needs = [producers_needed(graph, set(g)) for g in groups]
     available, order, pending = set(), [], list(range(len(groups)))
@@ -208,7 +208,7 @@ def _rounds_reference(graph, groups):
 def test_linear_launch_order_matches_the_round_by_round_order():
     """launch_indices (Kahn's algorithm in rounds) orders shuffled plans exactly as the
     round-by-round rescan did, and refuses a plan whose kernels form a cycle."""
-    from stitch.explorer.plan import PlanValidationError, launch_indices
+    from stitch.explorer.graph_plan import PlanValidationError, launch_indices
     fusion_plan = plan(layers_hlo(3), "h100", "beam")
     graph = fusion_plan.graphs[0].graph
     rng = np.random.default_rng()

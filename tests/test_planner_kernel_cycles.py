@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 import stitch
-from stitch.explorer.plan import validate
+from stitch.explorer.graph_plan import validate
 from hlo_fixtures import DATA
 
 FIXTURE = DATA / "regress" / "keras_hub_llama_xla_gpu_h100.hlo.txt"

@@ -10,7 +10,7 @@ from stitch.hlo_passes.graph import build_op_graphs
 from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.blp import solve_blp
-from stitch.explorer.plan import make_kernel, validate
+from stitch.explorer.graph_plan import make_kernel, validate
 from stitch.explorer.refine import refine_plan
 
 ADD = """

@@ -38,7 +38,7 @@ from stitch.hlo_passes.graph import OpGraph, build_op_graphs
 from stitch.pricing.delta import CostModel, kernel_hbm_bytes
 from stitch.cost.gpu_specs import GpuSpec, get_spec
 from stitch.explorer.patterns import is_plannable
-from stitch.explorer.plan import kernel_kind
+from stitch.explorer.graph_plan import kernel_kind
 from stitch.schedule import KernelSchedule, ScheduleError, schedule_kernel
 
 log = logging.getLogger(__name__)

@@ -66,7 +66,7 @@ class Side:
 
 
 def _side(label: str, results, which: str) -> Side:
-    from stitch.explorer.plan import memory_intensive
+    from stitch.explorer.graph_plan import memory_intensive
 
     kernels = hbm = 0
     seconds = contention = latency = 0.0

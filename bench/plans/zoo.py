@@ -22,7 +22,7 @@ from bench.xla_formula import DEVICES, KernelTime, kernel_flops, kernel_time
 from stitch.hlo_passes.op_classes import OpClass
 from stitch.pricing.delta import graph_facts, kernel_hbm_bytes, utilization
 from stitch.cost.gpu_specs import get_spec
-from stitch.explorer.plan import GraphPlan, kernel_kind
+from stitch.explorer.graph_plan import GraphPlan, kernel_kind
 from stitch.explorer.planner import schedule_plan
 from hlo_fixtures import DATA
 

@@ -29,7 +29,7 @@ from stitch.hlo_passes.graph import OpGraph
 from ..pricing.delta import CostModel
 from ..errors import StitchError
 from .cancel import CancelPoll
-from .plan import kernel_writes, needs_kernel, producers_needed, resolve_aliases
+from .graph_plan import kernel_writes, needs_kernel, producers_needed, resolve_aliases
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from stitch.hlo_passes.printer import print_hlo
 
 from ..errors import StitchError
 from ..version import __version__
-from .fusion_plan import FusionPlan
+from .module_plan import FusionPlan
 from .options import ExplorerOptions
 
 log = logging.getLogger(__name__)

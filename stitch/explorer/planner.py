@@ -38,7 +38,7 @@ from ..errors import Cancelled, StitchError
 from .beam import Buffer, KernelCycleError, beam_search, merge_adjacent, pack_levels
 from .blp import BlpError, solve_blp
 from .cancel import CancelPoll
-from .fusion_plan import FusionPlan, GraphResult
+from .module_plan import FusionPlan, GraphResult
 from .options import ExplorerOptions
 from .plan_cache import (PlanCache, default_plan_cache, kernel_sets,
                          module_fingerprint, plan_entry, plan_key)
@@ -50,7 +50,7 @@ from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
 from .refine import reduction_stages, refine_plan
 from ..pricing.structure import StructureKeys
-from .plan import (GraphPlan, KernelIO, PlannedKernel, PlannerReport, PlanValidationError,
+from .graph_plan import (GraphPlan, KernelIO, PlannedKernel, PlannerReport, PlanValidationError,
                    kernel_kind, launch_order, make_kernel, needs_kernel, validate)
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origi
 def _named(graph: OpGraph, kernels: list[PlannedKernel], weight: int,
            prefix: str = "k", io: KernelIO | None = None) -> GraphPlan:
     """A validated plan from kernels in launch order, kernels named <graph>.<prefix><i>.
-    ``io``: the launch order's kernel inputs and outputs (stitch.explorer.plan.KernelIO)."""
+    ``io``: the launch order's kernel inputs and outputs (stitch.explorer.graph_plan.KernelIO)."""
     validate(graph, kernels, io)
     for i, k in enumerate(kernels):
         k.name = f"{graph.name}.{prefix}{i}"

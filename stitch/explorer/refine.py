@@ -23,7 +23,7 @@ from stitch.hlo_passes.op_classes import OpClass
 
 from ..pricing.delta import CostModel
 from .patterns import MAX_PATTERN_OPS, is_plannable
-from .plan import (KernelIO, PlannedKernel, PlanValidationError, kernel_writes, launch_indices,
+from .graph_plan import (KernelIO, PlannedKernel, PlanValidationError, kernel_writes, launch_indices,
                    launch_order, make_kernel, needs_kernel)
 
 log = logging.getLogger(__name__)

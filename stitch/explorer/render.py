@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 from stitch.hlo_passes.graph import OpGraph
 from stitch.hlo_passes.op_classes import OpClass
 
-from .plan import GraphPlan, PlannedKernel
-from .fusion_plan import FusionPlan, GraphResult
+from .graph_plan import GraphPlan, PlannedKernel
+from .module_plan import FusionPlan, GraphResult
 
 log = logging.getLogger(__name__)
 

@@ -180,7 +180,7 @@ def price_xla_kernels(module: Any, spec: Any) -> dict[str, list[XlaKernel]]:
     them where it planned another module than XLA's (segments as rows in fusion bodies:
     stitch.xla_pass.segment_rows), so that the XLA side is XLA's own module."""
     from stitch.pricing.delta import CostModel
-    from stitch.explorer.plan import kernel_kind, memory_intensive
+    from stitch.explorer.graph_plan import kernel_kind, memory_intensive
     from stitch.explorer.planner import baseline_groups
     from stitch.hlo_passes.graph import build_op_graphs
 
@@ -214,7 +214,7 @@ def price_delivery(fusion_plan: Any, spec: Any, placed: Iterable[tuple[int, str,
     in (hlo_rewrite's ``dead_kernels``): delivered at no price; ``priced``: kernel name ->
     the ``KernelCost`` the pass priced it at (module docstring)."""
     from stitch.pricing.delta import CostModel, copy_kernel_cost
-    from stitch.explorer.plan import kernel_kind, memory_intensive
+    from stitch.explorer.graph_plan import kernel_kind, memory_intensive
 
     by_graph: dict[int, list[tuple[str, frozenset, frozenset[str]]]] = {}
     for gi, name, members, *tops in placed:

@@ -7,7 +7,7 @@ from typing import Callable
 
 from stitch.hlo_passes.graph import OpGraph
 
-from .plan import GraphPlan, PlannedKernel, PlannerReport, SideSummary, kernel_kind, needs_kernel
+from .graph_plan import GraphPlan, PlannedKernel, PlannerReport, SideSummary, kernel_kind, needs_kernel
 
 
 @dataclass
