@@ -41,24 +41,8 @@ class ChainSearch:
     def of(graph: OpGraph) -> "ChainSearch":
         position = {n.id: i for i, n in enumerate(
             n for n in graph.nodes if n.op_class in _BARRIERS)}
-        bits = [0] * len(graph.nodes)
-        for node in reversed(graph.nodes):
-            reach = 0
-            for u in node.users:
-                reach |= bits[u]
-                at = position.get(u)
-                if at is not None:
-                    reach |= 1 << at
-            bits[node.id] = reach
-        above = [0] * len(graph.nodes)
-        for node in graph.nodes:
-            reached = 0
-            for o in node.operands:
-                reached |= above[o]
-                at = position.get(o)
-                if at is not None:
-                    reached |= 1 << at
-            above[node.id] = reached
+        bits = _barrier_bits(reversed(graph.nodes), "users", position, len(graph.nodes))
+        above = _barrier_bits(graph.nodes, "operands", position, len(graph.nodes))
         return ChainSearch(position, bits, above)
 
     def reaches(self, v: int, barrier: int) -> bool:
@@ -157,6 +141,22 @@ class ChainSearch:
             got = self.walks[start] = (sorted(seen), barriers)
         return got
 
+
+
+def _barrier_bits(order, links: str, position: dict[int, int], count: int) -> list[int]:
+    """Per node, the barriers (bits by ``position``) met following ``links`` ("users":
+    those it reaches; "operands": those reaching it), nodes visited in ``order`` so each
+    node's neighbours along ``links`` come before it."""
+    bits = [0] * count
+    for node in order:
+        reach = 0
+        for u in getattr(node, links):
+            reach |= bits[u]
+            at = position.get(u)
+            if at is not None:
+                reach |= 1 << at
+        bits[node.id] = reach
+    return bits
 
 
 def reachable_gemms(graph: OpGraph, first: int) -> list[int]:
