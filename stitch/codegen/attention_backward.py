@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from . import kir
 from .errors import CodegenError
-from .tile_code import TileCode
+from .tile_code import TileCode, block_problem, lanes_problem
 
 log = logging.getLogger(__name__)
 
@@ -159,16 +159,12 @@ class BackwardTiling:
         else:
             if self.block_rows % self.thread_rows or self.block_cols % self.thread_cols:
                 raise bad("thread tiles must divide the block tile")
-            lanes = self.lanes
-            if lanes > 32 or lanes & (lanes - 1):
-                raise bad("block_cols / thread_cols (lanes per row) must be a power of two "
-                          "<= 32")
-            if self.block_h % lanes:
-                raise bad("block_h must be a multiple of the lanes per row")
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise bad("threads must be a multiple of 32 in [32, 1024]")
-        if self.shared_bytes() > SHARED_LIMIT:
-            raise bad(f"{self.shared_bytes()} bytes of shared memory (limit {SHARED_LIMIT})")
+            why = lanes_problem(self.lanes, self.block_h, "block_cols / thread_cols")
+            if why:
+                raise bad(why)
+        why = block_problem(self.threads, self.shared_bytes(), SHARED_LIMIT)
+        if why:
+            raise bad(why)
 
     @staticmethod
     def default_for(problem: AttentionBackward, two_results: bool,

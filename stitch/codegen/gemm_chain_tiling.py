@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from stitch.hlo_passes.gemm_chains import GemmChain, needs_row_pass, softmax_parts
 
 from .errors import CodegenError
+from .tile_code import block_problem, lanes_problem
 
 _F32 = "f32"
 # Shared memory one block may use without opting in to more (bytes).
@@ -91,17 +92,14 @@ class ChainTiling:
         else:
             if self.block_m % self.thread_m or self.block_n % self.thread_n:
                 raise bad("thread tiles must divide the block tile")
-            lanes = self.lanes
-            if lanes > 32 or lanes & (lanes - 1):
-                raise bad("block_n / thread_n (lanes per row) must be a power of two <= 32")
-            if self.threads != lanes * (self.block_m // self.thread_m):
+            why = lanes_problem(self.lanes, self.block_h, "block_n / thread_n")
+            if why:
+                raise bad(why)
+            if self.threads != self.lanes * (self.block_m // self.thread_m):
                 raise bad("threads must be (block_m / thread_m) * (block_n / thread_n)")
-            if self.block_h % lanes:
-                raise bad("block_h must be a multiple of the lanes per row")
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise bad("threads must be a multiple of 32 in [32, 1024]")
-        if self.shared_bytes() > SHARED_LIMIT:
-            raise bad(f"{self.shared_bytes()} bytes of shared memory (limit {SHARED_LIMIT})")
+        why = block_problem(self.threads, self.shared_bytes(), SHARED_LIMIT)
+        if why:
+            raise bad(why)
 
     @staticmethod
     def default_for(chain: GemmChain, arch: str = "sm_80",

@@ -23,6 +23,26 @@ TileIndex = Callable[[kir.Expr, kir.Expr], kir.Expr]
 TileValue = Callable[[list[kir.Stmt], kir.Expr, kir.Expr], kir.Expr]
 
 
+def lanes_problem(lanes: int, block_h: int, ratio: str) -> str | None:
+    """Why an FMA layout's ``lanes`` per tile row (``ratio``, e.g. "block_n / thread_n")
+    do not fit a warp's xor butterfly or the block's ``block_h`` result columns; None when
+    they do."""
+    if lanes > 32 or lanes & (lanes - 1):
+        return f"{ratio} (lanes per row) must be a power of two <= 32"
+    if block_h % lanes:
+        return "block_h must be a multiple of the lanes per row"
+    return None
+
+
+def block_problem(threads: int, shared_bytes: int, shared_limit: int) -> str | None:
+    """Why a block of ``threads`` using ``shared_bytes`` cannot launch; None when it can."""
+    if threads % 32 or not 32 <= threads <= 1024:
+        return "threads must be a multiple of 32 in [32, 1024]"
+    if shared_bytes > shared_limit:
+        return f"{shared_bytes} bytes of shared memory (limit {shared_limit})"
+    return None
+
+
 class TileCode:
     """Let names, tile loads into shared memory, row reductions over a row's lanes and the
     online softmax step, one tensor-core MMA (see the module docstring for what a subclass holds)."""
