@@ -9,7 +9,10 @@ import random
 
 import pytest
 
-from stitch.hlo_passes import gemm_chains
+from stitch.hlo_passes import gemm_chain_search, gemm_chains
+from stitch.hlo_passes.gemm_chain_program import NotAChain
+from stitch.hlo_passes.gemm_chain_recognizer import Recognizer
+from stitch.hlo_passes.gemm_chain_search import ChainSearch, reachable_gemms
 from stitch.hlo_passes.graph import build_op_graphs
 from stitch.hlo_passes.op_classes import OpClass
 from stitch.hlo_passes.parser import parse_hlo
@@ -74,14 +77,14 @@ def _all_paths_between(graph, start: int, second: int) -> set[int]:
 def test_each_gemm_described_and_walked_once(layers: int, side: bool, monkeypatch) -> None:
     graph = build_op_graphs(parse_hlo(_residual_mlp(layers, side=side)))[0]
     described, searches = [], []
-    describe, of = gemm_chains._describe_gemm, gemm_chains._ChainSearch.of
-    monkeypatch.setattr(gemm_chains, "_describe_gemm",
+    describe, of = gemm_chain_search.describe_gemm, ChainSearch.of
+    monkeypatch.setattr(gemm_chain_search, "describe_gemm",
                         lambda g, nid: described.append(nid) or describe(g, nid))
-    monkeypatch.setattr(gemm_chains._ChainSearch, "of",
+    monkeypatch.setattr(ChainSearch, "of",
                         staticmethod(lambda g: searches.append(of(g)) or searches[-1]))
     pairs = []
-    run = gemm_chains._Recognizer.run
-    monkeypatch.setattr(gemm_chains._Recognizer, "run",
+    run = Recognizer.run
+    monkeypatch.setattr(Recognizer, "run",
                         lambda self: pairs.append((self.first, self.second)) or run(self))
     chains = gemm_chains._find(graph)
     gemms = [n.id for n in graph.nodes if n.op_class is OpClass.COMPUTE]
@@ -103,12 +106,12 @@ def _tried_pairs(graph, monkeypatch, pruned: bool) -> tuple[list, list[tuple[int
     with the pruned candidates or with every GEMM reached through non-GEMM ops."""
     pairs: list[tuple[int, int]] = []
     with monkeypatch.context() as m:
-        run = gemm_chains._Recognizer.run
-        m.setattr(gemm_chains._Recognizer, "run",
+        run = Recognizer.run
+        m.setattr(Recognizer, "run",
                   lambda self: pairs.append((self.first, self.second)) or run(self))
         if not pruned:
-            m.setattr(gemm_chains._ChainSearch, "second_candidates",
-                      lambda self, g, first: gemm_chains._second_candidates(g, first))
+            m.setattr(ChainSearch, "second_candidates",
+                      lambda self, g, first: reachable_gemms(g, first))
         chains = gemm_chains._find(graph)
     return chains, pairs
 
@@ -120,11 +123,11 @@ def _pruning_agrees(graph, monkeypatch) -> int:
     want, every = _tried_pairs(graph, monkeypatch, pruned=False)
     assert chains == want
     assert set(kept) <= set(every)
-    search = gemm_chains._ChainSearch.of(graph)
+    search = ChainSearch.of(graph)
     for first, second in set(every) - set(kept):
-        with pytest.raises((gemm_chains._NotAChain, KeyError, ValueError, IndexError,
+        with pytest.raises((NotAChain, KeyError, ValueError, IndexError,
                             TypeError, ZeroDivisionError)):
-            gemm_chains._Recognizer(graph, first, second, search).run()
+            Recognizer(graph, first, second, search).run()
     return len(every) - len(kept)
 
 
@@ -151,20 +154,20 @@ def test_pruned_pairs_find_the_same_chains_on_the_zoo(monkeypatch) -> None:
 
 def test_nodes_between_is_every_path_both_ways() -> None:
     graph = build_op_graphs(parse_hlo(_residual_mlp(6, seed=3, side=True)))[0]
-    search = gemm_chains._ChainSearch.of(graph)
+    search = ChainSearch.of(graph)
     gemms = [n.id for n in graph.nodes if n.op_class is OpClass.COMPUTE]
     checked = refused = 0
     for first in gemms:
         for second in gemms:
             if second <= first:
                 continue
-            recognizer = gemm_chains._Recognizer(graph, first, second, search)
+            recognizer = Recognizer(graph, first, second, search)
             want = _all_paths_between(graph, first, second)
             barrier = any(graph.nodes[v].op_class in (OpClass.COMPUTE, OpClass.OPAQUE)
                           for v in want)
             reads = any(o in want or o == first for o in graph.nodes[second].operands)
             if barrier or not reads:
-                with pytest.raises(gemm_chains._NotAChain):
+                with pytest.raises(NotAChain):
                     recognizer.nodes_between(first, None)
                 refused += 1
             else:

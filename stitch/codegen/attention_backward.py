@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from . import kir
 from .errors import CodegenError
+from .tile_code import TileCode, block_problem, lanes_problem
 
 log = logging.getLogger(__name__)
 
@@ -158,16 +159,12 @@ class BackwardTiling:
         else:
             if self.block_rows % self.thread_rows or self.block_cols % self.thread_cols:
                 raise bad("thread tiles must divide the block tile")
-            lanes = self.lanes
-            if lanes > 32 or lanes & (lanes - 1):
-                raise bad("block_cols / thread_cols (lanes per row) must be a power of two "
-                          "<= 32")
-            if self.block_h % lanes:
-                raise bad("block_h must be a multiple of the lanes per row")
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise bad("threads must be a multiple of 32 in [32, 1024]")
-        if self.shared_bytes() > SHARED_LIMIT:
-            raise bad(f"{self.shared_bytes()} bytes of shared memory (limit {SHARED_LIMIT})")
+            why = lanes_problem(self.lanes, self.block_h, "block_cols / thread_cols")
+            if why:
+                raise bad(why)
+        why = block_problem(self.threads, self.shared_bytes(), SHARED_LIMIT)
+        if why:
+            raise bad(why)
 
     @staticmethod
     def default_for(problem: AttentionBackward, two_results: bool,
@@ -416,7 +413,7 @@ def backward_phase(problem, tiling: BackwardTiling, name: str, key_rows: bool,
                                  rule=rule, block=block)
 
 
-class _BackwardKernel:
+class _BackwardKernel(TileCode):
     """Rows of one role (queries for dQ, keys for dK/dV), columns of the other. Thread
     (ty, tx) owns tile rows ty * thread_rows + i and columns tx + j * lanes."""
 
@@ -464,14 +461,6 @@ class _BackwardKernel:
         raw = kir.Ref(self.s[i][j], _F32)
         return self.rounded(kir.mul(self.rounded(raw), kir.f32(self.p.scale)))
 
-    def let(self, out: list[kir.Stmt], hint: str, expr: kir.Expr) -> kir.Expr:
-        if isinstance(expr, (kir.Const, kir.Ref)):
-            return expr
-        self.names += 1
-        name = f"{hint}_{self.names}"
-        out.append(kir.Let(name, expr))
-        return kir.Ref(name, expr.dtype)
-
     def offset(self, name: str, row: kir.Expr, col: kir.Expr) -> kir.Expr:
         view = self.p.view(name)
         terms = [kir.mul(x, _c(stride)) if stride != 1 else x
@@ -489,23 +478,30 @@ class _BackwardKernel:
         """tile = source[b, start + i, k0 + c] for i < rows, c < cols (zeros past the
         edges); ``transposed`` stores it as [c, i] (a first GEMM's B tile). The threads
         stride along the head dim, the operand's unit stride."""
-        d = self.p.head_dim
-        self.names += 1
-        var = f"e{self.names}"
-        body: list[kir.Stmt] = []
-        e = kir.Ref(var, "i32")
-        r = self.let(body, "r", kir.Binary("div", e, _c(cols)))
-        c = self.let(body, "c", kir.Binary("rem", e, _c(cols)))
-        row = self.let(body, "row", kir.add(kir.add(start, r0), r))
-        col = self.let(body, "col", kir.add(k0, c))
-        valid = kir.logical_and(kir.less(row, _c(length)), kir.less(col, _c(d)))
-        index = self.offset(source, kir.minimum(row, _c(length - 1)), kir.minimum(col, _c(d - 1)))
-        slot = kir.add(kir.mul(c, _c(rows)), r) if transposed else kir.add(kir.mul(r, _c(cols)), c)
-        value = self.rule.operand_value(self, body, source, kir.Load(self.params[source], index),
-                                        kir.minimum(col, _c(d - 1)))
-        body.append(kir.Store(tile.name, slot, kir.Select(valid, value, kir.f32(0.0))))
-        out.append(kir.For(var, kir.ThreadIdx(), _c(rows * cols), _c(self.t.threads),
-                           tuple(body)))
+        param = self.params[source]
+        self.load_tile(out, tile, rows, cols, kir.add(start, r0), k0, length, self.p.head_dim,
+                       lambda r, c: self.offset(source, r, c),
+                       lambda body, at, c: self.rule.operand_value(self, body, source,
+                                                                   kir.Load(param, at), c),
+                       transposed=transposed)
+
+    def stage_operands(self, out: list[kir.Stmt], acc: list[list[str]], a: str, b: str,
+                       c0: kir.Expr) -> list[kir.Stmt]:
+        """How a first GEMM starts (both layouts): ``acc`` zeroed, then the body of its k0
+        loop begun: A's rows and B's columns (c0..) of the k0 stage into shared memory
+        (B transposed), a barrier."""
+        t = self.t
+        for row in acc:
+            for name in row:
+                out.append(kir.Assign(name, kir.f32(0.0)))
+        k0 = kir.Ref("k0", "i32")
+        k_body: list[kir.Stmt] = []
+        self.operand_load(k_body, self.sa, a, self.row_len, self.r0, _c(0), t.block_rows,
+                          k0, t.block_k, transposed=False)
+        self.operand_load(k_body, self.sb, b, self.col_len, c0, _c(0), t.block_cols, k0,
+                          t.block_k, transposed=True)
+        k_body.append(kir.Barrier())
+        return k_body
 
     # --- the kernel -----------------------------------------------------------------------
     @property
@@ -600,16 +596,7 @@ class _BackwardKernel:
                    c0: kir.Expr) -> None:
         """acc = A[rows, :] x B[c0 + cols, :]^T over the head dim in shared stages."""
         p, t = self.p, self.t
-        for row in acc:
-            for name in row:
-                out.append(kir.Assign(name, kir.f32(0.0)))
-        k0 = kir.Ref("k0", "i32")
-        k_body: list[kir.Stmt] = []
-        self.operand_load(k_body, self.sa, a, self.row_len, self.r0, _c(0), t.block_rows,
-                          k0, t.block_k, transposed=False)
-        self.operand_load(k_body, self.sb, b, self.col_len, c0, _c(0), t.block_cols, k0,
-                          t.block_k, transposed=True)
-        k_body.append(kir.Barrier())
+        k_body = self.stage_operands(out, acc, a, b, c0)
         inner: list[kir.Stmt] = []
         kk = kir.Ref("kk", "i32")
         av = [self.let(inner, "a", kir.Load(self.sa, kir.add(kir.mul(r, _c(t.block_k)), kk)))
@@ -644,22 +631,6 @@ class _BackwardKernel:
                 row_valid.append(self.let(out, "ok", ok))
             valid.append(row_valid)
         return cols, valid
-
-    def row_reduce(self, out: list[kir.Stmt], op: str, values: list[kir.Expr]) -> kir.Expr:
-        """``op`` over the thread's values, then over the lanes of its row (consecutive
-        lanes of one warp: an xor butterfly)."""
-        total = values[0]
-        for v in values[1:]:
-            total = kir.Binary(op, total, v)
-        total = self.let(out, f"r{op}", total)
-        offset = 1
-        while offset < self.shuffle_lanes:
-            self.names += 1
-            dest = f"sh_{op}_{self.names}"
-            out.append(kir.WarpShuffle(dest, total, _c(offset), "xor"))
-            total = self.let(out, f"r{op}", kir.Binary(op, total, kir.Ref(dest, _F32)))
-            offset *= 2
-        return total
 
     def stats_step(self) -> list[kir.Stmt]:
         """One column step of the statistics walk: the rows' running max, sum of
@@ -799,14 +770,6 @@ class _MmaBackwardKernel(_BackwardKernel):
     def depth(self) -> int:
         return kir.MMA_SHAPES[self.dtype][2]
 
-    def mma(self, out: list[kir.Stmt], a: list[kir.Expr], b: list[kir.Expr],
-            acc: list[str]) -> None:
-        self.names += 1
-        dest = tuple(f"d{self.names}_{r}" for r in range(4))
-        out.append(kir.MmaSync(dest, a, b, [kir.Ref(n, _F32) for n in acc], self.dtype))
-        for name, d in zip(acc, dest):
-            out.append(kir.Assign(name, kir.Ref(d, _F32)))
-
     def a_fragment(self, width: int, k0: int) -> list[kir.Expr]:
         """A[warp rows, k0 ..] of the row-major [block_rows, width] tile_a."""
         if self.dtype == "tf32":     # a[i] = A[g + 8 (i odd)][q + 4 (i >= 2)]
@@ -831,16 +794,7 @@ class _MmaBackwardKernel(_BackwardKernel):
     def first_gemm(self, out: list[kir.Stmt], acc: list[list[str]], a: str, b: str,
                    c0: kir.Expr) -> None:
         p, t = self.p, self.t
-        for row in acc:
-            for name in row:
-                out.append(kir.Assign(name, kir.f32(0.0)))
-        k0 = kir.Ref("k0", "i32")
-        k_body: list[kir.Stmt] = []
-        self.operand_load(k_body, self.sa, a, self.row_len, self.r0, _c(0), t.block_rows,
-                          k0, t.block_k, transposed=False)
-        self.operand_load(k_body, self.sb, b, self.col_len, c0, _c(0), t.block_cols, k0,
-                          t.block_k, transposed=True)
-        k_body.append(kir.Barrier())
+        k_body = self.stage_operands(out, acc, a, b, c0)
         for kc in range(0, t.block_k, self.depth):
             frag = self.a_fragment(t.block_k, kc)
             for nt in range(t.block_cols // 8):

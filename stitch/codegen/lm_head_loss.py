@@ -33,12 +33,12 @@ from . import kir
 from .errors import CodegenError
 from .gemm_chain import ChainTiling, layout_class, sm_number
 from .lower import LoweredKernel
+from .tile_code import NEG_INF
 
 log = logging.getLogger(__name__)
 
 _c = kir.i32
 _F32 = "f32"
-_NEG_INF = kir.f32(float("-inf"))
 # (max, sum, picked) per row and split in the split form's scratch.
 _PARTS = 3
 # The results a kernel may write (``LmHeadLoss`` names a node for each it writes): per row,
@@ -180,7 +180,7 @@ class _LossSteps:
         labels = self.params[loss.labels]
         self.labels = []
         for i, row in enumerate(self.rows_clamped):
-            body.append(kir.Local(f"mx_{i}", _F32, _NEG_INF))
+            body.append(kir.Local(f"mx_{i}", _F32, NEG_INF))
             body.append(kir.Local(f"sum_{i}", _F32, kir.f32(0.0)))
             body.append(kir.Local(f"pick_{i}", _F32, kir.f32(0.0)))
             # jax's take_along_axis: a negative label counts from the end.
@@ -239,28 +239,11 @@ class _LossSteps:
         """One vocabulary step: the logits tile, then per row the online logsumexp and the
         label's logit where this step holds it."""
         out: list[kir.Stmt] = []
-        n0 = kir.Ref("n0", "i32")
-        for row in self.s:
-            for name in row:
-                out.append(kir.Assign(name, kir.f32(0.0)))
-        self.first_gemm(out, n0)
-        n_cols = [self.let(out, "n", kir.add(n0, c)) for c in self.cols]
-        valid = [self.let(out, "vn", kir.less(n, _c(self.chain.vocab))) for n in n_cols]
+        n_cols, valid = self.first_gemm_step(out, self.chain.vocab)
         for i in range(len(self.rows)):
-            x = [self.let(out, "x", kir.Select(valid[j], self.logit(i, j), _NEG_INF))
+            x = [self.let(out, "x", kir.Select(valid[j], self.logit(i, j), NEG_INF))
                  for j in range(len(self.cols))]
-            old = kir.Ref(f"mx_{i}", _F32)
-            new = self.let(out, "mnew", kir.Binary("max", old, self.row_reduce(out, "max", x)))
-            # A row whose values so far are all -inf keeps sum 0 (no inf - inf).
-            dead = self.let(out, "dead", kir.Compare("eq", new, _NEG_INF))
-            scale = self.let(out, "scale", kir.Select(
-                dead, kir.f32(1.0), kir.Unary("exp", kir.Binary("sub", old, new))))
-            e = [self.let(out, "e", kir.Select(dead, kir.f32(0.0), kir.Unary(
-                "exp", kir.Binary("sub", xj, new)))) for xj in x]
-            total = self.row_reduce(out, "add", e)
-            out.append(kir.Assign(f"sum_{i}", kir.add(kir.mul(kir.Ref(f"sum_{i}", _F32), scale),
-                                                    total)))
-            out.append(kir.Assign(f"mx_{i}", new))
+            self.online_step(out, x, f"mx_{i}", f"sum_{i}")
             hit: kir.Expr = kir.Ref(f"pick_{i}", _F32)
             for j, n in enumerate(n_cols):
                 at_label = kir.logical_and(valid[j], kir.Compare("eq", n, self.labels[i]))
@@ -310,7 +293,7 @@ class _LossSteps:
         total: kir.Expr = kir.f32(0.0)
         picked: kir.Expr = kir.f32(0.0)
         for m, b in zip(maxima, base):
-            w = self.let(body, "w", kir.Select(kir.Compare("eq", m, _NEG_INF), kir.f32(0.0),
+            w = self.let(body, "w", kir.Select(kir.Compare("eq", m, NEG_INF), kir.f32(0.0),
                                                kir.Unary("exp", kir.Binary("sub", m, top))))
             total = kir.add(total, kir.mul(w, kir.Load(self.parts, kir.add(b, _c(1)))))
             picked = kir.add(picked, kir.Load(self.parts, kir.add(b, _c(2))))
