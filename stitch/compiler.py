@@ -37,7 +37,7 @@ from stitch.codegen.cache import CompileCache
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.gpu_cache import assemble_cached, emit_ptx_cached
 from stitch.codegen.host import NUMPY_DTYPES, HostKernel, compile_host
-from stitch.codegen.lower import LoweredKernel, kernel_identifier, lower_kernel
+from stitch.codegen.lower import LoweredKernel, lower_kernel
 from stitch.codegen.values import leaf
 from stitch.hlo_passes import HloModule, HloParseError, parse_hlo
 from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
@@ -51,6 +51,7 @@ from .cost.gpu_specs import UnknownTargetError, get_spec
 from .errors import StitchError
 from .explorer.patterns import is_plannable
 from .explorer.planner import ExplorerOptions, FusionPlan, PlanError, plan as make_plan
+from .schedule.chain_tiling import lower_planned_chain
 from .schedule.ptxas_feedback import Revision, revise
 
 log = logging.getLogger(__name__)
@@ -272,26 +273,6 @@ def _plan_with_retries(module: HloModule, target: str, options: ExplorerOptions 
     return None
 
 
-def lower_chain_kernel(graph: OpGraph, k, arch: str, *, fma: bool = False,
-                       chain=None) -> LoweredKernel:
-    """A planned ``gemm_chain`` kernel in Kernel IR, tiled as the planner scheduled it;
-    ``fma``: codegen's default FMA tiling instead of tensor cores (a kernel that runs on the
-    host in production, where emulated MMA only costs time); ``chain``: the kernel's chain
-    as the caller changed it (fewer values written), else recognized from its members."""
-    from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
-    from stitch.hlo_passes.gemm_chains import chain_of
-
-    from .schedule.chain_tiling import tiling_for
-
-    chain = chain if chain is not None else chain_of(graph, tuple(k.members))
-    if chain is None:
-        raise CodegenError(f"{k.name}: its members are no longer one GEMM chain")
-    tiling = tiling_for(k.chain_schedule, chain.h) if k.chain_schedule is not None else None
-    if fma and (tiling is None or tiling.mma):
-        tiling = ChainTiling.default_for(chain, "sm_70")
-    return lower_gemm_chain(graph, chain, tiling, kernel_identifier(k.name), arch)
-
-
 def _build_kernel(k, gi: int, graph: OpGraph, evaluator: Evaluator,
                   store: CompileCache | None, arch: str = "sm_80", *, schedule=None,
                   layouts: dict[int, tuple[int, ...]] | None = None
@@ -308,7 +289,7 @@ def _build_kernel(k, gi: int, graph: OpGraph, evaluator: Evaluator,
     t0 = time.perf_counter()
     try:
         if k.kind == "gemm_chain":
-            lowered = lower_chain_kernel(graph, k, arch)
+            lowered = lower_planned_chain(graph, k, arch)
         else:
             # The runner fills LoweredKernel.initial buffers (atomic scatters) first.
             lowered = lower_kernel(graph, evaluator, schedule or k.schedule, k.name,

@@ -13,8 +13,13 @@ Not carried over: ``stages`` (codegen stages each tile once, no cp.async pipelin
 """
 from __future__ import annotations
 
+from typing import Any
+
 from stitch.codegen.errors import CodegenError
-from stitch.codegen.gemm_chain import ChainTiling
+from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
+from stitch.codegen.lower import LoweredKernel, kernel_identifier
+from stitch.hlo_passes.gemm_chains import GemmChain, chain_of
+from stitch.hlo_passes.graph import OpGraph
 
 from ..cost.gemm_tile import ChainDims, GemmChainSchedule, warp_columns
 
@@ -41,3 +46,20 @@ def buildable(dims: ChainDims, schedule: GemmChainSchedule) -> bool:
     except CodegenError:
         return False
     return True
+
+
+def lower_planned_chain(graph: OpGraph, kernel: Any, arch: str, *, fma: bool = False,
+                        chain: GemmChain | None = None) -> LoweredKernel:
+    """A planned ``gemm_chain`` kernel (a ``PlannedKernel``) in Kernel IR, tiled as the
+    planner scheduled it; ``fma``: codegen's default FMA tiling instead of tensor cores (a
+    kernel that runs on the host in production, where emulated MMA only costs time);
+    ``chain``: the kernel's chain as the caller changed it (fewer values written), else
+    recognized from its members. Used by ``stitch.compile`` and the XLA pass alike."""
+    chain = chain if chain is not None else chain_of(graph, tuple(kernel.members))
+    if chain is None:
+        raise CodegenError(f"{kernel.name}: its members are no longer one GEMM chain")
+    tiling = tiling_for(kernel.chain_schedule, chain.h) \
+        if kernel.chain_schedule is not None else None
+    if fma and (tiling is None or tiling.mma):
+        tiling = ChainTiling.default_for(chain, "sm_70")
+    return lower_gemm_chain(graph, chain, tiling, kernel_identifier(kernel.name), arch)

@@ -243,7 +243,7 @@ def without_backward_reads(request: Any, report: Any, chain_jobs: list, backward
     The price (``trimmed_cost``) only for a chain lowered anew: the others are as planned."""
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.site_keys import LoweringChoices
-    from stitch.compiler import lower_chain_kernel
+    from stitch.schedule.chain_tiling import lower_planned_chain
     from stitch.errors import StitchError
     from stitch.hlo_passes.gemm_chains import chain_of
 
@@ -268,7 +268,7 @@ def without_backward_reads(request: Any, report: Any, chain_jobs: list, backward
         fma = request.device != "gpu"
 
         def lower(k: Any = k, fewer: Any = fewer) -> Any:
-            return lower_chain_kernel(view.graph, k, arch, fma=fma, chain=fewer)
+            return lower_planned_chain(view.graph, k, arch, fma=fma, chain=fewer)
         try:
             with lock:
                 trimmed = lower() if lower_once is None else lower_once(

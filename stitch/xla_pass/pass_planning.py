@@ -218,7 +218,7 @@ def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView,
     (``LoweringReuse.lower``): a repeated layer's chain lowered once."""
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.site_keys import LoweringChoices
-    from stitch.compiler import lower_chain_kernel
+    from stitch.schedule.chain_tiling import lower_planned_chain
 
     taken = {view.top_of(m) for k in snapped for m in k.members}
     jobs = []
@@ -237,7 +237,7 @@ def _chain_jobs(request: PassRequest, report: PassReport, view: ComputationView,
         fma = request.device != "gpu"
 
         def lower(k: Any = k) -> Any:
-            return lower_chain_kernel(graph_plan.graph, k, arch, fma=fma)
+            return lower_planned_chain(graph_plan.graph, k, arch, fma=fma)
         try:
             with LLVM_LOCK:
                 lowered = lower() if lower_once is None else lower_once(
