@@ -200,6 +200,32 @@ def test_folders_import_only_downward():
     assert not upward, "imports of a folder above the importer's:\n" + "\n".join(upward)
 
 
+def _reached(start: str) -> set[str]:
+    graph = _graph()
+    seen, todo = {start}, [start]
+    while todo:
+        for target in graph[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("start,packages", [
+    ("stitch.explorer.planner", "PLANNING_PACKAGES"),
+    ("stitch.codegen.lower", "CODEGEN_PACKAGES"),
+    ("stitch.codegen.gpu_cache", "CODEGEN_PACKAGES")])
+def test_cached_results_are_keyed_by_all_the_code_that_makes_them(start, packages):
+    """A cached plan or build is keyed by the source of the folders listed in
+    ``stitch.codegen.cache``: every stitch folder the producer imports must be among them,
+    or an edit there would leave stale entries in use."""
+    from stitch.codegen import cache
+    listed = set(getattr(cache, packages))
+    folders = {m.split(".")[1] if m.count(".") >= 2 or _is_package(m) else ""
+               for m in _reached(start) if m.startswith("stitch.")}
+    assert folders - listed == set(), (start, sorted(folders - listed))
+
+
 def test_modules_found():
     assert len(MODULES) > 50
     assert _resolve("stitch.hlo_passes.ir") and _resolve("stitch.codegen.lower")
