@@ -19,7 +19,7 @@ _NO_BUFFER = frozenset({"bitcast", "get-tuple-element", "tuple", "parameter", "c
 
 def scores_sized_values(hlo_text: str, elements: int) -> int:
     """Values of the entry computation (buffers, not views) with ``elements`` elements."""
-    from stitch.hlo_passes.parser import parse_hlo
+    from stitch.hlo.parser import parse_hlo
     module = parse_hlo(hlo_text)
     return sum(1 for inst in module.entry.instructions if inst.opcode not in _NO_BUFFER
                for s in (inst.shape.leaves() if inst.shape.is_tuple else [inst.shape])

@@ -7,7 +7,7 @@ one module, never the run:
 
 * ``xla``       XLA's own parser (``jaxlib._hlo.hlo_module_from_text``): the reference of what
                 is valid HLO text;
-* ``parse``     ``stitch.hlo_passes.parse_hlo``;
+* ``parse``     ``stitch.hlo.parse_hlo``;
 * ``roundtrip`` print -> parse -> print gives the same text;
 * ``evaluate``  the reference evaluator on random inputs;
 * ``plan``      ``stitch.explorer.graph_plan`` for h100;
@@ -56,7 +56,7 @@ class ModuleResult:
 # --- the worker: runs the stages of one module at a time ------------------------------------
 def _random_args(module, rng) -> list:
     import numpy as np
-    from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+    from stitch.hlo.evaluator.dtypes import numpy_dtype
 
     def one(shape):
         if shape.is_tuple:
@@ -129,7 +129,7 @@ def _same(got, want, leaves=None) -> tuple[bool, str]:
 
 
 def _outcome(exc: BaseException) -> str:
-    from stitch.hlo_passes.errors import StitchError
+    from stitch.hlo.errors import StitchError
     if isinstance(exc, StitchError):
         return f"StitchError:{type(exc).__name__}"
     return f"exception:{type(exc).__name__}"
@@ -161,7 +161,7 @@ def _within_f32_rounding(module, text: str, args, got, want) -> bool:
     and are not compared. Anything else is a wrong result."""
     import numpy as np
 
-    from stitch.hlo_passes import evaluate, parse_hlo
+    from stitch.hlo import evaluate, parse_hlo
     if "f32" not in text or any(t in text for t in ("f64", "bitcast-convert", "f16", "bf16")):
         return False
     try:
@@ -197,20 +197,20 @@ def _worker_stages(text: str, stages: Iterable[str], emit, compile_ok: bool) -> 
                 from jaxlib import _hlo
                 _hlo.hlo_module_from_text(text)
             elif stage == "parse":
-                from stitch.hlo_passes import parse_hlo
+                from stitch.hlo import parse_hlo
                 module = parse_hlo(text)
             elif module is None:
                 emit({"stage": stage, "outcome": "skipped"})
                 continue
             elif stage == "roundtrip":
-                from stitch.hlo_passes import parse_hlo, print_hlo
+                from stitch.hlo import parse_hlo, print_hlo
                 once = print_hlo(module)
                 twice = print_hlo(parse_hlo(once))
                 if once != twice:
                     emit({"stage": stage, "outcome": "wrong", "detail": "print(parse(print)) differs"})
                     continue
             elif stage == "evaluate":
-                from stitch.hlo_passes import evaluate
+                from stitch.hlo import evaluate
                 size = sum(p.shape.byte_size for p in module.entry.parameters)
                 if size > _MAX_INPUT_BYTES:  # XLA's tests name shapes no host holds
                     emit({"stage": stage, "outcome": "skipped",
@@ -256,7 +256,7 @@ def worker_main() -> None:
     # Import everything up front: the per-stage timeouts are for the stages, not imports.
     import stitch  # noqa: F401
     import stitch.explorer.planner  # noqa: F401
-    from stitch.hlo_passes import evaluate  # noqa: F401
+    from stitch.hlo import evaluate  # noqa: F401
     from jaxlib import _hlo  # noqa: F401
 
     def emit(obj: dict) -> None:

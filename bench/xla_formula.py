@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.ir import parse_window
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.ir import parse_window
+from stitch.hlo.op_classes import OpClass
 
 KERNEL_LAUNCH_S = 1e-6            # XLA's kKernelLaunchOverhead
 MEMORY_COMPUTE_PARALLELISM = 0.95  # T = C + M - 0.95 * min(C, M)

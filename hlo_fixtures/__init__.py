@@ -34,7 +34,7 @@ BF16_TOLERANCE = 2e-2
 
 
 def uses_bf16(module) -> bool:
-    """Whether any instruction of ``module`` (an hlo_passes HloModule) yields bf16."""
+    """Whether any instruction of ``module`` (an hlo HloModule) yields bf16."""
     return any(i.shape.is_array and i.shape.element_type == "bf16"
                for _, i in module.instructions())
 

@@ -39,9 +39,9 @@ from gen_fixtures import DATA, REPO, TARGETS, gpu_shardings  # sets the devicele
 import jax  # noqa: E402
 from jax.errors import JaxRuntimeError  # noqa: E402
 
-from stitch.hlo_passes.ir import HloModule, Instruction  # noqa: E402
-from stitch.hlo_passes.parser import parse_hlo  # noqa: E402
-from stitch.hlo_passes.printer import print_instruction  # noqa: E402
+from stitch.hlo.ir import HloModule, Instruction  # noqa: E402
+from stitch.hlo.parser import parse_hlo  # noqa: E402
+from stitch.hlo.printer import print_instruction  # noqa: E402
 
 OUT = DATA / "xla_costs"
 LAUNCH_OVERHEAD_US = 1.0  # GpuPerformanceModel::kKernelLaunchOverhead, added per kernel

@@ -6,7 +6,7 @@ kernel) and ``stitch.jit`` for jax. Importing stitch imports neither jax nor ten
 (``stitch.jit`` imports jax on first use).
 
 The layers are subpackages in the pipeline's order (docs/architecture.md): the HLO layer
-(``stitch.hlo_passes``), code generation (``stitch.codegen``), the optimizer
+(``stitch.hlo``), code generation (``stitch.codegen``), the optimizer
 (``stitch.analysis``, ``stitch.cost``, ``stitch.schedule``, ``stitch.pricing``,
 ``stitch.explorer``, ``stitch.compiler``), the XLA pass (``stitch.xla_pass``) and the
 front ends (``stitch.frontends``: ``jax``, ``tf``). Every public name here is resolved on
@@ -21,10 +21,10 @@ from .version import __version__
 
 # Public name -> the module that defines it.
 _PUBLIC: dict[str, str] = {
-    "HloModule": "stitch.hlo_passes",
-    "evaluate": "stitch.hlo_passes",
-    "parse_hlo": "stitch.hlo_passes",
-    "print_hlo": "stitch.hlo_passes",
+    "HloModule": "stitch.hlo",
+    "evaluate": "stitch.hlo",
+    "parse_hlo": "stitch.hlo",
+    "print_hlo": "stitch.hlo",
     "HloEvaluationError": "stitch.errors",
     "HloParseError": "stitch.errors",
     "StitchError": "stitch.errors",

@@ -19,8 +19,8 @@ import sys
 import time
 from collections import Counter
 
-from stitch.hlo_passes import HloModule, StitchError, parse_hlo
-from stitch.hlo_passes.kernels import count_kernels
+from stitch.hlo import HloModule, StitchError, parse_hlo
+from stitch.hlo.kernels import count_kernels
 
 log = logging.getLogger("stitch")
 
@@ -285,10 +285,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except ImportError as exc:
         # Unfused input needs the base fusion pass for its baseline; it may be missing.
         raise StitchError(f"planning {origin} needs the base fusion pass "
-                          f"(stitch.hlo_passes.base_fusion), which cannot be imported: {exc}") from exc
+                          f"(stitch.hlo.base_fusion), which cannot be imported: {exc}") from exc
     except StitchError as exc:
         raise StitchError(f"planning {origin} failed: {exc}") from exc
-    from .hlo_passes.source_lines import SourceLines, plan_sources
+    from .hlo.source_lines import SourceLines, plan_sources
     sources = SourceLines(module)
     kernel_where = plan_sources(module, fusion_plan)
 

@@ -4,7 +4,7 @@
 every scheduled stitched kernel to Kernel IR (stitch.codegen.lower) and builds it for the host
 target; ``Executable(*args)`` runs the whole module on the CPU: stitched kernels as compiled
 host kernels, everything else (GEMM, convolution, opaque ops, kernels that could not be
-lowered) through the reference evaluator, op graph by op graph (stitch.hlo_passes.graph_exec).
+lowered) through the reference evaluator, op graph by op graph (stitch.hlo.graph_exec).
 A kernel that cannot be lowered or built falls back to the evaluator with the reason logged
 and kept in ``Executable.fallbacks``: compilation never fails because one kernel did.
 
@@ -39,13 +39,13 @@ from stitch.codegen.gpu_cache import assemble_cached, emit_ptx_cached
 from stitch.codegen.host import NUMPY_DTYPES, HostKernel, compile_host
 from stitch.codegen.lower import LoweredKernel, lower_kernel
 from stitch.codegen.values import leaf
-from stitch.hlo_passes import HloModule, HloParseError, parse_hlo
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph import OpGraph, build_op_graphs
-from stitch.hlo_passes.graph_exec import GraphRunner, NumpyBackend, Unit
-from stitch.hlo_passes.op_classes import OpClass
-from stitch.hlo_passes.segments_as_rows import segments_as_rows
+from stitch.hlo import HloModule, HloParseError, parse_hlo
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph import OpGraph, build_op_graphs
+from stitch.hlo.graph_exec import GraphRunner, NumpyBackend, Unit
+from stitch.hlo.op_classes import OpClass
+from stitch.hlo.segments_as_rows import segments_as_rows
 
 from .cost.gpu_specs import UnknownTargetError, get_spec
 from .errors import StitchError
@@ -120,7 +120,7 @@ class CompileStats:
 
 
 class Executable:
-    """A module compiled by stitch: call it like ``stitch.hlo_passes.evaluate`` (args in ENTRY
+    """A module compiled by stitch: call it like ``stitch.hlo.evaluate`` (args in ENTRY
     parameter order; the root's array leaves depth-first)."""
 
     def __init__(self, module: HloModule, plan: FusionPlan | None, target: str,

@@ -17,10 +17,10 @@ import pytest
 from stitch.codegen.attention_backward import (DQ_INPUTS, DKV_OUTPUTS, dq_params,
                                                lower_dkv, lower_dq, problem_for)
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
-from stitch.hlo_passes.attention_backward import find_attention_backwards
-from stitch.hlo_passes.evaluator import evaluate
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.attention_backward import find_attention_backwards
+from stitch.hlo.evaluator import evaluate
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.parser import parse_hlo
 
 from .test_attention_backward_recognition import _with_outputs
 from hlo_fixtures import DATA

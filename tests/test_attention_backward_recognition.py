@@ -1,5 +1,5 @@
 """Attention's backward recognized in XLA's optimized module for an H100
-(stitch/hlo_passes/attention_backward.py; hlo_fixtures/data/attention_backward: the small causal
+(stitch/hlo/attention_backward.py; hlo_fixtures/data/attention_backward: the small causal
 training step of tests/deviceless/test_training_attention.py, f32, as XLA compiled it),
 and the two backward kernels fed from the match computing exactly what XLA's
 instructions compute: the module evaluated by the reference evaluator on fresh random
@@ -16,11 +16,11 @@ import pytest
 from stitch.codegen.attention_backward import (DQ_INPUTS, DKV_OUTPUTS, STATS, dq_params,
                                                lower_dkv, lower_dq, problem_for)
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
-from stitch.hlo_passes.attention_backward import Strides, find_attention_backwards
-from stitch.hlo_passes.evaluator import evaluate
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.ir import Shape
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.attention_backward import Strides, find_attention_backwards
+from stitch.hlo.evaluator import evaluate
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.ir import Shape
+from stitch.hlo.parser import parse_hlo
 from hlo_fixtures import DATA
 
 _STEP = DATA / "attention_backward" / "xla_h100_step_f32.hlo"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.base_fusion import base_fusion
-from stitch.hlo_passes.graph import OpGraph, build_op_graphs
-from stitch.hlo_passes.kernels import count_kernels
-from stitch.hlo_passes.op_classes import OpClass, is_kernel_boundary
+from stitch.hlo import parse_hlo
+from stitch.hlo.base_fusion import base_fusion
+from stitch.hlo.graph import OpGraph, build_op_graphs
+from stitch.hlo.kernels import count_kernels
+from stitch.hlo.op_classes import OpClass, is_kernel_boundary
 from tests.fixtures import DATA, fixture_id, tf_fixture_files, zoo_fixture_files
 
 ADD = """add_f32 {

@@ -11,8 +11,8 @@ import pytest
 
 from stitch.explorer.beam import CHAIN_ORIGIN, beam_search, offer_points
 from stitch.explorer.patterns import Pattern
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import build_op_graphs
 
 # x -> mask (exp) and the chain's first op (negate); both meet in add -> tanh -> sine.
 MODULE = """HloModule m

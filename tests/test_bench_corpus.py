@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.corpus import _within_f32_rounding
-from stitch.hlo_passes import evaluate, parse_hlo
+from stitch.hlo import evaluate, parse_hlo
 
 ROW_SUM = """HloModule m
 add {

@@ -19,7 +19,7 @@ import pytest
 
 import stitch
 from stitch.codegen import kir
-from stitch.hlo_passes import parse_hlo
+from stitch.hlo import parse_hlo
 from tests.fixtures import DATA, zoo_fixture
 
 jax = pytest.importorskip("jax")

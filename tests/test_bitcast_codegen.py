@@ -9,9 +9,9 @@ import pytest
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.lower import lower_kernel, run_on_host
 from stitch.codegen.values import reinterpret_problem
-from stitch.hlo_passes import evaluate, parse_hlo
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import evaluate, parse_hlo
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule.tuner import ScheduleError, schedule_kernel
 

@@ -265,7 +265,7 @@ def test_compile_goes_on_with_a_refused_default_cache(tmp_path, monkeypatch, cap
 
     import numpy as np
 
-    import stitch.hlo_passes
+    import stitch.hlo
     from stitch import compiler
 
     shared = tmp_path / "shared"
@@ -273,7 +273,7 @@ def test_compile_goes_on_with_a_refused_default_cache(tmp_path, monkeypatch, cap
     os.chmod(shared, 0o777)
     monkeypatch.setenv("STITCH_CACHE_DIR", str(shared))
     text = (DATA / "softmax" / "tiny.pre.hlo").read_text()
-    module = stitch.hlo_passes.parse_hlo(text)
+    module = stitch.hlo.parse_hlo(text)
     rng = np.random.default_rng(5)
     args = [rng.standard_normal(p.shape.dims).astype(np.float32)
             for p in module.entry.parameters]
@@ -281,7 +281,7 @@ def test_compile_goes_on_with_a_refused_default_cache(tmp_path, monkeypatch, cap
         exe = compiler.compile(text, "h100", poison_outputs=True)
     assert refused(caplog, shared, "writable by group or others")
     assert exe.kernels and exe.stats.host_cache_hits == 0
-    for got, want in zip(exe(*args), stitch.hlo_passes.evaluate(module, args)):
+    for got, want in zip(exe(*args), stitch.hlo.evaluate(module, args)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert list(shared.iterdir()) == []
 

@@ -255,7 +255,7 @@ def test_pre_fixture_uses_base_fusion(capsys):
 
 
 def test_missing_base_fusion_pass_is_a_clean_error(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "stitch.hlo_passes.base_fusion", None)   # import now fails
+    monkeypatch.setitem(sys.modules, "stitch.hlo.base_fusion", None)   # import now fails
     rc, out, err = _run(capsys, "--model", "softmax", "--config", "tiny", "--pre")
     assert rc == 2 and out == ""
     assert "base fusion pass" in err and "tiny.pre.hlo" in err

@@ -10,10 +10,10 @@ import pytest
 
 from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
 from stitch.codegen.values import leaf
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph import build_op_graphs
 from stitch.xla_pass import code_budget
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import schedule_kernel

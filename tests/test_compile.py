@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-import stitch.hlo_passes
+import stitch.hlo
 from stitch.codegen.cache import CompileCache
 from stitch.codegen.errors import CodegenError, ToolchainError
 from stitch import compiler
@@ -110,7 +110,7 @@ def test_zoo_model_matches_evaluator_and_jax(model, target, compiled):
         assert not exe.plan_notes
     got = exe(*args)
     tol = tolerance(exe.module)
-    assert_close(got, stitch.hlo_passes.evaluate(exe.module, args), tol, f"{model}/{target} vs evaluator")
+    assert_close(got, stitch.hlo.evaluate(exe.module, args), tol, f"{model}/{target} vs evaluator")
     want = [np.asarray(r) for r in jax.tree_util.tree_leaves(jax.jit(inst.fn)(*args))]
     assert_close(got, want, tol, f"{model}/{target} vs jax")
     if not model.startswith("gemm_chain"):
@@ -188,8 +188,8 @@ def test_second_compile_is_served_from_the_cache(tmp_path):
     warm = compiler.compile(text, "a100", cache=CompileCache(tmp_path), poison_outputs=True)
     assert warm.stats.host_cache_hits == len(warm.kernels) == len(cold.kernels)
     assert all(k.from_cache for k in warm.kernels)
-    module = stitch.hlo_passes.parse_hlo(text)
-    want = stitch.hlo_passes.evaluate(module, args)
+    module = stitch.hlo.parse_hlo(text)
+    want = stitch.hlo.evaluate(module, args)
     assert_close(warm(*args), want, 1e-4, "warm")
     assert_close(cold(*args), want, 1e-4, "cold")
 
@@ -221,8 +221,8 @@ def test_a_corrupt_cache_entry_is_rebuilt(tmp_path):
     rebuilt = compiler.compile(text, "h100", cache=cache, poison_outputs=True)
     assert cache.stats.corrupt == 2
     assert rebuilt.stats.host_cache_hits == len(rebuilt.kernels) - 2
-    module = stitch.hlo_passes.parse_hlo(text)
-    assert_close(rebuilt(*args), stitch.hlo_passes.evaluate(module, args), 1e-4, "rebuilt")
+    module = stitch.hlo.parse_hlo(text)
+    assert_close(rebuilt(*args), stitch.hlo.evaluate(module, args), 1e-4, "rebuilt")
     again = compiler.compile(text, "h100", cache=CompileCache(tmp_path))
     assert again.stats.host_cache_hits == len(again.kernels)
 
@@ -250,8 +250,8 @@ def test_a_kernel_that_fails_runs_through_the_evaluator(monkeypatch, where, erro
     assert fb.name not in {k.name for k in exe.kernels} and exe.kernels
     assert exe.summary()["fallbacks"] == [(fb.name, fb.reason)]
     args = models.build("bert_layer_train", "tiny").random_args(5)
-    module = stitch.hlo_passes.parse_hlo(text)
-    assert_close(exe(*args), stitch.hlo_passes.evaluate(module, args), 1e-4, "with a fallback")
+    module = stitch.hlo.parse_hlo(text)
+    assert_close(exe(*args), stitch.hlo.evaluate(module, args), 1e-4, "with a fallback")
 
 
 @pytest.mark.parametrize("failures", [1, 2])
@@ -274,15 +274,15 @@ def test_a_failing_planner_is_retried_then_given_up(monkeypatch, failures):
     else:
         assert exe.plan is None and not exe.kernels     # all through the evaluator
     args = models.build("log_softmax_xent", "tiny").random_args(8)
-    module = stitch.hlo_passes.parse_hlo(text)
-    assert_close(exe(*args), stitch.hlo_passes.evaluate(module, args), 1e-4, "replanned")
+    module = stitch.hlo.parse_hlo(text)
+    assert_close(exe(*args), stitch.hlo.evaluate(module, args), 1e-4, "replanned")
 
 
 def test_poisoned_outputs_expose_a_kernel_that_writes_nothing():
     """The check above can fail: a kernel that never stores leaves NaN in its outputs."""
     exe = compiler.compile(LAYER_NORM.read_text(), "h100", cache=False, poison_outputs=True)
     args = _layer_norm_args(4)
-    want = stitch.hlo_passes.evaluate(exe.module, args)
+    want = stitch.hlo.evaluate(exe.module, args)
     exe.kernels[0].host = lambda *arrays: None      # writes nothing
     got = exe(*args)
     assert np.isnan(got[0]).all()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import stitch
-from stitch.hlo_passes import evaluate, parse_hlo
+from stitch.hlo import evaluate, parse_hlo
 
 CASES = {
 "ds_vector": """HloModule m

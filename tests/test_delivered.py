@@ -147,7 +147,7 @@ def test_dropped_kernels_carry_their_kind_reason_and_planned_saving():
 def test_predicted_loop_copies_match_the_rewrite_and_a_losing_kernel_is_refused():
     """hlo_rewrite.carried_copy_bytes predicts, per kernel, the copies the rewrite then adds;
     delivered.loses_with_copies refuses a loop kernel whose copies make it lose."""
-    from stitch.hlo_passes import parse_hlo
+    from stitch.hlo import parse_hlo
     from stitch.xla_pass.delivered import loses_with_copies
     from stitch.xla_pass.hlo_rewrite import ComputationView, KernelSite, carried_copy_bytes
     from stitch.pricing.delta import CostModel

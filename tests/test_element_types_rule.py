@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import element_types, parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import element_types, parse_hlo
+from stitch.hlo.graph import build_op_graphs
 from stitch.analysis.buildable import build_problem
 
 

@@ -18,10 +18,10 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from stitch.hlo_passes.errors import HloEvaluationError, UnsupportedOpcodeError  # noqa: E402
-from stitch.hlo_passes.evaluator import evaluate  # noqa: E402
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype  # noqa: E402
-from stitch.hlo_passes.parser import parse_hlo  # noqa: E402
+from stitch.hlo.errors import HloEvaluationError, UnsupportedOpcodeError  # noqa: E402
+from stitch.hlo.evaluator import evaluate  # noqa: E402
+from stitch.hlo.evaluator.dtypes import numpy_dtype  # noqa: E402
+from stitch.hlo.parser import parse_hlo  # noqa: E402
 from tests.fixtures import BF16_TOLERANCE, DATA as FIXTURES, uses_bf16  # noqa: E402
 
 DATA = str(FIXTURES)
@@ -989,7 +989,7 @@ ENTRY e {
 def test_erf_without_scipy_is_accurate():
     import math
 
-    from stitch.hlo_passes.evaluator.elementwise import _erf_float64
+    from stitch.hlo.evaluator.elementwise import _erf_float64
     grid = np.concatenate([np.linspace(-6, 6, 2001), [0.0, -0.0, 1e-30, 2.9999, 3.0, 3.0001, 30.0, -30.0]])
     want = np.array([math.erf(v) for v in grid])
     got = _erf_float64(grid)
@@ -1047,7 +1047,7 @@ def test_widened_float_combiner_is_its_op(narrow, wide, op, swap, same, want):
     """convert(op(convert(a), convert(b))) computed in a float wide enough to round once is
     the narrow op correctly rounded: recognized as that op (codegen then lowers XLA GPU's bf16
     scatter-adds and reductions), and the evaluator's fast path agrees with interpreting it."""
-    from stitch.hlo_passes.evaluator.interpreter import Evaluator
+    from stitch.hlo.evaluator.interpreter import Evaluator
     module = parse_hlo(_combiner_module(narrow, wide, op, swap, same))
     assert Evaluator(module).binary_kind("comb") == want
     if want is None:

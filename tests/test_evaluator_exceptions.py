@@ -10,10 +10,10 @@ import signal
 import numpy as np
 import pytest
 
-from stitch.hlo_passes.errors import HloEvaluationError
-from stitch.hlo_passes.evaluator import evaluate
-from stitch.hlo_passes.evaluator.registry import HANDLERS
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.errors import HloEvaluationError
+from stitch.hlo.evaluator import evaluate
+from stitch.hlo.evaluator.registry import HANDLERS
+from stitch.hlo.parser import parse_hlo
 
 BUSY = parse_hlo("""HloModule busy
 ENTRY e {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import evaluate
+from stitch.hlo import evaluate
 
 
 def run_xla(text: str, args: list[np.ndarray]) -> list[np.ndarray]:
@@ -95,7 +95,7 @@ ENTRY e {{
 
 def test_copy_start_with_the_array_shape_alone():
     """XLA's parser takes `f32[2,3] copy-start(p0)` (corpus 06350); it is a copy."""
-    from stitch.hlo_passes import evaluate, parse_hlo
+    from stitch.hlo import evaluate, parse_hlo
     module = parse_hlo("""HloModule m
 ENTRY e {
   p0 = f32[2,3] parameter(0)
@@ -108,8 +108,8 @@ ENTRY e {
 
 def test_a_result_larger_than_memory_is_an_evaluation_error():
     """A broadcast is a numpy view until the result is copied out (corpus 01210: 70 GiB)."""
-    from stitch.hlo_passes import evaluate, parse_hlo
-    from stitch.hlo_passes.errors import HloEvaluationError
+    from stitch.hlo import evaluate, parse_hlo
+    from stitch.hlo.errors import HloEvaluationError
     module = parse_hlo("""HloModule m
 ENTRY e {
   c = bf16[] constant(0)

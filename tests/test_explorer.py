@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import stitch
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import build_op_graphs
 from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.analysis.feasibility import analyze_pattern, infeasible_reason
@@ -325,7 +325,7 @@ def test_merging_kernels_with_duplicated_producers_never_closes_a_cycle():
     """Base fusion copies cheap producers into several kernels, so no op has one owner; the
     greedy merge must still never create a cycle between kernels (transformer_train, tiny,
     pre-optimization HLO, used to fail with 'the kernels form a cycle')."""
-    from stitch.hlo_passes.base_fusion import base_fusion
+    from stitch.hlo.base_fusion import base_fusion
     from stitch.explorer.beam import kernel_levels, merge_adjacent
     from stitch.explorer.planner import _packable
 
@@ -346,7 +346,7 @@ def test_is_convex_bitmasks_agree_with_the_search(monkeypatch):
     of a real graph (both convex and non-convex sets occur)."""
     import random
 
-    import stitch.hlo_passes.graph as graph_module
+    import stitch.hlo.graph as graph_module
     from tests.fixtures import DATA
 
     text = (DATA / "bert_layer_train" / "full.gpu-h100.hlo").read_text()

@@ -97,7 +97,7 @@ def test_graphs_without_chains_plan_as_before():
 def test_compile_builds_the_planned_chain_kernel_and_it_matches():
     """stitch.compile lowers a gemm_chain kernel as planned (stitch.codegen.gemm_chain) and the host
     run matches the evaluator with poisoned outputs."""
-    import stitch.hlo_passes
+    import stitch.hlo
     from stitch import models
     from tests.test_compile import assert_close
     text = (DATA / "gemm_chain_g2" / "tiny.gpu-h100.hlo").read_text()
@@ -107,7 +107,7 @@ def test_compile_builds_the_planned_chain_kernel_and_it_matches():
     assert chains[0].name in {k.name for k in exe.kernels} or \
         any(k.members == tuple(chains[0].members) for k in exe.kernels)
     args = models.build("gemm_chain_g2", "tiny").random_args(7)
-    assert_close(exe(*args), stitch.hlo_passes.evaluate(exe.module, args), 1e-4, "g2 tiny")
+    assert_close(exe(*args), stitch.hlo.evaluate(exe.module, args), 1e-4, "g2 tiny")
 
 
 def test_render_and_summary_accept_the_new_kind():
@@ -129,8 +129,8 @@ def test_cli_json_carries_the_chain_schedule(capsys):
 
 
 def test_one_model_prices_the_chain_and_the_gemms_it_replaces():
-    from stitch.hlo_passes.graph import build_op_graphs
-    from stitch.hlo_passes.parser import parse_hlo
+    from stitch.hlo.graph import build_op_graphs
+    from stitch.hlo.parser import parse_hlo
     from stitch.pricing.chain_pricing import chain_price, xla_gemm_cost
     from stitch.pricing.delta import CostModel
     from stitch.cost.gpu_specs import get_spec

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-import stitch.hlo_passes
+import stitch.hlo
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph import build_op_graphs
 from stitch import compiler
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import ScheduleError, schedule_kernel
@@ -87,8 +87,8 @@ def _tolerance(text: str) -> float:
     return 1e-4 if " reduce(" in text else 1e-5
 
 
-def _as_f64(text: str) -> stitch.hlo_passes.HloModule:
-    return stitch.hlo_passes.parse_hlo(text.replace("f32[", "f64["))
+def _as_f64(text: str) -> stitch.hlo.HloModule:
+    return stitch.hlo.parse_hlo(text.replace("f32[", "f64["))
 
 
 def check_seed(seed: int) -> list[str]:
@@ -100,7 +100,7 @@ def check_seed(seed: int) -> list[str]:
     target = GPU_TARGETS[int(rng.integers(0, len(GPU_TARGETS)))]
     unit = ("thread", "warp", "block")[int(rng.integers(0, 3))]
     what = f"seed {seed} ({target}, forced {unit})"
-    module = stitch.hlo_passes.parse_hlo(text)
+    module = stitch.hlo.parse_hlo(text)
     exe = compiler.compile(module, target, cache=False, poison_outputs=True)
     # A kernel the planner chose but could not schedule runs through the evaluator: a
     # planner bug, reported like plan_notes. Any other fallback is a codegen failure.
@@ -124,8 +124,8 @@ def check_seed(seed: int) -> list[str]:
                                 {v: args64[p] for v, p in params.items()})
     judge = Judge.of(values64, tol)
     try:
-        judge.check(exe(*args), stitch.hlo_passes.evaluate(module, args),
-                    stitch.hlo_passes.evaluate(module64, args64), what)
+        judge.check(exe(*args), stitch.hlo.evaluate(module, args),
+                    stitch.hlo.evaluate(module64, args64), what)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{text}") from None
     # The same kernels with one scheme forced (where the schedule space has it), fed the
@@ -181,7 +181,7 @@ def test_generator_is_deterministic_and_covers_the_op_set():
                "pad(", "select(", "compare(", "scatter(", "gather(", "iota("):
         assert op in joined, op
     for t in texts:
-        stitch.hlo_passes.parse_hlo(t)
+        stitch.hlo.parse_hlo(t)
     # Reductions over non-minor axes happen.
     assert any("dimensions={0}, to_apply" in t for t in texts)
     # Both scatter forms: one update per row at iota/label vectors, and colliding ids.

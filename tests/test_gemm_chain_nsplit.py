@@ -19,7 +19,7 @@ import pytest
 from stitch.codegen import kir
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
-from stitch.hlo_passes.evaluator import evaluate
+from stitch.hlo.evaluator import evaluate
 from stitch.cost.gemm_tile import (ChainDims, GemmChainSchedule, chain_cost, chain_grid,
                                    partial_bytes)
 from stitch.cost.gpu_specs import get_spec

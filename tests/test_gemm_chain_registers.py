@@ -10,9 +10,9 @@ from stitch.codegen import toolchain
 from stitch.codegen.errors import ToolchainError
 from stitch.codegen.gemm_chain import lower_gemm_chain
 from stitch.codegen.nvptx import emit_ptx
-from stitch.hlo_passes.gemm_chains import find_gemm_chains
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.gemm_chains import find_gemm_chains
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.parser import parse_hlo
 from stitch.pricing import chain_pricing
 from stitch.pricing.chain_pricing import chain_dims, chain_price
 from stitch.cost.gemm_tile import GemmChainSchedule, chain_registers

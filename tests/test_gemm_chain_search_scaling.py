@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from stitch.hlo_passes import gemm_chain_search, gemm_chains
-from stitch.hlo_passes.gemm_chain_program import NotAChain
-from stitch.hlo_passes.gemm_chain_recognizer import Recognizer
-from stitch.hlo_passes.gemm_chain_search import ChainSearch, reachable_gemms
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.op_classes import OpClass
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo import gemm_chain_search, gemm_chains
+from stitch.hlo.gemm_chain_program import NotAChain
+from stitch.hlo.gemm_chain_recognizer import Recognizer
+from stitch.hlo.gemm_chain_search import ChainSearch, reachable_gemms
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.op_classes import OpClass
+from stitch.hlo.parser import parse_hlo
 from tests.fixtures import DATA
 
 

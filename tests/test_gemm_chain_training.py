@@ -11,11 +11,11 @@ import pytest
 from stitch.codegen import kir
 from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
-from stitch.hlo_passes.evaluator import evaluate
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.gemm_chains import find_gemm_chains, needs_row_pass
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.evaluator import evaluate
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.gemm_chains import find_gemm_chains, needs_row_pass
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.parser import parse_hlo
 from tests.fixtures import REDUCERS
 
 # Batch 4 (2 x 2 heads), m = 20, n = 24, k = 10, h = 6: no tile divides them.

@@ -1,4 +1,4 @@
-"""GEMM chain recognition (stitch.hlo_passes.gemm_chains) on the zoo's MCFuser fixtures.
+"""GEMM chain recognition (stitch.hlo.gemm_chains) on the zoo's MCFuser fixtures.
 
 Every gemm_chain_g* / attention_* fixture (full and tiny, XLA's GPU plans for V100 / A100 /
 H100 and jax's own form) holds exactly one chain with the dims of MCFuser's tables
@@ -13,12 +13,12 @@ import math
 import numpy as np
 import pytest
 
-from stitch.hlo_passes.evaluator import evaluate
-from stitch.hlo_passes.gemm_chains import (GemmChain, OperandView, chain_of, find_gemm_chains,
+from stitch.hlo.evaluator import evaluate
+from stitch.hlo.gemm_chains import (GemmChain, OperandView, chain_of, find_gemm_chains,
                                            softmax_parts)
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.op_classes import OpClass
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.op_classes import OpClass
+from stitch.hlo.parser import parse_hlo
 from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS, ChainShape
 from tests.fixtures import DATA
 

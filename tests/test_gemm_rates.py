@@ -10,9 +10,9 @@ from stitch.pricing.delta import CostModel
 from stitch.cost.gemm_rates import (ACHIEVABLE_GEMM_FRACTION, FP32, HALF, TF32, peak_flops,
                                     precision_class)
 from stitch.cost.gpu_specs import get_spec
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.op_classes import OpClass
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.op_classes import OpClass
+from stitch.hlo.parser import parse_hlo
 
 
 def _dot_module(m: int, k: int, n: int, dtype: str, precision: str = "") -> str:

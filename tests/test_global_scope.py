@@ -133,10 +133,10 @@ def test_grid_barrier_ptx_assembles_without_spills(arch):
 
 from stitch.codegen.lower import lower_kernel, reference_values, run_on_host  # noqa: E402
 from stitch.codegen.values import leaf  # noqa: E402
-from stitch.hlo_passes import parse_hlo  # noqa: E402
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype  # noqa: E402
-from stitch.hlo_passes.evaluator.interpreter import Evaluator  # noqa: E402
-from stitch.hlo_passes.graph import build_op_graphs  # noqa: E402
+from stitch.hlo import parse_hlo  # noqa: E402
+from stitch.hlo.evaluator.dtypes import numpy_dtype  # noqa: E402
+from stitch.hlo.evaluator.interpreter import Evaluator  # noqa: E402
+from stitch.hlo.graph import build_op_graphs  # noqa: E402
 from stitch.cost.gpu_specs import get_spec  # noqa: E402
 from stitch.analysis.feasibility import analyze_pattern, infeasible_reason  # noqa: E402
 from stitch.schedule import ScheduleError, schedule_kernel  # noqa: E402
@@ -468,7 +468,7 @@ ENTRY e {""")
 
 
 def test_compile_plans_and_runs_the_global_kernel_end_to_end():
-    import stitch.hlo_passes
+    import stitch.hlo
     from stitch import compiler
     module = parse_hlo(HEAD + NORMALIZE + "\n}\n")
     exe = compiler.compile(module, "h100", cache=False, poison_outputs=True)
@@ -477,7 +477,7 @@ def test_compile_plans_and_runs_the_global_kernel_end_to_end():
     assert len(kernels) == 1 and "global" in kernels[0].schemes
     x = np.random.default_rng().standard_normal((300, 257)).astype(np.float32)
     got, = exe(x)
-    want, = stitch.hlo_passes.evaluate(module, [x])
+    want, = stitch.hlo.evaluate(module, [x])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
@@ -498,7 +498,7 @@ def test_a_value_two_units_write_is_read_from_the_first():
     """Regression (seen when the global scope changed bert_layer_train's plan): a
     broadcast recomputed and written by two kernels was keyed by the later one, so a kernel
     between them that reads it seemed to wait for a kernel that waits for it."""
-    from stitch.hlo_passes.graph_exec import GraphRunner, Unit
+    from stitch.hlo.graph_exec import GraphRunner, Unit
     module = parse_hlo("""HloModule m
 ENTRY e {
   x = f32[4] parameter(0)

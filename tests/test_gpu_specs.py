@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from stitch.hlo_passes.errors import StitchError
+from stitch.hlo.errors import StitchError
 from stitch.cost import SPECS, GpuSpec, UnknownTargetError, get_spec
 from stitch.cost.gpu_specs import KIB
 

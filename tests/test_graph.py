@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 
-from stitch.hlo_passes import Instruction, Shape, parse_hlo
-from stitch.hlo_passes.graph import OpGraph, build_op_graphs
-from stitch.hlo_passes.ir import Computation, HloModule
-from stitch.hlo_passes.kernels import FREE_OPS, count_kernels
-from stitch.hlo_passes.op_classes import OpClass, classify, classify_with, is_kernel_boundary
+from stitch.hlo import Instruction, Shape, parse_hlo
+from stitch.hlo.graph import OpGraph, build_op_graphs
+from stitch.hlo.ir import Computation, HloModule
+from stitch.hlo.kernels import FREE_OPS, count_kernels
+from stitch.hlo.op_classes import OpClass, classify, classify_with, is_kernel_boundary
 from tests.fixtures import fixture_id, tf_fixture_files, zoo_fixture_files
 
 
@@ -327,7 +327,7 @@ def test_convexity_matches_brute_force_on_random_dags():
 def test_searched_convexity_matches_brute_force_on_random_dags(monkeypatch):
     """Without bitmasks ``is_convex`` searches from both ends of the set; on random DAGs
     with far edges (a forward value read by a backward) its answer is the brute force's."""
-    import stitch.hlo_passes.graph as graph_module
+    import stitch.hlo.graph as graph_module
     monkeypatch.setattr(graph_module, "REACHABILITY_MAX_NODES", -1)
     rng = random.Random(11)
     for trial in range(4):
@@ -504,7 +504,7 @@ def test_unit_bitmasks_of_a_large_graph_agree_with_the_search(monkeypatch):
     """Above REACHABILITY_MAX_NODES, ``is_convex`` proves convexity between units (XLA
     fusions, every other op alone) and searches otherwise: on random unions of nearby
     units and random op sets of a real XLA GPU module its answers equal the search's."""
-    import stitch.hlo_passes.graph as graph_module
+    import stitch.hlo.graph as graph_module
     from tests.fixtures import DATA
 
     text = (DATA / "bert_layer_train" / "full.gpu-h100.hlo").read_text()

@@ -1,14 +1,14 @@
-"""The op-graph runner (stitch.hlo_passes.graph_exec) against the reference evaluator: whole zoo
+"""The op-graph runner (stitch.hlo.graph_exec) against the reference evaluator: whole zoo
 modules node by node, units replacing node sets, loops, conditionals and tuple plumbing."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import HloEvaluationError, evaluate, parse_hlo
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.graph_exec import GraphRunner, Unit, run_graphs
+from stitch.hlo import HloEvaluationError, evaluate, parse_hlo
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.graph_exec import GraphRunner, Unit, run_graphs
 from tests.fixtures import DATA
 
 FIXTURES = sorted(str(p.relative_to(DATA)) for p in DATA.glob("*/tiny.*.hlo")

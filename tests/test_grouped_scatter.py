@@ -1,5 +1,5 @@
 """Scatters whose update rows fall into groups of distinct ids, generated without atomics
-in column tiles (stitch.hlo_passes.grouped_scatter): an expert-choice MoE combine, jax's
+in column tiles (stitch.hlo.grouped_scatter): an expert-choice MoE combine, jax's
 ``top_k`` indices scattered back with ``.at[].add`` / ``.at[].max``, built on the host
 with poisoned outputs and fresh inputs, matches jax and the reference evaluator — tokens
 several experts chose, tokens none chose, row ranges and ragged column tiles, ids past the
@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import evaluate, parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.grouped_scatter import grouped_scatter
+from stitch.hlo import evaluate, parse_hlo
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.grouped_scatter import grouped_scatter
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
@@ -179,8 +179,8 @@ def test_scatters_too_large_to_prove_are_atomic_without_computing_their_indices(
     """Index tensors of billions of elements (as in XLA's own scatter tests) are unknown
     without being allocated: every proof declines, the scatter stays atomic."""
     from stitch.cost.contention import scatter_contention
-    from stitch.hlo_passes.scatter_forms import scatter_form
-    from stitch.hlo_passes.sorted_runs import run_scatter
+    from stitch.hlo.scatter_forms import scatter_form
+    from stitch.hlo.sorted_runs import run_scatter
 
     text = """HloModule huge_indices
 

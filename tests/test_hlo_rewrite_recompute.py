@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("jaxlib")
 
-from stitch.hlo_passes import parse_hlo, print_hlo  # noqa: E402
-from stitch.hlo_passes.graph import build_op_graphs  # noqa: E402
+from stitch.hlo import parse_hlo, print_hlo  # noqa: E402
+from stitch.hlo.graph import build_op_graphs  # noqa: E402
 from stitch.xla_pass.hlo_rewrite import (ComputationView, KernelSite, PlacedKernel,  # noqa: E402
                                             replace_kernels)
 from stitch.xla_pass.pass_registration import to_proto  # noqa: E402

@@ -5,7 +5,7 @@ imports another module's private (underscore-prefixed) name.
 Imports are read from source with ``ast``, function-level ones included: an import deferred into
 a function is still a dependency, and deferring one only hides a cycle. Modules are found by
 walking the package folders and named by their path from the repository root
-(``stitch/hlo_passes/parser.py`` is ``stitch.hlo_passes.parser``); ``bench/`` counts too.
+(``stitch/hlo/parser.py`` is ``stitch.hlo.parser``); ``bench/`` counts too.
 """
 from __future__ import annotations
 
@@ -154,8 +154,8 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 # The pipeline's order, bottom first: a module may import its own folder and the folders
 # listed before its own, never one after it. Top-level modules count as folders of their own.
 FOLDER_ORDER = (
-    "stitch.hlo_passes",    # HLO: parse, print, evaluate, graphs, index and segment analyses
-    "stitch.errors",        # the error hierarchy (re-exported from hlo_passes)
+    "stitch.hlo",           # HLO: parse, print, evaluate, graphs, index and segment analyses
+    "stitch.errors",        # the error hierarchy (re-exported from hlo)
     "stitch.version",
     "stitch.models",        # the zoo's HLO models
     "stitch.codegen",       # Kernel IR, lowering, LLVM/PTX, compile cache, host targets
@@ -228,7 +228,7 @@ def test_cached_results_are_keyed_by_all_the_code_that_makes_them(start, package
 
 def test_modules_found():
     assert len(MODULES) > 50
-    assert _resolve("stitch.hlo_passes.ir") and _resolve("stitch.codegen.lower")
+    assert _resolve("stitch.hlo.ir") and _resolve("stitch.codegen.lower")
 
 
 def test_no_import_cycles():

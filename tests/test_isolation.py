@@ -367,7 +367,7 @@ def test_worker_stop_is_an_orderly_exit_that_keeps_the_childs_stderr(monkeypatch
 def test_a_worker_killed_for_good_starts_no_child_again():
     """At exit the pass's children are killed for good: a build thread's next call must not
     start a fresh interpreter behind the exiting process's back."""
-    from stitch.hlo_passes.errors import Cancelled
+    from stitch.hlo.errors import Cancelled
     worker = IsolatedWorker(name="final-test")
     try:
         assert worker.call(sum, [1, 2]) == 3

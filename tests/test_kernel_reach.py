@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-import stitch.hlo_passes.graph as graph_module
+import stitch.hlo.graph as graph_module
 from stitch.explorer.beam import Buffer, Owners, creates_cycle
 from stitch.explorer.kernel_reach import KernelReach
 from stitch.explorer.patterns import Pattern
-from stitch.hlo_passes.graph import OpGraph, build_op_graphs
-from stitch.hlo_passes.op_classes import OpClass
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.graph import OpGraph, build_op_graphs
+from stitch.hlo.op_classes import OpClass
+from stitch.hlo.parser import parse_hlo
 from tests.fixtures import DATA
 
 

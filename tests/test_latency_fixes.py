@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import build_op_graphs
 from stitch.pricing.delta import CostModel, in_place_updates, kernel_hbm_bytes
 from stitch.cost.gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, get_spec
 from stitch.cost.latency import (LaunchShape, WarpWork, cpi, evaluate, warp_compute_cycles,

@@ -21,8 +21,8 @@ import pytest
 
 import stitch
 from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
-from stitch.hlo_passes import evaluate, parse_hlo
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo import evaluate, parse_hlo
+from stitch.hlo.evaluator.interpreter import Evaluator
 from stitch.compiler import compile as stitch_compile
 from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec

@@ -17,9 +17,9 @@ import pytest
 
 from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
-from stitch.hlo_passes.gemm_chains import find_gemm_chains
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.gemm_chains import find_gemm_chains
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.parser import parse_hlo
 from hlo_fixtures.lm_head_backward import DE, DH, D, N, V, backward_text
 from tests.test_lm_head_loss import ptxas_or_skip
 

@@ -15,7 +15,7 @@ from stitch.codegen.errors import CodegenError
 from stitch.codegen.gemm_chain import ChainTiling
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
 from stitch.codegen.lm_head_loss import default_tiling, lower_lm_head_loss
-from stitch.hlo_passes.lm_head_loss import LmHeadLoss, row_major_views
+from stitch.hlo.lm_head_loss import LmHeadLoss, row_major_views
 
 # No tile divides them.
 ROWS, VOCAB, HIDDEN = 37, 101, 13

@@ -1,4 +1,4 @@
-"""Recognizing the LM head + softmax cross-entropy (``hlo_passes/lm_head_loss.py``) in the
+"""Recognizing the LM head + softmax cross-entropy (``hlo/lm_head_loss.py``) in the
 form XLA GPU's optimized module gives jax's ``log_softmax`` + ``take_along_axis`` eval loss
 (the H100 module of tests/deviceless/test_lm_head_loss_deviceless.py, metadata dropped and
 sizes made small): one site, the sum of its rows' log-probabilities the result; the forward kernel
@@ -12,10 +12,10 @@ import pytest
 
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
 from stitch.codegen.lm_head_loss import default_tiling, lower_lm_head_loss
-from stitch.hlo_passes.evaluator import evaluate
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.lm_head_loss import find_lm_head_losses
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.evaluator import evaluate
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.lm_head_loss import find_lm_head_losses
+from stitch.hlo.parser import parse_hlo
 
 B, S, D, V = 2, 8, 16, 300
 _TEMPLATE = """HloModule lm_head_eval

@@ -1,5 +1,5 @@
 """The planner prices the copies a loop body's stitched kernel needs (each loop-state value it
-writes goes through a copy the rewrite adds): one prediction (stitch.hlo_passes.loop_state) for the
+writes goes through a copy the rewrite adds): one prediction (stitch.hlo.loop_state) for the
 plan, the pass's check and the rewrite, so the plan's figures are the module's."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from stitch.hlo_passes.loop_state import carried_copies  # noqa: E402
+from stitch.hlo.loop_state import carried_copies  # noqa: E402
 from tests.fixtures import compile_with_cpu_pass  # noqa: E402
 from stitch.pricing.delta import CostModel, copy_kernel_cost  # noqa: E402
 from stitch.cost.gpu_specs import get_spec  # noqa: E402

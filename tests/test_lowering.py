@@ -9,14 +9,14 @@ import shutil
 import numpy as np
 import pytest
 
-import stitch.hlo_passes
+import stitch.hlo
 import stitch
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
 from stitch.codegen.values import leaf
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo import parse_hlo
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.evaluator.interpreter import Evaluator
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import ScheduleError, schedule_kernel
 from tests.fixtures import BF16_TOLERANCE, DATA, REDUCERS
@@ -208,7 +208,7 @@ HEAD = "HloModule m\n" + REDUCERS
 @pytest.mark.parametrize("family", sorted(_families()))
 @pytest.mark.parametrize("unit", ["warp", "block", "thread"])
 def test_forced_schemes_lower_as_scheduled_and_match(family, unit):
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo.graph import build_op_graphs
 
     module = parse_hlo(f"{HEAD}ENTRY main {{\n{_families()[family]}\n}}\n")
     graph = build_op_graphs(module)[0]
@@ -228,7 +228,7 @@ def test_lowered_kernels_assemble_without_spills(arch):
     from stitch.codegen.isolation import run_isolated
     from stitch.codegen.nvptx import emit_ptx
     from stitch.codegen.toolchain import assemble
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo.graph import build_op_graphs
 
     for family, body in _families().items():
         module = parse_hlo(f"{HEAD}ENTRY main {{\n{body}\n}}\n")
@@ -268,7 +268,7 @@ def test_column_reductions_lower_as_scheduled(shape, unit):
     """f32[R,C] reduced over dim 0: a block owns 32 columns, its warps stride over the
     rows and combine through shared memory; a warp gives each thread a column."""
     from stitch.codegen import kir
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo.graph import build_op_graphs
 
     module = parse_hlo(_column_module(*shape))
     graph = build_op_graphs(module)[0]
@@ -315,7 +315,7 @@ def test_layouts_the_proof_rejects_fall_back_to_threads(reason):
     given a schedule that claims 6 rows of 40 (a softmax's warp schedule)."""
     import dataclasses
 
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo.graph import build_op_graphs
 
     def graph_of(body):
         module = parse_hlo(f"{HEAD}ENTRY main {{\n{body}\n}}\n")
@@ -358,7 +358,7 @@ ENTRY main {
 def test_pred_column_reduction_combines_without_shuffles(unit):
     """Column rows combine partials with plain ops, so an and-reduction of predicates
     (no warp collective) is lowered as scheduled, partials in an i1 shared buffer."""
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo.graph import build_op_graphs
 
     module = parse_hlo(AND_COLUMNS)
     graph = build_op_graphs(module)[0]
@@ -399,7 +399,7 @@ def test_free_output_in_no_part_is_written():
     rng = np.random.default_rng(35)
     args = [rng.standard_normal((5,)).astype(np.float32),
             rng.standard_normal((4, 100)).astype(np.float32)]
-    want = stitch.hlo_passes.evaluate(exe.module, args)
+    want = stitch.hlo.evaluate(exe.module, args)
     for got, ref in zip(exe(*args), want):
         assert np.allclose(got, ref, rtol=1e-6), (got, ref)
 
@@ -419,7 +419,7 @@ def test_thread_composition_computes_loop_invariant_reductions_once():
     whole-tensor layer norm was recomputed inside the variance's loop, inside the loop over
     the thread's elements (n^3 work). A value whose index does not read a loop's variable
     is now computed before that loop: at most an element loop around one reduction loop."""
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo.graph import build_op_graphs
 
     module = parse_hlo(f"""{HEAD}ENTRY main {{
   x = f32[5,40,17] parameter(0)
@@ -455,7 +455,7 @@ def format_kernel_text(kernel) -> str:
 def test_guarded_loads_stay_under_their_guard():
     """Loop-invariant motion never leaves an If: a concatenate's branch loads at an index
     that is out of range for the other branch (bounds-checked on the host)."""
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo.graph import build_op_graphs
 
     module = parse_hlo(f"""{HEAD}ENTRY main {{
   a = f32[3,4] parameter(0)

@@ -17,12 +17,12 @@ from stitch.codegen import kir
 from stitch.codegen.errors import CodegenError, ToolchainError
 from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
-from stitch.hlo_passes.evaluator import evaluate
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.gemm_chains import GemmChain, find_gemm_chains
-from stitch.hlo_passes.graph import OpGraph, build_op_graphs
-from stitch.hlo_passes.ir import HloModule
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.evaluator import evaluate
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.gemm_chains import GemmChain, find_gemm_chains
+from stitch.hlo.graph import OpGraph, build_op_graphs
+from stitch.hlo.ir import HloModule
+from stitch.hlo.parser import parse_hlo
 from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS
 from tests.fixtures import DATA, REDUCERS
 
@@ -113,7 +113,7 @@ def _evaluate_rna(text: str, args: list[np.ndarray], monkeypatch) -> np.ndarray:
     """The evaluator's result with every dot's operands rounded as cvt.rna.tf32 does (its
     own TF32 algorithm rounds to nearest even: on values that came out of a short GEMM,
     with their low bits mostly zero, exact ties are common enough to matter)."""
-    from stitch.hlo_passes.evaluator import linalg
+    from stitch.hlo.evaluator import linalg
 
     def round_rna(algorithm: str, *operands: np.ndarray) -> list[np.ndarray]:
         assert "tf32" in algorithm.lower()
@@ -662,8 +662,8 @@ def test_bert_layer_runs_with_its_chains_as_kernels(stage: str) -> None:
     """The BERT layer (tiny) with every chain (attention with its mask; in jax's form the
     FFN too) run as a chain kernel on the host, the rest by the reference ops, as the
     compiler's runner does; outputs poisoned; against the evaluator on the whole module."""
-    from stitch.hlo_passes.graph_exec import GraphRunner, NumpyBackend, Unit
-    from stitch.hlo_passes.op_classes import OpClass
+    from stitch.hlo.graph_exec import GraphRunner, NumpyBackend, Unit
+    from stitch.hlo.op_classes import OpClass
     from stitch.codegen.values import leaf
     module = parse_hlo(_fixture("bert_layer_infer", "tiny", stage))
     graphs = build_op_graphs(module)

@@ -13,9 +13,9 @@ from stitch.codegen.gpu_cache import canonical_kernel, kernel_ir_text
 from stitch.codegen.lower import kernel_identifier, lower_kernel, reference_values, run_on_host
 from stitch.codegen.lowering_reuse import LoweringReuse, site_key
 from stitch.cost.gpu_specs import get_spec
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph import build_op_graphs
 from stitch.schedule.tuner import schedule_kernel
 
 # Two layers' softmax-like blocks: the same computation under other names (the second

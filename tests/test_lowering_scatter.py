@@ -21,11 +21,11 @@ import pytest
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
 from stitch.codegen.values import leaf
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.scatter_forms import scatter_form
+from stitch.hlo import parse_hlo
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.scatter_forms import scatter_form
 from stitch.cost.gpu_specs import get_spec
 from stitch.analysis.feasibility import infeasible_reason
 from stitch.schedule import ScheduleError, schedule_kernel
@@ -249,7 +249,7 @@ def test_atomic_scatter_needs_an_in_place_output():
 def test_colliding_assign_is_refused_naming_the_op():
     body = ATOMIC_CASES["embedding"].replace("to_apply=add", "to_apply=assign")
     module, graph, members = _module(body, ASSIGN_EXACT)
-    # Refused by the planner's feasibility (stitch.hlo_passes.combiners, the rule codegen applies)
+    # Refused by the planner's feasibility (stitch.hlo.combiners, the rule codegen applies)
     # before codegen is asked, or by codegen.
     with pytest.raises((CodegenError, ScheduleError),
                        match=r"sc(: | \(scatter\): )scatter with combiner assign"):
@@ -526,7 +526,7 @@ def test_compiled_jax_grad_runs_its_scatters_as_kernels(name):
     evaluator, and the results match the evaluator."""
     from stitch import compiler
 
-    import stitch.hlo_passes
+    import stitch.hlo
     module = parse_hlo(_jax_hlo(name))
     exe = compiler.compile(module, "h100", cache=False, poison_outputs=True)
     assert not exe.fallbacks, exe.fallbacks
@@ -541,7 +541,7 @@ def test_compiled_jax_grad_runs_its_scatters_as_kernels(name):
                     else rng.integers(-3, 53 if name == "xent" else 23,
                                       p.shape.dims).astype(dtype))
     got = exe(*args)
-    want = stitch.hlo_passes.evaluate(module, args)
+    want = stitch.hlo.evaluate(module, args)
     want = want if isinstance(want, (list, tuple)) else [want]
     got = got if isinstance(got, (list, tuple)) else [got]
     for g, w in zip(got, want):

@@ -19,12 +19,12 @@ import pytest
 import stitch
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
-from stitch.hlo_passes import parse_hlo
+from stitch.hlo import parse_hlo
 from stitch.codegen.values import leaf
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph_exec import GraphRunner
-from stitch.hlo_passes.segments_as_rows import segments_as_rows
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph_exec import GraphRunner
+from stitch.hlo.segments_as_rows import segments_as_rows
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import ScheduleError, schedule_kernel
 from tests.fixtures import BF16_TOLERANCE, zoo_fixture

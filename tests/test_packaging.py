@@ -44,9 +44,9 @@ def test_the_wheel_installs_one_package_and_the_autoload(wheel):
 
 def test_every_layer_ships_inside_the_stitch_package(wheel):
     names = set(wheel.namelist())
-    for module in ("stitch/hlo_passes/parser.py", "stitch/codegen/lower.py",
+    for module in ("stitch/hlo/parser.py", "stitch/codegen/lower.py",
                    "stitch/xla_pass/entry.py", "stitch/explorer/planner.py"):
         assert module in names
     # The .pth imports only the autoload module, which imports nothing unless enabled.
     pth = wheel.read("stitch-autoload.pth").decode()
-    assert "stitch_autoload" in pth and "hlo_passes" not in pth
+    assert "stitch_autoload" in pth and "hlo" not in pth

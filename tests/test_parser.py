@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from stitch.hlo_passes import HloParseError, Shape, parse_hlo, print_hlo
+from stitch.hlo import HloParseError, Shape, parse_hlo, print_hlo
 from tests.fixtures import all_fixture_files, fixture_id, zoo_fixture_files
 
 FIXTURES = all_fixture_files()

@@ -9,8 +9,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import HloParseError, evaluate, parse_hlo
-from stitch.hlo_passes.parser import MAX_CALL_DEPTH
+from stitch.hlo import HloParseError, evaluate, parse_hlo
+from stitch.hlo.parser import MAX_CALL_DEPTH
 
 
 def _parses_or_parse_error(text: str) -> HloParseError | None:
@@ -86,7 +86,7 @@ def _peak_mb(code: str) -> float:
     """Peak memory (MB) the snippet adds to a fresh interpreter that has built its input."""
     script = textwrap.dedent(f"""
         import resource, sys
-        from stitch.hlo_passes import parse_hlo
+        from stitch.hlo import parse_hlo
         {code.strip()}
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         run()
@@ -118,7 +118,7 @@ def test_3m_element_constant_is_fast_and_small():
             module = parse_hlo(text)
             seconds = time.perf_counter() - start
             assert seconds < 20, seconds
-            from stitch.hlo_passes import evaluate
+            from stitch.hlo import evaluate
             (value,) = evaluate(module, [])
             assert value.shape == (n,) and value[2] == float("inf") and value[1] == -2e-3
     """)

@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import HloParseError, evaluate, parse_hlo, print_hlo
+from stitch.hlo import HloParseError, evaluate, parse_hlo, print_hlo
 from hlo_fixtures import DATA
 
 CORPUS = DATA / "corpus"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo import parse_hlo
+from stitch.hlo.evaluator.interpreter import Evaluator
 from stitch.xla_pass import pass_planning, payback, entry as xla_pass
 from stitch.xla_pass.code_budget import statements
 from stitch.pricing.delta import CostModel

@@ -15,8 +15,8 @@ from stitch.explorer.beam import MergeGraph, merge_adjacent
 from stitch.explorer.graph_plan import (KernelIO, PlanValidationError, launch_order, make_kernel,
                                   validate)
 from stitch.explorer.planner import baseline_groups
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import OpGraph, build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import OpGraph, build_op_graphs
 from tests.fixtures import DATA
 
 MODELS = ("bert_layer_train", "dien_train")

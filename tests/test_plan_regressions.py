@@ -29,9 +29,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import stitch.hlo_passes
+import stitch.hlo
 import stitch
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+from stitch.hlo.evaluator.dtypes import numpy_dtype
 from hlo_fixtures import DATA
 
 REGRESS = DATA / "regress"
@@ -73,11 +73,11 @@ def test_every_fixture_plans_valid_with_both_planners(fixture, target, planner):
 
 @pytest.mark.parametrize("case", CASES)
 def test_compiled_program_matches_the_evaluator(case):
-    module = stitch.hlo_passes.parse_hlo((REGRESS / f"{case}.pre.hlo").read_text())
+    module = stitch.hlo.parse_hlo((REGRESS / f"{case}.pre.hlo").read_text())
     exe = stitch.compile(module, "h100", cache=False)
     assert exe.kernels
     args = _args(module, 3)
-    for got, want in zip(exe(*args), stitch.hlo_passes.evaluate(module, args)):
+    for got, want in zip(exe(*args), stitch.hlo.evaluate(module, args)):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         assert got.shape == want.shape
         err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)

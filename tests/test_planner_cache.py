@@ -179,7 +179,7 @@ def test_a_second_process_skips_planning(tmp_path):
 def test_module_metadata_attributes_do_not_change_the_fingerprint():
     """XLA GPU's module carries frontend_attributes={fingerprint_before_lhs=...}, a hash taken
     over the module with stitch's request token: new in every process (every plan missed)."""
-    from stitch.hlo_passes import parse_hlo
+    from stitch.hlo import parse_hlo
     from stitch.explorer.plan_cache import module_fingerprint
     body = """
 ENTRY e {

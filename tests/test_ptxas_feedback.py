@@ -17,7 +17,7 @@ import pytest
 import stitch
 from stitch.codegen import toolchain
 from stitch.codegen.errors import ToolchainError
-from stitch.hlo_passes import evaluate, parse_hlo
+from stitch.hlo import evaluate, parse_hlo
 from stitch import compiler
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import schedule_kernel

@@ -1,13 +1,13 @@
 """One rule for reductions: the planner never offers a kernel holding a reduction codegen
 does not generate (argmax's variadic (value, index) reduce, a combiner of several ops); the
-rule lives in the HLO layer (stitch.hlo_passes.combiners), where codegen and the evaluator read it."""
+rule lives in the HLO layer (stitch.hlo.combiners), where codegen and the evaluator read it."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import combiners, parse_hlo
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo import combiners, parse_hlo
+from stitch.hlo.evaluator.interpreter import Evaluator
 from stitch.analysis.buildable import build_problem
 
 
@@ -103,7 +103,7 @@ ENTRY main {
 
 @pytest.mark.parametrize("combiner, refused", [("add", False), ("assign", True)])
 def test_feasibility_asks_codegens_scatter_rule(combiner, refused):
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo.graph import build_op_graphs
     from stitch.analysis.feasibility import infeasible_reason
     graph = build_op_graphs(parse_hlo(_SCATTER.replace("COMBINER", combiner)))[0]
     members = [n.id for n in graph.nodes if n.opcode not in ("parameter", "constant")]
@@ -144,7 +144,7 @@ def test_xlas_kernels_are_priced_whatever_codegen_can_build(monkeypatch):
     """One of XLA's own kernels holding what stitch's codegen refuses (a u64 counter next
     to a shared row max) is priced by the stitching analysis of its structure, as with no
     codegen limits: the XLA side of every comparison does not depend on them."""
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo.graph import build_op_graphs
     from stitch.pricing import delta
     from stitch.cost.gpu_specs import get_spec
     from stitch.analysis import feasibility

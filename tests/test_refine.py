@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import stitch
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import build_op_graphs
 from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.blp import solve_blp

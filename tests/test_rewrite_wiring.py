@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import parse_hlo, print_hlo
-from stitch.hlo_passes.evaluator import custom_calls
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph_exec import GraphRunner
+from stitch.hlo import parse_hlo, print_hlo
+from stitch.hlo.evaluator import custom_calls
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph_exec import GraphRunner
 from stitch.xla_pass import pass_planning, entry as xla_pass
 from stitch.xla_pass.hlo_rewrite import PlacedKernel
 from tests.test_graph_exec import random_args

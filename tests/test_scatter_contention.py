@@ -1,18 +1,18 @@
 """Colliding scatter atomics priced by their collisions per address (stitch.cost.contention),
 for XLA's kernels (the delta-evaluator prices the baseline, ``xla_atomics``: an atomic per
 update element) and stitch's (the latency-evaluator's schedules; a scatter-add over sorted
-ids in runs, stitch.hlo_passes.sorted_runs); index values proved through integer
+ids in runs, stitch.hlo.sorted_runs); index values proved through integer
 arithmetic."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.scatter_forms import known_index_values
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.scatter_forms import known_index_values
 from stitch.cost.contention import scatter_contention
-from stitch.hlo_passes.sorted_runs import RUN_ROWS
+from stitch.hlo.sorted_runs import RUN_ROWS
 from stitch.pricing.delta import CostModel
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import schedule_kernel

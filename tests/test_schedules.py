@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.cost.latency import LaunchShape, WarpWork, evaluate
 from stitch.analysis.feasibility import infeasible_reason
@@ -283,7 +283,7 @@ def test_thread_composition_of_an_elementwise_consumer_reads_its_rows_once() -> 
 def test_no_warp_or_block_composition_without_a_one_output_row() -> None:
     """Lowering proves a row layout only from a reduction with one output per row: the tuner
     must not price warp/block composition lowering would build as thread composition."""
-    from stitch.hlo_passes.graph import OpGraph
+    from stitch.hlo.graph import OpGraph
     from stitch.schedule.tuner import _row_work
     facts = _coarse_facts()
     graph = OpGraph.__new__(OpGraph)           # not read before the refusal

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import evaluate, parse_hlo
-from stitch.hlo_passes.scatter_forms import scatter_form
+from stitch.hlo import evaluate, parse_hlo
+from stitch.hlo.scatter_forms import scatter_form
 from tests.fixtures import BF16_TOLERANCE
 
 jax = pytest.importorskip("jax")

@@ -1,4 +1,4 @@
-"""Fusions returning the segments' shape (stitch.hlo_passes.segment_outputs): a fusion of
+"""Fusions returning the segments' shape (stitch.hlo.segment_outputs): a fusion of
 the XLA pass's planned module whose returned value is a reshape of its rows version
 returns that version instead where every reader is a fusion; the readers take it as it
 comes; values read elsewhere keep their shape. The module computes the same (reference
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from stitch.hlo_passes import evaluate, parse_hlo, print_hlo
-from stitch.hlo_passes.segment_outputs import fusions_return_rows
+from stitch.hlo import evaluate, parse_hlo, print_hlo
+from stitch.hlo.segment_outputs import fusions_return_rows
 
 COUNT, LENGTH, WIDTH = 4, 6, 3
 N = COUNT * LENGTH

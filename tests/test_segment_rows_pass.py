@@ -11,8 +11,8 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from stitch.hlo_passes import evaluate, parse_hlo, print_hlo  # noqa: E402
-from stitch.hlo_passes.segments_as_rows import fused_segments_as_rows  # noqa: E402
+from stitch.hlo import evaluate, parse_hlo, print_hlo  # noqa: E402
+from stitch.hlo.segments_as_rows import fused_segments_as_rows  # noqa: E402
 
 from tests.fixtures import DATA, compile_with_cpu_pass  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Sorted fixed-length segments as rows (stitch.hlo_passes.segments_as_rows): proved segment scatters
+"""Sorted fixed-length segments as rows (stitch.hlo.segments_as_rows): proved segment scatters
 become reductions, their gathers broadcasts, and a segmented softmax (forward and
 gradient, as jax writes it) stitches into one kernel whose host build matches jax and the
 reference evaluator on fresh random inputs with poisoned outputs."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import evaluate, parse_hlo, print_hlo
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.segments_as_rows import rewrite_segments, segment_pattern
+from stitch.hlo import evaluate, parse_hlo, print_hlo
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.segments_as_rows import rewrite_segments, segment_pattern
 from stitch.explorer.planner import ExplorerOptions
 
 COMBINER = {"add": "add", "max": "maximum", "min": "minimum"}
@@ -191,7 +191,7 @@ def test_segmented_softmax_step_is_one_kernel_moving_its_inputs_and_outputs_once
 
 
 def test_modules_xla_optimized_are_left_as_they_are():
-    from stitch.hlo_passes.segments_as_rows import segments_as_rows
+    from stitch.hlo.segments_as_rows import segments_as_rows
 
     text = _segment_scatter("add", 4, 0, 4, 3, 2)
     module = parse_hlo(text)
@@ -247,7 +247,7 @@ def test_segment_scatters_of_other_types(etype, kind):
     if etype == "s32":
         x = rng.integers(-1000, 1000, (n, 2)).astype(np.int32)
     else:
-        from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+        from stitch.hlo.evaluator.dtypes import numpy_dtype
         x = rng.standard_normal((n, 2)).astype(numpy_dtype(etype))
     ids = np.zeros(n, np.int32)
     want = evaluate(module, [x, ids])[0]

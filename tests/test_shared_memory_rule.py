@@ -58,8 +58,8 @@ def test_the_tuner_refuses_schedules_past_the_static_limit():
     needing more shared memory than the static limit is refused, whatever the opt-in says."""
     import dataclasses
 
-    from stitch.hlo_passes import parse_hlo
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo import parse_hlo
+    from stitch.hlo.graph import build_op_graphs
     from stitch.schedule.tuner import ScheduleError, schedule_kernel
 
     graph = build_op_graphs(parse_hlo(WIDE_SOFTMAX))[0]

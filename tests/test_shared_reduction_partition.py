@@ -16,10 +16,10 @@ import pytest
 import stitch
 from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
 from stitch.codegen.values import leaf
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.analysis.feasibility import analyze_pattern, infeasible_reason
 from stitch.schedule import schedule_kernel
@@ -245,7 +245,7 @@ def test_repacking_brings_the_gru_loop_body_to_the_blp_optimum():
     """dien_train_bf16's GRU loop body (`region_44.71`, h100): packing by level put 40
     independent ops into the first kernel (beam 7.94 us vs the BLP's 7.47 us, 1.063); the
     refinement's repack move puts them in the second, as the BLP does."""
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo.graph import build_op_graphs
     from stitch.explorer.planner import ExplorerOptions, plan_graph
 
     module = parse_hlo((DATA / "dien_train_bf16" / "full.gpu-h100.hlo").read_text())

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import build_op_graphs
 from stitch.xla_pass.hlo_rewrite import ComputationView, find_site
 from stitch.xla_pass.snap import snap_kernels
 from stitch.cost.gpu_specs import get_spec

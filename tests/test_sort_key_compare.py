@@ -1,5 +1,5 @@
 """Sorts whose comparator is one compare of the same function of an operand's lhs and rhs
-run as numpy's stable argsort (stitch.hlo_passes.evaluator.sort.key_order): XLA's own
+run as numpy's stable argsort (stitch.hlo.evaluator.sort.key_order): XLA's own
 [64, 8732] sort modules (corpus 03878, 03906) through stitch.compile's host program, checked
 against jax, and smaller sorts of many comparator forms checked against the merge sort that
 handles any comparator."""
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import stitch
-from stitch.hlo_passes.evaluator import sort as sort_module
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
+from stitch.hlo.evaluator import sort as sort_module
+from stitch.hlo.evaluator.interpreter import Evaluator
 from hlo_fixtures import DATA
 
 CORPUS = DATA / "corpus"

@@ -1,5 +1,5 @@
 """Scatter-adds over sorted ids known only at run time, added in runs
-(stitch.hlo_passes.sorted_runs): variable-length segments (an embedding bag of any bag
+(stitch.hlo.sorted_runs): variable-length segments (an embedding bag of any bag
 sizes, a graph's incoming edges in CSR order) built on the host match jax and the
 reference evaluator on fresh inputs with poisoned outputs — empty segments, ids outside
 the operand, runs longer than a thread's chunk, and ids that break the sorted promise
@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import evaluate, parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.sorted_runs import RUN_ROWS, run_scatter
+from stitch.hlo import evaluate, parse_hlo
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.sorted_runs import RUN_ROWS, run_scatter
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402

@@ -11,8 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.source_lines import SourceLines, op_name_function
+from stitch.hlo import parse_hlo
+from stitch.hlo.source_lines import SourceLines, op_name_function
 
 
 def _module(lines: tuple[int, int, int]) -> str:

@@ -18,10 +18,10 @@ import pytest
 from stitch.codegen import kir
 from stitch.codegen.lower import lower_kernel, reference_values, run_on_host
 from stitch.codegen.values import leaf
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph import build_op_graphs
 from stitch.cost.gpu_specs import get_spec
 from stitch.schedule import schedule_kernel
 from tests.fixtures import REDUCERS as F32_REDUCERS
@@ -507,8 +507,8 @@ def test_compact_pad_is_the_full_pad_where_rows_change(pads, keep):
     takes its row's id, so the full result equals the full pad wherever that pad is not -1
     and names one of the row's ids where it is."""
     from stitch.codegen import compact_rows
-    from stitch.hlo_passes.evaluator.shape_ops import pad_array
-    from stitch.hlo_passes.ir import PadDim
+    from stitch.hlo.evaluator.shape_ops import pad_array
+    from stitch.hlo.ir import PadDim
     dims = (5, 7)
     pad_dims = [PadDim(*p) for p in pads]
     rng = np.random.default_rng()

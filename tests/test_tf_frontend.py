@@ -59,7 +59,7 @@ def test_importing_the_front_end_does_not_import_tensorflow():
 
 
 def test_parameters_and_outputs_map_to_arguments_captures_and_variable_updates():
-    from stitch.hlo_passes import parse_hlo
+    from stitch.hlo import parse_hlo
 
     v, step = _model()
     fn = tf.function(step, jit_compile=True)
@@ -83,7 +83,7 @@ def test_parameters_and_outputs_map_to_arguments_captures_and_variable_updates()
 
 
 def test_a_mapping_that_does_not_fit_is_refused():
-    from stitch.hlo_passes import parse_hlo
+    from stitch.hlo import parse_hlo
 
     v, step = _model()
     fn = tf.function(step, jit_compile=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import stitch.hlo_passes
+import stitch.hlo
 import stitch
 from hlo_fixtures import DATA
 
@@ -24,12 +24,12 @@ def _input(seed: int) -> np.ndarray:
 
 
 def test_stitch_compile_runs_a_tuple_copy_of_a_sort():
-    module = stitch.hlo_passes.parse_hlo(MODULE.read_text())
+    module = stitch.hlo.parse_hlo(MODULE.read_text())
     exe = stitch.compile(module, "h100", "cpu", cache=False, poison_outputs=True)
     for seed in (0, 1):
         x = _input(seed)
         got = exe(x)
-        want = stitch.hlo_passes.evaluate(module, [x])
+        want = stitch.hlo.evaluate(module, [x])
         assert len(got) == len(want) == 2
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g), w)
@@ -39,8 +39,8 @@ def test_the_pass_compiles_a_tuple_copy_of_a_sort_that_runs():
     pytest.importorskip("jax")
     from stitch.xla_pass.entry import PassRequest, compile_hlo_text
     text = MODULE.read_text()
-    module = stitch.hlo_passes.parse_hlo(text)
+    module = stitch.hlo.parse_hlo(text)
     call, _ = compile_hlo_text(text, PassRequest("tuple_copy_sort", "h100", "cpu"))
     x = _input(2)
-    for g, w in zip(call(x), stitch.hlo_passes.evaluate(module, [x])):
+    for g, w in zip(call(x), stitch.hlo.evaluate(module, [x])):
         np.testing.assert_array_equal(np.asarray(g), w)

@@ -7,8 +7,8 @@ import pytest
 
 from bench.xla_formula import (DEVICES, KERNEL_LAUNCH_S, XlaDevice, kernel_flops,
                                     kernel_time, op_flops, read_txtpb)
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import build_op_graphs
 from tests.fixtures import REDUCERS
 
 SPECS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "xla_gpu_specs"

@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("jaxlib")
 
 from stitch.codegen.lower import lower_kernel, run_on_host  # noqa: E402
-from stitch.hlo_passes import evaluate, parse_hlo, print_hlo  # noqa: E402
-from stitch.hlo_passes.evaluator.interpreter import Evaluator  # noqa: E402
-from stitch.hlo_passes.graph import build_op_graphs  # noqa: E402
+from stitch.hlo import evaluate, parse_hlo, print_hlo  # noqa: E402
+from stitch.hlo.evaluator.interpreter import Evaluator  # noqa: E402
+from stitch.hlo.graph import build_op_graphs  # noqa: E402
 from stitch.xla_pass.hlo_rewrite import (ComputationView, KernelSite, PlacedKernel,  # noqa: E402
                                             buffer_layout, replace_kernels, xla_layouts)
 from stitch.cost.gpu_specs import get_spec  # noqa: E402

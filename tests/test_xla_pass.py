@@ -19,7 +19,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import stitch  # noqa: E402
-from stitch.hlo_passes import parse_hlo, print_hlo  # noqa: E402
+from stitch.hlo import parse_hlo, print_hlo  # noqa: E402
 from stitch.xla_pass import entry as xla_pass  # noqa: E402
 from tests.fixtures import compile_with_cpu_pass  # noqa: E402
 from stitch.frontends.verify import compare_trees  # noqa: E402

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import build_op_graphs
 from stitch.explorer.planner import ExplorerOptions, plan
 from stitch.explorer.patterns import PatternExplorer, op_vertices, unit_vertices
 from stitch.pricing.delta import CostModel

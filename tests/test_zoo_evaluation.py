@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stitch.hlo_passes import evaluate, parse_hlo
+from stitch.hlo import evaluate, parse_hlo
 from tests.fixtures import BF16_TOLERANCE, DATA, GPU_TARGETS, uses_bf16, zoo_fixture
 
 jax = pytest.importorskip("jax")

@@ -35,8 +35,8 @@ def measure(model: str, target: str, config: str = "full", build: bool = False) 
     ``build``: the narrowed kernels' GPU builds timed both ways."""
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.lower import lower_kernel
-    from stitch.hlo_passes import parse_hlo
-    from stitch.hlo_passes.evaluator.interpreter import Evaluator
+    from stitch.hlo import parse_hlo
+    from stitch.hlo.evaluator.interpreter import Evaluator
     from stitch.xla_pass import code_budget
     from stitch.cost.gpu_specs import get_spec
     from stitch.errors import StitchError

@@ -17,9 +17,9 @@ from bench.report import REPO, publish, stamp
 from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from stitch.codegen.nvptx import emit_ptx
 from stitch.codegen.toolchain import assemble
-from stitch.hlo_passes.gemm_chains import find_gemm_chains
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.gemm_chains import find_gemm_chains
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.parser import parse_hlo
 from stitch.models.mcfuser import ATTENTIONS, GEMM_CHAINS
 
 SECTION = "bench-gemm-chain-ptxas"

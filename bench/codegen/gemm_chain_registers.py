@@ -22,9 +22,9 @@ from stitch.codegen.errors import CodegenError
 from stitch.codegen.gemm_chain import lower_gemm_chain
 from stitch.codegen.nvptx import emit_ptx
 from stitch.codegen.toolchain import assemble
-from stitch.hlo_passes.gemm_chains import find_gemm_chains
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.gemm_chains import find_gemm_chains
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.parser import parse_hlo
 from stitch.pricing.chain_pricing import chain_dims
 from stitch.cost.gemm_tile import chain_registers
 from stitch.cost.gpu_specs import get_spec

@@ -20,8 +20,8 @@ from pathlib import Path
 from bench.report import REPO, publish, stamp
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.lower import lower_kernel
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.parser import parse_hlo
 
 SECTION = "bench-split-rows"
 DATA = REPO / "hlo_fixtures" / "data"

@@ -73,8 +73,8 @@ def _collect_target(models: list[str], target: str, cache, worker, rows: list[Ro
                     problems: list[str], progress) -> None:
     """Rows for every scheduled kernel of ``models`` on ``target`` (appended to ``rows``)."""
     import stitch
-    from stitch.hlo_passes import parse_hlo
-    from stitch.hlo_passes.evaluator.interpreter import Evaluator
+    from stitch.hlo import parse_hlo
+    from stitch.hlo.evaluator.interpreter import Evaluator
     from stitch.compiler import arch_of
     from stitch.cost.gpu_specs import get_spec
     from stitch.schedule import schedule_kernel

@@ -24,8 +24,8 @@ from pathlib import Path
 from bench.report import REPO, publish, stamp
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.lower import lower_kernel
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.parser import parse_hlo
 
 SECTION = "bench-vector-access"
 DATA = REPO / "hlo_fixtures" / "data"

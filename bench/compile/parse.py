@@ -9,7 +9,7 @@ import platform
 import statistics
 import time
 
-from stitch.hlo_passes import parse_hlo, print_hlo
+from stitch.hlo import parse_hlo, print_hlo
 from hlo_fixtures import zoo_fixture_files
 
 

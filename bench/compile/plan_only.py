@@ -2,7 +2,7 @@
 
     python -m bench.compile.plan_only MODULE.hlo [--json OUT]
 
-``MODULE.hlo``: a module the pass saw (``STITCH_DUMP_DIR``; ``bench compile --part real``'s
+``MODULE.hlo``: a module the pass saw (``STITCH_DUMP_MODULES``; ``bench compile --part real``'s
 children write them). Planned with XLA's instructions as units and the pass's chain and
 grid-sync settings, no plan cache. Prints wall and CPU seconds, the stitched plan's
 summary and the planner's per-phase seconds;
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("stitch.schedule").setLevel(logging.ERROR)
 
     from stitch.explorer.planner import ExplorerOptions, plan
-    from stitch.hlo_passes import parse_hlo
+    from stitch.hlo import parse_hlo
     from stitch.config import grid_sync_on_gpu
     from stitch.xla_pass.pass_planning import XLA_UNITS
     from stitch.xla_pass.segment_rows import segment_rows

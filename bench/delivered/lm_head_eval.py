@@ -40,7 +40,7 @@ def one(dtype: str) -> dict:
 
     from stitch.cost import get_spec
     from stitch.pricing.lm_head_pricing import loss_price
-    from stitch.hlo_passes.lm_head_loss import LmHeadLoss, row_major_views
+    from stitch.hlo.lm_head_loss import LmHeadLoss, row_major_views
     from stitch.xla_pass import deviceless
     from stitch.xla_pass.lm_head_placement import spill_check
 

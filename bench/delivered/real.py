@@ -54,7 +54,7 @@ PLACEMENT_ENV = "STITCH_BENCH_BACKWARD_PLACEMENT"
 
 def value_shapes(hlo_text: str) -> dict[str, str]:
     """Top-level instruction name -> its result shape, as printed."""
-    from stitch.hlo_passes.parser import parse_hlo
+    from stitch.hlo.parser import parse_hlo
 
     module = parse_hlo(hlo_text)
     return {inst.name: str(inst.shape) for inst in module.entry.instructions}
@@ -78,7 +78,7 @@ def big_buffers(hlo_text: str, dims: dict[str, tuple[int, ...]]) -> dict[str, li
     non-fusion computations (entry, loop bodies, branches) materialize."""
     import math
 
-    from stitch.hlo_passes.parser import parse_hlo
+    from stitch.hlo.parser import parse_hlo
 
     module = parse_hlo(hlo_text)
     fused = {c for comp in module.computations for inst in comp.instructions

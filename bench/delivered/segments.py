@@ -52,12 +52,12 @@ CASES = tuple(Case(s, n, 1, dtype, gradient)
 QUICK = (Case(10_000, 64, 1, "f32", True),)
 MODELS = ("embedding_bag", "embedding_bag_bf16", "moe_layer", "moe_layer_bf16")
 # Sorted ids that are data (any segment sizes: scatter-adds added in runs,
-# stitch.hlo_passes.sorted_runs): the zoo's bag sizes with the bag ids an input, and a
+# stitch.hlo.sorted_runs): the zoo's bag sizes with the bag ids an input, and a
 # GAT layer over a graph of variable in-degrees (edges sorted by destination).
 VARIABLE_BAGS = ("variable bags", "variable bags bf16", "GAT layer with variable degrees")
 # The MoE layer's training step (loss, gradients of the weights and the input, SGD update):
 # the forward combine and the dispatch gather's gradient are both scatters over each
-# expert's distinct top-k tokens (column tiles, stitch.hlo_passes.grouped_scatter).
+# expert's distinct top-k tokens (column tiles, stitch.hlo.grouped_scatter).
 TRAIN_STEPS = ("moe_layer train step", "moe_layer_bf16 train step")
 # Cases named by a string (their own table); the softmax cases are ``Case``s.
 NAMED = MODELS + VARIABLE_BAGS + TRAIN_STEPS
@@ -257,10 +257,10 @@ def markdown(rows: list[dict], command: str) -> str:
                   "fuses the row gather into its atomic scatter) and expert-choice MoE layer "
                   "(its combine scatters to data-dependent tokens, each expert's distinct: "
                   "stitch generates it without atomics in column tiles, "
-                  "stitch.hlo_passes.grouped_scatter, XLA atomically), full size; "
+                  "stitch.hlo.grouped_scatter, XLA atomically), full size; "
                   "*variable bags*: the same bag sum with the sorted bag ids an input "
                   "(any bag sizes), which stitch adds in runs of equal ids before its atomics "
-                  "(stitch.hlo_passes.sorted_runs) while XLA adds every element atomically; "
+                  "(stitch.hlo.sorted_runs) while XLA adds every element atomically; "
                   "*GAT layer*: 10k nodes, 320k edges sorted by destination (variable "
                   "in-degrees, ids an input), 4 heads of 16: its segment sums and its "
                   "segment_max go in runs (a run's maximum by a compare-and-swap loop); "

@@ -94,7 +94,7 @@ def delivered_us(path: Path) -> float | None:
 
 
 def measure(path: Path) -> list[dict]:
-    from stitch.hlo_passes import parse_hlo
+    from stitch.hlo import parse_hlo
     from stitch.cost.gpu_specs import get_spec
     from stitch.explorer.planner import ExplorerOptions, plan
 

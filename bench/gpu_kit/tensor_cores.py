@@ -218,9 +218,9 @@ def _chain(case: Case, arch: str) -> Built:
     import numpy as np
 
     from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
-    from stitch.hlo_passes.gemm_chains import find_gemm_chains
-    from stitch.hlo_passes.graph import build_op_graphs
-    from stitch.hlo_passes.parser import parse_hlo
+    from stitch.hlo.gemm_chains import find_gemm_chains
+    from stitch.hlo.graph import build_op_graphs
+    from stitch.hlo.parser import parse_hlo
     from stitch.models.blocks import scaled_dot_attention
 
     s = case.sizes

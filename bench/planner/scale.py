@@ -20,8 +20,8 @@ from typing import Callable
 import stitch
 from bench.report import fit_exponent
 from bench.synthetic import synthetic_hlo
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.parser import parse_hlo
 from hlo_fixtures import DATA
 
 # Where xla_hlo_corpus.tar.xz was extracted ($STITCH_XLA_CORPUS, else /tmp/xla_hlo_corpus).

@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.base_fusion import base_fusion
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.kernels import count_kernels
-from stitch.hlo_passes.op_classes import is_kernel_boundary
+from stitch.hlo import parse_hlo
+from stitch.hlo.base_fusion import base_fusion
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.kernels import count_kernels
+from stitch.hlo.op_classes import is_kernel_boundary
 from hlo_fixtures import DATA, GPU_TARGETS
 
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.report import REPO, cpu_name
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import OpGraph, build_op_graphs
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import OpGraph, build_op_graphs
 from stitch.pricing.delta import CostModel, kernel_hbm_bytes
 from stitch.cost.gpu_specs import GpuSpec, get_spec
 from stitch.explorer.patterns import is_plannable

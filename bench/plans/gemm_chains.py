@@ -52,8 +52,8 @@ from typing import Callable
 import stitch
 from bench.report import geomean
 from bench.xla_formula import DEVICES, XlaDevice, kernel_flops, kernel_time
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.op_classes import OpClass
 from stitch.pricing.chain_pricing import chain_price, graph_chains, xla_gemm_cost
 from stitch.pricing.delta import CostModel, kernel_hbm_bytes
 from stitch.cost.gemm_tile import GemmTile, TileCost

@@ -29,10 +29,10 @@ from stitch.pricing.lm_head_pricing import loss_price
 from stitch.codegen.lm_head_backward import LmHeadBackward, lower_lm_head_backward
 from stitch.cost.mma_efficiency import kernel_efficiency
 from stitch.xla_pass.lm_head_backward_price import backward_price
-from stitch.hlo_passes.gemm_chains import find_gemm_chains
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.lm_head_loss import LmHeadLoss, row_major_views
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.gemm_chains import find_gemm_chains
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.lm_head_loss import LmHeadLoss, row_major_views
+from stitch.hlo.parser import parse_hlo
 from hlo_fixtures.lm_head_backward import DE, DH, backward_text
 
 SECTION = "bench-lm-head"

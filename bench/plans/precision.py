@@ -47,7 +47,7 @@ def _relative(a, b) -> float:
 def host_errors(models: list[str], target: str = "h100") -> list[ErrorRow]:
     import jax
 
-    from stitch.hlo_passes import evaluate
+    from stitch.hlo import evaluate
     from stitch import compiler
     from stitch.models import build
     from hlo_fixtures import zoo_fixture

@@ -10,12 +10,12 @@ jax's pre-optimization HLO. Rows printed per size (times from the delta cost mod
 memory-intensive kernels only; the latency-evaluator's sum over the tuned schedules where
 every kernel has one):
 
-- ``baseline``: ``stitch.hlo_passes.base_fusion``'s XLA-GPU-like kernels of jax's module, scatters
+- ``baseline``: ``stitch.hlo.base_fusion``'s XLA-GPU-like kernels of jax's module, scatters
   as atomic kernels of their own, priced with their atomics' contention
   (``stitch.cost.contention``: sorted segments of L give L collisions per address);
 - ``stitch, scatters kept``: stitch's plan with ``segments_as_rows=False`` (the atomics
   stay, and end their kernels);
-- ``stitch, segments as rows``: the default plan (``stitch.hlo_passes.segments_as_rows``: the scatters are
+- ``stitch, segments as rows``: the default plan (``stitch.hlo.segments_as_rows``: the scatters are
   row reductions, the gathers broadcasts).
 
 What it is not: XLA's own optimized module (a deviceless XLA GPU compile needs jax's CUDA
@@ -91,7 +91,7 @@ def _side(label: str, results, which: str) -> Side:
 def measure(segments: int, length: int, target: str = "h100") -> list[Side]:
     """The three sides (module docstring) for one size."""
     import stitch
-    from stitch.hlo_passes import parse_hlo
+    from stitch.hlo import parse_hlo
     from stitch.explorer.planner import ExplorerOptions
 
     module = parse_hlo(segmented_softmax_step_hlo(segments, length))

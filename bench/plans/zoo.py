@@ -19,7 +19,7 @@ from typing import Callable, Collection
 import stitch
 from bench.report import geomean, ratio
 from bench.xla_formula import DEVICES, KernelTime, kernel_flops, kernel_time
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.op_classes import OpClass
 from stitch.pricing.delta import graph_facts, kernel_hbm_bytes, utilization
 from stitch.cost.gpu_specs import get_spec
 from stitch.explorer.graph_plan import GraphPlan, kernel_kind

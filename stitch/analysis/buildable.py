@@ -1,5 +1,5 @@
 """Whether codegen can build a node inside a stitched kernel, by the rules codegen itself
-applies, read from the HLO layer (``stitch.hlo_passes.element_types``, ``stitch.hlo_passes.combiners``):
+applies, read from the HLO layer (``stitch.hlo.element_types``, ``stitch.hlo.combiners``):
 the planner's feasibility asks ``build_problem`` for every member of a pattern, so it never
 offers a kernel codegen refuses for its types or its reductions — one rule, not a second
 list that can drift.
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import weakref
 
-from stitch.hlo_passes import combiners, element_types
-from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.ir import Computation
-from stitch.hlo_passes.grouped_scatter import grouped_scatter
-from stitch.hlo_passes.scatter_forms import scatter_form
-from stitch.hlo_passes.sorted_runs import run_scatter
+from stitch.hlo import combiners, element_types
+from stitch.hlo.graph import OpGraph, OpNode
+from stitch.hlo.ir import Computation
+from stitch.hlo.grouped_scatter import grouped_scatter
+from stitch.hlo.scatter_forms import scatter_form
+from stitch.hlo.sorted_runs import run_scatter
 
 # Per graph: node id -> why codegen cannot build it (a pure function of the node).
 _BUILD_PROBLEMS: "weakref.WeakKeyDictionary[OpGraph, dict[int, str | None]]" = \

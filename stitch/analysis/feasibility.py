@@ -30,11 +30,11 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.ir import Shape, parse_padding, parse_slice
-from stitch.hlo_passes.op_classes import OpClass
-from stitch.hlo_passes.grouped_scatter import grouped_scatter
-from stitch.hlo_passes.scatter_forms import (IndexMap, gather_batch_dims, gather_index_map,
+from stitch.hlo.graph import OpGraph, OpNode
+from stitch.hlo.ir import Shape, parse_padding, parse_slice
+from stitch.hlo.op_classes import OpClass
+from stitch.hlo.grouped_scatter import grouped_scatter
+from stitch.hlo.scatter_forms import (IndexMap, gather_batch_dims, gather_index_map,
                                              scatter_batch_dims, scatter_form)
 
 from .buildable import build_problem
@@ -272,7 +272,7 @@ def _transfer(graph: OpGraph, node: OpNode, position: int, dims: tuple[int, ...]
         if position >= len(node.operands) // 2:
             forbid(dims, "feeds a window init value with")
             return []
-        from stitch.hlo_passes.ir import parse_window
+        from stitch.hlo.ir import parse_window
         window = parse_window(inst.attrs.get("window", "{}"), src.rank)
         forbid([d for d in dims if (window[d].size, window[d].stride, window[d].pad_low,
                                     window[d].pad_high, window[d].lhs_dilate) != (1, 1, 0, 0, 1)],

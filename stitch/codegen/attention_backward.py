@@ -834,7 +834,7 @@ def _kernel_class(tiling: BackwardTiling) -> type:
 
 def problem_for(match) -> AttentionBackward:
     """The kernels' problem for a recognized backward
-    (``stitch.hlo_passes.attention_backward.AttentionBackwardMatch``): its sizes, scale,
+    (``stitch.hlo.attention_backward.AttentionBackwardMatch``): its sizes, scale,
     mask, type and every operand's and result's strides."""
     strides = dict(match.operand_strides) | dict(match.result_strides)
     views = tuple((name, MatrixView(st.batch, st.rows, st.cols))

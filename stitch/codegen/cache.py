@@ -88,9 +88,9 @@ def _length_prefixed(h: "hashlib._Hash | hmac.HMAC", *parts: str | bytes) -> Non
 # The packages whose code decides what a cached plan or PTX holds (``source_digest``).
 # Folders of the stitch package; "" is its top-level files alone. Every folder the planner
 # imports is listed (tests/test_import_layers.py checks).
-PLANNING_PACKAGES = ("hlo_passes", "codegen", "analysis", "cost", "schedule", "pricing",
+PLANNING_PACKAGES = ("hlo", "codegen", "analysis", "cost", "schedule", "pricing",
                      "explorer", "models", "")
-CODEGEN_PACKAGES = ("hlo_passes", "codegen")
+CODEGEN_PACKAGES = ("hlo", "codegen")
 _SOURCE_ROOT = pathlib.Path(__file__).resolve().parent.parent   # the stitch package
 
 

@@ -18,10 +18,10 @@ from typing import Sequence
 
 import numpy as np
 
-from stitch.hlo_passes.evaluator.shape_ops import pad_array
-from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.ir import PadDim, Shape
-from stitch.hlo_passes.scatter_forms import known_index_values
+from stitch.hlo.evaluator.shape_ops import pad_array
+from stitch.hlo.graph import OpGraph, OpNode
+from stitch.hlo.ir import PadDim, Shape
+from stitch.hlo.scatter_forms import known_index_values
 
 
 def fits(ids: np.ndarray, dims: tuple[int, ...]) -> bool:

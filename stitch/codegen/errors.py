@@ -1,7 +1,7 @@
 """Errors raised by code generation (part of the one StitchError hierarchy)."""
 from __future__ import annotations
 
-from stitch.hlo_passes.errors import StitchError
+from stitch.hlo.errors import StitchError
 
 
 class CodegenError(StitchError):

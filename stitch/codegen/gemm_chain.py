@@ -1,4 +1,4 @@
-"""Lowering of a GEMM chain (``stitch.hlo_passes.gemm_chains.GemmChain``) to one Kernel IR kernel.
+"""Lowering of a GEMM chain (``stitch.hlo.gemm_chains.GemmChain``) to one Kernel IR kernel.
 
 The kernel has FlashAttention's / MCFuser's shape. A block owns batch ``b``, rows
 ``m0 .. m0 + block_m`` and result columns ``h0 .. h0 + block_h``; it walks n in steps of
@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import logging
 
-from stitch.hlo_passes.gemm_chains import GemmChain, needs_row_pass, softmax_parts
-from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo.gemm_chains import GemmChain, needs_row_pass, softmax_parts
+from stitch.hlo.graph import OpGraph
 
 from .errors import CodegenError
 from .gemm_chain_fma import FmaChainKernel

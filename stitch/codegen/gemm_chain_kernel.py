@@ -4,8 +4,8 @@ steps, the online softmax, the stores and the n-split combine. The thread layout
 (``gemm_chain_fma``, ``gemm_chain_mma``) place the tiles on the threads and run the GEMMs."""
 from __future__ import annotations
 
-from stitch.hlo_passes.gemm_chains import GemmChain, OperandView, needs_row_pass, softmax_parts
-from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo.gemm_chains import GemmChain, OperandView, needs_row_pass, softmax_parts
+from stitch.hlo.graph import OpGraph
 
 from . import kir
 from .gemm_chain_tiling import ChainTiling

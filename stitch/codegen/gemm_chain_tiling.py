@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from stitch.hlo_passes.gemm_chains import GemmChain, needs_row_pass, softmax_parts
+from stitch.hlo.gemm_chains import GemmChain, needs_row_pass, softmax_parts
 
 from .errors import CodegenError
 from .tile_code import block_problem, lanes_problem

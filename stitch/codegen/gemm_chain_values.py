@@ -3,7 +3,7 @@ each op on the thread's (row, column) elements, rounded as XLA rounds f16/bf16 r
 an ``OperandView``'s element offset as index arithmetic."""
 from __future__ import annotations
 
-from stitch.hlo_passes.gemm_chains import ChainOp, OperandView
+from stitch.hlo.gemm_chains import ChainOp, OperandView
 
 from . import kir
 from .errors import CodegenError

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from stitch.hlo_passes.errors import Cancelled
+from stitch.hlo.errors import Cancelled
 
 from .errors import CodegenError, IsolatedCrash
 from .isolation_child import Outcome

@@ -1,5 +1,5 @@
 """The LM head's logits GEMM with an online logsumexp over vocabulary tiles
-(``stitch.hlo_passes.lm_head_loss.LmHeadLoss``): one kernel writing the per-row ``lse``, the
+(``stitch.hlo.lm_head_loss.LmHeadLoss``): one kernel writing the per-row ``lse``, the
 label's logit ``picked`` and ``log_prob`` = picked - lse (labels as jax's take_along_axis
 reads them), or log_prob's sum over the rows — never the [rows, vocab] logits.
 
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 
-from stitch.hlo_passes.element_types import CODEGEN_STORAGE
-from stitch.hlo_passes.lm_head_loss import LmHeadLoss
+from stitch.hlo.element_types import CODEGEN_STORAGE
+from stitch.hlo.lm_head_loss import LmHeadLoss
 
 from . import kir
 from .errors import CodegenError

@@ -40,16 +40,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stitch.hlo_passes import combiners
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.ir import HloModule, Shape
-from stitch.hlo_passes.literals import literal_to_numpy
-from stitch.hlo_passes.op_classes import OpClass
-from stitch.hlo_passes.grouped_scatter import grouped_scatter
-from stitch.hlo_passes.sorted_runs import run_scatter
-from stitch.hlo_passes.scatter_forms import scatter_form
+from stitch.hlo import combiners
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph import OpGraph, OpNode
+from stitch.hlo.ir import HloModule, Shape
+from stitch.hlo.literals import literal_to_numpy
+from stitch.hlo.op_classes import OpClass
+from stitch.hlo.grouped_scatter import grouped_scatter
+from stitch.hlo.sorted_runs import run_scatter
+from stitch.hlo.scatter_forms import scatter_form
 
 from . import kir
 from .errors import CodegenError
@@ -219,7 +219,7 @@ class _KernelBuilder:
             if form.kind != "atomic":
                 raise CodegenError(f"{node.name}: scatter not generated ({form.reason})")
             # Colliding assignments keep an unspecified one in XLA: only add is generated
-            # (stitch.hlo_passes.combiners' rule, which the planner's feasibility asks too);
+            # (stitch.hlo.combiners' rule, which the planner's feasibility asks too);
             # in column tiles the updates of an element meet in order, without atomics.
             tiled = grouped_scatter(graph, v) is not None
             problem = combiners.scatter_problem(self.reducer_kind(node), not tiled,

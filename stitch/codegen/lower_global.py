@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-from stitch.hlo_passes.graph import OpGraph, OpNode
+from stitch.hlo.graph import OpGraph, OpNode
 
 from . import kir
 from .errors import CodegenError

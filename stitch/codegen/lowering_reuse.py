@@ -37,7 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo.graph import OpGraph
 
 from . import kir
 from .errors import CodegenError

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.evaluator.interpreter import Evaluator
-from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.ir import parse_padding
-from stitch.hlo_passes.op_classes import OpClass
-from stitch.hlo_passes.scatter_forms import gather_index_map, known_index_values, scatter_form
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.evaluator.interpreter import Evaluator
+from stitch.hlo.graph import OpGraph, OpNode
+from stitch.hlo.ir import parse_padding
+from stitch.hlo.op_classes import OpClass
+from stitch.hlo.scatter_forms import gather_index_map, known_index_values, scatter_form
 
 from . import compact_rows, site_keys
 from .row_mapping import RowSplit, RowUnit, kept_dims

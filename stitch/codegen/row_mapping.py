@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stitch.hlo_passes.graph import OpNode
+from stitch.hlo.graph import OpNode
 
 from . import compact_rows, kir
 from .values import ValueEmitter, delinearize, iadd, imul

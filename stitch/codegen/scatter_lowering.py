@@ -1,8 +1,8 @@
 """Scatters whose updates may collide, lowered at the end of their kernel.
 
-Three forms, tried in order: column tiles (``hlo_passes.grouped_scatter``: a block owns a
+Three forms, tried in order: column tiles (``hlo.grouped_scatter``: a block owns a
 tile of element columns over a range of operand rows and combines each group of distinct
-ids with plain loads and stores), runs over sorted ids (``hlo_passes.sorted_runs``: a work
+ids with plain loads and stores), runs over sorted ids (``hlo.sorted_runs``: a work
 item combines a run of equal ids and adds the run's result atomically), and plain atomic
 adds (threads walk the update elements grid-stride; an update whose window is not wholly
 inside the operand is skipped, as XLA does).
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.grouped_scatter import UNROLL_ROWS, GroupedScatter, grouped_scatter
-from stitch.hlo_passes.ir import Shape
-from stitch.hlo_passes.scatter_forms import scatter_batch_dims, scatter_window
-from stitch.hlo_passes.sorted_runs import RunScatter, run_scatter
+from stitch.hlo.graph import OpGraph, OpNode
+from stitch.hlo.grouped_scatter import UNROLL_ROWS, GroupedScatter, grouped_scatter
+from stitch.hlo.ir import Shape
+from stitch.hlo.scatter_forms import scatter_batch_dims, scatter_window
+from stitch.hlo.sorted_runs import RunScatter, run_scatter
 
 from . import kir
 from .errors import CodegenError
@@ -134,7 +134,7 @@ def emit_scatter(em: ValueEmitter, site: ScatterSite, bid: kir.Expr, blocks: int
 
 def emit_run_scatter(em: ValueEmitter, site: ScatterSite, bid: kir.Expr, blocks: int,
                      runs: RunScatter) -> None:
-    """``stitch.hlo_passes.sorted_runs``: work item (column j, chunk k) combines update
+    """``stitch.hlo.sorted_runs``: work item (column j, chunk k) combines update
     rows k*R .. k*R + R-1 of element column j while their id stays the same, and
     combines each run's result atomically at its row (an atomic add, a compare-and-swap
     loop for max/min; skipped where the id lies outside the operand)."""
@@ -195,7 +195,7 @@ def emit_run_scatter(em: ValueEmitter, site: ScatterSite, bid: kir.Expr, blocks:
 
 def emit_grouped_scatter(em: ValueEmitter, site: ScatterSite, bid: kir.Expr, blocks: int,
                          tiles: GroupedScatter) -> None:
-    """``stitch.hlo_passes.grouped_scatter``: a block takes work items (a tile of
+    """``stitch.hlo.grouped_scatter``: a block takes work items (a tile of
     ``tiles.tile`` element columns over a range of operand rows) one after another;
     lane ``t % tile`` of the block owns a column, slot ``t // tile`` strides over rows.
     It stores the operand's values of the tile, then each group in turn: every update

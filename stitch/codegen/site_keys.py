@@ -20,8 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.ir import Computation
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.ir import Computation
 
 from .errors import CodegenError
 

@@ -20,10 +20,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from stitch.hlo_passes import combiners, element_types
-from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.ir import Shape, parse_padding, parse_slice, parse_window
-from stitch.hlo_passes.scatter_forms import scatter_batch_dims, scatter_form
+from stitch.hlo import combiners, element_types
+from stitch.hlo.graph import OpGraph, OpNode
+from stitch.hlo.ir import Shape, parse_padding, parse_slice, parse_window
+from stitch.hlo.scatter_forms import scatter_batch_dims, scatter_form
 
 from . import kir
 from .kir import multiple_of
@@ -607,7 +607,7 @@ class ValueEmitter:
 
     def _scatter(self, node: OpNode, index: tuple[Expr, ...]) -> Expr:
         """A scatter whose updates land at most one per element (form "row" of
-        ``stitch.hlo_passes.scatter_forms``: the starts on the identity dims are the update's own
+        ``stitch.hlo.scatter_forms``: the starts on the identity dims are the update's own
         batch number), computed in the result's index space: element p is the operand's,
         combined with the one update whose window covers p, if that update's window lies
         inside the operand (XLA skips the others). No atomics: no two updates collide."""
@@ -782,7 +782,7 @@ def _reinterpreted(name: str, value: Expr, src: Shape, dst: Shape) -> Expr:
 
 def reinterpret_problem(src: str, dst: str) -> str | None:
     """Why codegen cannot reinterpret HLO element type ``src`` as ``dst`` bit for bit (None
-    when it can): ``stitch.hlo_passes.element_types``' rule, the one the planner's feasibility asks
+    when it can): ``stitch.hlo.element_types``' rule, the one the planner's feasibility asks
     too (kir.Bitcast checks the same widths on the register values)."""
     return element_types.reinterpret_problem(src, dst)
 

@@ -1,6 +1,6 @@
 """What colliding scatter updates cost: atomics to one address serialize at its L2 slice.
 
-A scatter whose updates may collide (``stitch.hlo_passes.scatter_forms``: form ``atomic``) is run,
+A scatter whose updates may collide (``stitch.hlo.scatter_forms``: form ``atomic``) is run,
 by XLA and by stitch alike, as one atomic read-modify-write per update element. Updates to
 distinct addresses pipeline through the L2 at about the speed their bytes already cost; the
 ones that meet another update of the same address wait for it. So the price of a scatter
@@ -27,10 +27,10 @@ is its bytes plus a contention term set by how many updates land on each address
 The figures are assumptions built from the same microbenchmark papers as
 ``latency.SAME_ADDRESS_ATOMIC_CYCLES`` (not measured here), and the same for XLA's kernels
 and stitch's, so only the index pattern changes which plan wins — except for a
-scatter-add over sorted ids that stitch generates in runs (``hlo_passes.sorted_runs``:
+scatter-add over sorted ids that stitch generates in runs (``hlo.sorted_runs``:
 about c / run_rows + 1 atomics per address instead of c), which XLA does not
 (``contention_seconds(runs=False)`` prices XLA's kernels); and except for a scatter whose
-update rows fall into groups of distinct ids (``hlo_passes.grouped_scatter``: an
+update rows fall into groups of distinct ids (``hlo.grouped_scatter``: an
 expert-choice MoE combine), which stitch generates without atomics in column tiles: no
 contention, but its blocks walk the rows in dependent round trips and every tile rereads
 the ids (``tiles_price``).
@@ -45,11 +45,11 @@ from typing import Iterable
 
 import numpy as np
 
-from stitch.hlo_passes.combiners import combiner_kind
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.grouped_scatter import UNROLL_ROWS, GroupedScatter, grouped_scatter
-from stitch.hlo_passes.scatter_forms import known_index_values, scatter_form
-from stitch.hlo_passes.sorted_runs import run_scatter
+from stitch.hlo.combiners import combiner_kind
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.grouped_scatter import UNROLL_ROWS, GroupedScatter, grouped_scatter
+from stitch.hlo.scatter_forms import known_index_values, scatter_form
+from stitch.hlo.sorted_runs import run_scatter
 
 from .gpu_specs import GpuSpec
 from .latency import (BARRIER_LATENCY_CYCLES, DRAM_LATENCY_CYCLES, L2_LATENCY_CYCLES,
@@ -98,7 +98,7 @@ class Contention:
 
     def in_runs(self, run_rows: int) -> "Contention":
         """The atomics left when each thread first adds ``run_rows`` consecutive updates
-        of an element column while their id repeats (``hlo_passes.sorted_runs``): a
+        of an element column while their id repeats (``hlo.sorted_runs``): a
         segment of c updates spans about c / run_rows + 1 runs, one atomic each."""
         c = max(self.collisions, 1.0)
         runs = min(c, c / run_rows + 1.0)
@@ -219,8 +219,8 @@ def contention_seconds(graph: OpGraph, members: Iterable[int], spec: GpuSpec,
                        runs: bool = True) -> float:
     """Seconds the colliding scatters among ``members`` add to their kernel: as stitch
     generates them (``runs``: a scatter-add over sorted ids in runs,
-    ``hlo_passes.sorted_runs``; one over groups of distinct ids in column tiles,
-    ``hlo_passes.grouped_scatter``), or as XLA does (one atomic per update element)."""
+    ``hlo.sorted_runs``; one over groups of distinct ids in column tiles,
+    ``hlo.grouped_scatter``), or as XLA does (one atomic per update element)."""
     major = spec.compute_capability[0]
     total = 0.0
     for v in members:

@@ -14,7 +14,7 @@ and the chain's GEMMs as XLA runs them are priced by the GEMM-tile model
 are never below this roofline.
 
 Precision (``precision_class``): f32 operands run as TF32 on sm_80+ unless the dot asks for
-HIGHEST precision or an f32 algorithm (``stitch.hlo_passes.gemm_chains.allows_tf32``); jax's
+HIGHEST precision or an f32 algorithm (``stitch.hlo.gemm_chains.allows_tf32``); jax's
 ``jax_default_matmul_precision`` is unset by default, which lowers dots with DEFAULT operand
 precision, and XLA GPU then lets cuBLAS/Triton use TF32. bf16/f16 operands take the
 half-precision rate, f8 (e4m3/e5m2) the FP8 rate where the target has one. Any other type
@@ -39,9 +39,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from stitch.hlo_passes.gemm_chains import allows_tf32
-from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.ir import Instruction, Shape
+from stitch.hlo.gemm_chains import allows_tf32
+from stitch.hlo.graph import OpGraph, OpNode
+from stitch.hlo.ir import Instruction, Shape
 
 from .gpu_specs import XLA_MEMORY_COMPUTE_PARALLELISM, GpuSpec
 

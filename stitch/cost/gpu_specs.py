@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stitch.hlo_passes.errors import StitchError
+from stitch.hlo.errors import StitchError
 
 KIB = 1024
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import weakref
 from typing import Iterable
 
-from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.graph import OpGraph, OpNode
+from stitch.hlo.op_classes import OpClass
 
 from .instruction_costs import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT
 

@@ -3,7 +3,7 @@ ops, by opcode: the compute term of every kernel time model (the delta-evaluator
 spaces, GEMM chain pricing)."""
 from __future__ import annotations
 
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.op_classes import OpClass
 
 # Thread instructions per element (FP32 pipeline issue slots). Light ops are one
 # instruction; layout ops cost their index arithmetic. Expensive ops: libdevice expansions

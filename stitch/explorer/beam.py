@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo.graph import OpGraph
 
 from ..pricing.delta import CostModel
 from .kernel_reach import KernelMasks, KernelReach

@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo.graph import OpGraph
 
 from ..pricing.delta import CostModel
 from ..errors import StitchError

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo.graph import OpGraph
 
 
 @dataclass(frozen=True)

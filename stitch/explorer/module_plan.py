@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo.graph import OpGraph
 
 from .graph_plan import GraphPlan, PlannedKernel, PlannerReport, SideSummary, kernel_kind, needs_kernel
 

@@ -23,7 +23,7 @@ class ExplorerOptions:
     recompute: bool = True          # refine each plan by split/recomputation moves
     blp_time_limit_s: float = 30.0
     # Candidate kernels of two GEMMs with the memory-intensive ops between them
-    # (stitch.hlo_passes.gemm_chains; kind "gemm_chain"), priced by stitch.cost.gemm_tile at the
+    # (stitch.hlo.gemm_chains; kind "gemm_chain"), priced by stitch.cost.gemm_tile at the
     # schedule the Markov-guided search finds. The compile paths turn them off until
     # codegen lowers them.
     gemm_chains: bool = True
@@ -64,6 +64,6 @@ class ExplorerOptions:
     # plan cache key.
     cancel: Callable[[], bool] | None = field(default=None, compare=False)
     # Scatters and gathers over proved sorted fixed-length segments planned as row
-    # reductions and broadcasts (stitch.hlo_passes.segments_as_rows; modules XLA has not optimized
+    # reductions and broadcasts (stitch.hlo.segments_as_rows; modules XLA has not optimized
     # only).
     segments_as_rows: bool = True

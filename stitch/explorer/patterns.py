@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Iterable
 
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.op_classes import OpClass
 
 from ..pricing.delta import CostModel
 from ..analysis.feasibility import Infeasible

@@ -42,9 +42,9 @@ try:  # POSIX only; elsewhere processes sharing a directory may plan a module tw
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.ir import HloModule
-from stitch.hlo_passes.printer import print_hlo
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.ir import HloModule
+from stitch.hlo.printer import print_hlo
 
 from ..errors import StitchError
 from ..version import __version__

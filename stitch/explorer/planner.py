@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Collection
 
-from stitch.hlo_passes.graph import OpGraph, build_op_graphs
-from stitch.hlo_passes.ir import HloModule
-from stitch.hlo_passes.op_classes import OpClass
-from stitch.hlo_passes.parser import parse_hlo
-from stitch.hlo_passes.segments_as_rows import segments_as_rows
-from stitch.hlo_passes.grouped_scatter import holds_grouped_scatter
-from stitch.hlo_passes.sorted_runs import holds_run_scatter
+from stitch.hlo.graph import OpGraph, build_op_graphs
+from stitch.hlo.ir import HloModule
+from stitch.hlo.op_classes import OpClass
+from stitch.hlo.parser import parse_hlo
+from stitch.hlo.segments_as_rows import segments_as_rows
+from stitch.hlo.grouped_scatter import holds_grouped_scatter
+from stitch.hlo.sorted_runs import holds_run_scatter
 
 from ..pricing.chain_pricing import chain_for, chain_price, graph_chains
 from ..pricing.delta import CostModel
@@ -155,7 +155,7 @@ def is_xla_optimized(module: HloModule, graphs: list[OpGraph]) -> bool:
 def places_into_xla(options: "ExplorerOptions", source: str) -> bool:
     """Whether the plan's kernels go into XLA's own module (the XLA pass: XLA units over
     XLA's optimized graph), so a loop body's kernels pay the copies of the loop state they
-    write (CostModel(loop_copies=True), stitch.hlo_passes.loop_state)."""
+    write (CostModel(loop_copies=True), stitch.hlo.loop_state)."""
     return options.xla_units and source == "xla"
 
 
@@ -164,7 +164,7 @@ def baseline_groups(graph: OpGraph, source: str) -> list[frozenset[int]]:
         groups = [frozenset(ids) for ids in graph.baseline_groups().values()]
     else:
         try:
-            from stitch.hlo_passes.base_fusion import base_fusion
+            from stitch.hlo.base_fusion import base_fusion
         except ImportError as exc:
             raise PlanError(f"pre-optimization HLO needs the base fusion pass: {exc}") from exc
         groups = [frozenset(ids) for ids in base_fusion(graph)]
@@ -447,7 +447,7 @@ def latency_objective_s(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
 
 
 def chain_patterns(graph: OpGraph, cost: CostModel, locked: list[Pattern]) -> list[Pattern]:
-    """A candidate pattern per GEMM chain of the graph (stitch.hlo_passes.gemm_chains) whose
+    """A candidate pattern per GEMM chain of the graph (stitch.hlo.gemm_chains) whose
     kernel the GEMM-tile model finds faster than its ops run apart (f > 0), and that takes
     no op of a locked XLA fusion. Free members only a chain reads stay in it; the beam
     and the BLP weigh the pattern like any other."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.op_classes import OpClass
 
 from ..pricing.delta import CostModel
 from .patterns import MAX_PATTERN_OPS, is_plannable

@@ -9,8 +9,8 @@ import html
 import logging
 from collections.abc import Callable, Iterable
 
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.op_classes import OpClass
 
 from .graph_plan import GraphPlan, PlannedKernel
 from .module_plan import FusionPlan, GraphResult

@@ -3,7 +3,7 @@ softmax, an embedding bag and a mixture-of-experts layer routed by top-k, in f32
 
 Every model reduces over sorted, fixed-length segments through ``jax.ops.segment_*`` with
 ``indices_are_sorted=True`` and ids built in the function (``arange(n) // length``), so the
-segments follow from the module (``stitch.hlo_passes.segments_as_rows`` turns those scatters into row
+segments follow from the module (``stitch.hlo.segments_as_rows`` turns those scatters into row
 reductions). What is data stays data: an embedding bag's token ids index a gather whose
 rows collide, and an MoE layer's top-k choices index its dispatch gather and its combine
 scatter-add (colliding updates: atomics).

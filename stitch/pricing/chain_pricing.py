@@ -4,7 +4,7 @@ XLA runs them (``gemm_tile.gemm_cost`` with the Triton tile of the fusion's back
 cuBLAS calls and plain dots an assumed library tile). The delta cost model asks here for a
 member set holding a GEMM, so one model prices a chain and the kernels it replaces.
 
-Chains are recognized once per graph (``stitch.hlo_passes.gemm_chains.find_gemm_chains``), and
+Chains are recognized once per graph (``stitch.hlo.gemm_chains.find_gemm_chains``), and
 each chain's search result is cached per chain dims and target (``best_schedule``).
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-from stitch.hlo_passes.gemm_chains import (GemmChain, find_gemm_chains, needs_row_pass,
+from stitch.hlo.gemm_chains import (GemmChain, find_gemm_chains, needs_row_pass,
                                            softmax_parts)
-from stitch.hlo_passes.gemm_chains import allows_tf32 as dot_allows_tf32
-from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.gemm_chains import allows_tf32 as dot_allows_tf32
+from stitch.hlo.graph import OpGraph, OpNode
+from stitch.hlo.op_classes import OpClass
 
 from ..cost.gemm_tile import (OPERAND_BYTES, ChainDims, GemmChainSchedule, TileCost, gemm_cost,
                               xla_gemm_tile)
@@ -71,7 +71,7 @@ def chain_for(graph: OpGraph, members) -> GemmChain | None:
 
 def allows_tf32(graph: OpGraph, node: OpNode) -> bool:
     """An f32 GEMM node (a dot, a GEMM fusion, a cuBLAS call) may run on TF32 tensor cores:
-    the recognizer's rule (``stitch.hlo_passes.gemm_chains.allows_tf32``) on its dot."""
+    the recognizer's rule (``stitch.hlo.gemm_chains.allows_tf32``) on its dot."""
     inst, _operands = gemm_dot(graph, node)
     return inst is None or dot_allows_tf32(inst)
 

@@ -39,9 +39,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
 
-from stitch.hlo_passes.graph import OpGraph, OpNode
-from stitch.hlo_passes.loop_state import carried_copies, carried_nodes
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.graph import OpGraph, OpNode
+from stitch.hlo.loop_state import carried_copies, carried_nodes
+from stitch.hlo.op_classes import OpClass
 
 from ..analysis.buildable import build_problem
 from ..analysis.feasibility import Infeasible, PatternAnalysis, analyze_pattern
@@ -71,7 +71,7 @@ class KernelCost:
     compute_s: float
     threads: int
     total_s: float
-    # The loop-state copies placing the kernel in a loop body adds (stitch.hlo_passes.loop_state),
+    # The loop-state copies placing the kernel in a loop body adds (stitch.hlo.loop_state),
     # included in hbm_bytes and total_s (CostModel(loop_copies=True)): bytes copied, µs.
     loop_copy_bytes: int = 0
     loop_copy_s: float = 0.0
@@ -122,7 +122,7 @@ class CostModel:
         # the model of XLA's own kernels. Else as stitch does (sorted ids added in runs).
         self.xla_atomics = xla_atomics
         # Kernels placed into an XLA module (the XLA pass): in a loop body every loop-state
-        # value a kernel writes goes through a copy (stitch.hlo_passes.loop_state), priced into the
+        # value a kernel writes goes through a copy (stitch.hlo.loop_state), priced into the
         # kernel's cost, so a kernel that loses with its copies is not planned. XLA's own
         # kernels (``left_to_xla``: member sets the pass leaves to XLA) write the state in
         # place, and a single op is the reference the planner's gains are counted from:

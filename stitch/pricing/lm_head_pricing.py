@@ -1,4 +1,4 @@
-"""The LM head + softmax cross-entropy forward (``hlo_passes.lm_head_loss.LmHeadLoss``)
+"""The LM head + softmax cross-entropy forward (``hlo.lm_head_loss.LmHeadLoss``)
 priced with the GEMM-tile model, against XLA's way of computing it.
 
 stitch's kernel is a GEMM chain kernel whose second GEMM has two columns: it walks the
@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from stitch.hlo_passes.lm_head_loss import LmHeadLoss
+from stitch.hlo.lm_head_loss import LmHeadLoss
 
 from ..cost.gemm_tile import (LIBRARY_TILE, ChainDims, GemmChainSchedule, TileCost, gemm_cost,
                               warp_columns)

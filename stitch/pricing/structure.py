@@ -27,9 +27,9 @@ import re
 from collections import Counter
 from typing import Hashable, Iterable
 
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.ir import Computation, Instruction
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.ir import Computation, Instruction
+from stitch.hlo.op_classes import OpClass
 
 from ..cost.hbm_traffic import graph_facts
 

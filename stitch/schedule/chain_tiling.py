@@ -18,8 +18,8 @@ from typing import Any
 from stitch.codegen.errors import CodegenError
 from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from stitch.codegen.lower import LoweredKernel, kernel_identifier
-from stitch.hlo_passes.gemm_chains import GemmChain, chain_of
-from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo.gemm_chains import GemmChain, chain_of
+from stitch.hlo.graph import OpGraph
 
 from ..cost.gemm_tile import ChainDims, GemmChainSchedule, warp_columns
 

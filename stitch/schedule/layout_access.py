@@ -27,8 +27,8 @@ import dataclasses
 import math
 from functools import lru_cache
 
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.op_classes import OpClass
 
 from ..analysis.feasibility import leaf_shape
 

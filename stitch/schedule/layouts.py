@@ -32,7 +32,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo.graph import OpGraph
 
 from ..cost.gpu_specs import GpuSpec, get_spec
 from ..errors import StitchError

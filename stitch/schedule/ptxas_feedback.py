@@ -24,7 +24,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from stitch.hlo_passes.graph import OpGraph
+from stitch.hlo.graph import OpGraph
 
 from ..cost.gpu_specs import GpuSpec
 from .kernel_schedule import KernelSchedule

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.op_classes import OpClass
 
 from ..cost.hbm_traffic import kernel_hbm_bytes
 from ..cost.instruction_costs import EXPENSIVE_INSTRUCTIONS, INSTRUCTIONS_PER_ELEMENT

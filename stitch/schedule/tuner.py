@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from stitch.hlo_passes.graph import OpGraph
-from stitch.hlo_passes.grouped_scatter import TILE_THREADS, GroupedScatter, grouped_scatter
-from stitch.hlo_passes.scatter_forms import scatter_form
+from stitch.hlo.graph import OpGraph
+from stitch.hlo.grouped_scatter import TILE_THREADS, GroupedScatter, grouped_scatter
+from stitch.hlo.scatter_forms import scatter_form
 
 from ..cost.contention import contention_seconds, tiles_prices
 from ..cost.gpu_specs import GpuSpec
@@ -302,7 +302,7 @@ def _loop_work(facts: PartFacts, tpb: int, vw: int, tiles: GroupedScatter | None
     threads = math.ceil(facts.elements / vw)
     blocks = math.ceil(threads / tpb)
     if tiles is not None:
-        # A scatter in column tiles (``hlo_passes.grouped_scatter``): one work item a block
+        # A scatter in column tiles (``hlo.grouped_scatter``): one work item a block
         # of TILE_THREADS; its chain of round trips is priced by ``tiles_price``.
         if tpb != TILE_THREADS:
             return f"a scatter in column tiles runs blocks of {TILE_THREADS} threads"

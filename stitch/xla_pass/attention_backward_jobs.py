@@ -1,5 +1,5 @@
 """The pass's attention-backward kernels: each backward that
-``stitch.hlo_passes.attention_backward`` recognizes in XLA's module becomes one two-phase
+``stitch.hlo.attention_backward`` recognizes in XLA's module becomes one two-phase
 kernel (``stitch.codegen.attention_backward.lower_attention_backward``) replacing XLA's dP
 GEMM, softmax-gradient fusion and dQ / dK / dV GEMMs, reading only Q, K, V and dO: no
 kernel of the backward reads or writes a scores-sized buffer any more.
@@ -142,7 +142,7 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
     from stitch.codegen.lower import LoweredKernel, kernel_identifier
     from stitch.codegen.site_keys import LoweringChoices
     from stitch.cost import get_spec
-    from stitch.hlo_passes.attention_backward import find_attention_backwards
+    from stitch.hlo.attention_backward import find_attention_backwards
     from stitch.errors import StitchError
 
     from .hlo_rewrite import NotPlaceable, find_site
@@ -245,7 +245,7 @@ def without_backward_reads(request: Any, report: Any, chain_jobs: list, backward
     from stitch.codegen.site_keys import LoweringChoices
     from stitch.schedule.chain_tiling import lower_planned_chain
     from stitch.errors import StitchError
-    from stitch.hlo_passes.gemm_chains import chain_of
+    from stitch.hlo.gemm_chains import chain_of
 
     gone = {t for job in backward_jobs for t in job[2].tops}
     if not gone:

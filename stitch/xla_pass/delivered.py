@@ -182,7 +182,7 @@ def price_xla_kernels(module: Any, spec: Any) -> dict[str, list[XlaKernel]]:
     from stitch.pricing.delta import CostModel
     from stitch.explorer.graph_plan import kernel_kind, memory_intensive
     from stitch.explorer.planner import baseline_groups
-    from stitch.hlo_passes.graph import build_op_graphs
+    from stitch.hlo.graph import build_op_graphs
 
     out: dict[str, list[XlaKernel]] = {}
     for graph in build_op_graphs(module):

@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from stitch.hlo_passes import parse_hlo, print_hlo
-from stitch.hlo_passes.literals import ELIDED
+from stitch.hlo import parse_hlo, print_hlo
+from stitch.hlo.literals import ELIDED
 from stitch.errors import Cancelled
 
 from .kernel_builds import GpuBuild, GpuPrebuild, build_target, compile_cache, cubins_for_device

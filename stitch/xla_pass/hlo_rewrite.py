@@ -1,7 +1,7 @@
 """Put stitched kernels into XLA's own module: what each kernel covers becomes one typed-FFI
 custom call; everything else stays exactly as XLA made it.
 
-The planner works on op graphs (``stitch.hlo_passes.graph``), where XLA's fusions are flattened
+The planner works on op graphs (``stitch.hlo.graph``), where XLA's fusions are flattened
 into their ops. A stitched kernel can go back into the module when its ops are a union of
 whole *top-level* instructions of one computation (XLA fusions or unfused ops): those
 instructions are removed, one ``custom-call(...), custom_call_target=T,
@@ -26,11 +26,11 @@ import re
 from typing import Sequence
 from dataclasses import dataclass, field
 
-from stitch.hlo_passes import HloModule
-from stitch.hlo_passes.graph import FREE_OPCODES, OpGraph
-from stitch.hlo_passes.ir import Computation, Instruction, Shape
-from stitch.hlo_passes.loop_state import carried_bytes
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo import HloModule
+from stitch.hlo.graph import FREE_OPCODES, OpGraph
+from stitch.hlo.ir import Computation, Instruction, Shape
+from stitch.hlo.loop_state import carried_bytes
+from stitch.hlo.op_classes import OpClass
 
 log = logging.getLogger("stitch.hlo_rewrite")
 
@@ -248,7 +248,7 @@ def _layout_problem(kind: str, name: str, shape: Shape, kernel: "PlacedKernel",
 def carried_copy_bytes(view: ComputationView, site: KernelSite) -> int:
     """Bytes of the copies ``place`` will add for ``site`` in a loop body: each value the
     kernel writes for the loop state (the root's operands) goes through a copy (``place``'s
-    ``carried``). 0 outside loop bodies. The prediction is ``stitch.hlo_passes.loop_state``'s, the
+    ``carried``). 0 outside loop bodies. The prediction is ``stitch.hlo.loop_state``'s, the
     one the planner prices kernels with."""
     return carried_bytes(view.graph, site.members)
 

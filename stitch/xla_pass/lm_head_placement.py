@@ -2,7 +2,7 @@
 softmax fusion and its gather/reduce fusion replaced by one kernel that never writes the
 logits (``stitch.codegen.lm_head_loss``).
 
-A site is placed where ``stitch.hlo_passes.lm_head_loss.find_lm_head_losses`` finds it
+A site is placed where ``stitch.hlo.lm_head_loss.find_lm_head_losses`` finds it
 closed (no value but its results read outside: an eval loss; a training step's backward
 reads the softmax's sums and exps, so its site stays XLA's), its XLA instructions are whole
 (``hlo_rewrite.find_site`` on every op of the instructions it touches), and the GEMM-tile
@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from stitch.hlo_passes.lm_head_loss import find_lm_head_losses
+from stitch.hlo.lm_head_loss import find_lm_head_losses
 
 from .hlo_rewrite import ComputationView, NotPlaceable, find_site
 

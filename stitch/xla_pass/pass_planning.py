@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from stitch.hlo_passes import HloModule
-from stitch.hlo_passes.source_lines import plan_sources
+from stitch.hlo import HloModule
+from stitch.hlo.source_lines import plan_sources
 from stitch.errors import Cancelled, StitchError
 
 from stitch.config import grid_sync_on_gpu
@@ -120,7 +120,7 @@ def _replan_useless(module: HloModule, request: PassRequest, report: PassReport,
 
 def _plan_and_build_once(module: HloModule, request: PassRequest,
                          timings: dict[str, float], ptx_workers: list) -> PassReport:
-    from stitch.hlo_passes.evaluator.interpreter import Evaluator
+    from stitch.hlo.evaluator.interpreter import Evaluator
     from stitch.cost.gpu_specs import get_spec
     from stitch.explorer.planner import ExplorerOptions, plan as make_plan
 

@@ -43,7 +43,7 @@ import re
 import threading
 import time
 
-from stitch.hlo_passes import HloModule, parse_hlo, print_hlo
+from stitch.hlo import HloModule, parse_hlo, print_hlo
 from stitch.errors import Cancelled
 
 from .collector import fewer_collections

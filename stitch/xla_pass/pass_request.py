@@ -68,7 +68,7 @@ class PassReport:
     # segments (stitch.xla_pass.segment_rows); placed where a placed kernel holds them.
     segment_rows: list[str] = field(default_factory=list)
     # Each planned stitched kernel's place in the user's code (its functions, file:line,
-    # from XLA's metadata; stitch.hlo_passes.source_lines), "" where XLA kept none.
+    # from XLA's metadata; stitch.hlo.source_lines), "" where XLA kept none.
     where: dict[str, str] = field(default_factory=dict)
 
     def sources(self) -> dict[str, dict[str, str]]:

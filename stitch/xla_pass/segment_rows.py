@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from stitch.hlo_passes import HloModule
-from stitch.hlo_passes.segments_as_rows import fused_segments_as_rows
+from stitch.hlo import HloModule
+from stitch.hlo.segments_as_rows import fused_segments_as_rows
 
 from stitch.config import segment_rows_setting
 

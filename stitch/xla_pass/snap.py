@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stitch.hlo_passes.op_classes import OpClass
+from stitch.hlo.op_classes import OpClass
 
 from .hlo_rewrite import ComputationView
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.parser import parse_hlo
 
 from .conftest import assert_no_spills
 from .test_gpu_deviceless import check_assembled, check_placement

@@ -21,8 +21,8 @@ import sys
 import pytest
 
 from stitch.codegen.objcheck import cubin_problem
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.graph import FREE_OPCODES
+from stitch.hlo import parse_hlo
+from stitch.hlo.graph import FREE_OPCODES
 from stitch.xla_pass import deviceless
 
 from .conftest import ARCH, TARGET

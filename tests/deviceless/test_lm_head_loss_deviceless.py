@@ -14,11 +14,11 @@ import pytest
 
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
 from stitch.codegen.lm_head_loss import default_tiling, lower_lm_head_loss
-from stitch.hlo_passes.evaluator import evaluate
-from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
-from stitch.hlo_passes.graph import build_op_graphs
-from stitch.hlo_passes.lm_head_loss import find_lm_head_losses
-from stitch.hlo_passes.parser import parse_hlo
+from stitch.hlo.evaluator import evaluate
+from stitch.hlo.evaluator.dtypes import numpy_dtype
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.lm_head_loss import find_lm_head_losses
+from stitch.hlo.parser import parse_hlo
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402

@@ -3,7 +3,7 @@ size, stitch/models/segment_models.py) through stitch's pass. XLA fuses the bag'
 into an atomic scatter over bags of 32 token rows; with the bags' sorted ids proved the
 pass returns one kernel reducing each bag's rows without atomics. The MoE combine
 scatters to data-dependent tokens, but each expert's top-k tokens are distinct: the pass
-returns a combine without atomics (column tiles, stitch.hlo_passes.grouped_scatter)
+returns a combine without atomics (column tiles, stitch.hlo.grouped_scatter)
 that also writes XLA's zero fill."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ jax = pytest.importorskip("jax")
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from stitch import models  # noqa: E402
-from stitch.hlo_passes import parse_hlo  # noqa: E402
+from stitch.hlo import parse_hlo  # noqa: E402
 from stitch.xla_pass import deviceless  # noqa: E402
 
 from .conftest import TARGET, assert_no_spills  # noqa: E402

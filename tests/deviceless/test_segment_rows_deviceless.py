@@ -12,7 +12,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from stitch.hlo_passes import parse_hlo  # noqa: E402
+from stitch.hlo import parse_hlo  # noqa: E402
 from stitch.xla_pass import deviceless  # noqa: E402
 
 from .conftest import TARGET, assert_no_spills  # noqa: E402

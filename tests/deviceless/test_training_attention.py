@@ -12,8 +12,8 @@ import pytest
 
 from stitch.codegen.gemm_chain import ChainTiling, lower_gemm_chain
 from stitch.codegen.host import NUMPY_DTYPES, compile_host
-from stitch.hlo_passes import parse_hlo
-from stitch.hlo_passes.gemm_chains import chain_of, softmax_parts
+from stitch.hlo import parse_hlo
+from stitch.hlo.gemm_chains import chain_of, softmax_parts
 from stitch.xla_pass import deviceless
 
 from .conftest import TARGET, assert_no_spills

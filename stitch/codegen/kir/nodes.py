@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Union
 
 from stitch.codegen.errors import CodegenError
-from stitch.hlo_passes.combiners import ATOMIC_ADD_TYPES
-from stitch.hlo_passes.element_types import CODEGEN_STORAGE, REINTERPRET_WIDTHS
+from stitch.hlo.combiners import ATOMIC_ADD_TYPES
+from stitch.hlo.element_types import CODEGEN_STORAGE, REINTERPRET_WIDTHS
 
 FLOAT_DTYPES = frozenset({"f32", "f64"})
 SIGNED_DTYPES = frozenset({"i8", "i32", "i64"})

@@ -188,7 +188,7 @@ def _shape_dtype(x: Any) -> tuple[tuple, np.dtype]:
 
 
 def _check_shape(what: str, hlo_shape: Any, shape: tuple, dtype: np.dtype) -> None:
-    from stitch.hlo_passes.evaluator.dtypes import numpy_dtype
+    from stitch.hlo.evaluator.dtypes import numpy_dtype
     if hlo_shape.is_tuple:
         raise TFMappingError(f"{what} is a tuple in the HLO")
     dims = tuple(hlo_shape.dims)
@@ -471,7 +471,7 @@ class TFStitchedFunction(SwitchingFunction):
         return [leaves[v] if kind == "arg" else v for kind, v in mapping.sources]
 
     def _hlo_and_mapping(self, args: tuple, kwargs: dict) -> tuple[Any, TFMapping]:
-        from stitch.hlo_passes import parse_hlo
+        from stitch.hlo import parse_hlo
 
         values, leaves = bound_leaves(self.python_fn, args, kwargs)
         concrete = self.xla_fn.get_concrete_function(*args, **kwargs)
@@ -484,7 +484,7 @@ class TFStitchedFunction(SwitchingFunction):
         """tf2xla's HLO compiled by XLA on jax's client with stitch's pass on for it."""
         import jax
 
-        from stitch.hlo_passes import print_hlo
+        from stitch.hlo import print_hlo
         from stitch.xla_pass.entry import PassRequest, compile_hlo_text
 
         from .gpu_sharing import check_gpu_allowed

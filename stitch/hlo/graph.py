@@ -80,7 +80,7 @@ class OpGraph:
     _unit_reach: tuple[tuple[int, int], "UnitReach | None"] | None = field(default=None,
                                                                            repr=False)
     # The module's computations by name (shared by all graphs of a module): what a GEMM
-    # fusion kept as one node computes, and reducers' to_apply (stitch.hlo_passes.gemm_chains).
+    # fusion kept as one node computes, and reducers' to_apply (stitch.hlo.gemm_chains).
     computations: dict[str, Computation] = field(default_factory=dict, repr=False)
     # (len(outputs), the outputs as a set): ``output_set``, built on first use.
     _output_set: tuple[int, frozenset[int]] | None = field(default=None, repr=False)

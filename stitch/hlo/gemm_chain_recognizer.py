@@ -1,4 +1,4 @@
-"""The structural match of one GEMM pair (``stitch.hlo_passes.gemm_chains``): operands, the
+"""The structural match of one GEMM pair (``stitch.hlo.gemm_chains``): operands, the
 nodes between, the program, the second GEMM's lhs and rhs, the values read outside; a
 ``GemmChain`` or ``NotAChain`` with the reason.
 """

@@ -1,4 +1,4 @@
-"""The chain program's values (``stitch.hlo_passes.gemm_chains``): graph ops and GEMM-fusion
+"""The chain program's values (``stitch.hlo.gemm_chains``): graph ops and GEMM-fusion
 ops between two GEMMs translated into hash-consed ``ChainOp``s over tile / row / scalar
 values, outside values read as strided views, index computations (iota masks, one-hot labels)
 recomputed in the kernel.

@@ -1,6 +1,6 @@
 """The one error hierarchy of the project.
 
-It lives in ``hlo_passes`` because that package may not import ``stitch``; ``stitch.errors``
+It lives in ``hlo`` because that package may not import ``stitch``; ``stitch.errors``
 re-exports it so users see ``stitch.StitchError``.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The search for GEMM pairs a chain may join (``stitch.hlo_passes.gemm_chains``), once per
+"""The search for GEMM pairs a chain may join (``stitch.hlo.gemm_chains``), once per
 graph: which GEMMs / opaque ops each node reaches, the second GEMMs each first one may pair
 with, the walks between them, each GEMM's description.
 """

@@ -1,4 +1,4 @@
-"""GEMMs as the chain recognizer reads them (``stitch.hlo_passes.gemm_chains``): a GEMM node
+"""GEMMs as the chain recognizer reads them (``stitch.hlo.gemm_chains``): a GEMM node
 (dot, GEMM fusion, cuBLAS call) described as a dot with its split-K reduce, its TF32
 permission, and values read as strided [batch, rows, cols] views of a row-major buffer through
 bitcasts, reshapes, copies, transposes and broadcasts.

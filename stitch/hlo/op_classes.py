@@ -51,7 +51,7 @@ LAYOUT_OPS = frozenset({
     "dynamic-update-slice", "concatenate", "pad", "iota", "reverse", "gather",
     # Scatter: its element p is the operand's combined with the updates landing on p
     # (stitched when they land one per element, else a kernel of its own with atomics;
-    # stitch.hlo_passes.scatter_forms decides which).
+    # stitch.hlo.scatter_forms decides which).
     "scatter",
     # Pure forwarding: they name a value, nothing is computed.
     "get-tuple-element", "tuple", "add-dependency", "domain",

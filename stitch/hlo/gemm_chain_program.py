@@ -1,4 +1,4 @@
-"""The description of a GEMM chain (``stitch.hlo_passes.gemm_chains``): the ``GemmChain``
+"""The description of a GEMM chain (``stitch.hlo.gemm_chains``): the ``GemmChain``
 the recognizer returns, its operand views, the program of element ops between the GEMMs and
 the values also read outside; the softmax a program ends in.
 """

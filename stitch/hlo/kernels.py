@@ -5,7 +5,7 @@ bodies/conditions, conditional branches, called computations) is one kernel; fus
 computations, reducers and comparators launch nothing themselves. Kernels are classed as
 ``gemm`` (dot/conv, cuBLAS/cuDNN calls, Triton GEMM fusions), ``opaque`` (other custom calls,
 sort, rng...) or ``memory`` (everything else: the memory-intensive kernels stitch targets,
-scatter fusions included: stitch generates scatters, ``stitch.hlo_passes.scatter_forms``).
+scatter fusions included: stitch generates scatters, ``stitch.hlo.scatter_forms``).
 """
 from __future__ import annotations
 

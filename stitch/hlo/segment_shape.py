@@ -1,6 +1,6 @@
 """Elementwise work between segment reductions computed in the segments' shape.
 
-After ``stitch.hlo_passes.segments_as_rows`` a segmented softmax reads ``x[n]``, reshapes it to
+After ``stitch.hlo.segments_as_rows`` a segmented softmax reads ``x[n]``, reshapes it to
 ``[count, length]`` for each reduce and reshapes each broadcast ``[count, length]`` back to
 ``[n]`` for the elementwise ops between. A reshape that merges a row dimension with the
 rest hides the rows from the planner's row analysis (each value downstream of a reduce must

@@ -239,7 +239,7 @@ class Evaluator:
         return _stack_leaves(results, shape)
 
     def binary_kind(self, comp: Computation | str) -> str | None:
-        """``stitch.hlo_passes.combiners.combiner_kind`` of the computation, memoized."""
+        """``stitch.hlo.combiners.combiner_kind`` of the computation, memoized."""
         comp = self.computation(comp)
         if comp.name not in self._binary_kinds:
             self._binary_kinds[comp.name] = combiner_kind(comp)
