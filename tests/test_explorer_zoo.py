@@ -34,7 +34,7 @@ def test_plan_is_valid_and_never_worse_than_xla(model, target):
         validate(g.graph, g.stitched.kernels)
         validate(g.graph, g.baseline.kernels)
     # Every kernel stitch generates has a legal schedule (locality checked, launchable).
-    from stitch.explorer.planner import kept_as_xla
+    from stitch.explorer.plan_schedules import kept_as_xla
     for g in p.graphs:
         for k in g.stitched.kernels:
             if k.kind != "fused" or not k.cost.launches:

@@ -164,7 +164,7 @@ def _without_notes(schedule):
 
 
 def test_a_repeated_layer_gets_the_first_ones_schedule_renumbered(setting) -> None:
-    from stitch.explorer.planner import SharedSchedules
+    from stitch.explorer.plan_schedules import SharedSchedules
     graph, _, layers = setting
     shared = SharedSchedules(graph)
     (m1, s1), (m2, s2), (m3, _) = layers["l1"], layers["l2"], layers["l3"]
@@ -177,10 +177,10 @@ def test_a_repeated_layer_gets_the_first_ones_schedule_renumbered(setting) -> No
 
 
 def test_plans_with_and_without_shared_schedules_are_equal(monkeypatch) -> None:
-    from stitch.explorer import planner
+    from stitch.explorer import plan_schedules, planner
     plans = []
     for share in (False, True):
-        monkeypatch.setattr(planner, "SHARE_SCHEDULES", share)
+        monkeypatch.setattr(plan_schedules, "SHARE_SCHEDULES", share)
         plan = planner.plan(HLO, "h100")
         plans.append([(k.name, sorted(k.members),
                        _without_notes(k.schedule) if k.schedule else None)

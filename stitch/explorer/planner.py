@@ -30,28 +30,28 @@ from stitch.hlo.segments_as_rows import segments_as_rows
 from stitch.hlo.grouped_scatter import holds_grouped_scatter
 from stitch.hlo.sorted_runs import holds_run_scatter
 
-from ..pricing.chain_pricing import chain_for, chain_price, graph_chains
-from ..pricing.delta import CostModel
+from ..analysis.buildable import build_problem
+from ..analysis.feasibility import infeasible_reason
 from ..cost.gpu_specs import GpuSpec, get_spec
-from ..cost.launch_forms import GRID_SYNC_SETTINGS, allows_global
+from ..cost.launch_forms import GRID_SYNC_SETTINGS
 from ..errors import Cancelled, StitchError
+from ..pricing.chain_pricing import chain_price, graph_chains
+from ..pricing.delta import CostModel
+from ..schedule.kernel_schedule import KernelSchedule
 from .beam import Buffer, KernelCycleError, beam_search, merge_adjacent, pack_levels
 from .blp import BlpError, solve_blp
 from .cancel import CancelPoll
+from .graph_plan import (GraphPlan, KernelIO, PlannedKernel, PlannerReport, PlanValidationError,
+                         kernel_kind, launch_order, make_kernel, needs_kernel, validate)
 from .module_plan import FusionPlan, GraphResult
 from .options import ExplorerOptions
-from .plan_cache import (PlanCache, default_plan_cache, kernel_sets,
-                         module_fingerprint, plan_entry, plan_key)
-from ..analysis.buildable import build_problem
-from ..analysis.feasibility import infeasible_reason
 from .patterns import (MAX_PATTERN_OPS, Candidates, Pattern, PatternExplorer, Vertices,
                        is_plannable, unit_vertices)
-from ..schedule.kernel_schedule import KernelSchedule
-from ..schedule.tuner import ScheduleError, schedule_kernel
+from .plan_cache import (PlanCache, default_plan_cache, kernel_sets, module_fingerprint,
+                         plan_entry, plan_key)
+from .plan_schedules import (AS_XLA_MADE_IT, ScheduleCache, kept_as_xla, schedule_plan,
+                             tuned_schedule)
 from .refine import reduction_stages, refine_plan
-from ..pricing.structure import StructureKeys
-from .graph_plan import (GraphPlan, KernelIO, PlannedKernel, PlannerReport, PlanValidationError,
-                   kernel_kind, launch_order, make_kernel, needs_kernel, validate)
 
 log = logging.getLogger(__name__)
 
@@ -215,124 +215,6 @@ def _named(graph: OpGraph, kernels: list[PlannedKernel], weight: int,
     return GraphPlan(graph, kernels, weight)
 
 
-ScheduleCache = dict[frozenset[int], KernelSchedule | str]
-
-# A kernel whose member set has the structure key (``structure.StructureKeys``) of one tuned
-# before gets that schedule with its node ids renumbered, not a tuning of its own: a repeated
-# layer's kernels are tuned once.
-SHARE_SCHEDULES = True
-
-# Schedule fields holding node ids (KernelSchedule, PartSchedule, GroupSchedule,
-# SharedBuffer, GlobalReduction).
-_SCHEDULE_ID_FIELDS = frozenset({"members", "root", "node", "cached"})
-
-
-def _renumbered(value, ids: dict[int, int], is_id: bool = False):
-    """A schedule (or part of one) with its node ids mapped by ``ids``."""
-    if is_id:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return ids[value]
-        if isinstance(value, (tuple, list, frozenset, set)):
-            return type(value)(ids[v] for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{
-            f.name: _renumbered(getattr(value, f.name), ids, f.name in _SCHEDULE_ID_FIELDS)
-            for f in dataclasses.fields(value) if f.init})
-    if isinstance(value, list):
-        return [_renumbered(v, ids) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_renumbered(v, ids) for v in value)
-    return value
-
-
-class SharedSchedules:
-    """Tuned schedules by structure key within one graph (``SHARE_SCHEDULES``)."""
-
-    def __init__(self, graph: OpGraph):
-        self.keys = StructureKeys(graph)
-        self.first: dict = {}          # key -> (the tuned set's members sorted, schedule)
-        self.shared = 0
-
-    def get(self, members: frozenset[int]) -> KernelSchedule | None:
-        key = self.keys.key(members)
-        if key is None or key not in self.first:
-            return None
-        tuned, schedule = self.first[key]
-        self.shared += 1
-        return _renumbered(schedule, dict(zip(tuned, sorted(members))))
-
-    def put(self, members: frozenset[int], schedule: KernelSchedule | str) -> None:
-        if isinstance(schedule, str):
-            return                          # a reason names the set's own nodes
-        key = self.keys.key(members)
-        if key is not None:
-            self.first.setdefault(key, (tuple(sorted(members)), schedule))
-
-
-def _tuned(graph: OpGraph, spec: GpuSpec, members: frozenset[int], cache: ScheduleCache,
-           grid_sync: str = "barrier", shared: SharedSchedules | None = None
-           ) -> KernelSchedule | str:
-    """The tuned schedule of a kernel, or why it has none (cached by member set; a cache
-    serves one ``grid_sync`` setting: under "off" only the block scopes are tried,
-    stitch.cost.launch_forms). ``shared``: a same-structure set's schedule, renumbered."""
-    got = cache.get(members)
-    if got is None and shared is not None:
-        got = shared.get(members)
-    if got is None:
-        force = None if allows_global(grid_sync) else {"scope": "block"}
-        try:
-            got = schedule_kernel(graph, members, spec, force)
-        except ScheduleError as exc:
-            got = str(exc)
-        if shared is not None:
-            shared.put(members, got)
-    cache[members] = got
-    return got
-
-
-def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
-                  cache: ScheduleCache | None = None,
-                  poll: Callable[[], None] | None = None, chain_tf32: bool = False,
-                  chain_spill_check: bool = False, chain_grid_sync: bool = False,
-                  left_to_xla: Collection[frozenset[int]] = (),
-                  grid_sync: str = "barrier") -> None:
-    """Attach the tuned stitching schedule to every stitched kernel of ``plan``. GEMM/conv,
-    opaque ops, control flow and XLA's kept fusions around opaque ops run as XLA compiles
-    them and get none; so does a kernel whose members are one of ``left_to_xla`` (with
-    XLA units: a kernel that is one XLA kernel as XLA made it, which the pass leaves to
-    XLA, so tuning it is wasted)."""
-    cache = {} if cache is None else cache
-    shared = SharedSchedules(graph) if SHARE_SCHEDULES else None
-    for k in plan.kernels:
-        if poll is not None:
-            poll()
-        if left_to_xla and frozenset(k.members) in left_to_xla:
-            k.schedule_note = AS_XLA_MADE_IT
-            continue
-        if k.kind == "gemm_chain":
-            chain = chain_for(graph, k.members)
-            if chain is not None:
-                k.chain_schedule = chain_price(graph, chain, spec, tf32=chain_tf32,
-                                               check_spills=chain_spill_check,
-                                               grid_sync=chain_grid_sync).schedule
-            continue
-        if k.kind != "fused" or not k.cost.launches:
-            continue
-        if kept_as_xla(graph, k.members):
-            k.schedule_note = "XLA fusion around an op stitch does not generate; kept as is"
-            continue
-        got = _tuned(graph, spec, frozenset(k.members), cache, grid_sync, shared)
-        if isinstance(got, str):
-            k.schedule_note = got
-            log.debug("graph %s: %s has no schedule: %s", graph.name, k.name, got)
-        else:
-            k.schedule = got
-
-
-# The schedule note of a kernel that is one XLA kernel unchanged (schedule_plan's left_to_xla).
-AS_XLA_MADE_IT = "one XLA kernel as XLA made it: left to XLA"
-
-
 def holds_own_scatter(graph: OpGraph, members) -> bool:
     """Whether ``members`` hold a scatter stitch generates otherwise than XLA's one atomic
     per update element: added in runs (sorted ids) or in column tiles (groups of distinct
@@ -368,7 +250,7 @@ def _schedulable_parts(graph: OpGraph, spec: GpuSpec, members: frozenset[int],
     (shared ancestors go to the first) plus the rest. None when some part still has none."""
     parts: list[frozenset[int]] = []
     for stage in reduction_stages(graph, members):
-        if isinstance(_tuned(graph, spec, stage, cache, grid_sync), KernelSchedule):
+        if isinstance(tuned_schedule(graph, spec, stage, cache, grid_sync), KernelSchedule):
             parts.append(stage)
             continue
         taken: set[int] = set()
@@ -384,7 +266,7 @@ def _schedulable_parts(graph: OpGraph, spec: GpuSpec, members: frozenset[int],
         if stage - taken:
             parts.append(frozenset(stage - taken))
     parts = [p for p in parts if any(needs_kernel(graph, v) for v in p)]
-    if len(parts) < 2 or not all(isinstance(_tuned(graph, spec, p, cache, grid_sync),
+    if len(parts) < 2 or not all(isinstance(tuned_schedule(graph, spec, p, cache, grid_sync),
                                             KernelSchedule) for p in parts):
         return None
     return parts
@@ -421,14 +303,6 @@ def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: G
     return repaired
 
 
-def kept_as_xla(graph: OpGraph, members: Collection[int]) -> bool:
-    """Whether a kernel holds an op stitch does not generate — one outside the plannable
-    classes, or one codegen refuses (``buildable.build_problem``: a scatter-max with
-    colliding updates, say): XLA's fusion around it runs as XLA made it, untuned."""
-    return not all(is_plannable(graph, v) for v in members) or \
-        any(build_problem(graph, v) for v in members)
-
-
 def latency_objective_s(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
                         cache: ScheduleCache, grid_sync: str = "barrier") -> float:
     """Modeled time of a plan under the latency-evaluator: each stitched kernel at its
@@ -439,7 +313,7 @@ def latency_objective_s(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
     for k in plan.kernels:
         if k.kind == "fused" and k.cost.launches and \
                 not kept_as_xla(graph, k.members):
-            got = _tuned(graph, spec, frozenset(k.members), cache, grid_sync)
+            got = tuned_schedule(graph, spec, frozenset(k.members), cache, grid_sync)
             total += math.inf if isinstance(got, str) else got.modeled_us * 1e-6
         else:
             total += k.cost.total_s
