@@ -124,8 +124,25 @@ def _check_one_kernel(form: int, x64: bool) -> None:
         np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(jax.jit(fn)(x)),
                                    rtol=RTOL, atol=ATOL, err_msg=where)
     assert report.segment_rows, (where, report.summary())
-    assert report.kernels_stitched == 1 and report.kernels_after == 1, \
-        (where, report.summary(), report.skipped)
+    assert not _placed_opcodes(report) & {"scatter", "gather"}, where
+    # Everything is stitched, in one kernel unless the model prices that one kernel higher
+    # than the kernels chosen (a tiny layer norm's two row reductions, 37 rows of 6: one
+    # kernel 3.3 us, two 2.6 us).
+    assert report.kernels_stitched == report.kernels_after, (where, report.skipped)
+    if report.kernels_after > 1:
+        _one_kernel_priced_higher(report, where)
+
+
+def _one_kernel_priced_higher(report, where: str) -> None:
+    from stitch.cost.gpu_specs import get_spec
+    from stitch.pricing.delta import CostModel
+    (gp,) = [g for g in report.plan.graphs if g.graph.kind == "entry"]
+    kernels = [k for k in gp.stitched.kernels if k.kind == "fused"]
+    cost = CostModel(gp.graph, get_spec("h100"))
+    union = frozenset().union(*(k.members for k in kernels))
+    chosen = sum(cost.kernel(frozenset(k.members)).total_s for k in kernels)
+    assert gp.graph.is_convex(union) and cost.stitchable(union), where
+    assert cost.kernel(union).total_s >= chosen, (where, len(kernels))
 
 
 @pytest.mark.parametrize("form", range(4))
