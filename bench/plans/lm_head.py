@@ -6,7 +6,7 @@ GEMM plus one read of the logits; the backward's two GEMM chains in the recomput
 ``chain_price``) against XLA's dlogits kernel (logits read, dlogits written, both f32) and
 its two GEMMs; the two-phase backward kernel (``codegen.lm_head_backward``: dH and dE in
 one launch, the logits tiles recomputed, no dlogits) priced as the attention backward is
-(``xla_pass.lm_head_backward_price``), its registers from ptxas. A100 and H100, f32
+(``pricing.lm_head_backward_price``), its registers from ptxas. A100 and H100, f32
 (TF32) and bf16.
 
 ``python -m bench plans --part lm-head`` (about half a minute; ptxas where installed) writes
@@ -28,7 +28,7 @@ from stitch.cost.gemm_tile import LIBRARY_TILE, gemm_cost
 from stitch.pricing.lm_head_pricing import loss_price
 from stitch.codegen.lm_head_backward import LmHeadBackward, lower_lm_head_backward
 from stitch.cost.mma_efficiency import kernel_efficiency
-from stitch.xla_pass.lm_head_backward_price import backward_price
+from stitch.pricing.lm_head_backward_price import backward_price
 from stitch.hlo.gemm_chains import find_gemm_chains
 from stitch.hlo.graph import build_op_graphs
 from stitch.hlo.lm_head_loss import LmHeadLoss, row_major_views

@@ -20,7 +20,10 @@ from stitch.codegen.attention_backward import BackwardTiling
 from stitch.codegen.lm_head_backward import (LmHeadBackward, default_tiling,
                                              recompute_factor, uses_tensor_cores)
 
-from stitch.cost.mma_efficiency import kernel_efficiency
+from ..cost.gemm_rates import FP32, peak_flops, precision_class
+from ..cost.gemm_tile import LIBRARY_TILE, gemm_cost
+from ..cost.mma_efficiency import kernel_efficiency
+from .delta import KernelCost
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,6 @@ class BackwardPrice:
 
 def kernel_cost(problem: LmHeadBackward, spec: Any, tiling: BackwardTiling) -> Any:
     """The one-launch kernel's modeled ``KernelCost`` at ``tiling`` (module docstring)."""
-    from stitch.pricing.delta import KernelCost
-    from stitch.cost.gemm_rates import FP32, peak_flops, precision_class
     r, v, d = problem.rows, problem.vocab, problem.hidden
     gemm = 2.0 * r * v * d
     flops = 2 * (recompute_factor(problem, tiling) + 1) * gemm
@@ -54,7 +55,6 @@ def kernel_cost(problem: LmHeadBackward, spec: Any, tiling: BackwardTiling) -> A
 
 def xla_seconds(problem: LmHeadBackward, spec: Any) -> float:
     """XLA's dlogits kernel (f32 logits read, dlogits written) and its dH and dE GEMMs."""
-    from stitch.cost.gemm_tile import LIBRARY_TILE, gemm_cost
     r, v, d = problem.rows, problem.vocab, problem.hidden
     width = 2 if problem.dtype in ("bf16", "f16") else 4
     dlogits = 8.0 * r * v / spec.hbm_bandwidth
