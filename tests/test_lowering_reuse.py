@@ -197,6 +197,12 @@ def test_a_lowering_is_read_back_from_the_compile_cache_in_another_process(
     writer = LoweringReuse(cache=CompileCache(tmp_path))
     _lower(writer, graph, evaluator, m1, s1, "main.k1")
     lowering_reuse.forget_lowerings()          # what a new process starts with
+    # Stored when the pass ends, not before.
+    probe = LoweringReuse(cache=CompileCache(tmp_path))
+    _lower(probe, graph, evaluator, m2, s2, "main.k2")
+    assert (probe.lowered, probe.from_disk) == (1, 0)
+    writer.flush()
+    lowering_reuse.forget_lowerings()
     reader = LoweringReuse(cache=CompileCache(tmp_path))
     second = _lower(reader, graph, evaluator, m2, s2, "main.k2")
     assert (reader.lowered, reader.reused, reader.from_disk) == (0, 1, 1)
@@ -205,6 +211,62 @@ def test_a_lowering_is_read_back_from_the_compile_cache_in_another_process(
     assert (second.inputs, second.outputs, second.schemes) == \
         (fresh.inputs, fresh.outputs, fresh.schemes)
     second.kernel.validate()
+
+
+def test_what_is_derived_from_a_lowering_is_stored_with_it(setting, tmp_path,
+                                                           monkeypatch) -> None:
+    """The structure key, the busiest thread and the check's verdict come back with a stored
+    lowering: a new process derives none of them again, and they equal a fresh derivation."""
+    from stitch.codegen import gpu_cache, thread_work
+    from stitch.codegen.cache import CompileCache
+    from stitch.codegen.kir.check import KernelChecker
+    graph, evaluator, layers = setting
+    (m1, s1), (m2, s2) = layers["l1"], layers["l2"]
+    writer = LoweringReuse(cache=CompileCache(tmp_path))
+    first = _lower(writer, graph, evaluator, m1, s1, "main.k1")
+    want = (writer.structure(first.kernel), writer.busiest(first.kernel))
+    writer.checked(first.kernel)
+    writer.flush()
+    lowering_reuse.forget_lowerings()
+    reader = LoweringReuse(cache=CompileCache(tmp_path))
+    second = _lower(reader, graph, evaluator, m2, s2, "main.k2")
+    assert reader.from_disk == 1
+
+    def derived_again(*args, **kwargs):
+        raise AssertionError("derived again")
+    with monkeypatch.context() as patched:
+        for owner, name in ((gpu_cache, "structure_key"), (thread_work, "busiest_thread"),
+                            (KernelChecker, "run")):
+            patched.setattr(owner, name, derived_again)
+        assert (reader.structure(second.kernel), reader.busiest(second.kernel)) == want
+        assert reader.checked(second.kernel) is second.kernel
+        second.kernel.validate()                  # marked: not walked again
+    assert gpu_cache.structure_key(second.kernel) == want[0]
+    assert thread_work.busiest_thread(second.kernel) == want[1]
+    assert want[1].loads > 0 and want[1].ops > 0
+
+
+def test_a_failed_check_is_not_remembered_as_passed(setting, monkeypatch) -> None:
+    """A lowering whose kernel fails the check fails it at every site bound to it."""
+    from stitch.codegen.errors import CodegenError
+    from stitch.codegen.kir.check import KernelChecker
+    graph, evaluator, layers = setting
+    (m1, s1), (m2, s2) = layers["l1"], layers["l2"]
+    reuse = LoweringReuse()
+    lower = lambda m, s, n: reuse.lower(graph, m, s, kernel_identifier(n),  # noqa: E731
+                                        lambda: lower_kernel(graph, evaluator, s, n,
+                                                             validate=False))
+    first, second = lower(m1, s1, "main.k1"), lower(m2, s2, "main.k2")
+    calls = []
+
+    def refuse(checker):
+        calls.append(checker)
+        raise CodegenError("refused")
+    monkeypatch.setattr(KernelChecker, "run", refuse)
+    for lowered in (first, second):
+        with pytest.raises(CodegenError, match="refused"):
+            reuse.checked(lowered.kernel)
+    assert len(calls) == 2
 
 
 def test_kernel_ir_data_round_trips_and_refuses_other_types(setting) -> None:

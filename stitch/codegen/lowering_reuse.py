@@ -25,7 +25,11 @@ globals of the kernel's own loaded image).
 Lowerings are kept per process (``MAX_KEPT``, across modules) and, given a compile cache,
 across processes: stored as data (``kir_data``: JSON of Kernel IR's own dataclasses, the
 site's values by position), keyed by the site key, codegen's and the HLO layer's source
-digest and stitch's version; an entry that does not read back is lowered afresh.
+digest and stitch's version; an entry that does not read back is lowered afresh. What
+codegen derives from a lowering once per key (``structure``: its structure key; ``busiest``:
+its busiest thread's work; ``checked``: that it passed ``Kernel.validate``) is stored with
+it, written when the pass ends (``flush``), so a warm process derives nothing again: the
+same key covers the code that derives them.
 """
 from __future__ import annotations
 
@@ -107,13 +111,46 @@ def _disk_key(key: str) -> str:
     return cache_key("lowering", key, source_digest(CODEGEN_PACKAGES), stitch_version())
 
 
-def template_to_bytes(template: _Template) -> bytes:
-    """A kept lowering as data: its kernel (``kir_data``) and its values by position."""
+# What ``LoweringReuse`` derives from a lowering and stores with it: the name -> how it is
+# written as JSON data and read back (a value that does not read back fails the entry).
+def _thread_work_from(data: Any) -> Any:
+    from .thread_work import ThreadWork
+    loads, ops, block, thread = data
+    return ThreadWork(float(loads), float(ops), int(block), int(thread))
+
+
+_STORED: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
+    "structure": (str, str),
+    "busiest": (lambda w: [w.loads, w.ops, w.block, w.thread], _thread_work_from),
+    "checked": (bool, lambda v: v is True),
+}
+
+
+def derived_to_data(derived: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The stored kinds of ``derived`` (per key suffix: "" the lowering's own, else an
+    alias's ``how``) as JSON data."""
+    return {how: {what: _STORED[what][0](value) for what, value in values.items()
+                  if what in _STORED}
+            for how, values in derived.items()}
+
+
+def derived_from_data(data: Any) -> dict[str, dict[str, Any]]:
+    """``derived_to_data``'s values read back (KeyError, TypeError or ValueError where the
+    data is not that)."""
+    return {str(how): {str(what): _STORED[what][1](value) for what, value in values.items()}
+            for how, values in data.items()}
+
+
+def template_to_bytes(template: _Template,
+                      derived: dict[str, dict[str, Any]] | None = None) -> bytes:
+    """A kept lowering as data: its kernel (``kir_data``), its values by position and what
+    was derived from it (``derived_to_data``)."""
     from .kir_data import kernel_to_data
     lowered = template.lowered
     at = {v: i for i, v in enumerate(template.nodes)}
     at_name = {n: i for i, n in enumerate(template.names)}
     return json.dumps({
+        "derived": derived_to_data(derived or {}),
         "kernel": kernel_to_data(lowered.kernel), "names": list(template.names),
         "inputs": [at[v] for v in lowered.inputs], "outputs": [at[v] for v in lowered.outputs],
         "schemes": list(lowered.schemes), "notes": list(lowered.notes),
@@ -123,13 +160,14 @@ def template_to_bytes(template: _Template) -> bytes:
     }).encode()
 
 
-def template_from_bytes(payload: bytes) -> _Template:
-    """``template_to_bytes``'s lowering, its nodes numbered by position (KirDataError where
-    the payload is not one)."""
+def template_from_bytes(payload: bytes) -> tuple[_Template, dict[str, dict[str, Any]]]:
+    """``template_to_bytes``'s lowering, its nodes numbered by position, and what was
+    derived from it (KirDataError where the payload is not one)."""
     from .kir_data import KirDataError, kernel_from_data
     from .lower import LoweredKernel
     try:
         data = json.loads(payload)
+        derived = derived_from_data(data.get("derived", {}))
         names = tuple(str(n) for n in data["names"])
         lowered = LoweredKernel(
             kernel_from_data(data["kernel"]), [int(v) for v in data["inputs"]],
@@ -138,9 +176,9 @@ def template_from_bytes(payload: bytes) -> _Template:
             {int(o): int(i) for o, i in data["initial"]},
             {int(v): tuple(int(d) for d in layout) for v, layout in data["layouts"]},
             {names[int(i)]: int(k) for i, k in data["split_rows"]})
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise KirDataError(f"not a stored lowering: {exc}") from exc
-    return _Template(lowered, tuple(range(len(names))), names)
+    return _Template(lowered, tuple(range(len(names))), names), derived
 
 
 @dataclass
@@ -159,6 +197,11 @@ class LoweringReuse:
     # A lowered kernel -> its key, and per key what was derived from its lowering once.
     _key_of: dict[int, tuple[kir.Kernel, str]] = field(default_factory=dict)
     _derived: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Lowerings to store when the pass ends (``flush``), with the stored kinds of what was
+    # derived from them; and per key read from the cache, the kinds it held.
+    _unsaved: dict[str, _Template] = field(default_factory=dict)
+    _held: dict[str, _Template] = field(default_factory=dict)
+    _held_kinds: dict[str, int] = field(default_factory=dict)
 
     def lower(self, graph: OpGraph, members: frozenset[int], schedule: Any, name: str,
               lower: Callable[[], Any], layouts: dict | None = None,
@@ -190,7 +233,7 @@ class LoweringReuse:
                                  tuple(graph.nodes[v].name for v in key.nodes))
             self._keep(key.key, template)
             if self.cache is not None:
-                self._write(key.key, template)
+                self._unsaved[key.key] = template
             self._key_of[id(result.kernel)] = (result.kernel, key.key)
         return result
 
@@ -207,18 +250,48 @@ class LoweringReuse:
         if payload is None:
             return None
         try:
-            template = template_from_bytes(payload)
+            template, derived = template_from_bytes(payload)
         except KirDataError as exc:
             log.info("stored lowering %s not used: %s", key[:12], exc)
             return None
         self.from_disk += 1
         self._keep(key, template)
+        for how, values in derived.items():
+            self._derived.setdefault(f"{key}/{how}" if how else key, {}).update(values)
+        self._held[key] = template
+        self._held_kinds[key] = sum(len(v) for v in derived.values())
         return template
 
-    def _write(self, key: str, template: _Template) -> None:
+    def flush(self) -> None:
+        """Store the lowerings this pass made, and those read back that gained derived
+        values, each with the stored kinds of what was derived from it."""
+        if self.cache is None:
+            return
+        for key, template in self._held.items():
+            kinds = sum(len(v) for v in self._stored_derived(key).values())
+            if kinds > self._held_kinds.get(key, 0):
+                self._unsaved.setdefault(key, template)
+        for key, template in self._unsaved.items():
+            self._write(key, template, self._stored_derived(key))
+        self._unsaved.clear()
+        self._held.clear()
+
+    def _stored_derived(self, key: str) -> dict[str, dict[str, Any]]:
+        """What was derived from the lowering of ``key`` and its aliases (``alias``), the
+        stored kinds only, per alias ``how`` ("" the lowering's own)."""
+        out = {}
+        for how, name in [("", key)] + [(k[len(key) + 1:], k) for k in self._derived
+                                        if k.startswith(key + "/")]:
+            values = {w: v for w, v in self._derived.get(name, {}).items() if w in _STORED}
+            if values:
+                out[how] = values
+        return out
+
+    def _write(self, key: str, template: _Template,
+               derived: dict[str, dict[str, Any]]) -> None:
         from .kir_data import KirDataError
         try:
-            payload = template_to_bytes(template)
+            payload = template_to_bytes(template, derived)
         except (KirDataError, KeyError) as exc:
             log.debug("lowering %s not stored: %s", key[:12], exc)
             return
@@ -230,6 +303,30 @@ class LoweringReuse:
         got = self._key_of.get(id(lowered))
         if got is not None and got[0] is lowered:
             self._key_of[id(kernel)] = (kernel, f"{got[1]}/{how}")
+
+    def structure(self, kernel: kir.Kernel) -> str:
+        """``gpu_cache.structure_key(kernel)``, once per lowering (stored with it)."""
+        from .gpu_cache import structure_key
+        return self.derived(kernel, "structure", lambda: structure_key(kernel))
+
+    def busiest(self, kernel: kir.Kernel) -> Any:
+        """``thread_work.busiest_thread(kernel)``, once per lowering (stored with it)."""
+        from .thread_work import busiest_thread
+        return self.derived(kernel, "busiest", lambda: busiest_thread(kernel))
+
+    def checked(self, kernel: kir.Kernel) -> kir.Kernel:
+        """``kernel.validate()``, walked once per lowering: a kernel of a lowering that
+        passed (here or, stored with it, in the process that lowered it) is marked so
+        (``Kernel.known_valid``). CodegenError as ``validate`` raises it."""
+        got = self._key_of.get(id(kernel))
+        if got is None or got[0] is not kernel:
+            return kernel.validate()
+        derived = self._derived.setdefault(got[1], {})
+        if derived.get("checked") is True:
+            return kernel.known_valid()
+        kernel.validate()
+        derived["checked"] = True
+        return kernel
 
     def derived(self, kernel: kir.Kernel, what: str, make: Callable[[], Any]) -> Any:
         """``make()`` (something of the kernel its names do not change: its structure key,

@@ -17,6 +17,7 @@ from stitch.hlo.source_lines import plan_sources
 from stitch.errors import Cancelled, StitchError
 
 from stitch.config import grid_sync_on_gpu
+from . import early_imports
 from .delivered import deliver, loses_with_copies, price_xla_kernels
 from .hlo_rewrite import (ComputationView, NotPlaceable, PlacedKernel, carried_copy_bytes,
                           find_site, replace_kernels, xla_layouts)
@@ -66,6 +67,7 @@ REUSE_LOWERING = True
 def stitch_module(module: HloModule, request: PassRequest) -> PassReport:
     """Plan ``module``, build the kernels that fit, put them in (module docstring)."""
     timings: dict[str, float] = {}
+    early_imports.wait()
     # GPU: PTX is emitted in isolated children, one per build thread, not a fresh
     # interpreter per kernel; ptxas runs in the same threads. The request started them as
     # its compile began; else they start now, so their start-up overlaps planning.
@@ -341,8 +343,7 @@ class _JobLowering:
         return self.reuse.lower(graph, members, choices, kernel_identifier(name), lower)
 
     def structure_of(self, kernel: Any) -> str:
-        from stitch.codegen.gpu_cache import structure_key
-        return self.reuse.derived(kernel, "structure", lambda: structure_key(kernel))
+        return self.reuse.structure(kernel)
 
     def add(self, job: tuple, key: str | None = None) -> None:
         from stitch.codegen.errors import CodegenError
@@ -350,7 +351,7 @@ class _JobLowering:
         try:
             # Checked only now: a kernel the code budget or payback drops is never built.
             # Validity does not depend on names: checked once per lowering.
-            self.reuse.derived(kernel, "valid", lambda: kernel.validate() is not None)
+            self.reuse.checked(kernel)
         except CodegenError as exc:
             log.info("kernel %s stays with XLA: %s", job[1].name, exc)
             self.report.fallbacks.append((job[1].name, f"{type(exc).__name__}: {exc}"))
@@ -387,6 +388,7 @@ class _JobLowering:
         for group in self.waiting.values():
             for _, _, left in group:
                 self.leave(left)
+        self.reuse.flush()
         self.report.lowerings = {"kernels_lowered": self.reuse.lowered,
                                  "lowerings_reused": self.reuse.reused,
                                  "lowerings_from_cache": self.reuse.from_disk}
@@ -497,7 +499,6 @@ class _JobLowering:
                      alone: bool, cost: Any, loop_copies: Any, gains: dict) -> None:
         """Place, check, lower and add one of the plan's kernels, or say why it stays XLA's."""
         from stitch.codegen.errors import CodegenError
-        from stitch.codegen.thread_work import busiest_thread
         from stitch.pricing.delta import CostModel
 
         from .payback import Unpaid
@@ -533,8 +534,7 @@ class _JobLowering:
         if self.request.device == "gpu":
             if self.priced_here is None:
                 self.priced_here = cost or CostModel(graph_plan.graph, spec, gemm_chains=False)
-            work = self.reuse.derived(lowered.kernel, "busiest",
-                                      lambda: busiest_thread(lowered.kernel))
+            work = self.reuse.busiest(lowered.kernel)
             slower = slower_as_built(graph_plan, frozenset(k.members), lowered, spec,
                                      self.priced_here,
                                      gains.get(k.name) if self.payback is not None else None,

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from stitch.errors import Cancelled, StitchError
 
 from stitch.config import ConfigError
+from . import early_imports
 from .ptx_children import early_ptx_children, release_ptx_workers, start_ptx_workers
 
 log = logging.getLogger("stitch.xla_pass.request")
@@ -124,6 +125,7 @@ class PassRequest:
     def __enter__(self) -> "PassRequest":
         with _LOCK:
             _REQUESTS[self.token] = self
+        early_imports.start()
         if self.device == "gpu" and not self._ptx_workers:
             try:
                 if early_ptx_children():

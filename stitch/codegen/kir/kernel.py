@@ -39,6 +39,15 @@ class Kernel:
             object.__setattr__(self, "_valid", True)
         return self
 
+    def known_valid(self) -> "Kernel":
+        """This kernel marked as passing ``validate()`` without walking it again. Only for a
+        kernel whose validity the caller knows: a copy of a checked kernel changed in ways
+        the check gives the same answer for at every site (``lowering_reuse``: one lowering
+        bound to a repeated layer's sites), or one read back from the authenticated compile
+        cache with the record that it passed the same code's check."""
+        object.__setattr__(self, "_valid", True)
+        return self
+
     def renamed(self, name: str) -> "Kernel":
         """This kernel called ``name``. Validity does not depend on the name once it is an
         identifier, so a validated kernel's copy is not checked again."""
