@@ -17,7 +17,9 @@ index space, no atomics). Otherwise it is ``atomic``: updates may collide.
 """
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -354,11 +356,70 @@ def known_index_values(graph: OpGraph, v: int) -> _Known:
     return got
 
 
-def _known_values(graph: OpGraph, v: int) -> _Known:
-    # Which producers are computed (the first MAX_INDEX_OPS met depth first, each at most
-    # MAX_INDEX_ELEMENTS), and how many computed readers each value has, so that an
-    # intermediate is dropped once its last reader has it: index tensors of millions of
-    # elements go through a dozen ops (jax's floor division), not all held at once.
+# Verdicts of ``uniform_predicate`` by the structure that decides them, across graphs and
+# modules (a causal mask is the same iota compare in every layer's fusions): at most this
+# many kept, the oldest first out.
+MAX_VERDICTS = 1024
+_VERDICTS: "OrderedDict[tuple, bool | None]" = OrderedDict()
+_VERDICTS_LOCK = threading.Lock()
+
+
+def uniform_predicate(graph: OpGraph, v: int) -> bool | None:
+    """True if every element of ``v`` is known non-zero (a predicate proved all true), False
+    if every one is known zero, None otherwise. Computed (``known_index_values``) once per
+    structure of what decides it: the producers ``known_index_values`` computes, by opcode,
+    shape, attributes and literal, and the shapes of the values it leaves unknown."""
+    key = _producers_key(graph, v)
+    if key is not None:
+        with _VERDICTS_LOCK:
+            if key in _VERDICTS:
+                _VERDICTS.move_to_end(key)
+                return _VERDICTS[key]
+    values, known = known_index_values(graph, v)
+    verdict: bool | None = None
+    if values.size and bool(known.all()):
+        verdict = True if bool((values != 0).all()) else \
+            False if bool((values == 0).all()) else None
+    if key is not None:
+        with _VERDICTS_LOCK:
+            _VERDICTS[key] = verdict
+            while len(_VERDICTS) > MAX_VERDICTS:
+                _VERDICTS.popitem(last=False)
+    return verdict
+
+
+def _producers_key(graph: OpGraph, v: int) -> tuple | None:
+    """What ``_known_values(graph, v)`` depends on, names left out (None where a producer it
+    computes calls a computation: those are not keyed)."""
+    computed, _ = _computed_producers(graph, v)
+    position: dict[int, int] = {}
+    parts: list[tuple] = []
+
+    def visit(u: int) -> int:
+        if u in position:
+            return position[u]
+        node = graph.nodes[u]
+        if u in computed:
+            inst = node.instruction
+            operands = tuple(visit(o) for o in node.operands) \
+                if node.opcode not in ("iota", "constant") else ()
+            part = (node.opcode, str(node.shape), operands, inst.literal,
+                    tuple(sorted((k, a) for k, a in inst.attrs.items() if k != "metadata")))
+        else:
+            part = ("unknown", str(node.shape))
+        position[u] = len(parts)
+        parts.append(part)
+        return position[u]
+
+    if any(graph.nodes[u].instruction.called_computations for u in computed):
+        return None
+    visit(v)
+    return tuple(parts)
+
+
+def _computed_producers(graph: OpGraph, v: int) -> tuple[set[int], dict[int, int]]:
+    """The producers ``_known_values`` computes for ``v`` (the first MAX_INDEX_OPS met depth
+    first, each at most MAX_INDEX_ELEMENTS) and how many computed readers each value has."""
     budget = MAX_INDEX_OPS
     computed: set[int] = set()
     readers: dict[int, int] = {}
@@ -386,6 +447,15 @@ def _known_values(graph: OpGraph, v: int) -> _Known:
         for o in node.operands:
             readers[o] = readers.get(o, 0) + 1
         stack.extend(reversed(node.operands))
+    return computed, readers
+
+
+def _known_values(graph: OpGraph, v: int) -> _Known:
+    # Which producers are computed (the first MAX_INDEX_OPS met depth first, each at most
+    # MAX_INDEX_ELEMENTS), and how many computed readers each value has, so that an
+    # intermediate is dropped once its last reader has it: index tensors of millions of
+    # elements go through a dozen ops (jax's floor division), not all held at once.
+    computed, readers = _computed_producers(graph, v)
     memo: dict[int, _Known] = {}
 
     def visit(u: int) -> _Known:

@@ -34,7 +34,7 @@ import numpy as np
 from .combiners import combiner_kind
 from .graph import OpGraph, OpNode, build_op_graphs
 from .ir import Computation, HloModule, Instruction, Shape
-from .scatter_forms import known_index_values
+from .scatter_forms import known_index_values, uniform_predicate
 from .segment_outputs import fusions_return_rows
 from .segment_shape import shape_segments
 
@@ -267,15 +267,10 @@ class _Rewriter:
         source = node.operands[0]
         while graph.nodes[source].opcode in _SPREADS and graph.nodes[source].operands:
             source = graph.nodes[source].operands[0]
-        values, known = known_index_values(graph, source)
-        if values.size == 0 or not bool(known.all()):
+        verdict = uniform_predicate(graph, source)
+        if verdict is None:
             return None
-        if bool((values != 0).all()):
-            chosen = inst.operands[1]
-        elif bool((values == 0).all()):
-            chosen = inst.operands[2]
-        else:
-            return None
+        chosen = inst.operands[1] if verdict else inst.operands[2]
         self.result.selects.append(inst.name)
         if not inst.is_root:
             self.aliases.setdefault(node.computation, {})[inst.name] = chosen
