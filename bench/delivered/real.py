@@ -132,8 +132,9 @@ def measure_one(name: str) -> dict:
     stitched_s = time.perf_counter() - start
     report = result.report
     left = big_buffers(result.compiled.as_text(), dims)
+    import jax
     return {"step": name + (f" (attention backward: {placement})" if placement else ""),
-            **report.summary(),
+            "jax": jax.__version__, **report.summary(),
             "movers": largest_movers(report.delivery, value_shapes(stock_text))
             if report.delivery is not None else [],
             "lower_s": round(lower_s, 1), "xla_compile_s": round(stock_s, 1),
@@ -169,9 +170,12 @@ def _left(row: dict) -> str:
 
 def markdown(rows: list[dict], command: str) -> str:
     from bench.report import stamp
+    versions = sorted({r["jax"] for r in rows if "jax" in r})
+    children = (f"The children run jax {', '.join(versions)} (the deviceless venv, "
+                f"STITCH_CUDA_VENV). " if versions else "")
     lines = ["## Real-size training steps through the pass (deviceless H100)", "",
              stamp(command, os.getloadavg()), "",
-             "Rows: `bench/real_steps.py` (plain JAX, AdamW by hand, parameters and optimizer "
+             children + "Rows: `bench/real_steps.py` (plain JAX, AdamW by hand, parameters and optimizer "
              "state donated), each compiled for an H100 without a device, stock and with "
              "stitch's pass, in one child process. **Modeled** (stitch's delta cost model, "
              "stitch/xla_pass/delivered.py): *mem µs* (memory-intensive kernels, XLA's "
