@@ -150,13 +150,13 @@ def template_to_bytes(template: _Template,
     at = {v: i for i, v in enumerate(template.nodes)}
     at_name = {n: i for i, n in enumerate(template.names)}
     return json.dumps({
-        "derived": derived_to_data(derived or {}),
         "kernel": kernel_to_data(lowered.kernel), "names": list(template.names),
         "inputs": [at[v] for v in lowered.inputs], "outputs": [at[v] for v in lowered.outputs],
         "schemes": list(lowered.schemes), "notes": list(lowered.notes),
         "initial": [[at[o], at[i]] for o, i in lowered.initial.items()],
         "layouts": [[at[v], list(layout)] for v, layout in lowered.layouts.items()],
         "split_rows": [[at_name[n], k] for n, k in lowered.split_rows.items()],
+        "derived": derived_to_data(derived or {}),
     }).encode()
 
 
