@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -164,10 +165,29 @@ def priced_data(result: GraphResult) -> dict:
                           "cost": to_data(k.cost)} for k in result.baseline.kernels]}
 
 
-def entry_digest(entry: dict) -> str:
-    """sha256 of an entry's content (all but its digest), as its JSON text."""
-    body = {k: v for k, v in entry.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(body).encode("utf-8")).hexdigest()
+# An entry's file starts with its digest: the sha256 of the rest of the object's JSON text
+# (``sealed_text``), checked over the bytes read, without encoding the entry again.
+_SEAL = '{"digest": "'
+_DIGEST_END = len(_SEAL) + 64
+
+
+def sealed_text(entry: dict) -> str:
+    """An entry's file text: its content as a JSON object (all but a ``digest`` key) with
+    the sha256 of that object's text as its first key, ``digest``."""
+    body = json.dumps({k: v for k, v in entry.items() if k != "digest"})
+    digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
+    rest = body[1:]
+    return f'{_SEAL}{digest}"' + (rest if rest == "}" else ", " + rest)
+
+
+def is_sealed(text: str) -> bool:
+    """Whether ``text`` is as ``sealed_text`` wrote it: its digest matches its content."""
+    if not text.startswith(_SEAL) or text[_DIGEST_END:_DIGEST_END + 1] != '"':
+        return False
+    rest = text[_DIGEST_END + 1:]
+    rest = rest[2:] if rest.startswith(", ") else rest
+    digest = hashlib.sha256(b"{" + rest.encode("utf-8")).hexdigest()
+    return hmac.compare_digest(digest, text[len(_SEAL):_DIGEST_END])
 
 
 class PlanCache:
@@ -203,7 +223,8 @@ class PlanCache:
         if path is None or not path.exists():
             return None
         try:
-            entry = json.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+            entry = json.loads(text)
         except (OSError, ValueError) as exc:
             log.warning("plan cache: unreadable entry %s dropped: %s", path.name, exc)
             self.drop(key)
@@ -212,7 +233,7 @@ class PlanCache:
                 entry.get("key") != key:
             self.drop(key)
             return None
-        if entry.get("digest") != entry_digest(entry):
+        if not is_sealed(text):
             log.warning("plan cache: entry %s does not match its digest; dropped", path.name)
             self.drop(key)
             return None
@@ -221,16 +242,17 @@ class PlanCache:
         return entry
 
     def write(self, key: str, entry: dict) -> None:
-        """Store ``entry`` (its digest set here) under ``key``."""
+        """Store ``entry`` under ``key``, sealed with the digest of its content (any
+        ``digest`` it has is replaced)."""
         path = self._path(key)
         if path is None:
             return
-        entry = {**entry, "digest": entry_digest(entry)}
+        text = sealed_text(entry)
         try:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".tmp")
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump(entry, f)
+                    f.write(text)
                     f.flush()
                     os.fsync(f.fileno())
                 os.chmod(tmp, 0o600)
