@@ -49,13 +49,21 @@ def _entry(directory):
     return path, json.loads(path.read_text())
 
 
+def _rewrite(directory, data: dict) -> None:
+    """``data`` stored as its entry, with the digest of its new content (as the cache
+    writes it: an entry edited without it is dropped as corrupt)."""
+    PlanCache(directory).write(data["key"], data)
+
+
 def _every_op_alone(data: dict) -> dict:
     """The entry with each graph's kernels replaced by every member op alone: well formed,
-    covering the same ops, fusing nothing."""
+    covering the same ops, fusing nothing (member sets only, no priced data: rebuilt by
+    pricing them)."""
     for g in data["graphs"]:
         ops = sorted({v for members in g["kernels"] for v in members})
         g["kernels"] = [[v] for v in ops]
         g["origins"] = ["alone"] * len(ops)
+        g.pop("priced", None)
     return data
 
 
@@ -65,9 +73,9 @@ def test_a_cached_plan_that_fuses_nothing_is_planned_again_and_stitches(tmp_path
     _process(monkeypatch, directory)
     report, _ = compile_with_cpu_pass(_softmax_ln, X, W)
     assert report.kernels_stitched >= 1
-    path, data = _entry(directory)
+    _, data = _entry(directory)
     good = [g["kernels"] for g in data["graphs"]]
-    path.write_text(json.dumps(_every_op_alone(data)))
+    _rewrite(directory, _every_op_alone(data))
 
     store = _process(monkeypatch, directory)
     report, compiled = compile_with_cpu_pass(_softmax_ln, X, W)
@@ -94,7 +102,7 @@ def test_a_fresh_plan_that_stitches_nothing_is_remembered_not_planned_again(tmp_
     assert report.kernels_stitched == 0
     reason = report.reason_nothing_stitched()
     assert store.misses == 1 and store.dropped == 0
-    path, data = _entry(directory)
+    _, data = _entry(directory)
     assert data["nothing_stitched"] == reason                  # remembered, with its reason
 
     report, _ = compile_with_cpu_pass(_one_fusion, x)          # same process: memory
@@ -109,7 +117,7 @@ def test_a_fresh_plan_that_stitches_nothing_is_remembered_not_planned_again(tmp_
     # An entry that stitched nothing without saying so (written before its failure was
     # noted) is planned again once; the fresh plan's failure is then noted.
     del data["nothing_stitched"]
-    path.write_text(json.dumps(data))
+    _rewrite(directory, data)
     store = _process(monkeypatch, directory)
     compile_with_cpu_pass(_one_fusion, x)
     assert store.disk_hits == 1 and store.dropped == 1 and store.misses == 1
@@ -120,8 +128,7 @@ def test_a_fresh_plan_that_stitches_nothing_is_remembered_not_planned_again(tmp_
 
 
 def test_an_entry_from_before_the_note_still_loads(tmp_path):
-    """The disk format is unchanged but for the optional note: old entries load, and a
-    note is read back."""
+    """The note is optional: an entry without it loads, and a note is read back."""
     import stitch
     from tests.test_planner_cache import SOFTMAX
     directory = tmp_path / "plans"

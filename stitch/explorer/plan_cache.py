@@ -5,14 +5,19 @@ Key: sha256 over the module fingerprint (sha256 of the printed module), the stit
 the target, the planner and its options (all ``ExplorerOptions`` fields but ``cancel``).
 Entries live in memory (the FusionPlan itself) and on disk as JSON under
 ``$STITCH_CACHE_DIR/plans/`` (default ``$XDG_CACHE_HOME/stitch/plans``): per op graph, the
-stitched plan's kernel member sets and origins, nothing else. JSON and not pickle: nothing
-read from disk may run code. Loading rebuilds the plan from the member sets: kernels costed
-again, put in launch order and validated, schedules re-tuned; the baseline is recomputed
-(cheap). An entry that does not fit the module or fails validation is deleted and the plan
+stitched plan's kernel member sets and origins in launch order and, where they have a data
+form (``plan_data``), each kernel's kind, priced cost, tuned schedule or why it has none,
+and chain schedule, and the baseline's kernels likewise (``priced``). JSON and not pickle:
+nothing read from disk may run code. A graph with ``priced`` data is rebuilt from it as
+stored (what a fresh planning of the same module by the same code gives: the key holds
+both); one without is rebuilt from its member sets: kernels costed again, put in launch
+order and validated, schedules re-tuned, the baseline recomputed. Every entry carries a
+sha256 ``digest`` of its content, checked on reading: a changed field drops the entry. An
+entry that does not fit the module, is malformed or fails validation is deleted and the plan
 recomputed. One that loads but stitches nothing where it is used (the XLA pass:
 ``pass_planning``) is deleted and the module planned again, once; a plan that stitches
-nothing when fresh is noted in its entry (``nothing_stitched``: the reason, an optional key
-older entries lack), so later compiles use it as it is instead of planning again.
+nothing when fresh is noted in its entry (``nothing_stitched``: the reason, an optional key),
+so later compiles use it as it is instead of planning again.
 
 Processes sharing the directory (a multi-process job on a shared file system) plan each
 module once: ``planning(key)`` takes a per-key ``flock`` under ``plans/.locks/``; the first
@@ -29,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -48,12 +54,18 @@ from stitch.hlo.printer import print_hlo
 
 from ..errors import StitchError
 from ..version import __version__
-from .module_plan import FusionPlan
+from .graph_plan import PlannedKernel
+from .module_plan import FusionPlan, GraphResult
 from .options import ExplorerOptions
+from .plan_data import DataError, decoded, to_data
+from ..cost.gemm_tile import GemmChainSchedule
+from ..pricing.delta import KernelCost
+from ..schedule.kernel_schedule import KernelSchedule
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+# 2: priced kernels and baselines (plan_data) and the content digest.
+FORMAT = 2
 MEMORY_ENTRIES = 64
 # How long a process waits for another one planning the same module before planning
 # itself (planning a large training step takes minutes).
@@ -121,14 +133,61 @@ def _safe_dir(path: Path) -> bool:
 
 
 def plan_entry(plan: FusionPlan, key: str) -> dict:
-    """What is stored: per graph, the stitched kernels' member sets (op ids and names)."""
+    """What is stored: per graph, the stitched kernels' member sets (op ids) and origins in
+    launch order, and their priced data and the baseline's (``priced_data``) where every
+    value has a data form."""
+    graphs = []
+    for g in plan.graphs:
+        stored = {"name": g.graph.name, "ops": len(g.graph.nodes),
+                  "kernels": [list(k.members) for k in g.stitched.kernels],
+                  "origins": [k.origin for k in g.stitched.kernels],
+                  "objective_s": g.report.objective_s, "status": g.report.status}
+        try:
+            stored["priced"] = priced_data(g)
+        except DataError as exc:
+            log.info("plan cache: graph %s stored as member sets only (a cached plan prices "
+                     "and tunes it again): %s", g.graph.name, exc)
+        graphs.append(stored)
     return {"format": FORMAT, "key": key, "module": plan.module_name, "target": plan.target,
             "planner": plan.planner, "baseline_source": plan.baseline_source,
-            "graphs": [{"name": g.graph.name, "ops": len(g.graph.nodes),
-                        "kernels": [list(k.members) for k in g.stitched.kernels],
-                        "origins": [k.origin for k in g.stitched.kernels],
-                        "objective_s": g.report.objective_s, "status": g.report.status}
-                       for g in plan.graphs]}
+            "graphs": graphs}
+
+
+def priced_data(result: GraphResult) -> dict:
+    """A graph's plans as data: per stitched kernel (launch order, as ``kernels``) its kind,
+    cost, schedule, schedule note and chain schedule; per baseline kernel (launch order)
+    its members, kind, origin and cost."""
+    return {"kernels": [{"kind": k.kind, "cost": to_data(k.cost),
+                         "schedule": to_data(k.schedule), "note": k.schedule_note,
+                         "chain": to_data(k.chain_schedule)}
+                        for k in result.stitched.kernels],
+            "baseline": [{"members": list(k.members), "kind": k.kind, "origin": k.origin,
+                          "cost": to_data(k.cost)} for k in result.baseline.kernels]}
+
+
+# An entry's file starts with its digest: the sha256 of the rest of the object's JSON text
+# (``sealed_text``), checked over the bytes read, without encoding the entry again.
+_SEAL = '{"digest": "'
+_DIGEST_END = len(_SEAL) + 64
+
+
+def sealed_text(entry: dict) -> str:
+    """An entry's file text: its content as a JSON object (all but a ``digest`` key) with
+    the sha256 of that object's text as its first key, ``digest``."""
+    body = json.dumps({k: v for k, v in entry.items() if k != "digest"})
+    digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
+    rest = body[1:]
+    return f'{_SEAL}{digest}"' + (rest if rest == "}" else ", " + rest)
+
+
+def is_sealed(text: str) -> bool:
+    """Whether ``text`` is as ``sealed_text`` wrote it: its digest matches its content."""
+    if not text.startswith(_SEAL) or text[_DIGEST_END:_DIGEST_END + 1] != '"':
+        return False
+    rest = text[_DIGEST_END + 1:]
+    rest = rest[2:] if rest.startswith(", ") else rest
+    digest = hashlib.sha256(b"{" + rest.encode("utf-8")).hexdigest()
+    return hmac.compare_digest(digest, text[len(_SEAL):_DIGEST_END])
 
 
 class PlanCache:
@@ -142,6 +201,8 @@ class PlanCache:
         # Keys whose fresh plan stitched nothing where it was used: why (note_failure).
         self.failures: dict[str, str] = {}
         self.hits = self.disk_hits = self.misses = self.dropped = 0
+        # Wall seconds spent rebuilding plans from disk entries (their disk hits).
+        self.disk_seconds = 0.0
 
     # --- disk --------------------------------------------------------------------------
     def _dir(self) -> Path | None:
@@ -162,7 +223,8 @@ class PlanCache:
         if path is None or not path.exists():
             return None
         try:
-            entry = json.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+            entry = json.loads(text)
         except (OSError, ValueError) as exc:
             log.warning("plan cache: unreadable entry %s dropped: %s", path.name, exc)
             self.drop(key)
@@ -171,19 +233,26 @@ class PlanCache:
                 entry.get("key") != key:
             self.drop(key)
             return None
+        if not is_sealed(text):
+            log.warning("plan cache: entry %s does not match its digest; dropped", path.name)
+            self.drop(key)
+            return None
         if isinstance(entry.get("nothing_stitched"), str):
             self.failures[key] = entry["nothing_stitched"]
         return entry
 
     def write(self, key: str, entry: dict) -> None:
+        """Store ``entry`` under ``key``, sealed with the digest of its content (any
+        ``digest`` it has is replaced)."""
         path = self._path(key)
         if path is None:
             return
+        text = sealed_text(entry)
         try:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".tmp")
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump(entry, f)
+                    f.write(text)
                     f.flush()
                     os.fsync(f.fileno())
                 os.chmod(tmp, 0o600)
@@ -275,9 +344,22 @@ class StaleEntry(StitchError):
     """A stored plan does not fit the module it was looked up for."""
 
 
-def kernel_sets(entry: dict, graphs: list[OpGraph]) -> list[tuple[list[frozenset[int]],
-                                                                  list[str]]]:
-    """The stored member sets per graph, checked against ``graphs`` (StaleEntry if not)."""
+@dataclasses.dataclass
+class StoredGraph:
+    """One graph's part of an entry, checked against the graph: the stitched kernels'
+    member sets and origins, and the kernels as priced (stitched and baseline, in launch
+    order; None for an entry without ``priced`` data: rebuild from the member sets)."""
+    sets: list[frozenset[int]]
+    origins: list[str]
+    kernels: list[PlannedKernel] | None = None
+    baseline: list[PlannedKernel] | None = None
+
+
+KINDS = ("fused", "gemm", "gemm_chain", "opaque", "control")
+
+
+def stored_graphs(entry: dict, graphs: list[OpGraph]) -> list[StoredGraph]:
+    """The stored plans per graph, checked against ``graphs`` (StaleEntry if not)."""
     stored = entry.get("graphs")
     if not isinstance(stored, list) or len(stored) != len(graphs):
         raise StaleEntry("graph count differs")
@@ -291,11 +373,56 @@ def kernel_sets(entry: dict, graphs: list[OpGraph]) -> list[tuple[list[frozenset
         if not isinstance(kernels, list) or not isinstance(origins, list) or \
                 len(kernels) != len(origins):
             raise StaleEntry("malformed kernels")
-        sets = []
-        for members in kernels:
-            if not isinstance(members, list) or not members or not all(
-                    isinstance(v, int) and 0 <= v < len(graph.nodes) for v in members):
-                raise StaleEntry(f"graph {graph.name}: bad member list")
-            sets.append(frozenset(members))
-        out.append((sets, [str(o) for o in origins]))
+        sets = [frozenset(_members(members, graph)) for members in kernels]
+        result = StoredGraph(sets, [str(o) for o in origins])
+        if "priced" in g:
+            try:
+                result.kernels, result.baseline = _priced_kernels(g["priced"], graph, kernels,
+                                                                  result.origins)
+            except DataError as exc:
+                raise StaleEntry(f"graph {graph.name}: {exc}") from exc
+        out.append(result)
     return out
+
+
+def _members(members: object, graph: OpGraph) -> tuple[int, ...]:
+    """A stored member list: op ids of ``graph``, ascending (StaleEntry if not)."""
+    if not isinstance(members, list) or not members or not all(
+            type(v) is int and 0 <= v < len(graph.nodes) for v in members):
+        raise StaleEntry(f"graph {graph.name}: bad member list")
+    if any(a >= b for a, b in zip(members, members[1:])):
+        raise StaleEntry(f"graph {graph.name}: member list not ascending")
+    return tuple(members)
+
+
+def _priced_kernels(priced: object, graph: OpGraph, kernels: list, origins: list[str]
+                    ) -> tuple[list[PlannedKernel], list[PlannedKernel]]:
+    """The stitched and baseline kernels of a graph's ``priced`` data (DataError, or
+    StaleEntry, when it is malformed or does not fit ``kernels``)."""
+    if not isinstance(priced, dict) or not isinstance(priced.get("kernels"), list) or \
+            not isinstance(priced.get("baseline"), list) or \
+            len(priced["kernels"]) != len(kernels):
+        raise DataError("malformed priced kernels")
+    stitched = []
+    for members, origin, data in zip(kernels, origins, priced["kernels"]):
+        kernel = _kernel(data, _members(members, graph), origin)
+        if not isinstance(data.get("note"), str):
+            raise DataError("malformed schedule note")
+        kernel.schedule_note = data["note"]
+        kernel.schedule = decoded(data.get("schedule"), KernelSchedule, optional=True)
+        kernel.chain_schedule = decoded(data.get("chain"), GemmChainSchedule, optional=True)
+        if kernel.schedule is not None and kernel.schedule.members != kernel.members:
+            raise DataError("a schedule of other members")
+        stitched.append(kernel)
+    baseline = []
+    for data in priced["baseline"]:
+        if not isinstance(data, dict) or not isinstance(data.get("origin"), str):
+            raise DataError("malformed baseline kernel")
+        baseline.append(_kernel(data, _members(data.get("members"), graph), data["origin"]))
+    return stitched, baseline
+
+
+def _kernel(data: object, members: tuple[int, ...], origin: str) -> PlannedKernel:
+    if not isinstance(data, dict) or data.get("kind") not in KINDS:
+        raise DataError("malformed kernel")
+    return PlannedKernel(members, data["kind"], decoded(data.get("cost"), KernelCost), origin)

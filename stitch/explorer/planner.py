@@ -47,8 +47,8 @@ from .module_plan import FusionPlan, GraphResult
 from .options import ExplorerOptions
 from .patterns import (MAX_PATTERN_OPS, Candidates, Pattern, PatternExplorer, Vertices,
                        is_plannable, unit_vertices)
-from .plan_cache import (PlanCache, default_plan_cache, kernel_sets, module_fingerprint,
-                         plan_entry, plan_key)
+from .plan_cache import (PlanCache, StoredGraph, default_plan_cache, module_fingerprint,
+                         plan_entry, plan_key, stored_graphs)
 from .plan_schedules import (AS_XLA_MADE_IT, ScheduleCache, kept_as_xla, schedule_plan,
                              tuned_schedule)
 from .refine import reduction_stages, refine_plan
@@ -205,10 +205,12 @@ def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origi
 
 
 def _named(graph: OpGraph, kernels: list[PlannedKernel], weight: int,
-           prefix: str = "k", io: KernelIO | None = None) -> GraphPlan:
+           prefix: str = "k", io: KernelIO | None = None, check: bool = True) -> GraphPlan:
     """A validated plan from kernels in launch order, kernels named <graph>.<prefix><i>.
-    ``io``: the launch order's kernel inputs and outputs (stitch.explorer.graph_plan.KernelIO)."""
-    validate(graph, kernels, io)
+    ``io``: the launch order's kernel inputs and outputs (stitch.explorer.graph_plan.KernelIO).
+    ``check``: False for a plan known valid (a cached baseline), not validated again."""
+    if check:
+        validate(graph, kernels, io)
     for i, k in enumerate(kernels):
         k.name = f"{graph.name}.{prefix}{i}"
         k.ops = tuple(graph.nodes[v].name for v in k.members)
@@ -692,34 +694,31 @@ def _cache_key(module: HloModule, target: str, planner: str,
 def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: list[int],
                  source: str, spec: GpuSpec, planner: str, options: ExplorerOptions,
                  poll: CancelPoll) -> "FusionPlan | None":
-    """The cached plan for ``key``: from memory, or rebuilt from a disk entry's kernel
-    member sets (costed, ordered, validated, schedules re-tuned). A disk entry that does
-    not fit or does not validate is dropped (None: plan again)."""
+    """The cached plan for ``key``: from memory, or rebuilt from a disk entry: as priced
+    and stored, or (an entry without priced data) from its kernel member sets. A disk entry
+    that does not fit, is malformed or does not validate is dropped (None: plan again)."""
     hit = store.memory.get(key)
     if hit is not None:
         store.hits += 1
         return hit
+    started = time.perf_counter()
     entry = store.read(key)
     if entry is None:
         return None
     try:
         results = []
-        for graph, weight, (sets, origins) in zip(graphs, weights, kernel_sets(entry, graphs)):
-            base_groups = baseline_groups(graph, source)
-            cost = planning_cost_model(graph, spec, poll, options, source, base_groups)
-            baseline = _finish(graph, xla_cost_model(graph, spec, cost), base_groups,
-                               ["baseline"] * len(base_groups), False, weight, prefix="b")
-            kernels = [make_kernel(graph, cost, m, o) for m, o in zip(sets, origins)]
-            stitched = _named(graph, launch_order(graph, kernels), weight)
-            if options.schedules:
-                # As planned: with XLA units, the kernels that are one XLA kernel untuned.
-                units = xla_unit_vertices(graph, options, source) is not None
-                schedule_plan(graph, spec, stitched, {}, poll, chain_tf32=options.chain_tf32,
-                              chain_spill_check=options.chain_spill_check,
-                              chain_grid_sync=options.chain_grid_sync,
-                              left_to_xla=as_xla_made_them(graph, base_groups) if units
-                              else frozenset(),
-                              grid_sync=options.grid_sync)
+        for graph, weight, stored in zip(graphs, weights, stored_graphs(entry, graphs)):
+            poll()
+            if stored.kernels is not None and stored.baseline is not None:
+                # The stored order is the fresh plan's launch order, validated again (what
+                # the pass places must be a plan of this graph). The baseline, XLA's own
+                # kernels, is placed nowhere: its digest is check enough (validating it
+                # took as long as the rest of the rebuild).
+                stitched = _named(graph, stored.kernels, weight)
+                baseline = _named(graph, stored.baseline, weight, prefix="b", check=False)
+            else:
+                baseline, stitched = _repriced(graph, weight, stored, source, spec, options,
+                                               poll)
             report = PlannerReport(planner, stitched.objective_s, 0.0, status="cached")
             results.append(GraphResult(graph, baseline, stitched, report))
     except Cancelled:
@@ -731,9 +730,32 @@ def _cached_plan(store: PlanCache, key: str, graphs: list[OpGraph], weights: lis
         store.drop(key)
         return None
     store.disk_hits += 1
+    store.disk_seconds += time.perf_counter() - started
     fusion_plan = FusionPlan(entry.get("module", ""), spec.name, planner, source, results)
     store.remember(key, fusion_plan)
     return fusion_plan
+
+
+def _repriced(graph: OpGraph, weight: int, stored: StoredGraph, source: str, spec: GpuSpec,
+              options: ExplorerOptions, poll: CancelPoll) -> tuple[GraphPlan, GraphPlan]:
+    """The baseline and the stitched plan of stored member sets: costed, ordered,
+    validated, schedules tuned as planning tunes them."""
+    base_groups = baseline_groups(graph, source)
+    cost = planning_cost_model(graph, spec, poll, options, source, base_groups)
+    baseline = _finish(graph, xla_cost_model(graph, spec, cost), base_groups,
+                       ["baseline"] * len(base_groups), False, weight, prefix="b")
+    kernels = [make_kernel(graph, cost, m, o) for m, o in zip(stored.sets, stored.origins)]
+    stitched = _named(graph, launch_order(graph, kernels), weight)
+    if options.schedules:
+        # As planned: with XLA units, the kernels that are one XLA kernel untuned.
+        units = xla_unit_vertices(graph, options, source) is not None
+        schedule_plan(graph, spec, stitched, {}, poll, chain_tf32=options.chain_tf32,
+                      chain_spill_check=options.chain_spill_check,
+                      chain_grid_sync=options.chain_grid_sync,
+                      left_to_xla=as_xla_made_them(graph, base_groups) if units
+                      else frozenset(),
+                      grid_sync=options.grid_sync)
+    return baseline, stitched
 
 
 def plan(hlo: str | HloModule, target: str = "h100", planner: str = "beam",
