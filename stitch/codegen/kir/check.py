@@ -76,12 +76,17 @@ class KernelChecker:
         in the final one too."""
         self._header()
         self.final = True
-        for _ in range(len(list(walk_stmts(self.k.body))) + 2):
+        walks, most = 0, None
+        # (At most one walk per statement and two more: counted only once a walk repeats.)
+        while most is None or walks < most:
             self.changed = False
             self._read_uniform.clear()
             self._body(self.k.body, [], None, "body")
             if not self.changed:
                 return
+            walks += 1
+            if most is None:
+                most = len(list(walk_stmts(self.k.body))) + 2
         self._body(self.k.body, [], None, "body")
 
     def _header(self) -> None:
@@ -146,7 +151,8 @@ class KernelChecker:
         object in the whole validation: lowered expressions are DAGs shared between
         statements, and the body is walked until the varying set settles. The variables it
         reads are looked up where it is used."""
-        self._check_structure(e, where)
+        if id(e) not in self._checked:
+            self._check_structure(e, where)
         varying = reads_thread_idx(e)
         for name, dtype in sorted(expr_refs(e)):
             var = self._lookup(scopes, name)

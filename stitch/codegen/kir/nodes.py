@@ -520,6 +520,28 @@ def walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
 
 
 def sub_exprs(e: Expr) -> tuple[Expr, ...]:
+    """The expression operands of ``e`` (none for leaves)."""
+    operands = _OPERANDS.get(type(e))
+    if operands is not None:
+        return operands(e)
+    return _sub_exprs_of_subclass(e)
+
+
+def _no_operands(e: Expr) -> tuple[Expr, ...]:
+    return ()
+
+
+# The operands of each node type, found by one lookup of its exact type (walks visit every
+# node of DAGs of thousands); subclasses take the isinstance tests.
+_OPERANDS = {Load: lambda e: (e.index,), Binary: lambda e: (e.a, e.b),
+             Compare: lambda e: (e.a, e.b), Unary: lambda e: (e.a,),
+             Convert: lambda e: (e.a,), Bitcast: lambda e: (e.a,),
+             Select: lambda e: (e.cond, e.a, e.b),
+             **{leaf: _no_operands for leaf in (Const, Ref, ThreadIdx, BlockIdx, BlockDim,
+                                                 GridDim)}}
+
+
+def _sub_exprs_of_subclass(e: Expr) -> tuple[Expr, ...]:
     if isinstance(e, Load):
         return (e.index,)
     if isinstance(e, (Binary, Compare)):
@@ -534,23 +556,32 @@ def sub_exprs(e: Expr) -> tuple[Expr, ...]:
 def expr_refs(e: Expr) -> frozenset[tuple[str, str]]:
     """(name, dtype) of every variable ``e`` reads; memoized per expression object (they
     are DAGs, shared between statements)."""
-    got = e.__dict__.get("_refs")
+    memo = e.__dict__
+    got = memo.get("_refs")
     if got is None:
         if isinstance(e, Ref):
             got = frozenset(((e.name, e.dtype),))
         else:
-            subs = sub_exprs(e)
-            got = frozenset().union(*map(expr_refs, subs)) if subs else frozenset()
-        object.__setattr__(e, "_refs", got)
+            # Mostly one operand reads variables: its set is shared, not copied.
+            got = _NO_REFS
+            for sub in sub_exprs(e):
+                refs = expr_refs(sub)
+                if refs and refs is not got:
+                    got = got | refs if got else refs
+        memo["_refs"] = got     # (the instance dict: a memo, not a field)
     return got
+
+
+_NO_REFS: frozenset[tuple[str, str]] = frozenset()
 
 
 def reads_thread_idx(e: Expr) -> bool:
     """Whether ``e`` reads ``ThreadIdx`` (memoized per expression object)."""
-    got = e.__dict__.get("_thread")
+    memo = e.__dict__
+    got = memo.get("_thread")
     if got is None:
         got = isinstance(e, ThreadIdx) or any(map(reads_thread_idx, sub_exprs(e)))
-        object.__setattr__(e, "_thread", got)
+        memo["_thread"] = got
     return got
 
 
