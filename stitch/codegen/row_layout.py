@@ -498,19 +498,17 @@ class RowLayoutProof:
                       for i in range(len(shapes))]
             moved = np.asarray(self.evaluator.apply_instruction(
                 node.computation, node.instruction, planes))
-            if LEAN_IDS and width <= bits:
-                # One plane: the distinct ids converted, broadcast back (read-only; the
-                # proof only reads ids).
-                lean = distinct_ids(moved).astype(acc)
-                lean -= 1
-                return lean if lean.shape == moved.shape else np.broadcast_to(lean, moved.shape)
-            moved = moved.astype(acc)
-            # In place: the values reach millions of elements.
+            full = moved.shape
+            # Lean: the distinct digits converted (a broadcast stays one), in place after.
+            digits = (distinct_ids(moved) if LEAN_IDS else moved).astype(acc)
+            if shift:
+                digits <<= shift
             if out is None:
-                out = moved
-                out <<= shift
+                out = digits
+            elif out.shape == digits.shape:
+                out |= digits
             else:
-                moved <<= shift
-                out |= moved
+                out = np.broadcast_to(out, full) | np.broadcast_to(digits, full)
         out -= 1
-        return out
+        # (Read-only where broadcast: the proof only reads ids.)
+        return out if out.shape == full else np.broadcast_to(out, full)
