@@ -556,8 +556,7 @@ def _sub_exprs_of_subclass(e: Expr) -> tuple[Expr, ...]:
 def expr_refs(e: Expr) -> frozenset[tuple[str, str]]:
     """(name, dtype) of every variable ``e`` reads; memoized per expression object (they
     are DAGs, shared between statements)."""
-    memo = e.__dict__
-    got = memo.get("_refs")
+    got = e.__dict__.get("_refs")
     if got is None:
         if isinstance(e, Ref):
             got = frozenset(((e.name, e.dtype),))
@@ -568,7 +567,8 @@ def expr_refs(e: Expr) -> frozenset[tuple[str, str]]:
                 refs = expr_refs(sub)
                 if refs and refs is not got:
                     got = got | refs if got else refs
-        memo["_refs"] = got     # (the instance dict: a memo, not a field)
+        # (Through setattr, not the dict: an instance dict keeps the keys its class shares.)
+        object.__setattr__(e, "_refs", got)
     return got
 
 
@@ -577,11 +577,10 @@ _NO_REFS: frozenset[tuple[str, str]] = frozenset()
 
 def reads_thread_idx(e: Expr) -> bool:
     """Whether ``e`` reads ``ThreadIdx`` (memoized per expression object)."""
-    memo = e.__dict__
-    got = memo.get("_thread")
+    got = e.__dict__.get("_thread")
     if got is None:
         got = isinstance(e, ThreadIdx) or any(map(reads_thread_idx, sub_exprs(e)))
-        memo["_thread"] = got
+        object.__setattr__(e, "_thread", got)
     return got
 
 
