@@ -3,8 +3,10 @@ validation must cost the distinct nodes, not the paths (a transformer step's ker
 minutes hashing and printing them). Structural counts, no timings."""
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
+import numpy as np
 import pytest
 
 from stitch.codegen import kir
@@ -84,3 +86,57 @@ def test_validation_of_a_deep_dag_and_its_errors() -> None:
     with pytest.raises(CodegenError, match="operands f32 vs i32"):
         _kernel(kir.Binary("add", _doubling(30, kir.Ref("x", "f32")),
                            kir.Const(1, "i32"))).validate()
+
+
+def _random_dag(rng: np.random.Generator, nodes: int = 300) -> list[kir.Expr]:
+    """Random expressions of every node type, each reusing earlier ones (DAGs)."""
+    made: list[kir.Expr] = [kir.ThreadIdx(), kir.BlockIdx(), kir.BlockDim(), kir.GridDim(),
+                            kir.Ref("n", "i32"), kir.Const(2, "i32")]
+
+    def pick_int() -> kir.Expr:
+        ints = [e for e in made[-40:] if e.dtype == "i32"]
+        return ints[int(rng.integers(len(ints)))]
+
+    while len(made) < nodes:
+        a, b = pick_int(), pick_int()
+        made.append([
+            lambda: kir.Binary(str(rng.choice(["add", "mul", "min"])), a, b),
+            lambda: kir.Select(kir.Compare("lt", a, b), a, b),
+            lambda: kir.Convert(kir.Load("p", a, "f32"), "i32"),
+            lambda: kir.Bitcast(kir.Unary("neg", kir.Bitcast(a, "f32")), "i32"),
+            lambda: kir.Ref(f"v{int(rng.integers(5))}", "i32"),
+        ][int(rng.integers(5))]())
+    return made
+
+
+class _Sum(kir.Binary):
+    """A subclass: its operands are found by isinstance, not by its exact type."""
+
+
+def test_operands_refs_and_thread_reads_are_their_definitions_on_random_dags() -> None:
+    def operands(e: kir.Expr) -> tuple:
+        return tuple(getattr(e, f.name) for f in dataclasses.fields(e)
+                     if isinstance(getattr(e, f.name), kir.Expr))
+
+    seen: dict[tuple[str, int], object] = {}       # (the walks per distinct node)
+
+    def refs(e: kir.Expr) -> set:
+        if ("refs", id(e)) not in seen:
+            own = {(e.name, e.dtype)} if isinstance(e, kir.Ref) else set()
+            seen["refs", id(e)] = own.union(*map(refs, operands(e)))
+        return seen["refs", id(e)]
+
+    def thread(e: kir.Expr) -> bool:
+        if ("thread", id(e)) not in seen:
+            seen["thread", id(e)] = isinstance(e, kir.ThreadIdx) or \
+                any([thread(x) for x in operands(e)])
+        return seen["thread", id(e)]
+
+    rng = np.random.default_rng()
+    made = _random_dag(rng) + [_Sum("add", kir.Ref("s", "i32"), kir.ThreadIdx())]
+    for e in rng.permutation(np.array(made, dtype=object)):    # memos filled in any order
+        assert kir.sub_exprs(e) == operands(e)
+        assert kir.expr_refs(e) == refs(e)
+        assert kir.reads_thread_idx(e) == thread(e)
+    assert any(kir.reads_thread_idx(e) for e in made) and \
+        not all(kir.reads_thread_idx(e) for e in made)

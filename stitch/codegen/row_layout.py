@@ -39,6 +39,11 @@ FULL_IDS_ELEMENTS = ROW_CHECK_ELEMENTS
 REUSE_ROW_LAYOUTS = True
 # Most start positions of a dynamic-(update-)slice the layout proof tries one by one.
 MAX_DYNAMIC_STARTS = 256
+# Row ids held lean: as int32 where they fit (they lie in [-1, rows)), and a data-movement
+# op's broadcast result as a read-only broadcast of its distinct ids (a row statistic taken
+# back to its row's millions of elements is neither copied nor converted element by element).
+# Tests turn it off to compare with full int64 arrays.
+LEAN_IDS = True
 
 
 # Reducers with a warp collective (minor rows); column rows combine with plain ops.
@@ -98,15 +103,33 @@ def _find_compact_split(ids: np.ndarray, rows: int, minor: bool, dims: tuple[int
     return None
 
 
+def distinct_ids(ids: np.ndarray) -> np.ndarray:
+    """``ids`` without the repeats of a broadcast: extent 1 along the dims it does not
+    change on by construction (stride 0), so it broadcasts back to ``ids`` and an
+    elementwise comparison with it answers as one with ``ids`` does."""
+    if not ids.size or 0 not in ids.strides:
+        return ids
+    return ids[tuple(slice(0, 1) if step == 0 else slice(None) for step in ids.strides)]
+
+
 def join_row_ids(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     """Row ids of elements that need both ``a``'s and ``b``'s (None: two different rows)."""
-    if a is b or (a.dtype == b.dtype and np.array_equal(a, b)):
+    if a is b:
+        return a
+    full = a.shape
+    # Elementwise, so lean ids join on their distinct ids (broadcasts of a row statistic)
+    # and the answer is broadcast back (compact ids of two shapes join as they are).
+    lean = LEAN_IDS and b.shape == full
+    if lean:
+        a, b = distinct_ids(a), distinct_ids(b)
+    if a.dtype == b.dtype and np.array_equal(a, b):
         # Mostly so (the operands of an elementwise op come from the same rows): one pass
         # over arrays of up to millions of elements instead of six.
-        return a
+        return np.broadcast_to(a, full) if lean and a.shape != full else a
     if np.any((a >= 0) & (b >= 0) & (a != b)):
         return None
-    return np.where(a >= 0, a, b)
+    joined = np.where(a >= 0, a, b)
+    return np.broadcast_to(joined, full) if lean and joined.shape != full else joined
 
 
 def join_axes(node: OpNode, ids: np.ndarray) -> np.ndarray | None:
@@ -115,7 +138,8 @@ def join_axes(node: OpNode, ids: np.ndarray) -> np.ndarray | None:
     if not axes:
         return ids
     top = ids.max(axis=axes)
-    low = np.where(ids >= 0, ids, np.iinfo(np.int64).max).min(axis=axes)
+    # (The fill is the ids' own dtype's: a larger Python int would wrap to -1.)
+    low = np.where(ids >= 0, ids, np.iinfo(ids.dtype).max).min(axis=axes)
     if np.any((top >= 0) & (low != top)):
         return None
     return top
@@ -184,6 +208,8 @@ class RowLayoutProof:
             return f"{part.blocks} blocks of {per_block} rows do not cover {rows} rows"
         layout = RowLayout()
         ids_of: dict[int, np.ndarray] = {}
+        # (The proof compares values, never dtypes: ids of both widths may meet.)
+        id_dtype = np.int32 if LEAN_IDS and rows < 2 ** 31 - 1 else np.int64
         for v in sorted(part.members):
             node = graph.nodes[v]
             shape = leaf(node.shape)
@@ -192,7 +218,7 @@ class RowLayoutProof:
                 if reason:
                     return reason
                 layout.reductions.add(v)
-                ids_of[v] = np.arange(rows).reshape(shape.dims)
+                ids_of[v] = np.arange(rows, dtype=id_dtype).reshape(shape.dims)
                 continue
             if not any(o in ids_of for o in node.operands):
                 continue        # row-independent: any thread can compute it
@@ -203,7 +229,7 @@ class RowLayoutProof:
                 # while the value is large.
                 got = self._compact_ids(node, ids_of)
                 if not isinstance(got, str) and shape.num_elements <= FULL_IDS_ELEMENTS:
-                    got = np.broadcast_to(got, shape.dims).astype(np.int64)
+                    got = np.broadcast_to(got, shape.dims).astype(id_dtype)
             elif node.opcode in _MOVING_OPS:
                 got = self._move_ids(node, [ids_of.get(o) for o in node.operands])
             elif node.opcode in ("dynamic-slice", "dynamic-update-slice"):
@@ -260,6 +286,14 @@ class RowLayoutProof:
         if operand_ids.shape != src.dims and \
                 compact_rows.broadcast_size(want, operand_ids) > ROW_CHECK_ELEMENTS:
             return f"{node.name} is too large to prove the row layout on index arrays"
+        if want.size and operand_ids.dtype != want.dtype and \
+                int(want.max()) <= np.iinfo(operand_ids.dtype).max:
+            want = want.astype(operand_ids.dtype)   # one dtype: no per-element cast
+        # Elementwise, so the distinct ids of a broadcast compare as all of them do.
+        operand_ids = distinct_ids(operand_ids)
+        # Mostly every element is row-dependent: one comparison settles it.
+        if (operand_ids == want).all():
+            return None
         if not np.all((operand_ids == want) | (operand_ids < 0)):
             return f"{node.name} reads values of other rows"
         return None
@@ -440,16 +474,41 @@ class RowLayoutProof:
         if any(s.num_elements > ROW_CHECK_ELEMENTS for s in shapes):
             return f"{node.name} is too large to prove the row layout on index arrays"
         bits = min(_EXACT_BITS[t] for t in types)
-        encoded = [np.zeros(s.dims, np.int64) if ids is None or i in fixed
-                   else ids.astype(np.int64) + 1
-                   for i, (ids, s) in enumerate(zip(operand_ids, shapes))]
-        top = max(int(e.max(initial=0)) for e in encoded)
+        # Ids plus one (0: row-independent) in the ids' own dtype, each operand once (lean:
+        # its distinct ids, broadcast back as digit planes).
+        encoded = {i: (distinct_ids(ids) if LEAN_IDS else ids) + 1
+                   for i, ids in enumerate(operand_ids) if ids is not None and i not in fixed}
+        top = max((int(e.max(initial=0)) for e in encoded.values()), default=0)
+        width = max(top.bit_length(), 1)
+        # The moved digits are operands' digits, so the result is below 2 ** width.
+        acc = np.int32 if LEAN_IDS and width <= 31 else np.int64
+        zeros = {i: np.broadcast_to(np.zeros((), numpy_dtype(s.element_type)), s.dims)
+                 if LEAN_IDS else np.zeros(s.dims, numpy_dtype(s.element_type))
+                 for i, s in enumerate(shapes) if i not in fixed and i not in encoded}
+
+        def plane(i: int, shift: int) -> np.ndarray:
+            digits = encoded[i] if width <= bits else (encoded[i] >> shift) & ((1 << bits) - 1)
+            digits = digits.astype(numpy_dtype(shapes[i].element_type))
+            full = operand_ids[i].shape
+            return digits if digits.shape == full else np.broadcast_to(digits, full)
+
         out: np.ndarray | None = None
-        for shift in range(0, max(top.bit_length(), 1), bits):
-            planes = [fixed[i] if i in fixed else
-                      ((e >> shift) & ((1 << bits) - 1)).astype(numpy_dtype(s.element_type))
-                      for i, (e, s) in enumerate(zip(encoded, shapes))]
+        for shift in range(0, width, bits):
+            planes = [fixed[i] if i in fixed else zeros[i] if i in zeros else plane(i, shift)
+                      for i in range(len(shapes))]
             moved = np.asarray(self.evaluator.apply_instruction(
-                node.computation, node.instruction, planes)).astype(np.int64) << shift
-            out = moved if out is None else out | moved
-        return out - 1
+                node.computation, node.instruction, planes))
+            full = moved.shape
+            # Lean: the distinct digits converted (a broadcast stays one), in place after.
+            digits = (distinct_ids(moved) if LEAN_IDS else moved).astype(acc)
+            if shift:
+                digits <<= shift
+            if out is None:
+                out = digits
+            elif out.shape == digits.shape:
+                out |= digits
+            else:
+                out = np.broadcast_to(out, full) | np.broadcast_to(digits, full)
+        out -= 1
+        # (Read-only where broadcast: the proof only reads ids.)
+        return out if out.shape == full else np.broadcast_to(out, full)

@@ -18,6 +18,7 @@ of the first warp and the last of the block.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 from . import kir
@@ -44,39 +45,45 @@ def _value(e: kir.Expr, env: dict) -> int | float | bool:
     """An integer or predicate value of ``e`` (floating values are data: not followed)."""
     if e.dtype.startswith(("f", "bf")):
         raise _Unknown(e.dtype)
-    if isinstance(e, kir.Const):
-        return e.value
+    # Most frequent first (the node types are disjoint: the order changes no answer).
     if isinstance(e, kir.Ref):
         if e.name in env:
             return env[e.name]
         raise _Unknown(e.name)
-    if isinstance(e, kir.ThreadIdx):
-        return env["%thread"]
-    if isinstance(e, kir.BlockIdx):
-        return env["%block"]
-    if isinstance(e, kir.BlockDim):
-        return env["%block_dim"]
-    if isinstance(e, kir.GridDim):
-        return env["%grid_dim"]
-    if isinstance(e, kir.Convert):
-        return _value(e.a, env)
-    if isinstance(e, kir.Select):
-        return _value(e.a, env) if _value(e.cond, env) else _value(e.b, env)
-    if isinstance(e, kir.Compare):
-        a, b = _value(e.a, env), _value(e.b, env)
-        return {"lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b, "eq": a == b,
-                "ne": a != b}.get(e.op, False)
     if isinstance(e, kir.Binary):
         a, b = _value(e.a, env), _value(e.b, env)
         if e.op in ("div", "rem") and b == 0:
             raise _Unknown("division by zero")
-        ops = {"add": lambda: a + b, "sub": lambda: a - b, "mul": lambda: a * b,
-               "div": lambda: int(a / b), "rem": lambda: int(math.fmod(a, b)),
-               "min": lambda: min(a, b), "max": lambda: max(a, b),
-               "and": lambda: a and b, "or": lambda: a or b}
-        if e.op in ops:
-            return ops[e.op]()
+        binary = _BINARY.get(e.op)
+        if binary is not None:
+            return binary(a, b)
+    if isinstance(e, kir.Const):
+        return e.value
+    if isinstance(e, kir.Compare):
+        a, b = _value(e.a, env), _value(e.b, env)
+        compare = _COMPARE.get(e.op)
+        return False if compare is None else compare(a, b)
+    if isinstance(e, kir.ThreadIdx):
+        return env["%thread"]
+    if isinstance(e, kir.BlockIdx):
+        return env["%block"]
+    if isinstance(e, kir.Select):
+        return _value(e.a, env) if _value(e.cond, env) else _value(e.b, env)
+    if isinstance(e, kir.Convert):
+        return _value(e.a, env)
+    if isinstance(e, kir.BlockDim):
+        return env["%block_dim"]
+    if isinstance(e, kir.GridDim):
+        return env["%grid_dim"]
     raise _Unknown(type(e).__name__)
+
+
+# The integer ops the walk follows, built once (not per evaluated node).
+_COMPARE = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+            "eq": operator.eq, "ne": operator.ne}
+_BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
+           "div": lambda a, b: int(a / b), "rem": lambda a, b: int(math.fmod(a, b)),
+           "min": min, "max": max, "and": lambda a, b: a and b, "or": lambda a, b: a or b}
 
 
 def _expr_work(e: kir.Expr) -> tuple[int, int]:
@@ -98,25 +105,74 @@ def _expr_work(e: kir.Expr) -> tuple[int, int]:
     return loads, ops
 
 
-def _body_work(body: tuple[kir.Stmt, ...], env: dict) -> tuple[float, float]:
+def _never_known(e: kir.Expr, memo: dict[int, bool]) -> bool:
+    """Whether ``_value(e, env)`` raises ``_Unknown`` whatever ``env`` holds: it meets data
+    (a float, a load, an op it does not follow) on every path it evaluates."""
+    got = memo.get(id(e))
+    if got is None:
+        if e.dtype.startswith(("f", "bf")):
+            got = True
+        elif isinstance(e, (kir.Const, kir.Ref, kir.ThreadIdx, kir.BlockIdx, kir.BlockDim,
+                            kir.GridDim)):
+            got = False
+        elif isinstance(e, kir.Convert):
+            got = _never_known(e.a, memo)
+        elif isinstance(e, kir.Select):
+            got = _never_known(e.cond, memo) or (_never_known(e.a, memo) and
+                                                 _never_known(e.b, memo))
+        elif isinstance(e, kir.Compare):
+            got = _never_known(e.a, memo) or _never_known(e.b, memo)
+        elif isinstance(e, kir.Binary):
+            got = e.op not in _BINARY or _never_known(e.a, memo) or _never_known(e.b, memo)
+        else:
+            got = True
+        memo[id(e)] = got
+    return got
+
+
+class _Walk:
+    """What one kernel's walks share (every candidate thread walks the same statements):
+    each expression object's ``_expr_work`` and whether it is never known, neither of
+    which depends on the thread. Keyed by object (equal expressions may share their nodes
+    differently); the kernel keeps the objects alive, so their ids stay their own."""
+
+    def __init__(self) -> None:
+        self._counts: dict[int, tuple[int, int]] = {}
+        self._never: dict[int, bool] = {}
+
+    def __getitem__(self, e: kir.Expr) -> tuple[int, int]:
+        got = self._counts.get(id(e))
+        if got is None:
+            got = self._counts[id(e)] = _expr_work(e)
+        return got
+
+    def value(self, e: kir.Expr, env: dict) -> int | float | bool:
+        """``_value(e, env)``, without walking expressions that are never known."""
+        if _never_known(e, self._never):
+            raise _Unknown("data")
+        return _value(e, env)
+
+
+def _body_work(body: tuple[kir.Stmt, ...], env: dict, work: _Walk
+               ) -> tuple[float, float]:
     loads = ops = 0.0
     for s in body:
         if isinstance(s, kir.Let):
-            l, o = _expr_work(s.expr)
+            l, o = work[s.expr]
             loads, ops = loads + l, ops + o
             try:
-                env[s.name] = _value(s.expr, env)
+                env[s.name] = work.value(s.expr, env)
             except _Unknown:
                 env.pop(s.name, None)
         elif isinstance(s, (kir.Local, kir.Assign)):
             e = s.init if isinstance(s, kir.Local) else s.expr
             if e is not None:
-                l, o = _expr_work(e)
+                l, o = work[e]
                 loads, ops = loads + l, ops + o
             env.pop(s.name, None)
         elif isinstance(s, (kir.Store, kir.AtomicAdd)):
-            l, o = _expr_work(s.value)
-            li, oi = _expr_work(s.index)
+            l, o = work[s.value]
+            li, oi = work[s.index]
             loads, ops = loads + l + li, ops + o + oi + 1
         elif isinstance(s, kir.For):
             try:
@@ -130,14 +186,15 @@ def _body_work(body: tuple[kir.Stmt, ...], env: dict) -> tuple[float, float]:
                     inner.pop(s.var, None)
                 else:
                     inner[s.var] = start
-                l, o = _body_work(s.body, inner)
+                l, o = _body_work(s.body, inner, work)
                 loads, ops = loads + l * trips, ops + o * trips
         elif isinstance(s, kir.If):
             try:
-                taken = s.then if _value(s.cond, env) else s.orelse
-                l, o = _body_work(taken, dict(env))
+                taken = s.then if work.value(s.cond, env) else s.orelse
+                l, o = _body_work(taken, dict(env), work)
             except _Unknown:
-                l, o = max(_body_work(s.then, dict(env)), _body_work(s.orelse, dict(env)),
+                l, o = max(_body_work(s.then, dict(env), work),
+                           _body_work(s.orelse, dict(env), work),
                            key=lambda w: w[0] + w[1])
             loads, ops = loads + l, ops + o
         elif isinstance(s, kir.WarpShuffle):
@@ -174,11 +231,12 @@ def busiest_thread(kernel: kir.Kernel) -> ThreadWork:
         blocks.update({c - 1, c})
     threads = {0, min(31, kernel.block - 1), kernel.block - 1}
     best = ThreadWork(0.0, 0.0, 0, 0)
+    work = _Walk()
     for block in sorted(b for b in blocks if 0 <= b < kernel.grid):
         for thread in sorted(threads):
             env = {"%thread": thread, "%block": block, "%block_dim": kernel.block,
                    "%grid_dim": kernel.grid}
-            loads, ops = _body_work(kernel.body, env)
+            loads, ops = _body_work(kernel.body, env, work)
             if loads + ops > best.loads + best.ops:
                 best = ThreadWork(loads, ops, block, thread)
     return best

@@ -520,6 +520,28 @@ def walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
 
 
 def sub_exprs(e: Expr) -> tuple[Expr, ...]:
+    """The expression operands of ``e`` (none for leaves)."""
+    operands = _OPERANDS.get(type(e))
+    if operands is not None:
+        return operands(e)
+    return _sub_exprs_of_subclass(e)
+
+
+def _no_operands(e: Expr) -> tuple[Expr, ...]:
+    return ()
+
+
+# The operands of each node type, found by one lookup of its exact type (walks visit every
+# node of DAGs of thousands); subclasses take the isinstance tests.
+_OPERANDS = {Load: lambda e: (e.index,), Binary: lambda e: (e.a, e.b),
+             Compare: lambda e: (e.a, e.b), Unary: lambda e: (e.a,),
+             Convert: lambda e: (e.a,), Bitcast: lambda e: (e.a,),
+             Select: lambda e: (e.cond, e.a, e.b),
+             **{leaf: _no_operands for leaf in (Const, Ref, ThreadIdx, BlockIdx, BlockDim,
+                                                 GridDim)}}
+
+
+def _sub_exprs_of_subclass(e: Expr) -> tuple[Expr, ...]:
     if isinstance(e, Load):
         return (e.index,)
     if isinstance(e, (Binary, Compare)):
@@ -539,10 +561,18 @@ def expr_refs(e: Expr) -> frozenset[tuple[str, str]]:
         if isinstance(e, Ref):
             got = frozenset(((e.name, e.dtype),))
         else:
-            subs = sub_exprs(e)
-            got = frozenset().union(*map(expr_refs, subs)) if subs else frozenset()
+            # Mostly one operand reads variables: its set is shared, not copied.
+            got = _NO_REFS
+            for sub in sub_exprs(e):
+                refs = expr_refs(sub)
+                if refs and refs is not got:
+                    got = got | refs if got else refs
+        # (Through setattr, not the dict: an instance dict keeps the keys its class shares.)
         object.__setattr__(e, "_refs", got)
     return got
+
+
+_NO_REFS: frozenset[tuple[str, str]] = frozenset()
 
 
 def reads_thread_idx(e: Expr) -> bool:
