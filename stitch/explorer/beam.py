@@ -458,6 +458,41 @@ class MergeGraph:
         # first asked), and resolved ones, valid until the next merge renames kernels.
         self._raw: dict[bool, dict[int, frozenset[int]]] = {True: {}, False: {}}
         self._resolved: dict[bool, dict[int, tuple[int, set[int]]]] = {True: {}, False: {}}
+        # Whether the kernel graph is a DAG that merges keep one: each op in one kernel at
+        # most (a recomputed op's owner is one of its copies, and a merge rewrites it) and
+        # no cycle to start with. Then ``other_path`` against an edge is no at once.
+        self.stays_acyclic = (sum(len(g) for g in groups) == len(self.owned_ops())
+                              and self._acyclic())
+
+    def owned_ops(self) -> set[int]:
+        """The ops some kernel holds."""
+        return {v for v, k in enumerate(self.owner) if k >= 0}
+
+    def _acyclic(self) -> bool:
+        """Kahn's algorithm on the kernel graph (kernels and the ops in none)."""
+        owner = self.owner
+        unit = [k if k >= 0 else -1 - v for v, k in enumerate(owner)]
+        succ: dict[int, set[int]] = {}
+        indegree: dict[int, int] = dict.fromkeys(unit, 0)
+        for node in self.graph.nodes:
+            a = unit[node.id]
+            for u in node.users:
+                b = unit[u]
+                if b != a:
+                    out = succ.setdefault(a, set())
+                    if b not in out:
+                        out.add(b)
+                        indegree[b] += 1
+        ready = [x for x, d in indegree.items() if d == 0]
+        done = 0
+        while ready:
+            x = ready.pop()
+            done += 1
+            for y in succ.get(x, ()):
+                indegree[y] -= 1
+                if indegree[y] == 0:
+                    ready.append(y)
+        return done == len(indegree)
 
     def neighbours(self, ki: int) -> set[int]:
         """Mergeable kernels joined to ``ki`` by an edge either way."""
@@ -523,7 +558,10 @@ class MergeGraph:
     def other_path(self, a: int, b: int) -> bool:
         """Is b reachable from a other than through a direct edge? No bound by op ids: a
         kernel holding a late op may also hold an early one, so a path can come back down
-        (x -> scatter -> y -> a kernel that also reads before b)."""
+        (x -> scatter -> y -> a kernel that also reads before b). In a graph that stays
+        acyclic, never where b -> a is an edge: the search would walk all a reaches."""
+        if self.stays_acyclic and a in self.successors(b):
+            return False
         return has_other_path(a, b, self.successors, self.predecessors)
 
     def merge(self, a: int, b: int, union: frozenset[int]) -> int:
