@@ -44,6 +44,8 @@ class Buffer:
     owner: "Owners | None"        # op id -> index into patterns
     reach: int = -1               # the last op of any held pattern
     masks: tuple[KernelMasks, ...] = ()   # per held pattern (when the graph keeps them)
+    # The union of ``masks``' units, kept as patterns are added (None: not kept).
+    held_units: int | None = None
 
     def key(self) -> int:
         return self.covered
@@ -98,7 +100,7 @@ def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern,
     reachability bitmasks: with patterns spanning forward and backward the search covers
     most of the graph, and nearly every answer is no."""
     members = pattern.members
-    if fast is not None and fast.surely_acyclic(buffer.masks, members):
+    if fast is not None and fast.surely_acyclic(buffer.masks, members, buffer.held_units):
         return False
     # The furthest op any held pattern reaches bounds the fixed point (a chain offered
     # early may start after this one; a larger bound only searches more): an op past it
@@ -174,30 +176,32 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
     suffix = [0.0] * (n + 1)
     for v in range(n - 1, -1, -1):
         suffix[v] = suffix[v + 1] + share[v]
-    # Per buffer: f so far, and the shares of the ops it has taken (all / before v).
+    # Per buffer (by its index in ``beams``; no two hold the same ops): the shares of the
+    # ops it has taken (all / before v). Not keyed by ``covered``: hashing an n-bit mask
+    # per buffer and vertex grew with the square of the graph.
     fast = KernelReach.of(graph)
-    beams = [Buffer((), 0, 0.0, None)]
-    taken: dict[int, float] = {0: 0.0}
-    passed: dict[int, float] = {0: 0.0}
+    beams = [Buffer((), 0, 0.0, None, held_units=0)]
+    taken: list[float] = [0.0]
+    passed: list[float] = [0.0]
     for v in graph.topological_order():
         if poll is not None:
             poll()
-        for buf in beams:
+        for bi, buf in enumerate(beams):
             if buf.holds(v):
-                passed[buf.covered] += share[v]
+                passed[bi] += share[v]
         options = by_first.get(v)
         if not options:
             continue
 
-        def score(buf: Buffer, gain: float, extra_share: float) -> float:
+        def score(bi: int, gain: float, extra_share: float) -> float:
             if not lookahead:
                 return gain
-            future = suffix[v] - (taken[buf.covered] - passed[buf.covered]) - extra_share
+            future = suffix[v] - (taken[bi] - passed[bi]) - extra_share
             return gain + future
 
         proposals: list[tuple[float, float, int, Pattern | None]] = []
         for bi, buf in enumerate(beams):
-            proposals.append((score(buf, buf.gain, share[v]), buf.gain, bi, None))
+            proposals.append((score(bi, buf.gain, share[v]), buf.gain, bi, None))
             if buf.holds(v):
                 continue
             for p in options:
@@ -216,33 +220,38 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
                     # A chain offered before its first op leaves v to no kernel here.
                     extra = sum(share[m] for m in cand.members) + \
                         (0.0 if v in cand.members else share[v])
-                    proposals.append((score(buf, buf.gain + cand.gain, extra),
+                    proposals.append((score(bi, buf.gain + cand.gain, extra),
                                       buf.gain + cand.gain, bi, cand))
         proposals.sort(key=lambda t: -t[0])
         next_beams: list[Buffer] = []
-        next_taken: dict[int, float] = {}
-        next_passed: dict[int, float] = {}
+        next_covered: set[int] = set()
+        next_taken: list[float] = []
+        next_passed: list[float] = []
         for _, gain, bi, p in proposals:
             if len(next_beams) == width:
                 break
             buf = beams[bi]
             if p is None:
-                if buf.covered in next_taken:
+                if buf.covered in next_covered:
                     continue
-                next_taken[buf.covered] = taken[buf.covered]
-                next_passed[buf.covered] = passed[buf.covered]
+                next_covered.add(buf.covered)
+                next_taken.append(taken[bi])
+                next_passed.append(passed[bi])
                 next_beams.append(buf)
                 continue
             covered = buf.covered | masks[p.members]
-            if covered in next_taken or creates_cycle(graph, buf, p, fast):
+            if covered in next_covered or creates_cycle(graph, buf, p, fast):
                 continue
             owner = (buf.owner or Owners()).extended(p.members, len(buf.patterns))
-            next_taken[covered] = taken[buf.covered] + sum(share[m] for m in p.members)
-            next_passed[covered] = passed[buf.covered] + \
-                (share[v] if v in p.members else 0.0)
-            held = buf.masks + (fast.masks(p.members)[0],) if fast is not None else ()
+            next_covered.add(covered)
+            next_taken.append(taken[bi] + sum(share[m] for m in p.members))
+            next_passed.append(passed[bi] + (share[v] if v in p.members else 0.0))
+            added = fast.masks(p.members)[0] if fast is not None else None
+            held = buf.masks + (added,) if added is not None else ()
+            held_units = buf.held_units | added.units \
+                if added is not None and buf.held_units is not None else None
             next_beams.append(Buffer(buf.patterns + (p,), covered, gain, owner,
-                                     max(buf.reach, max(p.members)), held))
+                                     max(buf.reach, max(p.members)), held, held_units))
         beams, taken, passed = next_beams, next_taken, next_passed
     return sorted(beams, key=lambda b: -b.gain)
 
@@ -449,6 +458,41 @@ class MergeGraph:
         # first asked), and resolved ones, valid until the next merge renames kernels.
         self._raw: dict[bool, dict[int, frozenset[int]]] = {True: {}, False: {}}
         self._resolved: dict[bool, dict[int, tuple[int, set[int]]]] = {True: {}, False: {}}
+        # Whether the kernel graph is a DAG that merges keep one: each op in one kernel at
+        # most (a recomputed op's owner is one of its copies, and a merge rewrites it) and
+        # no cycle to start with. Then ``other_path`` against an edge is no at once.
+        self.stays_acyclic = (sum(len(g) for g in groups) == len(self.owned_ops())
+                              and self._acyclic())
+
+    def owned_ops(self) -> set[int]:
+        """The ops some kernel holds."""
+        return {v for v, k in enumerate(self.owner) if k >= 0}
+
+    def _acyclic(self) -> bool:
+        """Kahn's algorithm on the kernel graph (kernels and the ops in none)."""
+        owner = self.owner
+        unit = [k if k >= 0 else -1 - v for v, k in enumerate(owner)]
+        succ: dict[int, set[int]] = {}
+        indegree: dict[int, int] = dict.fromkeys(unit, 0)
+        for node in self.graph.nodes:
+            a = unit[node.id]
+            for u in node.users:
+                b = unit[u]
+                if b != a:
+                    out = succ.setdefault(a, set())
+                    if b not in out:
+                        out.add(b)
+                        indegree[b] += 1
+        ready = [x for x, d in indegree.items() if d == 0]
+        done = 0
+        while ready:
+            x = ready.pop()
+            done += 1
+            for y in succ.get(x, ()):
+                indegree[y] -= 1
+                if indegree[y] == 0:
+                    ready.append(y)
+        return done == len(indegree)
 
     def neighbours(self, ki: int) -> set[int]:
         """Mergeable kernels joined to ``ki`` by an edge either way."""
@@ -514,7 +558,10 @@ class MergeGraph:
     def other_path(self, a: int, b: int) -> bool:
         """Is b reachable from a other than through a direct edge? No bound by op ids: a
         kernel holding a late op may also hold an early one, so a path can come back down
-        (x -> scatter -> y -> a kernel that also reads before b)."""
+        (x -> scatter -> y -> a kernel that also reads before b). In a graph that stays
+        acyclic, never where b -> a is an edge: the search would walk all a reaches."""
+        if self.stays_acyclic and a in self.successors(b):
+            return False
         return has_other_path(a, b, self.successors, self.predecessors)
 
     def merge(self, a: int, b: int, union: frozenset[int]) -> int:

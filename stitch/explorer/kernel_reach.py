@@ -67,10 +67,16 @@ class KernelReach:
             got = self.cache[members] = (KernelMasks(max(members), units, closure | units), out)
         return got
 
-    def surely_acyclic(self, held: Iterable[KernelMasks], members: frozenset[int]) -> bool:
+    def surely_acyclic(self, held: Iterable[KernelMasks], members: frozenset[int],
+                       held_units: int | None = None) -> bool:
         """True when adding kernel ``members`` to the ``held`` kernels (acyclic together,
-        disjoint from it) surely closes no cycle; False: undecided."""
+        disjoint from it) surely closes no cycle; False: undecided. ``held_units``: the
+        union of the held kernels' ``units`` where the caller keeps it; when the new
+        kernel's outside users reach none of them nor the kernel, the closure below would
+        enter no kernel (the usual answer, and a scan of every held kernel per question)."""
         mine, reached = self.masks(members)
+        if held_units is not None and not reached & (held_units | mine.units):
+            return True
         pending = list(held)
         changed = True
         while changed:

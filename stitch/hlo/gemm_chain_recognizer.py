@@ -110,8 +110,9 @@ class Recognizer(ChainProgramBuilder):
 
         # An intermediate value read outside (a training step's backward reads S, the row
         # sums, P) is written by the chain kernel too; constants only the chain reads join it.
+        outputs = g.output_set()
         escaping = [v for v in sorted(self.members - {d2.result})
-                    if v in g.outputs or any(u not in self.members for u in g.nodes[v].users)]
+                    if v in outputs or any(u not in self.members for u in g.nodes[v].users)]
         inputs = list(dict.fromkeys([a_node, b_node, c_node, *self.inputs]))
         if set(inputs) & self.members:
             raise NotAChain("a chain input is computed inside the chain")

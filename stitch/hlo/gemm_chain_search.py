@@ -36,6 +36,9 @@ class ChainSearch:
     # start -> (descendants reached without walking through a barrier, barriers among them)
     walks: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     dots: dict[int, object] = field(default_factory=dict)    # node -> GemmDot or its refusal
+    # node -> whether ``ChainProgramBuilder.index_value`` surely fails there before it
+    # builds anything (``ChainProgramBuilder.fails_clean``); the same for every pair.
+    index_failures: dict[int, bool] = field(default_factory=dict)
 
     @staticmethod
     def of(graph: OpGraph) -> "ChainSearch":

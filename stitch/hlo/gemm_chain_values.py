@@ -126,6 +126,8 @@ class ChainProgramBuilder:
         """(program value, nodes) when ``nid`` is computed from iotas and scalar constants
         by element ops on its own shape (XLA's causal mask: compare(iota, iota)), each
         element at ``view``'s offset into ``nid``'s row-major buffer; else None."""
+        if self.fails_clean(nid):
+            return None
         node = self.g.nodes[nid]
         shape = node.shape
         if not shape.is_array or not row_major(shape):
@@ -168,6 +170,46 @@ class ChainProgramBuilder:
             else ""
         return self.add(ChainOp("elementwise", rank, shape.element_type, node.opcode,
                                 tuple(args), direction=direction)), nodes
+
+    def fails_clean(self, nid: int) -> bool:
+        """True when ``index_value(nid, ...)`` returns None whatever the pair, before it
+        adds an op or a node: ``nid`` is no index op on its own shape, or is one whose first
+        operand fails so. Kept per graph (``ChainSearch.index_failures``): a residual
+        stream's adds chain back through every layer, and the walk down their first
+        operands, once per outside value of every pair, grew with the square of the layers.
+        The first operand only: the walk reads the operands in order, and one that succeeds
+        adds its ops before a later one fails (those ops stay in the program's list)."""
+        memo = self.reach.index_failures
+        path: list[int] = []
+        v = nid
+        while True:
+            known = memo.get(v)
+            if known is not None:
+                break
+            known = self._fails_here(v)
+            if known is not None:
+                memo[v] = known
+                break
+            path.append(v)
+            v = self.g.nodes[v].operands[0]
+        for w in path:
+            memo[w] = known
+        return known
+
+    def _fails_here(self, nid: int) -> bool | None:
+        """``fails_clean`` of ``nid`` by itself: True (fails), False (may build), None (as
+        its first operand)."""
+        node = self.g.nodes[nid]
+        shape = node.shape
+        if not shape.is_array or not row_major(shape):
+            return True
+        if node.opcode == "iota" or self.spread_constant(nid) is not None or (
+                node.opcode == "broadcast" and shape.element_type in _INDEX_INPUT_TYPES):
+            return False
+        if node.opcode not in _INDEX_OPS or not node.operands or any(
+                self.g.nodes[o].shape.dims != shape.dims for o in node.operands):
+            return True
+        return None
 
     def spread_constant(self, nid: int) -> tuple[float, list[int]] | None:
         """(value, nodes) when ``nid`` is a scalar constant or broadcasts / renames of one
