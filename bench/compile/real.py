@@ -66,7 +66,8 @@ def one(key: str) -> dict:
     report = result.report
     t = report.timings
     rest = t.get("pass_s", 0.0) - t.get("plan_s", 0.0) - t.get("build_s", 0.0)
-    return {"step": cfg.name, "xla_s": xla_s, "stitched_s": stitched_s,
+    import jax
+    return {"step": cfg.name, "jax": jax.__version__, "xla_s": xla_s, "stitched_s": stitched_s,
             "pass_s": t.get("pass_s", 0.0), "plan_s": t.get("plan_s", 0.0),
             "lower_s": t.get("lower_s", 0.0), "ptx_s": t.get("ptx_s", 0.0),
             "rest_s": max(rest, 0.0) + t.get("targets_s", 0.0),
@@ -135,7 +136,10 @@ def markdown(rows: list[dict]) -> list[str]:
         cells.append(f"{cold['placed']} / {cold['distinct']} / {cold['lowered']} / "
                      f"{warm.get('lowered', '')}")
         out.append("| " + " | ".join(cells) + " |")
-    out += ["", "Ratio: stitched / XLA compile seconds of the same child. Cold: an empty "
+    versions = sorted({r["cold"]["jax"] for r in rows if "jax" in r["cold"]})
+    out += ["", (f"The children run jax {', '.join(versions)} (the deviceless venv, "
+                 "STITCH_CUDA_VENV). " if versions else "")
+            + "Ratio: stitched / XLA compile seconds of the same child. Cold: an empty "
             "compile and plan cache; warm: the cache the cold child filled, a new process "
             "(lowerings read back from it). Lower: Kernel IR lowering with snapping, "
             "payback and the as-built check; PTX wait: PTX and ptxas left to wait for after "
