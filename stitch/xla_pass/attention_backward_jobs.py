@@ -160,11 +160,17 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
     # as with the LM head's sites); chain and LM-head jobs are kept.
     planned_tops = [(k, {view.top_of(m) for m in k.members}) for k in snapped]
     taken = {t for job in jobs for t in job[2].tops}
+    # The graph's nodes per top-level instruction, once (not a scan of the graph per match:
+    # 48 layers, 48 matches).
+    nodes_of_top: dict[str, list[int]] = {}
+    if matches:
+        for n in view.graph.nodes:
+            nodes_of_top.setdefault(view.top_of(n.id), []).append(n.id)
     out = []
     for i, match in enumerate(matches):
         name = f"{view.comp.name}.attention_backward{i}"
         replaced = _with_free_readers(view, set(match.replaced))
-        members = frozenset(n.id for n in view.graph.nodes if view.top_of(n.id) in replaced)
+        members = frozenset(v for top in replaced for v in nodes_of_top.get(top, ()))
         try:
             site = find_site(view, gi, name, members)
             shared = sorted(taken & set(site.tops))
