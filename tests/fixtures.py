@@ -6,8 +6,8 @@ from hlo_fixtures import (BF16_TOLERANCE, DATA, GPU_TARGETS, all_fixture_files, 
                           tf_fixture_files, uses_bf16, zoo_fixture, zoo_fixture_files)
 
 __all__ = ["BF16_TOLERANCE", "DATA", "GPU_TARGETS", "REDUCERS", "all_fixture_files",
-           "compile_with_cpu_pass", "fixture_id", "tf_fixture_files", "uses_bf16",
-           "zoo_fixture", "zoo_fixture_files"]
+           "compile_with_cpu_pass", "fixture_id", "forced_reduction_schedules",
+           "tf_fixture_files", "uses_bf16", "zoo_fixture", "zoo_fixture_files"]
 
 
 # add/max reducer computations for hand-written test modules: "HloModule m" + REDUCERS.
@@ -36,3 +36,23 @@ def compile_with_cpu_pass(fn, *args, name: str | None = None, **jit_kwargs):
     with request:
         compiled = lowered.compile()
     return request.result(), compiled
+
+
+def forced_reduction_schedules(module):
+    """Each kernel of ``module``'s plan (h100) that holds a reduce, scheduled with each unit
+    the tuner can force on it ("block", "warp"): (graph, kernel members, schedule)."""
+    import stitch
+    from stitch.cost.gpu_specs import get_spec
+    from stitch.schedule import ScheduleError, schedule_kernel
+    for g in stitch.plan(module, "h100").graphs:
+        for k in g.stitched.kernels:
+            if k.schedule is None or not any(g.graph.nodes[v].opcode == "reduce"
+                                             for v in k.members):
+                continue
+            for unit in ("block", "warp"):
+                try:
+                    forced = schedule_kernel(g.graph, k.members, get_spec("h100"),
+                                             force={"unit": unit})
+                except ScheduleError:
+                    continue
+                yield g.graph, k.members, forced

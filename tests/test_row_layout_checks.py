@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import stitch
 import stitch.codegen.row_layout as row_layout
 from stitch.codegen.lower import row_layouts
 from stitch.codegen.row_layout import find_split, join_axes, join_row_ids
@@ -21,8 +20,8 @@ from stitch.cost.gpu_specs import get_spec
 from stitch.hlo import parse_hlo
 from stitch.hlo.evaluator.interpreter import Evaluator
 from stitch.hlo.graph import build_op_graphs
-from stitch.schedule import ScheduleError, schedule_kernel
-from tests.fixtures import zoo_fixture
+from stitch.schedule import schedule_kernel
+from tests.fixtures import REDUCERS, forced_reduction_schedules, zoo_fixture
 
 
 def _reference_ids(split: RowSplit, dims: tuple[int, ...]) -> np.ndarray:
@@ -160,11 +159,7 @@ def _moving_rows_hlo(rng: np.random.Generator) -> str:
               f"ROOT o = (f32[{rows}], f32[{rows},{cols}]) tuple(r2, d)"]
     body = "\n  ".join(lines)
     return f"""HloModule m
-add {{
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT s = f32[] add(a, b)
-}}
+{REDUCERS}
 ENTRY e {{
   {body}
 }}
@@ -207,24 +202,12 @@ def test_lean_ids_prove_as_int64_ids_on_zoo_kernels(monkeypatch, model):
     """Every warp/block part of a tiny zoo plan (h100), each forced unit, full and compact
     ids: the same layouts and the same reasons with lean ids as with full int64 ones."""
     module = parse_hlo(zoo_fixture(model, "tiny", "pre").read_text())
-    plan = stitch.plan(module, "h100")
     compared = 0
-    for g in plan.graphs:
-        for k in g.stitched.kernels:
-            if k.schedule is None or not any(g.graph.nodes[v].opcode == "reduce"
-                                             for v in k.members):
-                continue
-            for unit in ("block", "warp"):
-                try:
-                    forced = schedule_kernel(g.graph, k.members, get_spec("h100"),
-                                             force={"unit": unit})
-                except ScheduleError:
-                    continue
-                for full_ids in (None, 0):
-                    lean = _proofs(monkeypatch, g.graph, module, forced, True, full_ids)
-                    assert lean == _proofs(monkeypatch, g.graph, module, forced, False,
-                                             full_ids)
-                    compared += sum(1 for p in lean if p is not None)
+    for graph, _, forced in forced_reduction_schedules(module):
+        for full_ids in (None, 0):
+            lean = _proofs(monkeypatch, graph, module, forced, True, full_ids)
+            assert lean == _proofs(monkeypatch, graph, module, forced, False, full_ids)
+            compared += sum(1 for p in lean if p is not None)
     assert compared
 
 

@@ -354,54 +354,41 @@ def test_compact_proof_agrees_with_the_full_one_on_zoo_kernels(monkeypatch, mode
     """Every warp/block part of the tiny zoo plans (h100), each forced unit: where the
     compact proof finds a layout it is the full proof's; the compacted kernels run right
     on the host target."""
-    import stitch
     import stitch.codegen.row_layout as row_layout
-    from stitch.schedule import ScheduleError
-    from tests.fixtures import zoo_fixture
+    from tests.fixtures import forced_reduction_schedules, zoo_fixture
     module = parse_hlo(zoo_fixture(model, "tiny", stage).read_text())
-    plan = stitch.plan(module, "h100")
     rng = np.random.default_rng()
     agreed = only_full = 0
-    for g in plan.graphs:
-        for k in g.stitched.kernels:
-            if k.schedule is None or not any(g.graph.nodes[v].opcode == "reduce"
-                                             for v in k.members):
-                continue
-            for unit in ("block", "warp"):
-                try:
-                    forced = schedule_kernel(g.graph, k.members, get_spec("h100"),
-                                             force={"unit": unit})
-                except ScheduleError:
-                    continue
-                a, b = _compare_proofs(monkeypatch, g.graph, module, forced)
-                agreed, only_full = agreed + a, only_full + b
-                if not a:
-                    continue
-                with monkeypatch.context() as m:
-                    m.setattr(row_layout, "FULL_IDS_ELEMENTS", 0)
-                    # In place: a kernel ending in an embedding gradient's scatter-add.
-                    lowered = lower_kernel(g.graph, Evaluator(module), forced, "c",
-                                           in_place=True)
-                inputs = {}
-                for v in lowered.inputs:
-                    shape = leaf(g.graph.nodes[v].shape)
-                    dtype = numpy_dtype(shape.element_type)
-                    inputs[v] = (rng.standard_normal(shape.dims) if dtype.kind == "f" else
-                                 rng.integers(0, 4, shape.dims)).astype(dtype)
-                want = reference_values(g.graph, Evaluator(module), sorted(k.members), inputs)
-                got = run_on_host(lowered, g.graph, inputs, poison=True, opt=0)
-                for v, out in got.items():
-                    ref = np.asarray(want[v], np.float64)
-                    val = np.asarray(out, np.float64)
-                    # Random inputs reach log(0) or rsqrt(-x): non-finite results must match.
-                    odd = ~np.isfinite(ref)
-                    assert np.array_equal(val[odd], ref[odd], equal_nan=True), \
-                        g.graph.nodes[v].name
-                    assert np.isfinite(val[~odd]).all(), g.graph.nodes[v].name
-                    ok = ~odd
-                    err = np.linalg.norm(val[ok] - ref[ok]) / max(np.linalg.norm(ref[ok]), 1e-5)
-                    tol = BF16_TOL if "bf16" in model else 1e-4
-                    assert err <= tol, f"{model} {k.name} {unit} {g.graph.nodes[v].name}: {err}"
+    for graph, members, forced in forced_reduction_schedules(module):
+        a, b = _compare_proofs(monkeypatch, graph, module, forced)
+        agreed, only_full = agreed + a, only_full + b
+        if not a:
+            continue
+        with monkeypatch.context() as m:
+            m.setattr(row_layout, "FULL_IDS_ELEMENTS", 0)
+            # In place: a kernel ending in an embedding gradient's scatter-add.
+            lowered = lower_kernel(graph, Evaluator(module), forced, "c",
+                                   in_place=True)
+        inputs = {}
+        for v in lowered.inputs:
+            shape = leaf(graph.nodes[v].shape)
+            dtype = numpy_dtype(shape.element_type)
+            inputs[v] = (rng.standard_normal(shape.dims) if dtype.kind == "f" else
+                         rng.integers(0, 4, shape.dims)).astype(dtype)
+        want = reference_values(graph, Evaluator(module), sorted(members), inputs)
+        got = run_on_host(lowered, graph, inputs, poison=True, opt=0)
+        for v, out in got.items():
+            ref = np.asarray(want[v], np.float64)
+            val = np.asarray(out, np.float64)
+            # Random inputs reach log(0) or rsqrt(-x): non-finite results must match.
+            odd = ~np.isfinite(ref)
+            assert np.array_equal(val[odd], ref[odd], equal_nan=True), \
+                graph.nodes[v].name
+            assert np.isfinite(val[~odd]).all(), graph.nodes[v].name
+            ok = ~odd
+            err = np.linalg.norm(val[ok] - ref[ok]) / max(np.linalg.norm(ref[ok]), 1e-5)
+            tol = BF16_TOL if "bf16" in model else 1e-4
+            assert err <= tol, f"{model} {forced} {graph.nodes[v].name}: {err}"
     if agreed + only_full == 0:
         pytest.skip(f"{model}: no warp/block part")
     print(f"{model}: {agreed} layouts proved both ways, {only_full} only in full")
