@@ -19,30 +19,32 @@ from tests.fixtures import DATA
 
 
 def _kernel_graph_has_cycle(graph: OpGraph, kernels: list[frozenset[int]]) -> bool:
-    """Kahn's algorithm on the graph whose nodes are the kernels and every other op."""
+    """A depth-first search for a back edge on the graph whose nodes are the kernels and
+    every other op (a method of its own: the code under test sorts topologically)."""
     where = {op: ("k", i) for i, k in enumerate(kernels) for op in k}
     succ: dict[object, set[object]] = {}
     for node in graph.nodes:
         a = where.get(node.id, ("o", node.id))
         succ.setdefault(a, set())
-        for u in node.users:
-            b = where.get(u, ("o", u))
-            if a != b:
-                succ[a].add(b)
-    indegree = {x: 0 for x in succ}
-    for targets in succ.values():
-        for b in targets:
-            indegree[b] += 1
-    ready = [x for x, d in indegree.items() if d == 0]
-    done = 0
-    while ready:
-        x = ready.pop()
-        done += 1
-        for b in succ[x]:
-            indegree[b] -= 1
-            if indegree[b] == 0:
-                ready.append(b)
-    return done != len(succ)
+        succ[a].update(b for b in (where.get(u, ("o", u)) for u in node.users) if b != a)
+    state: dict[object, str] = {}          # "open" while on the path, "done" after
+    for root in succ:
+        if root in state:
+            continue
+        state[root] = "open"
+        path = [(root, iter(succ[root]))]
+        while path:
+            x, rest = path[-1]
+            y = next(rest, None)
+            if y is None:
+                state[x] = "done"
+                path.pop()
+            elif state.get(y) == "open":
+                return True
+            elif y not in state:
+                state[y] = "open"
+                path.append((y, iter(succ.get(y, ()))))
+    return False
 
 
 def _random_dag(rng: random.Random, n: int) -> OpGraph:
