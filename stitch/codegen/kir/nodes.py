@@ -522,9 +522,11 @@ def walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
 def sub_exprs(e: Expr) -> tuple[Expr, ...]:
     """The expression operands of ``e`` (none for leaves)."""
     operands = _OPERANDS.get(type(e))
-    if operands is not None:
-        return operands(e)
-    return _sub_exprs_of_subclass(e)
+    if operands is None:
+        # A subclass of a node type: its nearest base's operands (leaves: none).
+        operands = next((_OPERANDS[c] for c in type(e).__mro__ if c in _OPERANDS),
+                        _no_operands)
+    return operands(e)
 
 
 def _no_operands(e: Expr) -> tuple[Expr, ...]:
@@ -532,25 +534,13 @@ def _no_operands(e: Expr) -> tuple[Expr, ...]:
 
 
 # The operands of each node type, found by one lookup of its exact type (walks visit every
-# node of DAGs of thousands); subclasses take the isinstance tests.
+# node of DAGs of thousands).
 _OPERANDS = {Load: lambda e: (e.index,), Binary: lambda e: (e.a, e.b),
              Compare: lambda e: (e.a, e.b), Unary: lambda e: (e.a,),
              Convert: lambda e: (e.a,), Bitcast: lambda e: (e.a,),
              Select: lambda e: (e.cond, e.a, e.b),
              **{leaf: _no_operands for leaf in (Const, Ref, ThreadIdx, BlockIdx, BlockDim,
                                                  GridDim)}}
-
-
-def _sub_exprs_of_subclass(e: Expr) -> tuple[Expr, ...]:
-    if isinstance(e, Load):
-        return (e.index,)
-    if isinstance(e, (Binary, Compare)):
-        return (e.a, e.b)
-    if isinstance(e, (Unary, Convert, Bitcast)):
-        return (e.a,)
-    if isinstance(e, Select):
-        return (e.cond, e.a, e.b)
-    return ()
 
 
 def expr_refs(e: Expr) -> frozenset[tuple[str, str]]:
