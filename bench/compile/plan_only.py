@@ -8,7 +8,9 @@ grid-sync settings, no plan cache, under the pass's garbage-collector setting
 (``xla_pass.collector.fewer_collections``: without it a 48-layer plan pays ~1.2 s of full
 collections the pass does not). Prints wall and CPU seconds, the stitched plan's
 summary and the planner's per-phase seconds;
-``--json`` writes every planned kernel (kind, op names, cost) to compare two runs.
+``--json`` writes every planned kernel (kind, op names, cost) and each graph's
+``plan_signature`` (launch order, members, costs, schedules, the objective, the
+baseline) to compare two runs.
 ``--cached``: the warm compile's planning instead: planned once into a fresh temporary plan
 cache, then planned again with a fresh memory cache on that directory (as a new process
 would): prints the second ``plan`` call's wall seconds, the part rebuilding the plan from
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
         chain_tf32=True, chain_spill_check=True, chain_grid_sync=grid_sync != "off",
         grid_sync=grid_sync)
     if args.cached:
-        _cached(module, options)
+        with fewer_collections():
+            _cached(module, options)
         return
     wall, cpu = time.perf_counter(), time.process_time()
     with fewer_collections():
@@ -70,14 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.json is not None:
         kernels = sorted([k.kind, sorted(k.ops), k.cost.total_s]
                          for g in fusion_plan.graphs for k in g.stitched.kernels)
-        # Launch order, schedules and objective per graph: "the same plan" means all of them.
-        graphs = {g.graph.name: {"objective_s": g.stitched.objective_s,
-                                 "launches": [[k.kind, k.origin, list(k.ops), k.cost.total_s,
-                                               repr(k.schedule), repr(k.chain_schedule)]
-                                              for k in g.stitched.kernels]}
-                  for g in fusion_plan.graphs}
+        # "The same plan" means all of ``plan_signature``: launch order, schedules, costs.
         args.json.write_text(json.dumps({"summary": summary, "kernels": kernels,
-                                         "graphs": graphs}, default=str))
+                                         "graphs": plan_signature(fusion_plan)},
+                                        default=str))
 
 
 def plan_signature(fusion_plan) -> list:
