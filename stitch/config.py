@@ -107,6 +107,12 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
             "steps within which a kernel's modeled saving per step must repay its estimated "
             "build for the GPU pass to build it; kernels equal but for names repay one build "
             "together (`off`: every kernel is built)"),
+    Setting("STITCH_PASS_RESULTS", _FLAG, "1",
+            "`1`: a compile of a module stitch's pass saw before, under the same settings and "
+            "stitch code, takes that compile's stitched module and kernels from the compile "
+            "cache instead of planning, lowering and rewriting it again (a restarted job, "
+            "the other processes of a job on one host); `0`: every compile runs the whole "
+            "pass"),
     Setting("STITCH_DUMP_MODULES", "path", "",
             "a folder: the XLA pass writes each module it plans there "
             "(`<function>.<n>.hlo`), for profiling and bug reports"),

@@ -4,9 +4,15 @@ stitch.jit, the CLI, settings and the README), under 5 minutes on 2 cores where 
 suite takes about 30. A file is quick as a whole: its tests get the ``quick`` marker here."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Tests patch the pass's internals and compile the same small modules many times: a stored
+# whole-pass result (stitch.xla_pass.result_store) would stand in for the pass they patch.
+# Its own tests turn it on (tests/test_pass_result_store.py).
+os.environ.setdefault("STITCH_PASS_RESULTS", "0")
 
 QUICK_FILES = frozenset({
     "test_parser.py", "test_parser_xla_forms.py", "test_evaluator.py", "test_graph.py",

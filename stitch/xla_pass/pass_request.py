@@ -7,6 +7,7 @@ A request is live while its compile runs (``with request:``); the XLA callback
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -21,6 +22,15 @@ from .ptx_children import early_ptx_children, release_ptx_workers, start_ptx_wor
 log = logging.getLogger("stitch.xla_pass.request")
 
 REQUEST_ATTR = "stitch.request"
+_TAG = re.compile(r',?\s*stitch\.request="?[0-9a-f]+"?')
+
+
+def untagged_attributes(attributes: str) -> str | None:
+    """A module's frontend attributes (``{...}``) without the request's token (it is unique
+    per compile: left in, nothing keyed by the module would ever be found again); None where
+    nothing else is left."""
+    kept = _TAG.sub("", attributes[1:-1]).strip().lstrip(",")
+    return "{" + kept + "}" if kept else None
 
 
 class PassError(StitchError):
@@ -71,6 +81,9 @@ class PassReport:
     # Each planned stitched kernel's place in the user's code (its functions, file:line,
     # from XLA's metadata; stitch.hlo.source_lines), "" where XLA kept none.
     where: dict[str, str] = field(default_factory=dict)
+    # The result was the stored one of an earlier compile of the same module (no plan:
+    # stitch.xla_pass.result_store).
+    from_store: bool = False
 
     def sources(self) -> dict[str, dict[str, str]]:
         """Where the placed kernels and the dropped ones come from (STITCH_STATS' ``where``)."""
@@ -84,7 +97,7 @@ class PassReport:
         return {"kernels_before": self.kernels_xla, "kernels_after": self.kernels_after,
                 "stitched_kernels": self.kernels_stitched,
                 "fallbacks": len(self.fallbacks), "thread_bound": len(self.thread_bound),
-                **self.lowerings,
+                **self.lowerings, "from_store": self.from_store,
                 **{k: round(v, 3) for k, v in self.timings.items()},
                 **(self.delivery.summary() if self.delivery is not None else {})}
 
