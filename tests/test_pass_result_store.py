@@ -22,6 +22,13 @@ from tests.fixtures import compile_with_cpu_pass  # noqa: E402
 RTOL = 1e-4
 
 
+def _compile(fn, *args):
+    """``compile_with_cpu_pass``, its result's store written before the next compile."""
+    got = compile_with_cpu_pass(fn, *args)
+    result_store.wait_for_writes()
+    return got
+
+
 def _softmax_ln(x, w):
     y = jax.nn.softmax(jnp.tanh(x) * w, axis=-1)
     m = y.mean(-1, keepdims=True)
@@ -57,8 +64,8 @@ def _figures(report) -> dict:
 def test_the_same_module_again_takes_the_stored_result(store_on):
     seed = int(np.random.default_rng().integers(1 << 30))
     x, w = _inputs((32, 64), seed)
-    first, compiled_first = compile_with_cpu_pass(_softmax_ln, x, w)
-    again, compiled_again = compile_with_cpu_pass(_softmax_ln, x, w)
+    first, compiled_first = _compile(_softmax_ln, x, w)
+    again, compiled_again = _compile(_softmax_ln, x, w)
     assert not first.from_store and again.from_store
     assert first.kernels_stitched >= 1
     assert _figures(again) == _figures(first)
@@ -83,35 +90,35 @@ def _untokened(text: str) -> str:
 
 def test_another_module_or_an_output_setting_runs_the_whole_pass(store_on, monkeypatch):
     x, w = _inputs((32, 64), 1)
-    assert not compile_with_cpu_pass(_softmax_ln, x, w)[0].from_store
+    assert not _compile(_softmax_ln, x, w)[0].from_store
     # Where the log goes changes nothing the pass hands back: the stored result stands.
     monkeypatch.setenv("STITCH_LOG", "warning")
-    assert compile_with_cpu_pass(_softmax_ln, x, w)[0].from_store
+    assert _compile(_softmax_ln, x, w)[0].from_store
     # A setting the plan depends on, or another shape, is another result.
     monkeypatch.setenv("STITCH_SEGMENT_ROWS", "0")
-    assert not compile_with_cpu_pass(_softmax_ln, x, w)[0].from_store
+    assert not _compile(_softmax_ln, x, w)[0].from_store
     monkeypatch.delenv("STITCH_SEGMENT_ROWS")
     x3, w3 = _inputs((16, 64), 2)
-    report, compiled = compile_with_cpu_pass(_softmax_ln, x3, w3)
+    report, compiled = _compile(_softmax_ln, x3, w3)
     assert not report.from_store
     why = compare_trees(compiled(x3, w3), jax.jit(_softmax_ln)(x3, w3), RTOL)
     assert why is None, why
     monkeypatch.setenv("STITCH_PASS_RESULTS", "0")
-    assert not compile_with_cpu_pass(_softmax_ln, x, w)[0].from_store
+    assert not _compile(_softmax_ln, x, w)[0].from_store
 
 
 def _stored_as(monkeypatch, change):
     """Stored results pass through ``change(data)`` before they are written."""
     real = result_store.result_to_bytes
 
-    def changed(new_text, report):
-        data = json.loads(zlib.decompress(real(new_text, report)))
+    def changed(new_text, report_data, kernels):
+        data = json.loads(zlib.decompress(real(new_text, report_data, kernels)))
         change(data)
         return zlib.compress(json.dumps(data).encode())
     monkeypatch.setattr(result_store, "result_to_bytes", changed)
 
 
-@pytest.mark.parametrize("what", ["target", "groups", "format"])
+@pytest.mark.parametrize("what", ["target", "groups", "format", "kernels"])
 def test_a_stored_result_that_does_not_stand_runs_the_whole_pass(store_on, monkeypatch,
                                                                  what, caplog):
     def change(data):
@@ -119,13 +126,15 @@ def test_a_stored_result_that_does_not_stand_runs_the_whole_pass(store_on, monke
             data["kernels"][0]["target"] = "stitch_cpu_someone_elses_0000"
         elif what == "groups":    # an entry that is not one
             del data["groups"]
+        elif what == "kernels":   # a module calling targets the entry does not make
+            data["kernels"] = data["kernels"][1:]
         else:
             data["format"] = -1
     _stored_as(monkeypatch, change)
     x, w = _inputs((32, 64), 3)
-    compile_with_cpu_pass(_softmax_ln, x, w)
+    _compile(_softmax_ln, x, w)
     with caplog.at_level("INFO", logger="stitch.xla_pass.results"):
-        report, compiled = compile_with_cpu_pass(_softmax_ln, x, w)
+        report, compiled = _compile(_softmax_ln, x, w)
     assert not report.from_store and report.kernels_stitched >= 1
     assert "stored pass result is not used" in caplog.text
     why = compare_trees(compiled(x, w), jax.jit(_softmax_ln)(x, w), RTOL)
@@ -142,9 +151,9 @@ def test_a_pass_with_failed_builds_is_not_stored(store_on, monkeypatch):
         return report
     monkeypatch.setattr(pass_registration, "stitch_module", failing_one)
     x, w = _inputs((32, 64), 4)
-    compile_with_cpu_pass(_softmax_ln, x, w)
+    _compile(_softmax_ln, x, w)
     monkeypatch.setattr(pass_registration, "stitch_module", real)
-    assert not compile_with_cpu_pass(_softmax_ln, x, w)[0].from_store
+    assert not _compile(_softmax_ln, x, w)[0].from_store
 
 
 def test_header_attributes_are_split_and_put_back():

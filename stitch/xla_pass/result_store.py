@@ -28,6 +28,7 @@ compile cache. The replayed report has no plan (``PassReport.plan`` is None) and
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
@@ -35,6 +36,7 @@ import logging
 import os
 import pathlib
 import re
+import threading
 import time
 import zlib
 from typing import Any
@@ -148,24 +150,55 @@ def result_key(text: str, request: PassRequest) -> str | None:
 
 # ------------------------------------------------------------------------- storing
 
+# Results are written by a thread of their own (serialising a large module's kernels takes
+# ~1 s, which XLA's own compile of the handed-back module hides); the exit waits this long
+# for writes still running.
+EXIT_WAIT_S = 60.0
+_WRITERS: list[threading.Thread] = []
+_WRITERS_LOCK = threading.Lock()
+
+
 def store_result(key: str | None, new_text: str, report: PassReport) -> None:
-    """Keep the pass's result (``new_text``, the rewritten module) under ``key``; nothing
-    where there is no key, no kernel, a kernel failed to build or the cache is off."""
+    """Keep the pass's result (``new_text``, the rewritten module) under ``key``, written in
+    the background (``wait_for_writes``); nothing where there is no key, no kernel, a kernel
+    failed to build or the cache is off."""
     if key is None or not report.kernels or report.fallbacks:
         return
     cache = compile_cache()
     if not (cache.enabled and cache.writable):
         return
+    # What the thread reads is taken now: the report is the caller's once this returns.
+    report_data = _report_to_data(report)
+    kernels = [(b.name, b.lowered, b.target.name) for b in report.kernels]
+    thread = threading.Thread(target=_write, args=(cache, key, new_text, report_data, kernels),
+                              name="stitch-result-store", daemon=True)
+    with _WRITERS_LOCK:
+        if not _WRITERS:
+            atexit.register(wait_for_writes, EXIT_WAIT_S)
+        _WRITERS[:] = [t for t in _WRITERS if t.is_alive()] + [thread]
+    thread.start()
+
+
+def wait_for_writes(timeout: float | None = None) -> None:
+    """Wait for the results being written (each at most ``timeout`` s)."""
+    with _WRITERS_LOCK:
+        writers = list(_WRITERS)
+    for thread in writers:
+        thread.join(timeout)
+
+
+def _write(cache: Any, key: str, new_text: str, report_data: dict,
+           kernels: list[tuple[str, Any, str]]) -> None:
     from stitch.codegen.kir_data import KirDataError
     started = time.perf_counter()
     try:
-        payload = result_to_bytes(new_text, report)
+        payload = result_to_bytes(new_text, report_data, kernels)
     except (KirDataError, TypeError, ValueError) as exc:
-        log.debug("%s: pass result not stored: %s", report.module, exc)
+        log.debug("%s: pass result not stored: %s", report_data["module"], exc)
         return
     cache.put(key, payload)
-    log.debug("%s: pass result stored (%d kernels, %d bytes, %.2f s)", report.module,
-              len(report.kernels), len(payload), time.perf_counter() - started)
+    log.debug("%s: pass result stored (%d kernels, %d bytes, %.2f s)", report_data["module"],
+              len(kernels), len(payload), time.perf_counter() - started)
 
 
 def _sharing(kernel: Any) -> tuple:
@@ -176,8 +209,10 @@ def _sharing(kernel: Any) -> tuple:
                  for v in [getattr(kernel, f.name)])
 
 
-def result_to_bytes(new_text: str, report: PassReport) -> bytes:
-    """The result as stored (module docstring): zlib-compressed JSON."""
+def result_to_bytes(new_text: str, report_data: dict,
+                    kernels: list[tuple[str, Any, str]]) -> bytes:
+    """The result as stored (module docstring): zlib-compressed JSON. ``kernels``: per placed
+    kernel, its name, ``LoweredKernel`` and FFI target's name."""
     from stitch.codegen.gpu_cache import canonical_kernel, structure_key
     from stitch.codegen.kir_data import kernel_to_data
     program, attributes = split_header_attributes(new_text)
@@ -187,9 +222,8 @@ def result_to_bytes(new_text: str, report: PassReport) -> bytes:
         program = header + f", frontend_attributes={_ATTRIBUTES_MARK}" + program[len(header):]
     groups: dict[tuple, int] = {}
     group_data: list[dict] = []
-    kernels = []
-    for built in report.kernels:
-        lowered = built.lowered
+    stored = []
+    for name, lowered, target in kernels:
         kernel = lowered.kernel
         sharing = _sharing(kernel)
         index = groups.get(sharing)
@@ -197,16 +231,15 @@ def result_to_bytes(new_text: str, report: PassReport) -> bytes:
             index = groups[sharing] = len(group_data)
             group_data.append({"kernel": kernel_to_data(canonical_kernel(kernel)),
                                "structure": structure_key(kernel)})
-        kernels.append({
-            "group": index, "name": built.name, "kernel": kernel.name,
-            "target": built.target.name, "inputs": list(lowered.inputs),
-            "outputs": list(lowered.outputs), "schemes": list(lowered.schemes),
+        stored.append({
+            "group": index, "name": name, "kernel": kernel.name, "target": target,
+            "inputs": list(lowered.inputs), "outputs": list(lowered.outputs), "schemes": list(lowered.schemes),
             "notes": list(lowered.notes),
             "initial": [[o, i] for o, i in lowered.initial.items()],
             "layouts": [[v, list(layout)] for v, layout in lowered.layouts.items()],
             "split_rows": [[n, k] for n, k in lowered.split_rows.items()]})
-    data = {"format": FORMAT, "module": program, "report": _report_to_data(report),
-            "groups": group_data, "kernels": kernels}
+    data = {"format": FORMAT, "module": program, "report": report_data,
+            "groups": group_data, "kernels": stored}
     return zlib.compress(json.dumps(data).encode("utf-8"), 1)
 
 
@@ -249,6 +282,7 @@ def replayed(key: str | None, text: str, request: PassRequest
         data = json.loads(zlib.decompress(payload))
         if data.get("format") != FORMAT:
             raise _Unusable(f"format {data.get('format')!r}, not {FORMAT}")
+        _calls_its_kernels(str(data["module"]), data["kernels"])
         lowered = _lowered_kernels(data)
         report = _report_from_data(data["report"])
         renamed: dict[str, str] = {}
@@ -268,6 +302,18 @@ def replayed(key: str | None, text: str, request: PassRequest
     log.info("%s: stitched module and %d kernels from the compile cache (%.2f s)",
              request.function, len(report.kernels), report.timings["replay_s"])
     return module, report
+
+
+_STITCH_CALL = re.compile(r'custom_call_target="(stitch_[^"]*)"')
+
+
+def _calls_its_kernels(module: str, kernels: list[dict]) -> None:
+    """_Unusable unless the stored module calls exactly the stored kernels' targets."""
+    called = set(_STITCH_CALL.findall(module))
+    held = {str(k["target"]) for k in kernels}
+    if called != held:
+        raise _Unusable(f"the stored module calls {len(called)} stitched targets, "
+                        f"{len(called - held)} of them not among its {len(held)} kernels")
 
 
 def _with_attributes(program: str, text: str) -> str:

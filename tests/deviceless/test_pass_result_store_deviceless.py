@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stitch.frontends.job_decisions import program_digest
-from stitch.xla_pass import deviceless, kernel_builds
+from stitch.xla_pass import deviceless, kernel_builds, result_store
 
 from .conftest import TARGET
 
@@ -18,8 +18,10 @@ TINY = dict(batch=2, seq=32, d_model=64, heads=2, mlp=128, vocab=128)
 def _compile():
     from bench import real_steps
     cfg = real_steps.config("gpt2", 2, **TINY)
-    return deviceless.compile_with_pass(real_steps.lower_for(cfg, TARGET), "tiny_gpt2",
-                                        TARGET).report
+    report = deviceless.compile_with_pass(real_steps.lower_for(cfg, TARGET), "tiny_gpt2",
+                                          TARGET).report
+    result_store.wait_for_writes()
+    return report
 
 
 def test_a_step_compiled_again_takes_the_stored_result(deviceless_ready, monkeypatch,
