@@ -166,3 +166,49 @@ def test_header_attributes_are_split_and_put_back():
     assert untagged_attributes('{stitch.request="00ff"}') is None
     assert result_store.split_header_attributes("HloModule m\nENTRY e {}\n") == \
         ("HloModule m\nENTRY e {}\n", None)
+
+
+RESTARTED = r'''
+import json, sys
+import numpy as np
+import jax, jax.numpy as jnp
+from tests.fixtures import compile_with_cpu_pass
+
+def step(x, w):
+    y = jax.nn.softmax(jnp.tanh(x) * w, axis=-1)
+    return y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + 1e-5)
+
+rng = np.random.default_rng(int(sys.argv[1]))
+x, w = (rng.standard_normal((32, 64)).astype(np.float32) for _ in range(2))
+report, compiled = compile_with_cpu_pass(step, x, w)
+got, want = np.asarray(compiled(x, w)), np.asarray(jax.jit(step)(x, w))
+print("RESULT " + json.dumps({"from_store": report.from_store,
+                              "stitched": report.kernels_stitched,
+                              "error": float(np.abs(got - want).max())}))
+'''
+
+
+def test_a_restarted_process_takes_the_result_the_first_one_stored(tmp_path):
+    """The first process's result is written before it exits (the write runs in a thread
+    of its own) and a new process takes it."""
+    import os
+    import subprocess
+    import sys
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "STITCH_PASS_RESULTS": "1", "STITCH_CACHE_DIR": str(cache),
+           "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+    seed = str(np.random.default_rng().integers(1 << 30))
+    results = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, str(script), seed], env=env, cwd=root,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        line = next(ln for ln in run.stdout.splitlines() if ln.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT "):]))
+    assert [r["from_store"] for r in results] == [False, True]
+    assert results[0]["stitched"] == results[1]["stitched"] >= 1
+    assert all(r["error"] < 1e-4 for r in results)
