@@ -304,12 +304,12 @@ def replayed(key: str | None, text: str, request: PassRequest
     return module, report
 
 
-_STITCH_CALL = re.compile(r'custom_call_target="(stitch_[^"]*)"')
+_CALLED_TARGET = re.compile(r'custom_call_target="(stitch_[^"]*)"')
 
 
 def _calls_its_kernels(module: str, kernels: list[dict]) -> None:
     """_Unusable unless the stored module calls exactly the stored kernels' targets."""
-    called = set(_STITCH_CALL.findall(module))
+    called = set(_CALLED_TARGET.findall(module))
     held = {str(k["target"]) for k in kernels}
     if called != held:
         raise _Unusable(f"the stored module calls {len(called)} stitched targets, "
