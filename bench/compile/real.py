@@ -5,9 +5,11 @@ for an H100 (jax's CUDA plugin in the venv scripts/deviceless_check.sh makes).
     python -m bench compile --part real [--quick]      # the block of docs/benchmarks.md
     python -m bench.compile.real [--quick]             # the table, printed
 
-Per step, two fresh child processes in turn, both with the same ``STITCH_CACHE_DIR``, empty
+Per step, three fresh child processes in turn, all with the same ``STITCH_CACHE_DIR``, empty
 before the first (cold: plans, PTX and ptxas results all built) and filled by it for the
-second (warm). Each child lowers the step, compiles a small function untimed (the process's
+second (warm: the pass's stored result, ``stitch.xla_pass.result_store``) and the third
+(warm, whole pass: ``STITCH_PASS_RESULTS=0``, the plan cache and stored lowerings). Each
+child lowers the step, compiles a small function untimed (the process's
 one-time XLA set-up), then compiles the step with XLA alone and with the pass
 (``deviceless.compile_with_pass``), timed. The pass's phases are its own timings: plan,
 Kernel IR lowering (with snapping, payback and the as-built check), the wait for PTX and
@@ -71,19 +73,19 @@ def one(key: str) -> dict:
             "pass_s": t.get("pass_s", 0.0), "plan_s": t.get("plan_s", 0.0),
             "lower_s": t.get("lower_s", 0.0), "ptx_s": t.get("ptx_s", 0.0),
             "rest_s": max(rest, 0.0) + t.get("targets_s", 0.0),
-            "placed": len(report.kernels),
+            "from_store": report.from_store, "placed": len(report.kernels),
             "distinct": len({structure_key(b.lowered.kernel) for b in report.kernels}),
             "lowered": report.lowerings.get("kernels_lowered", 0),
             "reused": report.lowerings.get("lowerings_reused", 0)}
 
 
-def _child(key: str, cache: str) -> dict:
+def _child(key: str, cache: str, **settings: str) -> dict:
     from bench.delivered.children import cuda_python
     python = cuda_python()
     if not python.exists():
         return {"error": f"{python} not found (scripts/deviceless_check.sh makes it)"}
     env = {**os.environ, "STITCH_CACHE_DIR": cache, "CUDA_VISIBLE_DEVICES": "-1",
-           "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
+           "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", **settings,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
                                                        os.environ.get("PYTHONPATH")]))}
     try:
@@ -104,9 +106,14 @@ def collect(quick: bool, progress=print) -> list[dict]:
     for cfg in steps(quick):
         with tempfile.TemporaryDirectory(prefix="stitch-real-compile-") as cache:
             os.chmod(cache, 0o700)
-            cold = _child(_key(cfg), cache)
-            warm = _child(_key(cfg), cache) if "error" not in cold else {}
-        row = {"step": cfg.name, "cold": cold, "warm": warm}
+            cold = _child(_key(cfg), cache, STITCH_PASS_RESULTS="1")
+            warm = _child(_key(cfg), cache, STITCH_PASS_RESULTS="1") \
+                if "error" not in cold else {}
+            # The warm compile of a module that differs (no stored result to take): the
+            # plan cache and the stored lowerings only.
+            rerun = _child(_key(cfg), cache, STITCH_PASS_RESULTS="0") \
+                if "error" not in cold else {}
+        row = {"step": cfg.name, "cold": cold, "warm": warm, "rerun": rerun}
         progress(f"[real compile] {json.dumps(row)}")
         rows.append(row)
     return rows
@@ -116,37 +123,52 @@ def _phases(r: dict) -> str:
     return " / ".join(f"{r[k]:.1f}" for k in ("plan_s", "lower_s", "ptx_s", "rest_s"))
 
 
+def _ratio(r: dict) -> str:
+    return f"{r['stitched_s'] / r['xla_s']:.2f}"
+
+
 def markdown(rows: list[dict]) -> list[str]:
     out = ["| step | XLA s | stitched s | ratio | pass: plan / lower / PTX wait / rest s "
-           "| warm: XLA s | stitched s | ratio | pass: plan / lower / PTX wait / rest s "
-           "| kernels placed / distinct / lowered cold / warm |",
-           "|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
+           "| warm: XLA s | stitched s | ratio | pass s "
+           "| warm, whole pass: ratio | pass: plan / lower / PTX wait / rest s "
+           "| kernels placed / distinct / lowered cold / whole pass warm |",
+           "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for row in rows:
-        cold, warm = row["cold"], row["warm"]
+        cold, warm, rerun = row["cold"], row["warm"], row.get("rerun", {})
         if "error" in cold:
-            out.append(f"| {row['step']} | not measured: {cold['error']} |||||||||")
+            out.append(f"| {row['step']} | not measured: {cold['error']} ||||||||||")
             continue
         cells = [row["step"], f"{cold['xla_s']:.1f}", f"{cold['stitched_s']:.1f}",
-                 f"{cold['stitched_s'] / cold['xla_s']:.2f}", _phases(cold)]
+                 _ratio(cold), _phases(cold)]
         if warm and "error" not in warm:
-            cells += [f"{warm['xla_s']:.1f}", f"{warm['stitched_s']:.1f}",
-                      f"{warm['stitched_s'] / warm['xla_s']:.2f}", _phases(warm)]
+            cells += [f"{warm['xla_s']:.1f}", f"{warm['stitched_s']:.1f}", _ratio(warm),
+                      f"{warm['pass_s']:.1f}" + ("" if warm.get("from_store") else
+                                                 " (whole pass)")]
         else:
             cells += ["", "", "", warm.get("error", "")]
+        if rerun and "error" not in rerun:
+            cells += [_ratio(rerun), _phases(rerun)]
+        else:
+            cells += ["", rerun.get("error", "")]
         cells.append(f"{cold['placed']} / {cold['distinct']} / {cold['lowered']} / "
-                     f"{warm.get('lowered', '')}")
+                     f"{rerun.get('lowered', '')}")
         out.append("| " + " | ".join(cells) + " |")
     versions = sorted({r["cold"]["jax"] for r in rows if "jax" in r["cold"]})
     out += ["", (f"The children run jax {', '.join(versions)} (the deviceless venv, "
                  "STITCH_CUDA_VENV). " if versions else "")
             + "Ratio: stitched / XLA compile seconds of the same child. Cold: an empty "
-            "compile and plan cache; warm: the cache the cold child filled, a new process "
-            "(lowerings read back from it). Lower: Kernel IR lowering with snapping, "
-            "payback and the as-built check; PTX wait: PTX and ptxas left to wait for after "
-            "the last kernel was lowered; rest: the rewrite, FFI targets and the pricing of "
-            "the delivered module. Kernels placed / distinct structures (PTX built once "
-            "each) / Kernel IR lowerings, cold and warm (once per distinct kernel, the others "
-            "bound; warm: read from the compile cache)."]
+            "compile and plan cache. Warm: the cache the cold child filled, a new process: "
+            "the same module takes the pass's stored result (`STITCH_PASS_RESULTS`, the "
+            "module, its kernels' Kernel IR and figures; the kernels' targets made again "
+            "from the cached PTX and ptxas results). Warm, whole pass: a third process with "
+            "`STITCH_PASS_RESULTS=0`, what a module that differs from the stored one costs "
+            "(the plan from the plan cache, lowerings read back from the compile cache). "
+            "Lower: Kernel IR lowering with snapping, payback and the as-built check; PTX "
+            "wait: PTX and ptxas left to wait for after the last kernel was lowered; rest: "
+            "the rewrite, FFI targets and the pricing of the delivered module. Kernels "
+            "placed / distinct structures (PTX built once each) / Kernel IR lowerings, cold "
+            "and in the whole-pass warm process (once per distinct kernel, the others bound; "
+            "warm: read from the compile cache)."]
     return out
 
 

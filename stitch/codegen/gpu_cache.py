@@ -272,6 +272,14 @@ def _cubin_entry_problem(payload: bytes) -> str | None:
     return cubin_problem(cubin)
 
 
+def ptxas_key(ptx: str, arch: str, kernel_name: str | None = None,
+              max_registers: int | None = None) -> str:
+    """The cache key of ptxas's result for ``ptx`` (ToolchainError without a ptxas)."""
+    ptxas = find_ptxas(arch)
+    return cache_key("ptxas", ptx, arch, str(kernel_name), str(max_registers), str(ptxas),
+                     ptxas_version(ptxas))
+
+
 def assemble_cached(ptx: str, arch: str, *, cache: CompileCache | None,
                     kernel_name: str | None = None, max_registers: int | None = None,
                     timeout: float = 60) -> CubinBuild:
@@ -288,9 +296,7 @@ def assemble_cached(ptx: str, arch: str, *, cache: CompileCache | None,
     if cache is None:
         cubin, reports = _unpack_cubin(build())
         return CubinBuild(cubin, reports, False)
-    ptxas = find_ptxas(arch)
-    key = cache_key("ptxas", ptx, arch, str(kernel_name), str(max_registers), str(ptxas),
-                    ptxas_version(ptxas))
+    key = ptxas_key(ptx, arch, kernel_name, max_registers)
     payload = cache.get_or_create(key, build, validate=_cubin_entry_problem)
     try:
         cubin, reports = _unpack_cubin(payload)
@@ -346,6 +352,31 @@ def build_in_child(kernel: kir.Kernel, arch: str, *, structure: str | None,
             raise
         return ChildBuild(ptx, assembly_error=exc)
     return ChildBuild(ptx, assembled)
+
+
+def cached_build(kernel: kir.Kernel, arch: str, *, cache: CompileCache, structure: str,
+                 assembly: str = "none") -> ChildBuild | None:
+    """``build_in_child``'s result where ``cache`` holds all of it (the PTX and, unless
+    ``assembly`` is "none", ptxas's result), read in this process; None where any part is
+    missing (nothing is built here)."""
+    if assembly not in ASSEMBLY_MODES:
+        raise CodegenError(f"unknown assembly mode {assembly!r}: one of {ASSEMBLY_MODES}")
+    payload = cache.get(ptx_key(kernel, arch, structure=structure),
+                        validate=_ptx_validator(kernel.name))
+    if payload is None:
+        return None
+    ptx = payload.decode("utf-8")
+    if assembly == "none":
+        return ChildBuild(ptx)
+    try:
+        key = ptxas_key(ptx, arch, kernel.name)
+    except CodegenError:                  # no ptxas: the build reports it
+        return None
+    assembled = cache.get(key, validate=_cubin_entry_problem)
+    if assembled is None:
+        return None
+    cubin, reports = _unpack_cubin(assembled)
+    return ChildBuild(ptx, CubinBuild(cubin, reports, True))
 
 
 def warm_child() -> None:

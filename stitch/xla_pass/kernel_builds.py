@@ -29,6 +29,26 @@ class GpuBuild:
     ptx: str
     assembled: Any = None
 
+    @classmethod
+    def renamed(cls, ptx: str, assembled: Any, name: str) -> "GpuBuild":
+        """The build of a canonical kernel (``gpu_cache.canonical_kernel``) as the build of
+        the kernel called ``name``."""
+        from stitch.codegen.gpu_cache import renamed_cubin_build, renamed_ptx
+        return cls(renamed_ptx(ptx, name),
+                   renamed_cubin_build(assembled, name) if assembled is not None else None)
+
+
+def assembly_mode(request: PassRequest, cubins: bool) -> str:
+    """How far ptxas goes in a kernel's build (``gpu_cache.ASSEMBLY_MODES``): compile-only,
+    its check is the point ("must"); on a device that loads cubins (``cubins``, and the
+    driver has refused none), "try"; else "none" (the driver takes the PTX)."""
+    from stitch.codegen.ffi_cuda import cubins_refused
+    if request.compile_only:
+        return "must"
+    if cubins and not cubins_refused():
+        return "try"
+    return "none"
+
 
 class GpuPrebuild:
     """PTX (and, compile-only, ptxas) of a module's GPU kernels, built while the caller goes
@@ -119,14 +139,8 @@ class GpuPrebuild:
         device while cubins are loaded there (``cubins_for_device``). The whole build
         (cache, LLVM, ptxas) runs in the worker's child, one round trip from this thread
         (``gpu_cache.build_in_child``)."""
-        from stitch.codegen.ffi_cuda import cubins_refused
         from stitch.codegen.gpu_cache import build_in_child
-        if self.request.compile_only:
-            assembly = "must"                     # ptxas's check is the point there
-        elif self.cubins and not cubins_refused():
-            assembly = "try"
-        else:
-            assembly = "none"
+        assembly = assembly_mode(self.request, self.cubins)
         worker = self._idle.get()
         try:
             self.request.check_cancelled()
@@ -144,16 +158,13 @@ class GpuPrebuild:
         """Per submitted kernel, in order: its ``GpuBuild`` or the exception that stopped
         its group's build, each as soon as that build is done (the caller can use a
         kernel's build while later ones still run)."""
-        from stitch.codegen.gpu_cache import renamed_cubin_build, renamed_ptx
         for kernel, future in self._kernels:
             try:
                 ptx, assembled = future.result()
             except Exception as exc:  # noqa: BLE001 - handed back per kernel
                 yield exc
                 continue
-            yield GpuBuild(renamed_ptx(ptx, kernel.name),
-                           renamed_cubin_build(assembled, kernel.name)
-                           if assembled is not None else None)
+            yield GpuBuild.renamed(ptx, assembled, kernel.name)
         log.debug("%s: %d GPU kernels, %d distinct", self.request.function,
                   len(self._kernels), len(self._groups))
 

@@ -44,7 +44,8 @@ from typing import Any
 from stitch.config import env_flag
 
 from .delivered import Delivery, Dropped, LoopCopy, Mover, Side
-from .kernel_builds import GpuPrebuild, build_target, compile_cache
+from .kernel_builds import (GpuBuild, GpuPrebuild, assembly_mode, build_target, compile_cache,
+                            cubins_for_device)
 from .pass_request import BuiltKernel, PassReport, PassRequest, untagged_attributes
 
 log = logging.getLogger("stitch.xla_pass.results")
@@ -372,11 +373,15 @@ def _built(request: PassRequest, stored: list[dict], lowered: list[Any],
     workers: list = []
     try:
         if request.device == "gpu":
-            workers = request.take_ptx_workers() or start_ptx_workers()
-            with GpuPrebuild(request, workers) as prebuild:
-                for k, low in zip(stored, lowered):
-                    prebuild.submit(low.kernel, key=structures[int(k["group"])])
-                builds = list(prebuild.each_result())
+            cached = _cached_gpu_builds(request, stored, lowered, structures)
+            if cached is not None:
+                builds = cached
+            else:       # built (or read) in the PTX children, as the pass builds them
+                workers = request.take_ptx_workers() or start_ptx_workers()
+                with GpuPrebuild(request, workers) as prebuild:
+                    for k, low in zip(stored, lowered):
+                        prebuild.submit(low.kernel, key=structures[int(k["group"])])
+                    builds = list(prebuild.each_result())
         out = []
         for k, low, ptx in zip(stored, lowered, builds):
             request.check_cancelled()
@@ -406,6 +411,30 @@ def _built(request: PassRequest, stored: list[dict], lowered: list[Any],
     finally:
         if workers:
             release_ptx_workers(workers)
+
+
+def _cached_gpu_builds(request: PassRequest, stored: list[dict], lowered: list[Any],
+                       structures: list[str]) -> list[GpuBuild] | None:
+    """Each kernel's GPU build read from the compile cache in this process (a warm
+    process then starts no PTX child); None where a group's PTX or ptxas result is not
+    there."""
+    from stitch.codegen.gpu_cache import cached_build, canonical_kernel
+    cache = compile_cache()
+    arch = request.gpu_arch()
+    assembly = assembly_mode(request, cubins_for_device(arch) if not request.compile_only
+                             else False)
+    groups: dict[int, Any] = {}
+    builds = []
+    for k, low in zip(stored, lowered):
+        group = int(k["group"])
+        if group not in groups:
+            groups[group] = cached_build(canonical_kernel(low.kernel), arch, cache=cache,
+                                         structure=structures[group], assembly=assembly)
+            if groups[group] is None:
+                return None
+        built = groups[group]
+        builds.append(GpuBuild.renamed(built.ptx, built.assembled, low.kernel.name))
+    return builds
 
 
 def _fields(cls: type, data: dict) -> dict:
