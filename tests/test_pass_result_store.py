@@ -200,15 +200,16 @@ def test_a_restarted_process_takes_the_result_the_first_one_stored(tmp_path):
     script.write_text(RESTARTED)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "STITCH_PASS_RESULTS": "1", "STITCH_CACHE_DIR": str(cache),
-           "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+           "PYTHONPATH": root, "JAX_PLATFORMS": "cpu", "STITCH_LOG": "info"}
     seed = str(np.random.default_rng().integers(1 << 30))
-    results = []
+    results, logs = [], []
     for _ in range(2):
         run = subprocess.run([sys.executable, str(script), seed], env=env, cwd=root,
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         line = next(ln for ln in run.stdout.splitlines() if ln.startswith("RESULT "))
         results.append(json.loads(line[len("RESULT "):]))
-    assert [r["from_store"] for r in results] == [False, True]
+        logs.append("\n".join(ln for ln in run.stderr.splitlines() if "stitch" in ln))
+    assert [r["from_store"] for r in results] == [False, True], logs
     assert results[0]["stitched"] == results[1]["stitched"] >= 1
     assert all(r["error"] < 1e-4 for r in results)
