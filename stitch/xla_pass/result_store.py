@@ -313,8 +313,9 @@ def _calls_its_kernels(module: str, kernels: list[dict]) -> None:
     called = set(_CALLED_TARGET.findall(module))
     held = {str(k["target"]) for k in kernels}
     if called != held:
-        raise _Unusable(f"the stored module calls {len(called)} stitched targets, "
-                        f"{len(called - held)} of them not among its {len(held)} kernels")
+        raise _Unusable(f"the stored module calls {len(called - held)} stitched targets none "
+                        f"of its {len(held)} kernels makes, and {len(held - called)} of "
+                        f"theirs not")
 
 
 def _with_attributes(program: str, text: str) -> str:
