@@ -156,6 +156,25 @@ def test_a_pass_with_failed_builds_is_not_stored(store_on, monkeypatch):
     assert not _compile(_softmax_ln, x, w)[0].from_store
 
 
+def test_a_module_xla_did_not_take_is_not_stored(store_on, monkeypatch):
+    """Kept only once XLA compiled the module the pass handed back: here XLA's parser
+    refuses the rewritten text, the compile goes on with XLA's own module, and the next
+    compile runs the whole pass."""
+    from stitch.xla_pass import pass_registration
+    from stitch.xla_pass.pass_request import PassError
+
+    def refused(text):
+        raise PassError("XLA's parser rejects stitch's rewritten module (test)")
+    to_proto = pass_registration.to_proto
+    monkeypatch.setattr(pass_registration, "to_proto", refused)
+    x, w = _inputs((32, 64), 5)
+    with pytest.raises(PassError, match="rejects"):
+        _compile(_softmax_ln, x, w)
+    monkeypatch.setattr(pass_registration, "to_proto", to_proto)
+    assert not _compile(_softmax_ln, x, w)[0].from_store
+    assert _compile(_softmax_ln, x, w)[0].from_store
+
+
 def test_header_attributes_are_split_and_put_back():
     text = ('HloModule m, is_scheduled=true, frontend_attributes={a="x{\\"}",'
             'stitch.request="00ff",m={mesh = #sdy.mesh<["d"=1]>}}, other={1}\nENTRY e {}\n')

@@ -312,5 +312,6 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
         if not report.placed:
             return None
         new_text = print_hlo(module, operand_shapes=True)
-    store_result(key, new_text, report)
+    # Kept only once XLA has compiled it: a module XLA rejects is not a result.
+    request.when_compiled(lambda: store_result(key, new_text, report))
     return new_text

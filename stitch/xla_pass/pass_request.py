@@ -134,6 +134,9 @@ class PassRequest:
     # (``__enter__``) so that their start-up runs during XLA's own passes; the pass takes
     # them. Elsewhere the pass starts them as it begins, during planning.
     _ptx_workers: list = field(default_factory=list, init=False, repr=False, compare=False)
+    # What the pass leaves to do once XLA has compiled the module it handed back (kept:
+    # XLA may still reject it), run by ``__exit__`` when the compile returned.
+    _on_success: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __enter__(self) -> "PassRequest":
         with _LOCK:
@@ -149,11 +152,20 @@ class PassRequest:
                 log.debug("%s: PTX children not started early: %s", self.function, exc)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         with _LOCK:
             _REQUESTS.pop(self.token, None)
         # The pass never ran (or never took them): back to the process's children.
         release_ptx_workers(self.take_ptx_workers())
+        done, self._on_success = self._on_success, []
+        if exc_type is None and self.error is None:
+            for action in done:
+                action()
+
+    def when_compiled(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once XLA has compiled the module the pass handed back (not if
+        the compile fails: XLA rejected it, or it was cancelled)."""
+        self._on_success.append(action)
 
     def take_ptx_workers(self) -> list:
         """The PTX children started for this request (the caller closes them), once."""
