@@ -13,8 +13,9 @@ versions. What is stored (``store_result``): the rewritten module's text, the re
 (counts, names, reasons, the delivery's figures) and the placed kernels' Kernel IR
 (``kir_data``), once per kernel that differs from another only by its name (a repeated
 layer's kernels share one lowering's objects, ``lowering_reuse``), with each kernel's name and
-its FFI target's name. A pass whose kernels failed to build is not stored (the failure may
-not happen again).
+its FFI target's name. It is stored once XLA has compiled the module the pass handed back
+(``PassRequest.when_compiled``), by a thread of its own; not where a kernel failed to build
+(the failure may not happen again).
 
 Replaying (``replayed``) makes every kernel's FFI target again, as the pass makes them
 (``kernel_builds.build_target``; PTX and ptxas's result, or host object code, from the
