@@ -35,7 +35,7 @@ from ..analysis.feasibility import infeasible_reason
 from ..cost.gpu_specs import GpuSpec, get_spec
 from ..cost.launch_forms import GRID_SYNC_SETTINGS
 from ..errors import Cancelled, StitchError
-from ..pricing.chain_pricing import chain_price, graph_chains
+from ..pricing.chain_pricing import chain_price, graph_chains, start_spill_checks
 from ..pricing.delta import CostModel
 from ..schedule.kernel_schedule import KernelSchedule
 from .beam import Buffer, KernelCycleError, beam_search, merge_adjacent, pack_levels
@@ -822,6 +822,12 @@ def _plan(hlo: str | HloModule, target: str, planner: str, options: ExplorerOpti
 def _fresh_plan(module: HloModule, graphs: list[OpGraph], weights: list[int], source: str,
                 spec: GpuSpec, planner: str, options: ExplorerOptions, poll: CancelPoll,
                 start: float, store: PlanCache | None, key: str | None) -> FusionPlan:
+    if options.gemm_chains and options.chain_spill_check:
+        # Each chain's ptxas check (a PTX build and ptxas: mostly waiting on a child) runs
+        # beside the explorer instead of stopping it when it prices the chain.
+        for g in graphs:
+            start_spill_checks(g, spec, tf32=options.chain_tf32,
+                               grid_sync=options.chain_grid_sync, worker=options.spill_worker)
     results = [plan_graph(g, spec, planner, source, options, w, poll)
                for g, w in zip(graphs, weights)]
     fusion_plan = FusionPlan(module.name, spec.name, planner, source, results,

@@ -10,8 +10,11 @@ each chain's search result is cached per chain dims and target (``best_schedule`
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from stitch.hlo.gemm_chains import (GemmChain, find_gemm_chains, needs_row_pass,
                                            softmax_parts)
@@ -157,9 +160,11 @@ def _compile_cache():
 
 
 def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
-                spec: GpuSpec) -> int | None:
+                spec: GpuSpec, worker: Any = None) -> int | None:
     """ptxas's spill bytes (stores + loads) of the kernel codegen builds for ``schedule`` on
-    ``spec``'s arch; None where there is no ptxas or no build (nothing to judge by)."""
+    ``spec``'s arch; None where there is no ptxas or no build (nothing to judge by).
+    ``worker``: an ``IsolatedWorker`` whose running child emits the PTX (else a fresh
+    isolated child: an interpreter, llvmlite and the NVPTX target started for one kernel)."""
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.gemm_chain import lower_gemm_chain
     from stitch.codegen.gpu_cache import CANONICAL_NAME, assemble_cached, emit_ptx_cached
@@ -176,13 +181,87 @@ def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
         # down), through the on-disk compile cache: a restarted job or another process
         # planning the same chain does not emit and assemble it again.
         cache = _compile_cache()
-        ptx = emit_ptx_cached(kernel, arch, cache=cache).ptx
+        ptx = emit_ptx_cached(kernel, arch, cache=cache, worker=worker).ptx
         report = assemble_cached(ptx, arch, cache=cache,
                                  kernel_name=CANONICAL_NAME).reports[CANONICAL_NAME]
     except (CodegenError, OSError) as exc:
         log.debug("chain %s: no ptxas check of %s (%s)", chain.first, schedule.text(), exc)
         return None
     return report.spill_store_bytes + report.spill_load_bytes
+
+
+def _searched_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec, dims: ChainDims,
+                    method: str, check_spills: bool, worker: Any = None) -> ChainPrice:
+    """The chain's price at the best schedule the search finds, spilling ones struck where
+    ``check_spills`` (``chain_price``)."""
+    from ..schedule.chain_tiling import tiling_for
+    from ..schedule.gemm_chain_space import best_schedule
+    found = best_schedule(spec, dims, method)
+    if check_spills:
+        rejected: set[GemmChainSchedule] = set()
+        for _ in range(SPILL_RETRIES):
+            spilled = spill_bytes(graph, chain, found.schedule, spec, worker=worker)
+            if not spilled:
+                break
+            log.info("chain on %s: ptxas spills %d B at %s; settling again", spec.name,
+                     spilled, found.schedule.text())
+            # Every costed schedule codegen builds as this one (stages and the A
+            # hoisting are not carried over) is the same kernel.
+            tiling = tiling_for(found.schedule, chain.h)
+            rejected.update(x for x in (found.costed or {})
+                            if tiling_for(x, chain.h) == tiling)
+            rejected.add(found.schedule)
+            try:
+                found = found.without(spec, dims, frozenset(rejected))
+            except ValueError:
+                break
+    return ChainPrice(chain, dims, found.schedule, found.cost, found.seconds,
+                      found.evaluated)
+
+
+# Prices being searched in the background (``start_spill_checks``), by chain_price's key:
+# chain_price waits for one instead of searching and building it again.
+_PENDING: dict[tuple, Future] = {}
+_PENDING_LOCK = threading.Lock()
+
+
+def start_spill_checks(graph: OpGraph, spec: GpuSpec, method: str = "markov",
+                       tf32: bool = False, grid_sync: bool = False,
+                       worker: Any = None) -> int:
+    """Start pricing each chain of ``graph`` with the ptxas spill check (``chain_price``
+    with ``check_spills``) in a background thread, so that the checks' PTX builds and ptxas
+    runs (mostly waits on a child) overlap the planner's own work until it asks for the
+    chain's price; ``worker`` emits the PTX (``spill_bytes``). The result is the one
+    ``chain_price`` computes itself, errors included (re-raised where it asks). Returns how
+    many prices were started (those priced or started before are not)."""
+    jobs: list[tuple[tuple, Future, Any]] = []
+    with _PENDING_LOCK:
+        for chain in graph_chains(graph).chains:
+            dims = chain_dims(graph, chain, tf32, grid_sync)
+            key = (dims.key, spec.name, method, True)
+            if key in _PRICES or key in _PENDING:
+                continue
+            future: Future = Future()
+            _PENDING[key] = future
+            jobs.append((key, future, (graph, chain, spec, dims, method, True, worker)))
+    if jobs:
+        threading.Thread(target=_run_spill_checks, args=(jobs,), daemon=True,
+                         name="stitch-chain-spill-checks").start()
+    return len(jobs)
+
+
+def _run_spill_checks(jobs: list[tuple[tuple, Future, Any]]) -> None:
+    for key, future, args in jobs:
+        try:
+            price = _searched_price(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever asks for the price
+            future.set_exception(exc)
+        else:
+            with _PENDING_LOCK:
+                _PRICES[key] = price
+            future.set_result(price)
+        with _PENDING_LOCK:
+            _PENDING.pop(key, None)
 
 
 def chain_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec,
@@ -193,34 +272,16 @@ def chain_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec,
     schedule is built and assembled for the target's arch, and a schedule ptxas spills is
     struck and the search settles on the next (the register model cannot see ptxas's own
     heuristics: it spilled 16-96 bytes at 64-255 registers on schedules the model puts well
-    inside the register file)."""
-    from ..schedule.chain_tiling import tiling_for
-    from ..schedule.gemm_chain_space import best_schedule
+    inside the register file). A price ``start_spill_checks`` is computing is waited for."""
     dims = chain_dims(graph, chain, tf32, grid_sync)
     key = (dims.key, spec.name, method, check_spills)
-    got = _PRICES.get(key)
+    with _PENDING_LOCK:
+        got = _PRICES.get(key)
+        pending = _PENDING.get(key) if got is None else None
+    if got is None and pending is not None:
+        got = pending.result()
     if got is None:
-        found = best_schedule(spec, dims, method)
-        if check_spills:
-            rejected: set[GemmChainSchedule] = set()
-            for _ in range(SPILL_RETRIES):
-                spilled = spill_bytes(graph, chain, found.schedule, spec)
-                if not spilled:
-                    break
-                log.info("chain on %s: ptxas spills %d B at %s; settling again", spec.name,
-                         spilled, found.schedule.text())
-                # Every costed schedule codegen builds as this one (stages and the A
-                # hoisting are not carried over) is the same kernel.
-                tiling = tiling_for(found.schedule, chain.h)
-                rejected.update(x for x in (found.costed or {})
-                                if tiling_for(x, chain.h) == tiling)
-                rejected.add(found.schedule)
-                try:
-                    found = found.without(spec, dims, frozenset(rejected))
-                except ValueError:
-                    break
-        got = _PRICES[key] = ChainPrice(chain, dims, found.schedule, found.cost,
-                                        found.seconds, found.evaluated)
+        got = _PRICES[key] = _searched_price(graph, chain, spec, dims, method, check_spills)
     return ChainPrice(chain, got.dims, got.schedule, got.cost, got.search_seconds,
                       got.evaluated)
 

@@ -135,9 +135,12 @@ def _plan_and_build_once(module: HloModule, request: PassRequest,
         # And its chain schedules are assembled by ptxas, spilling ones struck.
         # Chains split n across blocks (a launch per phase) only where STITCH_GRID_SYNC
         # lets grid-barrier kernels run.
+        # The spill checks' PTX is emitted by a PTX child, idle while the pass plans (not a
+        # fresh interpreter per check).
         options = dataclasses.replace(options, chain_tf32=True,
                                       chain_spill_check=True,
-                                      chain_grid_sync=grid_sync_on_gpu() != "off")
+                                      chain_grid_sync=grid_sync_on_gpu() != "off",
+                                      spill_worker=ptx_workers[0] if ptx_workers else None)
     if request.device == "gpu":
         # The planner prices a global-scope kernel only in the launch form this pass builds
         # it in, and none under "off" (stitch.cost.launch_forms, STITCH_GRID_SYNC).

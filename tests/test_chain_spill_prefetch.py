@@ -1,0 +1,128 @@
+"""The chain spill checks started as planning begins (stitch.pricing.chain_pricing
+.start_spill_checks): the price the planner gets is the one chain_price computes itself
+(schedules ptxas spills struck, errors raised where it asks), each check runs once, and the
+worker that emits the PTX is not part of the plan's identity."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from stitch.cost.gpu_specs import get_spec
+from stitch.explorer.options import ExplorerOptions
+from stitch.explorer.plan_cache import plan_key
+from stitch.hlo.gemm_chains import find_gemm_chains
+from stitch.hlo.graph import build_op_graphs
+from stitch.hlo.parser import parse_hlo
+from stitch.pricing import chain_pricing
+from stitch.pricing.chain_pricing import chain_price, start_spill_checks
+from stitch.schedule.chain_tiling import tiling_for
+from tests.fixtures import DATA
+
+CHAINS = [("attention_mlp_mixer_b", "h100"), ("attention_bert_base", "a100")]
+
+
+def _chain(model: str, target: str):
+    graph = build_op_graphs(parse_hlo((DATA / model / f"full.gpu-{target}.hlo").read_text()))[0]
+    (chain,) = find_gemm_chains(graph)
+    return graph, chain
+
+
+@pytest.fixture(autouse=True)
+def _fresh_prices():
+    chain_pricing._PRICES.clear()
+    yield
+    chain_pricing._PRICES.clear()
+    assert not chain_pricing._PENDING
+
+
+class _RandomSpills:
+    """A stand-in for ptxas: a random half of the tilings spill (fixed per instance)."""
+
+    def __init__(self, chain) -> None:
+        self.chain = chain
+        self.rng = random.Random()
+        self.verdicts: dict = {}
+        self.built: list = []
+        self.workers: list = []
+        self.lock = threading.Lock()
+
+    def __call__(self, graph, chain, schedule, spec, worker=None):
+        tiling = tiling_for(schedule, chain.h)
+        with self.lock:
+            self.built.append(schedule)
+            self.workers.append(worker)
+            if tiling not in self.verdicts:
+                self.verdicts[tiling] = self.rng.choice((0, 0, 32, 96))
+            return self.verdicts[tiling]
+
+
+@pytest.mark.parametrize("model,target", CHAINS)
+def test_prefetched_price_equals_the_one_chain_price_computes(monkeypatch, model, target):
+    graph, chain = _chain(model, target)
+    spec = get_spec(target)
+    spills = _RandomSpills(chain)
+    monkeypatch.setattr(chain_pricing, "spill_bytes", spills)
+    reference = chain_price(graph, chain, spec, tf32=True, check_spills=True, grid_sync=True)
+    reference_builds = list(spills.built)
+    chain_pricing._PRICES.clear()
+    spills.built.clear()
+    worker = object()
+    assert start_spill_checks(graph, spec, tf32=True, grid_sync=True, worker=worker) == 1
+    got = chain_price(graph, chain, spec, tf32=True, check_spills=True, grid_sync=True)
+    assert (got.schedule, got.cost, got.dims) == \
+        (reference.schedule, reference.cost, reference.dims)
+    assert spills.built == reference_builds          # each schedule built once, same order
+    assert set(spills.workers) == {None, worker}     # the reference had no worker
+    # Priced now: a second start begins nothing.
+    assert start_spill_checks(graph, spec, tf32=True, grid_sync=True, worker=worker) == 0
+
+
+def test_chain_price_waits_for_the_check_in_flight(monkeypatch):
+    graph, chain = _chain(*CHAINS[0])
+    spec = get_spec(CHAINS[0][1])
+    release = threading.Event()
+    calls: list = []
+
+    def slow_spills(graph_, chain_, schedule, spec_, worker=None):
+        calls.append(schedule)
+        assert release.wait(30)
+        return 0
+
+    monkeypatch.setattr(chain_pricing, "spill_bytes", slow_spills)
+    start_spill_checks(graph, spec, tf32=True)
+    timer = threading.Timer(0.2, release.set)
+    timer.start()
+    got = chain_price(graph, chain, spec, tf32=True, check_spills=True)
+    timer.join()
+    assert len(calls) == 1                 # not built again by the asking thread
+    unchecked = chain_price(graph, chain, spec, tf32=True, check_spills=False)
+    assert got.schedule == unchecked.schedule
+
+
+def test_an_error_in_the_background_check_reaches_the_asking_planner(monkeypatch):
+    graph, chain = _chain(*CHAINS[1])
+    spec = get_spec(CHAINS[1][1])
+    marker = f"ptxas stand-in failed {random.random()}"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(marker)
+
+    monkeypatch.setattr(chain_pricing, "spill_bytes", broken)
+    with pytest.raises(RuntimeError, match="stand-in") as synchronous:
+        chain_price(graph, chain, spec, tf32=True, check_spills=True)
+    start_spill_checks(graph, spec, tf32=True)
+    with pytest.raises(RuntimeError, match="stand-in") as background:
+        chain_price(graph, chain, spec, tf32=True, check_spills=True)
+    assert str(background.value) == str(synchronous.value) == marker
+
+
+def test_the_spill_worker_is_not_part_of_the_plan_key():
+    options = ExplorerOptions(chain_tf32=True, chain_spill_check=True)
+    with_worker = ExplorerOptions(chain_tf32=True, chain_spill_check=True,
+                                  spill_worker=object())
+    assert plan_key("m", "v", "h100", "beam", options) == \
+        plan_key("m", "v", "h100", "beam", with_worker)
+    assert plan_key("m", "v", "h100", "beam", options) != \
+        plan_key("m", "v", "h100", "beam", ExplorerOptions(chain_tf32=True))
