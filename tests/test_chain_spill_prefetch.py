@@ -126,3 +126,72 @@ def test_the_spill_worker_is_not_part_of_the_plan_key():
         plan_key("m", "v", "h100", "beam", with_worker)
     assert plan_key("m", "v", "h100", "beam", options) != \
         plan_key("m", "v", "h100", "beam", ExplorerOptions(chain_tf32=True))
+
+
+def _signature(plan) -> list:
+    return [[(k.name, k.kind, sorted(k.members), repr(k.cost), repr(k.chain_schedule),
+              repr(k.schedule)) for k in g.stitched.kernels] for g in plan.graphs]
+
+
+def _plan_with_checks(monkeypatch, hlo: str, target: str, verdict, background: bool):
+    """The module planned with the ptxas check ``verdict(schedule)`` (spill bytes):
+    synchronously where the planner asks (the reference), or in the background with the
+    planner guessing until it is done (the check held back until the guessed plan is made,
+    so the guesses are always taken)."""
+    import stitch
+    from stitch.explorer import planner
+    guessed = threading.Event()
+    asked: list = []
+
+    def spills(graph_, chain_, schedule, spec_, worker=None):
+        asked.append(schedule)
+        if background:
+            assert guessed.wait(60)
+        return verdict(tiling_for(schedule, chain_.h))
+
+    def held(guesses):
+        asked.append(len(guesses))
+        guessed.set()
+        return real_held(guesses)
+
+    real_held = planner.guesses_held
+    with monkeypatch.context() as patched:
+        patched.setattr(chain_pricing, "spill_bytes", spills)
+        patched.setattr(planner, "guesses_held", held)
+        if not background:
+            patched.setattr(planner, "start_spill_checks", lambda *a, **k: 0)
+        chain_pricing._PRICES.clear()
+        plan = stitch.plan(hlo, target, options=ExplorerOptions(chain_tf32=True,
+                                                                chain_spill_check=True))
+        chain_pricing._PRICES.clear()
+    return plan, asked
+
+
+@pytest.mark.parametrize("strike", [False, True])
+def test_a_plan_made_beside_the_checks_is_the_checked_plan(monkeypatch, strike):
+    """Planned while the checks run, the plan equals the one planned waiting for them: with
+    the guess right (no spill), and with ptxas striking the guessed schedule (the graph is
+    planned again)."""
+    model, target = CHAINS[0]
+    hlo = (DATA / model / f"full.gpu-{target}.hlo").read_text()
+    graph, chain = _chain(model, target)
+    spec = get_spec(target)
+    searched = chain_price(graph, chain, spec, tf32=True, check_spills=False)
+    struck = tiling_for(searched.schedule, chain.h)
+    rng = random.Random()
+    spilled = rng.choice([16, 64, 96])
+
+    def verdict(tiling):
+        return spilled if strike and tiling == struck else 0
+
+    reference, asked_ref = _plan_with_checks(monkeypatch, hlo, target, verdict, False)
+    got, asked = _plan_with_checks(monkeypatch, hlo, target, verdict, True)
+    assert _signature(got) == _signature(reference)
+    kernels = [k for g in got.graphs for k in g.stitched.kernels if k.kind == "gemm_chain"]
+    assert (tiling_for(kernels[0].chain_schedule, chain.h) != struck) is strike if kernels \
+        else True
+    # The planner guessed (the check was held back) and the schedules built are the
+    # reference's.
+    assert [a for a in asked if isinstance(a, int)][0] >= 1
+    assert [a for a in asked if not isinstance(a, int)] == \
+        [a for a in asked_ref if not isinstance(a, int)]

@@ -35,7 +35,8 @@ from ..analysis.feasibility import infeasible_reason
 from ..cost.gpu_specs import GpuSpec, get_spec
 from ..cost.launch_forms import GRID_SYNC_SETTINGS
 from ..errors import Cancelled, StitchError
-from ..pricing.chain_pricing import chain_price, graph_chains, start_spill_checks
+from ..pricing.chain_pricing import (chain_price, graph_chains, guesses_held, speculating,
+                                     start_spill_checks)
 from ..pricing.delta import CostModel
 from ..schedule.kernel_schedule import KernelSchedule
 from .beam import Buffer, KernelCycleError, beam_search, merge_adjacent, pack_levels
@@ -681,6 +682,22 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     return GraphResult(graph, baseline, best, report, candidates.found.reasons)
 
 
+def _planned_beside_checks(graph: OpGraph, spec: GpuSpec, planner: str, source: str,
+                           options: ExplorerOptions, weight: int, poll: CancelPoll
+                           ) -> GraphResult:
+    """``plan_graph`` while the chains' ptxas checks still run: a chain whose check is not
+    done is priced at its searched schedule, as if ptxas found no spill (what it mostly
+    finds). Where a check then struck that schedule, the graph is planned again with the
+    checked prices: the plan is always the one the checked prices make."""
+    with speculating() as guesses:
+        result = plan_graph(graph, spec, planner, source, options, weight, poll)
+    if guesses_held(guesses):
+        return result
+    log.info("graph %s: ptxas struck a chain schedule it was planned with; planning it "
+             "again with the checked one", graph.name)
+    return plan_graph(graph, spec, planner, source, options, weight, poll)
+
+
 def _cache_key(module: HloModule, target: str, planner: str,
                options: ExplorerOptions) -> str | None:
     from .plan_cache import code_version
@@ -822,13 +839,15 @@ def _plan(hlo: str | HloModule, target: str, planner: str, options: ExplorerOpti
 def _fresh_plan(module: HloModule, graphs: list[OpGraph], weights: list[int], source: str,
                 spec: GpuSpec, planner: str, options: ExplorerOptions, poll: CancelPoll,
                 start: float, store: PlanCache | None, key: str | None) -> FusionPlan:
-    if options.gemm_chains and options.chain_spill_check:
+    checks = options.gemm_chains and options.chain_spill_check
+    if checks:
         # Each chain's ptxas check (a PTX build and ptxas: mostly waiting on a child) runs
-        # beside the explorer instead of stopping it when it prices the chain.
+        # beside the planner instead of stopping it where it prices the chain.
         for g in graphs:
             start_spill_checks(g, spec, tf32=options.chain_tf32,
                                grid_sync=options.chain_grid_sync, worker=options.spill_worker)
-    results = [plan_graph(g, spec, planner, source, options, w, poll)
+    results = [_planned_beside_checks(g, spec, planner, source, options, w, poll) if checks
+               else plan_graph(g, spec, planner, source, options, w, poll)
                for g, w in zip(graphs, weights)]
     fusion_plan = FusionPlan(module.name, spec.name, planner, source, results,
                              time.perf_counter() - start, cache_key=key)

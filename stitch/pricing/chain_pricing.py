@@ -9,12 +9,13 @@ each chain's search result is cached per chain dims and target (``best_schedule`
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from stitch.hlo.gemm_chains import (GemmChain, find_gemm_chains, needs_row_pass,
                                            softmax_parts)
@@ -191,12 +192,16 @@ def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
 
 
 def _searched_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec, dims: ChainDims,
-                    method: str, check_spills: bool, worker: Any = None) -> ChainPrice:
+                    method: str, check_spills: bool, worker: Any = None,
+                    searched: Future | None = None) -> ChainPrice:
     """The chain's price at the best schedule the search finds, spilling ones struck where
-    ``check_spills`` (``chain_price``)."""
+    ``check_spills`` (``chain_price``). ``searched`` gets the search's own result (before
+    any spill check) as soon as it is there."""
     from ..schedule.chain_tiling import tiling_for
     from ..schedule.gemm_chain_space import best_schedule
     found = best_schedule(spec, dims, method)
+    if searched is not None:
+        searched.set_result(found)
     if check_spills:
         rejected: set[GemmChainSchedule] = set()
         for _ in range(SPILL_RETRIES):
@@ -219,10 +224,19 @@ def _searched_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec, dims: Chain
                       found.evaluated)
 
 
-# Prices being searched in the background (``start_spill_checks``), by chain_price's key:
-# chain_price waits for one instead of searching and building it again.
-_PENDING: dict[tuple, Future] = {}
+@dataclass(frozen=True)
+class _Check:
+    """A chain's price being computed in the background (``start_spill_checks``)."""
+    searched: Future        # the search's result, before the spill check
+    priced: Future          # the ChainPrice, spill check done
+
+
+# Prices being searched and checked in the background, by chain_price's key: chain_price
+# waits for one instead of searching and building it again.
+_PENDING: dict[tuple, _Check] = {}
 _PENDING_LOCK = threading.Lock()
+# Per thread: the guesses chain_price made inside ``speculating`` (None outside it).
+_SPECULATION = threading.local()
 
 
 def start_spill_checks(graph: OpGraph, spec: GpuSpec, method: str = "markov",
@@ -230,38 +244,67 @@ def start_spill_checks(graph: OpGraph, spec: GpuSpec, method: str = "markov",
                        worker: Any = None) -> int:
     """Start pricing each chain of ``graph`` with the ptxas spill check (``chain_price``
     with ``check_spills``) in a background thread, so that the checks' PTX builds and ptxas
-    runs (mostly waits on a child) overlap the planner's own work until it asks for the
-    chain's price; ``worker`` emits the PTX (``spill_bytes``). The result is the one
-    ``chain_price`` computes itself, errors included (re-raised where it asks). Returns how
-    many prices were started (those priced or started before are not)."""
-    jobs: list[tuple[tuple, Future, Any]] = []
+    runs (mostly waits on a child) overlap the planner's own work; ``worker`` emits the PTX
+    (``spill_bytes``). The result is the one ``chain_price`` computes itself, errors
+    included (raised where it asks). Returns how many prices were started (those priced or
+    started before are not)."""
+    jobs: list[tuple[tuple, _Check, tuple]] = []
     with _PENDING_LOCK:
         for chain in graph_chains(graph).chains:
             dims = chain_dims(graph, chain, tf32, grid_sync)
             key = (dims.key, spec.name, method, True)
             if key in _PRICES or key in _PENDING:
                 continue
-            future: Future = Future()
-            _PENDING[key] = future
-            jobs.append((key, future, (graph, chain, spec, dims, method, True, worker)))
+            check = _PENDING[key] = _Check(Future(), Future())
+            jobs.append((key, check, (graph, chain, spec, dims, method, True, worker)))
     if jobs:
         threading.Thread(target=_run_spill_checks, args=(jobs,), daemon=True,
                          name="stitch-chain-spill-checks").start()
     return len(jobs)
 
 
-def _run_spill_checks(jobs: list[tuple[tuple, Future, Any]]) -> None:
-    for key, future, args in jobs:
+def _run_spill_checks(jobs: list[tuple[tuple, _Check, tuple]]) -> None:
+    for key, check, args in jobs:
         try:
-            price = _searched_price(*args)
+            price = _searched_price(*args, searched=check.searched)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever asks for the price
-            future.set_exception(exc)
+            if not check.searched.done():
+                check.searched.set_exception(exc)
+            check.priced.set_exception(exc)
         else:
             with _PENDING_LOCK:
                 _PRICES[key] = price
-            future.set_result(price)
+            check.priced.set_result(price)
         with _PENDING_LOCK:
             _PENDING.pop(key, None)
+
+
+@contextlib.contextmanager
+def speculating() -> Iterator[list[tuple[_Check, ChainPrice]]]:
+    """Within it (this thread), ``chain_price`` answers a price whose spill check is still
+    running with the searched schedule's price, as if ptxas found no spill, instead of
+    waiting; the list gets each guess. ``guesses_held`` then says whether every guess was
+    the checked price (else whatever was decided with them must be decided again)."""
+    outer = getattr(_SPECULATION, "guesses", None)
+    guesses: list[tuple[_Check, ChainPrice]] = []
+    _SPECULATION.guesses = guesses
+    try:
+        yield guesses
+    finally:
+        _SPECULATION.guesses = outer
+
+
+def guesses_held(guesses: list[tuple[_Check, ChainPrice]]) -> bool:
+    """Whether each guess ``speculating`` let chain_price make is the price the spill check
+    settled on (waits for the checks; a check that failed did not hold)."""
+    for check, guess in guesses:
+        try:
+            checked = check.priced.result()
+        except Exception:  # noqa: BLE001 - asked again without guessing, it raises there
+            return False
+        if (checked.schedule, checked.cost) != (guess.schedule, guess.cost):
+            return False
+    return True
 
 
 def chain_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec,
@@ -272,14 +315,22 @@ def chain_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec,
     schedule is built and assembled for the target's arch, and a schedule ptxas spills is
     struck and the search settles on the next (the register model cannot see ptxas's own
     heuristics: it spilled 16-96 bytes at 64-255 registers on schedules the model puts well
-    inside the register file). A price ``start_spill_checks`` is computing is waited for."""
+    inside the register file). A price ``start_spill_checks`` is computing is waited for,
+    or, inside ``speculating``, guessed."""
     dims = chain_dims(graph, chain, tf32, grid_sync)
     key = (dims.key, spec.name, method, check_spills)
     with _PENDING_LOCK:
         got = _PRICES.get(key)
         pending = _PENDING.get(key) if got is None else None
     if got is None and pending is not None:
-        got = pending.result()
+        guesses = getattr(_SPECULATION, "guesses", None)
+        if guesses is not None and not pending.priced.done():
+            found = pending.searched.result()       # raises as the search does
+            guess = ChainPrice(chain, dims, found.schedule, found.cost, found.seconds,
+                               found.evaluated)
+            guesses.append((pending, guess))
+            return guess
+        got = pending.priced.result()
     if got is None:
         got = _PRICES[key] = _searched_price(graph, chain, spec, dims, method, check_spills)
     return ChainPrice(chain, got.dims, got.schedule, got.cost, got.search_seconds,
