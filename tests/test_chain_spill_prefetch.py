@@ -195,3 +195,28 @@ def test_a_plan_made_beside_the_checks_is_the_checked_plan(monkeypatch, strike):
     assert [a for a in asked if isinstance(a, int)][0] >= 1
     assert [a for a in asked if not isinstance(a, int)] == \
         [a for a in asked_ref if not isinstance(a, int)]
+
+
+def test_the_gpu_pass_hands_one_of_its_ptx_children_to_the_spill_checks(monkeypatch):
+    from stitch.codegen.isolation import IsolatedWorker
+    from stitch.explorer import planner
+    from stitch.xla_pass import pass_planning
+    from stitch.xla_pass.pass_request import PassRequest
+    seen: list = []
+
+    def planned(module, target, options=None, **kwargs):
+        seen.append(options)
+        raise RuntimeError("stop after planning was asked")
+
+    monkeypatch.setattr(planner, "plan", planned)
+    # One child: the process keeps the children it started for later compiles, and other
+    # tests count on the one they find.
+    monkeypatch.setenv("STITCH_BUILD_THREADS", "1")
+    module = parse_hlo((DATA / CHAINS[0][0] / f"full.gpu-{CHAINS[0][1]}.hlo").read_text())
+    with PassRequest("f", "h100", "gpu", compile_only=True) as request:
+        with pytest.raises(RuntimeError, match="stop after"):
+            pass_planning.stitch_module(module, request)
+    (options,) = seen
+    if pass_planning.GPU_CHAIN_TF32:
+        assert options.chain_spill_check
+        assert isinstance(options.spill_worker, IsolatedWorker)
