@@ -220,3 +220,54 @@ def test_the_gpu_pass_hands_one_of_its_ptx_children_to_the_spill_checks(monkeypa
     if pass_planning.GPU_CHAIN_TF32:
         assert options.chain_spill_check
         assert isinstance(options.spill_worker, IsolatedWorker)
+
+
+@pytest.mark.parametrize("strike", [False, True])
+def test_a_plan_that_did_not_wait_is_kept_only_once_its_guesses_held(monkeypatch, tmp_path,
+                                                                     strike):
+    """defer_spill_checks (the GPU pass): planning returns before the checks end; the plan
+    cache keeps the plan only once ``checks_held`` found every guess right, and where ptxas
+    struck one, planning again gives the plan the checked prices make."""
+    import os
+
+    import stitch
+    from stitch.explorer.plan_cache import PlanCache
+    model, target = CHAINS[0]
+    hlo = (DATA / model / f"full.gpu-{target}.hlo").read_text()
+    graph, chain = _chain(model, target)
+    searched = chain_price(graph, chain, get_spec(target), tf32=True, check_spills=False)
+    struck = tiling_for(searched.schedule, chain.h)
+    spilled = random.choice([16, 64, 96])
+
+    def verdict(tiling):
+        return spilled if strike and tiling == struck else 0
+
+    reference, _ = _plan_with_checks(monkeypatch, hlo, target, verdict, False)
+    release = threading.Event()
+
+    def held_back(graph_, chain_, schedule, spec_, worker=None):
+        assert release.wait(60)
+        return verdict(tiling_for(schedule, chain_.h))
+
+    os.chmod(tmp_path, 0o700)
+    store = PlanCache(tmp_path)
+    options = ExplorerOptions(chain_tf32=True, chain_spill_check=True, defer_spill_checks=True)
+    chain_pricing._PRICES.clear()
+    with monkeypatch.context() as patched:
+        patched.setattr(chain_pricing, "spill_bytes", held_back)
+        got = stitch.plan(hlo, target, options=options, cache=store)
+        assert got.pending_checks is not None        # returned with the check held back
+        assert not store.memory and not list(tmp_path.glob("*.json"))
+        release.set()
+        assert got.checks_held() is (not strike)
+        assert got.checks_held() is (not strike)     # asked again: the same answer
+    if strike:
+        assert not store.memory and not list(tmp_path.glob("*.json"))
+        assert _signature(got) != _signature(reference)
+        again = stitch.plan(hlo, target, options=options, cache=store)
+        assert again.pending_checks is None and again.checks_held()
+        assert _signature(again) == _signature(reference)
+    else:
+        assert list(store.memory) == [got.cache_key] and list(tmp_path.glob("*.json"))
+        assert _signature(got) == _signature(reference)
+    chain_pricing._PRICES.clear()

@@ -69,6 +69,11 @@ class ExplorerOptions:
     # children. None: each check starts a child of its own when the planner asks. Not part
     # of the plan cache key.
     spill_worker: Any = field(default=None, compare=False)
+    # Planning does not wait for spill checks still running when it ends: the plan comes
+    # back with ``FusionPlan.pending_checks`` (the caller asks ``checks_held()`` before it
+    # uses the plan for good; the plan cache keeps it only then). The GPU pass asks once
+    # its kernels are lowered. Not part of the plan cache key.
+    defer_spill_checks: bool = field(default=False, compare=False)
     # Scatters and gathers over proved sorted fixed-length segments planned as row
     # reductions and broadcasts (stitch.hlo.segments_as_rows; modules XLA has not optimized
     # only).

@@ -294,6 +294,11 @@ def speculating() -> Iterator[list[tuple[_Check, ChainPrice]]]:
         _SPECULATION.guesses = outer
 
 
+def guesses_done(guesses: list[tuple[_Check, ChainPrice]]) -> bool:
+    """Whether every check behind ``guesses`` has finished (``guesses_held`` waits for none)."""
+    return all(check.priced.done() for check, _ in guesses)
+
+
 def guesses_held(guesses: list[tuple[_Check, ChainPrice]]) -> bool:
     """Whether each guess ``speculating`` let chain_price make is the price the spill check
     settled on (waits for the checks; a check that failed did not hold)."""

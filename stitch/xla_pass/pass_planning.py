@@ -141,7 +141,8 @@ def _plan_and_build_once(module: HloModule, request: PassRequest,
         options = dataclasses.replace(options, chain_tf32=True,
                                       chain_spill_check=True,
                                       chain_grid_sync=grid_sync_on_gpu() != "off",
-                                      spill_worker=ptx_workers[0] if ptx_workers else None)
+                                      spill_worker=ptx_workers[0] if ptx_workers else None,
+                                      defer_spill_checks=True)
     if request.device == "gpu":
         # The planner prices a global-scope kernel only in the launch form this pass builds
         # it in, and none under "off" (stitch.cost.launch_forms, STITCH_GRID_SYNC).
@@ -182,6 +183,13 @@ def _plan_and_build_once(module: HloModule, request: PassRequest,
     _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
                    built, launching, ptx_workers, rows, xla_kernels, priced)
     timings["build_s"] = time.perf_counter() - t1
+    if not fusion_plan.checks_held():
+        # Planned beside the chains' ptxas checks (defer_spill_checks), and one struck a
+        # schedule the plan guessed: ``module`` is still as XLA gave it (nothing placed);
+        # planned again, the checked prices are known.
+        log.info("%s: ptxas struck a chain schedule the plan guessed; planning again",
+                 module.name)
+        return _plan_and_build_once(module, request, timings, ptx_workers)
     rewrite = replace_kernels(module, graphs, placed, views)
     report.placed = rewrite.placed
     report.skipped.extend(rewrite.skipped)
