@@ -83,7 +83,7 @@ def test_spilling_schedule_is_struck_and_the_search_settles_again(monkeypatch):
     bad = tiling_for(unchecked.schedule, chain.h)
     built: list = []
 
-    def fake_spills(graph_, chain_, schedule, spec_):
+    def fake_spills(graph_, chain_, schedule, spec_, worker=None):
         built.append(schedule)
         return 64 if tiling_for(schedule, chain_.h) == bad else 0
 
@@ -101,7 +101,7 @@ def test_spill_check_keeps_a_clean_schedule(monkeypatch):
     spec = get_spec("a100")
     chain_pricing._PRICES.clear()
     unchecked = chain_price(graph, chain, spec, tf32=True, check_spills=False)
-    monkeypatch.setattr(chain_pricing, "spill_bytes", lambda *args: 0)
+    monkeypatch.setattr(chain_pricing, "spill_bytes", lambda *args, **kwargs: 0)
     checked = chain_price(graph, chain, spec, tf32=True, check_spills=True)
     chain_pricing._PRICES.clear()
     assert checked.schedule == unchecked.schedule

@@ -30,6 +30,19 @@ class FusionPlan:
     # Its plan cache key (None: planned uncached) and whether the cache handed it back.
     cache_key: str | None = field(default=None, compare=False, repr=False)
     from_cache: bool = field(default=False, compare=False, repr=False)
+    # Planned beside chain spill checks it did not wait for (``ExplorerOptions.
+    # defer_spill_checks``): waits for them, True where every guess held.
+    pending_checks: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
+
+    def checks_held(self) -> bool:
+        """Whether the plan is the one the chain spill checks' prices make (waiting for
+        checks still running; the plan cache keeps the plan once they held). False: plan
+        the module again (the checked prices are known by now)."""
+        if self.pending_checks is not None:
+            held = self.pending_checks()
+            self.pending_checks = None if held else (lambda: False)
+            return held
+        return True
 
     @property
     def kernels(self) -> list[PlannedKernel]:

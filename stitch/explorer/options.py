@@ -3,7 +3,7 @@ candidate plans, and which kernel forms the target builds."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 
 @dataclass
@@ -63,6 +63,17 @@ class ExplorerOptions:
     # makes stitch.plan raise PlanCancelled (stitch.explorer.cancel). Not part of the
     # plan cache key.
     cancel: Callable[[], bool] | None = field(default=None, compare=False)
+    # An ``IsolatedWorker`` (stitch.codegen.isolation) whose running child emits the PTX of
+    # the chain spill checks (chain_spill_check), which then start as planning begins and
+    # run beside it (chain_pricing.start_spill_checks); the GPU pass hands one of its PTX
+    # children. None: each check starts a child of its own when the planner asks. Not part
+    # of the plan cache key.
+    spill_worker: Any = field(default=None, compare=False)
+    # Planning does not wait for spill checks still running when it ends: the plan comes
+    # back with ``FusionPlan.pending_checks`` (the caller asks ``checks_held()`` before it
+    # uses the plan for good; the plan cache keeps it only then). The GPU pass asks once
+    # its kernels are lowered. Not part of the plan cache key.
+    defer_spill_checks: bool = field(default=False, compare=False)
     # Scatters and gathers over proved sorted fixed-length segments planned as row
     # reductions and broadcasts (stitch.hlo.segments_as_rows; modules XLA has not optimized
     # only).

@@ -2,7 +2,8 @@
 
 Key: sha256 over the module fingerprint (sha256 of the printed module), the stitch version
 (release + a digest of its planning source, ``code_version``),
-the target, the planner and its options (all ``ExplorerOptions`` fields but ``cancel``).
+the target, the planner and its options (all ``ExplorerOptions`` fields but ``cancel`` and
+``spill_worker``).
 Entries live in memory (the FusionPlan itself) and on disk as JSON under
 ``$STITCH_CACHE_DIR/plans/`` (default ``$XDG_CACHE_HOME/stitch/plans``): per op graph, the
 stitched plan's kernel member sets and origins in launch order and, where they have a data
@@ -88,7 +89,7 @@ def module_fingerprint(module: HloModule) -> str:
 
 def options_key(options: ExplorerOptions) -> dict:
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-            if f.name != "cancel"}
+            if f.compare}       # not cancel, spill_worker: how, not what, to plan
 
 
 def code_version() -> str:

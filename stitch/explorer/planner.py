@@ -35,7 +35,8 @@ from ..analysis.feasibility import infeasible_reason
 from ..cost.gpu_specs import GpuSpec, get_spec
 from ..cost.launch_forms import GRID_SYNC_SETTINGS
 from ..errors import Cancelled, StitchError
-from ..pricing.chain_pricing import chain_price, graph_chains
+from ..pricing.chain_pricing import (chain_price, graph_chains, guesses_done, guesses_held,
+                                     speculating, start_spill_checks)
 from ..pricing.delta import CostModel
 from ..schedule.kernel_schedule import KernelSchedule
 from .beam import Buffer, KernelCycleError, beam_search, merge_adjacent, pack_levels
@@ -681,6 +682,29 @@ def plan_graph(graph: OpGraph, spec: GpuSpec, planner: str, baseline_source: str
     return GraphResult(graph, baseline, best, report, candidates.found.reasons)
 
 
+def _planned_beside_checks(graph: OpGraph, spec: GpuSpec, planner: str, source: str,
+                           options: ExplorerOptions, weight: int, poll: CancelPoll
+                           ) -> tuple[GraphResult, list]:
+    """``plan_graph`` while the chains' ptxas checks still run: a chain whose check is not
+    done is priced at its searched schedule, as if ptxas found no spill (what it mostly
+    finds); the guesses made (``chain_pricing.speculating``) come with the result."""
+    with speculating() as guesses:
+        result = plan_graph(graph, spec, planner, source, options, weight, poll)
+    return result, guesses
+
+
+def _checked(result: GraphResult, guesses: list, graph: OpGraph, spec: GpuSpec, planner: str,
+             source: str, options: ExplorerOptions, weight: int, poll: CancelPoll
+             ) -> GraphResult:
+    """``result`` where each of its guesses held (waiting for the checks), else the graph
+    planned again with the checked prices: the plan is always the one they make."""
+    if guesses_held(guesses):
+        return result
+    log.info("graph %s: ptxas struck a chain schedule it was planned with; planning it "
+             "again with the checked one", graph.name)
+    return plan_graph(graph, spec, planner, source, options, weight, poll)
+
+
 def _cache_key(module: HloModule, target: str, planner: str,
                options: ExplorerOptions) -> str | None:
     from .plan_cache import code_version
@@ -822,14 +846,45 @@ def _plan(hlo: str | HloModule, target: str, planner: str, options: ExplorerOpti
 def _fresh_plan(module: HloModule, graphs: list[OpGraph], weights: list[int], source: str,
                 spec: GpuSpec, planner: str, options: ExplorerOptions, poll: CancelPoll,
                 start: float, store: PlanCache | None, key: str | None) -> FusionPlan:
-    results = [plan_graph(g, spec, planner, source, options, w, poll)
-               for g, w in zip(graphs, weights)]
+    checks = options.gemm_chains and options.chain_spill_check
+    if checks:
+        # Each chain's ptxas check (a PTX build and ptxas: mostly waiting on a child) runs
+        # beside the planner instead of stopping it where it prices the chain.
+        for g in graphs:
+            start_spill_checks(g, spec, tf32=options.chain_tf32,
+                               grid_sync=options.chain_grid_sync, worker=options.spill_worker)
+    results = []
+    unchecked: list = []        # guesses left for the caller to confirm (defer_spill_checks)
+    for g, w in zip(graphs, weights):
+        if not checks:
+            results.append(plan_graph(g, spec, planner, source, options, w, poll))
+            continue
+        result, guesses = _planned_beside_checks(g, spec, planner, source, options, w, poll)
+        if guesses_done(guesses) or not options.defer_spill_checks:
+            result = _checked(result, guesses, g, spec, planner, source, options, w, poll)
+        else:
+            unchecked += guesses
+        results.append(result)
     fusion_plan = FusionPlan(module.name, spec.name, planner, source, results,
                              time.perf_counter() - start, cache_key=key)
-    if store is not None and key is not None:
-        store.misses += 1
-        store.remember(key, fusion_plan)
-        store.write(key, plan_entry(fusion_plan, key))
+
+    def keep() -> None:
+        if store is not None and key is not None:
+            store.misses += 1
+            store.remember(key, fusion_plan)
+            store.write(key, plan_entry(fusion_plan, key))
+
+    def kept_if_held() -> bool:
+        held = guesses_held(unchecked)
+        if held:
+            keep()
+        return held
+
+    if unchecked:
+        # Kept in the plan cache once the caller found the guesses held.
+        fusion_plan.pending_checks = kept_if_held
+    else:
+        keep()
     log.debug("planned %s for %s with %s in %.2f s: %s", module.name, spec.name, planner,
              fusion_plan.seconds, fusion_plan.summary())
     return fusion_plan

@@ -9,9 +9,13 @@ each chain's search result is cached per chain dims and target (``best_schedule`
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 from stitch.hlo.gemm_chains import (GemmChain, find_gemm_chains, needs_row_pass,
                                            softmax_parts)
@@ -157,9 +161,11 @@ def _compile_cache():
 
 
 def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
-                spec: GpuSpec) -> int | None:
+                spec: GpuSpec, worker: Any = None) -> int | None:
     """ptxas's spill bytes (stores + loads) of the kernel codegen builds for ``schedule`` on
-    ``spec``'s arch; None where there is no ptxas or no build (nothing to judge by)."""
+    ``spec``'s arch; None where there is no ptxas or no build (nothing to judge by).
+    ``worker``: an ``IsolatedWorker`` whose running child emits the PTX (else a fresh
+    isolated child: an interpreter, llvmlite and the NVPTX target started for one kernel)."""
     from stitch.codegen.errors import CodegenError
     from stitch.codegen.gemm_chain import lower_gemm_chain
     from stitch.codegen.gpu_cache import CANONICAL_NAME, assemble_cached, emit_ptx_cached
@@ -176,13 +182,134 @@ def spill_bytes(graph: OpGraph, chain: GemmChain, schedule: GemmChainSchedule,
         # down), through the on-disk compile cache: a restarted job or another process
         # planning the same chain does not emit and assemble it again.
         cache = _compile_cache()
-        ptx = emit_ptx_cached(kernel, arch, cache=cache).ptx
+        ptx = emit_ptx_cached(kernel, arch, cache=cache, worker=worker).ptx
         report = assemble_cached(ptx, arch, cache=cache,
                                  kernel_name=CANONICAL_NAME).reports[CANONICAL_NAME]
     except (CodegenError, OSError) as exc:
         log.debug("chain %s: no ptxas check of %s (%s)", chain.first, schedule.text(), exc)
         return None
     return report.spill_store_bytes + report.spill_load_bytes
+
+
+def _searched_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec, dims: ChainDims,
+                    method: str, check_spills: bool, worker: Any = None,
+                    searched: Future | None = None) -> ChainPrice:
+    """The chain's price at the best schedule the search finds, spilling ones struck where
+    ``check_spills`` (``chain_price``). ``searched`` gets the search's own result (before
+    any spill check) as soon as it is there."""
+    from ..schedule.chain_tiling import tiling_for
+    from ..schedule.gemm_chain_space import best_schedule
+    found = best_schedule(spec, dims, method)
+    if searched is not None:
+        searched.set_result(found)
+    if check_spills:
+        rejected: set[GemmChainSchedule] = set()
+        for _ in range(SPILL_RETRIES):
+            spilled = spill_bytes(graph, chain, found.schedule, spec, worker=worker)
+            if not spilled:
+                break
+            log.info("chain on %s: ptxas spills %d B at %s; settling again", spec.name,
+                     spilled, found.schedule.text())
+            # Every costed schedule codegen builds as this one (stages and the A
+            # hoisting are not carried over) is the same kernel.
+            tiling = tiling_for(found.schedule, chain.h)
+            rejected.update(x for x in (found.costed or {})
+                            if tiling_for(x, chain.h) == tiling)
+            rejected.add(found.schedule)
+            try:
+                found = found.without(spec, dims, frozenset(rejected))
+            except ValueError:
+                break
+    return ChainPrice(chain, dims, found.schedule, found.cost, found.seconds,
+                      found.evaluated)
+
+
+@dataclass(frozen=True)
+class _Check:
+    """A chain's price being computed in the background (``start_spill_checks``)."""
+    searched: Future        # the search's result, before the spill check
+    priced: Future          # the ChainPrice, spill check done
+
+
+# Prices being searched and checked in the background, by chain_price's key: chain_price
+# waits for one instead of searching and building it again.
+_PENDING: dict[tuple, _Check] = {}
+_PENDING_LOCK = threading.Lock()
+# Per thread: the guesses chain_price made inside ``speculating`` (None outside it).
+_SPECULATION = threading.local()
+
+
+def start_spill_checks(graph: OpGraph, spec: GpuSpec, method: str = "markov",
+                       tf32: bool = False, grid_sync: bool = False,
+                       worker: Any = None) -> int:
+    """Start pricing each chain of ``graph`` with the ptxas spill check (``chain_price``
+    with ``check_spills``) in a background thread, so that the checks' PTX builds and ptxas
+    runs (mostly waits on a child) overlap the planner's own work; ``worker`` emits the PTX
+    (``spill_bytes``). The result is the one ``chain_price`` computes itself, errors
+    included (raised where it asks). Returns how many prices were started (those priced or
+    started before are not)."""
+    jobs: list[tuple[tuple, _Check, tuple]] = []
+    with _PENDING_LOCK:
+        for chain in graph_chains(graph).chains:
+            dims = chain_dims(graph, chain, tf32, grid_sync)
+            key = (dims.key, spec.name, method, True)
+            if key in _PRICES or key in _PENDING:
+                continue
+            check = _PENDING[key] = _Check(Future(), Future())
+            jobs.append((key, check, (graph, chain, spec, dims, method, True, worker)))
+    if jobs:
+        threading.Thread(target=_run_spill_checks, args=(jobs,), daemon=True,
+                         name="stitch-chain-spill-checks").start()
+    return len(jobs)
+
+
+def _run_spill_checks(jobs: list[tuple[tuple, _Check, tuple]]) -> None:
+    for key, check, args in jobs:
+        try:
+            price = _searched_price(*args, searched=check.searched)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever asks for the price
+            if not check.searched.done():
+                check.searched.set_exception(exc)
+            check.priced.set_exception(exc)
+        else:
+            with _PENDING_LOCK:
+                _PRICES[key] = price
+            check.priced.set_result(price)
+        with _PENDING_LOCK:
+            _PENDING.pop(key, None)
+
+
+@contextlib.contextmanager
+def speculating() -> Iterator[list[tuple[_Check, ChainPrice]]]:
+    """Within it (this thread), ``chain_price`` answers a price whose spill check is still
+    running with the searched schedule's price, as if ptxas found no spill, instead of
+    waiting; the list gets each guess. ``guesses_held`` then says whether every guess was
+    the checked price (else whatever was decided with them must be decided again)."""
+    outer = getattr(_SPECULATION, "guesses", None)
+    guesses: list[tuple[_Check, ChainPrice]] = []
+    _SPECULATION.guesses = guesses
+    try:
+        yield guesses
+    finally:
+        _SPECULATION.guesses = outer
+
+
+def guesses_done(guesses: list[tuple[_Check, ChainPrice]]) -> bool:
+    """Whether every check behind ``guesses`` has finished (``guesses_held`` waits for none)."""
+    return all(check.priced.done() for check, _ in guesses)
+
+
+def guesses_held(guesses: list[tuple[_Check, ChainPrice]]) -> bool:
+    """Whether each guess ``speculating`` let chain_price make is the price the spill check
+    settled on (waits for the checks; a check that failed did not hold)."""
+    for check, guess in guesses:
+        try:
+            checked = check.priced.result()
+        except Exception:  # noqa: BLE001 - asked again without guessing, it raises there
+            return False
+        if (checked.schedule, checked.cost) != (guess.schedule, guess.cost):
+            return False
+    return True
 
 
 def chain_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec,
@@ -193,34 +320,24 @@ def chain_price(graph: OpGraph, chain: GemmChain, spec: GpuSpec,
     schedule is built and assembled for the target's arch, and a schedule ptxas spills is
     struck and the search settles on the next (the register model cannot see ptxas's own
     heuristics: it spilled 16-96 bytes at 64-255 registers on schedules the model puts well
-    inside the register file)."""
-    from ..schedule.chain_tiling import tiling_for
-    from ..schedule.gemm_chain_space import best_schedule
+    inside the register file). A price ``start_spill_checks`` is computing is waited for,
+    or, inside ``speculating``, guessed."""
     dims = chain_dims(graph, chain, tf32, grid_sync)
     key = (dims.key, spec.name, method, check_spills)
-    got = _PRICES.get(key)
+    with _PENDING_LOCK:
+        got = _PRICES.get(key)
+        pending = _PENDING.get(key) if got is None else None
+    if got is None and pending is not None:
+        guesses = getattr(_SPECULATION, "guesses", None)
+        if guesses is not None and not pending.priced.done():
+            found = pending.searched.result()       # raises as the search does
+            guess = ChainPrice(chain, dims, found.schedule, found.cost, found.seconds,
+                               found.evaluated)
+            guesses.append((pending, guess))
+            return guess
+        got = pending.priced.result()
     if got is None:
-        found = best_schedule(spec, dims, method)
-        if check_spills:
-            rejected: set[GemmChainSchedule] = set()
-            for _ in range(SPILL_RETRIES):
-                spilled = spill_bytes(graph, chain, found.schedule, spec)
-                if not spilled:
-                    break
-                log.info("chain on %s: ptxas spills %d B at %s; settling again", spec.name,
-                         spilled, found.schedule.text())
-                # Every costed schedule codegen builds as this one (stages and the A
-                # hoisting are not carried over) is the same kernel.
-                tiling = tiling_for(found.schedule, chain.h)
-                rejected.update(x for x in (found.costed or {})
-                                if tiling_for(x, chain.h) == tiling)
-                rejected.add(found.schedule)
-                try:
-                    found = found.without(spec, dims, frozenset(rejected))
-                except ValueError:
-                    break
-        got = _PRICES[key] = ChainPrice(chain, dims, found.schedule, found.cost,
-                                        found.seconds, found.evaluated)
+        got = _PRICES[key] = _searched_price(graph, chain, spec, dims, method, check_spills)
     return ChainPrice(chain, got.dims, got.schedule, got.cost, got.search_seconds,
                       got.evaluated)
 

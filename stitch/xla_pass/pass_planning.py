@@ -6,11 +6,12 @@ them in (``hlo_rewrite.replace_kernels``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from stitch.hlo import HloModule
 from stitch.hlo.source_lines import plan_sources
@@ -135,9 +136,13 @@ def _plan_and_build_once(module: HloModule, request: PassRequest,
         # And its chain schedules are assembled by ptxas, spilling ones struck.
         # Chains split n across blocks (a launch per phase) only where STITCH_GRID_SYNC
         # lets grid-barrier kernels run.
+        # The spill checks' PTX is emitted by a PTX child, idle while the pass plans (not a
+        # fresh interpreter per check).
         options = dataclasses.replace(options, chain_tf32=True,
                                       chain_spill_check=True,
-                                      chain_grid_sync=grid_sync_on_gpu() != "off")
+                                      chain_grid_sync=grid_sync_on_gpu() != "off",
+                                      spill_worker=ptx_workers[0] if ptx_workers else None,
+                                      defer_spill_checks=True)
     if request.device == "gpu":
         # The planner prices a global-scope kernel only in the launch form this pass builds
         # it in, and none under "off" (stitch.cost.launch_forms, STITCH_GRID_SYNC).
@@ -178,6 +183,13 @@ def _plan_and_build_once(module: HloModule, request: PassRequest,
     _place_kernels(request, report, fusion_plan, module, spec, evaluator, placed, views,
                    built, launching, ptx_workers, rows, xla_kernels, priced)
     timings["build_s"] = time.perf_counter() - t1
+    if not fusion_plan.checks_held():
+        # Planned beside the chains' ptxas checks (defer_spill_checks), and one struck a
+        # schedule the plan guessed: ``module`` is still as XLA gave it (nothing placed);
+        # planned again, the checked prices are known.
+        log.info("%s: ptxas struck a chain schedule the plan guessed; planning again",
+                 module.name)
+        return _plan_and_build_once(module, request, timings, ptx_workers)
     rewrite = replace_kernels(module, graphs, placed, views)
     report.placed = rewrite.placed
     report.skipped.extend(rewrite.skipped)
@@ -288,9 +300,12 @@ def _xla_gain_s(graph_plan: Any, view: ComputationView, members: frozenset[int],
 def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                 module: HloModule, spec: Any, evaluator: Any, views: dict,
                 submit: Callable[..., None] | None, rows: SegmentRows | None = None,
-                xla_kernels: dict | None = None, priced: dict | None = None) -> list:
+                xla_kernels: dict | None = None, priced: dict | None = None,
+                store_later: list | None = None) -> list:
     """The plan's placeable kernels lowered to Kernel IR, as (view, kernel, site, lowered)
     jobs in plan order; ``submit(kernel IR)`` is called for each as soon as it is lowered.
+    ``store_later``: the lowerings are not stored in the compile cache here; the callable
+    that stores them is appended to it (the caller runs it while the PTX builds run).
     ``rows``/``xla_kernels``: the plan is of XLA's module with segments as rows
     (``segment_rows``); XLA's own kernels priced. ``priced`` gets the price of each kernel
     placed outside the plan (LM head losses, attention backwards) and of each forward chain
@@ -299,7 +314,12 @@ def _lower_jobs(request: PassRequest, report: PassReport, fusion_plan: Any,
                             xla_kernels, priced)
     for gi, graph_plan in enumerate(fusion_plan.graphs):
         lowering.graph(gi, graph_plan, views)
-    return lowering.finish()
+    jobs = lowering.finish()
+    if store_later is None:
+        lowering.reuse.flush()
+    else:
+        store_later.append(lowering.reuse.flush)
+    return jobs
 
 
 class _JobLowering:
@@ -388,7 +408,6 @@ class _JobLowering:
         for group in self.waiting.values():
             for _, _, left in group:
                 self.leave(left)
-        self.reuse.flush()
         self.report.lowerings = {"kernels_lowered": self.reuse.lowered,
                                  "lowerings_reused": self.reuse.reused,
                                  "lowerings_from_cache": self.reuse.from_disk}
@@ -660,6 +679,29 @@ def _largest_first(kernels: list, likely_paid: Callable[[Any], bool] | None = No
     return first + [k for k in ordered if id(k) not in taken]
 
 
+@contextlib.contextmanager
+def _in_background(work: list, name: str) -> Iterator[None]:
+    """Run the callables of ``work`` in a thread while the block runs; on leaving, wait for
+    them (an exception of theirs is raised then, unless the block raised its own)."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for job in work:
+                job()
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
+
+
 def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
                    module: HloModule, spec: Any, evaluator: Any, placed: list,
                    views: dict, built: dict, launching: dict, ptx_workers: list,
@@ -701,17 +743,21 @@ def _place_kernels(request: PassRequest, report: PassReport, fusion_plan: Any,
     targets_s = 0.0
     if request.device == "gpu":
         with GpuPrebuild(request, ptx_workers) as prebuild:
+            store_later: list = []
             jobs = _lower_jobs(request, report, fusion_plan, module, spec, evaluator, views,
-                               prebuild.submit, rows, xla_kernels, priced)
+                               prebuild.submit, rows, xla_kernels, priced, store_later)
             report.timings["lower_s"] = time.perf_counter() - start
             mark = time.perf_counter()
-            # Each kernel's target is made as soon as its PTX is there, while later
-            # kernels' PTX and ptxas still run.
-            for job, ptx in zip(jobs, prebuild.each_result()):
-                request.check_cancelled()
-                begun = time.perf_counter()
-                place(job, ptx)
-                targets_s += time.perf_counter() - begun
+            # The lowerings are stored while the PTX builds run (the pass waits for them
+            # anyway), and are complete when the pass returns.
+            with _in_background(store_later, "stitch-store-lowerings"):
+                # Each kernel's target is made as soon as its PTX is there, while later
+                # kernels' PTX and ptxas still run.
+                for job, ptx in zip(jobs, prebuild.each_result()):
+                    request.check_cancelled()
+                    begun = time.perf_counter()
+                    place(job, ptx)
+                    targets_s += time.perf_counter() - begun
         # The PTX and ptxas left to wait for once every kernel was lowered.
         report.timings["ptx_s"] = time.perf_counter() - mark - targets_s
     else:
