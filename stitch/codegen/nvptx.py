@@ -73,6 +73,7 @@ class NvptxTarget(Target):
 
     def __init__(self, noalias_inputs: bool = False) -> None:
         self.buffers: dict[str, ir.Value] = {}
+        self.sregs = {}
         self.noalias_inputs = noalias_inputs    # LlvmPipeline.noalias_inputs
 
     def begin(self, em: KernelEmitter) -> None:
@@ -127,7 +128,12 @@ class NvptxTarget(Target):
             super().emit_body(em)
 
     def _sreg(self, em: KernelEmitter, reg: str) -> ir.Value:
-        return em.call(f"llvm.nvvm.read.ptx.sreg.{reg}.x", I32, [])
+        block = em.builder.block
+        key = (reg, id(block))
+        value = self.sregs.get(key)
+        if value is None or value[0] is not block:
+            value = self.sregs[key] = (block, em.call(f"llvm.nvvm.read.ptx.sreg.{reg}.x", I32, []))
+        return value[1]
 
     def thread_idx(self, em: KernelEmitter, ctx: Ctx) -> ir.Value:
         return self._sreg(em, "tid")
