@@ -266,8 +266,14 @@ def nvvm_mma(em: "KernelEmitter", dtype: str, a: list[ir.Value], b: list[ir.Valu
 class KernelEmitter:
     """Lowers one validated kernel into a function of `module`."""
 
-    def __init__(self, kernel: kir.Kernel, target: Target, module: ir.Module) -> None:
+    def __init__(self, kernel: kir.Kernel, target: Target, module: ir.Module, *,
+                 simplify: bool = True) -> None:
         self.kernel = kernel
+        self.buffers = kernel.buffers               # (the property builds a dict per call)
+        # Pure operations emitted once per basic block and integer identities (x + 0) left
+        # out (``in_block``, ``_int_identity``); False: everything as written, the reference
+        # that LLVM's machine code is compared with (it must not change).
+        self.simplify = simplify
         self.target = target
         self.module = module
         self._expr_depth = 0                        # expr's recursion depth
@@ -403,7 +409,7 @@ class KernelEmitter:
         elif isinstance(s, kir.Assign):
             self.write(scope.lookup(s.name), self.expr(s.expr, scope, ctx), ctx)
         elif isinstance(s, kir.Store):
-            buf = self.kernel.buffers[s.buffer]
+            buf = self.buffers[s.buffer]
             index = self.expr(s.index, scope, ctx)
             computed = self.expr(s.value, scope, ctx)
             value = self.in_block(("to_storage", buf.dtype), (computed,),
@@ -411,7 +417,7 @@ class KernelEmitter:
             b.store(value, self.access_ptr(buf, s.index, scope, ctx, index),
                     align=self.access_align(buf, s.index))
         elif isinstance(s, kir.AtomicAdd):
-            buf = self.kernel.buffers[s.buffer]
+            buf = self.buffers[s.buffer]
             index = self.expr(s.index, scope, ctx)
             value = self.expr(s.value, scope, ctx)
             ptr = self.element_ptr(buf, index, ctx)
@@ -621,7 +627,7 @@ class KernelEmitter:
         if isinstance(e, kir.GridDim):
             return ir.Constant(I32, self.kernel.grid)
         if isinstance(e, kir.Load):
-            buf = self.kernel.buffers[e.buffer]
+            buf = self.buffers[e.buffer]
             ptr = self.access_ptr(buf, e.index, scope, ctx)
             raw = b.load(ptr, typ=storage_type(buf.dtype), align=self.access_align(buf, e.index))
             return self.from_storage(raw, buf.dtype)
@@ -663,6 +669,8 @@ class KernelEmitter:
         Why: statements repeat their index arithmetic (a fifth of a large kernel's
         instructions computed again in the same block); LLVM's first EarlyCSE merged the
         copies, after Python had emitted them and LLVM parsed and simplified each."""
+        if not self.simplify:
+            return make()
         block = self.builder.block
         if block is not self._reuse_block:
             self._reuse_block, self._reusable = block, {}
@@ -686,7 +694,7 @@ class KernelEmitter:
                 return b.select(b.fcmp_unordered("uno", a, a), a, pick)
             return self.target.math(self, {"rem": "fmod"}.get(op, op), dtype, [a, c])
         unsigned = dtype in UNSIGNED
-        same = _int_identity(op, a, c)
+        same = _int_identity(op, a, c) if self.simplify else None
         if same is not None:
             return same
         simple = {"add": b.add, "sub": b.sub, "mul": b.mul, "and": b.and_, "or": b.or_,

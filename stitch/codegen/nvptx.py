@@ -73,7 +73,6 @@ class NvptxTarget(Target):
 
     def __init__(self, noalias_inputs: bool = False) -> None:
         self.buffers: dict[str, ir.Value] = {}
-        self.sregs = {}
         self.noalias_inputs = noalias_inputs    # LlvmPipeline.noalias_inputs
 
     def begin(self, em: KernelEmitter) -> None:
@@ -128,12 +127,8 @@ class NvptxTarget(Target):
             super().emit_body(em)
 
     def _sreg(self, em: KernelEmitter, reg: str) -> ir.Value:
-        block = em.builder.block
-        key = (reg, id(block))
-        value = self.sregs.get(key)
-        if value is None or value[0] is not block:
-            value = self.sregs[key] = (block, em.call(f"llvm.nvvm.read.ptx.sreg.{reg}.x", I32, []))
-        return value[1]
+        read = functools.partial(em.call, f"llvm.nvvm.read.ptx.sreg.{reg}.x", I32, [])
+        return em.in_block(("sreg", reg), (), read)
 
     def thread_idx(self, em: KernelEmitter, ctx: Ctx) -> ir.Value:
         return self._sreg(em, "tid")
@@ -163,9 +158,10 @@ class NvptxTarget(Target):
 
 
 def emit_llvm_ir(kernel: kir.Kernel, arch: str = "sm_80",
-                 ptx_version: int = DEFAULT_PTX_VERSION, noalias_inputs: bool = False) -> str:
+                 ptx_version: int = DEFAULT_PTX_VERSION, noalias_inputs: bool = False, *,
+                 simplify: bool = True) -> str:
     """The kernel as NVPTX LLVM IR text, before libdevice linking and optimisation
-    (``noalias_inputs``: LlvmPipeline.noalias_inputs)."""
+    (``noalias_inputs``: LlvmPipeline.noalias_inputs; ``simplify``: KernelEmitter's)."""
     kernel.validate()
     shared_bytes = sum(s.size * STORAGE_BYTES[s.dtype] for s in kernel.shared)
     if shared_bytes > STATIC_SHARED_LIMIT:
@@ -176,7 +172,7 @@ def emit_llvm_ir(kernel: kir.Kernel, arch: str = "sm_80",
         module = ir.Module(name=kernel.name)
         module.triple = TRIPLE
         module.data_layout = str(tm.target_data)
-        KernelEmitter(kernel, NvptxTarget(noalias_inputs), module).emit()
+        KernelEmitter(kernel, NvptxTarget(noalias_inputs), module, simplify=simplify).emit()
         # libdevice asks through __nvvm_reflect whether to flush denormals: no (like numpy).
         flags = module.add_named_metadata("llvm.module.flags")
         flags.add(module.add_metadata([ir.Constant(I32, 4), "nvvm-reflect-ftz",
@@ -234,15 +230,17 @@ def pipeline_name(pipeline: LlvmPipeline) -> str:
 
 def emit_ptx(kernel: kir.Kernel, arch: str = "sm_80", *, libdevice: str | Path | None = None,
              ptx_version: int = DEFAULT_PTX_VERSION,
-             pipeline: LlvmPipeline | None = None) -> str:
+             pipeline: LlvmPipeline | None = None, simplify: bool = True) -> str:
     """PTX text for `kernel` on `arch` (sm_70 / sm_80 / sm_90 ...), one `.entry` named
     kernel.name, params in kernel.params order as global pointers, `.maxntid` = block.
-    ``pipeline``: None is ``pipeline_setting()``."""
+    ``pipeline``: None is ``pipeline_setting()``; ``simplify``: KernelEmitter's (False
+    only to check that it leaves the machine code alone)."""
     if arch not in ARCHS:
         raise CodegenError(f"unsupported arch {arch!r}; known: {', '.join(ARCHS)}")
     if pipeline is None:
         pipeline = pipeline_setting()
-    text = emit_llvm_ir(kernel, arch, ptx_version, pipeline.noalias_inputs)
+    text = emit_llvm_ir(kernel, arch, ptx_version, pipeline.noalias_inputs,
+                        simplify=simplify)
     tm = _target_machine(arch, ptx_version)
     try:
         module = llvm.parse_assembly(text)
