@@ -53,5 +53,11 @@ MEASURE = Measure(
              script("bench.codegen.gemm_chain_registers", [], ["--per", "1"],
                     block="bench-gemm-chains-registers"), quick=False),
         Part("pipelines", "LLVM pipeline of the GPU kernels: build cost", run_pipelines),
+        Part("llvm-build-cpu", "LLVM build CPU of the GPU kernels: the IR as written against "
+             "the lean IR",
+             script("bench.codegen.llvm_build_cpu", [],
+                    ["--reps", "1", "--hlo",
+                     "hlo_fixtures/data/bert_layer_train_bf16/tiny.gpu-h100.hlo"],
+                    block="bench-codegen-llvm-build-cpu"), quick=False),
     ),
 )

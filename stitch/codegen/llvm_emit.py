@@ -279,7 +279,7 @@ class KernelEmitter:
         self._expr_depth = 0                        # expr's recursion depth
         self._emitted: dict[int, ir.Value] = {}     # id -> value, within one top-level expr
         self._reuse_block: ir.Block | None = None   # the block _reusable's values are in
-        self._reusable: dict[tuple, ir.Value] = {}  # in_block's values of that block
+        self._reusable: dict[tuple, tuple] = {}     # in_block's (value, operands) there
         self.root = Scope()
         self.fn: ir.Function | None = None
         self.builder: ir.IRBuilder = ir.IRBuilder()
@@ -676,11 +676,13 @@ class KernelEmitter:
             self._reuse_block, self._reusable = block, {}
         reusable = self._reusable
         key = (op, *map(_operand_key, operands))
-        value = reusable.get(key)
-        if value is None:
-            value = make()
-            if self.builder.block is block:    # (a target hook may have branched)
-                reusable[key] = value
+        got = reusable.get(key)
+        if got is not None:
+            return got[0]
+        value = make()
+        if self.builder.block is block:    # (a target hook may have branched)
+            # The operands are kept with the value: their ids in the key stay theirs.
+            reusable[key] = (value, operands)
         return value
 
     def binary(self, op: str, dtype: str, a: ir.Value, c: ir.Value) -> ir.Value:
