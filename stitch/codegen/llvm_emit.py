@@ -849,7 +849,6 @@ def _is_int_constant(value: ir.Value, wanted: int) -> bool:
         and value.constant == wanted
 
 
-
 # Float binary operations emitted as plain instructions (the rest call the target's math).
 _PLAIN_FLOAT_BINARY = frozenset({"add", "sub", "mul", "div", "max", "min"})
 # Float unary operations that call the target's math.
