@@ -111,8 +111,8 @@ def _same_machine_code(kernel, a: str, b: str) -> bool:
 
 def markdown(rows: list[dict], command: str, reps: int, seconds: float,
              load: tuple[float, ...]) -> str:
-    lines = ["### LLVM build CPU of the GPU kernels: the IR as written against the lean IR",
-             "", stamp(command, load) + f" Run time {seconds:.0f} s.", "",
+    # No heading: `python -m bench codegen --part llvm-build-cpu` gives the part's.
+    lines = [stamp(command, load) + f" Run time {seconds:.0f} s.", "",
              "Each module's plan for the H100, its distinct kernels lowered and built for sm_90 "
              "in one process, both ways in turn per kernel. *as written*: every operation "
              "emitted, Python's collector running while the IR is built (the build before "
