@@ -8,7 +8,7 @@ kernel's machine code must not change (no GPU can show a speed change on this ma
   the PTX of emitting every operation as written (``simplify=False``), or, where the PTX
   differs, ptxas's machine code (the cubin's ``.text``) is;
 - the reuse stays inside one block and to pure operations: a load is emitted again after a
-  store, a value computed in a loop is not taken into the next, and 0.0 and -0.0 stay apart.
+  store, a value computed in a loop is computed again after it, and 0.0 and -0.0 stay apart.
 """
 from __future__ import annotations
 
