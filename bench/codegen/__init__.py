@@ -27,8 +27,9 @@ MEASURE = Measure(
     summary="What the generated kernels look like once assembled: the register estimate "
             "against ptxas, kernels rebuilt with another schedule on ptxas's feedback, "
             "vector loads and stores, split row reductions walked as one row, the code budget "
-            "of the GPU path, GEMM-chain kernels under ptxas, and the LLVM pipelines' build "
-            "cost. Counted from PTX and ptxas output unless a line says modeled.",
+            "of the GPU path, GEMM-chain kernels under ptxas, the LLVM pipelines' build "
+            "cost, and the LLVM build CPU of the lean IR against the IR as written. Counted "
+            "from PTX and ptxas output unless a line says modeled.",
     parts=(
         Part("registers", "Register estimate against ptxas",
              script("bench.codegen.registers", [], ["--targets", "h100", "--models", "softmax"],
@@ -53,5 +54,11 @@ MEASURE = Measure(
              script("bench.codegen.gemm_chain_registers", [], ["--per", "1"],
                     block="bench-gemm-chains-registers"), quick=False),
         Part("pipelines", "LLVM pipeline of the GPU kernels: build cost", run_pipelines),
+        Part("llvm-build-cpu", "LLVM build CPU of the GPU kernels: the IR as written against "
+             "the lean IR",
+             script("bench.codegen.llvm_build_cpu", [],
+                    ["--reps", "1", "--hlo",
+                     "hlo_fixtures/data/bert_layer_train_bf16/tiny.gpu-h100.hlo"],
+                    block="bench-codegen-llvm-build-cpu"), quick=False),
     ),
 )

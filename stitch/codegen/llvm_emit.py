@@ -9,6 +9,7 @@ serialises threads and drives the body itself through the public methods here.
 from __future__ import annotations
 
 import logging
+import struct
 from dataclasses import dataclass
 from typing import Callable
 
@@ -265,12 +266,20 @@ def nvvm_mma(em: "KernelEmitter", dtype: str, a: list[ir.Value], b: list[ir.Valu
 class KernelEmitter:
     """Lowers one validated kernel into a function of `module`."""
 
-    def __init__(self, kernel: kir.Kernel, target: Target, module: ir.Module) -> None:
+    def __init__(self, kernel: kir.Kernel, target: Target, module: ir.Module, *,
+                 simplify: bool = True) -> None:
         self.kernel = kernel
+        self.buffers = kernel.buffers               # (the property builds a dict per call)
+        # Pure operations emitted once per basic block and integer identities (x + 0) left
+        # out (``in_block``, ``_int_identity``); False: everything as written, the reference
+        # that LLVM's machine code is compared with (it must not change).
+        self.simplify = simplify
         self.target = target
         self.module = module
         self._expr_depth = 0                        # expr's recursion depth
         self._emitted: dict[int, ir.Value] = {}     # id -> value, within one top-level expr
+        self._reuse_block: ir.Block | None = None   # the block _reusable's values are in
+        self._reusable: dict[tuple, tuple] = {}     # in_block's (value, operands) there
         self.root = Scope()
         self.fn: ir.Function | None = None
         self.builder: ir.IRBuilder = ir.IRBuilder()
@@ -400,13 +409,15 @@ class KernelEmitter:
         elif isinstance(s, kir.Assign):
             self.write(scope.lookup(s.name), self.expr(s.expr, scope, ctx), ctx)
         elif isinstance(s, kir.Store):
-            buf = self.kernel.buffers[s.buffer]
+            buf = self.buffers[s.buffer]
             index = self.expr(s.index, scope, ctx)
-            value = self.to_storage(self.expr(s.value, scope, ctx), buf.dtype)
+            computed = self.expr(s.value, scope, ctx)
+            value = self.in_block(("to_storage", buf.dtype), (computed,),
+                                  lambda: self.to_storage(computed, buf.dtype))
             b.store(value, self.access_ptr(buf, s.index, scope, ctx, index),
                     align=self.access_align(buf, s.index))
         elif isinstance(s, kir.AtomicAdd):
-            buf = self.kernel.buffers[s.buffer]
+            buf = self.buffers[s.buffer]
             index = self.expr(s.index, scope, ctx)
             value = self.expr(s.value, scope, ctx)
             ptr = self.element_ptr(buf, index, ctx)
@@ -479,8 +490,9 @@ class KernelEmitter:
         index = self.target.guard_index(self, buf, index, ctx)
         base = self.target.scratch_ptr(self, buf) if isinstance(buf, kir.GlobalScratch) \
             else self.target.buffer_ptr(self, buf.name)
-        return self.builder.gep(base, [index], inbounds=True,
-                                source_etype=storage_type(buf.dtype))
+        return self.in_block(("gep", True, buf.dtype), (base, index),
+                             lambda: self.builder.gep(base, [index], inbounds=True,
+                                                      source_etype=storage_type(buf.dtype)))
 
     def access_ptr(self, buf: kir.Buffer, index: kir.Expr, scope: Scope, ctx: Ctx,
                    value: ir.Value | None = None) -> ir.Value:
@@ -615,28 +627,65 @@ class KernelEmitter:
         if isinstance(e, kir.GridDim):
             return ir.Constant(I32, self.kernel.grid)
         if isinstance(e, kir.Load):
-            buf = self.kernel.buffers[e.buffer]
+            buf = self.buffers[e.buffer]
             ptr = self.access_ptr(buf, e.index, scope, ctx)
             raw = b.load(ptr, typ=storage_type(buf.dtype), align=self.access_align(buf, e.index))
             return self.from_storage(raw, buf.dtype)
         if isinstance(e, kir.Binary):
-            return self.binary(e.op, e.a.dtype, self.expr(e.a, scope, ctx),
-                               self.expr(e.b, scope, ctx))
+            a, c = self.expr(e.a, scope, ctx), self.expr(e.b, scope, ctx)
+            if e.a.dtype in kir.FLOAT_DTYPES and e.op not in _PLAIN_FLOAT_BINARY:
+                return self.binary(e.op, e.a.dtype, a, c)    # a math call: not reused
+            return self.in_block(("binary", e.op, e.a.dtype), (a, c),
+                                 lambda: self.binary(e.op, e.a.dtype, a, c))
         if isinstance(e, kir.Compare):
-            return self.compare(e.op, e.a.dtype, self.expr(e.a, scope, ctx),
-                                self.expr(e.b, scope, ctx))
+            a, c = self.expr(e.a, scope, ctx), self.expr(e.b, scope, ctx)
+            return self.in_block(("compare", e.op, e.a.dtype), (a, c),
+                                 lambda: self.compare(e.op, e.a.dtype, a, c))
         if isinstance(e, kir.Unary):
-            return self.unary(e.op, e.a.dtype, self.expr(e.a, scope, ctx))
+            a = self.expr(e.a, scope, ctx)
+            if e.a.dtype in kir.FLOAT_DTYPES and e.op in _MATH_UNARY:
+                return self.unary(e.op, e.a.dtype, a)
+            return self.in_block(("unary", e.op, e.a.dtype), (a,),
+                                 lambda: self.unary(e.op, e.a.dtype, a))
         if isinstance(e, kir.Select):
-            return b.select(self.expr(e.cond, scope, ctx), self.expr(e.a, scope, ctx),
-                            self.expr(e.b, scope, ctx))
+            cond, a, c = (self.expr(x, scope, ctx) for x in (e.cond, e.a, e.b))
+            return self.in_block(("select",), (cond, a, c), lambda: b.select(cond, a, c))
         if isinstance(e, kir.Convert):
-            return self.convert(self.expr(e.a, scope, ctx), e.a.dtype, e.dtype)
+            a = self.expr(e.a, scope, ctx)
+            return self.in_block(("convert", e.a.dtype, e.dtype), (a,),
+                                 lambda: self.convert(a, e.a.dtype, e.dtype))
         if isinstance(e, kir.Bitcast):
             value = self.expr(e.a, scope, ctx)
             ty = value_type(e.dtype)
-            return value if value.type == ty else b.bitcast(value, ty)
+            if value.type == ty:
+                return value
+            return self.in_block(("bitcast", e.dtype), (value,), lambda: b.bitcast(value, ty))
         raise CodegenError(f"cannot emit expression {e!r}")
+
+    def in_block(self, op: tuple, operands: tuple[ir.Value, ...],
+                 make: Callable[[], ir.Value]) -> ir.Value:
+        """The value of the pure operation ``op`` on ``operands``: the one already emitted
+        in the current basic block (which dominates the rest of the block), else ``make()``'s.
+        Why: statements repeat their index arithmetic (12-17% of the largest kernels'
+        instructions computed again in the same block); LLVM's first EarlyCSE merged the
+        copies, after Python had emitted them and LLVM had parsed them. Only within a
+        block: sharing across blocks (special-register reads hoisted to the entry) and
+        sharing the ``buf + x`` bases of ``access_ptr`` changed some kernels' machine code."""
+        if not self.simplify:
+            return make()
+        block = self.builder.block
+        if block is not self._reuse_block:
+            self._reuse_block, self._reusable = block, {}
+        reusable = self._reusable
+        key = (op, *map(_operand_key, operands))
+        got = reusable.get(key)
+        if got is not None:
+            return got[0]
+        value = make()
+        if self.builder.block is block:    # (a target hook may have branched)
+            # The operands are kept with the value: their ids in the key stay theirs.
+            reusable[key] = (value, operands)
+        return value
 
     def binary(self, op: str, dtype: str, a: ir.Value, c: ir.Value) -> ir.Value:
         b = self.builder
@@ -649,6 +698,9 @@ class KernelEmitter:
                 return b.select(b.fcmp_unordered("uno", a, a), a, pick)
             return self.target.math(self, {"rem": "fmod"}.get(op, op), dtype, [a, c])
         unsigned = dtype in UNSIGNED
+        same = _int_identity(op, a, c) if self.simplify else None
+        if same is not None:
+            return same
         simple = {"add": b.add, "sub": b.sub, "mul": b.mul, "and": b.and_, "or": b.or_,
                   "xor": b.xor}
         if op in simple:
@@ -771,3 +823,48 @@ class KernelEmitter:
         if dst_bits > src_bits:
             return (b.zext if src in UNSIGNED else b.sext)(a, ty)
         return a  # same width, other signedness: same bits
+
+
+# Integer operations with an identity operand: (op, the identity, whether it may stand left).
+_IDENTITIES = {"add": (0, True), "sub": (0, False), "or": (0, True), "xor": (0, True),
+               "mul": (1, True), "and": (-1, True)}
+
+
+def _int_identity(op: str, a: ir.Value, c: ir.Value) -> ir.Value | None:
+    """The operand ``op`` leaves unchanged when the other is its identity constant (x + 0,
+    x * 1, ...), else None. Index arithmetic is full of them (offset 0 of a tile's first
+    row: 5% of the largest attention kernel's instructions); the first InstCombine
+    removes each, so emitting none saves Python's time and LLVM's parse and passes."""
+    rule = _IDENTITIES.get(op)
+    if rule is None:
+        return None
+    identity, commutes = rule
+    if _is_int_constant(c, identity):
+        return a
+    if commutes and _is_int_constant(a, identity):
+        return c
+    return None
+
+
+def _is_int_constant(value: ir.Value, wanted: int) -> bool:
+    return isinstance(value, ir.Constant) and isinstance(value.constant, int) \
+        and value.constant == wanted
+
+
+# Float binary operations emitted as plain instructions (the rest call the target's math).
+_PLAIN_FLOAT_BINARY = frozenset({"add", "sub", "mul", "div", "max", "min"})
+# Float unary operations that call the target's math.
+_MATH_UNARY = frozenset(_UNARY_MATH) | {"logistic"}
+_DOUBLE = struct.Struct("<d")
+
+
+def _operand_key(value: ir.Value) -> tuple:
+    """Equal for operands that are the same value: the object itself (alive in the module),
+    a constant by its type and bits (0.0 and -0.0 differ)."""
+    if isinstance(value, ir.Constant):
+        constant = value.constant
+        if isinstance(constant, float):
+            return ("float", str(value.type), _DOUBLE.pack(constant))
+        if isinstance(constant, int):
+            return ("int", str(value.type), constant)
+    return ("value", id(value))

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,7 +127,8 @@ class NvptxTarget(Target):
             super().emit_body(em)
 
     def _sreg(self, em: KernelEmitter, reg: str) -> ir.Value:
-        return em.call(f"llvm.nvvm.read.ptx.sreg.{reg}.x", I32, [])
+        read = functools.partial(em.call, f"llvm.nvvm.read.ptx.sreg.{reg}.x", I32, [])
+        return em.in_block(("sreg", reg), (), read)
 
     def thread_idx(self, em: KernelEmitter, ctx: Ctx) -> ir.Value:
         return self._sreg(em, "tid")
@@ -155,23 +158,55 @@ class NvptxTarget(Target):
 
 
 def emit_llvm_ir(kernel: kir.Kernel, arch: str = "sm_80",
-                 ptx_version: int = DEFAULT_PTX_VERSION, noalias_inputs: bool = False) -> str:
+                 ptx_version: int = DEFAULT_PTX_VERSION, noalias_inputs: bool = False, *,
+                 simplify: bool = True) -> str:
     """The kernel as NVPTX LLVM IR text, before libdevice linking and optimisation
-    (``noalias_inputs``: LlvmPipeline.noalias_inputs)."""
+    (``noalias_inputs``: LlvmPipeline.noalias_inputs; ``simplify``: KernelEmitter's)."""
     kernel.validate()
     shared_bytes = sum(s.size * STORAGE_BYTES[s.dtype] for s in kernel.shared)
     if shared_bytes > STATIC_SHARED_LIMIT:
         raise CodegenError(f"kernel {kernel.name!r}: {shared_bytes} bytes of shared memory "
                            f"exceed the {STATIC_SHARED_LIMIT} static limit")
     tm = _target_machine(arch, ptx_version)
-    module = ir.Module(name=kernel.name)
-    module.triple = TRIPLE
-    module.data_layout = str(tm.target_data)
-    KernelEmitter(kernel, NvptxTarget(noalias_inputs), module).emit()
-    # libdevice asks through __nvvm_reflect whether to flush denormals: no (like numpy).
-    flags = module.add_named_metadata("llvm.module.flags")
-    flags.add(module.add_metadata([ir.Constant(I32, 4), "nvvm-reflect-ftz", ir.Constant(I32, 0)]))
-    return str(module)
+    with collector_paused():
+        module = ir.Module(name=kernel.name)
+        module.triple = TRIPLE
+        module.data_layout = str(tm.target_data)
+        KernelEmitter(kernel, NvptxTarget(noalias_inputs), module, simplify=simplify).emit()
+        # libdevice asks through __nvvm_reflect whether to flush denormals: no (like numpy).
+        flags = module.add_named_metadata("llvm.module.flags")
+        flags.add(module.add_metadata([ir.Constant(I32, 4), "nvvm-reflect-ftz",
+                                       ir.Constant(I32, 0)]))
+        return str(module)
+
+
+_pause_lock = threading.Lock()
+_pauses = 0             # emissions running with the collector paused by collector_paused
+_resume = False         # whether the collector was on when the first of them began
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector off for the block (back on after the last of concurrent
+    blocks, where it was on before the first). Why: llvmlite.ir's module is ~10^5 objects
+    in reference cycles (instructions and their blocks), all alive until the text is
+    written, so every collection during emission walked them again only to promote them
+    (GPT-2 small's 31 distinct kernels built in a process holding them all: 7% of their
+    LLVM CPU, the mean of runs; less in a PTX child, whose heap is small). The module
+    becomes garbage as one batch, freed by the next young collection."""
+    global _pauses, _resume
+    with _pause_lock:
+        if _pauses == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _resume:
+                gc.enable()
 
 
 
@@ -196,15 +231,17 @@ def pipeline_name(pipeline: LlvmPipeline) -> str:
 
 def emit_ptx(kernel: kir.Kernel, arch: str = "sm_80", *, libdevice: str | Path | None = None,
              ptx_version: int = DEFAULT_PTX_VERSION,
-             pipeline: LlvmPipeline | None = None) -> str:
+             pipeline: LlvmPipeline | None = None, simplify: bool = True) -> str:
     """PTX text for `kernel` on `arch` (sm_70 / sm_80 / sm_90 ...), one `.entry` named
     kernel.name, params in kernel.params order as global pointers, `.maxntid` = block.
-    ``pipeline``: None is ``pipeline_setting()``."""
+    ``pipeline``: None is ``pipeline_setting()``; ``simplify``: KernelEmitter's (False
+    only to check that it leaves the machine code alone)."""
     if arch not in ARCHS:
         raise CodegenError(f"unsupported arch {arch!r}; known: {', '.join(ARCHS)}")
     if pipeline is None:
         pipeline = pipeline_setting()
-    text = emit_llvm_ir(kernel, arch, ptx_version, pipeline.noalias_inputs)
+    text = emit_llvm_ir(kernel, arch, ptx_version, pipeline.noalias_inputs,
+                        simplify=simplify)
     tm = _target_machine(arch, ptx_version)
     try:
         module = llvm.parse_assembly(text)
