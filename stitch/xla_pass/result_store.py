@@ -153,8 +153,8 @@ def result_key(text: str, request: PassRequest) -> str | None:
 # ------------------------------------------------------------------------- storing
 
 # Results are written by a thread of their own (serialising a large module's kernels takes
-# ~1 s, which XLA's own compile of the handed-back module hides); the exit waits this long
-# for writes still running.
+# ~1 s, which the compile's caller need not wait for); the exit waits this long for writes
+# still running.
 EXIT_WAIT_S = 60.0
 _WRITERS: list[threading.Thread] = []
 _WRITERS_LOCK = threading.Lock()
