@@ -175,6 +175,20 @@ def test_a_module_xla_did_not_take_is_not_stored(store_on, monkeypatch):
     assert _compile(_softmax_ln, x, w)[0].from_store
 
 
+def test_a_store_that_fails_leaves_the_compile_alone(store_on, monkeypatch, caplog):
+    from stitch.xla_pass import pass_registration
+
+    def broken(*args):
+        raise TypeError("cannot serialise this (test)")
+    monkeypatch.setattr(pass_registration, "store_result", broken)
+    x, w = _inputs((32, 64), 6)
+    with caplog.at_level("WARNING", logger="stitch.xla_pass.request"):
+        report, compiled = _compile(_softmax_ln, x, w)
+    assert report.kernels_stitched >= 1 and "cannot serialise this" in caplog.text
+    why = compare_trees(compiled(x, w), jax.jit(_softmax_ln)(x, w), RTOL)
+    assert why is None, why
+
+
 def test_header_attributes_are_split_and_put_back():
     text = ('HloModule m, is_scheduled=true, frontend_attributes={a="x{\\"}",'
             'stitch.request="00ff",m={mesh = #sdy.mesh<["d"=1]>}}, other={1}\nENTRY e {}\n')

@@ -152,7 +152,7 @@ class PassRequest:
                 log.debug("%s: PTX children not started early: %s", self.function, exc)
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *_: object) -> None:
         with _LOCK:
             _REQUESTS.pop(self.token, None)
         # The pass never ran (or never took them): back to the process's children.
@@ -160,7 +160,11 @@ class PassRequest:
         done, self._on_success = self._on_success, []
         if exc_type is None and self.error is None:
             for action in done:
-                action()
+                try:
+                    action()
+                except Exception as exc:  # noqa: BLE001 - the compile itself succeeded
+                    log.warning("%s: after the compile: %s: %s", self.function,
+                                type(exc).__name__, exc)
 
     def when_compiled(self, action: Callable[[], None]) -> None:
         """Run ``action`` once XLA has compiled the module the pass handed back (not if
