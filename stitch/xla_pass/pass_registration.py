@@ -46,6 +46,7 @@ import time
 from stitch.hlo import HloModule, parse_hlo, print_hlo
 from stitch.errors import Cancelled
 
+from . import early_imports
 from .collector import fewer_collections
 from stitch.config import setting_raw
 from .pass_planning import stitch_module
@@ -290,6 +291,9 @@ def stitch_module_text(text: str, request: PassRequest) -> str | None:
     """The module with stitch's kernels in (None when none was placed); sets
     ``request.report``."""
     start = time.perf_counter()
+    # Nothing is imported here while the early imports run (a module imported by two
+    # threads at once can be seen half-initialised: ImportError).
+    early_imports.wait()
     dumped = _dump_module(text, request)
     # The same module compiled before under the same settings and code: its result.
     key = result_key(text, request)
