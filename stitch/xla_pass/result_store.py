@@ -423,8 +423,7 @@ def _cached_gpu_builds(request: PassRequest, stored: list[dict], lowered: list[A
     from stitch.codegen.gpu_cache import cached_build, canonical_kernel
     cache = compile_cache()
     arch = request.gpu_arch()
-    assembly = assembly_mode(request, cubins_for_device(arch) if not request.compile_only
-                             else False)
+    assembly = assembly_mode(request, not request.compile_only and cubins_for_device(arch))
     groups: dict[int, Any] = {}
     builds = []
     for k, low in zip(stored, lowered):
