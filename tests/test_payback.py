@@ -147,3 +147,29 @@ def test_only_kernels_that_will_be_built_are_validated(monkeypatch):
     assert first not in {j[3].kernel.name for j in jobs}
     assert any("planted lowering bug" in why for _, why in report.fallbacks)
     assert len(_stitched(jobs)) == len(every) - 1
+
+
+def test_baseline_kernels_index_finds_what_a_scan_of_every_kernel_finds():
+    """``BaselineKernels.inside`` / ``touching`` (an index by op) against the scan over
+    every baseline kernel they replace: the same kernels in the same order, so the same
+    sums to the last bit, on random kernels over random member sets (empty kernels too)."""
+    from types import SimpleNamespace
+    rng = np.random.default_rng()
+    ops = 60
+    kernels = [SimpleNamespace(members=tuple(int(v) for v in rng.choice(
+        ops, size=int(rng.integers(0, 5)), replace=False)),
+        cost=SimpleNamespace(total_s=float(rng.random()) * 1e-5)) for _ in range(80)]
+    plan_ = SimpleNamespace(baseline=SimpleNamespace(kernels=kernels))
+    index = payback.baseline_kernels(plan_)
+    assert payback.baseline_kernels(plan_) is index             # kept for its graph
+    for _ in range(200):
+        members = frozenset(int(v) for v in rng.choice(ops, size=int(rng.integers(0, 25)),
+                                                       replace=False))
+        inside = [k for k in kernels if members.issuperset(k.members)]
+        touching = [k for k in kernels if members & set(k.members)]
+        assert index.inside(members) == inside
+        assert index.touching(members) == touching
+        assert sum(k.cost.total_s for k in index.inside(members)) == \
+            sum(k.cost.total_s for k in inside)
+    other = SimpleNamespace(baseline=SimpleNamespace(kernels=kernels[:10]))
+    assert payback.baseline_kernels(other).kernels == kernels[:10]   # another graph: anew

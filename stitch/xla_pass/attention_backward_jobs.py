@@ -31,12 +31,22 @@ class BackwardKernel:
     cost: Any = None            # its modeled KernelCost (kernel_cost), as delivered
 
 
-def _node_of(view: Any, name: str) -> int:
-    """The op-graph node of top-level instruction ``name``."""
+def _top_level_nodes(view: Any) -> dict[str, int]:
+    """Each top-level instruction's op-graph node (the first in the graph's order), by
+    name: what ``_node_of`` looks up, indexed once per graph."""
+    index: dict[str, int] = {}
     for node in view.graph.nodes:
-        if node.computation == view.comp.name and node.instruction.name == name and \
-                node.xla_group in (None, name):
-            return node.id
+        name = node.instruction.name
+        if node.computation == view.comp.name and node.xla_group in (None, name):
+            index.setdefault(name, node.id)
+    return index
+
+
+def _node_of(view: Any, name: str, top_level: dict[str, int]) -> int:
+    """The op-graph node of top-level instruction ``name`` (``top_level``: the graph's
+    ``_top_level_nodes``)."""
+    if name in top_level:
+        return top_level[name]
     root = view.fused_root(name)        # a fusion's value: its root op
     for nid in view.group_ops.get(name, ()) if root is not None else ():
         if view.graph.nodes[nid].instruction.name == root.name:
@@ -94,12 +104,11 @@ def planned_saving_s(graph_plan: Any, kernel: Any) -> float:
     """What a planned stitched kernel saves against the baseline kernels it overlaps, as
     the delivery prices a dropped kernel (0 where it is unpriced or saves nothing): lost
     when a backward takes its instructions."""
+    from .payback import baseline_kernels
     cost = getattr(kernel, "cost", None)
     if cost is None:
         return 0.0
-    members = set(kernel.members)
-    replaced = sum(k.cost.total_s for k in graph_plan.baseline.kernels
-                   if members & set(k.members))
+    replaced = sum(k.cost.total_s for k in baseline_kernels(graph_plan).touching(kernel.members))
     return max(replaced - cost.total_s, 0.0) * graph_plan.stitched.weight
 
 
@@ -146,6 +155,7 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
     from stitch.errors import StitchError
 
     from .hlo_rewrite import NotPlaceable, find_site
+    from .payback import baseline_kernels
 
     if graph_plan.graph.kind != "entry" or request.device != "gpu":
         return []
@@ -163,9 +173,12 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
     # The graph's nodes per top-level instruction, once (not a scan of the graph per match:
     # 48 layers, 48 matches).
     nodes_of_top: dict[str, list[int]] = {}
+    top_level: dict[str, int] = {}
     if matches:
         for n in view.graph.nodes:
             nodes_of_top.setdefault(view.top_of(n.id), []).append(n.id)
+        top_level = _top_level_nodes(view)
+    baseline = baseline_kernels(graph_plan)
     out = []
     for i, match in enumerate(matches):
         name = f"{view.comp.name}.attention_backward{i}"
@@ -177,14 +190,13 @@ def attention_backward_jobs(request: Any, report: Any, module: Any, view: Any, g
             if shared:
                 raise NotPlaceable(f"shares XLA instructions ({', '.join(shared[:3])}) with "
                                    f"another stitched kernel")
-            inputs = [_node_of(view, _past_taken_bitcasts(view, v, taken))
+            inputs = [_node_of(view, _past_taken_bitcasts(view, v, taken), top_level)
                       for v in (match.q, match.k, match.v, match.d_o)]
-            outputs = [_node_of(view, v) for v in (match.dq, match.dk, match.dv)]
+            outputs = [_node_of(view, v, top_level) for v in (match.dq, match.dk, match.dv)]
         except (NotPlaceable, KeyError) as exc:
             report.skipped.append((name, f"attention backward: {exc}"))
             continue
-        replaced_s = sum(k.cost.total_s for k in graph_plan.baseline.kernels
-                         if set(k.members) & members)
+        replaced_s = sum(k.cost.total_s for k in baseline.touching(members))
         problem = problem_for(match)
         arch = request.gpu_arch()
         tensor_cores = uses_tensor_cores(problem, arch, match.tf32)
