@@ -181,6 +181,63 @@ def test_shared_costs_equal_fresh_costs():
     assert checked > 30 and shared.structure_hits > 0
 
 
+def _random_sets(graph, rng, count: int) -> list[frozenset[int]]:
+    """Layer sets with a few ops dropped or a GEMM added (no key), and random op sets."""
+    groups = [m for i in range(4) for m in _layer_members(graph, i)]
+    dots = [n.id for n in graph.nodes if n.opcode == "dot"]
+    sets = []
+    for _ in range(count):
+        base = set(groups[rng.integers(len(groups))])
+        drop = rng.choice(sorted(base), size=rng.integers(0, 3), replace=False).tolist()
+        base -= set(drop)
+        if rng.random() < 0.15:
+            base.add(int(rng.choice(dots)))
+        if rng.random() < 0.2:
+            base = set(rng.choice(len(graph.nodes), size=rng.integers(1, 12),
+                                  replace=False).tolist())
+        if base:
+            sets.append(frozenset(base))
+    return sets
+
+
+def test_fingerprint_is_the_sum_of_its_members_fingerprints():
+    """A set's fingerprint, asked cold (member hashes computed on the way) or warm (all
+    known), is its size and the sum of its members' own fingerprints; None with a member
+    that gets no key. Random sets in a random order, fresh seeds."""
+    graph = _graph(layers_hlo(4))
+    keys = StructureKeys(graph)
+    rng = np.random.default_rng()
+    sets = _random_sets(graph, rng, 200)
+    cold = [keys.fingerprint(s) for s in sets]
+    warm = [keys.fingerprint(s) for s in sets]
+    singles = {v: keys.fingerprint((v,)) for s in sets for v in s}
+    mask = (1 << 64) - 1
+    want = [None if any(singles[v] is None for v in s)
+            else (len(s), sum(singles[v][1] for v in s) & mask) for s in sets]
+    assert cold == want and warm == want
+    assert any(f is None for f in want) and sum(f is not None for f in want) > 100
+
+
+def test_full_structure_key_groups_sets_as_fresh_keys_do():
+    """``CostModel.full_structure_key`` (a key scoring kept, or one computed) puts two sets
+    under one key exactly when a fresh ``StructureKeys`` does, whether the sets were scored
+    before or not (fresh seeds)."""
+    graph = _graph(layers_hlo(4))
+    cost = CostModel(graph, get_spec("h100"))
+    rng = np.random.default_rng()
+    sets = _random_sets(graph, rng, 120)
+    for s in sets[: len(sets) // 2]:
+        cost.verdict(s)
+        cost.kernel(s)
+    fresh = StructureKeys(graph)
+    got = [cost.full_structure_key(s) for s in sets]
+    want = [fresh.key(s) for s in sets]
+    assert [g is None for g in got] == [w is None for w in want]
+    pairs = [(i, j) for i in range(len(sets)) for j in range(i)]
+    assert all((got[i] == got[j]) == (want[i] == want[j]) for i, j in pairs)
+    assert sum(got[i] == got[j] and got[i] is not None for i, j in pairs) > 10
+
+
 def test_rename_carries_reasons():
     assert rename("mul.3 (rsqrt) feeds mul.30", ("mul.3", "mul.30"), ("mul.7", "mul.70")) \
         == "mul.7 (rsqrt) feeds mul.70"

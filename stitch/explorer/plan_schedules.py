@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Collection
+from typing import Callable, Collection, Hashable
 
 from stitch.hlo.graph import OpGraph
 
@@ -22,6 +22,8 @@ from .patterns import is_plannable
 log = logging.getLogger(__name__)
 
 ScheduleCache = dict[frozenset[int], KernelSchedule | str]
+# A member set's structure key (``StructureKeys.key``; None: no key).
+StructureKey = Callable[[frozenset[int]], Hashable | None]
 
 # A kernel whose member set has the structure key (``structure.StructureKeys``) of one tuned
 # before gets that schedule with its node ids renumbered, not a tuning of its own: a repeated
@@ -54,13 +56,15 @@ def _renumbered(value, ids: dict[int, int], is_id: bool = False):
 class SharedSchedules:
     """Tuned schedules by structure key within one graph (``SHARE_SCHEDULES``)."""
 
-    def __init__(self, graph: OpGraph):
-        self.keys = StructureKeys(graph)
+    def __init__(self, graph: OpGraph, keys: StructureKey | None = None):
+        # ``keys``: the planning cost model's (``CostModel.full_structure_key``), which
+        # scored the plan's kernels and knows most of their keys; else keys of our own.
+        self.key = keys or StructureKeys(graph).key
         self.first: dict = {}          # key -> (the tuned set's members sorted, schedule)
         self.shared = 0
 
     def get(self, members: frozenset[int]) -> KernelSchedule | None:
-        key = self.keys.key(members)
+        key = self.key(members)
         if key is None or key not in self.first:
             return None
         tuned, schedule = self.first[key]
@@ -70,7 +74,7 @@ class SharedSchedules:
     def put(self, members: frozenset[int], schedule: KernelSchedule | str) -> None:
         if isinstance(schedule, str):
             return                          # a reason names the set's own nodes
-        key = self.keys.key(members)
+        key = self.key(members)
         if key is not None:
             self.first.setdefault(key, (tuple(sorted(members)), schedule))
 
@@ -101,14 +105,15 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
                   poll: Callable[[], None] | None = None, chain_tf32: bool = False,
                   chain_spill_check: bool = False, chain_grid_sync: bool = False,
                   left_to_xla: Collection[frozenset[int]] = (),
-                  grid_sync: str = "barrier") -> None:
+                  grid_sync: str = "barrier", keys: StructureKey | None = None) -> None:
     """Attach the tuned stitching schedule to every stitched kernel of ``plan``. GEMM/conv,
     opaque ops, control flow and XLA's kept fusions around opaque ops run as XLA compiles
     them and get none; so does a kernel whose members are one of ``left_to_xla`` (with
     XLA units: a kernel that is one XLA kernel as XLA made it, which the pass leaves to
-    XLA, so tuning it is wasted)."""
+    XLA, so tuning it is wasted). ``keys``: structure keys to share schedules by
+    (``SharedSchedules``)."""
     cache = {} if cache is None else cache
-    shared = SharedSchedules(graph) if SHARE_SCHEDULES else None
+    shared = SharedSchedules(graph, keys) if SHARE_SCHEDULES else None
     for k in plan.kernels:
         if poll is not None:
             poll()

@@ -302,7 +302,8 @@ def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: G
         return None
     schedule_plan(graph, spec, repaired, cache, chain_tf32=cost.chain_tf32,
                   chain_spill_check=cost.chain_spill_check,
-                  chain_grid_sync=cost.chain_grid_sync, grid_sync=cost.grid_sync)
+                  chain_grid_sync=cost.chain_grid_sync, grid_sync=cost.grid_sync,
+                  keys=cost.full_structure_key)
     return repaired
 
 
@@ -615,7 +616,7 @@ def _scheduled(graph: OpGraph, spec: GpuSpec, cost: CostModel, best: GraphPlan,
     schedule_plan(graph, spec, best, schedules, poll, chain_tf32=options.chain_tf32,
                   chain_spill_check=options.chain_spill_check,
                   chain_grid_sync=options.chain_grid_sync, left_to_xla=left_to_xla,
-                  grid_sync=options.grid_sync)
+                  grid_sync=options.grid_sync, keys=cost.full_structure_key)
     repaired = _split_unschedulable(graph, spec, cost, best, schedules, weight)
     if repaired is not None:
         best = repaired
@@ -778,7 +779,7 @@ def _repriced(graph: OpGraph, weight: int, stored: StoredGraph, source: str, spe
                       chain_grid_sync=options.chain_grid_sync,
                       left_to_xla=as_xla_made_them(graph, base_groups) if units
                       else frozenset(),
-                      grid_sync=options.grid_sync)
+                      grid_sync=options.grid_sync, keys=cost.full_structure_key)
     return baseline, stitched
 
 

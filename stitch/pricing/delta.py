@@ -103,6 +103,9 @@ class Delta:
     penalty_s: float
 
 
+_UNKNOWN = object()         # a set whose structure key was not computed
+
+
 def _no_poll() -> None:
     return None
 
@@ -207,6 +210,14 @@ class CostModel:
             self._key_of[first] = self._publish(first)
         key = self._key_of[members] = self.structure.key(members)
         return key
+
+    def full_structure_key(self, members: frozenset[int]) -> Hashable | None:
+        """``StructureKeys.key`` of the set whether or not structures are shared: the one
+        scoring computed when there is one (schedules are shared by it, and the planned
+        kernels' keys were mostly computed while they were scored), else computed now and
+        not kept (``structure_key``'s first-of-a-fingerprint rule stays as it was)."""
+        got = self._key_of.get(members, _UNKNOWN)
+        return self.structure.key(members) if got is _UNKNOWN else got
 
     def _publish(self, members: frozenset[int]) -> Hashable | None:
         """The key of a set scored before it had one, its results shared under it."""

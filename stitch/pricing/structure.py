@@ -52,7 +52,6 @@ class StructureKeys:
         self.graph = graph
         self._comps: dict[str, Hashable] = {}
         self._interned: dict[Hashable, int] = {}
-        self._outside_part: dict[int, int] = {}
         self.plannable = [n.op_class in _PLANNABLE and n.opcode not in _CONTROL
                           for n in graph.nodes]
         self.output_uses = Counter(graph.outputs)
@@ -60,6 +59,7 @@ class StructureKeys:
         self.operands = [n.operands for n in graph.nodes]
         self._hashes: list[int | None] = [None] * len(graph.nodes)
         self._parts: list[int | None] = [None] * len(graph.nodes)
+        self._outside_parts: list[int | None] = [None] * len(graph.nodes)
 
     # --- per node ----------------------------------------------------------------------
     def _intern(self, value: Hashable) -> int:
@@ -105,12 +105,12 @@ class StructureKeys:
         return got
 
     def _outside(self, v: int) -> int:
-        got = self._outside_part.get(v)
+        got = self._outside_parts[v]
         if got is None:
             node = self.graph.nodes[v]
             literal = self._instruction(node.instruction) if node.opcode == "constant" \
                 else None
-            got = self._outside_part[v] = self._intern(
+            got = self._outside_parts[v] = self._intern(
                 ("o", node.opcode, node.op_class, node.shape, node.index,
                  self.graph.is_free(v), self.output_uses.get(v, 0), literal))
         return got
@@ -120,23 +120,28 @@ class StructureKeys:
         """A cheap digest equal for sets of equal keys (size and the sum of the members'
         part hashes), None when a member is not a plannable op."""
         plannable, hashes = self.plannable, self._hashes
-        total = 0
-        for v in members:
-            if not plannable[v]:
-                return None
-            h = hashes[v]
-            if h is None:
-                h = hashes[v] = hash((_SALT, self._member(v))) & _MASK
-            total += h
+        if not all(map(plannable.__getitem__, members)):
+            return None
+        try:
+            # Whole-set steps while every member's hash is known (the common case once a
+            # layer was seen); a missing one (None) stops the sum.
+            total = sum(map(hashes.__getitem__, members))
+        except TypeError:
+            total = 0
+            for v in members:
+                h = hashes[v]
+                if h is None:
+                    h = hashes[v] = hash((_SALT, self._member(v))) & _MASK
+                total += h
         return len(members), total & _MASK
 
     def key(self, members: Iterable[int]) -> Hashable | None:
         """The set's structure key, or None when a member is not a plannable op."""
         order = sorted(members)
-        plannable = self.plannable
-        if not all(plannable[v] for v in order):
+        if not all(map(self.plannable.__getitem__, order)):
             return None
         operands, parts, buffer = self.operands, self._parts, self.buffer
+        outside = self._outside_parts
         # Members by position (>= 0), outside nodes by first appearance (~k < 0).
         index = dict(zip(order, range(len(order))))
         touched: list[int] = []
@@ -161,7 +166,8 @@ class StructureKeys:
         i = 0
         while i < len(touched):
             w = touched[i]
-            append(self._outside(w))
+            part = outside[w]
+            append(self._outside(w) if part is None else part)
             b = buffer[w]
             if b != w:
                 j = index.get(b)
