@@ -296,6 +296,39 @@ def test_linear_launch_order_matches_the_round_by_round_order():
         launch_indices(graph, cyclic)
 
 
+def test_node_facts_answer_as_the_per_op_queries():
+    """``node_facts``: its per-op lists are ``needs_kernel`` and ``kernel_kind`` of the op
+    alone, and the written / needed values it keeps across plans (random unions of XLA's
+    kernels, fresh seeds) are those found from scratch."""
+    from stitch.explorer.graph_plan import (PlanValidationError, kernel_kind, kernel_writes,
+                                            launch_indices, needs_kernel, node_facts,
+                                            producers_needed)
+    from stitch.explorer.planner import baseline_groups
+    from tests.fixtures import DATA
+    rng = np.random.default_rng()
+    for graph in (_graph((DATA / "transformer_train" / "tiny.gpu-h100.hlo").read_text()),
+                  _graph(layers_hlo(3))):
+        facts = node_facts(graph)
+        assert node_facts(graph) is facts
+        ids = range(len(graph.nodes))
+        assert facts.needs == [needs_kernel(graph, v) for v in ids]
+        assert facts.boundary == [kernel_kind(graph, (v,)) != "fused" for v in ids]
+        assert any(facts.boundary) and not all(facts.needs)
+        groups = baseline_groups(graph, "xla")
+        for _ in range(5):
+            picked = rng.choice(len(groups), size=min(6, len(groups)), replace=False)
+            union = frozenset().union(*(groups[i] for i in picked))
+            trial = [union] + [g for i, g in enumerate(groups) if i not in set(picked)]
+            try:
+                launch_indices(graph, trial, facts.io)
+            except PlanValidationError:     # a union closing a cycle: its values were found
+                pass
+        assert len(facts.io) > len(groups)
+        for members, (writes, needs) in facts.io.items():
+            assert writes == kernel_writes(graph, set(members))
+            assert needs == producers_needed(graph, set(members))
+
+
 def test_dump_modules_writes_what_the_pass_plans(tmp_path, monkeypatch):
     """STITCH_DUMP_MODULES: each module the XLA pass is handed lands in the folder, one
     file per call, so planning can be profiled without XLA."""

@@ -43,7 +43,8 @@ from .beam import Buffer, KernelCycleError, beam_search, merge_adjacent, pack_le
 from .blp import BlpError, solve_blp
 from .cancel import CancelPoll
 from .graph_plan import (GraphPlan, KernelIO, PlannedKernel, PlannerReport, PlanValidationError,
-                         kernel_kind, launch_order, make_kernel, needs_kernel, validate)
+                         kernel_kind, launch_order, make_kernel, needs_kernel, node_facts,
+                         validate)
 from .module_plan import FusionPlan, GraphResult
 from .options import ExplorerOptions
 from .patterns import (MAX_PATTERN_OPS, Candidates, Pattern, PatternExplorer, Vertices,
@@ -169,10 +170,11 @@ def baseline_groups(graph: OpGraph, source: str) -> list[frozenset[int]]:
         except ImportError as exc:
             raise PlanError(f"pre-optimization HLO needs the base fusion pass: {exc}") from exc
         groups = [frozenset(ids) for ids in base_fusion(graph)]
-    groups = [g for g in groups if any(needs_kernel(graph, v) for v in g)]
+    needs = node_facts(graph).needs
+    groups = [g for g in groups if any(needs[v] for v in g)]
     covered = {v for g in groups for v in g}
-    groups.extend(frozenset((v,)) for v in range(len(graph.nodes))
-                  if needs_kernel(graph, v) and v not in covered)
+    groups.extend(frozenset((v,)) for v, need in enumerate(node_facts(graph).needs)
+                  if need and v not in covered)
     return groups
 
 
@@ -201,7 +203,9 @@ def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origi
         groups = [g for g, _ in packed]
         origins = ["packing" if merged else origin_of.get(g, "single") for g, merged in packed]
     kernels = [make_kernel(graph, cost, g, o) for g, o in zip(groups, origins)]
-    io: KernelIO = {}
+    # The candidate plans of a graph share most kernels (XLA's, unmerged): their written
+    # and needed values are found once.
+    io = node_facts(graph).io
     return _named(graph, launch_order(graph, kernels, io), weight, prefix, io)
 
 
@@ -295,7 +299,8 @@ def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: G
     if not changed:
         return None
     try:
-        repaired = _named(graph, launch_order(graph, kernels), weight)
+        io = node_facts(graph).io
+        repaired = _named(graph, launch_order(graph, kernels, io), weight, io=io)
     except PlanValidationError as exc:
         log.debug("graph %s: splitting unschedulable kernels gave no valid plan: %s",
                   graph.name, exc)
@@ -368,8 +373,8 @@ def _complete(graph: OpGraph, patterns: list[Pattern],
                 groups.append(g)
                 origins.append("baseline")
                 covered |= g
-    for v in range(len(graph.nodes)):
-        if needs_kernel(graph, v) and v not in covered:
+    for v, need in enumerate(node_facts(graph).needs):
+        if need and v not in covered:
             groups.append(frozenset((v,)))
             origins.append("single")
     return groups, origins
@@ -590,7 +595,8 @@ def _blp_plan(graph: OpGraph, cost: CostModel, pool: list[frozenset[int]], best:
     base_set = set(base_groups)
     kernels = [make_kernel(graph, cost, c, "baseline" if c in base_set else "blp")
                for c in result.chosen]
-    best = _named(graph, launch_order(graph, kernels), weight)
+    io = node_facts(graph).io
+    best = _named(graph, launch_order(graph, kernels, io), weight, io=io)
     return best, PlannerReport("blp", result.objective_s, time.perf_counter() - start,
                                result.status, result.gap,
                                {"variables": result.variables,
@@ -770,7 +776,8 @@ def _repriced(graph: OpGraph, weight: int, stored: StoredGraph, source: str, spe
     baseline = _finish(graph, xla_cost_model(graph, spec, cost), base_groups,
                        ["baseline"] * len(base_groups), False, weight, prefix="b")
     kernels = [make_kernel(graph, cost, m, o) for m, o in zip(stored.sets, stored.origins)]
-    stitched = _named(graph, launch_order(graph, kernels), weight)
+    io = node_facts(graph).io
+    stitched = _named(graph, launch_order(graph, kernels, io), weight, io=io)
     if options.schedules:
         # As planned: with XLA units, the kernels that are one XLA kernel untuned.
         units = xla_unit_vertices(graph, options, source) is not None
