@@ -272,36 +272,49 @@ def kernel_levels(graph: OpGraph, groups: list[frozenset[int]],
             holders[v].append(gi)
 
     # A value held by several groups (a recomputed producer) comes from those that write
-    # it (use it outside themselves); an op in no group is a unit of its own.
+    # it (use it outside themselves); an op in no group is a unit of its own. Found once
+    # per value (every reader asks).
+    found_sources: list[list[int] | None] = [None] * len(graph.nodes)
+
     def sources(o: int) -> list[int]:
-        held = holders[o]
-        if not held:
-            return [n_groups + o]
-        writing = [h for h in held if any(u not in sets[h] for u in graph.nodes[o].users)
-                   or o in outputs]
-        return writing or held
+        got = found_sources[o]
+        if got is None:
+            held = holders[o]
+            if not held:
+                got = [n_groups + o]
+            elif len(held) == 1:
+                got = held
+            else:
+                writing = [h for h in held
+                           if any(u not in sets[h] for u in graph.nodes[o].users)
+                           or o in outputs]
+                got = writing or held
+            found_sources[o] = got
+        return got
 
     weight = [1] * n_groups + [0] * len(graph.nodes)
     if weights is not None:
         weight[:n_groups] = weights
     succ: list[set[int]] = [set() for _ in range(n_units)]
     indegree = [0] * n_units
-
-    def edge(a: int, b: int) -> None:
-        if a != b and b not in succ[a]:
-            succ[a].add(b)
-            indegree[b] += 1
+    nodes = graph.nodes
     for gi, g in enumerate(groups):
+        inside = sets[gi]
         for m in g:
-            for o in graph.nodes[m].operands:
-                if o not in sets[gi]:
+            for o in nodes[m].operands:
+                if o not in inside:
                     for h in sources(o):
-                        edge(h, gi)
-    for node in graph.nodes:
+                        if h != gi and gi not in succ[h]:
+                            succ[h].add(gi)
+                            indegree[gi] += 1
+    for node in nodes:
         if not holders[node.id]:
+            unit = n_groups + node.id
             for o in node.operands:
                 for h in sources(o):
-                    edge(h, n_groups + node.id)
+                    if h != unit and unit not in succ[h]:
+                        succ[h].add(unit)
+                        indegree[unit] += 1
     level = [0] * n_units
     ready = [x for x in range(n_units) if indegree[x] == 0]
     seen = 0
