@@ -466,11 +466,11 @@ class MergeGraph:
         self.first = {ki: min(g, default=-1) for ki, g in self.kernels.items()}
         self.next_id = len(groups)
         self.merged_into: dict[int, int] = {}
-        self.merges = 0
         # Per direction (True: successors): raw edge sets by kernel (ids as they were when
-        # first asked), and resolved ones, valid until the next merge renames kernels.
+        # first asked), and resolved ones (current ids); a merge drops the resolved sets
+        # naming either merged kernel (those of its neighbours), the others stay right.
         self._raw: dict[bool, dict[int, frozenset[int]]] = {True: {}, False: {}}
-        self._resolved: dict[bool, dict[int, tuple[int, set[int]]]] = {True: {}, False: {}}
+        self._resolved: dict[bool, dict[int, set[int]]] = {True: {}, False: {}}
         # Whether the kernel graph is a DAG that merges keep one: each op in one kernel at
         # most (a recomputed op's owner is one of its copies, and a merge rewrites it) and
         # no cycle to start with. Then ``other_path`` against an edge is no at once.
@@ -536,14 +536,7 @@ class MergeGraph:
         resolved = self._resolved[forward]
         got = resolved.get(k)
         if got is not None:
-            if got[0] == self.merges:
-                return got[1]
-            # Resolved before the last merges but naming no kernel merged since: every id
-            # in it is still its own root, so resolving again gives the same set.
-            merged_into = self.merged_into
-            if not any(x in merged_into for x in got[1]):
-                resolved[k] = (self.merges, got[1])
-                return got[1]
+            return got
         raw_cache = self._raw[forward]
         raw = raw_cache.get(k)
         if raw is None:
@@ -559,7 +552,7 @@ class MergeGraph:
         find = self.find
         out = {find(x) for x in raw}
         out.discard(k)
-        resolved[k] = (self.merges, out)
+        resolved[k] = out
         return out
 
     def successors(self, k: int) -> set[int]:
@@ -579,11 +572,21 @@ class MergeGraph:
 
     def merge(self, a: int, b: int, union: frozenset[int]) -> int:
         """Replace kernels ``a`` and ``b`` by ``union``; its id."""
+        # The resolved edge sets naming a or b: a's and b's own, and in each direction
+        # those of the kernels on the other side (x lists a as a successor exactly when a
+        # lists x as a predecessor).
+        around = {forward: [x for k in (a, b) for x in self._adjacent(k, forward)]
+                  for forward in (True, False)}
+        for forward in (True, False):
+            resolved = self._resolved[forward]
+            for x in around[not forward]:
+                resolved.pop(x, None)
+            resolved.pop(a, None)
+            resolved.pop(b, None)
         new = self.next_id
         self.next_id += 1
         del self.kernels[a], self.kernels[b]
         self.merged_into[a] = self.merged_into[b] = new
-        self.merges += 1
         self.kernels[new] = union
         self.first[new] = min(self.first[a], self.first[b])
         self.ok[new] = True
