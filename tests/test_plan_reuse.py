@@ -238,6 +238,46 @@ def test_full_structure_key_groups_sets_as_fresh_keys_do():
     assert sum(got[i] == got[j] and got[i] is not None for i, j in pairs) > 10
 
 
+def _renumbered_reference(value, ids, is_id=False):
+    """A schedule with node ids mapped, walked field by field with ``dataclasses.replace``."""
+    import dataclasses
+    id_fields = {"members", "root", "node", "cached"}
+    if is_id:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return ids[value]
+        if isinstance(value, (tuple, list, frozenset, set)):
+            return type(value)(ids[v] for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{
+            f.name: _renumbered_reference(getattr(value, f.name), ids, f.name in id_fields)
+            for f in dataclasses.fields(value) if f.init})
+    if isinstance(value, list):
+        return [_renumbered_reference(v, ids) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_renumbered_reference(v, ids) for v in value)
+    return value
+
+
+def test_a_shared_schedule_is_the_first_one_renumbered_field_by_field():
+    """``SharedSchedules``: a later layer's set gets the schedule tuned for an earlier one
+    with every node id mapped, equal to a field-by-field walk, for each layer-set shape."""
+    from stitch.explorer.plan_schedules import SharedSchedules
+    from stitch.schedule.tuner import schedule_kernel
+    graph = _graph(layers_hlo(3))
+    spec = get_spec("h100")
+    shared = SharedSchedules(graph)
+    checked = 0
+    for first, later in zip(_layer_members(graph, 1), _layer_members(graph, 2)):
+        tuned = schedule_kernel(graph, first, spec)
+        shared.put(first, tuned)
+        got = shared.get(later)
+        assert got is not None
+        assert got == _renumbered_reference(tuned, dict(zip(sorted(first), sorted(later))))
+        assert set(got.members) == set(later)
+        checked += 1
+    assert checked == 4 and shared.shared == 4
+
+
 def test_rename_carries_reasons():
     assert rename("mul.3 (rsqrt) feeds mul.30", ("mul.3", "mul.30"), ("mul.7", "mul.70")) \
         == "mul.7 (rsqrt) feeds mul.70"

@@ -35,6 +35,12 @@ SHARE_SCHEDULES = True
 _SCHEDULE_ID_FIELDS = frozenset({"members", "root", "node", "cached"})
 
 
+# Per schedule dataclass: its init fields, each with whether it holds node ids (found once
+# per class: a repeated layer renumbers hundreds of schedules).
+_INIT_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {}
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+
+
 def _renumbered(value, ids: dict[int, int], is_id: bool = False):
     """A schedule (or part of one) with its node ids mapped by ``ids``."""
     if is_id:
@@ -42,10 +48,18 @@ def _renumbered(value, ids: dict[int, int], is_id: bool = False):
             return ids[value]
         if isinstance(value, (tuple, list, frozenset, set)):
             return type(value)(ids[v] for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{
-            f.name: _renumbered(getattr(value, f.name), ids, f.name in _SCHEDULE_ID_FIELDS)
-            for f in dataclasses.fields(value) if f.init})
+    cls = type(value)
+    if cls in _PLAIN:
+        return value
+    fields = _INIT_FIELDS.get(cls)
+    if fields is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = _INIT_FIELDS[cls] = tuple(
+            (f.name, f.name in _SCHEDULE_ID_FIELDS) for f in dataclasses.fields(value)
+            if f.init)
+    if fields is not None:
+        # ``dataclasses.replace`` with every init field given: the class called on them.
+        return cls(**{name: _renumbered(getattr(value, name), ids, holds_ids)
+                      for name, holds_ids in fields})
     if isinstance(value, list):
         return [_renumbered(v, ids) for v in value]
     if isinstance(value, tuple):
