@@ -186,9 +186,10 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
     for v in graph.topological_order():
         if poll is not None:
             poll()
-        for bi, buf in enumerate(beams):
-            if buf.holds(v):
-                passed[bi] += share[v]
+        if share[v]:                # adding a zero share changes nothing: not asked
+            for bi, buf in enumerate(beams):
+                if buf.holds(v):
+                    passed[bi] += share[v]
         options = by_first.get(v)
         if not options:
             continue
