@@ -218,6 +218,61 @@ def test_fingerprint_is_the_sum_of_its_members_fingerprints():
     assert any(f is None for f in want) and sum(f is not None for f in want) > 100
 
 
+def test_union_key_is_the_key_of_the_union():
+    """``union_key`` (a union's key found from its parts' keys and how the later part meets
+    the earlier one, computed once per combination) is the union's own key: random unions
+    of two disjoint runs of ops, one before the other or interleaved, each also in the
+    next layer (where it is found, not computed), and in a zoo training step (fresh
+    seeds)."""
+    from tests.fixtures import DATA
+    rng = np.random.default_rng()
+    layered = _graph(layers_hlo(5))
+    stride = layered.node("sum_L2").id - layered.node("sum_L1").id
+    first = [v for v in range(len(layered.nodes))
+             if layered.node("sum_L1").id <= v < layered.node("sum_L2").id]
+    zoo = _graph((DATA / "transformer_train" / "tiny.gpu-h100.hlo").read_text())
+    found = 0
+    # Parts reading one outside value (the residual) in one union and different ones in
+    # its copy with the later part a layer on.
+    shared = StructureKeys(layered)
+    for stems_a, stems_b in ((["sum"], ["c", "sq"]), (["sum", "mean"], ["c"]),
+                             (["sum"], ["c"])):
+        part_a = frozenset(layered.node(f"{n}_L1").id for n in stems_a)
+        for layer in (1, 2, 3):
+            part_b = frozenset(layered.node(f"{n}_L{layer}").id for n in stems_b)
+            union = part_a | part_b
+            assert shared.union_key(union, part_a, part_b, shared.key(part_a),
+                                    shared.key(part_b)) == shared.key(union)
+    for graph, copies in ((layered, (0, stride, 2 * stride)), (zoo, (0,))):
+        keys = StructureKeys(graph)
+        ops = first if graph is layered else list(range(len(graph.nodes)))
+        ops = [v for v in ops if keys.plannable[v]]
+        for _ in range(150):
+            start = int(rng.integers(len(ops) - 3))
+            window = ops[start:start + int(rng.integers(2, 16))]
+            if len(window) < 2:
+                continue
+            if rng.random() < 0.3:          # interleaved: every other op
+                a, b = window[0::2], window[1::2]
+            else:
+                cut = int(rng.integers(1, len(window)))
+                a, b = window[:cut], window[cut:]
+            # Each layer's copy, and the earlier part with the later one's copies further
+            # on (parts of the same keys that meet differently, or not at all).
+            pairs = [(shift, shift) for shift in copies] + [(0, s) for s in copies[1:]]
+            for shift_a, shift_b in pairs:
+                part_a = frozenset(v + shift_a for v in a)
+                part_b = frozenset(v + shift_b for v in b)
+                if part_a & part_b:
+                    continue
+                union = part_a | part_b
+                got = keys.union_key(union, part_a, part_b, keys.key(part_a),
+                                     keys.key(part_b))
+                found += union not in keys.layouts      # its key was not computed
+                assert got == keys.key(union)
+    assert found > 30
+
+
 def test_full_structure_key_groups_sets_as_fresh_keys_do():
     """``CostModel.full_structure_key`` (a key scoring kept, or one computed) puts two sets
     under one key exactly when a fresh ``StructureKeys`` does, whether the sets were scored

@@ -361,7 +361,7 @@ def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
                 result.append((current, parts > 1))
                 current, parts = g, 1
                 continue
-            if not cost.stitchable(union):
+            if not cost.stitchable(union, (current, g)):
                 result.append((current, parts > 1))
                 current, parts = g, 1
                 continue
@@ -614,7 +614,7 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         union = kernels[a] | kernels[b]
         if len(union) > max_ops:
             return None
-        if not cost.stitchable(union):
+        if not cost.stitchable(union, (kernels[a], kernels[b])):
             return None
         s = cost.kernel(kernels[a]).total_s + cost.kernel(kernels[b]).total_s - \
             cost.kernel(union).total_s

@@ -22,6 +22,7 @@ key; callers check it first.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import re
 from collections import Counter
@@ -60,6 +61,11 @@ class StructureKeys:
         self._hashes: list[int | None] = [None] * len(graph.nodes)
         self._parts: list[int | None] = [None] * len(graph.nodes)
         self._outside_parts: list[int | None] = [None] * len(graph.nodes)
+        # Per keyed set: its members in order and the outside nodes its key numbers, in
+        # that numbering (what ``union_key`` reads of a part).
+        self.layouts: dict[frozenset[int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        # What decides a union's key (``union_key``) -> the key.
+        self._unions: dict[Hashable, Hashable] = {}
 
     # --- per node ----------------------------------------------------------------------
     def _intern(self, value: Hashable) -> int:
@@ -179,7 +185,42 @@ class StructureKeys:
             else:
                 append(0)
             i += 1
+        if isinstance(members, frozenset):
+            self.layouts[members] = (tuple(order), tuple(touched))
         return tuple(flat)
+
+    def union_key(self, union: frozenset[int], a: frozenset[int], b: frozenset[int],
+                  key_a: Hashable, key_b: Hashable) -> Hashable | None:
+        """``key(union)`` for the union of keyed sets ``a`` and ``b``, all of one before
+        all of the other. Operands and buffers have smaller ids than their users, so
+        nothing the earlier part touches is in the later one, and the union's key follows
+        from the parts' keys and how the later part's outside nodes meet the earlier part
+        (a member, by position; an outside node of its key, by number; neither): found by
+        those, computed once per new combination. Any other union: ``key``."""
+        layout_a, layout_b = self._layout(a), self._layout(b)
+        if layout_a[0][-1] > layout_b[0][0]:
+            if layout_b[0][-1] > layout_a[0][0]:
+                return self.key(union)                  # interleaved ids
+            layout_a, layout_b, key_a, key_b = layout_b, layout_a, key_b, key_a
+        order_a, touched_a = layout_a
+        numbered = dict(zip(touched_a, range(-1, -len(touched_a) - 1, -1)))
+        size, find = len(order_a), bisect.bisect_left
+        meets = []
+        for w in layout_b[1]:
+            i = find(order_a, w)
+            meets.append(i if i < size and order_a[i] == w else numbered.get(w))
+        decided = (key_a, key_b, tuple(meets))
+        got = self._unions.get(decided)
+        if got is None:
+            got = self._unions[decided] = self.key(union)
+        return got
+
+    def _layout(self, members: frozenset[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        got = self.layouts.get(members)
+        if got is None:
+            self.key(members)
+            got = self.layouts[members]
+        return got
 
     def names(self, members: Iterable[int]) -> tuple[str, ...]:
         """Member names in increasing id order (to carry a reason to another set)."""
