@@ -392,12 +392,13 @@ def test_linear_launch_order_matches_the_round_by_round_order():
 
 
 def test_node_facts_answer_as_the_per_op_queries():
-    """``node_facts``: its per-op lists are ``needs_kernel`` and ``kernel_kind`` of the op
-    alone, and the written / needed values it keeps across plans (random unions of XLA's
-    kernels, fresh seeds) are those found from scratch."""
+    """``node_facts``: its per-op lists are ``needs_kernel``, ``kernel_kind`` of the op
+    alone and ``is_plannable``, and the written / needed values it keeps across plans
+    (random unions of XLA's kernels, fresh seeds) are those found from scratch."""
     from stitch.explorer.graph_plan import (PlanValidationError, kernel_kind, kernel_writes,
                                             launch_indices, needs_kernel, node_facts,
                                             producers_needed)
+    from stitch.explorer.patterns import is_plannable
     from stitch.explorer.planner import baseline_groups
     from tests.fixtures import DATA
     rng = np.random.default_rng()
@@ -408,6 +409,7 @@ def test_node_facts_answer_as_the_per_op_queries():
         ids = range(len(graph.nodes))
         assert facts.needs == [needs_kernel(graph, v) for v in ids]
         assert facts.boundary == [kernel_kind(graph, (v,)) != "fused" for v in ids]
+        assert facts.plannable == [is_plannable(graph, v) for v in ids]
         assert any(facts.boundary) and not all(facts.needs)
         groups = baseline_groups(graph, "xla")
         for _ in range(5):

@@ -18,7 +18,7 @@ from stitch.hlo.op_classes import OpClass
 
 from ..pricing.delta import CostModel, KernelCost
 from ..errors import StitchError
-from .patterns import CONTROL_OPCODES
+from .patterns import CONTROL_OPCODES, is_plannable
 
 if TYPE_CHECKING:
     from ..cost.occupancy import Occupancy
@@ -131,12 +131,14 @@ def needs_kernel(graph: OpGraph, nid: int) -> bool:
 @dataclass
 class NodeFacts:
     """Per-op answers that never change for a graph, asked for every op of every candidate
-    plan (validation scans all ops per plan): ``needs_kernel`` and whether the op alone
-    is a kernel boundary (``kernel_kind`` of it alone is not "fused"); ``io``: member
-    sets' written and needed values (``kernel_io``), shared by every plan of the graph."""
+    plan (validation scans all ops per plan): ``needs_kernel``, whether the op alone
+    is a kernel boundary (``kernel_kind`` of it alone is not "fused") and
+    ``patterns.is_plannable``; ``io``: member sets' written and needed values
+    (``kernel_io``), shared by every plan of the graph."""
     size: int
     needs: list[bool]
     boundary: list[bool]
+    plannable: list[bool]
     io: "KernelIO"
 
 
@@ -150,7 +152,8 @@ def node_facts(graph: OpGraph) -> NodeFacts:
         ids = range(len(graph.nodes))
         got = _FACTS[graph] = NodeFacts(
             len(graph.nodes), [needs_kernel(graph, v) for v in ids],
-            [kernel_kind(graph, (v,)) != "fused" for v in ids], {})
+            [kernel_kind(graph, (v,)) != "fused" for v in ids],
+            [is_plannable(graph, v) for v in ids], {})
     return got
 
 

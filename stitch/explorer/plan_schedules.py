@@ -16,8 +16,7 @@ from ..pricing.chain_pricing import chain_for, chain_price
 from ..pricing.structure import StructureKeys
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
-from .graph_plan import GraphPlan
-from .patterns import is_plannable
+from .graph_plan import GraphPlan, node_facts
 
 log = logging.getLogger(__name__)
 
@@ -162,5 +161,6 @@ def kept_as_xla(graph: OpGraph, members: Collection[int]) -> bool:
     """Whether a kernel holds an op stitch does not generate — one outside the plannable
     classes, or one codegen refuses (``buildable.build_problem``: a scatter-max with
     colliding updates, say): XLA's fusion around it runs as XLA made it, untuned."""
-    return not all(is_plannable(graph, v) for v in members) or \
+    plannable = node_facts(graph).plannable
+    return not all(plannable[v] for v in members) or \
         any(build_problem(graph, v) for v in members)

@@ -48,7 +48,7 @@ from .graph_plan import (GraphPlan, KernelIO, PlannedKernel, PlannerReport, Plan
 from .module_plan import FusionPlan, GraphResult
 from .options import ExplorerOptions
 from .patterns import (MAX_PATTERN_OPS, Candidates, Pattern, PatternExplorer, Vertices,
-                       is_plannable, unit_vertices)
+                       unit_vertices)
 from .plan_cache import (PlanCache, StoredGraph, default_plan_cache, module_fingerprint,
                          plan_entry, plan_key, stored_graphs)
 from .plan_schedules import (AS_XLA_MADE_IT, ScheduleCache, kept_as_xla, schedule_plan,
@@ -179,7 +179,8 @@ def baseline_groups(graph: OpGraph, source: str) -> list[frozenset[int]]:
 
 
 def _packable(graph: OpGraph, members: frozenset[int], cost: CostModel | None = None) -> bool:
-    if not all(is_plannable(graph, v) for v in members):
+    plannable = node_facts(graph).plannable
+    if not all(plannable[v] for v in members):
         return False
     if cost is None:
         return infeasible_reason(graph, members) is None
