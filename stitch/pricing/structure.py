@@ -193,16 +193,19 @@ class StructureKeys:
                   key_a: Hashable, key_b: Hashable) -> Hashable | None:
         """``key(union)`` for the union of keyed sets ``a`` and ``b``, all of one before
         all of the other. Operands and buffers have smaller ids than their users, so
-        nothing the earlier part touches is in the later one, and the union's key follows
-        from the parts' keys and how the later part's outside nodes meet the earlier part
-        (a member, by position; an outside node of its key, by number; neither): found by
-        those, computed once per new combination. Any other union: ``key``."""
+        nothing the earlier part touches is in the later one (checked), and the union's
+        key follows from the parts' keys and how the later part's outside nodes meet the
+        earlier part (a member, by position; an outside node of its key, by number;
+        neither): found by those, computed once per new combination. Any other union:
+        ``key``."""
         layout_a, layout_b = self._layout(a), self._layout(b)
         if layout_a[0][-1] > layout_b[0][0]:
             if layout_b[0][-1] > layout_a[0][0]:
                 return self.key(union)                  # interleaved ids
             layout_a, layout_b, key_a, key_b = layout_b, layout_a, key_b, key_a
         order_a, touched_a = layout_a
+        if touched_a and max(touched_a) >= layout_b[0][0]:
+            return self.key(union)          # the earlier part reads from the later
         numbered = dict(zip(touched_a, range(-1, -len(touched_a) - 1, -1)))
         size, find = len(order_a), bisect.bisect_left
         meets = []
