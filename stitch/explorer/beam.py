@@ -131,17 +131,35 @@ def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern,
     return False
 
 
-def offer_points(pattern: Pattern, patterns: list[Pattern], masks: dict[frozenset[int], int]
-                 ) -> tuple[int, ...]:
+def offer_points(pattern: Pattern, patterns: list[Pattern], masks: dict[frozenset[int], int],
+                 first_holding: dict[int, int] | None = None) -> tuple[int, ...]:
     """The vertices at which the beam offers ``pattern``: its first op; a GEMM chain also
-    at the first op of the earliest pattern that shares ops with it (module docstring)."""
+    at the first op of the earliest pattern that shares ops with it (module docstring).
+    ``first_holding``: ``chain_op_holders(patterns)``, the same answer without a pass over
+    all patterns per chain."""
     if pattern.origin != CHAIN_ORIGIN:
         return (pattern.first,)
-    mine = masks[pattern.members]
-    earliest = min((q.first for q in patterns
-                    if q.first < pattern.first and masks[q.members] & mine),
-                   default=pattern.first)
+    if first_holding is not None:
+        earliest = min(pattern.first, min(first_holding[m] for m in pattern.members))
+    else:
+        mine = masks[pattern.members]
+        earliest = min((q.first for q in patterns
+                        if q.first < pattern.first and masks[q.members] & mine),
+                       default=pattern.first)
     return (pattern.first,) if earliest == pattern.first else (earliest, pattern.first)
+
+
+def chain_op_holders(patterns: list[Pattern]) -> dict[int, int]:
+    """Per op of a GEMM chain's pattern: the first op of the earliest pattern holding it
+    (the chains' offer points, found in one pass: a pass over every pattern per chain grew
+    with the square of the layers)."""
+    chain_ops = frozenset().union(*(p.members for p in patterns if p.origin == CHAIN_ORIGIN))
+    first: dict[int, int] = {}
+    for q in patterns:
+        for m in q.members & chain_ops:
+            if first.get(m, q.first + 1) > q.first:
+                first[m] = q.first
+    return first
 
 
 def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
@@ -164,8 +182,9 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
     by_first: dict[int, list[Pattern]] = {}
     useful = [p for p in patterns if len(p.members) > 1 and p.gain > 0]
     masks = {p.members: _mask(p.members) for p in useful}
+    first_holding = chain_op_holders(useful)
     for p in useful:
-        for v in offer_points(p, useful, masks):
+        for v in offer_points(p, useful, masks, first_holding):
             by_first.setdefault(v, []).append(p)
         if p.origin != CHAIN_ORIGIN:
             per_op = p.gain / len(p.members)
