@@ -412,6 +412,10 @@ def test_node_facts_answer_as_the_per_op_queries():
         assert facts.plannable == [is_plannable(graph, v) for v in ids]
         assert any(facts.boundary) and not all(facts.needs)
         groups = baseline_groups(graph, "xla")
+        # XLA's partition as the graph gives it now (the planner keeps it per graph).
+        want = [frozenset(ids) for ids in graph.baseline_groups().values()
+                if any(needs_kernel(graph, v) for v in ids)]
+        assert groups[:len(want)] == want and baseline_groups(graph, "xla") == groups
         for _ in range(5):
             picked = rng.choice(len(groups), size=min(6, len(groups)), replace=False)
             union = frozenset().union(*(groups[i] for i in picked))

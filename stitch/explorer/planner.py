@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Collection
 
@@ -90,6 +91,19 @@ def pattern_bound(size: int, options: "ExplorerOptions") -> int:
     return MAX_PATTERN_OPS if size <= SMALL_GRAPH_OPS else LARGE_GRAPH_PATTERN_OPS
 
 
+# Per graph: XLA's partition (``OpGraph.baseline_groups``), asked for the explorer's units
+# and for the baseline kernels of one plan; read, never changed.
+_XLA_GROUPS: "weakref.WeakKeyDictionary[OpGraph, tuple[int, dict[str, list[int]]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _xla_groups(graph: OpGraph) -> dict[str, list[int]]:
+    got = _XLA_GROUPS.get(graph)
+    if got is None or got[0] != len(graph.nodes):
+        got = _XLA_GROUPS[graph] = (len(graph.nodes), graph.baseline_groups())
+    return got[1]
+
+
 def xla_unit_vertices(graph: OpGraph, options: "ExplorerOptions", source: str
                       ) -> "Vertices | None":
     """The explorer's vertices when ``graph`` is planned with XLA's instructions as units
@@ -97,7 +111,7 @@ def xla_unit_vertices(graph: OpGraph, options: "ExplorerOptions", source: str
     None: planned op by op."""
     if not options.xla_units or source != "xla":
         return None
-    vertices = unit_vertices(graph, graph.baseline_groups().values())
+    vertices = unit_vertices(graph, _xla_groups(graph).values())
     if vertices is None:
         log.info("graph %s: XLA's instructions form no acyclic graph of units; planned "
                  "op by op", graph.name)
@@ -163,7 +177,7 @@ def places_into_xla(options: "ExplorerOptions", source: str) -> bool:
 
 def baseline_groups(graph: OpGraph, source: str) -> list[frozenset[int]]:
     if source == "xla":
-        groups = [frozenset(ids) for ids in graph.baseline_groups().values()]
+        groups = [frozenset(ids) for ids in _xla_groups(graph).values()]
     else:
         try:
             from stitch.hlo.base_fusion import base_fusion
