@@ -68,3 +68,28 @@ def test_only_chains_move_and_only_to_a_competitor_before_them(graph):
     assert offer_points(chain, [mask, chain, late], masks) == (mask.first, chain.first)
     assert offer_points(chain, [chain, late], masks) == (chain.first,)
     assert offer_points(late, [mask, chain, late], masks) == (late.first,)
+
+
+def test_chain_offer_points_from_the_op_holders_match_the_scan():
+    """``offer_points`` given ``chain_op_holders`` (one pass over the patterns) offers every
+    pattern where the scan over all patterns does: random patterns and chains over 60 ops
+    (fresh seeds)."""
+    from stitch.explorer.beam import chain_op_holders
+    rng = random.Random()
+    checked = moved = 0
+    for _ in range(20):
+        patterns = []
+        for _ in range(rng.randint(5, 40)):
+            start = rng.randrange(55)
+            members = frozenset(rng.sample(range(start, min(60, start + 12)),
+                                           rng.randint(2, 5)))
+            origin = CHAIN_ORIGIN if rng.random() < 0.25 else "dp"
+            patterns.append(Pattern(members, rng.uniform(0.1, 2.0), origin))
+        masks = {p.members: sum(1 << v for v in p.members) for p in patterns}
+        holders = chain_op_holders(patterns)
+        for p in patterns:
+            want = offer_points(p, patterns, masks)
+            assert offer_points(p, patterns, masks, holders) == want
+            checked += 1
+            moved += len(want) == 2
+    assert checked > 100 and moved > 5

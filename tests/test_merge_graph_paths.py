@@ -84,3 +84,33 @@ def test_cycles_and_shared_ops_turn_the_shortcut_off() -> None:
         shared = kernels + [frozenset(list(kernels[0])[:1]) | kernels[1]]
         assert not MergeGraph(graph, shared, [True] * len(shared)).stays_acyclic
     assert cyclic and acyclic
+
+
+def test_edges_read_through_merges_match_the_kernel_graph_rebuilt() -> None:
+    """``successors`` / ``predecessors`` of every kernel and of ops in none, asked before
+    and between random merges (cached sets kept or dropped as kernels merge), equal the
+    kernel graph rebuilt from the current kernels (fresh seeds)."""
+    rng = random.Random()
+    compared = merges = 0
+    for _ in range(12):
+        graph = _random_dag(rng, 60)
+        kernels = _random_kernels(rng, len(graph.nodes))
+        plan = MergeGraph(graph, kernels, [True] * len(kernels))
+        for _ in range(8):
+            unit = {v: k for k, members in plan.kernels.items() for v in members}
+            units = list(plan.kernels) + [-1 - v for v in range(len(graph.nodes))
+                                          if v not in unit]
+            for k in units:
+                ops = plan.kernels[k] if k >= 0 else {-1 - k}
+                succ = {unit.get(u, -1 - u) for v in ops for u in graph.nodes[v].users}
+                pred = {unit.get(o, -1 - o) for v in ops for o in graph.nodes[v].operands}
+                assert plan.successors(k) == succ - {k}
+                assert plan.predecessors(k) == pred - {k}
+                compared += 1
+            pairs = [(a, b) for a in plan.kernels for b in plan.neighbours(a) if a < b]
+            if not pairs:
+                break
+            a, b = rng.choice(pairs)
+            plan.merge(a, b, plan.kernels[a] | plan.kernels[b])
+            merges += 1
+    assert compared > 500 and merges > 20

@@ -168,3 +168,79 @@ def test_validation_with_the_launch_orders_io_flags_what_validation_alone_flags(
         assert shared == alone
         failed += alone is not None
     assert failed, "no swap broke the order: the test proves nothing"
+
+
+def _levels_reference(graph: OpGraph, groups: list[frozenset[int]]) -> list[int] | None:
+    """Longest-path levels of the kernel graph built edge by edge from every member's
+    operands (a recomputed value from the groups writing it), walked in topological order
+    by repeated scans; None on a cycle."""
+    n_groups = len(groups)
+    holders: dict[int, list[int]] = {}
+    for gi, g in enumerate(groups):
+        for v in g:
+            holders.setdefault(v, []).append(gi)
+
+    def unit_sources(o: int) -> list[int]:
+        held = holders.get(o, [])
+        if not held:
+            return [n_groups + o]
+        writing = [h for h in held if o in graph.outputs
+                   or any(u not in groups[h] for u in graph.nodes[o].users)]
+        return writing or held
+
+    units = list(range(n_groups)) + [n_groups + v for v in range(len(graph.nodes))
+                                     if v not in holders]
+    preds: dict[int, set[int]] = {u: set() for u in units}
+    for u in units:
+        ops = groups[u] if u < n_groups else {u - n_groups}
+        for m in ops:
+            for o in graph.nodes[m].operands:
+                if u < n_groups and o in groups[u]:
+                    continue
+                preds[u].update(h for h in unit_sources(o) if h != u)
+    level: dict[int, int] = {}
+    while len(level) < len(units):
+        ready = [u for u in units if u not in level and preds[u] <= set(level)]
+        if not ready:
+            return None
+        for u in ready:
+            level[u] = max((level[p] + (1 if p < n_groups else 0) for p in preds[u]),
+                           default=0)
+    return [level[i] for i in range(n_groups)]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_kernel_levels_match_the_reference(model):
+    """``kernel_levels`` on XLA's kernels and random unions of them, with a few ops copied
+    into a second kernel (recomputed producers), fresh seeds: the reference's levels, or
+    both refuse a cycle."""
+    graph = _graph(model)
+    groups = sorted(baseline_groups(graph, "xla"), key=min)
+    rng = random.Random()
+    checked = cycles = 0
+    for attempt in range(8):
+        trial = list(groups)
+        # Unions of kernels next to each other in op order (often acyclic), then copies.
+        for _ in range(rng.randint(1, 8) if attempt else 0):
+            i = rng.randrange(len(trial) - 1)
+            trial[i:i + 2] = [trial[i] | trial[i + 1]]
+        for _ in range(rng.randint(1, 6) if attempt else 0):
+            # A producer copied into the kernel holding all its users (recomputed there):
+            # its first holder still writes it, the copy does not.
+            j = rng.randrange(len(trial))
+            copies = sorted({o for m in trial[j] for o in graph.nodes[m].operands
+                             if o not in trial[j] and graph.nodes[o].users
+                             and all(u in trial[j] for u in graph.nodes[o].users)
+                             and any(o in g for g in trial)})
+            if copies:
+                trial[j] = trial[j] | {rng.choice(copies)}
+        rng.shuffle(trial)
+        want = _levels_reference(graph, trial)
+        if want is None:
+            with pytest.raises(ValueError):
+                beam.kernel_levels(graph, trial)
+            cycles += 1
+        else:
+            assert beam.kernel_levels(graph, trial) == want
+            checked += 1
+    assert checked >= 1 and len(groups) > 20

@@ -181,6 +181,158 @@ def test_shared_costs_equal_fresh_costs():
     assert checked > 30 and shared.structure_hits > 0
 
 
+def _random_sets(graph, rng, count: int) -> list[frozenset[int]]:
+    """Layer sets with a few ops dropped or a GEMM added (no key), and random op sets."""
+    groups = [m for i in range(4) for m in _layer_members(graph, i)]
+    dots = [n.id for n in graph.nodes if n.opcode == "dot"]
+    sets = []
+    for _ in range(count):
+        base = set(groups[rng.integers(len(groups))])
+        drop = rng.choice(sorted(base), size=rng.integers(0, 3), replace=False).tolist()
+        base -= set(drop)
+        if rng.random() < 0.15:
+            base.add(int(rng.choice(dots)))
+        if rng.random() < 0.2:
+            base = set(rng.choice(len(graph.nodes), size=rng.integers(1, 12),
+                                  replace=False).tolist())
+        if base:
+            sets.append(frozenset(base))
+    return sets
+
+
+def test_fingerprint_is_the_sum_of_its_members_fingerprints():
+    """A set's fingerprint, asked cold (member hashes computed on the way) or warm (all
+    known), is its size and the sum of its members' own fingerprints; None with a member
+    that gets no key. Random sets in a random order, fresh seeds."""
+    graph = _graph(layers_hlo(4))
+    keys = StructureKeys(graph)
+    rng = np.random.default_rng()
+    sets = _random_sets(graph, rng, 200)
+    cold = [keys.fingerprint(s) for s in sets]
+    warm = [keys.fingerprint(s) for s in sets]
+    singles = {v: keys.fingerprint((v,)) for s in sets for v in s}
+    mask = (1 << 64) - 1
+    want = [None if any(singles[v] is None for v in s)
+            else (len(s), sum(singles[v][1] for v in s) & mask) for s in sets]
+    assert cold == want and warm == want
+    assert any(f is None for f in want) and sum(f is not None for f in want) > 100
+
+
+def test_union_key_is_the_key_of_the_union():
+    """``union_key`` (a union's key found from its parts' keys and how the later part meets
+    the earlier one, computed once per combination) is the union's own key: random unions
+    of two disjoint runs of ops, one before the other or interleaved, each also in the
+    next layer (where it is found, not computed), and in a zoo training step (fresh
+    seeds)."""
+    from tests.fixtures import DATA
+    rng = np.random.default_rng()
+    layered = _graph(layers_hlo(5))
+    stride = layered.node("sum_L2").id - layered.node("sum_L1").id
+    first = [v for v in range(len(layered.nodes))
+             if layered.node("sum_L1").id <= v < layered.node("sum_L2").id]
+    zoo = _graph((DATA / "transformer_train" / "tiny.gpu-h100.hlo").read_text())
+    found = 0
+    # Parts reading one outside value (the residual) in one union and different ones in
+    # its copy with the later part a layer on.
+    shared = StructureKeys(layered)
+    for stems_a, stems_b in ((["sum"], ["c", "sq"]), (["sum", "mean"], ["c"]),
+                             (["sum"], ["c"])):
+        part_a = frozenset(layered.node(f"{n}_L1").id for n in stems_a)
+        for layer in (1, 2, 3):
+            part_b = frozenset(layered.node(f"{n}_L{layer}").id for n in stems_b)
+            union = part_a | part_b
+            assert shared.union_key(union, part_a, part_b, shared.key(part_a),
+                                    shared.key(part_b)) == shared.key(union)
+    for graph, copies in ((layered, (0, stride, 2 * stride)), (zoo, (0,))):
+        keys = StructureKeys(graph)
+        ops = first if graph is layered else list(range(len(graph.nodes)))
+        ops = [v for v in ops if keys.plannable[v]]
+        for _ in range(150):
+            start = int(rng.integers(len(ops) - 3))
+            window = ops[start:start + int(rng.integers(2, 16))]
+            if len(window) < 2:
+                continue
+            if rng.random() < 0.3:          # interleaved: every other op
+                a, b = window[0::2], window[1::2]
+            else:
+                cut = int(rng.integers(1, len(window)))
+                a, b = window[:cut], window[cut:]
+            # Each layer's copy, and the earlier part with the later one's copies further
+            # on (parts of the same keys that meet differently, or not at all).
+            pairs = [(shift, shift) for shift in copies] + [(0, s) for s in copies[1:]]
+            for shift_a, shift_b in pairs:
+                part_a = frozenset(v + shift_a for v in a)
+                part_b = frozenset(v + shift_b for v in b)
+                if part_a & part_b:
+                    continue
+                union = part_a | part_b
+                got = keys.union_key(union, part_a, part_b, keys.key(part_a),
+                                     keys.key(part_b))
+                found += union not in keys.layouts      # its key was not computed
+                assert got == keys.key(union)
+    assert found > 30
+
+
+def test_full_structure_key_groups_sets_as_fresh_keys_do():
+    """``CostModel.full_structure_key`` (a key scoring kept, or one computed) puts two sets
+    under one key exactly when a fresh ``StructureKeys`` does, whether the sets were scored
+    before or not (fresh seeds)."""
+    graph = _graph(layers_hlo(4))
+    cost = CostModel(graph, get_spec("h100"))
+    rng = np.random.default_rng()
+    sets = _random_sets(graph, rng, 120)
+    for s in sets[: len(sets) // 2]:
+        cost.verdict(s)
+        cost.kernel(s)
+    fresh = StructureKeys(graph)
+    got = [cost.full_structure_key(s) for s in sets]
+    want = [fresh.key(s) for s in sets]
+    assert [g is None for g in got] == [w is None for w in want]
+    pairs = [(i, j) for i in range(len(sets)) for j in range(i)]
+    assert all((got[i] == got[j]) == (want[i] == want[j]) for i, j in pairs)
+    assert sum(got[i] == got[j] and got[i] is not None for i, j in pairs) > 10
+
+
+def _renumbered_reference(value, ids, is_id=False):
+    """A schedule with node ids mapped, walked field by field with ``dataclasses.replace``."""
+    import dataclasses
+    id_fields = {"members", "root", "node", "cached"}
+    if is_id:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return ids[value]
+        if isinstance(value, (tuple, list, frozenset, set)):
+            return type(value)(ids[v] for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{
+            f.name: _renumbered_reference(getattr(value, f.name), ids, f.name in id_fields)
+            for f in dataclasses.fields(value) if f.init})
+    if isinstance(value, list):
+        return [_renumbered_reference(v, ids) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_renumbered_reference(v, ids) for v in value)
+    return value
+
+
+def test_a_shared_schedule_is_the_first_one_renumbered_field_by_field():
+    """``SharedSchedules``: a later layer's set gets the schedule tuned for an earlier one
+    with every node id mapped, equal to a field-by-field walk, for each layer-set shape."""
+    from stitch.explorer.plan_schedules import SharedSchedules
+    from stitch.schedule.tuner import schedule_kernel
+    graph = _graph(layers_hlo(3))
+    spec = get_spec("h100")
+    shared = SharedSchedules(graph)
+    checked = 0
+    for first, later in zip(_layer_members(graph, 1), _layer_members(graph, 2)):
+        tuned = schedule_kernel(graph, first, spec)
+        shared.put(first, tuned)
+        got = shared.get(later)
+        assert got is not None
+        assert got == _renumbered_reference(tuned, dict(zip(sorted(first), sorted(later))))
+        assert set(got.members) == set(later)
+        checked += 1
+    assert checked == 4 and shared.shared == 4
+
+
 def test_rename_carries_reasons():
     assert rename("mul.3 (rsqrt) feeds mul.30", ("mul.3", "mul.30"), ("mul.7", "mul.70")) \
         == "mul.7 (rsqrt) feeds mul.70"
@@ -237,6 +389,45 @@ def test_linear_launch_order_matches_the_round_by_round_order():
     assert _rounds_reference(graph, cyclic) is None
     with pytest.raises(PlanValidationError, match="cycle"):
         launch_indices(graph, cyclic)
+
+
+def test_node_facts_answer_as_the_per_op_queries():
+    """``node_facts``: its per-op lists are ``needs_kernel``, ``kernel_kind`` of the op
+    alone and ``is_plannable``, and the written / needed values it keeps across plans
+    (random unions of XLA's kernels, fresh seeds) are those found from scratch."""
+    from stitch.explorer.graph_plan import (PlanValidationError, kernel_kind, kernel_writes,
+                                            launch_indices, needs_kernel, node_facts,
+                                            producers_needed)
+    from stitch.explorer.patterns import is_plannable
+    from stitch.explorer.planner import baseline_groups
+    from tests.fixtures import DATA
+    rng = np.random.default_rng()
+    for graph in (_graph((DATA / "transformer_train" / "tiny.gpu-h100.hlo").read_text()),
+                  _graph(layers_hlo(3))):
+        facts = node_facts(graph)
+        assert node_facts(graph) is facts
+        ids = range(len(graph.nodes))
+        assert facts.needs == [needs_kernel(graph, v) for v in ids]
+        assert facts.boundary == [kernel_kind(graph, (v,)) != "fused" for v in ids]
+        assert facts.plannable == [is_plannable(graph, v) for v in ids]
+        assert any(facts.boundary) and not all(facts.needs)
+        groups = baseline_groups(graph, "xla")
+        # XLA's partition as the graph gives it now (the planner keeps it per graph).
+        want = [frozenset(ids) for ids in graph.baseline_groups().values()
+                if any(needs_kernel(graph, v) for v in ids)]
+        assert groups[:len(want)] == want and baseline_groups(graph, "xla") == groups
+        for _ in range(5):
+            picked = rng.choice(len(groups), size=min(6, len(groups)), replace=False)
+            union = frozenset().union(*(groups[i] for i in picked))
+            trial = [union] + [g for i, g in enumerate(groups) if i not in set(picked)]
+            try:
+                launch_indices(graph, trial, facts.io)
+            except PlanValidationError:     # a union closing a cycle: its values were found
+                pass
+        assert len(facts.io) > len(groups)
+        for members, (writes, needs) in facts.io.items():
+            assert writes == kernel_writes(graph, set(members))
+            assert needs == producers_needed(graph, set(members))
 
 
 def test_dump_modules_writes_what_the_pass_plans(tmp_path, monkeypatch):

@@ -131,17 +131,35 @@ def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern,
     return False
 
 
-def offer_points(pattern: Pattern, patterns: list[Pattern], masks: dict[frozenset[int], int]
-                 ) -> tuple[int, ...]:
+def offer_points(pattern: Pattern, patterns: list[Pattern], masks: dict[frozenset[int], int],
+                 first_holding: dict[int, int] | None = None) -> tuple[int, ...]:
     """The vertices at which the beam offers ``pattern``: its first op; a GEMM chain also
-    at the first op of the earliest pattern that shares ops with it (module docstring)."""
+    at the first op of the earliest pattern that shares ops with it (module docstring).
+    ``first_holding``: ``chain_op_holders(patterns)``, the same answer without a pass over
+    all patterns per chain."""
     if pattern.origin != CHAIN_ORIGIN:
         return (pattern.first,)
-    mine = masks[pattern.members]
-    earliest = min((q.first for q in patterns
-                    if q.first < pattern.first and masks[q.members] & mine),
-                   default=pattern.first)
+    if first_holding is not None:
+        earliest = min(pattern.first, min(first_holding[m] for m in pattern.members))
+    else:
+        mine = masks[pattern.members]
+        earliest = min((q.first for q in patterns
+                        if q.first < pattern.first and masks[q.members] & mine),
+                       default=pattern.first)
     return (pattern.first,) if earliest == pattern.first else (earliest, pattern.first)
+
+
+def chain_op_holders(patterns: list[Pattern]) -> dict[int, int]:
+    """Per op of a GEMM chain's pattern: the first op of the earliest pattern holding it
+    (the chains' offer points, found in one pass: a pass over every pattern per chain grew
+    with the square of the layers)."""
+    chain_ops = frozenset().union(*(p.members for p in patterns if p.origin == CHAIN_ORIGIN))
+    first: dict[int, int] = {}
+    for q in patterns:
+        for m in q.members & chain_ops:
+            if first.get(m, q.first + 1) > q.first:
+                first[m] = q.first
+    return first
 
 
 def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
@@ -164,8 +182,9 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
     by_first: dict[int, list[Pattern]] = {}
     useful = [p for p in patterns if len(p.members) > 1 and p.gain > 0]
     masks = {p.members: _mask(p.members) for p in useful}
+    first_holding = chain_op_holders(useful)
     for p in useful:
-        for v in offer_points(p, useful, masks):
+        for v in offer_points(p, useful, masks, first_holding):
             by_first.setdefault(v, []).append(p)
         if p.origin != CHAIN_ORIGIN:
             per_op = p.gain / len(p.members)
@@ -186,9 +205,10 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
     for v in graph.topological_order():
         if poll is not None:
             poll()
-        for bi, buf in enumerate(beams):
-            if buf.holds(v):
-                passed[bi] += share[v]
+        if share[v]:                # adding a zero share changes nothing: not asked
+            for bi, buf in enumerate(beams):
+                if buf.holds(v):
+                    passed[bi] += share[v]
         options = by_first.get(v)
         if not options:
             continue
@@ -272,36 +292,49 @@ def kernel_levels(graph: OpGraph, groups: list[frozenset[int]],
             holders[v].append(gi)
 
     # A value held by several groups (a recomputed producer) comes from those that write
-    # it (use it outside themselves); an op in no group is a unit of its own.
+    # it (use it outside themselves); an op in no group is a unit of its own. Found once
+    # per value (every reader asks).
+    found_sources: list[list[int] | None] = [None] * len(graph.nodes)
+
     def sources(o: int) -> list[int]:
-        held = holders[o]
-        if not held:
-            return [n_groups + o]
-        writing = [h for h in held if any(u not in sets[h] for u in graph.nodes[o].users)
-                   or o in outputs]
-        return writing or held
+        got = found_sources[o]
+        if got is None:
+            held = holders[o]
+            if not held:
+                got = [n_groups + o]
+            elif len(held) == 1:
+                got = held
+            else:
+                writing = [h for h in held
+                           if any(u not in sets[h] for u in graph.nodes[o].users)
+                           or o in outputs]
+                got = writing or held
+            found_sources[o] = got
+        return got
 
     weight = [1] * n_groups + [0] * len(graph.nodes)
     if weights is not None:
         weight[:n_groups] = weights
     succ: list[set[int]] = [set() for _ in range(n_units)]
     indegree = [0] * n_units
-
-    def edge(a: int, b: int) -> None:
-        if a != b and b not in succ[a]:
-            succ[a].add(b)
-            indegree[b] += 1
+    nodes = graph.nodes
     for gi, g in enumerate(groups):
+        inside = sets[gi]
         for m in g:
-            for o in graph.nodes[m].operands:
-                if o not in sets[gi]:
+            for o in nodes[m].operands:
+                if o not in inside:
                     for h in sources(o):
-                        edge(h, gi)
-    for node in graph.nodes:
+                        if h != gi and gi not in succ[h]:
+                            succ[h].add(gi)
+                            indegree[gi] += 1
+    for node in nodes:
         if not holders[node.id]:
+            unit = n_groups + node.id
             for o in node.operands:
                 for h in sources(o):
-                    edge(h, n_groups + node.id)
+                    if h != unit and unit not in succ[h]:
+                        succ[h].add(unit)
+                        indegree[unit] += 1
     level = [0] * n_units
     ready = [x for x in range(n_units) if indegree[x] == 0]
     seen = 0
@@ -347,7 +380,7 @@ def pack_levels(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]],
                 result.append((current, parts > 1))
                 current, parts = g, 1
                 continue
-            if not cost.stitchable(union):
+            if not cost.stitchable(union, (current, g)):
                 result.append((current, parts > 1))
                 current, parts = g, 1
                 continue
@@ -453,11 +486,11 @@ class MergeGraph:
         self.first = {ki: min(g, default=-1) for ki, g in self.kernels.items()}
         self.next_id = len(groups)
         self.merged_into: dict[int, int] = {}
-        self.merges = 0
         # Per direction (True: successors): raw edge sets by kernel (ids as they were when
-        # first asked), and resolved ones, valid until the next merge renames kernels.
+        # first asked), and resolved ones (current ids); a merge drops the resolved sets
+        # naming either merged kernel (those of its neighbours), the others stay right.
         self._raw: dict[bool, dict[int, frozenset[int]]] = {True: {}, False: {}}
-        self._resolved: dict[bool, dict[int, tuple[int, set[int]]]] = {True: {}, False: {}}
+        self._resolved: dict[bool, dict[int, set[int]]] = {True: {}, False: {}}
         # Whether the kernel graph is a DAG that merges keep one: each op in one kernel at
         # most (a recomputed op's owner is one of its copies, and a merge rewrites it) and
         # no cycle to start with. Then ``other_path`` against an edge is no at once.
@@ -523,14 +556,7 @@ class MergeGraph:
         resolved = self._resolved[forward]
         got = resolved.get(k)
         if got is not None:
-            if got[0] == self.merges:
-                return got[1]
-            # Resolved before the last merges but naming no kernel merged since: every id
-            # in it is still its own root, so resolving again gives the same set.
-            merged_into = self.merged_into
-            if not any(x in merged_into for x in got[1]):
-                resolved[k] = (self.merges, got[1])
-                return got[1]
+            return got
         raw_cache = self._raw[forward]
         raw = raw_cache.get(k)
         if raw is None:
@@ -546,7 +572,7 @@ class MergeGraph:
         find = self.find
         out = {find(x) for x in raw}
         out.discard(k)
-        resolved[k] = (self.merges, out)
+        resolved[k] = out
         return out
 
     def successors(self, k: int) -> set[int]:
@@ -566,11 +592,21 @@ class MergeGraph:
 
     def merge(self, a: int, b: int, union: frozenset[int]) -> int:
         """Replace kernels ``a`` and ``b`` by ``union``; its id."""
+        # The resolved edge sets naming a or b: a's and b's own, and in each direction
+        # those of the kernels on the other side (x lists a as a successor exactly when a
+        # lists x as a predecessor).
+        around = {forward: [x for k in (a, b) for x in self._adjacent(k, forward)]
+                  for forward in (True, False)}
+        for forward in (True, False):
+            resolved = self._resolved[forward]
+            for x in around[not forward]:
+                resolved.pop(x, None)
+            resolved.pop(a, None)
+            resolved.pop(b, None)
         new = self.next_id
         self.next_id += 1
         del self.kernels[a], self.kernels[b]
         self.merged_into[a] = self.merged_into[b] = new
-        self.merges += 1
         self.kernels[new] = union
         self.first[new] = min(self.first[a], self.first[b])
         self.ok[new] = True
@@ -597,7 +633,7 @@ def merge_adjacent(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]]
         union = kernels[a] | kernels[b]
         if len(union) > max_ops:
             return None
-        if not cost.stitchable(union):
+        if not cost.stitchable(union, (kernels[a], kernels[b])):
             return None
         s = cost.kernel(kernels[a]).total_s + cost.kernel(kernels[b]).total_s - \
             cost.kernel(union).total_s

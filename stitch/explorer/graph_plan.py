@@ -9,6 +9,7 @@ body and condition are graphs of their own, weighted by the loop's trip count.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ from stitch.hlo.op_classes import OpClass
 
 from ..pricing.delta import CostModel, KernelCost
 from ..errors import StitchError
-from .patterns import CONTROL_OPCODES
+from .patterns import CONTROL_OPCODES, is_plannable
 
 if TYPE_CHECKING:
     from ..cost.occupancy import Occupancy
@@ -127,6 +128,35 @@ def needs_kernel(graph: OpGraph, nid: int) -> bool:
     return node.opcode in CONTROL_OPCODES or not graph.is_free(nid)
 
 
+@dataclass
+class NodeFacts:
+    """Per-op answers that never change for a graph, asked for every op of every candidate
+    plan (validation scans all ops per plan): ``needs_kernel``, whether the op alone
+    is a kernel boundary (``kernel_kind`` of it alone is not "fused") and
+    ``patterns.is_plannable``; ``io``: member sets' written and needed values
+    (``kernel_io``), shared by every plan of the graph."""
+    size: int
+    needs: list[bool]
+    boundary: list[bool]
+    plannable: list[bool]
+    io: "KernelIO"
+
+
+_FACTS: "weakref.WeakKeyDictionary[OpGraph, NodeFacts]" = weakref.WeakKeyDictionary()
+
+
+def node_facts(graph: OpGraph) -> NodeFacts:
+    """The graph's ``NodeFacts``, built once (graphs are not changed once built)."""
+    got = _FACTS.get(graph)
+    if got is None or got.size != len(graph.nodes):
+        ids = range(len(graph.nodes))
+        got = _FACTS[graph] = NodeFacts(
+            len(graph.nodes), [needs_kernel(graph, v) for v in ids],
+            [kernel_kind(graph, (v,)) != "fused" for v in ids],
+            [is_plannable(graph, v) for v in ids], {})
+    return got
+
+
 def make_kernel(graph: OpGraph, cost: CostModel, members, origin: str) -> PlannedKernel:
     members = tuple(sorted(members))
     return PlannedKernel(members, kernel_kind(graph, members), cost.kernel(members), origin)
@@ -139,12 +169,13 @@ def resolve_aliases(graph: OpGraph, starts, within: set[int] | None = None) -> s
     found: set[int] = set()
     stack = list(starts)
     seen: set[int] = set()
+    needs = node_facts(graph).needs
     while stack:
         v = stack.pop()
         if v in seen:
             continue
         seen.add(v)
-        if needs_kernel(graph, v):
+        if needs[v]:
             found.add(v)
         else:
             stack.extend(o for o in graph.nodes[v].operands if within is None or o in within)
@@ -245,12 +276,14 @@ def validate(graph: OpGraph, kernels: list[PlannedKernel], io: KernelIO | None =
     and the given order a valid launch order. Raises PlanValidationError. ``io``: each
     set's written and needed values, shared with ``launch_order`` (the same answers)."""
     io = {} if io is None else io
+    facts = node_facts(graph)
+    alone_a_boundary = facts.boundary
     covered: set[int] = set()
     for k in kernels:
         members = set(k.members)
         covered |= members
         if len(members) > 1:
-            boundary = [v for v in members if kernel_kind(graph, (v,)) != "fused"]
+            boundary = [v for v in members if alone_a_boundary[v]]
             # XLA's own fusions may hold a scatter or a GEMM epilogue: kept whole, they run
             # as XLA compiled them.
             if boundary and k.origin != "baseline" and k.kind != "gemm_chain":
@@ -261,7 +294,7 @@ def validate(graph: OpGraph, kernels: list[PlannedKernel], io: KernelIO | None =
                 raise PlanValidationError(
                     f"graph {graph.name}: kernel starting at "
                     f"{graph.nodes[min(members)].name} is not convex (fusing it is a cycle)")
-    missing = [v for v in range(len(graph.nodes)) if needs_kernel(graph, v) and v not in covered]
+    missing = [v for v, need in enumerate(facts.needs) if need and v not in covered]
     if missing:
         raise PlanValidationError(
             f"graph {graph.name}: {len(missing)} ops are in no kernel, e.g. "
@@ -276,7 +309,7 @@ def validate(graph: OpGraph, kernels: list[PlannedKernel], io: KernelIO | None =
                     f"runs before {graph.nodes[v].name} is written")
         available |= writes
     for o in graph.outputs:
-        if needs_kernel(graph, o) and o not in available:
+        if facts.needs[o] and o not in available:
             raise PlanValidationError(f"graph {graph.name}: output "
                                       f"{graph.nodes[o].name} is never written")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Collection
+from typing import Callable, Collection, Hashable
 
 from stitch.hlo.graph import OpGraph
 
@@ -16,12 +16,13 @@ from ..pricing.chain_pricing import chain_for, chain_price
 from ..pricing.structure import StructureKeys
 from ..schedule.kernel_schedule import KernelSchedule
 from ..schedule.tuner import ScheduleError, schedule_kernel
-from .graph_plan import GraphPlan
-from .patterns import is_plannable
+from .graph_plan import GraphPlan, node_facts
 
 log = logging.getLogger(__name__)
 
 ScheduleCache = dict[frozenset[int], KernelSchedule | str]
+# A member set's structure key (``StructureKeys.key``; None: no key).
+StructureKey = Callable[[frozenset[int]], Hashable | None]
 
 # A kernel whose member set has the structure key (``structure.StructureKeys``) of one tuned
 # before gets that schedule with its node ids renumbered, not a tuning of its own: a repeated
@@ -33,6 +34,12 @@ SHARE_SCHEDULES = True
 _SCHEDULE_ID_FIELDS = frozenset({"members", "root", "node", "cached"})
 
 
+# Per schedule dataclass: its init fields, each with whether it holds node ids (found once
+# per class: a repeated layer renumbers hundreds of schedules).
+_INIT_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {}
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+
+
 def _renumbered(value, ids: dict[int, int], is_id: bool = False):
     """A schedule (or part of one) with its node ids mapped by ``ids``."""
     if is_id:
@@ -40,10 +47,18 @@ def _renumbered(value, ids: dict[int, int], is_id: bool = False):
             return ids[value]
         if isinstance(value, (tuple, list, frozenset, set)):
             return type(value)(ids[v] for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{
-            f.name: _renumbered(getattr(value, f.name), ids, f.name in _SCHEDULE_ID_FIELDS)
-            for f in dataclasses.fields(value) if f.init})
+    cls = type(value)
+    if cls in _PLAIN:
+        return value
+    fields = _INIT_FIELDS.get(cls)
+    if fields is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = _INIT_FIELDS[cls] = tuple(
+            (f.name, f.name in _SCHEDULE_ID_FIELDS) for f in dataclasses.fields(value)
+            if f.init)
+    if fields is not None:
+        # ``dataclasses.replace`` with every init field given: the class called on them.
+        return cls(**{name: _renumbered(getattr(value, name), ids, holds_ids)
+                      for name, holds_ids in fields})
     if isinstance(value, list):
         return [_renumbered(v, ids) for v in value]
     if isinstance(value, tuple):
@@ -54,13 +69,15 @@ def _renumbered(value, ids: dict[int, int], is_id: bool = False):
 class SharedSchedules:
     """Tuned schedules by structure key within one graph (``SHARE_SCHEDULES``)."""
 
-    def __init__(self, graph: OpGraph):
-        self.keys = StructureKeys(graph)
+    def __init__(self, graph: OpGraph, keys: StructureKey | None = None):
+        # ``keys``: the planning cost model's (``CostModel.full_structure_key``), which
+        # scored the plan's kernels and knows most of their keys; else keys of our own.
+        self.key = keys or StructureKeys(graph).key
         self.first: dict = {}          # key -> (the tuned set's members sorted, schedule)
         self.shared = 0
 
     def get(self, members: frozenset[int]) -> KernelSchedule | None:
-        key = self.keys.key(members)
+        key = self.key(members)
         if key is None or key not in self.first:
             return None
         tuned, schedule = self.first[key]
@@ -70,7 +87,7 @@ class SharedSchedules:
     def put(self, members: frozenset[int], schedule: KernelSchedule | str) -> None:
         if isinstance(schedule, str):
             return                          # a reason names the set's own nodes
-        key = self.keys.key(members)
+        key = self.key(members)
         if key is not None:
             self.first.setdefault(key, (tuple(sorted(members)), schedule))
 
@@ -101,14 +118,15 @@ def schedule_plan(graph: OpGraph, spec: GpuSpec, plan: GraphPlan,
                   poll: Callable[[], None] | None = None, chain_tf32: bool = False,
                   chain_spill_check: bool = False, chain_grid_sync: bool = False,
                   left_to_xla: Collection[frozenset[int]] = (),
-                  grid_sync: str = "barrier") -> None:
+                  grid_sync: str = "barrier", keys: StructureKey | None = None) -> None:
     """Attach the tuned stitching schedule to every stitched kernel of ``plan``. GEMM/conv,
     opaque ops, control flow and XLA's kept fusions around opaque ops run as XLA compiles
     them and get none; so does a kernel whose members are one of ``left_to_xla`` (with
     XLA units: a kernel that is one XLA kernel as XLA made it, which the pass leaves to
-    XLA, so tuning it is wasted)."""
+    XLA, so tuning it is wasted). ``keys``: structure keys to share schedules by
+    (``SharedSchedules``)."""
     cache = {} if cache is None else cache
-    shared = SharedSchedules(graph) if SHARE_SCHEDULES else None
+    shared = SharedSchedules(graph, keys) if SHARE_SCHEDULES else None
     for k in plan.kernels:
         if poll is not None:
             poll()
@@ -143,5 +161,6 @@ def kept_as_xla(graph: OpGraph, members: Collection[int]) -> bool:
     """Whether a kernel holds an op stitch does not generate — one outside the plannable
     classes, or one codegen refuses (``buildable.build_problem``: a scatter-max with
     colliding updates, say): XLA's fusion around it runs as XLA made it, untuned."""
-    return not all(is_plannable(graph, v) for v in members) or \
+    plannable = node_facts(graph).plannable
+    return not all(plannable[v] for v in members) or \
         any(build_problem(graph, v) for v in members)

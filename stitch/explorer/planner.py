@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Collection
 
@@ -43,11 +44,12 @@ from .beam import Buffer, KernelCycleError, beam_search, merge_adjacent, pack_le
 from .blp import BlpError, solve_blp
 from .cancel import CancelPoll
 from .graph_plan import (GraphPlan, KernelIO, PlannedKernel, PlannerReport, PlanValidationError,
-                         kernel_kind, launch_order, make_kernel, needs_kernel, validate)
+                         kernel_kind, launch_order, make_kernel, needs_kernel, node_facts,
+                         validate)
 from .module_plan import FusionPlan, GraphResult
 from .options import ExplorerOptions
 from .patterns import (MAX_PATTERN_OPS, Candidates, Pattern, PatternExplorer, Vertices,
-                       is_plannable, unit_vertices)
+                       unit_vertices)
 from .plan_cache import (PlanCache, StoredGraph, default_plan_cache, module_fingerprint,
                          plan_entry, plan_key, stored_graphs)
 from .plan_schedules import (AS_XLA_MADE_IT, ScheduleCache, kept_as_xla, schedule_plan,
@@ -89,6 +91,19 @@ def pattern_bound(size: int, options: "ExplorerOptions") -> int:
     return MAX_PATTERN_OPS if size <= SMALL_GRAPH_OPS else LARGE_GRAPH_PATTERN_OPS
 
 
+# Per graph: XLA's partition (``OpGraph.baseline_groups``), asked for the explorer's units
+# and for the baseline kernels of one plan; read, never changed.
+_XLA_GROUPS: "weakref.WeakKeyDictionary[OpGraph, tuple[int, dict[str, list[int]]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _xla_groups(graph: OpGraph) -> dict[str, list[int]]:
+    got = _XLA_GROUPS.get(graph)
+    if got is None or got[0] != len(graph.nodes):
+        got = _XLA_GROUPS[graph] = (len(graph.nodes), graph.baseline_groups())
+    return got[1]
+
+
 def xla_unit_vertices(graph: OpGraph, options: "ExplorerOptions", source: str
                       ) -> "Vertices | None":
     """The explorer's vertices when ``graph`` is planned with XLA's instructions as units
@@ -96,7 +111,7 @@ def xla_unit_vertices(graph: OpGraph, options: "ExplorerOptions", source: str
     None: planned op by op."""
     if not options.xla_units or source != "xla":
         return None
-    vertices = unit_vertices(graph, graph.baseline_groups().values())
+    vertices = unit_vertices(graph, _xla_groups(graph).values())
     if vertices is None:
         log.info("graph %s: XLA's instructions form no acyclic graph of units; planned "
                  "op by op", graph.name)
@@ -162,22 +177,24 @@ def places_into_xla(options: "ExplorerOptions", source: str) -> bool:
 
 def baseline_groups(graph: OpGraph, source: str) -> list[frozenset[int]]:
     if source == "xla":
-        groups = [frozenset(ids) for ids in graph.baseline_groups().values()]
+        groups = [frozenset(ids) for ids in _xla_groups(graph).values()]
     else:
         try:
             from stitch.hlo.base_fusion import base_fusion
         except ImportError as exc:
             raise PlanError(f"pre-optimization HLO needs the base fusion pass: {exc}") from exc
         groups = [frozenset(ids) for ids in base_fusion(graph)]
-    groups = [g for g in groups if any(needs_kernel(graph, v) for v in g)]
+    needs = node_facts(graph).needs
+    groups = [g for g in groups if any(needs[v] for v in g)]
     covered = {v for g in groups for v in g}
-    groups.extend(frozenset((v,)) for v in range(len(graph.nodes))
-                  if needs_kernel(graph, v) and v not in covered)
+    groups.extend(frozenset((v,)) for v, need in enumerate(node_facts(graph).needs)
+                  if need and v not in covered)
     return groups
 
 
 def _packable(graph: OpGraph, members: frozenset[int], cost: CostModel | None = None) -> bool:
-    if not all(is_plannable(graph, v) for v in members):
+    plannable = node_facts(graph).plannable
+    if not all(plannable[v] for v in members):
         return False
     if cost is None:
         return infeasible_reason(graph, members) is None
@@ -201,7 +218,9 @@ def _finish(graph: OpGraph, cost: CostModel, groups: list[frozenset[int]], origi
         groups = [g for g, _ in packed]
         origins = ["packing" if merged else origin_of.get(g, "single") for g, merged in packed]
     kernels = [make_kernel(graph, cost, g, o) for g, o in zip(groups, origins)]
-    io: KernelIO = {}
+    # The candidate plans of a graph share most kernels (XLA's, unmerged): their written
+    # and needed values are found once.
+    io = node_facts(graph).io
     return _named(graph, launch_order(graph, kernels, io), weight, prefix, io)
 
 
@@ -295,14 +314,16 @@ def _split_unschedulable(graph: OpGraph, spec: GpuSpec, cost: CostModel, plan: G
     if not changed:
         return None
     try:
-        repaired = _named(graph, launch_order(graph, kernels), weight)
+        io = node_facts(graph).io
+        repaired = _named(graph, launch_order(graph, kernels, io), weight, io=io)
     except PlanValidationError as exc:
         log.debug("graph %s: splitting unschedulable kernels gave no valid plan: %s",
                   graph.name, exc)
         return None
     schedule_plan(graph, spec, repaired, cache, chain_tf32=cost.chain_tf32,
                   chain_spill_check=cost.chain_spill_check,
-                  chain_grid_sync=cost.chain_grid_sync, grid_sync=cost.grid_sync)
+                  chain_grid_sync=cost.chain_grid_sync, grid_sync=cost.grid_sync,
+                  keys=cost.full_structure_key)
     return repaired
 
 
@@ -367,8 +388,8 @@ def _complete(graph: OpGraph, patterns: list[Pattern],
                 groups.append(g)
                 origins.append("baseline")
                 covered |= g
-    for v in range(len(graph.nodes)):
-        if needs_kernel(graph, v) and v not in covered:
+    for v, need in enumerate(node_facts(graph).needs):
+        if need and v not in covered:
             groups.append(frozenset((v,)))
             origins.append("single")
     return groups, origins
@@ -589,7 +610,8 @@ def _blp_plan(graph: OpGraph, cost: CostModel, pool: list[frozenset[int]], best:
     base_set = set(base_groups)
     kernels = [make_kernel(graph, cost, c, "baseline" if c in base_set else "blp")
                for c in result.chosen]
-    best = _named(graph, launch_order(graph, kernels), weight)
+    io = node_facts(graph).io
+    best = _named(graph, launch_order(graph, kernels, io), weight, io=io)
     return best, PlannerReport("blp", result.objective_s, time.perf_counter() - start,
                                result.status, result.gap,
                                {"variables": result.variables,
@@ -615,7 +637,7 @@ def _scheduled(graph: OpGraph, spec: GpuSpec, cost: CostModel, best: GraphPlan,
     schedule_plan(graph, spec, best, schedules, poll, chain_tf32=options.chain_tf32,
                   chain_spill_check=options.chain_spill_check,
                   chain_grid_sync=options.chain_grid_sync, left_to_xla=left_to_xla,
-                  grid_sync=options.grid_sync)
+                  grid_sync=options.grid_sync, keys=cost.full_structure_key)
     repaired = _split_unschedulable(graph, spec, cost, best, schedules, weight)
     if repaired is not None:
         best = repaired
@@ -769,7 +791,8 @@ def _repriced(graph: OpGraph, weight: int, stored: StoredGraph, source: str, spe
     baseline = _finish(graph, xla_cost_model(graph, spec, cost), base_groups,
                        ["baseline"] * len(base_groups), False, weight, prefix="b")
     kernels = [make_kernel(graph, cost, m, o) for m, o in zip(stored.sets, stored.origins)]
-    stitched = _named(graph, launch_order(graph, kernels), weight)
+    io = node_facts(graph).io
+    stitched = _named(graph, launch_order(graph, kernels, io), weight, io=io)
     if options.schedules:
         # As planned: with XLA units, the kernels that are one XLA kernel untuned.
         units = xla_unit_vertices(graph, options, source) is not None
@@ -778,7 +801,7 @@ def _repriced(graph: OpGraph, weight: int, stored: StoredGraph, source: str, spe
                       chain_grid_sync=options.chain_grid_sync,
                       left_to_xla=as_xla_made_them(graph, base_groups) if units
                       else frozenset(),
-                      grid_sync=options.grid_sync)
+                      grid_sync=options.grid_sync, keys=cost.full_structure_key)
     return baseline, stitched
 
 

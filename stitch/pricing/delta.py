@@ -103,6 +103,9 @@ class Delta:
     penalty_s: float
 
 
+_UNKNOWN = object()         # a set whose structure key was not computed
+
+
 def _no_poll() -> None:
     return None
 
@@ -160,6 +163,7 @@ class CostModel:
         self.share_structure = share_structure
         self.structure = StructureKeys(graph)
         self._key_of: dict[frozenset[int], Hashable | None] = {}
+        self._part_keys: dict[frozenset[int], Hashable] = {}
         self._first_of: dict[tuple[int, int], frozenset[int]] = {}
         self._cost_by_key: dict[Hashable, KernelCost] = {}
         self._verdict_by_key: dict[Hashable, tuple[str | None, tuple[str, ...]]] = {}
@@ -187,8 +191,12 @@ class CostModel:
                                               self.structure.names(key))
         return got
 
-    def structure_key(self, members: frozenset[int]) -> Hashable | None:
-        """``StructureKeys.key`` of the set (cached by member set)."""
+    def structure_key(self, members: frozenset[int],
+                      parts: tuple[frozenset[int], frozenset[int]] | None = None
+                      ) -> Hashable | None:
+        """``StructureKeys.key`` of the set (cached by member set). ``parts``: two disjoint
+        sets whose union ``members`` is (a merge's kernels), for ``StructureKeys.union_key``
+        where both have keys."""
         if not self.share_structure:
             return None
         if members in self._key_of:
@@ -205,8 +213,32 @@ class CostModel:
             return None
         if first not in self._key_of:
             self._key_of[first] = self._publish(first)
-        key = self._key_of[members] = self.structure.key(members)
+        if parts is not None and len(parts[0]) + len(parts[1]) == len(members):
+            key = self.structure.union_key(members, parts[0], parts[1],
+                                           self._part_key(parts[0]), self._part_key(parts[1]))
+        else:
+            key = self.structure.key(members)
+        self._key_of[members] = key
         return key
+
+    def _part_key(self, members: frozenset[int]) -> Hashable:
+        """The key of a union's part (of plannable ops, as the union is): the one scoring
+        keeps, else computed and kept aside (not in ``_key_of``: the first set of a
+        fingerprint stays keyless there)."""
+        got = self._key_of.get(members)
+        if got is None:
+            got = self._part_keys.get(members)
+            if got is None:
+                got = self._part_keys[members] = self.structure.key(members)
+        return got
+
+    def full_structure_key(self, members: frozenset[int]) -> Hashable | None:
+        """``StructureKeys.key`` of the set whether or not structures are shared: the one
+        scoring computed when there is one (schedules are shared by it, and the planned
+        kernels' keys were mostly computed while they were scored), else computed now and
+        not kept (``structure_key``'s first-of-a-fingerprint rule stays as it was)."""
+        got = self._key_of.get(members, _UNKNOWN)
+        return self.structure.key(members) if got is _UNKNOWN else got
 
     def _publish(self, members: frozenset[int]) -> Hashable | None:
         """The key of a set scored before it had one, its results shared under it."""
@@ -222,14 +254,16 @@ class CostModel:
             self._cost_by_key.setdefault(key, cost)
         return key
 
-    def verdict(self, members: Iterable[int]) -> str | None:
+    def verdict(self, members: Iterable[int],
+                parts: tuple[frozenset[int], frozenset[int]] | None = None) -> str | None:
         """Why ``members`` cannot be stitched, None when they can: ``feasibility``'s answer,
-        taken from an earlier set of the same structure when there is one (no analysis)."""
+        taken from an earlier set of the same structure when there is one (no analysis).
+        ``parts``: as ``structure_key``'s."""
         members = members if isinstance(members, frozenset) else frozenset(members)
         got = self._feasible.get(members)
         if got is not None:
             return got if isinstance(got, str) else None
-        key = self.structure_key(members)
+        key = self.structure_key(members, parts)
         known = self._verdict_by_key.get(key) if key is not None else None
         if known is not None:
             self.structure_hits += 1
@@ -239,8 +273,9 @@ class CostModel:
         got = self.feasibility(members)
         return got if isinstance(got, str) else None
 
-    def stitchable(self, members: Iterable[int]) -> bool:
-        return self.verdict(members) is None
+    def stitchable(self, members: Iterable[int],
+                   parts: tuple[frozenset[int], frozenset[int]] | None = None) -> bool:
+        return self.verdict(members, parts) is None
 
     def analysis(self, members: Iterable[int]) -> PatternAnalysis | None:
         """``feasibility`` as the analysis, None when not stitchable."""

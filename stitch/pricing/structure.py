@@ -22,6 +22,7 @@ key; callers check it first.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import re
 from collections import Counter
@@ -52,7 +53,6 @@ class StructureKeys:
         self.graph = graph
         self._comps: dict[str, Hashable] = {}
         self._interned: dict[Hashable, int] = {}
-        self._outside_part: dict[int, int] = {}
         self.plannable = [n.op_class in _PLANNABLE and n.opcode not in _CONTROL
                           for n in graph.nodes]
         self.output_uses = Counter(graph.outputs)
@@ -60,6 +60,12 @@ class StructureKeys:
         self.operands = [n.operands for n in graph.nodes]
         self._hashes: list[int | None] = [None] * len(graph.nodes)
         self._parts: list[int | None] = [None] * len(graph.nodes)
+        self._outside_parts: list[int | None] = [None] * len(graph.nodes)
+        # Per keyed set: its members in order and the outside nodes its key numbers, in
+        # that numbering (what ``union_key`` reads of a part).
+        self.layouts: dict[frozenset[int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        # What decides a union's key (``union_key``) -> the key.
+        self._unions: dict[Hashable, Hashable] = {}
 
     # --- per node ----------------------------------------------------------------------
     def _intern(self, value: Hashable) -> int:
@@ -105,12 +111,12 @@ class StructureKeys:
         return got
 
     def _outside(self, v: int) -> int:
-        got = self._outside_part.get(v)
+        got = self._outside_parts[v]
         if got is None:
             node = self.graph.nodes[v]
             literal = self._instruction(node.instruction) if node.opcode == "constant" \
                 else None
-            got = self._outside_part[v] = self._intern(
+            got = self._outside_parts[v] = self._intern(
                 ("o", node.opcode, node.op_class, node.shape, node.index,
                  self.graph.is_free(v), self.output_uses.get(v, 0), literal))
         return got
@@ -120,23 +126,28 @@ class StructureKeys:
         """A cheap digest equal for sets of equal keys (size and the sum of the members'
         part hashes), None when a member is not a plannable op."""
         plannable, hashes = self.plannable, self._hashes
-        total = 0
-        for v in members:
-            if not plannable[v]:
-                return None
-            h = hashes[v]
-            if h is None:
-                h = hashes[v] = hash((_SALT, self._member(v))) & _MASK
-            total += h
+        if not all(map(plannable.__getitem__, members)):
+            return None
+        try:
+            # Whole-set steps while every member's hash is known (the common case once a
+            # layer was seen); a missing one (None) stops the sum.
+            total = sum(map(hashes.__getitem__, members))
+        except TypeError:
+            total = 0
+            for v in members:
+                h = hashes[v]
+                if h is None:
+                    h = hashes[v] = hash((_SALT, self._member(v))) & _MASK
+                total += h
         return len(members), total & _MASK
 
     def key(self, members: Iterable[int]) -> Hashable | None:
         """The set's structure key, or None when a member is not a plannable op."""
         order = sorted(members)
-        plannable = self.plannable
-        if not all(plannable[v] for v in order):
+        if not all(map(self.plannable.__getitem__, order)):
             return None
         operands, parts, buffer = self.operands, self._parts, self.buffer
+        outside = self._outside_parts
         # Members by position (>= 0), outside nodes by first appearance (~k < 0).
         index = dict(zip(order, range(len(order))))
         touched: list[int] = []
@@ -161,7 +172,8 @@ class StructureKeys:
         i = 0
         while i < len(touched):
             w = touched[i]
-            append(self._outside(w))
+            part = outside[w]
+            append(self._outside(w) if part is None else part)
             b = buffer[w]
             if b != w:
                 j = index.get(b)
@@ -173,7 +185,45 @@ class StructureKeys:
             else:
                 append(0)
             i += 1
+        if isinstance(members, frozenset):
+            self.layouts[members] = (tuple(order), tuple(touched))
         return tuple(flat)
+
+    def union_key(self, union: frozenset[int], a: frozenset[int], b: frozenset[int],
+                  key_a: Hashable, key_b: Hashable) -> Hashable | None:
+        """``key(union)`` for the union of keyed sets ``a`` and ``b``, all of one before
+        all of the other. Operands and buffers have smaller ids than their users, so
+        nothing the earlier part touches is in the later one (checked), and the union's
+        key follows from the parts' keys and how the later part's outside nodes meet the
+        earlier part (a member, by position; an outside node of its key, by number;
+        neither): found by those, computed once per new combination. Any other union:
+        ``key``."""
+        layout_a, layout_b = self._layout(a), self._layout(b)
+        if layout_a[0][-1] > layout_b[0][0]:
+            if layout_b[0][-1] > layout_a[0][0]:
+                return self.key(union)                  # interleaved ids
+            layout_a, layout_b, key_a, key_b = layout_b, layout_a, key_b, key_a
+        order_a, touched_a = layout_a
+        if touched_a and max(touched_a) >= layout_b[0][0]:
+            return self.key(union)          # the earlier part reads from the later
+        numbered = dict(zip(touched_a, range(-1, -len(touched_a) - 1, -1)))
+        size, find = len(order_a), bisect.bisect_left
+        meets = []
+        for w in layout_b[1]:
+            i = find(order_a, w)
+            meets.append(i if i < size and order_a[i] == w else numbered.get(w))
+        decided = (key_a, key_b, tuple(meets))
+        got = self._unions.get(decided)
+        if got is None:
+            got = self._unions[decided] = self.key(union)
+        return got
+
+    def _layout(self, members: frozenset[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        got = self.layouts.get(members)
+        if got is None:
+            self.key(members)
+            got = self.layouts[members]
+        return got
 
     def names(self, members: Iterable[int]) -> tuple[str, ...]:
         """Member names in increasing id order (to carry a reason to another set)."""
