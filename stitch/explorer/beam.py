@@ -131,21 +131,13 @@ def creates_cycle(graph: OpGraph, buffer: Buffer, pattern: Pattern,
     return False
 
 
-def offer_points(pattern: Pattern, patterns: list[Pattern], masks: dict[frozenset[int], int],
-                 first_holding: dict[int, int] | None = None) -> tuple[int, ...]:
+def offer_points(pattern: Pattern, first_holding: dict[int, int]) -> tuple[int, ...]:
     """The vertices at which the beam offers ``pattern``: its first op; a GEMM chain also
     at the first op of the earliest pattern that shares ops with it (module docstring).
-    ``first_holding``: ``chain_op_holders(patterns)``, the same answer without a pass over
-    all patterns per chain."""
+    ``first_holding``: ``chain_op_holders`` of the patterns offered."""
     if pattern.origin != CHAIN_ORIGIN:
         return (pattern.first,)
-    if first_holding is not None:
-        earliest = min(pattern.first, min(first_holding[m] for m in pattern.members))
-    else:
-        mine = masks[pattern.members]
-        earliest = min((q.first for q in patterns
-                        if q.first < pattern.first and masks[q.members] & mine),
-                       default=pattern.first)
+    earliest = min(pattern.first, min(first_holding[m] for m in pattern.members))
     return (pattern.first,) if earliest == pattern.first else (earliest, pattern.first)
 
 
@@ -184,7 +176,7 @@ def beam_search(graph: OpGraph, patterns: list[Pattern], width: int = 3,
     masks = {p.members: _mask(p.members) for p in useful}
     first_holding = chain_op_holders(useful)
     for p in useful:
-        for v in offer_points(p, useful, masks, first_holding):
+        for v in offer_points(p, first_holding):
             by_first.setdefault(v, []).append(p)
         if p.origin != CHAIN_ORIGIN:
             per_op = p.gain / len(p.members)

@@ -187,8 +187,7 @@ def baseline_groups(graph: OpGraph, source: str) -> list[frozenset[int]]:
     needs = node_facts(graph).needs
     groups = [g for g in groups if any(needs[v] for v in g)]
     covered = {v for g in groups for v in g}
-    groups.extend(frozenset((v,)) for v, need in enumerate(node_facts(graph).needs)
-                  if need and v not in covered)
+    groups.extend(frozenset((v,)) for v, need in enumerate(needs) if need and v not in covered)
     return groups
 
 
